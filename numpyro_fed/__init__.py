@@ -1,0 +1,38 @@
+"""numpyro_fed: federated Bayesian inference for NumPyro models."""
+
+from . import algorithms
+from .arviz import to_arviz
+from .barycenter import gaussian_barycenter
+from .clients import Clients
+from .elbo import ClientData, FederatedObjective
+from .guides import MeanFieldGuide, StructuredGuide
+from .handlers import global_site, local_site
+from .svi import FederatedSVI, FederatedSVIState, RunResult
+from .transcript import (
+    Communication,
+    Transcript,
+    message_from_ndarrays,
+    message_to_ndarrays,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClientData",
+    "Clients",
+    "Communication",
+    "FederatedObjective",
+    "FederatedSVI",
+    "FederatedSVIState",
+    "MeanFieldGuide",
+    "RunResult",
+    "StructuredGuide",
+    "Transcript",
+    "algorithms",
+    "gaussian_barycenter",
+    "global_site",
+    "local_site",
+    "message_from_ndarrays",
+    "message_to_ndarrays",
+    "to_arviz",
+]

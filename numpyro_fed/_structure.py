@@ -1,0 +1,253 @@
+"""Which sites a federated model has, who owns them, and the split log joint.
+
+The joint log density of a federated model is split by site owner:
+
+.. math::
+
+    \\log p(z, y) = \\underbrace{\\log p(z_G)}_{\\text{server}}
+        + \\sum_j \\underbrace{\\log p(z_{L_j}, y_j \\mid z_G)}_{\\text{client } j}.
+
+The server evaluates its term on a one-row placeholder of the data (zeros with the
+arguments' trailing shapes): the terms of global sites must not depend on data values.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+from numpyro.distributions.transforms import biject_to
+from numpyro.distributions.util import sum_rightmost
+from numpyro.handlers import seed, substitute, trace
+from numpyro.primitives import Messenger
+
+from .handlers import GLOBAL, LOCAL, site_role
+
+__all__ = ["ModelStructure", "SiteLayout", "analyse_model", "log_joint", "trace_model"]
+
+_GLOBAL_SHAPE = (
+    "site '{name}' is global (latent sites are global unless marked) but its shape "
+    "depends on the client's data: {client_shape} on client '{client}' vs {template_shape} "
+    "on a one-row placeholder. If it is a per-row or per-client variable, mark it with "
+    "nf.local_site(model, sites=['{name}'])"
+)
+_NO_LATENT = "the model has no latent sample site: there is nothing to infer"
+_DATA_DEPENDENT_GLOBAL = (
+    "site '{name}' is global but is missing when the model runs on a one-row placeholder "
+    "of the data; global sites must not depend on data values"
+)
+
+
+class SiteLayout(NamedTuple):
+    """Flat layout of a group of unconstrained sites (one role, one client shape)."""
+
+    names: Tuple[str, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
+    row_axes: Tuple[Optional[int], ...]
+    size: int
+    unravel: Callable
+
+    def ravel(self, values: Mapping[str, jax.Array]) -> jax.Array:
+        if not self.names:
+            return jnp.zeros(0)
+        return jnp.concatenate([jnp.reshape(values[n], -1) for n in self.names])
+
+    def flat_mask(self, row_mask: jax.Array) -> jax.Array:
+        """Per-entry mask (1 real, 0 padding) from a per-row mask."""
+        parts = []
+        for shape, axis in zip(self.shapes, self.row_axes):
+            if axis is None:
+                parts.append(jnp.ones(int(np.prod(shape)), row_mask.dtype))
+            else:
+                b = [1] * len(shape)
+                b[axis] = shape[axis]
+                parts.append(jnp.broadcast_to(row_mask.reshape(b), shape).reshape(-1))
+        return jnp.concatenate(parts) if parts else jnp.zeros(0, row_mask.dtype)
+
+
+def _layout(entries) -> SiteLayout:
+    names = tuple(e[0] for e in entries)
+    shapes = tuple(tuple(e[1]) for e in entries)
+    axes = tuple(e[2] for e in entries)
+    _, unravel = ravel_pytree({n: jnp.zeros(s) for n, s in zip(names, shapes)})
+    size = int(sum(int(np.prod(s)) for s in shapes))
+
+    def unravel_ordered(flat):
+        return unravel(flat) if names else {}
+
+    return SiteLayout(names, shapes, axes, size, unravel_ordered)
+
+
+def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
+    """Trace ``model(**args, **kwargs)`` with a fixed seed."""
+    return trace(seed(model, rng_seed)).get_trace(**dict(args), **dict(kwargs))
+
+
+def _unconstrained(site) -> jax.Array:
+    if site["type"] == "param":
+        constraint = site["kwargs"].get("constraint")
+        return biject_to(constraint).inv(site["value"]) if constraint is not None else site["value"]
+    return biject_to(site["fn"].support).inv(site["value"])
+
+
+def _row_axis(site, u, row_plate) -> Optional[int]:
+    if row_plate is None or site["type"] != "sample":
+        return None
+    for frame in site["cond_indep_stack"]:
+        if frame.name == row_plate:
+            batch_ndim = len(site["fn"].batch_shape)
+            event_ndim_u = jnp.ndim(u) - batch_ndim
+            return frame.dim - event_ndim_u
+    return None
+
+
+def is_latent(site) -> bool:
+    return site["type"] == "sample" and not site["is_observed"]
+
+
+class ModelStructure(NamedTuple):
+    """Sites of a federated model, by owner."""
+
+    global_latent: SiteLayout
+    global_param: Dict[str, Tuple[jax.Array, object]]  # name -> (unconstrained init, constraint)
+    local_latent_names: Tuple[str, ...]
+    local_param_names: Tuple[str, ...]
+    observed: Tuple[str, ...]
+    row_plate: Optional[str]
+
+    def local_layout(self, tr) -> SiteLayout:
+        entries = []
+        for name in self.local_latent_names:
+            u = _unconstrained(tr[name])
+            entries.append((name, jnp.shape(u), _row_axis(tr[name], u, self.row_plate)))
+        return _layout(entries)
+
+    def local_param_init(self, tr) -> Dict[str, jax.Array]:
+        return {n: _unconstrained(tr[n]) for n in self.local_param_names}
+
+    def local_param_constraints(self, tr) -> Dict[str, object]:
+        return {n: tr[n]["kwargs"].get("constraint") for n in self.local_param_names}
+
+
+def analyse_model(model, example_args, template_args, kwargs, client_name="?") -> ModelStructure:
+    """Discover the sites of ``model`` and check the annotations against the data."""
+    tr = trace_model(model, example_args, kwargs)
+    tr_t = trace_model(model, template_args, kwargs)
+    global_entries, global_param = [], {}
+    local_latent, local_param, observed = [], [], []
+    for name, site in tr.items():
+        if site["type"] == "sample" and site["is_observed"]:
+            observed.append(name)
+            continue
+        if site["type"] not in ("sample", "param"):
+            continue
+        role = site_role(site)
+        if role == LOCAL:
+            (local_latent if site["type"] == "sample" else local_param).append(name)
+            continue
+        assert role == GLOBAL
+        if name not in tr_t:
+            raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name))
+        u, u_t = _unconstrained(site), _unconstrained(tr_t[name])
+        if jnp.shape(u) != jnp.shape(u_t):
+            raise ValueError(
+                _GLOBAL_SHAPE.format(
+                    name=name, client_shape=jnp.shape(site["value"]), client=client_name,
+                    template_shape=jnp.shape(tr_t[name]["value"]),
+                )
+            )
+        if site["type"] == "sample":
+            global_entries.append((name, jnp.shape(u), None))
+        else:
+            global_param[name] = (u, site["kwargs"].get("constraint"))
+    if not global_entries and not local_latent:
+        raise ValueError(_NO_LATENT)
+    return ModelStructure(
+        global_latent=_layout(global_entries),
+        global_param=global_param,
+        local_latent_names=tuple(local_latent),
+        local_param_names=tuple(local_param),
+        observed=tuple(observed),
+        row_plate=None,
+    )
+
+
+def constrain_params(unconstrained: Mapping, constraints: Mapping) -> Dict[str, jax.Array]:
+    return {
+        n: (biject_to(constraints[n])(u) if constraints.get(n) is not None else u)
+        for n, u in unconstrained.items()
+    }
+
+
+class _RowMask(Messenger):
+    """Mask the log density of every sample site inside ``plate`` by ``mask``."""
+
+    def __init__(self, fn, plate: Optional[str], mask: Optional[jax.Array]):
+        self.plate, self.mask, self.masks = plate, mask, {}
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] != "sample" or self.plate is None or self.mask is None:
+            return
+        for frame in msg["cond_indep_stack"]:
+            if frame.name == self.plate:
+                m = jnp.reshape(self.mask, (-1,) + (1,) * (-frame.dim - 1))
+                msg["fn"] = msg["fn"].mask(m.astype(bool))
+                self.masks[msg["name"]] = m
+                return
+
+
+def log_joint(
+    model,
+    args: Mapping,
+    kwargs: Mapping,
+    latent: Mapping[str, jax.Array],
+    params: Mapping[str, jax.Array],
+    count: Callable[[dict], bool],
+    row_plate: Optional[str] = None,
+    row_mask: Optional[jax.Array] = None,
+) -> jax.Array:
+    """Sum of the log densities (and Jacobians) of the sites selected by ``count``.
+
+    Args:
+        latent: unconstrained values of latent sites (others are drawn from the prior
+            with a fixed seed and must not be counted).
+        params: constrained values of ``numpyro.param`` sites.
+        count: predicate on a trace site; latent sites counted get their
+            log-abs-det-Jacobian added.
+        row_plate, row_mask: padded rows (mask 0) contribute nothing.
+    """
+    ladj: Dict[str, jax.Array] = {}
+
+    def substitute_fn(msg):
+        name = msg["name"]
+        if msg["type"] == "sample" and name in latent:
+            u = latent[name]
+            t = biject_to(msg["fn"].support)
+            x = t(u)
+            j = t.log_abs_det_jacobian(u, x)
+            ladj[name] = sum_rightmost(j, jnp.ndim(j) - jnp.ndim(x) + len(msg["fn"].event_shape))
+            return x
+        if msg["type"] == "param" and name in params:
+            return params[name]
+        return None
+
+    masker = _RowMask(seed(model, 0), row_plate, row_mask)
+    tr = trace(substitute(masker, substitute_fn=substitute_fn)).get_trace(**dict(args), **dict(kwargs))
+    total = jnp.zeros(())
+    for name, site in tr.items():
+        if site["type"] != "sample" or not count(site):
+            continue
+        lp = site["fn"].log_prob(site["value"])
+        if name in ladj:
+            j = ladj[name]
+            if name in masker.masks:
+                j = j * masker.masks[name]
+            lp = lp + j
+        if site["scale"] is not None:
+            lp = lp * site["scale"]
+        total = total + jnp.sum(lp)
+    return total

@@ -1,0 +1,105 @@
+"""Records of what crossed the client/server boundary, and message (de)serialisation."""
+
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Sequence
+
+import jax
+import numpy as np
+
+__all__ = [
+    "Communication",
+    "Transcript",
+    "TranscriptEntry",
+    "message_bytes",
+    "message_from_ndarrays",
+    "message_leaves",
+    "message_to_ndarrays",
+]
+
+
+class TranscriptEntry(NamedTuple):
+    round: int
+    sender: str
+    receiver: str
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    value: Optional[np.ndarray] = None
+
+
+class Communication(NamedTuple):
+    """Totals over a run: rounds, bytes and messages each way."""
+
+    rounds: int
+    bytes_up: int
+    bytes_down: int
+    messages_up: int
+    messages_down: int
+
+
+def message_leaves(message: Any):
+    """``[(path name, leaf)]`` of a message pytree, e.g. ``("global_grad['guide']['loc']", x)``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(message)
+    return [(jax.tree_util.keystr(path).lstrip("."), leaf) for path, leaf in flat]
+
+
+def message_bytes(message: Any) -> int:
+    """Bytes on the wire for a message (sum of its leaves' buffer sizes)."""
+    return int(sum(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape)) for _, leaf in message_leaves(message)))
+
+
+def message_to_ndarrays(message: Any) -> List[np.ndarray]:
+    """Flatten a message into a list of NumPy arrays (what Flower's ``NDArrays`` carries)."""
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(message)]
+
+
+def message_from_ndarrays(like: Any, arrays: Sequence[np.ndarray]) -> Any:
+    """Rebuild a message with the structure of ``like`` from ``message_to_ndarrays`` output."""
+    treedef = jax.tree_util.tree_structure(like)
+    if treedef.num_leaves != len(arrays):
+        raise ValueError(
+            f"message_from_ndarrays: the message structure has {treedef.num_leaves} leaves "
+            f"but {len(arrays)} arrays were given"
+        )
+    return jax.tree_util.tree_unflatten(treedef, list(arrays))
+
+
+class Transcript:
+    """Per-round log of every message: who sent it, leaf names, shapes and sizes.
+
+    With ``keep_values=True`` the transmitted arrays themselves are kept (for audits
+    such as the privacy-boundary tests).
+    """
+
+    def __init__(self, keep_values: bool = False) -> None:
+        self.keep_values = keep_values
+        self.entries: List[TranscriptEntry] = []
+
+    def record(self, round_: int, sender: str, receiver: str, message: Any) -> None:
+        for name, leaf in message_leaves(message):
+            arr = np.asarray(leaf)
+            self.entries.append(
+                TranscriptEntry(
+                    round_, sender, receiver, name, tuple(arr.shape), str(arr.dtype),
+                    int(arr.nbytes), arr.copy() if self.keep_values else None,
+                )
+            )
+
+    def sent_by(self, party: str) -> List[TranscriptEntry]:
+        return [e for e in self.entries if e.sender == party]
+
+    @property
+    def bytes_up(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.receiver == "server")
+
+    @property
+    def bytes_down(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.sender == "server")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return f"Transcript({len(self.entries)} leaves, {self.bytes_up} B up, {self.bytes_down} B down)"

@@ -1,0 +1,46 @@
+import numpy as np
+import pytest
+
+import numpyro_fed as nf
+
+
+def test_split_and_metadata():
+    g = np.array([2, 0, 2, 1, 0])
+    X = np.arange(10.0).reshape(5, 2)
+    c = nf.Clients.split(g, X=X, y=np.arange(5.0))
+    assert c.names == ("0", "1", "2")
+    assert c.num_rows == {"0": 2, "1": 1, "2": 2}
+    assert c.total_rows == 5
+    np.testing.assert_array_equal(c["2"]["y"], [0.0, 2.0])
+    t = c.template()
+    assert t["X"].shape == (1, 2) and not t["X"].any()
+    assert c.pooled()["y"].shape == (5,)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({}, "at least one client"),
+        ({"a": dict(y=np.zeros(3)), "b": dict(x=np.zeros(3))}, "client 'b' has arguments"),
+        ({"a": dict(X=np.zeros((3, 2))), "b": dict(X=np.zeros((3, 4)))}, "argument 'X' has trailing shape"),
+        ({"a": dict(y=np.zeros(0))}, "client 'a' has no rows"),
+        ({"a": dict(y=np.array([1.0, np.nan]))}, "argument 'y' of client 'a' holds 1 non-finite"),
+        ({"a": dict(y=np.zeros(3), X=np.zeros((2, 1)))}, "client 'a' has .* rows"),
+        ({"a": dict(y=1.0)}, "argument 'y' of client 'a' is a scalar"),
+        ({"a": dict()}, "client 'a' has no arguments"),
+    ],
+)
+def test_validation_errors(data, match):
+    with pytest.raises(ValueError, match=match):
+        nf.Clients(data)
+
+
+def test_split_length_mismatch():
+    with pytest.raises(ValueError, match="argument 'y' has 3 rows but group_ids has 2"):
+        nf.Clients.split(np.array([0, 1]), y=np.zeros(3))
+
+
+def test_unknown_client_key():
+    c = nf.Clients({"a": dict(y=np.zeros(2))})
+    with pytest.raises(KeyError, match="no client named 'z'"):
+        c["z"]

@@ -1,0 +1,86 @@
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import random
+
+import numpyro_fed as nf
+from numpyro_fed.models import normal_hierarchical
+
+
+def test_barycenter_diagonal_closed_form_matches_bures():
+    rng = np.random.default_rng(0)
+    means = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+    sds = jnp.asarray(rng.uniform(0.5, 2.0, size=(3, 2)), jnp.float32)
+    covs = jnp.stack([jnp.diag(s**2) for s in sds])
+    w = jnp.array([0.2, 0.3, 0.5])
+    m1, c1 = nf.gaussian_barycenter(w, means, covs, diagonal=True)
+    m2, c2 = nf.gaussian_barycenter(w, means, covs, diagonal=False)
+    np.testing.assert_allclose(m1, w @ means, rtol=1e-6)
+    np.testing.assert_allclose(jnp.sqrt(jnp.diag(c1)), w @ sds, rtol=1e-6)
+    np.testing.assert_allclose(c2, c1, rtol=1e-3, atol=1e-4)
+
+
+def test_bures_barycenter_fixed_point():
+    rng = np.random.default_rng(1)
+    A = rng.normal(size=(3, 3, 3))
+    covs = jnp.asarray(np.einsum("kij,klj->kil", A, A) + np.eye(3), jnp.float32)
+    w = jnp.ones(3) / 3
+    _, S = nf.gaussian_barycenter(w, jnp.zeros((3, 3)), covs)
+    vals, vecs = np.linalg.eigh(np.asarray(S, np.float64))
+    root = vecs @ np.diag(np.sqrt(vals)) @ vecs.T
+
+    def sqrtm(M):
+        v, U = np.linalg.eigh(M)
+        return U @ np.diag(np.sqrt(np.clip(v, 0, None))) @ U.T
+
+    fixed = sum(sqrtm(root @ np.asarray(C, np.float64) @ root) for C in covs) / 3
+    np.testing.assert_allclose(fixed, S, rtol=2e-3, atol=2e-3)
+
+
+def test_identical_clients_barycenter_is_identity():
+    covs = jnp.stack([jnp.array([[2.0, 0.5], [0.5, 1.0]])] * 4)
+    m, c = nf.gaussian_barycenter(jnp.ones(4), jnp.ones((4, 2)), covs)
+    np.testing.assert_allclose(c, covs[0], rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def clients():
+    rng = np.random.default_rng(0)
+    y = (1.0 + rng.normal(size=(24, 2))).astype(np.float32)
+    return nf.Clients.split(np.arange(24) % 4, y=y)
+
+
+@pytest.mark.parametrize("global_scale", ["full", "diagonal"])
+def test_sfvi_avg_approaches_sfvi(clients, global_scale):
+    guide = nf.StructuredGuide(normal_hierarchical, global_scale=global_scale)
+    exact = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.05), num_particles=4)
+    r_exact = exact.run(random.PRNGKey(0), 1500, clients, progress_bar=False)
+    avg = nf.FederatedSVI(
+        normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25, num_particles=2
+    )
+    r_avg = avg.run(random.PRNGKey(0), 60, clients, progress_bar=False)
+    mu_exact = exact.sample_posterior(random.PRNGKey(1), r_exact, 20000)["mu"]
+    mu_avg = avg.sample_posterior(random.PRNGKey(1), r_avg, 20000)["mu"]
+    assert abs(float(mu_avg.mean() - mu_exact.mean())) < 0.25 * float(mu_exact.std())
+    assert r_avg.communication.rounds == 60
+    assert r_avg.communication.messages_up == 60 * 4
+
+
+def test_partial_participation_counts_and_frozen_clients(clients):
+    guide = nf.StructuredGuide(normal_hierarchical)
+    svi = nf.FederatedSVI(
+        normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=3, participation=0.5
+    )
+    result = svi.run(random.PRNGKey(0), 10, clients, progress_bar=False, record_transcript=True)
+    assert result.communication.messages_up == 10 * 2
+    senders_per_round = {}
+    for e in result.transcript.entries:
+        if e.receiver == "server":
+            senders_per_round.setdefault(e.round, set()).add(e.sender)
+    assert all(len(s) == 2 for s in senders_per_round.values())
+
+
+def test_participation_rejected_for_sfvi():
+    with pytest.raises(ValueError, match="participation < 1 is for method='sfvi_avg'"):
+        nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(), optax.adam(0.1), participation=0.5)

@@ -1,0 +1,180 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_fed as nf
+
+from .models import linear_local, logistic_local
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(26, 2)).astype(np.float32)
+    y = (X @ np.array([1.0, -0.5]) + 0.3 * rng.normal(size=26)).astype(np.float32)
+    return X, y
+
+
+@pytest.fixture(scope="module")
+def unequal(data):
+    X, y = data
+    return nf.Clients.split(np.repeat([0, 1, 2], [11, 9, 6]), X=X, y=y)
+
+
+def test_vmap_padding_equals_loop(unequal):
+    runs = {}
+    for backend in ("auto", "loop"):
+        svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05), backend=backend)
+        runs[backend] = svi.run(random.PRNGKey(0), 30, unequal, progress_bar=False)
+        assert svi._setup_cache.plan.backend == ("vmap" if backend == "auto" else "loop")
+    a, b = runs["auto"], runs["loop"]
+    np.testing.assert_allclose(a.losses, b.losses, rtol=1e-4, atol=1e-4)
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_partition_invariance_of_trajectory(data):
+    """SFVI with Adam: the server's trajectory does not depend on how rows are split."""
+    X, y = data
+    two = nf.Clients.split(np.arange(26) % 2, X=X, y=y)
+    one = nf.Clients.split(np.zeros(26, int), X=X, y=y)
+
+    def model(X, y):  # no local latents: the noise draws are then partition free
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("rows", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta, 0.5), obs=y)
+
+    out = []
+    for clients in (one, two):
+        svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+        out.append(svi.run(random.PRNGKey(3), 50, clients, progress_bar=False))
+    for x, y in zip(jax.tree_util.tree_leaves(out[0].params), jax.tree_util.tree_leaves(out[1].params)):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+
+
+def test_scan_path_equals_python_loop_and_resume(unequal):
+    svi = nf.FederatedSVI(logistic_local, nf.StructuredGuide(logistic_local), optax.adam(0.05))
+    fast = svi.run(random.PRNGKey(0), 20, unequal, progress_bar=False)
+    slow = svi.run(random.PRNGKey(0), 20, unequal, progress_bar=True)
+    np.testing.assert_allclose(fast.losses, slow.losses, rtol=1e-5)
+    first = svi.run(random.PRNGKey(0), 10, unequal, progress_bar=False)
+    second = svi.run(random.PRNGKey(0), 10, unequal, progress_bar=False, init_state=first.state)
+    np.testing.assert_allclose(jnp.concatenate([first.losses, second.losses]), fast.losses, rtol=1e-5)
+
+
+def test_round_compiles_once(unequal):
+    svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
+    state = svi.init(random.PRNGKey(0), unequal)
+    for _ in range(5):
+        state, loss = svi.update(state, unequal)
+    assert svi._setup_cache.round_fn._cache_size() == 1
+    assert np.isfinite(float(loss))
+
+
+def test_update_under_jit_and_evaluate(unequal):
+    svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 200, unequal, progress_bar=False)
+    loss = svi.evaluate(result.state, unequal, num_particles=64)
+    assert abs(float(loss) - float(result.losses[-20:].mean())) < 0.1 * abs(float(loss)) + 5.0
+
+
+def test_sample_posterior_shapes(unequal):
+    svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 20, unequal, progress_bar=False)
+    g = svi.sample_posterior(random.PRNGKey(1), result, 7)
+    assert set(g) == {"beta", "sigma"} and g["beta"].shape == (7, 2) and (g["sigma"] > 0).all()
+    c = svi.sample_posterior(random.PRNGKey(1), result, 7, client="2")
+    assert c["b"].shape == (7, 6)  # unpadded: client '2' holds 6 rows
+    with pytest.raises(KeyError, match="no client named 'x'"):
+        svi.sample_posterior(random.PRNGKey(1), result, 7, client="x")
+
+
+def test_to_arviz(unequal):
+    import arviz as az
+
+    svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 15, unequal, progress_bar=False)
+    idata = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=50, client="0", clients=unequal)
+    assert idata.posterior["beta"].shape == (1, 50, 2)
+    assert idata.sample_stats["elbo"].shape[-1] == 15
+    assert "y" in idata.observed_data
+    summary = az.summary(idata, var_names=["beta", "sigma"], kind="stats")
+    assert list(summary.index) == ["beta[0]", "beta[1]", "sigma"]
+    idata_server = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=50)
+    assert "b" not in idata_server.posterior and not hasattr(idata_server, "observed_data")
+
+
+def test_global_site_that_depends_on_rows_names_the_fix(unequal):
+    def model(X, y):
+        with numpyro.plate("rows", X.shape[0]):
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+            numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    with pytest.raises(ValueError, match=r"site 'b' is global .* mark it with\s+nf.local_site\(model, sites=\['b'\]\)"):
+        svi.init(random.PRNGKey(0), unequal)
+
+
+def test_ambiguous_row_plate_needs_row_plate(unequal):
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", X.shape[0]), numpyro.plate("again", X.shape[0], dim=-2):
+            pass
+        with numpyro.plate("rows", X.shape[0]):
+            numpyro.sample("y", dist.Normal(beta, 1.0), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    with pytest.raises(ValueError, match=r"pass row_plate="):
+        svi.init(random.PRNGKey(0), unequal)
+    ok = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05), row_plate="rows")
+    assert np.isfinite(ok.run(random.PRNGKey(0), 3, unequal, progress_bar=False).losses).all()
+
+
+def test_no_row_plate_falls_back_to_loop(unequal):
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(beta, 1.0).expand([y.shape[0]]).to_event(1), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    svi.run(random.PRNGKey(0), 3, unequal, progress_bar=False)
+    assert svi._setup_cache.plan.backend == "loop"
+    strict = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05), backend="vmap")
+    with pytest.raises(ValueError, match="backend='vmap' pads clients"):
+        strict.init(random.PRNGKey(0), unequal)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(optim=numpyro.optim.Adam(0.1)), TypeError, "optax GradientTransformation"),
+        (dict(method="avg"), ValueError, r"method='avg': choose one of"),
+        (dict(num_particles=0), ValueError, "num_particles=0"),
+        (dict(local_steps=0), ValueError, "local_steps=0"),
+        (dict(backend="gpu"), ValueError, r"backend='gpu': choose one of"),
+        (dict(guide=object()), TypeError, "guide must be an nf.StructuredGuide"),
+    ],
+)
+def test_argument_errors(unequal, kwargs, error, match):
+    args = dict(model=linear_local, guide=nf.StructuredGuide(linear_local), optim=optax.adam(0.1))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        svi = nf.FederatedSVI(args.pop("model"), args.pop("guide"), args.pop("optim"), **args)
+        svi.init(random.PRNGKey(0), unequal)
+
+
+def test_clients_must_be_clients():
+    svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.1))
+    with pytest.raises(TypeError, match="clients must be an nf.Clients"):
+        svi.init(random.PRNGKey(0), {"a": {}})
+
+
+def test_guide_option_errors():
+    with pytest.raises(ValueError, match=r"global_scale='dense'"):
+        nf.StructuredGuide(global_scale="dense")
+    with pytest.raises(ValueError, match="init_scale"):
+        nf.StructuredGuide(init_scale=0.0)
