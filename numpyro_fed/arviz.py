@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+import jax
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import arviz as az
+
+    from .clients import Clients
+    from .svi import FederatedSVI, RunResult
 
 __all__ = ["to_arviz"]
 
 
 def to_arviz(
-    svi,
-    result,
-    rng_key,
+    svi: "FederatedSVI",
+    result: "RunResult",
+    rng_key: jax.Array,
     *,
     num_samples: int = 1000,
     client: Optional[str] = None,
-    clients=None,
-):
+    clients: Optional["Clients"] = None,
+) -> "az.InferenceData":
     """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI` fit.
 
     The posterior group holds draws from the variational approximation with one chain

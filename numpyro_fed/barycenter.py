@@ -40,7 +40,7 @@ def gaussian_barycenter(
     Returns:
         ``(mean, cov)`` of the barycenter. Jit-compatible.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> m, c = gaussian_barycenter(jnp.ones(2), jnp.array([[0.0], [2.0]]),
         ...                            jnp.array([[[1.0]], [[9.0]]]), diagonal=True)

@@ -52,7 +52,7 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
     Args:
         data: mapping ``client name -> {argument name: array}``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> import numpyro_fed as nf
         >>> clients = nf.Clients({"a": dict(y=np.zeros(3)), "b": dict(y=np.ones(2))})
@@ -115,7 +115,7 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
         ``str(group)``; clients are ordered by sorted group value and keep their rows in
         their original order.
 
-        Example:
+        Examples:
             >>> import numpy as np
             >>> import numpyro_fed as nf
             >>> c = nf.Clients.split(np.array([1, 0, 1]), y=np.array([1.0, 2.0, 3.0]))

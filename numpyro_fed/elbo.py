@@ -15,7 +15,7 @@ are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from ._structure import (
     log_joint,
     trace_model,
 )
+from .guides import StructuredGuide
 from .handlers import GLOBAL, LOCAL, site_role
 
 __all__ = ["ClientData", "FederatedObjective"]
@@ -62,7 +63,15 @@ class FederatedObjective:
             variational density is evaluated with its parameters held fixed.
     """
 
-    def __init__(self, model, guide, structure: ModelStructure, template, model_kwargs=None, stl=False):
+    def __init__(
+        self,
+        model: Callable,
+        guide: StructuredGuide,
+        structure: ModelStructure,
+        template: Mapping[str, Any],
+        model_kwargs: Optional[Mapping[str, Any]] = None,
+        stl: bool = False,
+    ) -> None:
         self.model = model
         self.guide = guide
         self.structure = structure

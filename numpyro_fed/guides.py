@@ -15,7 +15,7 @@ conditional form makes the ELBO a sum of one server term and one term per client
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ class StructuredGuide:
             global ones. ``False`` gives ``q(z_G) q(z_L)``.
         init_scale: initial standard deviation of every factor.
 
-    Example:
+    Examples:
         >>> import numpyro_fed as nf
         >>> g = nf.StructuredGuide(None, global_scale="full")
         >>> sorted(g.init_global(3))
@@ -73,7 +73,7 @@ class StructuredGuide:
 
     def __init__(
         self,
-        model=None,
+        model: Optional[Callable] = None,
         *,
         global_scale: str = "full",
         local_scale: str = "diagonal",
@@ -200,13 +200,13 @@ class MeanFieldGuide(StructuredGuide):
     The baseline that structured inference improves on: it cannot represent the
     posterior correlation between global and local latent variables.
 
-    Example:
+    Examples:
         >>> import numpyro_fed as nf
         >>> sorted(nf.MeanFieldGuide(None).init_local(4, 3))
         ['loc', 'scale']
     """
 
-    def __init__(self, model=None, *, init_scale: float = 0.1) -> None:
+    def __init__(self, model: Optional[Callable] = None, *, init_scale: float = 0.1) -> None:
         super().__init__(
             model,
             global_scale="diagonal",

@@ -42,7 +42,7 @@ def site_role(msg: dict) -> str:
 
     Unannotated sites are global.
 
-    Example:
+    Examples:
         >>> import numpyro, numpyro.distributions as dist
         >>> from numpyro.handlers import trace, seed
         >>> import numpyro_fed as nf
@@ -139,7 +139,7 @@ class global_site(_FederationAnnotation):
         sites: names of the sites to mark. A name that matches no site raises
             ``ValueError`` after the model has run.
 
-    Example:
+    Examples:
         >>> import numpyro, numpyro.distributions as dist
         >>> from numpyro.handlers import trace, seed
         >>> import numpyro_fed as nf
@@ -164,7 +164,7 @@ class local_site(_FederationAnnotation):
         sites: names of the sites to mark; without it every latent sample or param site
             inside the handler is marked (observed sites inside are left alone).
 
-    Example:
+    Examples:
         >>> import numpyro, numpyro.distributions as dist
         >>> from numpyro.handlers import trace, seed
         >>> import numpyro_fed as nf

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import random
 
 from ._structure import analyse_model, trace_model
@@ -70,6 +71,7 @@ class _Setup(NamedTuple):
     algorithm: Any
     round_fn: Any
     scan_fn: Any
+    message_bytes: dict  # filled on first run: bytes per client message each way
 
 
 class FederatedSVI:
@@ -91,7 +93,7 @@ class FederatedSVI:
             and more than one plate follows the row count.
         model_kwargs: non-data keyword arguments passed to every call of the model.
 
-    Example:
+    Examples:
         >>> import numpy as np, optax, jax
         >>> import numpyro, numpyro.distributions as dist
         >>> import numpyro_fed as nf
@@ -108,9 +110,9 @@ class FederatedSVI:
 
     def __init__(
         self,
-        model,
+        model: Callable,
         guide: StructuredGuide,
-        optim,
+        optim: optax.GradientTransformation,
         *,
         method: str = "sfvi",
         num_particles: int = 1,
@@ -200,7 +202,7 @@ class FederatedSVI:
 
             return jax.lax.scan(body, state, None, length=num_rounds)
 
-        self._setup_cache = _Setup(clients, plan, objective, algorithm, round_fn, scan_fn)
+        self._setup_cache = _Setup(clients, plan, objective, algorithm, round_fn, scan_fn, {})
         return self._setup_cache
 
     # ------------------------------------------------------------------ SVI API
@@ -224,11 +226,14 @@ class FederatedSVI:
         return state.server.global_params
 
     def _per_round_bytes(self, setup, state):
+        if "up" in setup.message_bytes:
+            return setup.message_bytes["up"], setup.message_bytes["down"]
         up = jax.eval_shape(
             lambda s: setup.round_fn(s, setup.plan.data)[1][1], state
         )
         per_client_up = message_bytes(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), up))
         per_client_down = message_bytes(state.message)
+        setup.message_bytes.update(up=per_client_up, down=per_client_down)
         return per_client_up, per_client_down
 
     def run(
@@ -261,6 +266,7 @@ class FederatedSVI:
             elbos, counts = [], []
             iterator = range(num_rounds)
             bar = None
+            refresh, last = max(1, num_rounds // 20), 0
             if progress_bar:
                 from tqdm.auto import trange
 
@@ -278,14 +284,14 @@ class FederatedSVI:
                 state = new_state
                 elbos.append(info.elbo)
                 counts.append(jnp.sum(active))
-                if bar is not None and (i % max(1, num_rounds // 20) == 0 or i == num_rounds - 1):
-                    losses_so_far = -jnp.stack(elbos)
-                    lo = i // 10 * 10
+                if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
+                    window = -jnp.stack(elbos[last:])
                     bar.set_postfix_str(
                         "init loss: {:.4f}, avg. loss [{}-{}]: {:.4f}".format(
-                            float(losses_so_far[0]), lo + 1, i + 1, float(jnp.mean(losses_so_far[lo:]))
+                            float(-elbos[0]), last + 1, i + 1, float(jnp.mean(window))
                         )
                     )
+                    last = i + 1
             elbo = jnp.stack(elbos)
             active_counts = np.asarray(jnp.stack(counts))
         else:
@@ -323,7 +329,13 @@ class FederatedSVI:
         return -total
 
     # ------------------------------------------------------------------ posterior
-    def sample_posterior(self, rng_key, result, num_samples: int, client: Optional[str] = None):
+    def sample_posterior(
+        self,
+        rng_key: jax.Array,
+        result: Union["RunResult", FederatedSVIState],
+        num_samples: int,
+        client: Optional[str] = None,
+    ) -> Dict[str, jax.Array]:
         """Draws from the fitted approximation, in constrained space.
 
         Without ``client``: the global latent sites (what the server can compute). With a

@@ -18,14 +18,18 @@ per-coordinate optimiser (Adam, SGD) the whole trajectory is partition invariant
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import random
 
 from .._typing import Array, PyTree
 from .base import FederatedAlgorithm, ascent, tree_weighted_sum
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..elbo import FederatedObjective
 
 __all__ = [
     "SFVIBroadcast",
@@ -64,7 +68,13 @@ class SFVIInfo(NamedTuple):
     elbo: Array
 
 
-def sfvi(objective, optim, num_clients: int, *, num_particles: int = 1) -> FederatedAlgorithm:
+def sfvi(
+    objective: "FederatedObjective",
+    optim: optax.GradientTransformation,
+    num_clients: int,
+    *,
+    num_particles: int = 1,
+) -> FederatedAlgorithm:
     """Build SFVI for a :class:`~numpyro_fed.elbo.FederatedObjective`.
 
     Args:

@@ -14,16 +14,20 @@ sets ``q(z_G)`` to the 2-Wasserstein barycenter of the clients' ``q^{(j)}(z_G)``
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import random
 
 from .._typing import Array, PyTree
 from ..barycenter import gaussian_barycenter
 from .base import FederatedAlgorithm, ascent, tree_weighted_sum
 from .sfvi import SFVIInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..elbo import FederatedObjective
 
 __all__ = [
     "SFVIAvgBroadcast",
@@ -62,8 +66,8 @@ def _participants(rng_key, num_clients, num_active):
 
 
 def sfvi_avg(
-    objective,
-    optim,
+    objective: "FederatedObjective",
+    optim: optax.GradientTransformation,
     num_clients: int,
     total_rows: int,
     *,

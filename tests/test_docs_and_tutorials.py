@@ -1,0 +1,54 @@
+"""The tutorial runs, the docs build strictly, README's example and the CLI work."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_tutorial_executes(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "tutorials" / "01_horizontal_sfvi.ipynb", as_version=4)
+    os.environ["NF_TUTORIAL_FAST"] = "1"
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        os.environ.pop("NF_TUTORIAL_FAST", None)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+
+
+def test_docs_build_strict(tmp_path):
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_readme_example_runs():
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = code.replace("2000, clients)", "20, clients, progress_bar=False)")
+    assert "progress_bar=False" in code
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["idata"].posterior["beta"].shape[-1] == 3
+
+
+def test_cli_help_and_small_demo(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--rounds" in out.stdout
+    args = ["--rounds", "30", "--avg-rounds", "3", "--local-steps", "2", "--nuts-warmup", "20",
+            "--nuts-samples", "20", "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "o.json")]
+    run = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "beta0" in run.stdout and (tmp_path / "p.png").exists() and (tmp_path / "o.json").exists()
