@@ -34,6 +34,10 @@ _GLOBAL_SHAPE = (
     "on a one-row placeholder. If it is a per-row or per-client variable, mark it with "
     "nf.local_site(model, sites=['{name}'])"
 )
+_BAD_ROLE = (
+    "site '{name}' has infer['federation'] = {role!r}; use nf.global_site / nf.local_site "
+    "(roles 'global' or 'local') rather than writing the annotation by hand"
+)
 _NO_LATENT = "the model has no latent sample site: there is nothing to infer"
 _DATA_DEPENDENT_GLOBAL = (
     "site '{name}' is global but is missing when the model runs on a one-row placeholder "
@@ -148,7 +152,8 @@ def analyse_model(model, example_args, template_args, kwargs, client_name="?") -
         if role == LOCAL:
             (local_latent if site["type"] == "sample" else local_param).append(name)
             continue
-        assert role == GLOBAL
+        if role != GLOBAL:
+            raise ValueError(_BAD_ROLE.format(name=name, role=role))
         if name not in tr_t:
             raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name))
         u, u_t = _unconstrained(site), _unconstrained(tr_t[name])

@@ -25,7 +25,7 @@ class ClientStepFn(Protocol):
 
 
 class ServerStepFn(Protocol):
-    """``(rng_key, server_state, client_messages, data) -> (server_state, server_message)``.
+    """``(rng_key, server_state, client_messages, data) -> (server_state, server_message, info)``.
 
     ``client_messages`` is the stack (leading axis = client) of every client's message and
     ``data`` is the server's own view of the round: here the boolean ``active`` vector of
@@ -34,4 +34,4 @@ class ServerStepFn(Protocol):
 
     def __call__(
         self, rng_key: Array, state: PyTree, messages: ClientMessage, data: PyTree
-    ) -> Tuple[PyTree, ServerMessage]: ...
+    ) -> Tuple[PyTree, ServerMessage, PyTree]: ...

@@ -20,6 +20,9 @@ from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, substitute, trace
+
 from ._structure import (
     ModelStructure,
     SiteLayout,
@@ -152,13 +155,16 @@ class FederatedObjective:
     def constrained_sample(
         self, global_params, local_params, z_global, z_local, args, layout: Optional[SiteLayout] = None
     ) -> Dict[str, jax.Array]:
-        """Constrained values of the latent sites for given unconstrained draws."""
+        """Constrained values of the latent sites for given unconstrained draws.
+
+        Without ``layout`` (the server's view) only the global sites are returned.
+        """
         latent = dict(self.structure.global_latent.unravel(z_global))
         params = constrain_params(global_params["theta"], self.global_constraints)
         if layout is not None:
             latent.update(layout.unravel(z_local))
-        from numpyro.handlers import seed, substitute, trace
-        from numpyro.distributions.transforms import biject_to
+            _, local_constraints, _ = self.client_layout(args)
+            params.update(constrain_params(local_params["theta"], local_constraints))
 
         def sub(msg):
             if msg["type"] == "sample" and msg["name"] in latent:

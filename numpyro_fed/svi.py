@@ -73,6 +73,30 @@ class _Setup(NamedTuple):
     scan_fn: Any
     message_bytes: dict  # filled on first run: bytes per client message each way
 
+    def __hash__(self) -> int:  # identity: a set-up is static configuration under jit
+        return id(self)
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def _estimate_elbo(setup: "_Setup", state: FederatedSVIState, rng_key, num_particles: int):
+    """Server term plus every client's term, clients mapped as in a round."""
+    obj = setup.objective
+    k_g, k_l = random.split(rng_key)
+    g = state.server.global_params
+    eps_g = random.normal(k_g, (num_particles, obj.global_size))
+
+    def client_value(key, cstate, eps, data):
+        eps_l = random.normal(key, (num_particles, obj.local_size(data)))
+        values = jax.vmap(lambda a, b: obj.client_term(g, cstate.local_params, a, b, data))(eps, eps_l)
+        return cstate, jnp.mean(values)
+
+    keys = random.split(k_l, len(setup.plan.names))
+    _, values = map_clients(setup.plan, client_value, keys, state.clients, eps_g, setup.plan.data)
+    return jnp.mean(jax.vmap(lambda e: obj.server_term(g, e))(eps_g)) + jnp.sum(values)
+
 
 class FederatedSVI:
     """Federated stochastic variational inference.
@@ -313,20 +337,8 @@ class FederatedSVI:
     def evaluate(self, state: FederatedSVIState, clients: Clients, num_particles: int = 16, rng_key=None):
         """Negative ELBO estimate at ``state``: a server term plus every client's term."""
         setup = self._setup(clients)
-        obj = setup.objective
         rng_key = state.rng_key if rng_key is None else rng_key
-        k_g, k_l = random.split(rng_key)
-        g = self.get_params(state)
-        eps_g = random.normal(k_g, (num_particles, obj.global_size))
-        total = jnp.mean(jax.vmap(lambda e: obj.server_term(g, e))(eps_g))
-        for j in range(len(clients)):
-            data = client_data(setup.plan, j)
-            local = client_state(setup.plan, state.clients, j).local_params
-            eps_l = random.normal(random.fold_in(k_l, j), (num_particles, obj.local_size(data)))
-            total = total + jnp.mean(
-                jax.vmap(lambda a, b: obj.client_term(g, local, a, b, data))(eps_g, eps_l)
-            )
-        return -total
+        return -_estimate_elbo(setup, state, rng_key, int(num_particles))
 
     # ------------------------------------------------------------------ posterior
     def sample_posterior(

@@ -30,4 +30,19 @@ def poisson_global(X, y):
         numpyro.sample("y", dist.Poisson(jnp.exp(X @ beta)), obs=y)
 
 
-MODELS = {"linear_local": linear_local, "logistic_local": logistic_local, "poisson_global": poisson_global}
+def linear_param(X, y):
+    """A global numpyro.param (the noise scale) beside latent sites."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.param("sigma", 1.0, constraint=dist.constraints.positive)
+    with numpyro.plate("rows", X.shape[0]), nf.local_site():
+        b = numpyro.sample("b", dist.Normal(0.0, 0.5))
+    with numpyro.plate("rows", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ beta + b, sigma), obs=y)
+
+
+MODELS = {
+    "linear_local": linear_local,
+    "linear_param": linear_param,
+    "logistic_local": logistic_local,
+    "poisson_global": poisson_global,
+}

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax import random
 from numpyro.distributions.transforms import biject_to
@@ -20,7 +20,7 @@ from .models import MODELS
 def make_data(model_name, n, p, seed_):
     rng = np.random.default_rng(seed_)
     X = rng.normal(size=(n, p)).astype(np.float32)
-    if model_name == "linear_local":
+    if model_name in ("linear_local", "linear_param"):
         y = (X @ rng.normal(size=p) + rng.normal(size=n)).astype(np.float32)
     elif model_name == "logistic_local":
         y = (rng.random(n) < 0.5).astype(np.float32)
@@ -59,6 +59,8 @@ def centralised_grads(svi, state, clients, eps_global, eps_locals):
                 t = biject_to(pooled_tr[name]["fn"].support)
                 constrained[name] = t(values[name])
                 log_jac = log_jac + jnp.sum(t.log_abs_det_jacobian(values[name], constrained[name]))
+            for name, u in g["theta"].items():  # global numpyro.param sites
+                constrained[name] = biject_to(pooled_tr[name]["kwargs"]["constraint"])(u)
             lp, _ = log_density(svi.model, (), pooled, constrained)
             total = total + lp + log_jac - neg_entropy
         return total / eps_global.shape[0]
@@ -91,6 +93,8 @@ def rel_err(a, b):
     backend=st.sampled_from(["auto", "loop"]),
     seed_=st.integers(0, 2**16),
 )
+@example(model_name="linear_param", n=13, p=2, num_clients=3, guide_kind="full", backend="auto", seed_=5)
+@example(model_name="logistic_local", n=17, p=3, num_clients=4, guide_kind="full_local", backend="loop", seed_=9)
 def test_sfvi_gradient_equals_centralised(model_name, n, p, num_clients, guide_kind, backend, seed_):
     model = MODELS[model_name]
     X, y = make_data(model_name, n, p, seed_)

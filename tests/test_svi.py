@@ -109,6 +109,36 @@ def test_to_arviz(unequal):
     assert "b" not in idata_server.posterior and not hasattr(idata_server, "observed_data")
 
 
+def test_local_param_stays_on_the_client(unequal):
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with nf.local_site():
+            shift = numpyro.param("shift", 0.0)  # a client's own offset, never shared
+        with numpyro.plate("rows", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta + shift, 0.3), obs=y)
+
+    X = np.concatenate([unequal[c]["X"] for c in unequal.names])
+    offsets = {"0": -1.0, "1": 0.0, "2": 2.0}
+    shifted = nf.Clients({c: dict(X=unequal[c]["X"], y=unequal[c]["y"] + offsets[c]) for c in unequal.names})
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 600, shifted, progress_bar=False, record_transcript=True)
+    assert X.shape[0] == 26 and "shift" not in result.params["theta"]
+    for c, want in offsets.items():
+        assert abs(float(result.client_states[c].local_params["theta"]["shift"]) - want) < 0.3
+    assert not any("shift" in e.name for e in result.transcript.entries)
+
+
+def test_hand_written_role_is_rejected(unequal):
+    def model(X, y):
+        numpyro.sample("beta", dist.Normal(0.0, 1.0), infer={"federation": "server"})
+        with numpyro.plate("rows", X.shape[0]):
+            numpyro.sample("y", dist.Normal(0.0, 1.0), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    with pytest.raises(ValueError, match=r"site 'beta' has infer\['federation'\] = 'server'"):
+        svi.init(random.PRNGKey(0), unequal)
+
+
 def test_global_site_that_depends_on_rows_names_the_fix(unequal):
     def model(X, y):
         with numpyro.plate("rows", X.shape[0]):
