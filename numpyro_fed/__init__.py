@@ -8,6 +8,7 @@ from .elbo import ClientData, FederatedObjective
 from .guides import MeanFieldGuide, StructuredGuide
 from .handlers import global_site, local_site
 from .svi import FederatedSVI, FederatedSVIState, RunResult
+from .vertical import vertical_split
 from .transcript import (
     Communication,
     Transcript,
@@ -35,4 +36,5 @@ __all__ = [
     "message_from_ndarrays",
     "message_to_ndarrays",
     "to_arviz",
+    "vertical_split",
 ]
