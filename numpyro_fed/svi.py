@@ -14,7 +14,7 @@ from jax import random
 from ._structure import analyse_model, trace_model
 from .algorithms import sfvi, sfvi_avg
 from .clients import Clients
-from .elbo import ClientData, FederatedObjective
+from .elbo import FederatedObjective
 from .guides import StructuredGuide
 from .simulation import (
     client_data,

@@ -73,6 +73,11 @@ _NO_COPIES = (
 )
 
 
+def _plate_ndim(msg) -> int:
+    """How many rightmost batch dimensions the site's plates cover."""
+    return max([-f.dim for f in msg["cond_indep_stack"]], default=0)
+
+
 class vertical_split(Messenger):
     """Rewrite a vertically split model into its augmented-variable or power form.
 
@@ -226,7 +231,7 @@ class vertical_split(Messenger):
 
     def _check_copies(self, msg):
         shape = tuple(msg["fn"].batch_shape)
-        plate_ndim = max([-f.dim for f in msg["cond_indep_stack"]], default=0)
+        plate_ndim = _plate_ndim(msg)
         if len(shape) <= plate_ndim or shape[-plate_ndim - 1] != self.num_clients:
             raise ValueError(_NO_COPIES.format(name=msg["name"], shape=shape, J=self.num_clients))
         # the copies are conditionally independent terms: declare their axis like a plate
@@ -238,7 +243,7 @@ class vertical_split(Messenger):
         client = self._contribution_owner[name]
         self._seen.add(name)
         g = msg["value"]
-        plate_ndim = max([-f.dim for f in msg["cond_indep_stack"]], default=0)
+        plate_ndim = _plate_ndim(msg)
         event_ndim = max(jnp.ndim(g) - plate_ndim, 0)
         z = numpyro.sample(
             f"z_{client}",

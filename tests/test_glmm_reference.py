@@ -9,7 +9,6 @@ tests/test_exactness.py). The target is therefore NOT met for beta_0 and omega; 
 assertions below pin the measured state so that a regression shows.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -1,6 +1,5 @@
 """SFVI against the exact posterior of a Normal-Normal hierarchy with known variances."""
 
-import jax
 import numpy as np
 import optax
 import pytest

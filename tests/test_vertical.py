@@ -1,6 +1,5 @@
 """The vertical_split rewrite against hand-written models and closed-form posteriors."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
