@@ -9,6 +9,8 @@ from .guides import MeanFieldGuide, StructuredGuide
 from .handlers import global_site, local_site
 from .svi import FederatedSVI, FederatedSVIState, RunResult
 from .vertical import vertical_split
+from .vertical_guides import AmortizedAux, MeanFieldAux, VerticalGuide
+from .vertical_svi import VerticalRunResult, VerticalSVI, VerticalSVIState
 from .transcript import (
     Communication,
     Transcript,
@@ -19,16 +21,22 @@ from .transcript import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmortizedAux",
     "ClientData",
     "Clients",
     "Communication",
     "FederatedObjective",
     "FederatedSVI",
     "FederatedSVIState",
+    "MeanFieldAux",
     "MeanFieldGuide",
     "RunResult",
     "StructuredGuide",
     "Transcript",
+    "VerticalGuide",
+    "VerticalRunResult",
+    "VerticalSVI",
+    "VerticalSVIState",
     "algorithms",
     "gaussian_barycenter",
     "global_site",

@@ -31,6 +31,8 @@ from numpyro.primitives import CondIndepStackFrame, Messenger
 __all__ = ["VERTICAL_KEY", "vertical_split"]
 
 VERTICAL_KEY = "vertical_client"
+AUX_KEY = "vertical_aux"  # marks the auxiliary z_j sites
+LOC_KEY = "vertical_loc"  # the contribution g_j that z_j is centred on (amortized guides read it)
 FORMS = ("augmented", "power")
 ACCESS = ("shared", "server")
 
@@ -178,6 +180,15 @@ class vertical_split(Messenger):
     def num_clients(self) -> int:
         return len(self.clients)
 
+    @property
+    def client_names(self) -> tuple:
+        """Client names, in the order of the power form's copy axis."""
+        return tuple(self._order)
+
+    def owner_of_argument(self, arg: str) -> Optional[str]:
+        """The client owning data argument ``arg`` (None for the response)."""
+        return self._data_owner.get(arg)
+
     def _check_row_ids(self) -> None:
         if self.row_ids is None:
             return
@@ -248,7 +259,7 @@ class vertical_split(Messenger):
         z = numpyro.sample(
             f"z_{client}",
             dist.Normal(g, self.rho).to_event(event_ndim),
-            infer={VERTICAL_KEY: client, "vertical_aux": True},
+            infer={VERTICAL_KEY: client, AUX_KEY: True, LOC_KEY: g},
         )
         if self.form == "augmented":
             msg["value"] = z

@@ -9,6 +9,7 @@ from .sfvi_avg import (
     SFVIAvgServerState,
     sfvi_avg,
 )
+from .vertical_sfvi import VerticalClientState, VerticalServerState, VerticalSFVI, vertical_sfvi
 
 __all__ = [
     "FederatedAlgorithm",
@@ -21,6 +22,10 @@ __all__ = [
     "SFVIClientState",
     "SFVIInfo",
     "SFVIServerState",
+    "VerticalClientState",
+    "VerticalSFVI",
+    "VerticalServerState",
     "sfvi",
     "sfvi_avg",
+    "vertical_sfvi",
 ]

@@ -1,0 +1,273 @@
+"""The split ELBO of a vertically federated model (paper 000, §4.3-4.4).
+
+For the augmented-variable model (eq. 6) the ELBO splits into a server term and one term
+per client,
+
+.. math::
+
+    \\mathcal L = \\underbrace{\\mathbb E[\\log p(y \\mid z, \\theta_0)] + \\mathbb E\\log
+        \\tfrac{p(\\theta_0)}{q(\\theta_0)}}_{\\mathcal L_0 \\text{ (server)}}
+      + \\sum_j \\underbrace{\\mathbb E\\Big[\\log \\tfrac{p(z_j \\mid \\theta_j)}
+        {q(z_j \\mid \\theta_j)} + \\log \\tfrac{p(\\theta_j)}{q(\\theta_j)}\\Big]}_{\\mathcal L_j
+        \\text{ (client j)}},
+
+where ``theta_0`` are the sites no client owns (intercept, noise scale). For the power
+likelihood (eq. 7) client j also holds ``L_{0,j} = E[(1/J) log p(y | g_j + sum_{k != j} z_k)]``.
+
+Every term is evaluated by running the rewritten model itself, with the party's own
+arguments and zero placeholders for everyone else's (the placeholders only reach terms
+the party does not count). Rows come in minibatches chosen by the server; row-level
+terms are scaled by ``n / b``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from numpyro.distributions.transforms import biject_to
+from numpyro.distributions.util import sum_rightmost
+from numpyro.handlers import seed, substitute, trace
+from numpyro.primitives import Messenger
+
+from ._structure import SiteLayout, _layout
+from .vertical import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
+from .vertical_guides import VerticalGuide
+
+__all__ = ["SERVER", "VerticalObjective"]
+
+SERVER = "server"
+_NOT_VERTICAL = (
+    "model must be wrapped in nf.vertical_split(model, clients=..., form=..., rho=...); got "
+    "{kind}. VerticalSVI fits the augmented or power form, never the true model"
+)
+_PARAM_SITE = (
+    "site '{name}' is a numpyro.param; VerticalSVI needs every unknown as a sample site "
+    "with a prior (write numpyro.sample('{name}', prior))"
+)
+_AUX_SHAPE = (
+    "the contribution of client '{client}' has shape {shape}; VerticalSVI needs one value "
+    "per row, shape ({n},), inside a plate over the rows"
+)
+_ROW_LATENT = (
+    "latent site '{name}' sits in the row plate '{plate}'; VerticalSVI supports per-row "
+    "latent variables only as the auxiliary z_j. Make it a parameter of the contribution "
+    "or fit the model with NUTS"
+)
+_OBS_PLATE = (
+    "observed site '{name}' is not inside the row plate '{plate}'; put the likelihood "
+    "inside `with numpyro.plate('{plate}', n):` so that rows can be minibatched"
+)
+_RESPONSE_INPUT = (
+    "AmortizedAux(use_response=True) needs the response on the clients, but "
+    "response_access='server'; use use_response=False"
+)
+
+
+class _AuxValue(Messenger):
+    """Give each auxiliary site ``z_c`` its value: ``values[c]`` or ``fns[c](g_c)``."""
+
+    def __init__(self, fn, values: Mapping, fns: Mapping):
+        self.values, self.fns, self.made = values, fns, {}
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        infer = msg.get("infer") or {}
+        if msg["type"] != "sample" or not infer.get(AUX_KEY):
+            return
+        client = infer[VERTICAL_KEY]
+        if client in self.fns:
+            z, log_q = self.fns[client](infer[LOC_KEY])
+            self.made[client] = (z, log_q)
+            msg["value"] = z
+        elif client in self.values:
+            msg["value"] = self.values[client]
+
+
+def _owner(site) -> str:
+    return (site.get("infer") or {}).get(VERTICAL_KEY, SERVER)
+
+
+def _in_plate(site, plate: str) -> bool:
+    return any(f.name == plate for f in site["cond_indep_stack"])
+
+
+class VerticalObjective:
+    """Pure functions for the terms of the vertical ELBO.
+
+    Args:
+        model: a :func:`~numpyro_fed.vertical_split` model.
+        guide: a :class:`~numpyro_fed.VerticalGuide`.
+        data: the keyword arguments of the model (used to discover sites and shapes).
+        model_kwargs: non-data keyword arguments.
+    """
+
+    def __init__(self, model, guide: VerticalGuide, data: Mapping, model_kwargs: Optional[Mapping] = None):
+        if not isinstance(model, vertical_split):
+            raise TypeError(_NOT_VERTICAL.format(kind=type(model).__name__))
+        self.model, self.guide = model, guide
+        self.form = model.form
+        self.response = model.response
+        self.response_access = model.response_access
+        self.clients: Tuple[str, ...] = model.client_names
+        self.model_kwargs = dict(model_kwargs or {})
+        self.arg_spec = {k: (tuple(jnp.shape(v)[1:]), jnp.asarray(v).dtype) for k, v in data.items()}
+        self.num_rows = int(jnp.shape(next(iter(data.values())))[0])
+        self.own_args = {c: tuple(a for a in data if model.owner_of_argument(a) == c) for c in self.clients}
+        tr = trace(seed(model, 0)).get_trace(**dict(data), **self.model_kwargs)
+        self.row_plate = self._find_row_plate(tr)
+        entries: Dict[str, list] = {c: [] for c in (SERVER,) + self.clients}
+        self.observed = []
+        self.supports: Dict[str, object] = {}
+        for name, site in tr.items():
+            if site["type"] == "param":
+                raise ValueError(_PARAM_SITE.format(name=name))
+            if site["type"] != "sample" or (site.get("infer") or {}).get(AUX_KEY):
+                continue
+            if site["is_observed"]:
+                if not _in_plate(site, self.row_plate):
+                    raise ValueError(_OBS_PLATE.format(name=name, plate=self.row_plate))
+                self.observed.append(name)
+                continue
+            if _in_plate(site, self.row_plate):
+                raise ValueError(_ROW_LATENT.format(name=name, plate=self.row_plate))
+            self.supports[name] = site["fn"].support
+            u = biject_to(site["fn"].support).inv(site["value"])
+            entries[_owner(site)].append((name, jnp.shape(u), None))
+        self.layouts: Dict[str, SiteLayout] = {party: _layout(e) for party, e in entries.items()}
+        use = getattr(guide.aux, "use_response", None)
+        if use is None:
+            use = self.form == "power" and self.response_access == "shared"
+        if use and (self.response is None or self.response_access == "server"):
+            raise ValueError(_RESPONSE_INPUT)
+        self.use_response = bool(use) and guide.aux.amortized
+
+    def _find_row_plate(self, tr) -> str:
+        plate = None
+        for client in self.clients:
+            site = tr[f"z_{client}"]
+            if jnp.shape(site["value"]) != (self.num_rows,):
+                raise ValueError(_AUX_SHAPE.format(client=client, shape=jnp.shape(site["value"]), n=self.num_rows))
+            frames = [f for f in site["cond_indep_stack"] if f.size == self.num_rows]
+            if not frames:
+                raise ValueError(_AUX_SHAPE.format(client=client, shape=jnp.shape(site["value"]), n=self.num_rows))
+            plate = frames[0].name
+        return plate
+
+    def constrain(self, party: str, u: jax.Array) -> Dict[str, jax.Array]:
+        """Constrained values of ``party``'s sites from a flat unconstrained draw."""
+        return {k: biject_to(self.supports[k])(v) for k, v in self.layouts[party].unravel(u).items()}
+
+    # ------------------------------------------------------------------ data views
+    def party_args(self, party: str, data: Mapping, rows: jax.Array) -> Dict[str, jax.Array]:
+        """The rows ``rows`` of what ``party`` holds (its covariates; ``y`` where it may see it)."""
+        names = list(self.own_args.get(party, ()))
+        if self.response is not None and (party == SERVER or self.response_access == "shared"):
+            names.append(self.response)
+        return {k: jnp.asarray(data[k])[rows] for k in names}
+
+    def _full_args(self, own: Mapping, b: int) -> Dict[str, jax.Array]:
+        args = {k: jnp.zeros((b,) + shape, dtype) for k, (shape, dtype) in self.arg_spec.items()}
+        args.update(own)
+        return args
+
+    # ------------------------------------------------------------------ densities
+    def _log_density(
+        self,
+        own: Mapping,
+        b: int,
+        latent: Mapping[str, jax.Array],
+        count: Callable[[dict], bool],
+        aux_values: Optional[Mapping] = None,
+        aux_fns: Optional[Mapping] = None,
+        copy: Optional[int] = None,
+    ):
+        ladj: Dict[str, jax.Array] = {}
+
+        def substitute_fn(msg):
+            if msg["type"] == "sample" and msg["name"] in latent:
+                u = latent[msg["name"]]
+                t = biject_to(msg["fn"].support)
+                x = t(u)
+                j = t.log_abs_det_jacobian(u, x)
+                ladj[msg["name"]] = jnp.sum(sum_rightmost(j, jnp.ndim(j) - jnp.ndim(x) + len(msg["fn"].event_shape)))
+                return x
+            return None
+
+        aux = _AuxValue(
+            substitute(seed(self.model, 0), substitute_fn=substitute_fn), aux_values or {}, aux_fns or {}
+        )
+        tr = trace(aux).get_trace(**self._full_args(own, b), **self.model_kwargs)
+        row_scale = self.num_rows / b
+        total = jnp.zeros(())
+        for name, site in tr.items():
+            if site["type"] != "sample" or not count(site):
+                continue
+            lp = site["fn"].log_prob(site["value"])
+            if copy is not None and site["is_observed"]:
+                frame = next(f for f in site["cond_indep_stack"] if f.name == "_vertical_copies")
+                lp = jnp.take(lp, copy, axis=jnp.ndim(lp) + frame.dim)
+            if site["scale"] is not None:
+                lp = lp * site["scale"]
+            if _in_plate(site, self.row_plate):
+                lp = lp * row_scale
+            total = total + jnp.sum(lp) + ladj.get(name, 0.0)
+        return total, aux.made
+
+    def aux_inputs(self, g: jax.Array, own: Mapping) -> jax.Array:
+        """Per-row inputs of the amortized network: ``[g_j]`` or ``[g_j, y]``."""
+        cols = [g]
+        if self.use_response:
+            cols.append(jnp.asarray(own[self.response], g.dtype))
+        return jnp.stack(cols, axis=-1)
+
+    def client_term(
+        self,
+        client: str,
+        theta_u: jax.Array,
+        aux_params,
+        tau: jax.Array,
+        own: Mapping,
+        rows: jax.Array,
+        *,
+        others: Optional[Mapping[str, jax.Array]] = None,
+        server_u: Optional[jax.Array] = None,
+        terms: Sequence[str] = ("local",),
+    ) -> Tuple[jax.Array, jax.Array]:
+        """Client ``client``'s part of the ELBO and its ``z`` for the rows ``rows``.
+
+        ``terms``: ``"local"`` is ``L_j`` (``log p(theta_j) + log p(z_j | theta_j) -
+        log q(z_j | .)``; ``log q(theta_j)`` is the caller's), ``"likelihood"`` is the power
+        form's ``L_{0,j}`` given the other clients' ``others`` and the server draw ``server_u``.
+        """
+        b = rows.shape[0]
+        latent = dict(self.layouts[client].unravel(theta_u))
+        if server_u is not None:
+            latent.update(self.layouts[SERVER].unravel(server_u))
+
+        def make_z(g):
+            return self.guide.aux.sample(aux_params, rows, self.aux_inputs(g, own), tau)
+
+        def count(site):
+            if site["is_observed"]:
+                return "likelihood" in terms
+            return "local" in terms and _owner(site) == client
+
+        copy = self.clients.index(client) if "likelihood" in terms else None
+        total, made = self._log_density(own, b, latent, count, others or {}, {client: make_z}, copy)
+        z, log_q = made[client]
+        if "local" in terms:
+            total = total - log_q * (self.num_rows / b)
+        return total, z
+
+    def server_term(self, server_u: jax.Array, z: Mapping[str, jax.Array], own: Mapping, rows: jax.Array) -> jax.Array:
+        """``log p(theta_0)`` (+ the likelihood ``log p(y | sum_j z_j, theta_0)`` in the
+        augmented form); ``log q(theta_0)`` is the caller's."""
+        latent = self.layouts[SERVER].unravel(server_u)
+        with_lik = self.form == "augmented"
+
+        def count(site):
+            return (with_lik and site["is_observed"]) or (not site["is_observed"] and _owner(site) == SERVER)
+
+        return self._log_density(own, rows.shape[0], latent, count, z)[0]
