@@ -1,6 +1,6 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
-from . import algorithms
+from . import algorithms, models
 from .arviz import to_arviz
 from .barycenter import gaussian_barycenter
 from .clients import Clients
@@ -42,6 +42,7 @@ __all__ = [
     "global_site",
     "local_site",
     "message_from_ndarrays",
+    "models",
     "message_to_ndarrays",
     "to_arviz",
     "vertical_split",

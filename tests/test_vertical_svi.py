@@ -251,8 +251,8 @@ def test_clear_errors(data3):
         numpyro.param("offset", 0.0)
         three_client_model(xa, xb, xc, y)
 
-    vparam = nf.vertical_split(with_param, clients=SPEC3, rho=0.5, response="y")
-    with pytest.raises(ValueError, match="'offset' is a numpyro.param"):
+    vparam = nf.vertical_split(with_param, clients=SPEC3, form="power", rho=0.5, response="y")
+    with pytest.raises(ValueError, match=r"\['offset'\] belong to the server"):
         nf.VerticalSVI(vparam, nf.VerticalGuide(), optax.adam(0.1)).init(random.PRNGKey(0), **data3)
     with pytest.raises(ValueError, match="aux="):
         nf.VerticalGuide("full")

@@ -39,12 +39,12 @@ __all__ = ["VerticalClientState", "VerticalSFVI", "VerticalServerState", "vertic
 
 
 class VerticalClientState(NamedTuple):
-    params: Dict[str, Any]  # {"theta": q(theta_j) params, "aux": q(z_j | .) params}
+    params: Dict[str, Any]  # {"theta": q(theta_j), "aux": q(z_j | .), "point": numpyro.param values}
     opt_state: Any
 
 
 class VerticalServerState(NamedTuple):
-    params: Dict[str, Any]  # {"theta": q(theta_0) params}
+    params: Dict[str, Any]  # {"theta": q(theta_0), "point": numpyro.param values}
     opt_state: Any
 
 
@@ -87,7 +87,7 @@ def vertical_sfvi(objective: VerticalObjective, optim, batch_size: Optional[int]
     d0 = obj.layouts[SERVER].size
 
     def init_server(rng_key) -> VerticalServerState:
-        params = {"theta": guide.theta.init(rng_key, d0)}
+        params = {"theta": guide.theta.init(rng_key, d0), "point": dict(obj.point_init[SERVER])}
         return VerticalServerState(params, optim.init(params))
 
     def init_client(rng_key, client: str) -> VerticalClientState:
@@ -95,6 +95,7 @@ def vertical_sfvi(objective: VerticalObjective, optim, batch_size: Optional[int]
         params = {
             "theta": guide.theta.init(k_t, obj.layouts[client].size),
             "aux": guide.aux.init(k_a, n, aux_inputs),
+            "point": dict(obj.point_init[client]),
         }
         return VerticalClientState(params, optim.init(params))
 
@@ -114,7 +115,8 @@ def vertical_sfvi(objective: VerticalObjective, optim, batch_size: Optional[int]
         eps, tau = noise
         u, log_q = guide.theta.sample(params["theta"], eps)
         value, z = obj.client_term(
-            client, u, params["aux"], tau, own, sched["rows"], others=others, server_u=server_u, terms=terms
+            client, u, params["aux"], tau, own, sched["rows"], others=others, server_u=server_u, terms=terms,
+            points=params["point"],
         )
         return value - (log_q if "local" in terms else 0.0), z
 
@@ -123,7 +125,7 @@ def vertical_sfvi(objective: VerticalObjective, optim, batch_size: Optional[int]
 
     def _server_value(params, eps0, z, sched, own):
         u, log_q = guide.theta.sample(params["theta"], eps0)
-        return obj.server_term(u, z, own, sched["rows"]) - log_q
+        return obj.server_term(u, z, own, sched["rows"], params["point"]) - log_q
 
     def server_step(state: VerticalServerState, eps0, z_messages, sched, own):
         z = {c: z_messages[c]["z"] for c in clients}
