@@ -25,7 +25,8 @@ def to_arviz(
     client: Optional[str] = None,
     clients: Optional["Clients"] = None,
 ) -> "az.InferenceData":
-    """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI` fit.
+    """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI` or
+    :class:`~numpyro_fed.VerticalSVI` fit.
 
     The posterior group holds draws from the variational approximation with one chain
     (global sites, plus ``client``'s local sites when a client is named). The ELBO trace
@@ -46,7 +47,12 @@ def to_arviz(
     """
     import arviz as az
 
-    draws = svi.sample_posterior(rng_key, result, num_samples, client=client)
+    vertical = not hasattr(svi, "method")
+    if vertical:  # VerticalSVI: every party's sites; data stay with their owners
+        draws = svi.sample_posterior(rng_key, result, num_samples)
+        client = clients = None
+    else:
+        draws = svi.sample_posterior(rng_key, result, num_samples, client=client)
     posterior = {k: np.asarray(v)[None] for k, v in draws.items()}
     elbo = -np.asarray(result.losses)
     sample_stats = {"elbo": elbo[None, None, :]}
@@ -60,7 +66,7 @@ def to_arviz(
         dims={"elbo": ["round"]},
         attrs={
             "inference_library": "numpyro_fed",
-            "method": svi.method,
+            "method": "vertical_sfvi" if vertical else svi.method,
             "rounds": int(result.communication.rounds),
             "bytes_up": int(result.communication.bytes_up),
             "bytes_down": int(result.communication.bytes_down),

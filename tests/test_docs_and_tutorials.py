@@ -11,11 +11,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_tutorial_executes(tmp_path):
+@pytest.mark.parametrize("name", ["01_horizontal_sfvi.ipynb", "02_vertical_fl.ipynb"])
+def test_tutorial_executes(tmp_path, name):
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
 
-    nb = nbformat.read(ROOT / "tutorials" / "01_horizontal_sfvi.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "tutorials" / name, as_version=4)
     os.environ["NF_TUTORIAL_FAST"] = "1"
     try:
         NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -270,3 +270,45 @@ def test_evaluate_and_resume(data3):
     assert set(draws) == {"b0", "sigma", "ba", "bb", "bc"}
     assert draws["ba"].shape == (100, 2) and bool(jnp.all(draws["sigma"] > 0))
     assert more.communication.rounds == 300
+
+
+# ---------------------------------------------------------------------------- split NN, shared arguments
+
+
+def test_hierarchical_bayes_split_nn_keeps_networks_on_the_clients():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype(np.float32)
+    y = (x[:, 0] - x[:, 4] > 0).astype(np.float32)
+    data = dict(xa=jnp.asarray(x[:, :2]), xb=jnp.asarray(x[:, 2:]), y=jnp.asarray(y))
+    hb = nf.models.split_nn({"a": "xa", "b": "xb"}, rho=1.0)
+    svi = nf.VerticalSVI(hb, nf.VerticalGuide("amortized"), optax.adam(1e-2))
+    res = svi.run(random.PRNGKey(0), 200, progress_bar=False, record_transcript=True, keep_values=True, **data)
+    assert set(res.params["a"]["point"]) == {"a_W0", "a_b0", "a_W1", "a_b1"}
+    assert res.params["server"]["point"] == {} and res.params["server"]["theta"]["loc"].size == 0
+    weights = svi.sample_posterior(random.PRNGKey(1), res, 50)
+    assert weights["a_w"].shape == (50, 2)
+    for c, xname in (("a", "xa"), ("b", "xb")):
+        for secret in [data[xname]] + jax.tree_util.tree_leaves(res.params[c]["point"]):
+            assert not any(_contains(e.value, secret) for e in res.transcript.entries if e.sender != c)
+    model, _ = nf.models.split_nn_model({"a": "xa", "b": "xb"})
+    points = {**res.params["a"]["point"], **res.params["b"]["point"]}
+    p = nf.models.predict_split_nn(model, points, random.PRNGKey(2), {"xa": data["xa"], "xb": data["xb"]},
+                                   rho=1.0, weights=weights)
+    assert p.shape == (40,) and bool(jnp.all((p > 0) & (p < 1)))
+    assert res.losses[-20:].mean() < res.losses[:20].mean()
+
+
+def test_shared_public_arguments(data3):
+    def model(xa, xb, xc, y, offset):
+        three_client_model(xa, xb, xc, y - offset)
+
+    with pytest.raises(ValueError, match="owned by no client"):
+        nf.vertical_split(model, clients=SPEC3, rho=0.5, response="y")(**data3, offset=jnp.zeros(24))
+    with pytest.raises(ValueError, match="also data of client 'a'"):
+        nf.vertical_split(model, clients=SPEC3, rho=0.5, response="y", shared=["xa"])
+    vm = nf.vertical_split(model, clients=SPEC3, rho=0.5, response="y", shared=["offset"])
+    svi = nf.VerticalSVI(vm, nf.VerticalGuide("meanfield"), optax.adam(0.05))
+    state = svi.init(random.PRNGKey(0), **data3, offset=jnp.ones(24))
+    views = svi._setup_cache.objective.party_args("a", {**data3, "offset": jnp.ones(24)}, jnp.arange(24))
+    assert set(views) == {"xa", "y", "offset"}
+    assert np.isfinite(float(svi.evaluate(state, **data3, offset=jnp.ones(24))))
