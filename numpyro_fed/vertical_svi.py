@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +111,7 @@ class VerticalSVI:
 
     def __init__(
         self,
-        model,
+        model: Callable,
         guide: VerticalGuide,
         optim: optax.GradientTransformation,
         *,

@@ -26,7 +26,7 @@ form with server-held sites) the server's draw of ``theta_0`` and gradients for 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,9 @@ from jax import random
 
 from ..vertical_objective import SERVER, VerticalObjective
 from .base import ascent
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optax
 
 __all__ = ["VerticalClientState", "VerticalSFVI", "VerticalServerState", "vertical_sfvi"]
 
@@ -65,7 +68,7 @@ class VerticalSFVI(NamedTuple):
     elbo: Callable  # (rng_key, server_state, client_states, data_views) -> ELBO estimate, no update
 
 
-def vertical_sfvi(objective: VerticalObjective, optim, batch_size: Optional[int] = None) -> VerticalSFVI:
+def vertical_sfvi(objective: VerticalObjective, optim: "optax.GradientTransformation", batch_size: Optional[int] = None) -> VerticalSFVI:
     """Build vertical SFVI for ``objective`` (augmented -> Alg. 1, power -> Alg. 2).
 
     Args:

@@ -15,7 +15,7 @@ server's logistic likelihood sees the sum of the clients' outputs.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,9 @@ def _hidden(client: str, x: jax.Array, hidden: Sequence[int]) -> jax.Array:
     return h
 
 
-def split_nn_model(inputs: Mapping[str, str], hidden: Sequence[int] = (8, 2), bayesian_last_layer: bool = True):
+def split_nn_model(
+    inputs: Mapping[str, str], hidden: Sequence[int] = (8, 2), bayesian_last_layer: bool = True
+) -> Tuple[Callable, Dict[str, dict]]:
     """A split NN for binary classification, one network per client.
 
     Args:
@@ -53,8 +55,7 @@ def split_nn_model(inputs: Mapping[str, str], hidden: Sequence[int] = (8, 2), ba
         bayesian_last_layer: ``w_j ~ N(0, I)`` (hierarchical Bayes) or a point estimate.
 
     Returns:
-        ``(model, spec)``: the model, called as ``model(y=..., **covariates)``, and the
-        ``clients=`` mapping for :func:`~numpyro_fed.vertical_split`.
+        The pair (model, spec): the model is called as ``model(y=..., **covariates)``; spec is the ``clients=`` mapping for :func:`~numpyro_fed.vertical_split`.
     """
     inputs = dict(inputs)
     width = int(hidden[-1]) if hidden else None
@@ -98,7 +99,7 @@ def split_nn(inputs: Mapping[str, str], rho: float, hidden: Sequence[int] = (8, 
 
 
 def predict_split_nn(
-    model, params: Mapping, rng_key, xs: Mapping[str, jax.Array], *, rho: float = 0.0,
+    model: Callable, params: Mapping, rng_key, xs: Mapping[str, jax.Array], *, rho: float = 0.0,
     weights: Optional[Mapping[str, jax.Array]] = None,
 ) -> jax.Array:
     """Predictive ``P(y = 1 | x)`` for new rows.
