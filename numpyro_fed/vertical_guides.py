@@ -30,19 +30,9 @@ from jax import random
 from jax.example_libraries import stax
 
 from ._typing import Array
+from .guides import _SCALES, _softplus_inverse, _std_normal_logpdf
 
 __all__ = ["AmortizedAux", "GaussianFactor", "MeanFieldAux", "VerticalGuide"]
-
-_HALF_LOG_2PI = 0.5 * jnp.log(2 * jnp.pi)
-_SCALES = ("full", "diagonal")
-
-
-def _softplus_inverse(x: float) -> float:
-    return float(jnp.log(jnp.expm1(jnp.asarray(x))))
-
-
-def _std_normal_logpdf(eps: Array) -> Array:
-    return -0.5 * eps**2 - _HALF_LOG_2PI
 
 
 class GaussianFactor:

@@ -55,6 +55,7 @@ class _Setup(NamedTuple):
     round_fn: Any
     scan_fn: Any
     key: tuple
+    cache: dict  # compiled ELBO estimators by num_particles; message shapes
 
     def __hash__(self) -> int:
         return id(self)
@@ -175,7 +176,7 @@ class VerticalSVI:
 
             return jax.lax.scan(body, state, None, length=num_steps)
 
-        self._setup_cache = _Setup(obj, alg, jax.jit(one_round), scan_fn, key)
+        self._setup_cache = _Setup(obj, alg, jax.jit(one_round), scan_fn, key, {})
         return self._setup_cache
 
     @staticmethod
@@ -204,8 +205,9 @@ class VerticalSVI:
         return params
 
     def _messages_shape(self, setup, state, data):
-        out = jax.eval_shape(lambda s: setup.round_fn(s, data)[1][1], state)
-        return out
+        if "shapes" not in setup.cache:
+            setup.cache["shapes"] = jax.eval_shape(lambda s: setup.round_fn(s, data)[1][1], state)
+        return setup.cache["shapes"]
 
     def run(
         self,
@@ -258,17 +260,21 @@ class VerticalSVI:
     def evaluate(self, state: VerticalSVIState, num_particles: int = 16, rng_key=None, **data):
         """``-ELBO`` on all rows, averaged over ``num_particles`` draws (jit-compiled)."""
         setup = self._setup(data)
-        obj = setup.objective
         rng_key = state.rng_key if rng_key is None else rng_key
-        full = vertical_sfvi(obj, self.optim, None)
+        key = ("elbo", int(num_particles))
+        if key not in setup.cache:  # compile once per set-up and particle count
+            obj = setup.objective
+            full = vertical_sfvi(obj, self.optim, None)
 
-        @jax.jit
-        def estimate(state, arrays, key):
-            sched = full.schedule(key)
-            views = _views(obj, arrays, sched["rows"])
-            keys = random.split(key, int(num_particles))
-            return jnp.mean(jax.vmap(lambda k: full.elbo(k, state.server, state.clients, sched, views))(keys))
+            @jax.jit
+            def estimate(state, arrays, k):
+                sched = full.schedule(k)
+                views = _views(obj, arrays, sched["rows"])
+                keys = random.split(k, int(num_particles))
+                return jnp.mean(jax.vmap(lambda kk: full.elbo(kk, state.server, state.clients, sched, views))(keys))
 
+            setup.cache[key] = estimate
+        estimate = setup.cache[key]
         return -estimate(state, self._data(data), rng_key)
 
     def sample_posterior(self, rng_key, result, num_samples: int) -> Dict[str, jax.Array]:

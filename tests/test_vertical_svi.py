@@ -13,6 +13,8 @@ from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
 
+from .test_privacy import contains as _contains
+
 
 def three_client_model(xa, xb, xc, y):
     b0 = numpyro.sample("b0", dist.Normal(0.0, 1.0))
@@ -171,15 +173,6 @@ def test_meanfield_means_match_the_closed_form_augmented_posterior():
 
 
 # ---------------------------------------------------------------------------- privacy
-
-
-def _contains(haystack, needle) -> bool:
-    h = np.ravel(haystack).astype(np.float32)
-    n = np.ravel(needle).astype(np.float32)
-    n = n[(n != 0) & (np.abs(n) != 1)]
-    if n.size < 3 or h.size < 3:
-        return False
-    return np.isin(n, h).mean() > 0.5
 
 
 @pytest.mark.parametrize("form,access", [("augmented", "server"), ("power", "shared")])
