@@ -10,6 +10,7 @@ from .handlers import global_site, local_site
 from .svi import FederatedSVI, FederatedSVIState, RunResult
 from .vertical import vertical_split
 from .vertical_guides import AmortizedAux, MeanFieldAux, VerticalGuide
+from .vertical_soul import VerticalSOUL
 from .vertical_svi import VerticalRunResult, VerticalSVI, VerticalSVIState
 from .transcript import (
     Communication,
@@ -35,6 +36,7 @@ __all__ = [
     "Transcript",
     "VerticalGuide",
     "VerticalRunResult",
+    "VerticalSOUL",
     "VerticalSVI",
     "VerticalSVIState",
     "algorithms",

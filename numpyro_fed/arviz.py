@@ -25,18 +25,20 @@ def to_arviz(
     client: Optional[str] = None,
     clients: Optional["Clients"] = None,
 ) -> "az.InferenceData":
-    """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI` or
-    :class:`~numpyro_fed.VerticalSVI` fit.
+    """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI`,
+    :class:`~numpyro_fed.VerticalSVI` or :class:`~numpyro_fed.VerticalSOUL` fit.
 
-    The posterior group holds draws from the variational approximation with one chain
-    (global sites, plus ``client``'s local sites when a client is named). The ELBO trace
-    goes into ``sample_stats`` as ``elbo`` with a ``round`` dimension. Observed data is
+    The posterior group holds draws from the variational approximation (for SOUL: the
+    Langevin draws given ``z_hat``) with one chain (global sites, plus ``client``'s
+    local sites when a client is named). The ELBO trace goes into ``sample_stats`` as
+    ``elbo`` with a ``round`` dimension (for SOUL: ``log_joint``, the averaged
+    ``log p(theta, z, y)``). Observed data is
     added only for a named client whose data the caller passes in ``clients`` (the
     caller must be that client: nobody else may see it).
 
     Args:
-        svi: the fitted :class:`~numpyro_fed.FederatedSVI`.
-        result: its :class:`~numpyro_fed.RunResult`.
+        svi: the fitted :class:`~numpyro_fed.FederatedSVI`, ``VerticalSVI`` or ``VerticalSOUL``.
+        result: its :class:`~numpyro_fed.RunResult` (or ``VerticalRunResult``).
         rng_key: PRNG key for the posterior draws.
         num_samples: draws in the single chain.
         client: name of the client whose local sites (and data) to include.
@@ -47,15 +49,17 @@ def to_arviz(
     """
     import arviz as az
 
-    vertical = not hasattr(svi, "method")
-    if vertical:  # VerticalSVI: every party's sites; data stay with their owners
+    from .vertical_protocol import VerticalRunner
+
+    vertical = isinstance(svi, VerticalRunner)
+    if vertical:  # every party's sites; data stay with their owners
         draws = svi.sample_posterior(rng_key, result, num_samples)
         client = clients = None
     else:
         draws = svi.sample_posterior(rng_key, result, num_samples, client=client)
     posterior = {k: np.asarray(v)[None] for k, v in draws.items()}
-    elbo = -np.asarray(result.losses)
-    sample_stats = {"elbo": elbo[None, None, :]}
+    stat = svi.loss_name if vertical else "elbo"
+    sample_stats = {stat: -np.asarray(result.losses)[None, None, :]}
     observed = None
     if client is not None and clients is not None:
         observed = {k: np.asarray(v) for k, v in svi.observed(clients, client).items()}
@@ -63,10 +67,10 @@ def to_arviz(
         posterior=posterior,
         sample_stats=sample_stats,
         observed_data=observed,
-        dims={"elbo": ["round"]},
+        dims={stat: ["round"]},
         attrs={
             "inference_library": "numpyro_fed",
-            "method": "vertical_sfvi" if vertical else svi.method,
+            "method": svi.method,
             "rounds": int(result.communication.rounds),
             "bytes_up": int(result.communication.bytes_up),
             "bytes_down": int(result.communication.bytes_down),

@@ -94,7 +94,8 @@ class vertical_split(Messenger):
         response_access: ``"shared"`` (every client knows y) or ``"server"`` (only the
             server does; then only ``form="augmented"`` applies).
         observed: names of the likelihood sites to scale by ``1/J`` in the power form
-            (default: every observed site).
+            (default: every observed site except ``numpyro.factor`` terms, which are
+            counted once, like priors; list a factor here if it is a likelihood term).
         row_ids: optional ``{client: ids}``; the rows must be identical, in order.
         shared: public arguments every party holds (an offset such as log population,
             a grouping everyone knows); neither a client's private data nor the response.
@@ -247,7 +248,8 @@ class vertical_split(Messenger):
         if msg["type"] in ("sample", "param") and name in self._site_owner:
             msg["infer"] = {**(msg.get("infer") or {}), VERTICAL_KEY: self._site_owner[name]}
         if msg["type"] == "sample" and msg.get("is_observed") and self.form == "power":
-            if self.observed is None or name in self.observed:
+            is_factor = (msg.get("infer") or {}).get("is_auxiliary", False)
+            if (self.observed is None and not is_factor) or (self.observed is not None and name in self.observed):
                 msg["scale"] = (1.0 if msg["scale"] is None else msg["scale"]) / self.num_clients
                 self._check_copies(msg)
         if msg["type"] == "deterministic" and name in self._contribution_owner:

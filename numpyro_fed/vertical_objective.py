@@ -59,6 +59,17 @@ _OBS_PLATE = (
     "observed site '{name}' is not inside the row plate '{plate}'; put the likelihood "
     "inside `with numpyro.plate('{plate}', n):` so that rows can be minibatched"
 )
+_POWER_FACTOR = (
+    "site '{name}' is a numpyro.factor; in the power form every observed term must be a "
+    "likelihood with one copy per client. Pass observed=[..., '{name}'] to vertical_split if "
+    "it is a likelihood term built from the contributions, or fit the augmented form"
+)
+_POWER_CROSS = (
+    "form='power': the likelihood copy of client '{client}' depends on {kind} '{name}' of "
+    "client '{owner}', which '{client}' cannot see (copy j may use only g_j, the other "
+    "clients' z and the server's sites). Make '{name}' a server site (drop it from "
+    "'{owner}''s sites) or fit the augmented form"
+)
 _RESPONSE_INPUT = (
     "AmortizedAux(use_response=True) needs the response on the clients, but "
     "response_access='server'; use use_response=False"
@@ -134,6 +145,8 @@ class VerticalObjective:
             if site["is_observed"]:
                 if not _in_plate(site, self.row_plate):
                     raise ValueError(_OBS_PLATE.format(name=name, plate=self.row_plate))
+                if self.form == "power" and not _in_plate(site, "_vertical_copies"):
+                    raise ValueError(_POWER_FACTOR.format(name=name))
                 self.observed.append(name)
                 continue
             if _in_plate(site, self.row_plate):
@@ -144,12 +157,41 @@ class VerticalObjective:
         self.layouts: Dict[str, SiteLayout] = {party: _layout(e) for party, e in entries.items()}
         if self.form == "power" and self.point_init[SERVER]:
             raise ValueError(_POWER_SERVER_PARAM.format(names=sorted(self.point_init[SERVER])))
+        if self.form == "power":
+            self._check_copies_are_local(data)
         use = getattr(guide.aux, "use_response", None)
         if use is None:
             use = self.form == "power" and self.response_access == "shared"
         if use and (self.response is None or self.response_access == "server"):
             raise ValueError(_RESPONSE_INPUT)
         self.use_response = bool(use) and guide.aux.amortized
+
+    def _check_copies_are_local(self, data: Mapping) -> None:
+        """Client j's likelihood copy must not depend on another client's sites or params
+        (it would silently see a prior draw there): checked by differentiating each copy
+        at a random point."""
+        b = min(self.num_rows, 8)
+        own = {k: jnp.asarray(v)[:b] for k, v in data.items()}
+        keys = iter(jax.random.split(jax.random.PRNGKey(0), len(self.layouts) + len(self.clients)))
+        latent, owners = {}, {}
+        for party, layout in self.layouts.items():
+            u = 0.3 * jax.random.normal(next(keys), (layout.size,))
+            for name, value in layout.unravel(u).items():
+                latent[name], owners[name] = value, (party, "site")
+        points = {}
+        for party, values in self.point_init.items():
+            for name, value in values.items():
+                points[name], owners[name] = value, (party, "param")
+        z = {c: 0.3 * jax.random.normal(next(keys), (b,)) for c in self.clients}
+        for j, client in enumerate(self.clients):
+            def lik(latent, points):
+                return self._log_density(own, b, latent, lambda s: s["is_observed"], points, z, copy=j)[0]
+
+            grads = jax.grad(lik, argnums=(0, 1))(latent, points)
+            for name, g in {**grads[0], **grads[1]}.items():
+                owner, kind = owners[name]
+                if owner not in (client, SERVER) and bool(jnp.any(g != 0)):
+                    raise ValueError(_POWER_CROSS.format(client=client, kind=kind, name=name, owner=owner))
 
     def _find_row_plate(self, tr) -> str:
         plate = None

@@ -6,6 +6,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import gc  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -19,3 +20,13 @@ def _seed_and_leaks():
     gc.collect()
     leaked = [a for a in gc.get_objects() if isinstance(a, jax.core.Tracer)]
     assert not leaked, f"{len(leaked)} JAX tracers leaked out of the test"
+
+
+@pytest.fixture(scope="module")
+def data3():
+    """24 rows split over three vertical clients: xa (2 columns), xb (1), xc (2), and y."""
+    rng = np.random.default_rng(1)
+    n = 24
+    x = rng.normal(size=(n, 5)).astype(np.float32)
+    y = (0.3 + x @ np.array([1.0, -0.5, 0.8, 0.2, -1.0]) + 0.5 * rng.normal(size=n)).astype(np.float32)
+    return dict(xa=jnp.asarray(x[:, :2]), xb=jnp.asarray(x[:, 2:3]), xc=jnp.asarray(x[:, 3:]), y=jnp.asarray(y))

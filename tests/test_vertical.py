@@ -125,6 +125,25 @@ def test_power_likelihood_sees_every_copy(data):
     assert tr["y"]["scale"] == 0.5
 
 
+def test_power_form_counts_a_factor_once(data):
+    """A ``numpyro.factor`` (here a ridge penalty; NumPyro's own potential energy adds one
+    per constrained site) is counted once in the power form, like a prior."""
+
+    def penalised(xa, xb, y):
+        true_model(xa, xb, y)
+        ba = numpyro.sample("sd_shift", dist.HalfNormal(1.0))
+        numpyro.factor("penalty", -0.5 * ba**2)
+
+    model = nf.vertical_split(penalised, clients=SPEC, form="power", rho=1.0, response="y")
+    params = {"ba": jnp.array([0.3, -0.2]), "bb": jnp.array([0.1]), "sd_shift": jnp.array(0.7),
+              "z_a": jnp.zeros(40), "z_b": jnp.ones(40)}
+    got = log_density(model, (), data, params)[0]
+    want = hand_written("power", 1.0, params, data) + dist.HalfNormal(1.0).log_prob(0.7) - 0.5 * 0.7**2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(**data)
+    assert tr["penalty"]["scale"] is None
+
+
 def test_true_model_is_untouched(data):
     tr = numpyro.handlers.trace(numpyro.handlers.seed(true_model, 0)).get_trace(**data)
     assert "z_a" not in tr

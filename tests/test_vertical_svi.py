@@ -36,15 +36,6 @@ SPEC3 = {
 }
 
 
-@pytest.fixture(scope="module")
-def data3():
-    rng = np.random.default_rng(1)
-    n = 24
-    x = rng.normal(size=(n, 5)).astype(np.float32)
-    y = (0.3 + x @ np.array([1.0, -0.5, 0.8, 0.2, -1.0]) + 0.5 * rng.normal(size=n)).astype(np.float32)
-    return dict(xa=jnp.asarray(x[:, :2]), xb=jnp.asarray(x[:, 2:3]), xc=jnp.asarray(x[:, 3:]), y=jnp.asarray(y))
-
-
 class _RowScale(numpyro.primitives.Messenger):
     """Scale the sites inside the plate 'rows' (an unbiased minibatch estimate)."""
 
@@ -179,14 +170,38 @@ def test_meanfield_means_match_the_closed_form_augmented_posterior():
 def test_only_z_and_gradients_wrt_z_cross(data3, form, access):
     """Paper 000's privacy boundary: clients send z_j on the round's rows (and, in the
     power form, gradients w.r.t. the other clients' z); x_j, theta_j and psi_j never leave."""
-    spec = SPEC3  # augmented: the server holds the likelihood, b0 and sigma
-    if form == "power":  # power: every site has a client owner, so only z-related arrays cross
-        spec = {**SPEC3, "a": dict(data="xa", sites=["ba", "b0"], contribution="ga"),
-                "b": dict(data="xb", sites=["bb", "sigma"], contribution="gb")}
-    vmodel = nf.vertical_split(three_client_model, clients=spec, form=form, rho=0.7, response="y",
+    vmodel = nf.vertical_split(privacy_model(form), clients=SPEC3, form=form, rho=0.7, response="y",
                                response_access=access)
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(0.05), batch_size=8)
     res = svi.run(random.PRNGKey(0), 4, progress_bar=False, record_transcript=True, keep_values=True, **data3)
+    secrets = {c: jax.tree_util.tree_leaves(res.params[c]) for c in ("a", "b", "c")}
+    assert_only_z_crosses(res, data3, form, access, secrets)
+
+
+def power_model(xa, xb, xc, y):
+    """``three_client_model`` without server sites (known noise, no intercept)."""
+    ba = numpyro.sample("ba", dist.Normal(0.0, 1.0).expand([xa.shape[1]]).to_event(1))
+    bb = numpyro.sample("bb", dist.Normal(0.0, 1.0).expand([xb.shape[1]]).to_event(1))
+    bc = numpyro.sample("bc", dist.Normal(0.0, 1.0).expand([xc.shape[1]]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        ga = numpyro.deterministic("ga", xa @ ba)
+        gb = numpyro.deterministic("gb", xb @ bb)
+        gc = numpyro.deterministic("gc", xc @ bc)
+        numpyro.sample("y", dist.Normal(ga + gb + gc, 0.5), obs=y)
+
+
+def privacy_model(form):
+    """Augmented: the server holds the likelihood, b0 and sigma. Power: no server sites, so
+    only z-related arrays cross (with server sites the server relays its draw of them)."""
+    return three_client_model if form == "augmented" else power_model
+
+
+def assert_only_z_crosses(res, data3, form, access, secrets):
+    """Names, shapes and contents of every message of an 8-row-batch run on ``data3``.
+
+    ``secrets``: ``{client: arrays that must not leave it}``; each client's covariates
+    (and the server's y when it is private) are added here.
+    """
     t = res.transcript
     up = [e for e in t.entries if e.receiver == "server"]
     down = [e for e in t.entries if e.sender == "server"]
@@ -195,8 +210,7 @@ def test_only_z_and_gradients_wrt_z_cross(data3, form, access):
     assert {e.name for e in down} <= {"['rows']", "['grad_z']", "['z']"}
     for e in up + down:  # per-row quantities on the round's 8 rows only
         assert e.shape in ((8,), (2, 8), (3, 8)), e
-    secrets = {c: [data3[x]] + jax.tree_util.tree_leaves(res.params[c]) for c, x in
-               (("a", "xa"), ("b", "xb"), ("c", "xc"))}
+    secrets = {c: [data3[x]] + list(secrets.get(c, [])) for c, x in (("a", "xa"), ("b", "xb"), ("c", "xc"))}
     if access == "server":
         secrets["server"] = [data3["y"]]
     for owner, arrays in secrets.items():
@@ -247,6 +261,10 @@ def test_clear_errors(data3):
     vparam = nf.vertical_split(with_param, clients=SPEC3, form="power", rho=0.5, response="y")
     with pytest.raises(ValueError, match=r"\['offset'\] belong to the server"):
         nf.VerticalSVI(vparam, nf.VerticalGuide(), optax.adam(0.1)).init(random.PRNGKey(0), **data3)
+    cross = nf.vertical_split(three_client_model, clients={**SPEC3, "b": dict(SPEC3["b"], sites=["bb", "sigma"])},
+                              form="power", rho=0.5, response="y")
+    with pytest.raises(ValueError, match="copy of client 'a' depends on site 'sigma' of client 'b'"):
+        nf.VerticalSVI(cross, nf.VerticalGuide(), optax.adam(0.1)).init(random.PRNGKey(0), **data3)
     with pytest.raises(ValueError, match="aux="):
         nf.VerticalGuide("full")
 

@@ -10,9 +10,11 @@ from .sfvi_avg import (
     sfvi_avg,
 )
 from .vertical_sfvi import VerticalClientState, VerticalServerState, VerticalSFVI, vertical_sfvi
+from .vertical_soul import PointAux, SOULClientState, SOULServerState, VerticalSOULAlgorithm, vertical_soul
 
 __all__ = [
     "FederatedAlgorithm",
+    "PointAux",
     "SFVIAvgBroadcast",
     "SFVIAvgClientMessage",
     "SFVIAvgClientState",
@@ -22,10 +24,14 @@ __all__ = [
     "SFVIClientState",
     "SFVIInfo",
     "SFVIServerState",
+    "SOULClientState",
+    "SOULServerState",
     "VerticalClientState",
     "VerticalSFVI",
+    "VerticalSOULAlgorithm",
     "VerticalServerState",
     "sfvi",
     "sfvi_avg",
     "vertical_sfvi",
+    "vertical_soul",
 ]

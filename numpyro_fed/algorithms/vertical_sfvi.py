@@ -62,7 +62,7 @@ class VerticalSFVI(NamedTuple):
     client_forward: Callable
     server_step: Callable  # augmented (Alg. 1)
     relay: Callable  # power (Alg. 2), first server reply
-    client_likelihood: Callable  # power (Alg. 2), gradients for the others' z
+    client_likelihood: Callable  # power (Alg. 2), gradients for the others' z -> (state, message)
     server_aggregate: Callable  # power (Alg. 2), sums them
     client_step: Callable
     elbo: Callable  # (rng_key, server_state, client_states, data_views) -> ELBO estimate, no update
@@ -156,7 +156,7 @@ def vertical_sfvi(objective: VerticalObjective, optim: "optax.GradientTransforma
         message = {"grad_z": jnp.stack([g_z[c] for c in clients if c != client])}
         if d0:
             message["grad_theta"] = g_u
-        return message
+        return state, message
 
     def server_aggregate(state: VerticalServerState, eps0, lik_messages, sched, own):
         totals = {c: jnp.zeros(b) for c in clients}
