@@ -32,7 +32,9 @@ class VerticalSOUL(VerticalRunner):
     exchanges every party takes ``num_langevin`` Langevin steps on its own ``theta``
     block (warm-started), which is where SOUL's local computation lies. The augmented
     form supports server-held sites (a server chain for latent sites, ascent for
-    ``numpyro.param`` sites, A.3); the power form needs every site to have a client owner.
+    ``numpyro.param`` sites, A.3); in the power form server-held latent sites (an
+    intercept) take one Langevin step per exchange from the clients' gradients, and
+    server ``numpyro.param`` sites are not supported.
 
     The draws condition on the point ``z_hat``, so they are narrower than the augmented
     model's marginal posterior of ``theta`` (the paper's caveat); the Langevin
@@ -128,7 +130,8 @@ class VerticalSOUL(VerticalRunner):
         """Langevin draws of every party's sites from ``p(theta | z_hat, y)``, constrained.
 
         ``z`` is held at its final value, so the chains need no further communication
-        (in the power form each client needs the others' ``z_hat`` once). Each chain
+        (in the power form each client needs the others' ``z_hat`` once; with server
+        sites each step is one more exchange of ``theta_0`` and its gradient). Each chain
         continues from the run's final state on all rows of the data of the last
         ``run``; ``num_warmup`` steps are discarded, then every ``thinning``-th is kept.
         Jit-compiled once per set of arguments.
@@ -153,22 +156,17 @@ class VerticalSOUL(VerticalRunner):
         length = num_warmup + num_samples * thinning
 
         def draws(state, arrays, rng_key):
-            n = obj.num_rows
-            views = party_views(obj, arrays, jax.numpy.arange(n))
+            views = party_views(obj, arrays, jax.numpy.arange(obj.num_rows))
             z_all = {c: state.clients[c].params["z"] for c in obj.clients}
-            keys = random.split(rng_key, len(obj.clients) + 1)
+            parties = (SERVER,) + obj.clients
+            keys = random.split(rng_key, len(parties))
+            noise = {p: random.normal(k, (length, obj.layouts[p].size)) for k, p in zip(keys, parties)}
+            chains = alg.posterior_chain(state.server, state.clients, noise, z_all, views)
             out = {}
-            for key, party in zip(keys, (SERVER,) + obj.clients):
-                size = obj.layouts[party].size
-                if size == 0:
-                    continue
-                noise = random.normal(key, (length, size))
-                if party == SERVER:
-                    u = alg.server_chain(state.server, noise, z_all, views[SERVER])
-                else:
-                    u = alg.client_chain(party, state.clients[party], noise, z_all, views[party])
-                u = u[num_warmup::thinning]
-                out.update(jax.vmap(lambda v, p=party: obj.constrain(p, v))(u))
+            for party in parties:
+                if obj.layouts[party].size:
+                    u = chains[party][num_warmup::thinning]
+                    out.update(jax.vmap(lambda v, p=party: obj.constrain(p, v))(u))
             return out
 
         return draws

@@ -23,9 +23,13 @@ Langevin steps per communication, warm-started from the previous iteration:
   and it returns ``d/dz_j`` of that term averaged over its draws; server
   ``numpyro.param`` sites ascend their averaged gradient (A.3, eq. 26);
 - **power** (A.2): client j's chain targets ``p(theta_j) p(z_j | theta_j)
-  p(y | g_j + sum_{k != j} z_k)^{1/J}`` given the relayed ``z``; it returns the averaged
-  ``d/dz_k`` (``k != j``) of its likelihood copy and the server sums them (eq. 24).
-  Server-held sites are not supported in this form.
+  p(y | g_j + sum_{k != j} z_k, theta_0)^{1/J}`` given the relayed ``z`` (and the
+  server's current ``theta_0``); it returns the averaged ``d/dz_k`` (``k != j``) of its
+  likelihood copy and the server sums them (eq. 24). Server-held sites (an intercept)
+  couple the copies, so they are updated block-wise: after the clients' ``M`` steps the
+  server takes one Langevin step on ``theta_0`` with the clients' gradients
+  ``d/dtheta_0`` of their copies at their last draws (Langevin-within-Gibbs; A.3's
+  communication pattern). Server ``numpyro.param`` sites are not supported in this form.
 
 Each client then ascends ``z_j`` with ``optim`` using its own averaged gradient plus the
 server's reply. The messages are those of vertical SFVI: ``z_j`` on the round's rows and
@@ -49,11 +53,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import optax
 
 __all__ = ["PointAux", "SOULClientState", "SOULServerState", "VerticalSOULAlgorithm", "vertical_soul"]
-
-_POWER_SERVER_SITES = (
-    "SOUL in the power form: sites {names} belong to the server, but every client's "
-    "Langevin chain needs them; list them under one client's 'sites' in vertical_split"
-)
 
 
 class PointAux:
@@ -106,8 +105,7 @@ class VerticalSOULAlgorithm(NamedTuple):
     client_likelihood: Callable  # power: chain + gradients for the others' z -> (state, message)
     server_aggregate: Callable  # power
     client_step: Callable
-    client_chain: Callable  # (client, state, noise, z_all, own) -> draws with z held fixed
-    server_chain: Callable  # (state, noise, z_all, own) -> draws with z held fixed
+    posterior_chain: Callable  # (server, clients, noise, z_all, views) -> draws with z held fixed
 
 
 def _langevin(target, u, rest, noise, step_size):
@@ -162,8 +160,6 @@ def vertical_soul(
     power = obj.form == "power"
     d0 = obj.layouts[SERVER].size
     m = int(num_langevin)
-    if power and d0:
-        raise ValueError(_POWER_SERVER_SITES.format(names=sorted(obj.layouts[SERVER].names)))
     gammas = {p: float(step_size[p] if isinstance(step_size, Mapping) else step_size) for p in (SERVER,) + clients}
 
     def init_server(rng_key) -> SOULServerState:
@@ -192,14 +188,18 @@ def vertical_soul(
         del client, noise, own
         return {"z": state.params["z"][sched["rows"]]}
 
-    def _client_target(client, own, rows, terms):
-        def target(u, rest):
+    def _client_target(client, own, rows, terms, server_u=None):
+        def target(u, rest, server_u=server_u):
             params, others = rest
             return obj.client_term(
-                client, u, {"z": params["z"]}, None, own, rows, others=others, terms=terms, points=params["point"]
+                client, u, {"z": params["z"]}, None, own, rows, others=others, server_u=server_u, terms=terms,
+                points=params["point"],
             )[0]
 
         return target
+
+    def _server_prior(u0, own, rows):
+        return obj.server_term(u0, {}, own, rows)  # power form: log p(theta_0) only
 
     def _server_target(own, rows):
         def target(u, rest):
@@ -219,27 +219,41 @@ def vertical_soul(
         return SOULServerState(chain, params, opt_state), replies, value
 
     def relay(state: SOULServerState, noise, z_messages) -> Dict[str, jax.Array]:
-        del state, noise
-        return {"z": jnp.stack([z_messages[c]["z"] for c in clients])}
+        del noise
+        message = {"z": jnp.stack([z_messages[c]["z"] for c in clients])}
+        if d0:
+            message["theta"] = state.chain
+        return message
 
     def _others(client, relayed):
         return {c: relayed["z"][k] for k, c in enumerate(clients) if c != client}
 
     def client_likelihood(client, state: SOULClientState, noise, relayed, sched, own):
-        target = _client_target(client, own, sched["rows"], ("local", "likelihood"))
-        chain, value, (g_params, g_others), _ = _langevin(
-            target, state.chain, (state.params, _others(client, relayed)), noise, gammas[client]
-        )
+        server_u = relayed.get("theta")
+        target = _client_target(client, own, sched["rows"], ("local", "likelihood"), server_u)
+        rest = (state.params, _others(client, relayed))
+        chain, value, (g_params, g_others), _ = _langevin(target, state.chain, rest, noise, gammas[client])
         message = {"grad_z": jnp.stack([g_others[c] for c in clients if c != client])}
+        if d0:  # d/dtheta_0 of the client's copy at its last draw, for the server's block step
+            message["grad_theta"] = jax.grad(lambda s0: target(chain, rest, s0))(server_u)
         return state._replace(chain=chain, pending={"grad": g_params, "value": value}), message
 
+    def _server_block_step(u0, grad_clients, xi, own, rows):
+        value, g = jax.value_and_grad(_server_prior)(u0, own, rows)
+        gamma = gammas[SERVER]
+        return u0 + gamma * (g + grad_clients) + jnp.sqrt(2.0 * gamma) * xi, value
+
     def server_aggregate(state: SOULServerState, noise, lik_messages, sched, own):
-        del noise, sched, own
         totals = {c: jnp.zeros(b) for c in clients}
         for sender in clients:
             for i, c in enumerate(k for k in clients if k != sender):
                 totals[c] = totals[c] + lik_messages[sender]["grad_z"][i]
-        return state, {c: {"grad_z": totals[c]} for c in clients}, jnp.zeros(())
+        value = jnp.zeros(())
+        if d0:
+            grad_u = sum(lik_messages[c]["grad_theta"] for c in clients)
+            chain, value = _server_block_step(state.chain, grad_u, noise[0], own, sched["rows"])
+            state = state._replace(chain=chain)
+        return state, {c: {"grad_z": totals[c]} for c in clients}, value
 
     def client_step(client, state: SOULClientState, noise, reply, sched, own, relayed=None):
         if power:
@@ -251,21 +265,43 @@ def vertical_soul(
         params, opt_state = ascent(optim, grads, state.opt_state, state.params)
         return SOULClientState(chain, params, opt_state, state.pending), value
 
-    def client_chain(client, state: SOULClientState, noise, z_all, own):
-        """Draws of ``theta_j`` (one per row of ``noise``) with every ``z`` held at ``z_all``."""
+    def posterior_chain(server: SOULServerState, states, noise, z_all, views):
+        """Langevin draws of every party's ``theta`` with ``z`` held at ``z_all`` (all rows).
+
+        ``noise``: ``{party: (K, d_party)}``. Returns ``{party: (K, d_party)}`` draws. In the
+        augmented form the chains are independent; in the power form with server sites
+        each step is a client step given ``theta_0`` then a server step (one exchange).
+        """
         rows = jnp.arange(n)
         terms = ("local", "likelihood") if power else ("local",)
-        others = {c: z_all[c] for c in clients if c != client} if power else {}
-        target = _client_target(client, own, rows, terms)
-        params = {**state.params, "z": z_all[client]}
-        return _langevin(target, state.chain, (params, others), noise, gammas[client])[3]
 
-    def server_chain(state: SOULServerState, noise, z_all, own):
-        """Draws of ``theta_0`` with every ``z`` held at ``z_all``."""
-        target = _server_target(own, jnp.arange(n))
-        return _langevin(target, state.chain, (z_all, state.params["point"]), noise, gammas[SERVER])[3]
+        def step(carry, xi):
+            u0, us = carry
+            new_us = {}
+            grad_u = jnp.zeros(d0)
+            for c in clients:
+                others = {k: z_all[k] for k in clients if k != c} if power else {}
+                target = _client_target(c, views[c], rows, terms, u0 if power and d0 else None)
+                rest = ({**states[c].params, "z": z_all[c]}, others)
+                g = jax.grad(target)(us[c], rest)
+                new_us[c] = us[c] + gammas[c] * g + jnp.sqrt(2.0 * gammas[c]) * xi[c]
+                if power and d0:
+                    grad_u = grad_u + jax.grad(lambda s0, c=c, t=target, r=rest: t(new_us[c], r, s0))(u0)
+            if not d0:
+                new_u0 = u0
+            elif power:
+                new_u0 = _server_block_step(u0, grad_u, xi[SERVER], views[SERVER], rows)[0]
+            else:
+                target = _server_target(views[SERVER], rows)
+                g = jax.grad(target)(u0, (z_all, server.params["point"]))
+                new_u0 = u0 + gammas[SERVER] * g + jnp.sqrt(2.0 * gammas[SERVER]) * xi[SERVER]
+            return (new_u0, new_us), (u0, us)
+
+        init = (server.chain, {c: states[c].chain for c in clients})
+        _, (draws0, draws) = jax.lax.scan(step, init, noise)
+        return {SERVER: draws0, **draws}
 
     return VerticalSOULAlgorithm(
         init_server, init_client, schedule, server_noise, client_noise, client_forward, server_step, relay,
-        client_likelihood, server_aggregate, client_step, client_chain, server_chain,
+        client_likelihood, server_aggregate, client_step, posterior_chain,
     )
