@@ -112,7 +112,7 @@ def _langevin(target, u, rest, noise, step_size):
     """``len(noise)`` ULA steps on ``u``; averages of ``target`` and ``d target / d rest``
     over the visited draws (the chain's state before each move).
 
-    Returns ``(u_final, mean value, mean gradient for rest, draws)``.
+    Returns ``(u_final, mean value, mean gradient for rest)``.
     """
     grad = jax.value_and_grad(target, argnums=(0, 1))
     scale = jnp.sqrt(2.0 * step_size)
@@ -121,12 +121,12 @@ def _langevin(target, u, rest, noise, step_size):
         u, acc_v, acc_g = carry
         v, (g_u, g_rest) = grad(u, rest)
         acc_g = jax.tree_util.tree_map(jnp.add, acc_g, g_rest)
-        return (u + step_size * g_u + scale * xi, acc_v + v, acc_g), u
+        return (u + step_size * g_u + scale * xi, acc_v + v, acc_g), None
 
     zero = jax.tree_util.tree_map(jnp.zeros_like, rest)
-    (u, total, acc), draws = jax.lax.scan(body, (u, jnp.zeros(()), zero), noise)
+    (u, total, acc), _ = jax.lax.scan(body, (u, jnp.zeros(()), zero), noise)
     m = noise.shape[0]
-    return u, total / m, jax.tree_util.tree_map(lambda g: g / m, acc), draws
+    return u, total / m, jax.tree_util.tree_map(lambda g: g / m, acc)
 
 
 def vertical_soul(
@@ -213,7 +213,7 @@ def vertical_soul(
         target = _server_target(own, sched["rows"])
         # without server sites the target is deterministic: one evaluation suffices
         steps = noise if d0 else noise[:1]
-        chain, value, (g_z, g_points), _ = _langevin(target, state.chain, (z, state.params["point"]), steps, gammas[SERVER])
+        chain, value, (g_z, g_points) = _langevin(target, state.chain, (z, state.params["point"]), steps, gammas[SERVER])
         params, opt_state = ascent(optim, {"point": g_points}, state.opt_state, state.params)
         replies = {c: {"grad_z": g_z[c]} for c in clients}
         return SOULServerState(chain, params, opt_state), replies, value
@@ -232,7 +232,7 @@ def vertical_soul(
         server_u = relayed.get("theta")
         target = _client_target(client, own, sched["rows"], ("local", "likelihood"), server_u)
         rest = (state.params, _others(client, relayed))
-        chain, value, (g_params, g_others), _ = _langevin(target, state.chain, rest, noise, gammas[client])
+        chain, value, (g_params, g_others) = _langevin(target, state.chain, rest, noise, gammas[client])
         message = {"grad_z": jnp.stack([g_others[c] for c in clients if c != client])}
         if d0:  # d/dtheta_0 of the client's copy at its last draw, for the server's block step
             message["grad_theta"] = jax.grad(lambda s0: target(chain, rest, s0))(server_u)
@@ -260,7 +260,7 @@ def vertical_soul(
             chain, grads, value = state.chain, state.pending["grad"], state.pending["value"]
         else:
             target = _client_target(client, own, sched["rows"], ("local",))
-            chain, value, (grads, _), _ = _langevin(target, state.chain, (state.params, {}), noise, gammas[client])
+            chain, value, (grads, _) = _langevin(target, state.chain, (state.params, {}), noise, gammas[client])
         grads = {**grads, "z": grads["z"].at[sched["rows"]].add(reply["grad_z"])}
         params, opt_state = ascent(optim, grads, state.opt_state, state.params)
         return SOULClientState(chain, params, opt_state, state.pending), value
