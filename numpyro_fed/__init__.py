@@ -1,12 +1,13 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
-from . import algorithms, models
+from . import algorithms, gaussian, models
 from .arviz import to_arviz
 from .barycenter import gaussian_barycenter
 from .clients import Clients
 from .elbo import ClientData, FederatedObjective
 from .guides import MeanFieldGuide, StructuredGuide
 from .handlers import global_site, local_site
+from .pvi import PVI, PVIRunResult, PVIState
 from .svi import FederatedSVI, FederatedSVIState, RunResult
 from .vertical import vertical_split
 from .vertical_guides import AmortizedAux, MeanFieldAux, VerticalGuide
@@ -31,6 +32,9 @@ __all__ = [
     "FederatedSVIState",
     "MeanFieldAux",
     "MeanFieldGuide",
+    "PVI",
+    "PVIRunResult",
+    "PVIState",
     "RunResult",
     "StructuredGuide",
     "Transcript",
@@ -40,6 +44,7 @@ __all__ = [
     "VerticalSVI",
     "VerticalSVIState",
     "algorithms",
+    "gaussian",
     "gaussian_barycenter",
     "global_site",
     "local_site",

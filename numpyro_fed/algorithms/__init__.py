@@ -1,6 +1,7 @@
 """Pure federated algorithms: ``init`` + ``client_step`` + ``server_step``."""
 
 from .base import FederatedAlgorithm
+from .pvi import PVIAlgorithm, PVIClientState, PVIInfo, PVIServerState, pvi
 from .sfvi import SFVIBroadcast, SFVIClientMessage, SFVIClientState, SFVIInfo, SFVIServerState, sfvi
 from .sfvi_avg import (
     SFVIAvgBroadcast,
@@ -14,6 +15,10 @@ from .vertical_soul import PointAux, SOULClientState, SOULServerState, VerticalS
 
 __all__ = [
     "FederatedAlgorithm",
+    "PVIAlgorithm",
+    "PVIClientState",
+    "PVIInfo",
+    "PVIServerState",
     "PointAux",
     "SFVIAvgBroadcast",
     "SFVIAvgClientMessage",
@@ -30,6 +35,7 @@ __all__ = [
     "VerticalSFVI",
     "VerticalSOULAlgorithm",
     "VerticalServerState",
+    "pvi",
     "sfvi",
     "sfvi_avg",
     "vertical_sfvi",

@@ -1,0 +1,170 @@
+"""PVI (paper 002 §3.1): conjugate truth, damping, PD safeguard, privacy, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_fed as nf
+from numpyro_fed import gaussian as G
+from numpyro_fed.algorithms import pvi
+
+from .test_privacy import contains
+
+SIGMA, PRIOR_SD, D = 0.7, 2.0, 3
+
+
+def linear_model(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, PRIOR_SD).expand([D]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, SIGMA), obs=y)
+
+
+@pytest.fixture(scope="module")
+def linear():
+    rng = np.random.default_rng(0)
+    n = 90
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    y = (x @ np.array([1.0, -0.5, 0.3]) + SIGMA * rng.normal(size=n)).astype(np.float32)
+    precision = x.T @ x / SIGMA**2 + np.eye(D) / PRIOR_SD**2
+    cov = np.linalg.inv(precision)
+    clients = nf.Clients.split(np.repeat([0, 1, 2], [20, 30, 40]), x=x, y=y)
+    return clients, cov @ x.T @ y / SIGMA**2, cov, precision
+
+
+@pytest.mark.parametrize("schedule,damping,rounds", [("sequential", 1.0, 3), ("synchronous", 1.0, 1)])
+def test_one_pass_gives_the_exact_posterior(linear, schedule, damping, rounds):
+    """Conjugate model: one pass of sequential PVI (3 rounds, one client each) or one
+    undamped synchronous round equals the exact posterior."""
+    clients, mean, cov, _ = linear
+    res = nf.PVI(linear_model, schedule=schedule, damping=damping).run(random.PRNGKey(0), rounds, clients)
+    np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.cov, cov, rtol=1e-4, atol=1e-8)
+    assert res.communication.messages_up == rounds * (1 if schedule == "sequential" else 3)
+
+
+def test_damped_synchronous_pvi_converges_to_the_exact_posterior(linear):
+    clients, mean, cov, _ = linear
+    pvi_ = nf.PVI(linear_model, schedule="synchronous", damping=0.5)
+    first = pvi_.run(random.PRNGKey(0), 1, clients)
+    assert np.abs(first.cov - cov).max() > 0.3 * np.abs(cov).max()  # one damped round is not there yet
+    res = pvi_.run(random.PRNGKey(0), 30, clients)
+    np.testing.assert_allclose(res.mean, mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.cov, cov, rtol=1e-3, atol=1e-7)
+    assert np.all(np.asarray(res.info.damping) == 0.5)
+
+
+def test_mean_field_fixed_point_is_the_global_mean_field_optimum(linear):
+    """For a Gaussian posterior the mean-field KL optimum has the exact mean and precision
+    diag(P); diagonal PVI reaches it."""
+    clients, mean, _, precision = linear
+    res = nf.PVI(linear_model, family="diagonal", schedule="sequential").run(random.PRNGKey(0), 60, clients)
+    np.testing.assert_allclose(res.mean, mean, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(res.cov, 1 / np.diag(precision), rtol=1e-4)
+
+
+def test_optax_local_updates_approach_the_exact_posterior(linear):
+    clients, mean, cov, _ = linear
+    res = nf.PVI(linear_model, update="optax", optim=optax.adam(0.01), local_steps=300, num_particles=16,
+                 schedule="sequential").run(random.PRNGKey(0), 6, clients)
+    sd = np.sqrt(np.diag(cov))
+    assert np.max(np.abs(res.mean - mean) / sd) < 0.3
+    assert np.max(np.abs(np.sqrt(np.diag(res.cov)) / sd - 1)) < 0.15
+    assert int(np.sum(res.info.invalid)) == 0
+    draws = nf.PVI(linear_model).sample_posterior
+    with pytest.raises(ValueError, match="fitted PVI"):
+        draws(random.PRNGKey(0), res, 10)
+
+
+def test_positive_definiteness_safeguard():
+    """The server halves the damping until the precision is PD, and rejects otherwise."""
+    prior = G.NaturalGaussian(jnp.zeros(2), jnp.eye(2))
+    for precision, want in ((-1.5, 0.5), (-3.0, 0.25)):
+        alg = pvi(prior, lambda u, data: 0.0, 1)
+        state, _ = alg.init_server(random.PRNGKey(0))
+        delta = G.NaturalGaussian(jnp.ones((1, 2)), precision * jnp.eye(2)[None])
+        _, message, info = alg.server_step(random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)},
+                                           jnp.ones(1, bool))
+        assert float(info.damping) == want and bool(G.is_positive_definite(message["q"]))
+    alg = pvi(prior, lambda u, data: 0.0, 1, max_halvings=0)
+    state, _ = alg.init_server(random.PRNGKey(0))
+    delta = G.NaturalGaussian(jnp.ones((1, 2)), -1.5 * jnp.eye(2)[None])
+    _, message, info = alg.server_step(random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)},
+                                       jnp.ones(1, bool))
+    assert float(info.damping) == 0.0  # rejected: q unchanged
+    np.testing.assert_array_equal(message["q"].precision, jnp.eye(2))
+
+
+def test_client_update_is_one_natural_parameter_message(linear):
+    """What a client sends is Delta t_j (d + d^2 numbers) and a validity flag: no data."""
+    clients, *_ = linear
+    p = nf.PVI(linear_model, schedule="synchronous")
+    state = p.init(random.PRNGKey(0), clients)
+    setup = p._setup(clients)
+    _, (_, messages, _) = setup.round_fn(state, setup.plan.data)
+    assert set(messages) == {"delta", "valid"}
+    assert messages["delta"].shift.shape == (3, D) and messages["delta"].precision.shape == (3, D, D)
+    for name in clients.names:
+        for arr in clients[name].values():
+            assert not contains(np.asarray(messages["delta"].precision), arr)
+            assert not contains(np.asarray(messages["delta"].shift), arr)
+
+
+def test_clear_errors(linear):
+    clients, *_ = linear
+
+    def logistic(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=(y > 0).astype(jnp.float32))
+
+    with pytest.raises(ValueError, match="client '0''s log-likelihood is not a Gaussian function"):
+        nf.PVI(logistic).init(random.PRNGKey(0), clients)
+
+    def half_normal_prior(x, y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+    with pytest.raises(ValueError, match="the prior is not a Gaussian function of the unconstrained s, w"):
+        nf.PVI(half_normal_prior, update="optax", optim=optax.adam(0.01)).init(random.PRNGKey(0), clients)
+
+    def with_local(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with nf.local_site(sites=["b"]):
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match=r"local latent sites yet \(\['b'\]\)"):
+        nf.PVI(with_local).init(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match="optim="):
+        nf.PVI(linear_model, update="optax")
+    with pytest.raises(ValueError, match="damping=0"):
+        nf.PVI(linear_model, damping=0.0)
+    with pytest.raises(ValueError, match="schedule='random'"):
+        nf.PVI(linear_model, schedule="random")
+    with pytest.raises(TypeError, match="nf.Clients"):
+        nf.PVI(linear_model).init(random.PRNGKey(0), {"x": 1})
+
+
+def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
+    clients, *_ = linear
+
+    def model(x, y):
+        s = numpyro.sample("s", dist.LogNormal(0.0, 0.5))
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+    p = nf.PVI(model, update="optax", optim=optax.adam(0.01), local_steps=200, schedule="sequential")
+    res = p.run(random.PRNGKey(0), 3, clients)
+    draws = p.sample_posterior(random.PRNGKey(1), res, 200)
+    assert draws["s"].shape == (200,) and bool(jnp.all(draws["s"] > 0))
+    assert abs(float(jnp.median(draws["s"])) - SIGMA) < 0.2
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.mean))
