@@ -52,7 +52,7 @@ class NaturalGaussian(NamedTuple):
     def __sub__(self, other: "NaturalGaussian") -> "NaturalGaussian":
         return NaturalGaussian(self.shift - other.shift, self.precision - other.precision)
 
-    def scale(self, c) -> "NaturalGaussian":
+    def scale(self, c: Array) -> "NaturalGaussian":
         return NaturalGaussian(c * self.shift, c * self.precision)
 
 
@@ -148,7 +148,7 @@ def hessian_change(f: Callable[[Array], Array], d: int, rng_key: Array) -> Array
     return jnp.max(jnp.abs(h1 - h0)) / (1.0 + jnp.max(jnp.abs(h0)))
 
 
-def check_quadratic(change, *, what: str, sites: str, fix: str, tol: float = 1e-4) -> None:
+def check_quadratic(change: Array, *, what: str, sites: str, fix: str, tol: float = 1e-4) -> None:
     """Raise the error of a non-quadratic log density (``change`` from :func:`hessian_change`)."""
     if not float(change) <= tol:
         raise ValueError(_NOT_QUADRATIC.format(what=what, sites=sites, change=float(change), fix=fix))

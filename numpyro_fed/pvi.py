@@ -89,9 +89,13 @@ class PVI:
         schedule: ``"sequential"``, ``"synchronous"`` or ``"subset"``.
         damping: ``delta`` in ``(0, 1]``.
         subset_size: clients per round for ``schedule="subset"``.
-        optim, local_steps, num_particles: the optax local optimisation.
+        optim: optax optimiser for ``update="optax"``.
+        local_steps: optimiser steps per local update.
+        num_particles: Monte Carlo draws per local ELBO estimate.
         max_halvings: PD safeguard (see :func:`~numpyro_fed.algorithms.pvi`).
-        backend, row_plate, model_kwargs: as in :class:`~numpyro_fed.FederatedSVI`.
+        backend: how clients are mapped, as in :class:`~numpyro_fed.FederatedSVI`.
+        row_plate: the plate that indexes rows (for padding unequal clients).
+        model_kwargs: non-data keyword arguments of the model.
 
     Examples:
         >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
@@ -220,7 +224,7 @@ class PVI:
         return self._setup_cache
 
     # ------------------------------------------------------------------ API
-    def init(self, rng_key, clients: Clients) -> PVIState:
+    def init(self, rng_key: jax.Array, clients: Clients) -> PVIState:
         """``q`` starts at the prior and every ``t_j`` at 1."""
         setup = self._setup(clients)
         k_server, k_clients, key = random.split(rng_key, 3)
@@ -229,13 +233,13 @@ class PVI:
         states = init_clients(setup.plan, setup.algorithm.init_client, keys, setup.plan.data)
         return PVIState(server, states, message, key)
 
-    def update(self, state: PVIState, clients: Clients):
+    def update(self, state: PVIState, clients: Clients) -> tuple:
         """One round (jit-compiled). Returns ``(state, info)``."""
         setup = self._setup(clients)
         state, (info, _, _) = setup.round_fn(state, setup.plan.data)
         return state, info
 
-    def run(self, rng_key, num_rounds: int, clients: Clients, *, init_state: Optional[PVIState] = None) -> PVIRunResult:
+    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, *, init_state: Optional[PVIState] = None) -> PVIRunResult:
         """``num_rounds`` rounds in one ``lax.scan``."""
         if int(num_rounds) != num_rounds or num_rounds < 1:
             raise ValueError(f"num_rounds={num_rounds}: must be a positive integer")
@@ -250,7 +254,7 @@ class PVI:
         mean, cov = G.to_moments(state.server.q)
         return PVIRunResult(mean, cov, state, info, comm)
 
-    def sample_posterior(self, rng_key, result, num_samples: int) -> Dict[str, jax.Array]:
+    def sample_posterior(self, rng_key: jax.Array, result: "PVIRunResult | PVIState", num_samples: int) -> Dict[str, jax.Array]:
         """Draws of the global sites from ``q``, constrained."""
         if self._setup_cache is None:
             raise ValueError("sample_posterior needs a fitted PVI: call run() or init() first")

@@ -168,3 +168,57 @@ def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
     assert draws["s"].shape == (200,) and bool(jnp.all(draws["s"] > 0))
     assert abs(float(jnp.median(draws["s"])) - SIGMA) < 0.2
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.mean))
+
+
+def _global_vi_logistic(x, y, steps=5000):
+    """Full-covariance Gaussian VI on the pooled data, with the ELBO made deterministic by
+    Gauss-Hermite quadrature of each row's 1-D expectation (the reference fixed point)."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(40)
+    weights = weights / weights.sum()
+
+    def moments(p):
+        tril = jnp.tril(p["L"], -1) + jnp.diag(jax.nn.softplus(jnp.diag(p["L"])))
+        return p["m"], tril @ tril.T
+
+    def neg_elbo(p):
+        m, s = moments(p)
+        mu, sd = x @ m, jnp.sqrt(jnp.einsum("ni,ij,nj->n", x, s, x))
+        f = mu[:, None] + sd[:, None] * nodes[None]
+        ll = jnp.sum((y[:, None] * jax.nn.log_sigmoid(f) + (1 - y[:, None]) * jax.nn.log_sigmoid(-f)) @ weights)
+        kl = 0.5 * (jnp.trace(s) + m @ m - D - jnp.linalg.slogdet(s)[1])
+        return kl - ll
+
+    opt = optax.adam(0.01)
+
+    def body(carry, _):
+        p, st = carry
+        u, st = opt.update(jax.grad(neg_elbo)(p), st, p)
+        return (optax.apply_updates(p, u), st), None
+
+    p = {"m": jnp.zeros(D), "L": 0.5 * jnp.eye(D)}
+    (p, _), _ = jax.jit(lambda c: jax.lax.scan(body, c, None, length=steps))((p, opt.init(p)))
+    return [np.asarray(a) for a in moments(p)]
+
+
+@pytest.mark.parametrize("schedule,damping,rounds", [("sequential", 1.0, 9), ("synchronous", 0.5, 6)])
+def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, rounds):
+    """Non-conjugate model: PVI's fixed point is the global VI optimum of the same family
+    on the pooled data (Ashman et al., 2022), reached here with optax local updates."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(120, D)).astype(np.float32)
+    y = (rng.random(120) < 1 / (1 + np.exp(-(x @ np.array([1.0, -1.0, 0.5]))))).astype(np.float32)
+
+    def logistic(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+    clients = nf.Clients.split(np.repeat([0, 1, 2], [30, 40, 50]), x=x, y=y)
+    mean, cov = _global_vi_logistic(jnp.asarray(x), jnp.asarray(y))
+    res = nf.PVI(logistic, update="optax", optim=optax.adam(0.01), local_steps=500, num_particles=32,
+                 schedule=schedule, damping=damping).run(random.PRNGKey(0), rounds, clients)
+    sd = np.sqrt(np.diag(cov))
+    print(schedule, "|mean - global VI| / sd =", np.abs(res.mean - mean) / sd, "sd ratio =",
+          np.sqrt(np.diag(res.cov)) / sd)
+    assert np.max(np.abs(res.mean - mean) / sd) < 0.25
+    np.testing.assert_allclose(np.sqrt(np.diag(res.cov)), sd, rtol=0.05)
