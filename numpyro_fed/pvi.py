@@ -13,7 +13,7 @@ from numpyro.distributions.transforms import biject_to
 
 from . import gaussian as G
 from ._structure import analyse_model, is_latent, log_joint, trace_model
-from .algorithms.pvi import SCHEDULES, PVIInfo, pvi
+from .algorithms.pvi import SCHEDULES, VARIANTS, PVIInfo, pvi
 from .clients import Clients
 from .handlers import GLOBAL, site_role
 from .simulation import init_clients, keep_active, map_clients, plan_clients
@@ -33,6 +33,11 @@ _PRIOR_FIX = (
     "nf.FederatedSVI"
 )
 _CONJ_FIX = "use update='optax' (stochastic optimisation of the local ELBO)"
+_SHARDS = "client '{client}' has {rows} rows, fewer than num_shards={n}; use fewer shards"
+_SHARD_PLATE = (
+    "variant= splits each client's rows into shards, which needs the plate that indexes rows; "
+    "plates of the client's row count: {found}. Pass row_plate="
+)
 _OPTIM = "update='optax' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
 
 
@@ -93,6 +98,10 @@ class PVI:
         local_steps: optimiser steps per local update.
         num_particles: Monte Carlo draws per local ELBO estimate.
         max_halvings: PD safeguard (see :func:`~numpyro_fed.algorithms.pvi`).
+        variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (paper 002 Alg. 2) or
+            ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.algorithms.pvi`.
+        num_shards: shards per client for the two variants (every client needs at least
+            that many rows).
         backend: how clients are mapped, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
@@ -129,6 +138,8 @@ class PVI:
         local_steps: int = 100,
         num_particles: int = 8,
         max_halvings: int = 10,
+        variant: str = "plain",
+        num_shards: int = 1,
         backend: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
@@ -141,12 +152,17 @@ class PVI:
             raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
         if not 0 < damping <= 1:
             raise ValueError(f"damping={damping}: must be in (0, 1]")
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r}: choose one of {VARIANTS}")
+        if int(num_shards) != num_shards or num_shards < 1 or (variant == "plain" and num_shards != 1):
+            raise ValueError(f"num_shards={num_shards}: a positive integer, and 1 unless variant= splits the data")
         if update == "optax" and not (hasattr(optim, "init") and hasattr(optim, "update")):
             raise ValueError(_OPTIM)
         self.model = model
         self.family, self.update_kind, self.schedule = family, update, schedule
         self.damping, self.subset_size, self.max_halvings = float(damping), int(subset_size), int(max_halvings)
         self.optim, self.local_steps, self.num_particles = optim, int(local_steps), int(num_particles)
+        self.variant, self.num_shards = variant, int(num_shards)
         self.backend, self.row_plate = backend, row_plate
         self.model_kwargs = dict(model_kwargs or {})
         self._setup_cache: Optional[_Setup] = None
@@ -164,6 +180,8 @@ class PVI:
         if structure.global_param or structure.local_param_names:
             raise ValueError(_PARAMS.format(names=sorted(structure.global_param) + list(structure.local_param_names)))
         plan, structure = plan_clients(self.model, self.model_kwargs, clients, structure, self.backend, self.row_plate)
+        if self.variant != "plain":
+            structure = structure._replace(row_plate=self._shard_plate(clients, structure.row_plate))
         layout, kwargs, template = structure.global_latent, self.model_kwargs, clients.template()
         d = layout.size
 
@@ -196,6 +214,7 @@ class PVI:
             prior, client_log_lik, len(clients), update=self.update_kind, schedule=self.schedule,
             damping=self.damping, max_halvings=self.max_halvings, subset_size=self.subset_size,
             optim=self.optim, local_steps=self.local_steps, num_particles=self.num_particles,
+            variant=self.variant, num_shards=self.num_shards,
         )
 
         def one_round(state: PVIState, data):
@@ -222,6 +241,20 @@ class PVI:
 
         self._setup_cache = _Setup(clients, plan, structure, alg, jax.jit(one_round), scan_fn)
         return self._setup_cache
+
+    def _shard_plate(self, clients: Clients, plate: Optional[str]) -> str:
+        """The plate that indexes rows, needed to mask a client's shards."""
+        for name, rows in clients.num_rows.items():
+            if rows < self.num_shards:
+                raise ValueError(_SHARDS.format(client=name, rows=rows, n=self.num_shards))
+        if plate is not None:
+            return plate
+        first = clients.names[0]
+        tr = trace_model(self.model, clients[first], self.model_kwargs)
+        found = [n for n, site in tr.items() if site["type"] == "plate" and site["args"][0] == clients.num_rows[first]]
+        if len(found) != 1:
+            raise ValueError(_SHARD_PLATE.format(found=found))
+        return found[0]
 
     # ------------------------------------------------------------------ API
     def init(self, rng_key: jax.Array, clients: Clients) -> PVIState:

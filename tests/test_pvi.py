@@ -47,6 +47,21 @@ def test_one_pass_gives_the_exact_posterior(linear, schedule, damping, rounds):
     assert res.communication.messages_up == rounds * (1 if schedule == "sequential" else 3)
 
 
+@pytest.mark.parametrize("variant", ["local_averaging", "virtual"])
+@pytest.mark.parametrize("schedule,rounds", [("sequential", 3), ("synchronous", 1)])
+def test_local_averaging_and_virtual_clients_are_exact_for_a_conjugate_model(linear, variant, schedule, rounds):
+    """Paper 002 Algs. 2-3 with 4 shards per client: the shards' tempered fits average to
+    the client's likelihood (eq. 4.1-4.2), and the virtual factors sum to it (eq. 4.10).
+    Wrong shard masks (overlapping or missing rows) would change the result."""
+    clients, mean, cov, _ = linear
+    res = nf.PVI(linear_model, schedule=schedule, variant=variant, num_shards=4).run(random.PRNGKey(0), rounds, clients)
+    np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.cov, cov, rtol=1e-4, atol=1e-8)
+    if variant == "virtual":  # each client keeps one factor per shard; they sum to its likelihood
+        factors = res.state.clients.factor
+        assert factors.precision.shape == (3, 4, D, D)
+
+
 def test_damped_synchronous_pvi_converges_to_the_exact_posterior(linear):
     clients, mean, cov, _ = linear
     pvi_ = nf.PVI(linear_model, schedule="synchronous", damping=0.5)
@@ -147,6 +162,12 @@ def test_clear_errors(linear):
         nf.PVI(linear_model, update="optax")
     with pytest.raises(ValueError, match="damping=0"):
         nf.PVI(linear_model, damping=0.0)
+    with pytest.raises(ValueError, match="num_shards=2"):
+        nf.PVI(linear_model, num_shards=2)
+    with pytest.raises(ValueError, match="client '0' has 20 rows, fewer than num_shards=25"):
+        nf.PVI(linear_model, variant="virtual", num_shards=25).init(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match="variant='dp'"):
+        nf.PVI(linear_model, variant="dp")
     with pytest.raises(ValueError, match="schedule='random'"):
         nf.PVI(linear_model, schedule="random")
     with pytest.raises(TypeError, match="nf.Clients"):
@@ -200,8 +221,13 @@ def _global_vi_logistic(x, y, steps=5000):
     return [np.asarray(a) for a in moments(p)]
 
 
-@pytest.mark.parametrize("schedule,damping,rounds", [("sequential", 1.0, 9), ("synchronous", 0.5, 6)])
-def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, rounds):
+@pytest.mark.parametrize("schedule,damping,rounds,variant", [
+    ("sequential", 1.0, 9, "plain"),
+    ("synchronous", 0.5, 6, "plain"),
+    ("synchronous", 0.5, 12, "virtual"),
+    ("sequential", 1.0, 9, "local_averaging"),
+])
+def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, rounds, variant):
     """Non-conjugate model: PVI's fixed point is the global VI optimum of the same family
     on the pooled data (Ashman et al., 2022), reached here with optax local updates."""
     rng = np.random.default_rng(1)
@@ -216,9 +242,10 @@ def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, 
     clients = nf.Clients.split(np.repeat([0, 1, 2], [30, 40, 50]), x=x, y=y)
     mean, cov = _global_vi_logistic(jnp.asarray(x), jnp.asarray(y))
     res = nf.PVI(logistic, update="optax", optim=optax.adam(0.01), local_steps=500, num_particles=32,
-                 schedule=schedule, damping=damping).run(random.PRNGKey(0), rounds, clients)
+                 schedule=schedule, damping=damping, variant=variant,
+                 num_shards=1 if variant == "plain" else 3).run(random.PRNGKey(0), rounds, clients)
     sd = np.sqrt(np.diag(cov))
-    print(schedule, "|mean - global VI| / sd =", np.abs(res.mean - mean) / sd, "sd ratio =",
+    print(schedule, variant, "|mean - global VI| / sd =", np.abs(res.mean - mean) / sd, "sd ratio =",
           np.sqrt(np.diag(res.cov)) / sd)
     assert np.max(np.abs(res.mean - mean) / sd) < 0.25
     np.testing.assert_allclose(np.sqrt(np.diag(res.cov)), sd, rtol=0.05)

@@ -49,6 +49,7 @@ from ..gaussian import NaturalGaussian
 __all__ = ["PVIAlgorithm", "PVIClientState", "PVIInfo", "PVIServerState", "pvi"]
 
 SCHEDULES = ("sequential", "synchronous", "subset")
+VARIANTS = ("plain", "local_averaging", "virtual")
 
 
 class PVIServerState(NamedTuple):
@@ -79,8 +80,9 @@ class PVIInfo(NamedTuple):
     invalid: jax.Array  # active clients whose cavity was improper (they sent no update)
 
 
-def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key):
-    """Maximise ``E_q[log_lik] - KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``."""
+def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
+                 kl_weight=1.0):
+    """Maximise ``E_q[log_lik] - kl_weight KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``."""
     diagonal = q.diagonal
     mean, cov = G.to_moments(q)
     d = mean.shape[0]
@@ -104,7 +106,7 @@ def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, st
         eps = random.normal(key, (particles, d))
         draws = loc + (eps * root if diagonal else eps @ root.T)
         expected = jnp.mean(jax.vmap(log_lik)(draws))
-        return -(expected - G.kl_divergence(G.from_moments(loc, cov_), cavity))
+        return -(expected - kl_weight * G.kl_divergence(G.from_moments(loc, cov_), cavity))
 
     def step(carry, key):
         params, opt_state = carry
@@ -132,6 +134,8 @@ def pvi(
     optim: Any = None,
     local_steps: int = 100,
     num_particles: int = 8,
+    variant: str = "plain",
+    num_shards: int = 1,
 ) -> "PVIAlgorithm":
     """Build PVI's pure functions.
 
@@ -146,6 +150,12 @@ def pvi(
             (all), ``"subset"`` (``subset_size`` chosen uniformly per round).
         damping: ``delta`` in ``(0, 1]``.
         max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
+        variant: ``"plain"`` (Alg. 1); ``"local_averaging"`` (paper 002 Alg. 2: each client
+            splits its rows into ``num_shards`` shards, fits each against the cavity with
+            the KL weighted by ``1/N``, eq. 4.1, and averages the natural parameters,
+            eq. 4.2); ``"virtual"`` (Alg. 3: one factor per shard, updated synchronously
+            against its own cavity, eq. 4.9; the client sends the sum of the changes).
+        num_shards: ``N`` shards per client (contiguous blocks of its real rows).
 
     References:
         Ashman et al. (2022), "Partitioned variational inference"; paper 002 §3.1, Alg. 1.
@@ -166,32 +176,65 @@ def pvi(
         state = PVIServerState(prior, choose(rng_key, 0), jnp.zeros((), jnp.int32))
         return state, {"q": prior}
 
+    virtual = variant == "virtual"
+    shards = int(num_shards) if variant != "plain" else 1
+
+    def _zero_factor():
+        z = G.zeros(d, diagonal)
+        return jax.tree_util.tree_map(lambda x: jnp.zeros((shards,) + x.shape), z) if virtual else z
+
     def init_client(rng_key, data) -> PVIClientState:
         del rng_key, data
-        return PVIClientState(G.zeros(d, diagonal), G.zeros(d, diagonal))
+        return PVIClientState(_zero_factor(), _zero_factor())
 
-    def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data) -> NaturalGaussian:
+    def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
         def log_lik(u):
             return client_log_lik(u, data)
 
-        if update == "conjugate":
+        if update == "conjugate":  # optimum: cavity * likelihood^(1 / kl_weight)
             hess = jax.hessian(log_lik)(jnp.zeros(d))
-            exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2)
+            exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2).scale(1.0 / kl_weight)
             if diagonal:  # mean-field optimum of KL(q || cavity * likelihood)
                 full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
                 return G.project_diagonal(full)
             return cavity + exact
-        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key)
+        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight)
+
+    def shard(data, k):
+        """Client data restricted to its k-th shard: a contiguous block of its real rows."""
+        index = jnp.arange(data.row_mask.shape[0])
+        block = jnp.floor(index * shards / data.num_rows)
+        return data._replace(row_mask=data.row_mask * (block == k).astype(data.row_mask.dtype))
+
+    def _finite(nat):
+        return jnp.all(jnp.isfinite(nat.shift)) & jnp.all(jnp.isfinite(nat.precision))
 
     def client_step(rng_key, state: PVIClientState, message, data):
         q = message["q"]
-        cavity = q - state.factor
-        new_q = local_posterior(rng_key, cavity, q, data)
-        delta = new_q - q
+        keys = random.split(rng_key, shards)
+        ks = jnp.arange(shards)
+        if variant == "plain":
+            cavity = q - state.factor
+            pending = local_posterior(rng_key, cavity, q, data) - q
+            delta, proper = pending, G.is_positive_definite(cavity)
+        elif variant == "local_averaging":
+            cavity = q - state.factor
+            fits = jax.vmap(lambda k, key: local_posterior(key, cavity, q, shard(data, k), 1.0 / shards))(ks, keys)
+            pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
+            delta, proper = pending, G.is_positive_definite(cavity)
+        else:  # virtual clients: one factor and one cavity per shard
+
+            def one(k, key, t_k):
+                cavity = q - t_k
+                return local_posterior(key, cavity, q, shard(data, k)) - q, G.is_positive_definite(cavity)
+
+            pending, proper = jax.vmap(one)(ks, keys, state.factor)
+            delta, proper = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending), jnp.all(proper)
         # an improper cavity has no local ELBO: the client sends no update and says so
-        valid = G.is_positive_definite(cavity) & jnp.all(jnp.isfinite(delta.shift)) & jnp.all(jnp.isfinite(delta.precision))
+        valid = proper & _finite(delta)
         delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
-        return state._replace(pending=delta), {"delta": delta, "valid": valid}
+        pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
+        return state._replace(pending=pending), {"delta": delta, "valid": valid}
 
     def server_step(rng_key, state: PVIServerState, messages, active):
         w = active.astype(prior.shift.dtype)
@@ -216,6 +259,6 @@ def pvi(
 
     def client_accept(state: PVIClientState, applied) -> PVIClientState:
         """Move the client's factor by the fraction of its update the server applied."""
-        return PVIClientState(state.factor + state.pending.scale(applied), G.zeros(d, diagonal))
+        return PVIClientState(state.factor + state.pending.scale(applied), _zero_factor())
 
     return PVIAlgorithm(init_server, init_client, client_step, server_step, client_accept)
