@@ -73,6 +73,7 @@ class _Setup(NamedTuple):
     algorithm: Any
     round_fn: Any
     scan_fn: Any
+    cache: dict  # per-round message bytes; the global sites' supports
 
 
 class PVI:
@@ -239,7 +240,7 @@ class PVI:
 
             return jax.lax.scan(body, state, None, length=num_rounds)
 
-        self._setup_cache = _Setup(clients, plan, structure, alg, jax.jit(one_round), scan_fn)
+        self._setup_cache = _Setup(clients, plan, structure, alg, jax.jit(one_round), scan_fn, {})
         return self._setup_cache
 
     def _shard_plate(self, clients: Clients, plate: Optional[str]) -> str:
@@ -278,9 +279,11 @@ class PVI:
             raise ValueError(f"num_rounds={num_rounds}: must be a positive integer")
         setup = self._setup(clients)
         state = self.init(rng_key, clients) if init_state is None else init_state
-        msg_shape = jax.eval_shape(lambda s: setup.round_fn(s, setup.plan.data)[1][1], state)
+        if "bytes_up" not in setup.cache:  # traced once per set-up
+            msg_shape = jax.eval_shape(lambda s: setup.round_fn(s, setup.plan.data)[1][1], state)
+            setup.cache["bytes_up"] = message_bytes(msg_shape) // len(clients)  # stacked over clients
         state, (info, n_active) = setup.scan_fn(state, setup.plan.data, int(num_rounds))
-        per_up = message_bytes(msg_shape) // len(clients)  # stacked over clients
+        per_up = setup.cache["bytes_up"]
         per_down = message_bytes(state.message)
         n = int(np.sum(np.asarray(n_active)))
         comm = Communication(int(num_rounds), per_up * n, (per_down + 4) * n, n, 2 * n)
@@ -296,7 +299,11 @@ class PVI:
         eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
         u = jax.vmap(lambda e: G.sample(q, e))(eps)
         layout = self._setup_cache.structure.global_latent
-        supports = _supports(self.model, self._setup_cache.clients.template(), self.model_kwargs, layout.names)
+        cache = self._setup_cache.cache
+        if "supports" not in cache:  # the model is traced once per set-up
+            cache["supports"] = _supports(self.model, self._setup_cache.clients.template(), self.model_kwargs,
+                                          layout.names)
+        supports = cache["supports"]
         return {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
 
 
