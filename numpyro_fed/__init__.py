@@ -5,6 +5,7 @@ from .arviz import to_arviz
 from .barycenter import gaussian_barycenter
 from .clients import Clients
 from .elbo import ClientData, FederatedObjective
+from .ep import EP
 from .guides import MeanFieldGuide, StructuredGuide
 from .handlers import global_site, local_site
 from .pvi import PVI, PVIRunResult, PVIState
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AmortizedAux",
     "ClientData",
+    "EP",
     "Clients",
     "Communication",
     "FederatedObjective",

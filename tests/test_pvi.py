@@ -156,8 +156,11 @@ def test_clear_errors(linear):
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=y)
 
-    with pytest.raises(ValueError, match=r"local latent sites yet \(\['b'\]\)"):
+    with pytest.raises(ValueError, match=r"no closed form with local latent sites \(\['b'\]\)"):
         nf.PVI(with_local).init(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match=r"variant='virtual' is not supported with local latent sites"):
+        nf.PVI(with_local, update="optax", optim=optax.adam(0.01), variant="virtual", num_shards=2).init(
+            random.PRNGKey(0), clients)
     with pytest.raises(ValueError, match="optim="):
         nf.PVI(linear_model, update="optax")
     with pytest.raises(ValueError, match="damping=0"):

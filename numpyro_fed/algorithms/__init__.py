@@ -1,7 +1,8 @@
 """Pure federated algorithms: ``init`` + ``client_step`` + ``server_step``."""
 
 from .base import FederatedAlgorithm
-from .pvi import PVIAlgorithm, PVIClientState, PVIInfo, PVIServerState, pvi
+from .ep import ep, tilted_moments
+from .pvi import PVIAlgorithm, PVIClientState, PVIInfo, PVIServerState, factor_protocol, pvi
 from .sfvi import SFVIBroadcast, SFVIClientMessage, SFVIClientState, SFVIInfo, SFVIServerState, sfvi
 from .sfvi_avg import (
     SFVIAvgBroadcast,
@@ -35,9 +36,12 @@ __all__ = [
     "VerticalSFVI",
     "VerticalSOULAlgorithm",
     "VerticalServerState",
+    "ep",
+    "factor_protocol",
     "pvi",
     "sfvi",
     "sfvi_avg",
+    "tilted_moments",
     "vertical_sfvi",
     "vertical_soul",
 ]

@@ -160,6 +160,48 @@ def pvi(
     References:
         Ashman et al. (2022), "Partitioned variational inference"; paper 002 §3.1, Alg. 1.
     """
+    d = log_prior_factor.shift.shape[0]
+    diagonal = log_prior_factor.diagonal
+
+    def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
+        def log_lik(u):
+            return client_log_lik(u, data)
+
+        if update == "conjugate":  # optimum: cavity * likelihood^(1 / kl_weight)
+            hess = jax.hessian(log_lik)(jnp.zeros(d))
+            exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2).scale(1.0 / kl_weight)
+            if diagonal:  # mean-field optimum of KL(q || cavity * likelihood)
+                full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
+                return G.project_diagonal(full)
+            return cavity + exact
+        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight)
+
+    return factor_protocol(
+        log_prior_factor, local_posterior, num_clients, schedule=schedule, damping=damping,
+        max_halvings=max_halvings, subset_size=subset_size, variant=variant, num_shards=num_shards,
+    )
+
+
+def factor_protocol(
+    log_prior_factor: NaturalGaussian,
+    local_update: Callable,
+    num_clients: int,
+    *,
+    schedule: str = "synchronous",
+    damping: float = 1.0,
+    max_halvings: int = 10,
+    subset_size: int = 1,
+    variant: str = "plain",
+    num_shards: int = 1,
+) -> "PVIAlgorithm":
+    """The protocol PVI and EP share: factors ``t_j``, cavities, one ``Delta t_j`` per client.
+
+    ``local_update(rng_key, cavity, q, data, kl_weight) -> q_new`` is the client's local
+    fit (PVI: the local-ELBO optimum; EP: the moment-matched tilted distribution); the
+    client sends ``Delta t_j = q_new / q``. Schedules, variants, damping and the PD
+    safeguard are as documented in :func:`pvi`.
+    """
+    local_posterior = local_update
     prior = log_prior_factor
     diagonal = prior.diagonal
     d = prior.shift.shape[0]
@@ -186,19 +228,6 @@ def pvi(
     def init_client(rng_key, data) -> PVIClientState:
         del rng_key, data
         return PVIClientState(_zero_factor(), _zero_factor())
-
-    def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
-        def log_lik(u):
-            return client_log_lik(u, data)
-
-        if update == "conjugate":  # optimum: cavity * likelihood^(1 / kl_weight)
-            hess = jax.hessian(log_lik)(jnp.zeros(d))
-            exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2).scale(1.0 / kl_weight)
-            if diagonal:  # mean-field optimum of KL(q || cavity * likelihood)
-                full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
-                return G.project_diagonal(full)
-            return cavity + exact
-        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight)
 
     def shard(data, k):
         """Client data restricted to its k-th shard: a contiguous block of its real rows."""

@@ -1,0 +1,95 @@
+"""Federated expectation propagation (paper 004 §4.2, Algorithms 2-3).
+
+The global approximation ``q(phi) = p(phi) prod_k q_k(phi)`` over the model's global
+latent sites (flat, unconstrained) has Gaussian factors in natural parameters
+(``r_k = Sigma_k^-1 mu_k``, ``Q_k = Sigma_k^-1``: Lemma 1 makes products sums). In a round
+every chosen device k
+
+1. forms the cavity ``q_-k = q / q_k`` (eq. 3; ``r - r_k``, ``Q - Q_k``),
+2. computes the mean and covariance of the tilted distribution
+   ``q_\\k(phi) ∝ f_k(phi) q_-k(phi)`` (eq. 4) with its local latents integrated out,
+   by Laplace, NUTS or Gaussian VI (:mod:`~numpyro_fed.algorithms.tilted`),
+3. moment-matches ``q_new`` to it (eq. 5) and sends the single message
+   ``Delta q_k = q_new / q`` (eq. 6; ``Delta r_k``, ``Delta Q_k``).
+
+The server multiplies the changes in (eq. 7). Damping, the PD safeguard, acknowledgement
+and the schedules are shared with PVI (:func:`~numpyro_fed.algorithms.pvi.factor_protocol`):
+with damping ``delta`` a device's factor moves by ``Delta q_k^delta`` (damped EP), and an
+update that would leave ``Q`` not positive definite is halved and, failing that, rejected.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from .. import gaussian as G
+from ..gaussian import NaturalGaussian
+from .pvi import PVIAlgorithm, factor_protocol
+from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
+
+__all__ = ["ep", "tilted_moments"]
+
+
+def tilted_moments(
+    method: str, *, laplace_steps: int = 200, num_warmup: int = 500, num_samples: int = 500,
+    optim: Any = None, vi_steps: int = 500, num_particles: int = 8, diagonal: bool = False,
+) -> Callable:
+    """``(rng_key, log_lik, cavity, w0, d) -> (mean, cov)`` for ``method`` in
+    ``"laplace"``, ``"nuts"``, ``"vi"``."""
+    if method == "laplace":
+        return lambda key, f, cav, w0, d: laplace_moments(f, cav, w0, d, steps=laplace_steps)
+    if method == "nuts":
+        return lambda key, f, cav, w0, d: nuts_moments(f, cav, w0, d, key, num_warmup=num_warmup,
+                                                       num_samples=num_samples)
+    if method == "vi":
+        return lambda key, f, cav, w0, d: gaussian_vi_moments(f, cav, w0, d, key, optim=optim, steps=vi_steps,
+                                                              num_particles=num_particles, diagonal=diagonal)
+    raise ValueError(f"tilted={method!r}: choose one of {TILTED_METHODS}")
+
+
+def ep(
+    log_prior_factor: NaturalGaussian,
+    client_log_lik: Callable,
+    num_clients: int,
+    *,
+    num_local: int = 0,
+    moments: Callable = None,
+    schedule: str = "sequential",
+    damping: float = 1.0,
+    max_halvings: int = 10,
+    subset_size: int = 1,
+) -> PVIAlgorithm:
+    """Build federated EP's pure functions.
+
+    Args:
+        log_prior_factor: ``p(phi)`` as a Gaussian factor (full or diagonal: the family).
+        client_log_lik: ``(w, data) -> log p(y_j, v | u)`` for ``w = [u, v]`` (``u`` the
+            global sites, ``v`` the client's ``num_local`` unconstrained local latents,
+            Jacobians included); evaluated only by the client on its own data.
+        num_local: size of ``v`` (0 without local latents).
+        moments: a :func:`tilted_moments` estimator (default: Laplace).
+        schedule, damping, max_halvings, subset_size: as in
+            :func:`~numpyro_fed.algorithms.pvi`.
+
+    References:
+        Paper 004 (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
+        a way of life".
+    """
+    moments = tilted_moments("laplace") if moments is None else moments
+    d = log_prior_factor.shift.shape[0]
+    diagonal = log_prior_factor.diagonal
+
+    def local_update(rng_key, cavity, q, data, kl_weight=1.0):
+        del kl_weight
+        start, _ = G.to_moments(q)  # q is always proper; the cavity need not be
+        w0 = jnp.concatenate([start, jnp.zeros(num_local, start.dtype)])
+        mean, cov = moments(rng_key, partial(client_log_lik, data=data), cavity, w0, d)
+        return moments_to_factor(mean, cov, diagonal)
+
+    return factor_protocol(
+        log_prior_factor, local_update, num_clients, schedule=schedule, damping=damping,
+        max_halvings=max_halvings, subset_size=subset_size,
+    )

@@ -1,0 +1,178 @@
+"""Federated EP (paper 004 §4.2): conjugate truth, local latents integrated out, local
+posteriors and fast adaptation against closed forms, HM2 against pooled NUTS, errors,
+and what crosses to the server."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_fed as nf
+
+from .test_privacy import contains
+from .test_pvi import D, linear, linear_model  # noqa: F401 (linear is a fixture)
+
+TAU, NOISE, K, DL = 0.5, 0.3, 4, 2  # hierarchical: theta_k ~ N(mu, TAU^2), y ~ N(x theta_k, NOISE^2)
+
+
+@pytest.mark.parametrize("tilted,rounds,mean_tol,sd_tol", [("laplace", 3, 1e-4, 1e-4), ("nuts", 3, 0.1, 0.1),
+                                                          ("vi", 3, 0.08, 0.06)])
+def test_ep_on_a_conjugate_model_gives_the_exact_posterior(linear, tilted, rounds, mean_tol, sd_tol):
+    """Bayesian linear regression over 3 clients: one sequential EP pass equals the exact
+    posterior (Laplace: to numerical error; NUTS and VI: to Monte Carlo error, in sds)."""
+    clients, mean, cov, _ = linear
+    ep = nf.EP(linear_model, tilted=tilted, optim=optax.adam(0.02), vi_steps=600, num_particles=16,
+               num_warmup=300, num_samples=1000)
+    res = ep.run(random.PRNGKey(0), rounds, clients)
+    sd = np.sqrt(np.diag(cov))
+    assert np.max(np.abs(np.asarray(res.mean) - mean) / sd) < mean_tol
+    assert np.max(np.abs(np.sqrt(np.diag(res.cov)) / sd - 1)) < sd_tol
+    if tilted == "laplace":
+        np.testing.assert_allclose(res.cov, cov, rtol=1e-4, atol=1e-8)
+
+
+def hier_model(x, y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0).expand([DL]).to_event(1))
+    with nf.local_site():
+        theta = numpyro.sample("theta", dist.Normal(mu, TAU).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ theta, NOISE), obs=y)
+
+
+def _joint_posterior(xs, ys):
+    """Exact Gaussian posterior of (mu, theta_1, ..., theta_K) for ``hier_model``."""
+    k = len(xs)
+    n = DL * (k + 1)
+    prec = np.zeros((n, n))
+    shift = np.zeros(n)
+    prec[:DL, :DL] += np.eye(DL)
+    for j, (x, y) in enumerate(zip(xs, ys)):
+        s = slice(DL * (j + 1), DL * (j + 2))
+        prec[:DL, :DL] += np.eye(DL) / TAU**2
+        prec[s, s] += np.eye(DL) / TAU**2 + x.T @ x / NOISE**2
+        prec[:DL, s] -= np.eye(DL) / TAU**2
+        prec[s, :DL] -= np.eye(DL) / TAU**2
+        shift[s] += x.T @ y / NOISE**2
+    cov = np.linalg.inv(prec)
+    return cov @ shift, cov
+
+
+@pytest.fixture(scope="module")
+def hier():
+    rng = np.random.default_rng(3)
+    sizes = [6, 10, 14, 20, 8]  # the last client is held out (the new client)
+    mu = np.array([1.0, -0.5])
+    xs, ys = [], []
+    for n in sizes:
+        x = rng.normal(size=(n, DL)).astype(np.float32)
+        theta = mu + TAU * rng.normal(size=DL)
+        xs.append(x)
+        ys.append((x @ theta + NOISE * rng.normal(size=n)).astype(np.float32))
+    clients = nf.Clients.split(np.repeat(np.arange(K), sizes[:K]), x=np.concatenate(xs[:K]), y=np.concatenate(ys[:K]))
+    return clients, xs, ys
+
+
+def test_ep_integrates_out_local_latents_exactly(hier):
+    """With local latents theta_k, f_k(mu) = ∫ p(y_k | theta_k) p(theta_k | mu) d theta_k is
+    Gaussian here, so one sequential EP pass (Laplace tilted) gives the exact marginal
+    posterior of mu (clients of unequal size: padded and masked), and damped synchronous
+    EP converges to it. PVI with local sites (joint Gaussian local step) lands there too."""
+    clients, xs, ys = hier
+    mean, cov = _joint_posterior(xs[:K], ys[:K])
+    m, c = mean[:DL], cov[:DL, :DL]
+    res = nf.EP(hier_model).run(random.PRNGKey(0), K, clients)
+    np.testing.assert_allclose(res.mean, m, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.cov, c, rtol=1e-4, atol=1e-7)
+    once = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 1, clients)
+    assert np.max(np.abs(np.asarray(once.mean) - m) / np.sqrt(np.diag(c))) > 0.05  # not there after one round
+    sync = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 25, clients)
+    np.testing.assert_allclose(sync.mean, m, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(sync.cov, c, rtol=1e-3, atol=1e-6)
+    pvi = nf.PVI(hier_model, update="optax", optim=optax.adam(0.02), local_steps=800, num_particles=16,
+                 schedule="sequential").run(random.PRNGKey(1), 2 * K, clients)
+    sd = np.sqrt(np.diag(c))
+    assert np.max(np.abs(np.asarray(pvi.mean) - m) / sd) < 0.15
+    assert np.max(np.abs(np.sqrt(np.diag(pvi.cov)) / sd - 1)) < 0.1
+
+
+def test_local_posteriors_and_fast_adaptation_match_the_closed_form(hier):
+    """Paper 004 §4.2.1: after (exact) EP, eq. 8 with the cavity q_-k is the exact
+    p(theta_k | Y); a new client starting from q(mu) gets p(theta_new | Y, Y_new)."""
+    clients, xs, ys = hier
+    ep = nf.EP(hier_model)
+    res = ep.run(random.PRNGKey(0), K, clients)
+    mean, cov = _joint_posterior(xs[:K], ys[:K])
+    draws = ep.local_posterior(random.PRNGKey(1), res, num_samples=2000, num_warmup=300)
+    assert draws["theta"].shape == (K, 2000, DL) and draws["mu"].shape == (K, 2000, DL)
+    for k in range(K):
+        s = slice(DL * (k + 1), DL * (k + 2))
+        sd = np.sqrt(np.diag(cov[s, s]))
+        got = np.asarray(draws["theta"][k])
+        assert np.max(np.abs(got.mean(0) - mean[s]) / sd) < 0.15
+        assert np.max(np.abs(got.std(0) / sd - 1)) < 0.1
+    one = ep.local_posterior(random.PRNGKey(2), res, client="2", num_samples=2000, num_warmup=300)
+    s = slice(DL * 3, DL * 4)
+    assert np.max(np.abs(np.asarray(one["theta"]).mean(0) - mean[s]) / np.sqrt(np.diag(cov[s, s]))) < 0.15
+    new = ep.adapt(random.PRNGKey(3), res, {"x": xs[K], "y": ys[K]}, num_samples=2000, num_warmup=300)
+    mean5, cov5 = _joint_posterior(xs, ys)
+    s = slice(DL * (K + 1), DL * (K + 2))
+    sd = np.sqrt(np.diag(cov5[s, s]))
+    assert np.max(np.abs(np.asarray(new["theta"]).mean(0) - mean5[s]) / sd) < 0.15
+    assert np.max(np.abs(np.asarray(new["theta"]).std(0) / sd - 1)) < 0.1
+
+
+def test_only_the_factor_update_crosses(hier):
+    """A client's message is {delta, valid}: the change of its factor over the global sites
+    only (no local-site dimensions), and none of its data appear in it."""
+    clients, xs, ys = hier
+    ep = nf.EP(hier_model)
+    state = ep.init(random.PRNGKey(0), clients)
+    setup = ep._setup(clients)
+    _, (_, messages, _) = setup.round_fn(state, setup.plan.data)
+    assert sorted(messages) == ["delta", "valid"]
+    assert messages["delta"].shift.shape == (K, DL) and messages["delta"].precision.shape == (K, DL, DL)
+    sent = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(messages)]).astype(np.float32)
+    for j in range(K):
+        for arr in (xs[j], ys[j]):
+            assert not contains(sent, arr)
+    new_state, _ = ep.update(state, clients)
+    assert jnp.all(new_state.server.q.precision != state.server.q.precision)
+
+
+def test_ep_clear_errors(linear):
+    clients = linear[0]
+    with pytest.raises(ValueError, match="tilted='mcmc'"):
+        nf.EP(linear_model, tilted="mcmc")
+    with pytest.raises(ValueError, match="tilted='vi' needs optim="):
+        nf.EP(linear_model, tilted="vi")
+    with pytest.raises(ValueError, match="num_samples=0"):
+        nf.EP(linear_model, tilted="nuts", num_samples=0)
+    with pytest.raises(ValueError, match="damping=1.5"):
+        nf.EP(linear_model, damping=1.5)
+    ep = nf.EP(linear_model)
+    with pytest.raises(ValueError, match="sample_posterior needs a fitted EP"):
+        ep.sample_posterior(random.PRNGKey(0), None, 10)
+    res = ep.run(random.PRNGKey(0), 3, clients)
+    with pytest.raises(ValueError, match="client '7' is not one of the fitted clients"):
+        ep.local_posterior(random.PRNGKey(0), res, client="7")
+
+    def with_param(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        s = numpyro.param("s", 1.0)
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+    with pytest.raises(ValueError, match=r"EP approximates latent sites only; numpyro.param sites \['s'\]"):
+        nf.EP(with_param).init(random.PRNGKey(0), clients)
+
+    def half_normal(x, y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+    with pytest.raises(ValueError, match="EP keeps q = p"):
+        nf.EP(half_normal).init(random.PRNGKey(0), clients)
