@@ -14,9 +14,14 @@ from jax import random
 import numpyro_fed as nf
 
 from .test_privacy import contains
-from .test_pvi import D, linear, linear_model  # noqa: F401 (linear is a fixture)
+from .test_pvi import D, linear_model, make_linear
 
 TAU, NOISE, K, DL = 0.5, 0.3, 4, 2  # hierarchical: theta_k ~ N(mu, TAU^2), y ~ N(x theta_k, NOISE^2)
+
+
+@pytest.fixture(scope="module")
+def linear():
+    return make_linear()
 
 
 @pytest.mark.parametrize("tilted,rounds,mean_tol,sd_tol", [("laplace", 3, 1e-4, 1e-4), ("nuts", 3, 0.1, 0.1),
