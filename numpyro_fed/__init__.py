@@ -8,6 +8,7 @@ from .elbo import ClientData, FederatedObjective
 from .ep import EP
 from .guides import MeanFieldGuide, StructuredGuide
 from .handlers import global_site, local_site
+from .hm1 import HM1, HM1Result
 from .pvi import PVI, PVIRunResult, PVIState
 from .svi import FederatedSVI, FederatedSVIState, RunResult
 from .vertical import vertical_split
@@ -32,6 +33,8 @@ __all__ = [
     "FederatedObjective",
     "FederatedSVI",
     "FederatedSVIState",
+    "HM1",
+    "HM1Result",
     "MeanFieldAux",
     "MeanFieldGuide",
     "PVI",

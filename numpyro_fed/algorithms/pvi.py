@@ -259,8 +259,9 @@ def factor_protocol(
 
             pending, proper = jax.vmap(one)(ks, keys, state.factor)
             delta, proper = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending), jnp.all(proper)
-        # an improper cavity has no local ELBO: the client sends no update and says so
-        valid = proper & _finite(delta)
+        # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
+        # a proper Gaussian) is no update: the client sends zero and says so
+        valid = proper & _finite(delta) & G.is_positive_definite(q + delta)
         delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
         pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
         return state._replace(pending=pending), {"delta": delta, "valid": valid}

@@ -1,6 +1,16 @@
 """Ready-made federated models."""
 
 from .glmm import logistic_glmm, normal_hierarchical
+from .linear import hm2_regression, inclusion, variable_selection
 from .split_nn import predict_split_nn, split_nn, split_nn_model
 
-__all__ = ["logistic_glmm", "normal_hierarchical", "predict_split_nn", "split_nn", "split_nn_model"]
+__all__ = [
+    "hm2_regression",
+    "inclusion",
+    "logistic_glmm",
+    "normal_hierarchical",
+    "predict_split_nn",
+    "split_nn",
+    "split_nn_model",
+    "variable_selection",
+]
