@@ -26,7 +26,12 @@ def to_arviz(
     clients: Optional["Clients"] = None,
 ) -> "az.InferenceData":
     """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI`,
-    :class:`~numpyro_fed.VerticalSVI` or :class:`~numpyro_fed.VerticalSOUL` fit.
+    :class:`~numpyro_fed.VerticalSVI`, :class:`~numpyro_fed.VerticalSOUL`,
+    :class:`~numpyro_fed.PVI` or :class:`~numpyro_fed.EP` fit.
+
+    For PVI and EP the posterior holds draws of the global sites from ``q`` (for EP with a
+    named ``client``: that client's NUTS draws of eq. 8, global and local sites) and
+    ``sample_stats`` the damping applied per round.
 
     The posterior group holds draws from the variational approximation (for SOUL: the
     Langevin draws given ``z_hat``) with one chain (global sites, plus ``client``'s
@@ -49,8 +54,11 @@ def to_arviz(
     """
     import arviz as az
 
+    from ._factor import FactorInference
     from .vertical_protocol import VerticalRunner
 
+    if isinstance(svi, FactorInference):
+        return _factor_to_arviz(svi, result, rng_key, num_samples, client)
     vertical = isinstance(svi, VerticalRunner)
     if vertical:  # every party's sites; data stay with their owners
         draws = svi.sample_posterior(rng_key, result, num_samples)
@@ -71,6 +79,29 @@ def to_arviz(
         attrs={
             "inference_library": "numpyro_fed",
             "method": svi.method,
+            "rounds": int(result.communication.rounds),
+            "bytes_up": int(result.communication.bytes_up),
+            "bytes_down": int(result.communication.bytes_down),
+        },
+    )
+
+
+def _factor_to_arviz(inference, result, rng_key, num_samples, client):
+    import arviz as az
+
+    if client is not None:
+        if not hasattr(inference, "local_posterior"):
+            raise ValueError(f"{type(inference).__name__} has no local posteriors; use nf.EP for client=")
+        draws = inference.local_posterior(rng_key, result, client=client, num_samples=num_samples)
+    else:
+        draws = inference.sample_posterior(rng_key, result, num_samples)
+    return az.from_dict(
+        posterior={k: np.asarray(v)[None] for k, v in draws.items()},
+        sample_stats={"damping": np.asarray(result.info.damping)[None, None, :]},
+        dims={"damping": ["round"]},
+        attrs={
+            "inference_library": "numpyro_fed",
+            "method": inference.method,
             "rounds": int(result.communication.rounds),
             "bytes_up": int(result.communication.bytes_up),
             "bytes_down": int(result.communication.bytes_down),

@@ -220,3 +220,24 @@ def test_ep_on_hm2_matches_pooled_nuts():
     assert np.max(np.abs(z[4:])) < 0.5, z  # log tau
     assert np.max(np.abs(ratio - 1)) < 0.2, ratio
     assert int(np.sum(np.asarray(res.info.invalid))) == 0
+
+
+def test_one_model_under_three_inference_objects(hier):
+    """The same annotated model runs under FederatedSVI, PVI and EP by swapping the
+    inference object, and each result converts with nf.to_arviz."""
+    import arviz as az
+
+    clients, xs, ys = hier
+    mean, cov = _joint_posterior(xs[:K], ys[:K])
+    svi = nf.FederatedSVI(hier_model, nf.StructuredGuide(hier_model), optax.adam(0.05), local_steps=5)
+    pvi = nf.PVI(hier_model, update="optax", optim=optax.adam(0.02), local_steps=200, schedule="sequential")
+    ep = nf.EP(hier_model)
+    fits = [(svi, svi.run(random.PRNGKey(0), 200, clients, progress_bar=False)),
+            (pvi, pvi.run(random.PRNGKey(0), K, clients)), (ep, ep.run(random.PRNGKey(0), K, clients))]
+    for method, res in fits:
+        data = nf.to_arviz(method, res, random.PRNGKey(1), num_samples=500)
+        summary = az.summary(data, var_names=["mu"], kind="stats")
+        assert np.max(np.abs(summary["mean"].to_numpy() - mean[:DL]) / np.sqrt(np.diag(cov[:DL, :DL]))) < 0.5
+        assert data.attrs["method"] == method.method
+    local = nf.to_arviz(ep, fits[2][1], random.PRNGKey(2), num_samples=200, client="1")
+    assert local.posterior["theta"].shape == (1, 200, DL)
