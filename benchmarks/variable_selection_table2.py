@@ -8,7 +8,7 @@ Designs (paper 004 §5.2, after Van Erp et al., 2019), every device sharing ``th
 - Case III: K = 20, ``theta_true = (3 x 10, 0 x 10, 3 x 10)``, 40 training rows per device.
 
 Fit: :func:`numpyro_fed.models.variable_selection` (``prior="lasso"`` or ``"ridge"``) by
-federated EP (synchronous, damping 0.5, ``--rounds`` rounds, tilted moments by NUTS with 300
+federated EP (synchronous, damping 0.5, trust region ``max_kl=20``, ``--rounds`` rounds, tilted moments by NUTS with 300
 warm-up steps and 300 draws; Laplace, ``--tilted laplace``, fails on Case III: every
 client's local fit is improper and EP keeps the prior); then
 each device samples its local posterior of ``theta_k`` (paper 004 eq. 8, NUTS) and
@@ -68,7 +68,7 @@ def main():
     args = parser.parse_args()
     out_path = args.out or os.path.join(os.path.dirname(__file__), "results", f"variable_selection_{args.prior}.json")
     ep = nf.EP(variable_selection, tilted=args.tilted, schedule="synchronous", damping=0.5,
-               num_warmup=300, num_samples=300, model_kwargs={"prior": args.prior})
+               num_warmup=300, num_samples=300, max_kl=20.0, model_kwargs={"prior": args.prior})
     results = {}
     for case in args.cases:
         t0 = time.time()

@@ -46,11 +46,18 @@ class EP(FactorInference):
         damping: ``delta`` in ``(0, 1]``: ``q_k <- q_k * Delta q_k^delta``.
         subset_size: clients per round for ``schedule="subset"``.
         max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
+        max_kl: optional trust region: also halve ``delta`` while the round would move
+            ``q`` by more than ``max_kl`` nats (``KL(q_new || q)``). Synchronous EP over
+            many clients sums many updates; this keeps one round from overshooting.
         laplace_steps: L-BFGS iterations for ``tilted="laplace"``.
-        num_warmup, num_samples: NUTS settings for ``tilted="nuts"``.
-        optim, vi_steps, num_particles: optax optimiser, steps and Monte Carlo draws for
-            ``tilted="vi"``.
-        backend, row_plate, model_kwargs: as in :class:`~numpyro_fed.FederatedSVI`.
+        num_warmup: NUTS warm-up (adaptation) steps for ``tilted="nuts"``.
+        num_samples: NUTS draws per tilted distribution for ``tilted="nuts"``.
+        optim: optax optimiser for ``tilted="vi"``.
+        vi_steps: optimiser steps for ``tilted="vi"``.
+        num_particles: Monte Carlo draws per ELBO estimate for ``tilted="vi"``.
+        backend: how clients are mapped, as in :class:`~numpyro_fed.FederatedSVI`.
+        row_plate: the plate that indexes rows (for padding unequal clients).
+        model_kwargs: non-data keyword arguments of the model.
 
     Examples:
         >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
@@ -85,6 +92,7 @@ class EP(FactorInference):
         damping: float = 1.0,
         subset_size: int = 1,
         max_halvings: int = 10,
+        max_kl: Optional[float] = None,
         laplace_steps: int = 200,
         num_warmup: int = 500,
         num_samples: int = 500,
@@ -105,7 +113,9 @@ class EP(FactorInference):
                             ("num_samples", num_samples), ("vi_steps", vi_steps), ("num_particles", num_particles)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer")
-        self.tilted = tilted
+        if max_kl is not None and not max_kl > 0:
+            raise ValueError(f"max_kl={max_kl}: must be positive (or None)")
+        self.tilted, self.max_kl = tilted, max_kl
         self.moments = tilted_moments(
             tilted, laplace_steps=int(laplace_steps), num_warmup=int(num_warmup), num_samples=int(num_samples),
             optim=optim, vi_steps=int(vi_steps), num_particles=int(num_particles), diagonal=family == "diagonal",
@@ -114,7 +124,7 @@ class EP(FactorInference):
     def _algorithm(self, terms, plan, num_clients: int):
         return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=self.moments,
                   schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
-                  subset_size=self.subset_size)
+                  subset_size=self.subset_size, max_kl=self.max_kl)
 
     # ------------------------------------------------------------ local posteriors
     def local_posterior(

@@ -57,7 +57,8 @@ class HM1:
         local_steps: T gradient steps per round.
         batch_size: rows per local step (``None``: full-batch gradient descent).
         subset_size: devices per round (``None``: full participation).
-        x, y: the names of the covariate and response arrays in each client's data.
+        x: the name of the covariate array (rows, d) in each client's data.
+        y: the name of the response array (rows,).
 
     Examples:
         >>> import jax, numpy as np, numpyro_fed as nf

@@ -119,6 +119,22 @@ def test_positive_definiteness_safeguard():
     np.testing.assert_array_equal(message["q"].precision, jnp.eye(2))
 
 
+def test_trust_region_halves_damping_for_a_far_move():
+    """With max_kl, a PD update that would move q by more than max_kl nats is damped until
+    it does not (a mean shift of 8 sds is 32 nats: damping 1/2 for <= 8 nats, 1/4 for <= 2)."""
+    from numpyro_fed.algorithms import factor_protocol
+
+    prior = G.NaturalGaussian(jnp.zeros(1), jnp.eye(1))
+    delta = G.NaturalGaussian(jnp.full((1, 1), 8.0), jnp.zeros((1, 1, 1)))
+    msgs = {"delta": delta, "valid": jnp.ones(1, bool)}
+    for max_kl, want in ((None, 1.0), (8.0, 0.5), (2.0, 0.25)):
+        alg = factor_protocol(prior, None, 1, max_kl=max_kl)
+        state, _ = alg.init_server(random.PRNGKey(0))
+        _, message, info = alg.server_step(random.PRNGKey(1), state, msgs, jnp.ones(1, bool))
+        assert float(info.damping) == want
+        assert float(G.kl_divergence(message["q"], prior)) <= (max_kl or np.inf)
+
+
 def test_client_update_is_one_natural_parameter_message(linear):
     """What a client sends is Delta t_j (d + d^2 numbers) and a validity flag: no data."""
     clients, *_ = linear

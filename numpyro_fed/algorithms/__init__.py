@@ -2,6 +2,7 @@
 
 from .base import FederatedAlgorithm
 from .ep import ep, tilted_moments
+from .hm1 import HM1ServerState, hm1
 from .pvi import PVIAlgorithm, PVIClientState, PVIInfo, PVIServerState, factor_protocol, pvi
 from .sfvi import SFVIBroadcast, SFVIClientMessage, SFVIClientState, SFVIInfo, SFVIServerState, sfvi
 from .sfvi_avg import (
@@ -16,6 +17,7 @@ from .vertical_soul import PointAux, SOULClientState, SOULServerState, VerticalS
 
 __all__ = [
     "FederatedAlgorithm",
+    "HM1ServerState",
     "PVIAlgorithm",
     "PVIClientState",
     "PVIInfo",
@@ -38,6 +40,7 @@ __all__ = [
     "VerticalServerState",
     "ep",
     "factor_protocol",
+    "hm1",
     "pvi",
     "sfvi",
     "sfvi_avg",

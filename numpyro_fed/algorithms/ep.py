@@ -21,7 +21,7 @@ update that would leave ``Q`` not positive definite is halved and, failing that,
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 
@@ -61,6 +61,7 @@ def ep(
     damping: float = 1.0,
     max_halvings: int = 10,
     subset_size: int = 1,
+    max_kl: Optional[float] = None,
 ) -> PVIAlgorithm:
     """Build federated EP's pure functions.
 
@@ -71,8 +72,12 @@ def ep(
             Jacobians included); evaluated only by the client on its own data.
         num_local: size of ``v`` (0 without local latents).
         moments: a :func:`tilted_moments` estimator (default: Laplace).
-        schedule, damping, max_halvings, subset_size: as in
-            :func:`~numpyro_fed.algorithms.pvi`.
+        schedule: as in :func:`~numpyro_fed.algorithms.pvi`.
+        damping: as in :func:`~numpyro_fed.algorithms.pvi`.
+        max_halvings: as in :func:`~numpyro_fed.algorithms.pvi`.
+        subset_size: as in :func:`~numpyro_fed.algorithms.pvi`.
+        max_kl: optional trust region (see
+            :func:`~numpyro_fed.algorithms.pvi.factor_protocol`).
 
     References:
         Paper 004 (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
@@ -91,5 +96,5 @@ def ep(
 
     return factor_protocol(
         log_prior_factor, local_update, num_clients, schedule=schedule, damping=damping,
-        max_halvings=max_halvings, subset_size=subset_size,
+        max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl,
     )

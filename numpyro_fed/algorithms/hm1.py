@@ -51,7 +51,8 @@ def hm1(
     """Build Algorithm 1's pure functions.
 
     Args:
-        num_clients, dim: K devices, d covariates.
+        num_clients: K devices.
+        dim: d covariates.
         lr: ``eta`` of the local gradient steps on the mean squared error.
         shrinkage: ``eta_2`` of the prior-shrinkage step (default ``lr``; 0 gives K
             separate models).

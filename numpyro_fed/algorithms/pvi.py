@@ -37,7 +37,7 @@ All functions are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -193,13 +193,16 @@ def factor_protocol(
     subset_size: int = 1,
     variant: str = "plain",
     num_shards: int = 1,
+    max_kl: Optional[float] = None,
 ) -> "PVIAlgorithm":
     """The protocol PVI and EP share: factors ``t_j``, cavities, one ``Delta t_j`` per client.
 
     ``local_update(rng_key, cavity, q, data, kl_weight) -> q_new`` is the client's local
     fit (PVI: the local-ELBO optimum; EP: the moment-matched tilted distribution); the
     client sends ``Delta t_j = q_new / q``. Schedules, variants, damping and the PD
-    safeguard are as documented in :func:`pvi`.
+    safeguard are as documented in :func:`pvi`. ``max_kl`` (optional) adds a trust region
+    to the safeguard: the damping is also halved while ``KL(q_new || q) > max_kl`` nats,
+    which tames parallel (synchronous) EP when many clients' updates add up.
     """
     local_posterior = local_update
     prior = log_prior_factor
@@ -274,12 +277,20 @@ def factor_protocol(
             delta, halvings = carry
             return delta / 2, halvings + 1
 
+        def acceptable(delta):
+            new = state.q + total.scale(delta)
+            pd = G.is_positive_definite(new)
+            if max_kl is None:
+                return pd
+            safe = jax.tree_util.tree_map(lambda a, b: jnp.where(pd, a, b), new, state.q)
+            return pd & (G.kl_divergence(safe, state.q) <= max_kl)
+
         def not_pd(carry):
             delta, halvings = carry
-            return (~G.is_positive_definite(state.q + total.scale(delta))) & (halvings < max_halvings)
+            return (~acceptable(delta)) & (halvings < max_halvings)
 
         applied, halvings = jax.lax.while_loop(not_pd, try_damping, (jnp.asarray(damping, prior.shift.dtype), 0))
-        ok = G.is_positive_definite(state.q + total.scale(applied))
+        ok = acceptable(applied)
         applied = jnp.where(ok, applied, 0.0)
         q = state.q + total.scale(applied)
         rnd = state.round + 1

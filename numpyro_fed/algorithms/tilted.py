@@ -55,9 +55,14 @@ def _marginal(mean: Array, cov: Array, d: int) -> Tuple[Array, Array]:
     return mean[:d], cov[:d, :d]
 
 
-def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, *, steps: int = 200) -> Tuple[Array, Array]:
+def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, *, steps: int = 200,
+                    grad_tol: float = 1e-2) -> Tuple[Array, Array]:
     """Laplace approximation of the tilted distribution: ``steps`` L-BFGS iterations from
-    ``w0``, then the inverse negative Hessian at the mode (``u`` block)."""
+    ``w0``, then the inverse negative Hessian at the mode (``u`` block).
+
+    The result is NaN (an invalid update) unless the point reached is a mode: its Newton
+    decrement ``sqrt(g^T H^-1 g)`` (in posterior standard deviations) is below
+    ``grad_tol``."""
     f = _tilted(log_lik, cavity, d)
 
     def neg(w):
@@ -75,6 +80,11 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     (mode, _), _ = jax.lax.scan(body, (w0, opt.init(w0)), None, length=steps)
     hess = jax.hessian(neg)(mode)
     cov = jnp.linalg.inv((hess + hess.T) / 2)
+    # a mode L-BFGS did not reach is no Laplace approximation: return NaN, which the
+    # protocol sends as an invalid (zero) update
+    grad = jax.grad(neg)(mode)
+    newton = jnp.sqrt(jnp.abs(grad @ cov @ grad))  # Newton decrement: ~0 at a mode
+    mode = jnp.where(newton < grad_tol, mode, jnp.nan)
     return _marginal(mode, (cov + cov.T) / 2, d)
 
 
