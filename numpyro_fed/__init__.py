@@ -27,9 +27,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AmortizedAux",
     "ClientData",
-    "EP",
     "Clients",
     "Communication",
+    "EP",
     "FederatedObjective",
     "FederatedSVI",
     "FederatedSVIState",
@@ -54,8 +54,8 @@ __all__ = [
     "global_site",
     "local_site",
     "message_from_ndarrays",
-    "models",
     "message_to_ndarrays",
+    "models",
     "to_arviz",
     "vertical_split",
 ]

@@ -90,7 +90,6 @@ class PVI(FactorInference):
         002 §3.1.
     """
 
-
     method = "pvi"
 
     def __init__(
