@@ -241,3 +241,15 @@ def test_one_model_under_three_inference_objects(hier):
         assert data.attrs["method"] == method.method
     local = nf.to_arviz(ep, fits[2][1], random.PRNGKey(2), num_samples=200, client="1")
     assert local.posterior["theta"].shape == (1, 200, DL)
+
+
+def test_inclusion_rule_and_variable_selection_model_errors():
+    """Paper 004 §4.3: include a coefficient unless its 90% interval covers 0."""
+    from numpyro_fed.models import inclusion, variable_selection
+
+    rng = np.random.default_rng(0)
+    draws = np.stack([rng.normal(3.0, 1.0, 4000), rng.normal(1.0, 1.0, 4000), rng.normal(-2.0, 1.0, 4000)], -1)
+    np.testing.assert_array_equal(inclusion(draws, 0.9), [True, False, True])  # 1 +- 1.645 covers 0
+    np.testing.assert_array_equal(inclusion(draws[None], 0.5), [[True, True, True]])
+    with pytest.raises(ValueError, match="prior='elastic'"):
+        numpyro.handlers.seed(variable_selection, 0)(np.ones((3, 2)), np.ones(3), prior="elastic")
