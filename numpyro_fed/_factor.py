@@ -241,9 +241,15 @@ class FactorInference:
             raise ValueError(f"sample_posterior needs a fitted {type(self).__name__}: call run() or init() first")
         return self._setup_cache
 
-    def _supports(self, args) -> Dict[str, Any]:
-        tr = trace_model(self.model, args, self.model_kwargs)
-        return {n: s["fn"].support for n, s in tr.items() if is_latent(s)}
+    def _supports(self, args=None) -> Dict[str, Any]:
+        """Latent sites' supports, from a trace on ``args`` (default: the template, traced
+        once per set-up)."""
+        if args is not None:
+            return _latent_supports(trace_model(self.model, args, self.model_kwargs))
+        setup = self._fitted()
+        if "supports" not in setup.cache:
+            setup.cache["supports"] = self._supports(setup.clients.template())
+        return setup.cache["supports"]
 
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: int) -> Dict[str, jax.Array]:
         """Draws of the global sites from ``q``, constrained."""
@@ -253,7 +259,9 @@ class FactorInference:
         eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
         u = jax.vmap(lambda e: G.sample(q, e))(eps)
         layout = setup.structure.global_latent
-        if "supports" not in setup.cache:  # the model is traced once per set-up
-            setup.cache["supports"] = self._supports(setup.clients.template())
-        supports = setup.cache["supports"]
+        supports = self._supports()
         return {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
+
+
+def _latent_supports(tr) -> Dict[str, Any]:
+    return {n: s["fn"].support for n, s in tr.items() if is_latent(s)}

@@ -10,7 +10,7 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 from . import gaussian as G
-from ._factor import FactorInference, FactorRunResult, FactorState
+from ._factor import FactorInference, FactorRunResult, FactorState, _latent_supports
 from ._structure import trace_model
 from .algorithms.ep import ep, tilted_moments
 from .algorithms.tilted import TILTED_METHODS, cavity_log_density, nuts_draws
@@ -160,9 +160,11 @@ class EP(FactorInference):
                 return out[0]
             return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *out)
         cavities = jax.vmap(lambda t: q - t)(state.clients.factor)
-        sampler = self._sampler(setup.terms.local, num_samples, num_warmup)
-        w = jax.jit(jax.vmap(sampler))(random.split(rng_key, len(names)), cavities, plan.data)
-        return self._constrain(w, setup.terms.local, setup.clients[names[0]])
+        key = ("local_posterior", num_samples, num_warmup)
+        if key not in setup.cache:  # compiled once per set-up and draw counts
+            setup.cache[key] = jax.jit(jax.vmap(self._sampler(setup.terms.local, num_samples, num_warmup)))
+        w = setup.cache[key](random.split(rng_key, len(names)), cavities, plan.data)
+        return self._constrain(w, setup.terms.local, self._supports())
 
     def adapt(
         self, rng_key: jax.Array, result: "FactorRunResult | FactorState", data: Mapping[str, Any], *,
@@ -199,15 +201,15 @@ class EP(FactorInference):
             raise ValueError("this client's cavity q / q_k is not a proper Gaussian; run more (damped) rounds")
         rows = [jnp.shape(v)[0] for v in args.values() if jnp.ndim(v) > 0]
         data = _client_data(args, int(rows[0]) if rows else 1)
-        local = setup.structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
+        tr = trace_model(self.model, data.args, self.model_kwargs)  # this client's shapes
+        local = setup.structure.local_layout(tr)
         w = jax.jit(self._sampler(local, num_samples, num_warmup))(rng_key, cavity, data)
-        return self._constrain(w, local, data.args)
+        return self._constrain(w, local, _latent_supports(tr))
 
-    def _constrain(self, w, local, args) -> Dict[str, jax.Array]:
+    def _constrain(self, w, local, supports) -> Dict[str, jax.Array]:
         layout = self._fitted().structure.global_latent
         d = layout.size
         flat = w.reshape((-1, w.shape[-1]))
         values = {**jax.vmap(layout.unravel)(flat[:, :d]), **jax.vmap(local.unravel)(flat[:, d:])}
-        supports = self._supports(args)
         lead = w.shape[:-1]
         return {k: biject_to(supports[k])(v).reshape(lead + v.shape[1:]) for k, v in values.items()}

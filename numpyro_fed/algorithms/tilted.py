@@ -36,7 +36,14 @@ from .. import gaussian as G
 from .._typing import Array
 from ..gaussian import NaturalGaussian
 
-__all__ = ["cavity_log_density", "gaussian_vi_moments", "laplace_moments", "nuts_draws", "nuts_moments"]
+__all__ = [
+    "cavity_log_density",
+    "gaussian_vi_moments",
+    "laplace_moments",
+    "moments_to_factor",
+    "nuts_draws",
+    "nuts_moments",
+]
 
 TILTED_METHODS = ("laplace", "nuts", "vi")
 
