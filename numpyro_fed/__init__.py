@@ -1,35 +1,56 @@
-"""numpyro_fed: federated Bayesian inference for NumPyro models."""
+"""numpyro_fed: federated Bayesian inference for NumPyro models.
 
-from . import algorithms, gaussian, models
+Layout: the runtime every family shares (:mod:`~numpyro_fed.protocol`,
+:mod:`~numpyro_fed.backends`, :mod:`~numpyro_fed.transcript`,
+:mod:`~numpyro_fed.checkpoint`, :mod:`~numpyro_fed.availability`) and one folder per
+family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horizontal`
+(SFVI, SFVI-Avg), :mod:`~numpyro_fed.factor` (PVI, EP), :mod:`~numpyro_fed.linear` (HM1),
+:mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL).
+"""
+
+from . import algorithms, checkpoint, models
 from .arviz import to_arviz
-from .barycenter import gaussian_barycenter
+from .backends import NonFiniteError, SimulationBackend
 from .clients import Clients
-from .elbo import ClientData, FederatedObjective
-from .ep import EP
-from .guides import MeanFieldGuide, StructuredGuide
+from .factor import EP, PVI, gaussian
 from .handlers import global_site, local_site
-from .hm1 import HM1, HM1Result
-from .pvi import PVI, PVIRunResult, PVIState
-from .svi import FederatedSVI, FederatedSVIState, RunResult
-from .vertical import vertical_split
-from .vertical_guides import AmortizedAux, MeanFieldAux, VerticalGuide
-from .vertical_soul import VerticalSOUL
-from .vertical_svi import VerticalRunResult, VerticalSVI, VerticalSVIState
+from .horizontal import (
+    ClientData,
+    FederatedObjective,
+    FederatedSVI,
+    MeanFieldGuide,
+    StructuredGuide,
+    gaussian_barycenter,
+)
+from .linear import HM1
+from .protocol import Broadcast, ClientSlot, Exchange, FederatedAlgorithm, RunResult, RunState, ServerView
 from .transcript import (
     Communication,
     Transcript,
+    message_bytes,
+    message_from_bytes,
     message_from_ndarrays,
+    message_to_bytes,
     message_to_ndarrays,
 )
+from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 
 __version__ = "0.1.0"
 
+# Earlier names of the shared result and state types, kept for existing code.
+FederatedSVIState = PVIState = VerticalSVIState = RunState
+PVIRunResult = HM1Result = VerticalRunResult = RunResult
+
 __all__ = [
     "AmortizedAux",
+    "Broadcast",
     "ClientData",
+    "ClientSlot",
     "Clients",
     "Communication",
     "EP",
+    "Exchange",
+    "FederatedAlgorithm",
     "FederatedObjective",
     "FederatedSVI",
     "FederatedSVIState",
@@ -37,10 +58,14 @@ __all__ = [
     "HM1Result",
     "MeanFieldAux",
     "MeanFieldGuide",
+    "NonFiniteError",
     "PVI",
     "PVIRunResult",
     "PVIState",
     "RunResult",
+    "RunState",
+    "ServerView",
+    "SimulationBackend",
     "StructuredGuide",
     "Transcript",
     "VerticalGuide",
@@ -49,11 +74,15 @@ __all__ = [
     "VerticalSVI",
     "VerticalSVIState",
     "algorithms",
+    "checkpoint",
     "gaussian",
     "gaussian_barycenter",
     "global_site",
     "local_site",
+    "message_bytes",
+    "message_from_bytes",
     "message_from_ndarrays",
+    "message_to_bytes",
     "message_to_ndarrays",
     "models",
     "to_arviz",

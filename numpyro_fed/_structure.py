@@ -26,12 +26,21 @@ from numpyro.primitives import Messenger
 
 from .handlers import GLOBAL, LOCAL, site_role
 
-__all__ = ["ModelStructure", "SiteLayout", "analyse_model", "log_joint", "trace_model"]
+__all__ = [
+    "ModelStructure",
+    "SiteLayout",
+    "analyse_model",
+    "constrain_params",
+    "is_latent",
+    "log_joint",
+    "make_layout",
+    "trace_model",
+]
 
 _GLOBAL_SHAPE = (
     "site '{name}' is global (latent sites are global unless marked) but its shape "
-    "depends on the client's data: {client_shape} on client '{client}' vs {template_shape} "
-    "on a one-row placeholder. If it is a per-row or per-client variable, mark it with "
+    "depends on the client's data: {client_shape} on client '{client}' vs {other_shape} "
+    "on {other}. If it is a per-row or per-client variable, mark it with "
     "nf.local_site(model, sites=['{name}'])"
 )
 _BAD_ROLE = (
@@ -72,7 +81,7 @@ class SiteLayout(NamedTuple):
         return jnp.concatenate(parts) if parts else jnp.zeros(0, row_mask.dtype)
 
 
-def _layout(entries) -> SiteLayout:
+def make_layout(entries) -> SiteLayout:
     names = tuple(e[0] for e in entries)
     shapes = tuple(tuple(e[1]) for e in entries)
     axes = tuple(e[2] for e in entries)
@@ -127,7 +136,7 @@ class ModelStructure(NamedTuple):
         for name in self.local_latent_names:
             u = _unconstrained(tr[name])
             entries.append((name, jnp.shape(u), _row_axis(tr[name], u, self.row_plate)))
-        return _layout(entries)
+        return make_layout(entries)
 
     def local_param_init(self, tr) -> Dict[str, jax.Array]:
         return {n: _unconstrained(tr[n]) for n in self.local_param_names}
@@ -136,10 +145,30 @@ class ModelStructure(NamedTuple):
         return {n: tr[n]["kwargs"].get("constraint") for n in self.local_param_names}
 
 
-def analyse_model(model, example_args, template_args, kwargs, client_name="?") -> ModelStructure:
-    """Discover the sites of ``model`` and check the annotations against the data."""
-    tr = trace_model(model, example_args, kwargs)
-    tr_t = trace_model(model, template_args, kwargs)
+def _shape_probes(clients, template_args):
+    """One client per distinct row count (a global site's shape may depend on nothing
+    else), plus the one-row placeholder: ``[(label, args)]``."""
+    seen, probes = set(), []
+    for name in clients.names:
+        rows = clients.num_rows[name]
+        if rows not in seen:
+            seen.add(rows)
+            probes.append((f"client '{name}'", clients[name]))
+    probes.append(("a one-row placeholder", template_args))
+    return probes
+
+
+def analyse_model(model, clients, kwargs) -> ModelStructure:
+    """Discover the sites of ``model`` and check the annotations against every client's data.
+
+    Roles come from the first client's trace; the shape of every global site is compared
+    across all clients (one per distinct row count, which is all a shape can depend on)
+    and the one-row placeholder, so an unmarked per-row site is caught whatever the
+    order of the clients.
+    """
+    first = clients.names[0]
+    tr = trace_model(model, clients[first], kwargs)
+    probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients, clients.template())]
     global_entries, global_param = [], {}
     local_latent, local_param, observed = [], [], []
     for name, site in tr.items():
@@ -154,16 +183,17 @@ def analyse_model(model, example_args, template_args, kwargs, client_name="?") -
             continue
         if role != GLOBAL:
             raise ValueError(_BAD_ROLE.format(name=name, role=role))
-        if name not in tr_t:
-            raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name))
-        u, u_t = _unconstrained(site), _unconstrained(tr_t[name])
-        if jnp.shape(u) != jnp.shape(u_t):
-            raise ValueError(
-                _GLOBAL_SHAPE.format(
-                    name=name, client_shape=jnp.shape(site["value"]), client=client_name,
-                    template_shape=jnp.shape(tr_t[name]["value"]),
+        u = _unconstrained(site)
+        for label, other in probes:
+            if name not in other:
+                raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name))
+            if jnp.shape(_unconstrained(other[name])) != jnp.shape(u):
+                raise ValueError(
+                    _GLOBAL_SHAPE.format(
+                        name=name, client_shape=jnp.shape(site["value"]), client=first,
+                        other=label, other_shape=jnp.shape(other[name]["value"]),
+                    )
                 )
-            )
         if site["type"] == "sample":
             global_entries.append((name, jnp.shape(u), None))
         else:
@@ -171,7 +201,7 @@ def analyse_model(model, example_args, template_args, kwargs, client_name="?") -
     if not global_entries and not local_latent:
         raise ValueError(_NO_LATENT)
     return ModelStructure(
-        global_latent=_layout(global_entries),
+        global_latent=make_layout(global_entries),
         global_param=global_param,
         local_latent_names=tuple(local_latent),
         local_param_names=tuple(local_param),

@@ -11,7 +11,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import arviz as az
 
     from .clients import Clients
-    from .svi import FederatedSVI, RunResult
+    from .horizontal import FederatedSVI
+    from .protocol import RunResult
 
 __all__ = ["to_arviz"]
 
@@ -43,7 +44,7 @@ def to_arviz(
 
     Args:
         svi: the fitted :class:`~numpyro_fed.FederatedSVI`, ``VerticalSVI`` or ``VerticalSOUL``.
-        result: its :class:`~numpyro_fed.RunResult` (or ``VerticalRunResult``).
+        result: its :class:`~numpyro_fed.RunResult`.
         rng_key: PRNG key for the posterior draws.
         num_samples: draws in the single chain.
         client: name of the client whose local sites (and data) to include.
@@ -54,12 +55,12 @@ def to_arviz(
     """
     import arviz as az
 
-    from ._factor import FactorInference
-    from .vertical_protocol import VerticalRunner
+    from .factor.inference import FactorInference
+    from .vertical.inference import VerticalInference
 
     if isinstance(svi, FactorInference):
         return _factor_to_arviz(svi, result, rng_key, num_samples, client)
-    vertical = isinstance(svi, VerticalRunner)
+    vertical = isinstance(svi, VerticalInference)
     if vertical:  # every party's sites; data stay with their owners
         draws = svi.sample_posterior(rng_key, result, num_samples)
         client = clients = None

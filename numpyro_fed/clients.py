@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Mapping, Tuple
+from typing import Dict, Iterator, Mapping, NamedTuple, Tuple
 
+import jax
 import numpy as np
 
-__all__ = ["Clients"]
+__all__ = ["ClientData", "Clients"]
 
 _EMPTY = "Clients needs at least one client; got an empty mapping"
 _NOT_MAPPING = (
@@ -40,6 +41,16 @@ _SPLIT_LEN = (
     "Clients.split: argument '{arg}' has {got} rows but group_ids has {want}; "
     "group_ids needs one entry per row"
 )
+
+
+class ClientData(NamedTuple):
+    """What one client holds as the simulation lays it out: its model arguments (padded
+    to a common row count under ``vmap``), the row mask (0 on padded rows) and its real
+    row count."""
+
+    args: Dict[str, jax.Array]
+    row_mask: jax.Array
+    num_rows: jax.Array
 
 
 class Clients(Mapping[str, Dict[str, np.ndarray]]):

@@ -13,9 +13,9 @@ from jax import random
 
 from .clients import Clients
 from .datasets import load_six_cities, six_cities_silos
-from .guides import StructuredGuide
+from .horizontal import StructuredGuide
 from .models import logistic_glmm
-from .svi import FederatedSVI
+from .horizontal import FederatedSVI
 
 __all__ = ["run_demo"]
 

@@ -1,7 +1,16 @@
-"""Records of what crossed the client/server boundary, and message (de)serialisation."""
+"""Records of what crossed the client/server boundary, and message (de)serialisation.
+
+One wire format serves every backend: a message pytree is sent as its leaves in
+flattening order, each written by ``numpy.save`` (a self-describing header with dtype and
+shape, then the raw buffer), which is also what a Flower ``Array`` carries. Byte counts
+are the exact length of that serialisation (:func:`message_bytes`), whether the run
+records a transcript or not.
+"""
 
 from __future__ import annotations
 
+import functools
+import io
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 import jax
@@ -11,9 +20,12 @@ __all__ = [
     "Communication",
     "Transcript",
     "TranscriptEntry",
+    "leaf_bytes",
     "message_bytes",
+    "message_from_bytes",
     "message_from_ndarrays",
     "message_leaves",
+    "message_to_bytes",
     "message_to_ndarrays",
 ]
 
@@ -27,10 +39,11 @@ class TranscriptEntry(NamedTuple):
     dtype: str
     nbytes: int
     value: Optional[np.ndarray] = None
+    exchange: str = ""
 
 
 class Communication(NamedTuple):
-    """Totals over a run: rounds, bytes and messages each way."""
+    """Totals over a run: rounds, bytes and messages each way (bytes as serialised)."""
 
     rounds: int
     bytes_up: int
@@ -45,9 +58,39 @@ def message_leaves(message: Any):
     return [(jax.tree_util.keystr(path).lstrip("."), leaf) for path, leaf in flat]
 
 
+@functools.lru_cache(maxsize=4096)
+def _wire_bytes(shape: tuple, dtype: str) -> int:
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(shape, dtype), allow_pickle=False)
+    return buffer.getbuffer().nbytes
+
+
+def leaf_bytes(leaf: Any) -> int:
+    """Serialised size of one leaf (an array or a ``jax.ShapeDtypeStruct``)."""
+    return _wire_bytes(tuple(int(d) for d in np.shape(leaf)), np.dtype(leaf.dtype).str)
+
+
 def message_bytes(message: Any) -> int:
-    """Bytes on the wire for a message (sum of its leaves' buffer sizes)."""
-    return int(sum(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape)) for _, leaf in message_leaves(message)))
+    """Exact length of :func:`message_to_bytes` for a message (arrays or shape structs)."""
+    return int(sum(leaf_bytes(leaf) for leaf in jax.tree_util.tree_leaves(message)))
+
+
+def message_to_bytes(message: Any) -> bytes:
+    """Serialise a message: each leaf by ``numpy.save``, in flattening order."""
+    buffer = io.BytesIO()
+    for leaf in jax.tree_util.tree_leaves(message):
+        np.save(buffer, np.asarray(leaf), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def message_from_bytes(like: Any, data: bytes) -> Any:
+    """Rebuild a message with the structure of ``like`` from :func:`message_to_bytes` output."""
+    treedef = jax.tree_util.tree_structure(like)
+    buffer = io.BytesIO(data)
+    leaves = [np.load(buffer, allow_pickle=False) for _ in range(treedef.num_leaves)]
+    if buffer.tell() != len(data):
+        raise ValueError(f"message_from_bytes: {len(data) - buffer.tell()} bytes left over after the message's leaves")
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def message_to_ndarrays(message: Any) -> List[np.ndarray]:
@@ -77,13 +120,14 @@ class Transcript:
         self.keep_values = keep_values
         self.entries: List[TranscriptEntry] = []
 
-    def record(self, round_: int, sender: str, receiver: str, message: Any) -> None:
+    def record(self, round_: int, sender: str, receiver: str, message: Any, exchange: str = "") -> None:
+        """Log every leaf of ``message`` (sent in ``exchange`` of round ``round_``)."""
         for name, leaf in message_leaves(message):
             arr = np.asarray(leaf)
             self.entries.append(
                 TranscriptEntry(
                     round_, sender, receiver, name, tuple(arr.shape), str(arr.dtype),
-                    int(arr.nbytes), arr.copy() if self.keep_values else None,
+                    leaf_bytes(arr), arr.copy() if self.keep_values else None, exchange,
                 )
             )
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
-from ..vertical import vertical_split
+from ..vertical.handler import vertical_split
 
 __all__ = ["predict_split_nn", "split_nn", "split_nn_model"]
 

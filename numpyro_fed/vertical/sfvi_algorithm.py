@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from ..vertical_objective import SERVER, VerticalObjective
-from .base import ascent
+from .objective import SERVER, VerticalObjective
+from .._steps import ascent
 
 if TYPE_CHECKING:  # pragma: no cover
     import optax

@@ -2,15 +2,15 @@
 
 Both keep ``q(theta) ∝ p(theta) prod_j t_j(theta)`` in one Gaussian family over the flat
 unconstrained global latent sites, run the same protocol
-(:func:`~numpyro_fed.algorithms.pvi.factor_protocol`) and differ only in the client's local
+(:func:`~numpyro_fed.factor.updates.factor_protocol`) and differ only in the client's local
 fit. This module turns an annotated model and an :class:`~numpyro_fed.Clients` into that
 protocol's inputs (the prior factor, each client's log-likelihood with and without its
-local latent sites) and runs it.
+local latent sites) and hands the algorithm to the backend.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import warnings
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
@@ -19,15 +19,17 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
+from .._structure import SiteLayout, analyse_model, is_latent, log_joint, trace_model
+from ..backends.mapping import client_data, plan_clients
+from ..clients import Clients
+from ..handlers import GLOBAL, LOCAL, site_role
+from ..horizontal.inference import check_positive_int
+from ..inference import FederatedInference, Setup
+from ..protocol import RunResult, RunState
 from . import gaussian as G
-from ._structure import SiteLayout, analyse_model, is_latent, log_joint, trace_model
-from .algorithms.pvi import SCHEDULES, PVIInfo
-from .clients import Clients
-from .handlers import GLOBAL, LOCAL, site_role
-from .simulation import client_data, init_clients, keep_active, map_clients, plan_clients
-from .transcript import Communication, message_bytes
+from .updates import SCHEDULES
 
-__all__ = ["FactorInference", "FactorRunResult", "FactorState", "ModelTerms"]
+__all__ = ["FactorInference", "ModelTerms", "latent_supports"]
 
 _CLIENTS = "{cls}.run/init need an nf.Clients object (e.g. nf.Clients.split(groups, x=x, y=y)); got {kind}"
 _PARAMS = "{cls} approximates latent sites only; numpyro.param sites {names} have no prior. Give them one"
@@ -36,32 +38,16 @@ _PRIOR_FIX = (
     "Gaussian prior in unconstrained space (Normal; LogNormal for positive sites), or use "
     "nf.FederatedSVI"
 )
-
-
-class FactorState(NamedTuple):
-    server: Any
-    clients: Any
-    message: Any
-    rng_key: jax.Array
-
-
-class FactorRunResult(NamedTuple):
-    """What ``PVI.run`` and ``EP.run`` return.
-
-    Attributes:
-        mean, cov: moments of ``q`` over the flat unconstrained global sites (``cov`` is a
-            variance vector for ``family="diagonal"``).
-        state: the final state (pass as ``init_state=``).
-        info: per round, the damping applied (0 = rejected), the halvings it took and the
-            number of active clients whose cavity was improper.
-        communication: rounds, bytes and messages each way (active clients only).
-    """
-
-    mean: jax.Array
-    cov: jax.Array
-    state: FactorState
-    info: PVIInfo
-    communication: Communication
+_SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
+_ALL_INVALID = (
+    "{cls}: in round(s) {rounds} every update that arrived was invalid (an improper cavity, or a local fit "
+    "that failed or is not a proper Gaussian), from client(s) {clients}; q did not move. Use damping < 1, "
+    "more local steps, or another tilted/update method"
+)
+_NEVER_APPLIED = (
+    "{cls} applied no update in {rounds} round(s): q is still the prior, not a posterior. {why}Use damping < 1, "
+    "more local steps, or check the model and data"
+)
 
 
 class ModelTerms(NamedTuple):
@@ -75,23 +61,17 @@ class ModelTerms(NamedTuple):
     sites: str
 
 
-class _Setup(NamedTuple):
-    clients: Clients
-    plan: Any
+class FactorSetup(NamedTuple):
     structure: Any
     terms: ModelTerms
-    algorithm: Any
-    round_fn: Any
-    scan_fn: Any
-    cache: dict  # per-round message bytes; the sites' supports
 
 
-class FactorInference:
+class FactorInference(FederatedInference):
     """Base of :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.EP` (not used directly)."""
 
     method = "factor"
 
-    def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, backend, row_plate,
+    def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
                  model_kwargs) -> None:
         if family not in ("full", "diagonal"):
             raise ValueError(f"family={family!r}: choose 'full' or 'diagonal'")
@@ -101,10 +81,12 @@ class FactorInference:
             raise ValueError(f"damping={damping}: must be in (0, 1]")
         self.model = model
         self.family, self.schedule = family, schedule
-        self.damping, self.subset_size, self.max_halvings = float(damping), int(subset_size), int(max_halvings)
-        self.backend, self.row_plate = backend, row_plate
+        self.damping = float(damping)
+        self.subset_size = check_positive_int("subset_size", subset_size)
+        self.max_halvings = int(max_halvings)
+        self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
-        self._setup_cache: Optional[_Setup] = None
+        self._init_inference()
 
     # ------------------------------------------------------------------ hooks
     def _check_structure(self, structure) -> None:
@@ -113,7 +95,7 @@ class FactorInference:
     def _adjust_structure(self, clients: Clients, structure):
         return structure
 
-    def _algorithm(self, terms: ModelTerms, plan, num_clients: int):
+    def _algorithm(self, terms: ModelTerms, plan, num_clients: int):  # pragma: no cover - abstract
         raise NotImplementedError
 
     # ------------------------------------------------------------------ set-up
@@ -158,110 +140,111 @@ class FactorInference:
 
         return log_joint_local
 
-    def _setup(self, clients: Clients) -> _Setup:
-        cls = type(self).__name__
+    def _validate_inputs(self, clients) -> None:
         if not isinstance(clients, Clients):
-            raise TypeError(_CLIENTS.format(cls=cls, kind=type(clients).__name__))
-        if self._setup_cache is not None and self._setup_cache.clients is clients:
-            return self._setup_cache
-        first = clients.names[0]
-        structure = analyse_model(self.model, clients[first], clients.template(), self.model_kwargs, first)
+            raise TypeError(_CLIENTS.format(cls=type(self).__name__, kind=type(clients).__name__))
+
+    def _build(self, clients: Clients) -> Setup:
+        cls = type(self).__name__
+        if self.schedule == "subset" and self.subset_size > len(clients):
+            raise ValueError(_SUBSET.format(size=self.subset_size, J=len(clients)))
+        structure = analyse_model(self.model, clients, self.model_kwargs)
         if structure.global_param or structure.local_param_names:
             names = sorted(structure.global_param) + list(structure.local_param_names)
             raise ValueError(_PARAMS.format(cls=cls, names=names))
         if not structure.global_latent.names:
             raise ValueError(f"{cls} approximates the global latent sites, and the model has none")
         self._check_structure(structure)
-        plan, structure = plan_clients(self.model, self.model_kwargs, clients, structure, self.backend, self.row_plate)
+        plan, structure = plan_clients(self.model, self.model_kwargs, clients, structure, self.client_mapping,
+                                       self.row_plate)
         structure = self._adjust_structure(clients, structure)
         terms = self._terms(clients, plan, structure)
-        alg = self._algorithm(terms, plan, len(clients))
+        algorithm = self._algorithm(terms, plan, len(clients))
+        return Setup(clients, algorithm, plan, FactorSetup(structure, terms), {})
 
-        def one_round(state: FactorState, data):
-            key, k_clients, k_server = random.split(state.rng_key, 3)
-            active = state.server.active
-            keys = random.split(k_clients, len(clients))
-            new_clients, messages = map_clients(plan, alg.client_step, keys, state.clients, state.message, data)
-            new_clients = keep_active(plan, active, new_clients, state.clients)
-            server, message, info = alg.server_step(k_server, state.server, messages, active)
-            if plan.backend == "vmap":
-                accepted = jax.vmap(alg.client_accept, in_axes=(0, None))(new_clients, info.damping)
-            else:
-                accepted = tuple(alg.client_accept(s, info.damping) for s in new_clients)
-            new_clients = keep_active(plan, active, accepted, new_clients)
-            return FactorState(server, new_clients, message, key), (info, messages, active)
+    def _params(self, setup: Setup, state: RunState) -> Dict:
+        mean, cov = G.to_moments(state.server.q)
+        return {"mean": mean, "cov": cov}
 
-        @partial(jax.jit, static_argnums=2)
-        def scan_fn(state, data, num_rounds):
-            def body(s, _):
-                s, (info, _, active) = one_round(s, data)
-                return s, (info, jnp.sum(active))
-
-            return jax.lax.scan(body, state, None, length=num_rounds)
-
-        self._setup_cache = _Setup(clients, plan, structure, terms, alg, jax.jit(one_round), scan_fn, {})
-        return self._setup_cache
+    def _check_result(self, setup: Setup, result: RunResult) -> None:
+        cls, names = type(self).__name__, setup.plan.names
+        info = result.info
+        answered = np.asarray(info.invalid) + np.asarray(info.valid).sum(axis=-1)
+        damping = np.asarray(info.damping)
+        dead = (answered > 0) & (np.asarray(info.valid).sum(axis=-1) == 0)
+        start = int(result.state.round) - len(damping)
+        if np.all(damping == 0) and not bool(jnp.any(result.state.server.q.shift != setup.extra.terms.prior.shift)
+                                               | jnp.any(result.state.server.q.precision
+                                                         != setup.extra.terms.prior.precision)):
+            why = ""
+            if dead.any():
+                bad = sorted({names[j] for r in np.flatnonzero(dead) for j in range(len(names))
+                              if not np.asarray(info.valid)[r, j]})
+                why = f"Every update was invalid (clients {bad}). "
+            raise ValueError(_NEVER_APPLIED.format(cls=cls, rounds=len(damping), why=why))
+        if dead.any():
+            rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
+            shown = rounds if len(rounds) <= 10 else rounds[:10] + ["..."]
+            warnings.warn(_ALL_INVALID.format(cls=cls, rounds=shown, clients=list(names)), RuntimeWarning,
+                          stacklevel=4)
 
     # ------------------------------------------------------------------ API
-    def init(self, rng_key: jax.Array, clients: Clients) -> FactorState:
+    def init(self, rng_key: jax.Array, clients: Clients) -> RunState:
         """``q`` starts at the prior and every ``t_j`` at 1."""
-        setup = self._setup(clients)
-        k_server, k_clients, key = random.split(rng_key, 3)
-        server, message = setup.algorithm.init_server(k_server)
-        keys = random.split(k_clients, len(clients))
-        states = init_clients(setup.plan, setup.algorithm.init_client, keys, setup.plan.data)
-        return FactorState(server, states, message, key)
+        return self._init(rng_key, clients)
 
-    def update(self, state: FactorState, clients: Clients) -> tuple:
+    def update(self, state: RunState, clients: Clients) -> tuple:
         """One round (jit-compiled). Returns ``(state, info)``."""
-        setup = self._setup(clients)
-        state, (info, _, _) = setup.round_fn(state, setup.plan.data)
-        return state, info
+        return self._update(state, clients)
 
-    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, *,
-            init_state: Optional[FactorState] = None) -> FactorRunResult:
-        """``num_rounds`` rounds in one ``lax.scan``."""
-        if int(num_rounds) != num_rounds or num_rounds < 1:
-            raise ValueError(f"num_rounds={num_rounds}: must be a positive integer")
-        setup = self._setup(clients)
-        state = self.init(rng_key, clients) if init_state is None else init_state
-        if "bytes_up" not in setup.cache:  # traced once per set-up
-            msg_shape = jax.eval_shape(lambda s: setup.round_fn(s, setup.plan.data)[1][1], state)
-            setup.cache["bytes_up"] = message_bytes(msg_shape) // len(clients)  # stacked over clients
-        state, (info, n_active) = setup.scan_fn(state, setup.plan.data, int(num_rounds))
-        per_up = setup.cache["bytes_up"]
-        per_down = message_bytes(state.message)
-        n = int(np.sum(np.asarray(n_active)))
-        comm = Communication(int(num_rounds), per_up * n, (per_down + 4) * n, n, 2 * n)
-        mean, cov = G.to_moments(state.server.q)
-        return FactorRunResult(mean, cov, state, info, comm)
+    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
+        """``num_rounds`` rounds on the simulation backend (one ``lax.scan`` unless a
+        progress bar, transcript, callbacks or checkpoints are asked for).
 
-    def _fitted(self) -> _Setup:
-        if self._setup_cache is None:
-            raise ValueError(f"sample_posterior needs a fitted {type(self).__name__}: call run() or init() first")
-        return self._setup_cache
+        Args:
+            **options: the backend's run options (``progress_bar`` defaults to ``False``
+                here), see :meth:`numpyro_fed.backends.SimulationBackend.run`.
+
+        Returns:
+            a :class:`~numpyro_fed.RunResult` with ``params = {"mean", "cov"}`` of ``q``
+            over the flat unconstrained global sites (``cov`` a variance vector for
+            ``family="diagonal"``), ``trace`` = ``KL(q_new || q)`` per round and ``info``
+            the damping applied (0: nothing applied), halvings and invalid updates.
+
+        Raises:
+            ValueError: when no update was ever applied (``q`` would be the prior); a
+            warning names rounds in which every update that arrived was invalid.
+        """
+        options.setdefault("progress_bar", False)
+        return self._run(rng_key, num_rounds, clients, **options)
+
+    def load(self, path: str, clients: Clients) -> RunState:
+        """A run state saved by :meth:`save`, for ``clients`` (pass as ``init_state=``)."""
+        return self._load(path, clients)
 
     def _supports(self, args=None) -> Dict[str, Any]:
         """Latent sites' supports, from a trace on ``args`` (default: the template, traced
         once per set-up)."""
         if args is not None:
-            return _latent_supports(trace_model(self.model, args, self.model_kwargs))
+            return latent_supports(trace_model(self.model, args, self.model_kwargs))
         setup = self._fitted()
         if "supports" not in setup.cache:
-            setup.cache["supports"] = self._supports(setup.clients.template())
+            setup.cache["supports"] = self._supports(setup.inputs.template())
         return setup.cache["supports"]
 
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: int) -> Dict[str, jax.Array]:
         """Draws of the global sites from ``q``, constrained."""
         setup = self._fitted()
-        state = result.state if isinstance(result, FactorRunResult) else result
+        num_samples = check_positive_int("num_samples", num_samples)
+        state = result.state if isinstance(result, RunResult) else result
         q = state.server.q
         eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
         u = jax.vmap(lambda e: G.sample(q, e))(eps)
-        layout = setup.structure.global_latent
+        layout = setup.extra.structure.global_latent
         supports = self._supports()
         return {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
 
 
-def _latent_supports(tr) -> Dict[str, Any]:
+def latent_supports(tr) -> Dict[str, Any]:
+    """``{site: support}`` of the latent sites of a trace."""
     return {n: s["fn"].support for n, s in tr.items() if is_latent(s)}

@@ -1,7 +1,7 @@
 """Structured federated variational inference (SFVI), paper 001 Algorithm 1.
 
-Each round the server draws ``eps_G`` and broadcasts ``(eta_G, theta, eps_G)``. Client
-``j`` draws its own ``eps_Lj``, steps its local parameters ``eta_Lj`` and returns only the
+Each round the server broadcasts ``(eta_G, theta, eps_G)``. Client ``j`` draws its own
+``eps_Lj`` (from its own key), steps its local parameters ``eta_Lj`` and returns only the
 vector-Jacobian product of its ELBO term with respect to the server's parameters. The
 server adds the gradient of its own term (global prior, Jacobian, entropy: counted once)
 and steps:
@@ -14,6 +14,13 @@ and steps:
 
 The gradient equals the centralised one on the pooled data for any partition, and with a
 per-coordinate optimiser (Adam, SGD) the whole trajectory is partition invariant.
+
+**A missing answer** (dropout): the server never applies a gradient that lacks a client's
+term, which would be biased towards the clients that answered. A round in which an asked
+client did not answer is skipped: the server's parameters and optimiser state stay, fresh
+noise is broadcast, and the clients that answered keep their local step (a valid
+block-coordinate step on the same ELBO). ``SFVIInfo.complete`` records which rounds
+counted; the fit needs proportionally more rounds.
 """
 
 from __future__ import annotations
@@ -25,28 +32,21 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
+from .._steps import ascent, tree_weighted_sum
 from .._typing import Array, PyTree
-from .base import FederatedAlgorithm, ascent, tree_weighted_sum
+from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..elbo import FederatedObjective
+    from .objective import FederatedObjective
 
-__all__ = [
-    "SFVIBroadcast",
-    "SFVIClientMessage",
-    "SFVIClientState",
-    "SFVIInfo",
-    "SFVIServerState",
-    "sfvi",
-]
+__all__ = ["SFVIBroadcast", "SFVIClientMessage", "SFVIClientState", "SFVIInfo", "SFVIServerState", "sfvi"]
 
 
 class SFVIServerState(NamedTuple):
     global_params: PyTree
     opt_state: PyTree
     eps_global: Array  # (num_particles, n_G): the noise broadcast this round
-    active: Array  # (J,) bool: clients asked to take part this round
-    step: Array
+    step: Array  # server updates applied
 
 
 class SFVIClientState(NamedTuple):
@@ -66,6 +66,7 @@ class SFVIClientMessage(NamedTuple):
 
 class SFVIInfo(NamedTuple):
     elbo: Array
+    complete: Array  # every asked client answered, so the server stepped
 
 
 def sfvi(
@@ -75,7 +76,7 @@ def sfvi(
     *,
     num_particles: int = 1,
 ) -> FederatedAlgorithm:
-    """Build SFVI for a :class:`~numpyro_fed.elbo.FederatedObjective`.
+    """Build SFVI for a :class:`~numpyro_fed.horizontal.objective.FederatedObjective`.
 
     Args:
         objective: server and client ELBO terms.
@@ -95,16 +96,15 @@ def sfvi(
     def init_server(rng_key):
         params = objective.init_global()
         eps = draw(rng_key)
-        state = SFVIServerState(
-            params, optim.init(params), eps, jnp.ones(num_clients, bool), jnp.zeros((), jnp.int32)
-        )
-        return state, SFVIBroadcast(params, eps)
+        state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
+        return state, Broadcast(SFVIBroadcast(params, eps))
 
     def init_client(rng_key, data):
         params = objective.init_local(data)
         return SFVIClientState(params, optim.init(params))
 
-    def client_step(rng_key, state, message, data):
+    def client_step(rng_key, state, broadcast, data):
+        message = broadcast.shared
         eps_local = random.normal(rng_key, (num_particles, objective.local_size(data)))
 
         def term(g, l):
@@ -119,17 +119,24 @@ def sfvi(
         local_params, opt_state = ascent(optim, l_grad, state.opt_state, state.local_params)
         return SFVIClientState(local_params, opt_state), SFVIClientMessage(g_grad, elbo)
 
-    def server_step(rng_key, state, messages, active):
+    def server_step(rng_key, state, messages, view):
         def term(g):
             return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
 
         elbo_server, grad = jax.value_and_grad(term)(state.global_params)
-        w = active.astype(elbo_server.dtype)
+        w = view.answered.astype(elbo_server.dtype)
+        complete = jnp.all(view.answered)
         grad = jax.tree_util.tree_map(jnp.add, grad, tree_weighted_sum(w, messages.global_grad))
-        elbo = elbo_server + jnp.dot(w, messages.elbo)
-        params, opt_state = ascent(optim, grad, state.opt_state, state.global_params)
+        # the ELBO estimate of an incomplete round scales the answered terms up to J clients
+        elbo = elbo_server + jnp.dot(w, messages.elbo) * num_clients / jnp.maximum(jnp.sum(w), 1.0)
+        stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
+        params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
+        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
         eps = draw(rng_key)
-        new_state = SFVIServerState(params, opt_state, eps, state.active, state.step + 1)
-        return new_state, SFVIBroadcast(params, eps), SFVIInfo(elbo)
+        new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
+        return new_state, Broadcast(SFVIBroadcast(params, eps)), SFVIInfo(elbo, complete)
 
-    return FederatedAlgorithm(init_server, init_client, client_step, server_step)
+    return FederatedAlgorithm(
+        init_server, init_client, all_clients(num_clients), (Exchange(client_step, server_step, "gradient"),),
+        num_selected=num_clients, monitor=lambda info: -info.elbo, monitor_name="loss",
+    )

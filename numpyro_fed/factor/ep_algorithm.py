@@ -8,12 +8,12 @@ every chosen device k
 1. forms the cavity ``q_-k = q / q_k`` (eq. 3; ``r - r_k``, ``Q - Q_k``),
 2. computes the mean and covariance of the tilted distribution
    ``q_\\k(phi) ∝ f_k(phi) q_-k(phi)`` (eq. 4) with its local latents integrated out,
-   by Laplace, NUTS or Gaussian VI (:mod:`~numpyro_fed.algorithms.tilted`),
+   by Laplace, NUTS or Gaussian VI (:mod:`~numpyro_fed.factor.tilted`),
 3. moment-matches ``q_new`` to it (eq. 5) and sends the single message
    ``Delta q_k = q_new / q`` (eq. 6; ``Delta r_k``, ``Delta Q_k``).
 
-The server multiplies the changes in (eq. 7). Damping, the PD safeguard, acknowledgement
-and the schedules are shared with PVI (:func:`~numpyro_fed.algorithms.pvi.factor_protocol`):
+The server multiplies the changes in (eq. 7). Damping, the PD safeguard, acknowledgement,
+dropout and the schedules are shared with PVI (:func:`~numpyro_fed.factor.updates.factor_protocol`):
 with damping ``delta`` a device's factor moves by ``Delta q_k^delta`` (damped EP), and an
 update that would leave ``Q`` not positive definite is halved and, failing that, rejected.
 """
@@ -25,10 +25,11 @@ from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 
-from .. import gaussian as G
-from ..gaussian import NaturalGaussian
-from .pvi import PVIAlgorithm, factor_protocol
+from ..protocol import FederatedAlgorithm
+from . import gaussian as G
+from .gaussian import NaturalGaussian
 from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
+from .updates import factor_protocol
 
 __all__ = ["ep", "tilted_moments"]
 
@@ -62,7 +63,7 @@ def ep(
     max_halvings: int = 10,
     subset_size: int = 1,
     max_kl: Optional[float] = None,
-) -> PVIAlgorithm:
+) -> FederatedAlgorithm:
     """Build federated EP's pure functions.
 
     Args:
@@ -77,7 +78,7 @@ def ep(
         max_halvings: as in :func:`~numpyro_fed.algorithms.pvi`.
         subset_size: as in :func:`~numpyro_fed.algorithms.pvi`.
         max_kl: optional trust region (see
-            :func:`~numpyro_fed.algorithms.pvi.factor_protocol`).
+            :func:`~numpyro_fed.factor.updates.factor_protocol`).
 
     References:
         Paper 004 (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as

@@ -1,7 +1,8 @@
 """SFVI with averaging (SFVI-Avg), paper 001 Algorithm 2.
 
-Each round the server broadcasts ``(eta_G, theta)``. Every participating client runs
-``m`` steps of local stochastic-gradient VI on
+Each round the server asks a fraction of the clients (drawn without replacement with the
+server's key) and broadcasts ``(eta_G, theta)``. Every asked client runs ``m`` steps of
+local stochastic-gradient VI on
 
 .. math::
 
@@ -10,6 +11,9 @@ Each round the server broadcasts ``(eta_G, theta)``. Every participating client 
 
 and returns its updated ``(eta_G^{(j)}, theta^{(j)})``. The server averages ``theta`` and
 sets ``q(z_G)`` to the 2-Wasserstein barycenter of the clients' ``q^{(j)}(z_G)``.
+
+**A missing answer** (dropout): the server averages over the clients that answered; a
+round in which nobody answered leaves the parameters as they were.
 """
 
 from __future__ import annotations
@@ -21,27 +25,21 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
+from .._steps import ascent, tree_weighted_sum
 from .._typing import Array, PyTree
-from ..barycenter import gaussian_barycenter
-from .base import FederatedAlgorithm, ascent, tree_weighted_sum
-from .sfvi import SFVIInfo
+from ..protocol import Broadcast, Exchange, FederatedAlgorithm
+from .barycenter import gaussian_barycenter
+from .sfvi_algorithm import SFVIInfo
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..elbo import FederatedObjective
+    from .objective import FederatedObjective
 
-__all__ = [
-    "SFVIAvgBroadcast",
-    "SFVIAvgClientMessage",
-    "SFVIAvgClientState",
-    "SFVIAvgServerState",
-    "sfvi_avg",
-]
+__all__ = ["SFVIAvgBroadcast", "SFVIAvgClientMessage", "SFVIAvgClientState", "SFVIAvgServerState", "sfvi_avg"]
 
 
 class SFVIAvgServerState(NamedTuple):
     global_params: PyTree
     total_rows: Array
-    active: Array  # (J,) bool: clients asked to take part this round
     step: Array
 
 
@@ -58,11 +56,6 @@ class SFVIAvgBroadcast(NamedTuple):
 class SFVIAvgClientMessage(NamedTuple):
     global_params: PyTree  # the client's eta_G^(j), theta^(j) after its local steps
     elbo: Array  # client ELBO term at the broadcast parameters (one draw)
-
-
-def _participants(rng_key, num_clients, num_active):
-    chosen = random.permutation(rng_key, num_clients)[:num_active]
-    return jnp.zeros(num_clients, bool).at[chosen].set(True)
 
 
 def sfvi_avg(
@@ -84,7 +77,7 @@ def sfvi_avg(
         num_clients: J.
         total_rows: N, the number of rows over all clients.
         local_steps: m, local optimisation steps per round.
-        participation: fraction of clients drawn (without replacement) each round.
+        participation: fraction of clients asked (without replacement) each round.
         num_particles: Monte Carlo draws per local step.
 
     References:
@@ -94,18 +87,25 @@ def sfvi_avg(
     num_active = max(1, int(round(participation * num_clients)))
     diagonal = objective.guide.global_scale == "diagonal"
 
+    def select(rng_key, state):
+        del state
+        if num_active == num_clients:
+            return jnp.ones(num_clients, bool)
+        chosen = random.permutation(rng_key, num_clients)[:num_active]
+        return jnp.zeros(num_clients, bool).at[chosen].set(True)
+
     def init_server(rng_key):
+        del rng_key
         params = objective.init_global()
         n = jnp.asarray(total_rows, jnp.float32)
-        active = _participants(rng_key, num_clients, num_active)
-        state = SFVIAvgServerState(params, n, active, jnp.zeros((), jnp.int32))
-        return state, SFVIAvgBroadcast(params, n)
+        return SFVIAvgServerState(params, n, jnp.zeros((), jnp.int32)), Broadcast(SFVIAvgBroadcast(params, n))
 
     def init_client(rng_key, data):
         params = objective.init_local(data)
         return SFVIAvgClientState(params, optim.init(params))
 
-    def client_step(rng_key, state, message, data):
+    def client_step(rng_key, state, broadcast, data):
+        message = broadcast.shared
         n_local = objective.local_size(data)
         weight = message.total_rows / data.num_rows
 
@@ -137,21 +137,27 @@ def sfvi_avg(
         (g, l, _, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, local_steps))
         return SFVIAvgClientState(l, l_opt), SFVIAvgClientMessage(g, elbo)
 
-    def server_step(rng_key, state, messages, active):
-        k_eps, k_next = random.split(rng_key)
-        w = active.astype(jnp.float32)
-        w = w / jnp.sum(w)
-        elbo_server = objective.server_term(state.global_params, random.normal(k_eps, (n_global,)))
-        elbo = elbo_server + jnp.dot(active.astype(jnp.float32), messages.elbo)
+    def server_step(rng_key, state, messages, view):
+        answered = view.answered.astype(jnp.float32)
+        anyone = jnp.sum(answered) > 0
+        w = answered / jnp.maximum(jnp.sum(answered), 1.0)
+        elbo_server = objective.server_term(state.global_params, random.normal(rng_key, (n_global,)))
+        elbo = elbo_server + jnp.dot(answered, messages.elbo)
         guide_params = messages.global_params["guide"]
         means, covs = jax.vmap(objective.guide.global_moments)(guide_params)
+        # rows of clients that did not answer are zeros: give them a harmless unit covariance
+        eye = jnp.broadcast_to(jnp.ones_like(covs[0]) if diagonal else jnp.eye(covs.shape[-1]), covs.shape)
+        covs = jnp.where(jnp.reshape(view.answered, (-1,) + (1,) * (covs.ndim - 1)), covs, eye)
         mean, cov = gaussian_barycenter(w, means, covs, diagonal=diagonal)
-        params = {
+        averaged = {
             "guide": objective.guide.global_from_moments(mean, cov),
             "theta": tree_weighted_sum(w, messages.global_params["theta"]),
         }
-        next_active = _participants(k_next, num_clients, num_active)
-        new_state = SFVIAvgServerState(params, state.total_rows, next_active, state.step + 1)
-        return new_state, SFVIAvgBroadcast(params, state.total_rows), SFVIInfo(elbo)
+        params = jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), averaged, state.global_params)
+        new_state = SFVIAvgServerState(params, state.total_rows, state.step + 1)
+        return new_state, Broadcast(SFVIAvgBroadcast(params, state.total_rows)), SFVIInfo(elbo, anyone)
 
-    return FederatedAlgorithm(init_server, init_client, client_step, server_step)
+    return FederatedAlgorithm(
+        init_server, init_client, select, (Exchange(client_step, server_step, "local_fit"),),
+        num_selected=num_active, monitor=lambda info: -info.elbo, monitor_name="loss",
+    )

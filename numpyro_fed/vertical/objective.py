@@ -31,9 +31,9 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
-from ._structure import SiteLayout, _layout
-from .vertical import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
-from .vertical_guides import VerticalGuide
+from .._structure import SiteLayout, make_layout
+from .handler import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
+from .guides import VerticalGuide
 
 __all__ = ["SERVER", "VerticalObjective"]
 
@@ -154,7 +154,7 @@ class VerticalObjective:
             self.supports[name] = site["fn"].support
             u = biject_to(site["fn"].support).inv(site["value"])
             entries[_owner(site)].append((name, jnp.shape(u), None))
-        self.layouts: Dict[str, SiteLayout] = {party: _layout(e) for party, e in entries.items()}
+        self.layouts: Dict[str, SiteLayout] = {party: make_layout(e) for party, e in entries.items()}
         if self.form == "power" and self.point_init[SERVER]:
             raise ValueError(_POWER_SERVER_PARAM.format(names=sorted(self.point_init[SERVER])))
         if self.form == "power":

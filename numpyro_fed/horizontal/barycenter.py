@@ -7,7 +7,7 @@ from typing import Tuple
 import jax.numpy as jnp
 from ott.geometry.costs import Bures
 
-from ._typing import Array
+from .._typing import Array
 
 __all__ = ["gaussian_barycenter"]
 

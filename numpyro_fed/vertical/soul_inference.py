@@ -8,9 +8,10 @@ import jax
 import optax
 from jax import random
 
-from .algorithms.vertical_soul import _PointGuide, vertical_soul
-from .vertical_objective import SERVER, VerticalObjective
-from .vertical_protocol import VerticalRunner, VerticalRunResult, party_views
+from ..protocol import RunResult
+from .inference import VerticalInference
+from .objective import SERVER, VerticalObjective
+from .soul_algorithm import PointGuide, vertical_soul
 
 __all__ = ["VerticalSOUL"]
 
@@ -23,7 +24,7 @@ _LANGEVIN = "num_langevin={value!r}: must be a positive integer (Langevin steps 
 _NOT_FITTED = "sample_posterior needs a fitted VerticalSOUL: call run() or init() first"
 
 
-class VerticalSOUL(VerticalRunner):
+class VerticalSOUL(VerticalInference):
     """Vertical SOUL: MAP estimates of the auxiliary ``z`` and unadjusted-Langevin draws of
     ``theta`` from ``p(theta | z_hat, y)`` (paper 000, Appendix A).
 
@@ -107,8 +108,8 @@ class VerticalSOUL(VerticalRunner):
         self.init_radius = float(init_radius)
         self._init_runner(optim, batch_size, model_kwargs)
 
-    def _build(self, data):
-        obj = VerticalObjective(self.model, _PointGuide(), data, self.model_kwargs)
+    def _build_algorithm(self, data):
+        obj = VerticalObjective(self.model, PointGuide(), data, self.model_kwargs)
         self._check_batch(obj)
         if isinstance(self.step_size, Mapping):
             parties = (SERVER,) + obj.clients
@@ -144,7 +145,7 @@ class VerticalSOUL(VerticalRunner):
         if int(num_warmup) != num_warmup or num_warmup < 0:
             raise ValueError(f"num_warmup={num_warmup!r}: must be a non-negative integer")
         setup = self._setup_cache
-        state = result.state if isinstance(result, VerticalRunResult) else result
+        state = result.state if isinstance(result, RunResult) else result
         key = ("draws", int(num_samples), int(thinning), int(num_warmup))
         if key not in setup.cache:
             setup.cache[key] = jax.jit(self._draws_fn(setup, int(num_samples), int(thinning), int(num_warmup)))
@@ -152,16 +153,18 @@ class VerticalSOUL(VerticalRunner):
 
     @staticmethod
     def _draws_fn(setup, num_samples, thinning, num_warmup):
-        obj, alg = setup.objective, setup.algorithm
+        obj, alg = setup.extra
         length = num_warmup + num_samples * thinning
 
         def draws(state, arrays, rng_key):
-            views = party_views(obj, arrays, jax.numpy.arange(obj.num_rows))
-            z_all = {c: state.clients[c].params["z"] for c in obj.clients}
             parties = (SERVER,) + obj.clients
+            rows = jax.numpy.arange(obj.num_rows)
+            views = {c: obj.party_args(c, arrays, rows) for c in parties}
+            states = {c: slot.state.inner for c, slot in zip(obj.clients, state.clients)}
+            z_all = {c: states[c].params["z"] for c in obj.clients}
             keys = random.split(rng_key, len(parties))
             noise = {p: random.normal(k, (length, obj.layouts[p].size)) for k, p in zip(keys, parties)}
-            chains = alg.posterior_chain(state.server, state.clients, noise, z_all, views)
+            chains = alg.posterior_chain(state.server.inner, states, noise, z_all, views)
             out = {}
             for party in parties:
                 if obj.layouts[party].size:

@@ -9,12 +9,15 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
+from .._structure import trace_model
+from ..backends.mapping import client_item, pad_client
+from ..horizontal.inference import check_positive_int
+from ..protocol import RunResult, RunState
 from . import gaussian as G
-from ._factor import FactorInference, FactorRunResult, FactorState, _latent_supports
-from ._structure import trace_model
-from .algorithms.ep import ep, tilted_moments
-from .algorithms.tilted import TILTED_METHODS, cavity_log_density, nuts_draws
-from .simulation import _client_data, client_state
+from .ep_algorithm import ep, tilted_moments
+from .inference import FactorInference, latent_supports
+from .tilted import TILTED_METHODS, cavity_log_density, nuts_draws
+from .updates import current_factor
 
 __all__ = ["EP"]
 
@@ -55,7 +58,7 @@ class EP(FactorInference):
         optim: optax optimiser for ``tilted="vi"``.
         vi_steps: optimiser steps for ``tilted="vi"``.
         num_particles: Monte Carlo draws per ELBO estimate for ``tilted="vi"``.
-        backend: how clients are mapped, as in :class:`~numpyro_fed.FederatedSVI`.
+        client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
 
@@ -72,7 +75,7 @@ class EP(FactorInference):
         >>> y = np.repeat([0.8, 1.0, 1.2], 30) * x
         >>> clients = nf.Clients.split(np.repeat([0, 1, 2], 30), x=x, y=y)
         >>> res = nf.EP(model, damping=0.5, schedule="synchronous").run(jax.random.PRNGKey(0), 10, clients)
-        >>> print(f"{float(res.mean[0]):.2f}")  # exact: 12/13 (theta_k known, tau = 0.25)
+        >>> print(f"{float(res.params['mean'][0]):.2f}")  # exact: 12/13 (theta_k known, tau = 0.25)
         0.92
 
     References:
@@ -99,12 +102,13 @@ class EP(FactorInference):
         optim: Any = None,
         vi_steps: int = 500,
         num_particles: int = 8,
-        backend: str = "auto",
+        client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
     ) -> None:
         super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
-                         max_halvings=max_halvings, backend=backend, row_plate=row_plate, model_kwargs=model_kwargs)
+                         max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
+                         model_kwargs=model_kwargs)
         if tilted not in TILTED_METHODS:
             raise ValueError(f"tilted={tilted!r}: choose one of {TILTED_METHODS}")
         if tilted == "vi" and not (hasattr(optim, "init") and hasattr(optim, "update")):
@@ -128,7 +132,7 @@ class EP(FactorInference):
 
     # ------------------------------------------------------------ local posteriors
     def local_posterior(
-        self, rng_key: jax.Array, result: "FactorRunResult | FactorState", client: Any = None, *,
+        self, rng_key: jax.Array, result: "RunResult | RunState", client: Any = None, *,
         num_samples: int = 1000, num_warmup: int = 500,
     ) -> Dict[str, jax.Array]:
         """Draws of ``(phi, theta_k)`` for fitted clients, each run by its client (paper 004 eq. 8).
@@ -146,28 +150,35 @@ class EP(FactorInference):
             constrained draws of the global sites and the local sites.
         """
         setup = self._fitted()
-        state = result.state if isinstance(result, FactorRunResult) else result
-        names = setup.clients.names
+        num_samples = check_positive_int("num_samples", num_samples)
+        num_warmup = check_positive_int("num_warmup", num_warmup)
+        state = result.state if isinstance(result, RunResult) else result
+        names = setup.inputs.names
         if client is not None and client not in names:
             raise ValueError(_CLIENT.format(name=client, names=list(names)))
         q, plan = state.server.q, setup.plan
-        if client is not None or plan.backend == "loop":
+        ack = state.broadcast.per_client["ack"]  # what each client would acknowledge next
+
+        def factor(j):
+            return current_factor(client_item(plan, state.clients, j).state, ack[j])
+
+        if client is not None or plan.mapping == "loop":
             chosen = [client] if client is not None else list(names)
-            out = [self._draws(rng, q - client_state(plan, state.clients, names.index(c)).factor, setup.clients[c],
-                               num_samples, num_warmup)
+            out = [self._draws(rng, q - factor(names.index(c)), setup.inputs[c], num_samples, num_warmup)
                    for rng, c in zip(random.split(rng_key, len(chosen)), chosen)]
             if client is not None:
                 return out[0]
             return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *out)
-        cavities = jax.vmap(lambda t: q - t)(state.clients.factor)
+        factors = jax.vmap(current_factor)(state.clients.state, ack)
+        cavities = jax.vmap(lambda t: q - t)(factors)
         key = ("local_posterior", num_samples, num_warmup)
         if key not in setup.cache:  # compiled once per set-up and draw counts
-            setup.cache[key] = jax.jit(jax.vmap(self._sampler(setup.terms.local, num_samples, num_warmup)))
+            setup.cache[key] = jax.jit(jax.vmap(self._sampler(setup.extra.terms.local, num_samples, num_warmup)))
         w = setup.cache[key](random.split(rng_key, len(names)), cavities, plan.data)
-        return self._constrain(w, setup.terms.local, self._supports())
+        return self._constrain(w, setup.extra.terms.local, self._supports())
 
     def adapt(
-        self, rng_key: jax.Array, result: "FactorRunResult | FactorState", data: Mapping[str, Any], *,
+        self, rng_key: jax.Array, result: "RunResult | RunState", data: Mapping[str, Any], *,
         num_samples: int = 1000, num_warmup: int = 500,
     ) -> Dict[str, jax.Array]:
         """Fast adaptation for a new client (paper 004 §4.2.1): ``q(phi)`` is its prior.
@@ -176,13 +187,13 @@ class EP(FactorInference):
         by NUTS on the new client's own data ``data`` (the model's data arguments).
         """
         self._fitted()
-        state = result.state if isinstance(result, FactorRunResult) else result
+        state = result.state if isinstance(result, RunResult) else result
         return self._draws(rng_key, state.server.q, data, num_samples, num_warmup)
 
     def _sampler(self, local, num_samples, num_warmup) -> Callable:
         setup = self._fitted()
-        joint = self._joint(setup.structure, local)
-        d = setup.structure.global_latent.size
+        joint = self._joint(setup.extra.structure, local)
+        d = setup.extra.structure.global_latent.size
 
         def sample(rng_key, cavity, data):
             start, _ = G.to_moments(cavity)
@@ -200,14 +211,14 @@ class EP(FactorInference):
         if not bool(G.is_positive_definite(cavity)):
             raise ValueError("this client's cavity q / q_k is not a proper Gaussian; run more (damped) rounds")
         rows = [jnp.shape(v)[0] for v in args.values() if jnp.ndim(v) > 0]
-        data = _client_data(args, int(rows[0]) if rows else 1)
+        data = pad_client(args, int(rows[0]) if rows else 1)
         tr = trace_model(self.model, data.args, self.model_kwargs)  # this client's shapes
-        local = setup.structure.local_layout(tr)
+        local = setup.extra.structure.local_layout(tr)
         w = jax.jit(self._sampler(local, num_samples, num_warmup))(rng_key, cavity, data)
-        return self._constrain(w, local, _latent_supports(tr))
+        return self._constrain(w, local, latent_supports(tr))
 
     def _constrain(self, w, local, supports) -> Dict[str, jax.Array]:
-        layout = self._fitted().structure.global_latent
+        layout = self._fitted().extra.structure.global_latent
         d = layout.size
         flat = w.reshape((-1, w.shape[-1]))
         values = {**jax.vmap(layout.unravel)(flat[:, :d]), **jax.vmap(local.unravel)(flat[:, d:])}

@@ -9,17 +9,18 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
-from .algorithms.vertical_sfvi import vertical_sfvi
-from .vertical_guides import VerticalGuide
-from .vertical_objective import SERVER, VerticalObjective
-from .vertical_protocol import VerticalRunner, VerticalRunResult, VerticalSVIState, party_views
+from ..protocol import RunResult, RunState
+from .guides import VerticalGuide
+from .inference import VerticalInference
+from .objective import SERVER, VerticalObjective
+from .sfvi_algorithm import vertical_sfvi
 
-__all__ = ["VerticalRunResult", "VerticalSVI", "VerticalSVIState"]
+__all__ = ["VerticalSVI"]
 
 _GUIDE = "guide must be an nf.VerticalGuide (e.g. nf.VerticalGuide('amortized')); got {kind}"
 
 
-class VerticalSVI(VerticalRunner):
+class VerticalSVI(VerticalInference):
     """Vertical federated SVI (paper 000, Algorithms 1 and 2).
 
     ``form="augmented"`` models run Algorithm 1 (the server holds the likelihood; ``y``
@@ -76,47 +77,51 @@ class VerticalSVI(VerticalRunner):
         self.model, self.guide = model, guide
         self._init_runner(optim, batch_size, model_kwargs)
 
-    def _build(self, data):
+    def _build_algorithm(self, data):
         obj = VerticalObjective(self.model, self.guide, data, self.model_kwargs)
         self._check_batch(obj)
         return obj, vertical_sfvi(obj, self.optim, self.batch_size)
 
-    def evaluate(self, state: VerticalSVIState, num_particles: int = 16, rng_key=None, **data):
+    def evaluate(self, state: RunState, num_particles: int = 16, rng_key=None, **data):
         """``-ELBO`` on all rows, averaged over ``num_particles`` draws (jit-compiled)."""
         setup = self._setup(data)
-        rng_key = state.rng_key if rng_key is None else rng_key
+        rng_key = state.server_key if rng_key is None else rng_key
         key = ("elbo", int(num_particles))
         if key not in setup.cache:  # compile once per set-up and particle count
-            obj = setup.objective
+            obj = setup.extra[0]
             full = vertical_sfvi(obj, self.optim, None)
+            names = setup.plan.names
 
             @jax.jit
             def estimate(state, arrays, k):
                 sched = full.schedule(k)
-                views = party_views(obj, arrays, sched["rows"])
+                views = {c: obj.party_args(c, arrays, sched["rows"]) for c in (SERVER,) + names}
+                parties = {c: slot.state.inner for c, slot in zip(names, state.clients)}
                 keys = random.split(k, int(num_particles))
-                return jnp.mean(jax.vmap(lambda kk: full.elbo(kk, state.server, state.clients, sched, views))(keys))
+                return jnp.mean(jax.vmap(lambda kk: full.elbo(kk, state.server.inner, parties, sched, views))(keys))
 
             setup.cache[key] = estimate
         estimate = setup.cache[key]
-        return -estimate(state, self._data(data), rng_key)
+        return -estimate(state, setup.cache["data"], rng_key)
 
     def sample_posterior(self, rng_key, result, num_samples: int) -> Dict[str, jax.Array]:
         """Draws of every party's sites from ``q(theta)``, constrained.
 
         Each party can draw its own block; the simulation gathers them for analysis.
         """
-        state = result.state if isinstance(result, VerticalRunResult) else result
-        if self._setup_cache is None:
-            raise ValueError("sample_posterior needs a fitted VerticalSVI: call run() or init() first")
-        obj = self._setup_cache.objective
+        state = result.state if isinstance(result, RunResult) else result
+        if int(num_samples) != num_samples or num_samples < 1:
+            raise ValueError(f"num_samples={num_samples}: must be a positive integer")
+        setup = self._fitted()
+        obj = setup.extra[0]
+        params_of = self._params(setup, state)
         out = {}
         keys = random.split(rng_key, len(obj.clients) + 1)
         for key, party in zip(keys, (SERVER,) + obj.clients):
             size = obj.layouts[party].size
             if size == 0:
                 continue
-            params = state.server.params if party == SERVER else state.clients[party].params
+            params = params_of[party]
             eps = random.normal(key, (num_samples, size))
             u = jax.vmap(lambda e: self.guide.theta.sample(params["theta"], e)[0])(eps)
             out.update(jax.vmap(lambda v: obj.constrain(party, v))(u))

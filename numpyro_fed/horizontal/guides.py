@@ -19,18 +19,19 @@ from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from ._typing import Array
+from .._typing import Array
 
-__all__ = ["MeanFieldGuide", "StructuredGuide"]
+__all__ = ["SCALES", "MeanFieldGuide", "StructuredGuide", "softplus_inverse", "std_normal_logpdf"]
 
-_SCALES = ("full", "diagonal")
+SCALES = ("full", "diagonal")
 _HALF_LOG_2PI = 0.5 * jnp.log(2 * jnp.pi)
 
 
-def _softplus_inverse(x: float) -> float:
-    return float(jnp.log(jnp.expm1(jnp.asarray(x))))
+def softplus_inverse(x: float) -> float:
+    return float(np.log(np.expm1(np.float64(x))))
 
 
 def _unit_lower(packed: Array, n: int, mask: Array | None = None) -> Array:
@@ -41,7 +42,7 @@ def _unit_lower(packed: Array, n: int, mask: Array | None = None) -> Array:
     return strict + jnp.eye(n, dtype=packed.dtype)
 
 
-def _std_normal_logpdf(eps: Array) -> Array:
+def std_normal_logpdf(eps: Array) -> Array:
     return -0.5 * eps**2 - _HALF_LOG_2PI
 
 
@@ -81,8 +82,8 @@ class StructuredGuide:
         init_scale: float = 0.1,
     ) -> None:
         for arg, value in (("global_scale", global_scale), ("local_scale", local_scale)):
-            if value not in _SCALES:
-                raise ValueError(f"StructuredGuide({arg}={value!r}): choose one of {_SCALES}")
+            if value not in SCALES:
+                raise ValueError(f"StructuredGuide({arg}={value!r}): choose one of {SCALES}")
         if not (init_scale > 0):
             raise ValueError(f"StructuredGuide(init_scale={init_scale}): must be > 0")
         self.model = model
@@ -102,7 +103,7 @@ class StructuredGuide:
         """Server-held parameters for ``size`` unconstrained global dimensions."""
         params = {
             "loc": jnp.zeros(size),
-            "scale": jnp.full(size, _softplus_inverse(self.init_scale), dtype=jnp.zeros(()).dtype),
+            "scale": jnp.full(size, softplus_inverse(self.init_scale), dtype=jnp.zeros(()).dtype),
         }
         if self.global_scale == "full":
             params["lower"] = jnp.zeros(size * (size - 1) // 2)
@@ -112,7 +113,7 @@ class StructuredGuide:
         """Client-held parameters for ``size`` unconstrained local dimensions."""
         params = {
             "loc": jnp.zeros(size),
-            "scale": jnp.full(size, _softplus_inverse(self.init_scale), dtype=jnp.zeros(()).dtype),
+            "scale": jnp.full(size, softplus_inverse(self.init_scale), dtype=jnp.zeros(()).dtype),
         }
         if self.local_scale == "full":
             params["lower"] = jnp.zeros(size * (size - 1) // 2)
@@ -140,7 +141,7 @@ class StructuredGuide:
             eps = (z - params["loc"]) / s
         else:
             eps = solve_triangular(self.global_scale_tril(params), z - params["loc"], lower=True)
-        return jnp.sum(_std_normal_logpdf(eps) - jnp.log(s))
+        return jnp.sum(std_normal_logpdf(eps) - jnp.log(s))
 
     def global_moments(self, params: Dict[str, Array]) -> Tuple[Array, Array]:
         """Mean and covariance of ``q(z_G)``."""
@@ -191,7 +192,7 @@ class StructuredGuide:
             eps = (z - mean) / s
         else:
             eps = solve_triangular(L, z - mean, lower=True)
-        return jnp.sum(mask * (_std_normal_logpdf(eps) - jnp.log(s)))
+        return jnp.sum(mask * (std_normal_logpdf(eps) - jnp.log(s)))
 
 
 class MeanFieldGuide(StructuredGuide):

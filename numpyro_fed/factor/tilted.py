@@ -32,9 +32,9 @@ import optax
 from jax import random
 from numpyro.infer.hmc import hmc
 
-from .. import gaussian as G
+from . import gaussian as G
 from .._typing import Array
-from ..gaussian import NaturalGaussian
+from .gaussian import NaturalGaussian
 
 __all__ = [
     "cavity_log_density",

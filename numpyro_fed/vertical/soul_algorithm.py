@@ -46,13 +46,13 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from ..vertical_objective import SERVER, VerticalObjective
-from .base import ascent
+from .objective import SERVER, VerticalObjective
+from .._steps import ascent
 
 if TYPE_CHECKING:  # pragma: no cover
     import optax
 
-__all__ = ["PointAux", "SOULClientState", "SOULServerState", "VerticalSOULAlgorithm", "vertical_soul"]
+__all__ = ["PointAux", "PointGuide", "SOULClientState", "SOULServerState", "VerticalSOULAlgorithm", "vertical_soul"]
 
 
 class PointAux:
@@ -71,7 +71,7 @@ class PointAux:
         return params["z"][rows], jnp.zeros(())
 
 
-class _PointGuide:
+class PointGuide:
     """What :class:`VerticalObjective` needs of a guide: the factor for ``z``."""
 
     def __init__(self) -> None:

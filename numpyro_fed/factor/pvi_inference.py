@@ -8,14 +8,16 @@ from typing import Any, Callable, Optional
 import jax
 from jax import random
 
+from .._structure import trace_model
+from ..clients import Clients
+from ..horizontal.inference import check_positive_int
 from . import gaussian as G
-from ._factor import FactorInference, FactorRunResult, FactorState
-from ._structure import trace_model
-from .algorithms.ep import ep, tilted_moments
-from .algorithms.pvi import VARIANTS, pvi
-from .clients import Clients
+from .ep_algorithm import ep, tilted_moments
+from .inference import FactorInference
+from .pvi_algorithm import pvi
+from .updates import VARIANTS
 
-__all__ = ["PVI", "PVIRunResult", "PVIState"]
+__all__ = ["PVI"]
 
 _LOCAL_CONJ = (
     "update='conjugate' has no closed form with local latent sites ({names}); use "
@@ -29,10 +31,6 @@ _SHARD_PLATE = (
     "plates of the client's row count: {found}. Pass row_plate="
 )
 _OPTIM = "update='optax' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
-
-
-PVIState = FactorState
-PVIRunResult = FactorRunResult
 
 
 class PVI(FactorInference):
@@ -62,12 +60,12 @@ class PVI(FactorInference):
         optim: optax optimiser for ``update="optax"``.
         local_steps: optimiser steps per local update.
         num_particles: Monte Carlo draws per local ELBO estimate.
-        max_halvings: PD safeguard (see :func:`~numpyro_fed.algorithms.pvi`).
+        max_halvings: PD safeguard (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
         variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (paper 002 Alg. 2) or
             ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.algorithms.pvi`.
         num_shards: shards per client for the two variants (every client needs at least
             that many rows).
-        backend: how clients are mapped, as in :class:`~numpyro_fed.FederatedSVI`.
+        client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
 
@@ -81,7 +79,7 @@ class PVI(FactorInference):
         >>> x = np.random.default_rng(0).normal(size=(60, 2)); y = x @ np.array([1.0, -1.0])
         >>> clients = nf.Clients.split(np.repeat([0, 1, 2], 20), x=x, y=y)
         >>> res = nf.PVI(model, schedule="sequential").run(jax.random.PRNGKey(0), 3, clients)
-        >>> np.round(res.mean, 1)
+        >>> np.round(res.params["mean"], 1)
         Array([ 1., -1.], dtype=float32)
 
     References:
@@ -107,12 +105,13 @@ class PVI(FactorInference):
         max_halvings: int = 10,
         variant: str = "plain",
         num_shards: int = 1,
-        backend: str = "auto",
+        client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
     ) -> None:
         super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
-                         max_halvings=max_halvings, backend=backend, row_plate=row_plate, model_kwargs=model_kwargs)
+                         max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
+                         model_kwargs=model_kwargs)
         if update not in ("conjugate", "optax"):
             raise ValueError(f"update={update!r}: choose 'conjugate' or 'optax'")
         if variant not in VARIANTS:
@@ -122,7 +121,9 @@ class PVI(FactorInference):
         if update == "optax" and not (hasattr(optim, "init") and hasattr(optim, "update")):
             raise ValueError(_OPTIM)
         self.update_kind = update
-        self.optim, self.local_steps, self.num_particles = optim, int(local_steps), int(num_particles)
+        self.optim = optim
+        self.local_steps = check_positive_int("local_steps", local_steps)
+        self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
 
     def _check_structure(self, structure) -> None:
@@ -152,7 +153,7 @@ class PVI(FactorInference):
             def change(data):
                 return G.hessian_change(partial(terms.log_lik, data=data), d, random.PRNGKey(2))
 
-            if plan.backend == "vmap":
+            if plan.mapping == "vmap":
                 changes = jax.jit(jax.vmap(change))(plan.data)
             else:
                 changes = [jax.jit(change)(data) for data in plan.data]

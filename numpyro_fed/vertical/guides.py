@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax import random
 from jax.example_libraries import stax
 
-from ._typing import Array
-from .guides import _SCALES, _softplus_inverse, _std_normal_logpdf
+from .._typing import Array
+from ..horizontal.guides import SCALES, softplus_inverse, std_normal_logpdf
 
 __all__ = ["AmortizedAux", "GaussianFactor", "MeanFieldAux", "VerticalGuide"]
 
@@ -44,8 +44,8 @@ class GaussianFactor:
     """
 
     def __init__(self, scale: str = "full", init_scale: float = 0.1, init_radius: float = 0.5) -> None:
-        if scale not in _SCALES:
-            raise ValueError(f"scale={scale!r}: choose one of {_SCALES}")
+        if scale not in SCALES:
+            raise ValueError(f"scale={scale!r}: choose one of {SCALES}")
         if not init_scale > 0:
             raise ValueError(f"init_scale={init_scale}: must be > 0")
         self.scale = scale
@@ -55,7 +55,7 @@ class GaussianFactor:
     def init(self, rng_key: Array, size: int) -> Dict[str, Array]:
         params = {
             "loc": random.uniform(rng_key, (size,), minval=-self.init_radius, maxval=self.init_radius),
-            "scale": jnp.full((size,), _softplus_inverse(self.init_scale)),
+            "scale": jnp.full((size,), softplus_inverse(self.init_scale)),
         }
         if self.scale == "full":
             params["lower"] = jnp.zeros(size * (size - 1) // 2)
@@ -77,7 +77,7 @@ class GaussianFactor:
             u = params["loc"] + self.scale_tril(params) @ eps
         else:
             u = params["loc"] + s * eps
-        return u, jnp.sum(_std_normal_logpdf(eps)) - jnp.sum(jnp.log(s))
+        return u, jnp.sum(std_normal_logpdf(eps)) - jnp.sum(jnp.log(s))
 
 
 class MeanFieldAux:
@@ -94,14 +94,14 @@ class MeanFieldAux:
         del rng_key, num_inputs
         return {
             "loc": jnp.zeros(num_rows),
-            "scale": jnp.full((num_rows,), _softplus_inverse(self.init_scale)),
+            "scale": jnp.full((num_rows,), softplus_inverse(self.init_scale)),
         }
 
     def sample(self, params, rows: Array, inputs: Array, tau: Array) -> Tuple[Array, Array]:
         """``(z, log q(z))`` for the rows ``rows``; ``inputs`` are unused."""
         del inputs
         s = jax.nn.softplus(params["scale"][rows])
-        return params["loc"][rows] + s * tau, jnp.sum(_std_normal_logpdf(tau)) - jnp.sum(jnp.log(s))
+        return params["loc"][rows] + s * tau, jnp.sum(std_normal_logpdf(tau)) - jnp.sum(jnp.log(s))
 
 
 class AmortizedAux:
@@ -148,7 +148,7 @@ class AmortizedAux:
         return {
             "body": body,
             "out_w": jnp.zeros((width, 2)),  # zero output layer: mu = g, sigma = init_scale
-            "out_b": jnp.array([0.0, _softplus_inverse(self.init_scale)]),
+            "out_b": jnp.array([0.0, softplus_inverse(self.init_scale)]),
         }
 
     def sample(self, params, rows: Array, inputs: Array, tau: Array) -> Tuple[Array, Array]:
@@ -158,7 +158,7 @@ class AmortizedAux:
         out = h @ params["out_w"] + params["out_b"]
         s = jax.nn.softplus(out[:, 1])
         z = inputs[:, 0] + out[:, 0] + s * tau
-        return z, jnp.sum(_std_normal_logpdf(tau)) - jnp.sum(jnp.log(s))
+        return z, jnp.sum(std_normal_logpdf(tau)) - jnp.sum(jnp.log(s))
 
 
 class VerticalGuide:

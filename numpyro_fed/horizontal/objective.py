@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
-from ._structure import (
+from .._structure import (
     ModelStructure,
     SiteLayout,
     constrain_params,
@@ -32,17 +32,10 @@ from ._structure import (
     trace_model,
 )
 from .guides import StructuredGuide
-from .handlers import GLOBAL, LOCAL, site_role
+from ..clients import ClientData
+from ..handlers import GLOBAL, LOCAL, site_role
 
 __all__ = ["ClientData", "FederatedObjective"]
-
-
-class ClientData(NamedTuple):
-    """What one client holds: its model arguments, the row mask and its row count."""
-
-    args: Dict[str, jax.Array]
-    row_mask: jax.Array
-    num_rows: jax.Array
 
 
 def _server_counts(site) -> bool:

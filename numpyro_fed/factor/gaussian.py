@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Tuple
 import jax
 import jax.numpy as jnp
 
-from ._typing import Array
+from .._typing import Array
 
 __all__ = [
     "NaturalGaussian",

@@ -1,0 +1,157 @@
+"""How the simulation lays clients out: vectorised (``vmap``) or one by one (``loop``).
+
+- ``"vmap"``: clients of equal shape are vectorised; clients of unequal size are padded
+  to the largest along the row axis and masked (padded rows contribute nothing);
+- ``"loop"``: clients are unrolled one by one inside the same jit-compiled round, for
+  clients that cannot be padded (no plate follows the row count) or that hold different
+  kinds of data (vertical parties);
+- ``"auto"`` picks ``vmap`` when it can and ``loop`` otherwise.
+
+The layout is the simulation's business only: a run state saved to disk does not depend
+on it (see :mod:`numpyro_fed.checkpoint`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._structure import ModelStructure, trace_model
+from ..clients import ClientData, Clients
+
+__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "pad_client", "plan_clients", "stack_clients"]
+
+CLIENT_MAPPINGS = ("auto", "vmap", "loop")
+
+_AMBIGUOUS = (
+    "clients have different numbers of rows, so they are padded and masked along the row "
+    "plate, but plates {plates} all follow the row count; pass row_plate= to say which "
+    "one indexes rows"
+)
+_NO_PLATE = (
+    "client_mapping='vmap' pads clients of different sizes along the plate that indexes rows, but "
+    "no plate of the model has the clients' row counts ({reason}); wrap per-row sites in "
+    "numpyro.plate(name, X.shape[0]) or use client_mapping='loop'"
+)
+_NOT_A_PLATE = (
+    "row_plate='{name}' is not a plate of the model whose size follows the clients' rows; "
+    "plates of client '{client}' and their sizes: {plates}"
+)
+
+
+class ClientPlan(NamedTuple):
+    """Clients as the simulation maps them.
+
+    Attributes:
+        names: client names, in order (index j is client j everywhere).
+        data: every client's data, stacked over clients (``vmap``) or a tuple (``loop``).
+        mapping: ``"vmap"`` or ``"loop"``.
+        row_plate: the plate that indexes rows, when clients were padded along it.
+        num_rows: real rows per client.
+        server_data: data the server itself holds (vertical federation), else ``None``.
+    """
+
+    names: Tuple[str, ...]
+    data: Any
+    mapping: str
+    row_plate: Optional[str]
+    num_rows: np.ndarray
+    server_data: Any = None
+
+
+def _plates(tr):
+    return {n: s["args"][0] for n, s in tr.items() if s["type"] == "plate"}
+
+
+def pad_client(args, n_rows: int, n_pad: Optional[int] = None) -> ClientData:
+    """A client's arguments as :class:`ClientData`, padded (edge values) to ``n_pad`` rows."""
+    n_pad = n_rows if n_pad is None else n_pad
+    padded = {}
+    for k, v in args.items():
+        v = np.asarray(v)
+        if n_pad > n_rows:
+            v = np.pad(v, [(0, n_pad - n_rows)] + [(0, 0)] * (v.ndim - 1), mode="edge")
+        padded[k] = jnp.asarray(v)
+    mask = jnp.asarray(np.arange(n_pad) < n_rows, jnp.float32)
+    return ClientData(padded, mask, jnp.asarray(n_rows, jnp.float32))
+
+
+def stack_clients(items):
+    """Stack per-client pytrees along a new leading axis."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *items)
+
+
+def _check_row_plate(model, kwargs, clients: Clients, row_plate):
+    """``row_plate=`` must name a plate whose size is each client's row count."""
+    if row_plate is None:
+        return
+    for name in clients.names:
+        plates = _plates(trace_model(model, clients[name], kwargs))
+        if plates.get(row_plate) != clients.num_rows[name]:
+            raise ValueError(_NOT_A_PLATE.format(name=row_plate, client=name, plates=plates))
+
+
+def _find_row_plate(model, kwargs, clients: Clients, row_plate):
+    rows = clients.num_rows
+    small = min(rows, key=rows.get)
+    large = max(rows, key=rows.get)
+    tr_a = trace_model(model, clients[small], kwargs)
+    tr_b = trace_model(model, clients[large], kwargs)
+    pa, pb = _plates(tr_a), _plates(tr_b)
+    following = [p for p in pa if pa[p] == rows[small] and pb.get(p) == rows[large]]
+    if row_plate is not None:
+        chosen = row_plate
+    elif len(following) > 1:
+        raise ValueError(_AMBIGUOUS.format(plates=following))
+    elif not following:
+        return None, "none found"
+    else:
+        chosen = following[0]
+    # every client-side sample site whose shape follows the rows must sit in that plate
+    for name, site in tr_a.items():
+        if site["type"] != "sample" or name not in tr_b:
+            continue
+        if jnp.shape(site["value"]) != jnp.shape(tr_b[name]["value"]):
+            frames = [f.name for f in site["cond_indep_stack"]]
+            if chosen not in frames:
+                return None, f"site '{name}' changes shape with the rows outside plate '{chosen}'"
+    return chosen, ""
+
+
+def plan_clients(
+    model, kwargs, clients: Clients, structure: ModelStructure, client_mapping: str = "auto", row_plate=None
+) -> Tuple[ClientPlan, ModelStructure]:
+    """Decide how to map clients and lay out their data."""
+    if client_mapping not in CLIENT_MAPPINGS:
+        raise ValueError(f"client_mapping={client_mapping!r}: choose one of {CLIENT_MAPPINGS}")
+    _check_row_plate(model, kwargs, clients, row_plate)
+    names = clients.names
+    rows = np.array([clients.num_rows[n] for n in names])
+    if client_mapping != "loop" and np.all(rows == rows[0]):
+        data = stack_clients([pad_client(clients[n], int(r)) for n, r in zip(names, rows)])
+        return ClientPlan(names, data, "vmap", row_plate, rows), structure._replace(row_plate=row_plate)
+    if client_mapping != "loop":
+        chosen, reason = _find_row_plate(model, kwargs, clients, row_plate)
+        if chosen is not None:
+            n_pad = int(rows.max())
+            data = stack_clients([pad_client(clients[n], int(r), n_pad) for n, r in zip(names, rows)])
+            return ClientPlan(names, data, "vmap", chosen, rows), structure._replace(row_plate=chosen)
+        if client_mapping == "vmap":
+            raise ValueError(_NO_PLATE.format(reason=reason))
+    data = tuple(pad_client(clients[n], int(r)) for n, r in zip(names, rows))
+    return ClientPlan(names, data, "loop", row_plate, rows), structure._replace(row_plate=row_plate)
+
+
+def client_data(plan: ClientPlan, index: int):
+    """Client ``index``'s data as laid out (padded under ``vmap``)."""
+    return client_item(plan, plan.data, index)
+
+
+def client_item(plan: ClientPlan, stacked, index: int):
+    """Entry ``index`` of a per-client pytree laid out as ``plan`` lays out clients."""
+    if plan.mapping == "vmap":
+        return jax.tree_util.tree_map(lambda x: x[index], stacked)
+    return stacked[index]

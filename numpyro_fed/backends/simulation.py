@@ -1,0 +1,462 @@
+"""The simulation backend: every client in one process, rounds jit-compiled.
+
+:class:`SimulationBackend` owns the round loop of every algorithm family: client mapping
+(:mod:`~numpyro_fed.backends.mapping`), client-owned randomness, dropout, transcript,
+byte counts, progress bar, checkpoints and guards. It never contains algorithm code.
+
+One round (jit-compiled; without a progress bar, transcript, callbacks or checkpoints all
+rounds run in one ``lax.scan``):
+
+1. the server splits its own key and asks ``select``'s clients;
+2. nature draws who of them answers (``availability``);
+3. per exchange, the asked clients compute (only they do: with ``num_selected < J``
+   the vectorised mapping gathers them), each splitting its own key; the answered
+   clients' new states are kept and their messages go to the server step (the others'
+   rows are zeros).
+
+Guards: a round whose loss, server state or broadcast is non-finite, or in which a
+client's message or state is, is rolled back and ends the run with a
+:class:`NonFiniteError` naming the round and the clients (``on_nonfinite="warn"``: a
+warning, and the result at the last finite round).
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from .. import checkpoint as ckpt
+from ..availability import as_availability, check_schedule
+from ..protocol import Broadcast, ClientSlot, FederatedAlgorithm, RunResult, RunState, ServerView, last_info
+from ..transcript import Communication, Transcript, message_bytes
+from .mapping import ClientPlan, client_item
+
+__all__ = ["NonFiniteError", "SimulationBackend"]
+
+GUARDS = ("raise", "warn")
+_NONFINITE = (
+    "round {round}: non-finite values ({what}); the run stopped there and error.state holds the last "
+    "finite state. Lower the learning rate or damping, check the data and priors, or pass "
+    "on_nonfinite='warn' to stop with a warning and keep the result so far"
+)
+
+
+class NonFiniteError(FloatingPointError):
+    """A round produced NaN or inf. ``round``, ``clients`` and ``state`` (the last finite
+    run state) are attributes."""
+
+    def __init__(self, message: str, round: int, clients: Sequence[str], state: RunState) -> None:
+        super().__init__(message)
+        self.round, self.clients, self.state = round, list(clients), state
+
+
+class RoundOutput(NamedTuple):
+    info: Any
+    figure: jax.Array
+    asked: jax.Array
+    answered: jax.Array
+    client_ok: jax.Array  # (J,) messages and states finite
+    server_ok: jax.Array
+
+
+class _Failure(NamedTuple):
+    failed: jax.Array
+    round: jax.Array
+    clients: jax.Array
+    server: jax.Array
+
+
+def _finite(tree) -> jax.Array:
+    ok = jnp.ones((), bool)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(leaf))
+    return ok
+
+
+def _finite_rows(tree, num: int) -> jax.Array:
+    ok = jnp.ones(num, bool)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(jnp.reshape(leaf, (num, -1))), axis=1)
+    return ok
+
+
+def _pick(flags, new, old):
+    """Per client: ``new`` where ``flags`` else ``old`` (leaves stacked over clients)."""
+
+    def one(a, b):
+        return jnp.where(jnp.reshape(flags, flags.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree_util.tree_map(one, new, old)
+
+
+class _Compiled(NamedTuple):
+    init: Callable
+    round: Callable  # (state, failure, data, server_data) -> (state, failure, output, traffic)
+    scan: Callable  # (state, failure, data, server_data, num_rounds) -> (state, failure, outputs)
+    sizes: Dict[str, Any]  # per-exchange bytes per client message each way, filled on first use
+
+
+class SimulationBackend:
+    """Runs a :class:`~numpyro_fed.protocol.FederatedAlgorithm` with every client in this process.
+
+    Compiled rounds are cached per (algorithm, client plan) pair; the cache holds the
+    pair itself, so it is never fooled by a reused ``id``. Inference objects keep one
+    backend each, so repeated runs compile once.
+    """
+
+    def __init__(self) -> None:
+        self._cache: List[Tuple[Any, Any, _Compiled]] = []
+
+    # ------------------------------------------------------------------ compile
+    def _compiled(self, algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
+        for alg, pl, compiled in self._cache:
+            if alg is algorithm and pl is plan:
+                return compiled
+        compiled = _compile(algorithm, plan)
+        self._cache = self._cache[-3:] + [(algorithm, plan, compiled)]
+        return compiled
+
+    def init(self, algorithm: FederatedAlgorithm, plan: ClientPlan, rng_key: jax.Array) -> RunState:
+        """Every party's initial state; each client's key is its own from here on."""
+        return self._compiled(algorithm, plan).init(rng_key, plan.data)
+
+    def step(self, algorithm: FederatedAlgorithm, plan: ClientPlan, state: RunState) -> Tuple[RunState, Any]:
+        """One round (jit-compiled). Returns ``(state, info)``; guards as in :meth:`run`."""
+        compiled = self._compiled(algorithm, plan)
+        everyone = as_availability(None, len(plan.names))
+        new, failure, out, _ = compiled.round(state, _no_failure(len(plan.names)), plan.data, plan.server_data,
+                                              everyone, False)
+        _check(failure, plan, state, "raise")
+        return new, out.info
+
+    # ------------------------------------------------------------------ run
+    def run(
+        self,
+        algorithm: FederatedAlgorithm,
+        clients: ClientPlan,
+        num_rounds: int,
+        rng_key: Optional[jax.Array] = None,
+        *,
+        init_state: Optional[RunState] = None,
+        progress_bar: bool = False,
+        record_transcript: bool = False,
+        keep_values: bool = False,
+        checkpoint: Optional[str] = None,
+        checkpoint_every: Optional[int] = None,
+        callbacks: Sequence[Callable] = (),
+        availability: Any = None,
+        on_nonfinite: str = "raise",
+    ) -> RunResult:
+        """Run ``num_rounds`` rounds of ``algorithm`` on the clients of ``clients``.
+
+        Args:
+            clients: a :class:`~numpyro_fed.backends.mapping.ClientPlan`.
+            rng_key: the run's key (ignored when resuming from ``init_state``).
+            init_state: resume from a :class:`~numpyro_fed.protocol.RunState`.
+            progress_bar: a tqdm bar with the family's figure.
+            record_transcript: log every message; ``keep_values`` keeps the arrays.
+            checkpoint: a path: the run state is saved there every ``checkpoint_every``
+                rounds and at the end (see :mod:`numpyro_fed.checkpoint`).
+            callbacks: ``callback(round, state, info)`` after each round.
+            availability: who answers when asked (:mod:`numpyro_fed.availability`):
+                ``None`` (everyone), a probability (or one per client) per round, or a
+                ``(rounds, J)`` boolean schedule.
+            on_nonfinite: ``"raise"`` (default) or ``"warn"`` when a round produces NaN/inf.
+
+        Returns:
+            a :class:`~numpyro_fed.protocol.RunResult` whose ``params`` is the server's
+            state (inference objects replace it with their parameters) and whose
+            ``client_states`` holds each client's algorithm state by name.
+        """
+        plan = clients
+        if on_nonfinite not in GUARDS:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
+        avail = as_availability(availability, len(plan.names))
+        if int(num_rounds) != num_rounds or num_rounds < 1:
+            raise ValueError(f"num_rounds={num_rounds}: must be a positive integer")
+        if checkpoint_every is not None and (int(checkpoint_every) != checkpoint_every or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every={checkpoint_every}: must be a positive integer")
+        if checkpoint_every is not None and checkpoint is None:
+            raise ValueError("checkpoint_every= needs checkpoint=, the path to save the run state to")
+        num_rounds = int(num_rounds)
+        compiled = self._compiled(algorithm, plan)
+        if init_state is None:
+            if rng_key is None:
+                raise ValueError("run needs rng_key= (or init_state= to resume)")
+            init_state = compiled.init(rng_key, plan.data)
+        start = int(init_state.round)
+        check_schedule(availability, start + num_rounds)
+        J = len(plan.names)
+        failure = _no_failure(J)
+        state = init_state
+        transcript = Transcript(keep_values) if record_transcript else None
+        stepwise = progress_bar or record_transcript or bool(callbacks)
+        outputs: List[RoundOutput] = []
+        if stepwise:
+            state, failure, outputs = self._loop(compiled, plan, avail, state, failure, num_rounds, progress_bar,
+                                                 transcript, callbacks, algorithm.monitor_name, checkpoint,
+                                                 checkpoint_every)
+        else:
+            chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
+            done = 0
+            while done < num_rounds and not bool(failure.failed):
+                n = min(chunk, num_rounds - done)
+                state, failure, outs = compiled.scan(state, failure, plan.data, plan.server_data, avail, n)
+                outputs.append(outs)
+                done += n
+                if checkpoint is not None:
+                    ckpt.save(checkpoint, state, plan.names)
+            outputs = [jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)] if outputs else []
+        if bool(failure.failed):
+            _check(failure, plan, state, on_nonfinite)  # raises unless on_nonfinite="warn"
+            if int(failure.round) - 1 == start:
+                raise NonFiniteError("no round finished with finite values; nothing to return",
+                                     int(failure.round), [], state)
+        stacked = outputs[0] if not stepwise else jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs)
+        if bool(failure.failed):
+            stacked = jax.tree_util.tree_map(lambda x: x[: int(failure.round) - 1 - start], stacked)
+        if checkpoint is not None and stepwise:
+            ckpt.save(checkpoint, state, plan.names)
+        comm = self._communication(compiled, algorithm, plan, init_state, stacked)
+        client_states = {n: client_item(plan, state.clients, j).state for j, n in enumerate(plan.names)}
+        return RunResult(
+            params=state.server,
+            state=state,
+            trace=stacked.figure,
+            info=stacked.info,
+            communication=comm,
+            client_states=client_states,
+            transcript=transcript,
+            rounds_answered=np.asarray(jnp.sum(stacked.answered, axis=-1)),
+        )
+
+    def _loop(self, compiled, plan, avail, state, failure, num_rounds, progress_bar, transcript, callbacks, figure_name,
+              checkpoint, checkpoint_every):
+        iterator = range(num_rounds)
+        bar = None
+        if progress_bar:
+            from tqdm.auto import trange
+
+            bar = iterator = trange(num_rounds)
+        refresh, last = max(1, num_rounds // 20), 0
+        outputs: List[RoundOutput] = []
+        for i in iterator:
+            before = state
+            state, failure, out, traffic = compiled.round(state, failure, plan.data, plan.server_data, avail,
+                                                          transcript is not None)
+            if bool(failure.failed):
+                state = before
+                break
+            outputs.append(out)
+            if transcript is not None:
+                _record(transcript, int(before.round), plan.names, out, traffic)
+            for callback in callbacks:
+                callback(int(state.round), state, out.info)
+            if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
+                ckpt.save(checkpoint, state, plan.names)
+            if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
+                window = jnp.stack([o.figure for o in outputs[last:]])
+                bar.set_postfix_str("{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(
+                    figure_name, float(outputs[-1].figure), last + 1, i + 1, float(jnp.mean(window))))
+                last = i + 1
+        if bar is not None:
+            bar.close()
+        return state, failure, outputs
+
+    def _communication(self, compiled, algorithm, plan, state, outs) -> Communication:
+        if "down" not in compiled.sizes:  # per exchange, bytes per client each way (traced once)
+            everyone = as_availability(None, len(plan.names))
+            _, _, _, traffic = jax.eval_shape(
+                lambda s: compiled.round(s, _no_failure(len(plan.names)), plan.data, plan.server_data, everyone,
+                                         True), state)
+            compiled.sizes["down"] = [message_bytes(b.shared) + message_bytes(_row_struct(b.per_client))
+                                      for b, _ in traffic]
+            compiled.sizes["up"] = [message_bytes(_row_struct(m)) for _, m in traffic]
+        asked = np.asarray(outs.asked).sum(axis=-1).astype(np.int64)
+        answered = np.asarray(outs.answered).sum(axis=-1).astype(np.int64)
+        down, up = compiled.sizes["down"], compiled.sizes["up"]
+        n_ex = len(algorithm.exchanges)
+        bytes_down = int(np.sum(asked * down[0] + answered * sum(down[1:])))
+        bytes_up = int(np.sum(answered * sum(up)))
+        return Communication(len(asked), bytes_up, bytes_down, int(np.sum(answered)) * n_ex,
+                             int(np.sum(asked + answered * (n_ex - 1))))
+
+
+def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: str) -> None:
+    if not bool(failure.failed):
+        return
+    bad = [n for n, b in zip(plan.names, np.asarray(failure.clients)) if b]
+    parts = []
+    if bad:
+        parts.append(f"messages or states of client(s) {bad}")
+    if bool(failure.server):
+        parts.append("the server's state, broadcast or loss")
+    message = _NONFINITE.format(round=int(failure.round), what="; ".join(parts) or "the loss")
+    if on_nonfinite == "warn":
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return
+    raise NonFiniteError(message, int(failure.round), bad, state)
+
+
+def _row_struct(stacked):
+    """Shape structs of one client's entry of a pytree stacked over clients."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+
+
+def _no_failure(num_clients: int) -> _Failure:
+    return _Failure(jnp.zeros((), bool), jnp.zeros((), jnp.int32), jnp.zeros(num_clients, bool), jnp.zeros((), bool))
+
+
+def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic) -> None:
+    asked, answered = np.asarray(out.asked), np.asarray(out.answered)
+    for e, (broadcast, messages) in enumerate(traffic):
+        receivers = asked if e == 0 else answered
+        for j, name in enumerate(names):
+            if receivers[j]:
+                part = jax.tree_util.tree_map(lambda x: x[j], broadcast.per_client)
+                transcript.record(rnd, "server", name, Broadcast(broadcast.shared, part), exchange=str(e))
+        for j, name in enumerate(names):
+            if answered[j]:
+                transcript.record(rnd, name, "server", jax.tree_util.tree_map(lambda x: x[j], messages),
+                                  exchange=str(e))
+
+
+def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
+    J = len(plan.names)
+    vmapped = plan.mapping == "vmap"
+    m = algorithm.num_selected
+    gather = vmapped and m is not None and m < J
+    round_info = algorithm.round_info or last_info
+    monitor = algorithm.monitor or (lambda info: jnp.zeros(()))
+
+    def init(rng_key, data):
+        k_server, k_clients, k_env = random.split(rng_key, 3)
+        k_init, server_key = random.split(k_server)
+        server, broadcast = algorithm.init_server(k_init)
+
+        def one(key, d):
+            k_init_c, own = random.split(key)
+            return ClientSlot(own, algorithm.init_client(k_init_c, d))
+
+        keys = random.split(k_clients, J)
+        if vmapped:
+            slots = jax.vmap(one)(keys, data)
+        else:
+            slots = tuple(one(keys[j], d) for j, d in enumerate(data))
+        return RunState(jnp.zeros((), jnp.int32), server, server_key, broadcast, slots, k_env)
+
+    def client_fn(exchange):
+        def fn(slot: ClientSlot, broadcast: Broadcast, data):
+            key, sub = random.split(slot.rng_key)  # the client splits its own key
+            state, message = exchange.client_step(sub, slot.state, broadcast, data)
+            return ClientSlot(key, state), message
+
+        return fn
+
+    def map_clients(fn, slots, broadcast, data, asked):
+        if vmapped:
+            axes = (0, Broadcast(None, 0), 0)
+            if not gather:
+                return jax.vmap(fn, in_axes=axes)(slots, broadcast, data)
+            idx = jnp.nonzero(asked, size=m, fill_value=0)[0]
+            take = partial(jax.tree_util.tree_map, lambda x: x[idx])
+            sub = Broadcast(broadcast.shared, take(broadcast.per_client))
+            new_sub, msgs = jax.vmap(fn, in_axes=axes)(take(slots), sub, take(data))
+            new = jax.tree_util.tree_map(lambda full, part: full.at[idx].set(part), slots, new_sub)
+            msgs = jax.tree_util.tree_map(lambda part: jnp.zeros((J,) + part.shape[1:], part.dtype).at[idx].set(part),
+                                          msgs)
+            return new, msgs
+        new, msgs = [], []
+        for j in range(J):
+            bj = Broadcast(broadcast.shared, jax.tree_util.tree_map(lambda x: x[j], broadcast.per_client))
+            if m is not None and m >= J:
+                s, msg = fn(slots[j], bj, data[j])
+            else:
+                shape = jax.eval_shape(fn, slots[j], bj, data[j])[1]
+
+                def skip(operand, j=j, shape=shape):
+                    return slots[j], jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shape)
+
+                s, msg = jax.lax.cond(asked[j], lambda operand, j=j, bj=bj: fn(slots[j], bj, data[j]), skip, None)
+            new.append(s)
+            msgs.append(msg)
+        return tuple(new), jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *msgs)
+
+    def keep(answered, new, old):
+        if vmapped:
+            return _pick(answered, new, old)
+        return tuple(jax.tree_util.tree_map(lambda a, b, j=j: jnp.where(answered[j], a, b), n, o)
+                     for j, (n, o) in enumerate(zip(new, old)))
+
+    def states_finite(slots):
+        if vmapped:
+            return _finite_rows(slots.state, J)
+        return jnp.stack([_finite(s.state) for s in slots])
+
+    def one_round(state: RunState, data, server_data, avail):
+        server_key, k_select, *k_exchanges = random.split(state.server_key, 2 + len(algorithm.exchanges))
+        env_key, k_available = random.split(state.env_key)
+        asked = algorithm.select(k_select, state.server)
+        answered = asked & avail.draw(k_available, state.round)
+        view = ServerView(answered, server_data)
+        server, broadcast, slots = state.server, state.broadcast, state.clients
+        infos, traffic = [], []
+        client_ok = jnp.ones(J, bool)
+        for exchange, key in zip(algorithm.exchanges, k_exchanges):
+            new, messages = map_clients(client_fn(exchange), slots, broadcast, data, asked)
+            messages = _pick(answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
+            slots = keep(answered, new, slots)
+            client_ok = client_ok & _finite_rows(messages, J)
+            traffic.append((broadcast, messages))
+            server, broadcast, info = exchange.server_step(key, server, messages, view)
+            infos.append(info)
+        info = round_info(tuple(infos))
+        figure = monitor(info)
+        client_ok = client_ok & (states_finite(slots) | ~answered)
+        server_ok = _finite(server) & _finite(broadcast) & jnp.isfinite(figure)
+        new_state = RunState(state.round + 1, server, server_key, broadcast, slots, env_key)
+        return new_state, RoundOutput(info, figure, asked, answered, client_ok, server_ok), traffic
+
+    def guarded(state, failure: _Failure, data, server_data, avail, with_traffic):
+        new, out, traffic = one_round(state, data, server_data, avail)
+        bad = ~failure.failed & ~(jnp.all(out.client_ok) & out.server_ok)
+        failure = _Failure(failure.failed | bad, jnp.where(bad, state.round + 1, failure.round),
+                           jnp.where(bad, ~out.client_ok, failure.clients), jnp.where(bad, ~out.server_ok,
+                                                                                      failure.server))
+        return new, failure, out, (traffic if with_traffic else None)
+
+    round_fn = jax.jit(guarded, static_argnums=5)
+
+    @partial(jax.jit, static_argnums=5)
+    def scan(state, failure, data, server_data, avail, num_rounds):
+        def body(carry, _):
+            state, failure = carry
+
+            def run(s):
+                new, out, _ = one_round(s, data, server_data, avail)
+                return new, out
+
+            def skip(s):
+                shapes = jax.eval_shape(run, s)[1]
+                return s, jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+            new, out = jax.lax.cond(failure.failed, skip, run, state)
+            bad = ~failure.failed & ~(jnp.all(out.client_ok) & out.server_ok)
+            new = jax.tree_util.tree_map(lambda a, b: jnp.where(bad, b, a), new, state)  # roll back
+            failure = _Failure(failure.failed | bad, jnp.where(bad, state.round + 1, failure.round),
+                               jnp.where(bad, ~out.client_ok, failure.clients),
+                               jnp.where(bad, ~out.server_ok, failure.server))
+            return (new, failure), out
+
+        (state, failure), outs = jax.lax.scan(body, (state, failure), None, length=num_rounds)
+        return state, failure, outs
+
+    return _Compiled(jax.jit(init), round_fn, scan, {})

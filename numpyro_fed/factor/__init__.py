@@ -1,0 +1,13 @@
+"""Few-round inference with Gaussian factors: PVI (paper 002) and federated EP (paper 004).
+
+Pure cores: :func:`~numpyro_fed.factor.pvi_algorithm.pvi`,
+:func:`~numpyro_fed.factor.ep_algorithm.ep` over the shared
+:func:`~numpyro_fed.factor.updates.factor_protocol`; class layers :class:`PVI` and
+:class:`EP`; Gaussian natural-parameter algebra in :mod:`~numpyro_fed.factor.gaussian`.
+"""
+
+from . import gaussian
+from .ep_inference import EP
+from .pvi_inference import PVI
+
+__all__ = ["EP", "PVI", "gaussian"]

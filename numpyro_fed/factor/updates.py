@@ -1,0 +1,205 @@
+"""The protocol PVI and EP share: Gaussian factors ``t_j``, cavities, one ``Delta t_j`` per client.
+
+The global approximation is ``q = p * prod_j t_j`` in natural parameters. In a round the
+server asks some clients (``schedule``) and broadcasts ``q``; each asked client forms its
+cavity ``q / t_j``, fits its local posterior (PVI: the local-ELBO optimum; EP: the
+moment-matched tilted distribution) and sends the single message
+``{delta: q_new / q, valid}``. The server applies the answered updates with damping
+``delta`` and a positive-definiteness safeguard (halve ``delta``, at most ``max_halvings``
+times, then reject the round), optionally with a KL trust region (``max_kl``).
+
+**Acknowledgement.** The server acknowledges each client's update in the per-client part
+of its next broadcast: ``ack[j]`` is the damping it applied to client j's last update.
+When client j is next asked it first moves its factor by that fraction
+(``t_j <- t_j * Delta t_j^{ack_j}``), so ``q = p prod_j t_j`` holds throughout without an
+extra message. :func:`current_factor` gives a client's factor as of the latest broadcast.
+
+**A missing answer** (dropout): the client's factor stays as it was: the server applies
+only the updates that arrived and leaves ``ack`` of the others unchanged, and a client that
+did not answer keeps its state, so its pending update is still acknowledged correctly
+next time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import random
+
+from ..protocol import Broadcast, Exchange, FederatedAlgorithm
+from . import gaussian as G
+from .gaussian import NaturalGaussian
+
+__all__ = [
+    "SCHEDULES",
+    "VARIANTS",
+    "FactorClientState",
+    "FactorInfo",
+    "FactorServerState",
+    "current_factor",
+    "factor_protocol",
+]
+
+SCHEDULES = ("sequential", "synchronous", "subset")
+VARIANTS = ("plain", "local_averaging", "virtual")
+
+
+class FactorServerState(NamedTuple):
+    q: NaturalGaussian
+    ack: jax.Array  # (J,): damping applied to each client's last received update
+    round: jax.Array
+
+
+class FactorClientState(NamedTuple):
+    factor: NaturalGaussian  # t_j: the client's own factor
+    pending: NaturalGaussian  # Delta t_j sent last, applied once acknowledged
+
+
+class FactorInfo(NamedTuple):
+    damping: jax.Array  # the damping applied (0: round rejected or nothing arrived)
+    halvings: jax.Array
+    invalid: jax.Array  # answered clients whose update was invalid (improper cavity or failed fit)
+    valid: jax.Array  # (J,) the answered clients whose update was valid
+    kl: jax.Array  # KL(q_new || q): how far the round moved q
+
+
+def current_factor(state: FactorClientState, ack: jax.Array) -> NaturalGaussian:
+    """A client's factor after applying the acknowledged fraction of its pending update."""
+    return state.factor + state.pending.scale(ack)
+
+
+def factor_protocol(
+    log_prior_factor: NaturalGaussian,
+    local_update: Callable,
+    num_clients: int,
+    *,
+    schedule: str = "synchronous",
+    damping: float = 1.0,
+    max_halvings: int = 10,
+    subset_size: int = 1,
+    variant: str = "plain",
+    num_shards: int = 1,
+    max_kl: Optional[float] = None,
+) -> FederatedAlgorithm:
+    """Build the shared protocol around a client's local fit.
+
+    Args:
+        log_prior_factor: ``p(theta)`` as a Gaussian factor (full or diagonal: the family).
+        local_update: ``(rng_key, cavity, q, data, kl_weight) -> q_new``, the client's
+            local fit.
+        num_clients: J.
+        schedule: ``"sequential"`` (one client per round, in turn), ``"synchronous"``
+            (all), ``"subset"`` (``subset_size`` chosen uniformly per round).
+        damping: ``delta`` in ``(0, 1]``.
+        max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
+        subset_size: clients per round for ``"subset"``.
+        variant: ``"plain"``, ``"local_averaging"`` or ``"virtual"`` (paper 002 Alg. 1-3;
+            see :func:`~numpyro_fed.algorithms.pvi`).
+        num_shards: shards per client for the two variants.
+        max_kl: optional trust region: the damping is also halved while
+            ``KL(q_new || q) > max_kl`` nats (tames parallel EP over many clients).
+    """
+    prior = log_prior_factor
+    diagonal = prior.diagonal
+    d = prior.shift.shape[0]
+    virtual = variant == "virtual"
+    shards = int(num_shards) if variant != "plain" else 1
+    num_selected = {"synchronous": num_clients, "sequential": 1, "subset": int(subset_size)}[schedule]
+
+    def select(rng_key, state: FactorServerState):
+        if schedule == "synchronous":
+            return jnp.ones(num_clients, bool)
+        if schedule == "sequential":
+            return jnp.arange(num_clients) == (state.round % num_clients)
+        order = random.permutation(rng_key, num_clients)
+        return jnp.zeros(num_clients, bool).at[order[:subset_size]].set(True)
+
+    def init_server(rng_key):
+        del rng_key
+        ack = jnp.zeros(num_clients, prior.shift.dtype)
+        return FactorServerState(prior, ack, jnp.zeros((), jnp.int32)), Broadcast({"q": prior}, {"ack": ack})
+
+    def _zero_factor():
+        z = G.zeros(d, diagonal)
+        return jax.tree_util.tree_map(lambda x: jnp.zeros((shards,) + x.shape), z) if virtual else z
+
+    def init_client(rng_key, data) -> FactorClientState:
+        del rng_key, data
+        return FactorClientState(_zero_factor(), _zero_factor())
+
+    def shard(data, k):
+        """Client data restricted to its k-th shard: a contiguous block of its real rows."""
+        index = jnp.arange(data.row_mask.shape[0])
+        block = jnp.floor(index * shards / data.num_rows)
+        return data._replace(row_mask=data.row_mask * (block == k).astype(data.row_mask.dtype))
+
+    def _finite(nat):
+        return jnp.all(jnp.isfinite(nat.shift)) & jnp.all(jnp.isfinite(nat.precision))
+
+    def client_step(rng_key, state: FactorClientState, broadcast, data):
+        q = broadcast.shared["q"]
+        factor = current_factor(state, broadcast.per_client["ack"])  # acknowledge the last update
+        keys = random.split(rng_key, shards)
+        ks = jnp.arange(shards)
+        if variant == "plain":
+            cavity = q - factor
+            pending = local_update(rng_key, cavity, q, data, 1.0) - q
+            delta, proper = pending, G.is_positive_definite(cavity)
+        elif variant == "local_averaging":
+            cavity = q - factor
+            fits = jax.vmap(lambda k, key: local_update(key, cavity, q, shard(data, k), 1.0 / shards))(ks, keys)
+            pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
+            delta, proper = pending, G.is_positive_definite(cavity)
+        else:  # virtual clients: one factor and one cavity per shard
+
+            def one(k, key, t_k):
+                cavity = q - t_k
+                return local_update(key, cavity, q, shard(data, k), 1.0) - q, G.is_positive_definite(cavity)
+
+            pending, proper = jax.vmap(one)(ks, keys, factor)
+            delta, proper = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending), jnp.all(proper)
+        # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
+        # a proper Gaussian) is no update: the client sends zero and says so
+        valid = proper & _finite(delta) & G.is_positive_definite(q + delta)
+        delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
+        pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
+        return FactorClientState(factor, pending), {"delta": delta, "valid": valid}
+
+    def server_step(rng_key, state: FactorServerState, messages, view):
+        del rng_key
+        answered = view.answered
+        valid = answered & messages["valid"]
+        w = answered.astype(prior.shift.dtype)
+        total = jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), messages["delta"])
+
+        def acceptable(delta):
+            new = state.q + total.scale(delta)
+            pd = G.is_positive_definite(new)
+            if max_kl is None:
+                return pd
+            safe = jax.tree_util.tree_map(lambda a, b: jnp.where(pd, a, b), new, state.q)
+            return pd & (G.kl_divergence(safe, state.q) <= max_kl)
+
+        def halve(carry):
+            delta, halvings = carry
+            return delta / 2, halvings + 1
+
+        def keep_halving(carry):
+            delta, halvings = carry
+            return (~acceptable(delta)) & (halvings < max_halvings)
+
+        applied, halvings = jax.lax.while_loop(keep_halving, halve, (jnp.asarray(damping, prior.shift.dtype), 0))
+        applied = jnp.where(acceptable(applied) & jnp.any(valid), applied, 0.0)
+        q = state.q + total.scale(applied)
+        ack = jnp.where(answered, applied, state.ack)
+        kl = G.kl_divergence(q, state.q)
+        new = FactorServerState(q, ack, state.round + 1)
+        info = FactorInfo(applied, jnp.asarray(halvings), jnp.sum(answered & ~messages["valid"]), valid, kl)
+        return new, Broadcast({"q": q}, {"ack": ack}), info
+
+    return FederatedAlgorithm(
+        init_server, init_client, select, (Exchange(client_step, server_step, "factor_update"),),
+        num_selected=num_selected, monitor=lambda info: info.kl, monitor_name="KL(q_new||q)",
+    )

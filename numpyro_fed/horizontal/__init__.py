@@ -1,0 +1,21 @@
+"""Horizontal federation (paper 001): clients hold different rows of the same variables.
+
+Pure cores: :func:`~numpyro_fed.horizontal.sfvi_algorithm.sfvi` and
+:func:`~numpyro_fed.horizontal.sfvi_avg_algorithm.sfvi_avg`; class layer:
+:class:`FederatedSVI`; the ELBO split (:class:`FederatedObjective`), the structured guides
+and the Gaussian barycenter.
+"""
+
+from .barycenter import gaussian_barycenter
+from .guides import MeanFieldGuide, StructuredGuide
+from .inference import FederatedSVI
+from .objective import ClientData, FederatedObjective
+
+__all__ = [
+    "ClientData",
+    "FederatedObjective",
+    "FederatedSVI",
+    "MeanFieldGuide",
+    "StructuredGuide",
+    "gaussian_barycenter",
+]

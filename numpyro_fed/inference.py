@@ -1,0 +1,140 @@
+"""What every inference object shares: set-up caching and ``init / update / run / save / load``.
+
+An inference object (:class:`~numpyro_fed.FederatedSVI`, :class:`~numpyro_fed.PVI`,
+:class:`~numpyro_fed.EP`, :class:`~numpyro_fed.HM1`, :class:`~numpyro_fed.VerticalSVI`,
+:class:`~numpyro_fed.VerticalSOUL`) builds, once per set of clients, a
+:class:`~numpyro_fed.protocol.FederatedAlgorithm` and a client plan, and hands both to a
+backend, which owns the round loop. The class layers keep set-up, ``evaluate``,
+``sample_posterior`` and friends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+
+from . import checkpoint as ckpt
+from .backends.mapping import ClientPlan
+from .backends.simulation import SimulationBackend
+from .protocol import FederatedAlgorithm, RunResult, RunState
+
+__all__ = ["FederatedInference", "Setup"]
+
+
+class Setup(NamedTuple):
+    """What an inference object builds once per set of clients."""
+
+    inputs: Any  # the clients (or vertical data) this set-up was built for
+    algorithm: FederatedAlgorithm
+    plan: ClientPlan
+    extra: Any  # family-specific: objective, structure, terms, ...
+    cache: dict  # derived values computed on demand (compiled estimators, supports, ...)
+
+
+def _same_inputs(a, b) -> bool:
+    """Set-ups are reused for the very same inputs: the same object, or a mapping of the
+    same objects (compared by identity while the set-up holds them, so never by a reused id)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping) and not hasattr(a, "names"):
+        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    return a is b
+
+
+class FederatedInference:
+    """Base class of the inference objects (not used directly).
+
+    Subclasses implement ``_build(inputs) -> Setup`` and may override ``_params``,
+    ``_client_view`` and ``_check_result``.
+    """
+
+    method = "federated"
+
+    def _init_inference(self) -> None:
+        self._setup_cache: Optional[Setup] = None
+        self._backend = SimulationBackend()
+
+    # ------------------------------------------------------------------ hooks
+    def _validate_inputs(self, inputs) -> None:
+        """Raise a clear error for inputs of the wrong kind."""
+
+    def _build(self, inputs) -> Setup:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _params(self, setup: Setup, state: RunState) -> dict:
+        return state.server
+
+    def _client_view(self, setup: Setup, client_state):
+        """What ``RunResult.client_states`` shows of a client's algorithm state."""
+        return client_state
+
+    def _check_result(self, setup: Setup, result: RunResult) -> None:
+        """Family-specific checks after a run (warn or raise)."""
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, inputs) -> Setup:
+        self._validate_inputs(inputs)
+        cached = self._setup_cache
+        if cached is not None and _same_inputs(cached.inputs, inputs):
+            return cached
+        self._setup_cache = self._build(inputs)
+        return self._setup_cache
+
+    def _fitted(self) -> Setup:
+        if self._setup_cache is None:
+            raise ValueError(f"{type(self).__name__} is not set up yet: call run() or init() first")
+        return self._setup_cache
+
+    # ------------------------------------------------------------------ API
+    def _init(self, rng_key: jax.Array, inputs) -> RunState:
+        setup = self._setup(inputs)
+        return self._backend.init(setup.algorithm, setup.plan, rng_key)
+
+    def _update(self, state: RunState, inputs):
+        setup = self._setup(inputs)
+        return self._backend.step(setup.algorithm, setup.plan, state)
+
+    def _run(
+        self,
+        rng_key: jax.Array,
+        num_rounds: int,
+        inputs,
+        *,
+        backend: Any = None,
+        progress_bar: bool = True,
+        init_state: Optional[RunState] = None,
+        record_transcript: bool = False,
+        keep_values: bool = False,
+        availability: Any = None,
+        checkpoint: Optional[str] = None,
+        checkpoint_every: Optional[int] = None,
+        on_nonfinite: str = "raise",
+        callbacks: Sequence[Callable] = (),
+    ) -> RunResult:
+        setup = self._setup(inputs)
+        backend = self._backend if backend is None else backend
+        result = backend.run(
+            setup.algorithm, setup.plan, num_rounds, rng_key, init_state=init_state, progress_bar=progress_bar,
+            record_transcript=record_transcript, keep_values=keep_values, checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every, callbacks=callbacks, availability=availability,
+            on_nonfinite=on_nonfinite,
+        )
+        result = result._replace(
+            params=self._params(setup, result.state),
+            client_states={n: self._client_view(setup, s) for n, s in result.client_states.items()},
+        )
+        self._check_result(setup, result)
+        return result
+
+    def save(self, path: str, state: "RunState | RunResult") -> None:
+        """Save a run state to ``path`` (an ``.npz`` file; see :mod:`numpyro_fed.checkpoint`)."""
+        setup = self._fitted()
+        state = state.state if isinstance(state, RunResult) else state
+        ckpt.save(path, state, setup.plan.names, family=self.method)
+
+    def _load(self, path: str, inputs) -> RunState:
+        setup = self._setup(inputs)
+        meta = ckpt.read_meta(path)
+        if meta.get("family") not in ("", self.method):
+            raise ValueError(f"the checkpoint at {path} is of a {meta['family']} run, not {self.method}")
+        template = self._backend.init(setup.algorithm, setup.plan, jax.random.PRNGKey(0))
+        return ckpt.load(path, template, setup.plan.names)

@@ -1,0 +1,188 @@
+"""The protocol every federated algorithm follows, and what a run returns.
+
+An algorithm is a :class:`FederatedAlgorithm`: pure functions over NamedTuple states. A
+round is
+
+1. ``select(rng_key, server_state) -> asked``: which clients the server asks;
+2. for each :class:`Exchange` in order: every asked client runs
+   ``client_step(rng_key, client_state, broadcast, data) -> (client_state, message)`` and
+   the server runs ``server_step(rng_key, server_state, messages, view) ->
+   (server_state, broadcast, info)`` on the messages of the clients that answered
+   (``view.answered``); its broadcast is the input of the next exchange, or of the next
+   round's first exchange.
+
+A :class:`Broadcast` has a part every asked client receives (``shared``) and an optional
+part with one entry per client (``per_client``, leading axis = client), of which client
+``j`` receives entry ``j`` only: e.g. PVI's acknowledgement of the damping the server
+applied to that client's last update, or HM1's per-device column.
+
+Randomness is owned: the server's key and each client's key live with their owner (the
+backend keeps them next to the algorithm's states and splits them on the owner's side),
+and nothing the server holds or receives lets it recompute a client's draws.
+
+A backend (:mod:`numpyro_fed.backends`) owns the round loop: client mapping, dropout,
+transcript, byte counts, progress bar, checkpoints and guards. Algorithms never know
+which backend runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+
+from ._typing import Array, PyTree
+from .transcript import Communication, Transcript
+
+__all__ = [
+    "Broadcast",
+    "ClientSlot",
+    "Exchange",
+    "FederatedAlgorithm",
+    "RunResult",
+    "RunState",
+    "ServerView",
+    "all_clients",
+    "last_info",
+]
+
+
+class Broadcast(NamedTuple):
+    """What the server sends: ``shared`` to every asked client, ``per_client[j]`` to client j."""
+
+    shared: PyTree
+    per_client: PyTree = None
+
+
+class ServerView(NamedTuple):
+    """The server's view of an exchange: who answered, and the server's own data.
+
+    Attributes:
+        answered: ``(J,)`` bool, the clients whose messages arrived this round (the
+            others' rows of ``messages`` are zeros).
+        data: data the server itself holds (vertical federation: the response), else
+            ``None``.
+    """
+
+    answered: Array
+    data: PyTree = None
+
+
+class Exchange(NamedTuple):
+    """One message each way: clients compute and answer, the server aggregates.
+
+    - ``client_step(rng_key, client_state, broadcast, data) -> (client_state, message)``
+    - ``server_step(rng_key, server_state, messages, view) -> (server_state, broadcast, info)``
+
+    ``messages`` stacks every client's message along a leading client axis.
+    """
+
+    client_step: Callable
+    server_step: Callable
+    name: str = "exchange"
+
+
+class FederatedAlgorithm(NamedTuple):
+    """A federated algorithm as pure functions (see the module docstring).
+
+    Attributes:
+        init_server: ``(rng_key) -> (server_state, broadcast)``.
+        init_client: ``(rng_key, data) -> client_state``.
+        select: ``(rng_key, server_state) -> (J,) bool``, the clients asked this round.
+        exchanges: the round's exchanges, in order.
+        num_selected: how many clients ``select`` asks (static), or ``None`` when it
+            varies; with a number below J the backend computes only those clients.
+        round_info: ``(infos of the exchanges) -> info`` of the round (default: the
+            last exchange's).
+        monitor: ``info -> scalar``, the figure a progress bar shows and
+            ``RunResult.trace`` records (``-ELBO``, ``KL(q_new || q)``, ...).
+        monitor_name: its name.
+    """
+
+    init_server: Callable
+    init_client: Callable
+    select: Callable
+    exchanges: Tuple[Exchange, ...]
+    num_selected: Optional[int] = None
+    round_info: Callable = None
+    monitor: Callable = None
+    monitor_name: str = "loss"
+
+
+def all_clients(num_clients: int) -> Callable:
+    """A ``select`` that asks every client."""
+    import jax.numpy as jnp
+
+    def select(rng_key, state):
+        del rng_key, state
+        return jnp.ones(num_clients, bool)
+
+    return select
+
+
+def last_info(infos):
+    """The default ``round_info``: the last exchange's info."""
+    return infos[-1]
+
+
+class ClientSlot(NamedTuple):
+    """A client's state as its owner keeps it: its own PRNG key and the algorithm's state."""
+
+    rng_key: Array
+    state: PyTree
+
+
+class RunState(NamedTuple):
+    """Everything a run needs to continue (pass as ``init_state=``; see
+    :mod:`numpyro_fed.checkpoint` for saving it).
+
+    Attributes:
+        round: rounds completed.
+        server: the algorithm's server state.
+        server_key: the server's own PRNG key.
+        broadcast: the server's pending :class:`Broadcast`.
+        clients: every client's :class:`ClientSlot` (stacked over clients or a tuple,
+            as the simulation maps them; a network backend keeps them on the clients).
+        env_key: the simulation's key for client availability (nature's, not the
+            server's).
+    """
+
+    round: Array
+    server: PyTree
+    server_key: Array
+    broadcast: Broadcast
+    clients: PyTree
+    env_key: Array
+
+
+class RunResult(NamedTuple):
+    """What every inference object's ``run`` returns.
+
+    Attributes:
+        params: the fitted parameters (server-held; for vertical federation every party's,
+            gathered by the simulation).
+        state: the final :class:`RunState` (pass as ``init_state=`` to resume).
+        trace: per round, the family's figure (``-ELBO`` for the SVI families,
+            ``KL(q_new || q)`` for PVI and EP, the change in ``Theta`` for HM1); also
+            available as ``losses``.
+        info: per round, the algorithm's full diagnostics (stacked).
+        communication: rounds, bytes and messages each way, counted as serialised.
+        client_states: ``{client name: that client's final state}`` (the simulation
+            gathers them; in a deployment each stays on its client).
+        transcript: a :class:`~numpyro_fed.Transcript` when one was recorded.
+        rounds_answered: per round, how many clients answered.
+    """
+
+    params: Dict[str, Any]
+    state: RunState
+    trace: jax.Array
+    info: Any
+    communication: Communication
+    client_states: Dict[str, Any]
+    transcript: Optional[Transcript] = None
+    rounds_answered: Optional[Any] = None
+
+    @property
+    def losses(self) -> jax.Array:
+        """``trace`` under NumPyro's name."""
+        return self.trace
