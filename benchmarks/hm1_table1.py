@@ -92,7 +92,7 @@ def main():
                 res = method.run(random.PRNGKey(run), 30, clients, truth=theta)
                 rows[name]["rmse_mean"].append(rmse(res.theta, x_test, mean_test, scored))
                 rows[name]["rmse_noisy"].append(rmse(res.theta, x_test, y_test, scored))
-                rows[name]["theta_error"].append(float(res.distance[-1]))
+                rows[name]["theta_error"].append(float(res.info.distance[-1]))
         results[case] = {
             m: {k: {"mean": float(np.mean(v)), "sd": float(np.std(v))} for k, v in r.items()} for m, r in rows.items()
         }

@@ -81,7 +81,7 @@ class FederatedInference:
 
     def _fitted(self) -> Setup:
         if self._setup_cache is None:
-            raise ValueError(f"{type(self).__name__} is not set up yet: call run() or init() first")
+            raise ValueError(f"this needs a fitted {type(self).__name__}: call run() or init() first")
         return self._setup_cache
 
     # ------------------------------------------------------------------ API

@@ -186,3 +186,11 @@ class RunResult(NamedTuple):
     def losses(self) -> jax.Array:
         """``trace`` under NumPyro's name."""
         return self.trace
+
+    def __getattr__(self, name: str):
+        """Entries of ``params`` read as attributes too (``result.mean`` is
+        ``result.params["mean"]`` for PVI and EP, ``result.theta`` for HM1)."""
+        params = tuple.__getitem__(self, 0)
+        if not name.startswith("_") and isinstance(params, dict) and name in params:
+            return params[name]
+        raise AttributeError(f"RunResult has no attribute {name!r} (params holds {sorted(params or {})})")

@@ -134,13 +134,14 @@ def test_only_the_factor_update_crosses(hier):
     """A client's message is {delta, valid}: the change of its factor over the global sites
     only (no local-site dimensions), and none of its data appear in it."""
     clients, xs, ys = hier
-    ep = nf.EP(hier_model)
+    ep = nf.EP(hier_model, schedule="synchronous", damping=0.5)
     state = ep.init(random.PRNGKey(0), clients)
-    setup = ep._setup(clients)
-    _, (_, messages, _) = setup.round_fn(state, setup.plan.data)
-    assert sorted(messages) == ["delta", "valid"]
-    assert messages["delta"].shift.shape == (K, DL) and messages["delta"].precision.shape == (K, DL, DL)
-    sent = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(messages)]).astype(np.float32)
+    res = ep.run(random.PRNGKey(0), 1, clients, record_transcript=True, keep_values=True)
+    up = [e for e in res.transcript.entries if e.receiver == "server"]
+    assert {e.name for e in up} == {"['delta'].shift", "['delta'].precision", "['valid']"}
+    assert {e.shape for e in up if e.name.endswith("shift")} == {(DL,)}
+    assert {e.shape for e in up if e.name.endswith("precision")} == {(DL, DL)}
+    sent = np.concatenate([np.ravel(e.value) for e in res.transcript.entries]).astype(np.float32)
     for j in range(K):
         for arr in (xs[j], ys[j]):
             assert not contains(sent, arr)
@@ -159,7 +160,7 @@ def test_ep_clear_errors(linear):
     with pytest.raises(ValueError, match="damping=1.5"):
         nf.EP(linear_model, damping=1.5)
     ep = nf.EP(linear_model)
-    with pytest.raises(ValueError, match="sample_posterior needs a fitted EP"):
+    with pytest.raises(ValueError, match="needs a fitted EP"):
         ep.sample_posterior(random.PRNGKey(0), None, 10)
     res = ep.run(random.PRNGKey(0), 3, clients)
     with pytest.raises(ValueError, match="client '7' is not one of the fitted clients"):

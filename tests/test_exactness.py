@@ -12,7 +12,7 @@ from numpyro.handlers import seed, trace
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.simulation import client_data, client_state
+from numpyro_fed.backends.mapping import client_data, client_item
 
 from .models import MODELS
 
@@ -32,7 +32,7 @@ def make_data(model_name, n, p, seed_):
 def centralised_grads(svi, state, clients, eps_global, eps_locals):
     """Gradient of the pooled-data ELBO estimate, computed with NumPyro's log_density."""
     setup = svi._setup_cache
-    obj = setup.objective
+    obj = setup.extra
     pooled = {k: jnp.asarray(v) for k, v in clients.pooled().items()}
     pooled_tr = trace(seed(svi.model, 0)).get_trace(**pooled)
     latent_names = [n for n, s in pooled_tr.items() if s["type"] == "sample" and not s["is_observed"]]
@@ -66,7 +66,7 @@ def centralised_grads(svi, state, clients, eps_global, eps_locals):
         return total / eps_global.shape[0]
 
     g0 = svi.get_params(state)
-    locals0 = [client_state(setup.plan, state.clients, j).local_params for j in range(len(clients))]
+    locals0 = [client_item(setup.plan, state.clients, j).state.local_params for j in range(len(clients))]
     return jax.grad(elbo, argnums=(0, 1))(g0, locals0)
 
 
@@ -90,12 +90,12 @@ def rel_err(a, b):
     p=st.integers(1, 3),
     num_clients=st.integers(1, 4),
     guide_kind=st.sampled_from(["full", "diag", "meanfield", "full_local"]),
-    backend=st.sampled_from(["auto", "loop"]),
+    mapping=st.sampled_from(["auto", "loop"]),
     seed_=st.integers(0, 2**16),
 )
-@example(model_name="linear_param", n=13, p=2, num_clients=3, guide_kind="full", backend="auto", seed_=5)
-@example(model_name="logistic_local", n=17, p=3, num_clients=4, guide_kind="full_local", backend="loop", seed_=9)
-def test_sfvi_gradient_equals_centralised(model_name, n, p, num_clients, guide_kind, backend, seed_):
+@example(model_name="linear_param", n=13, p=2, num_clients=3, guide_kind="full", mapping="auto", seed_=5)
+@example(model_name="logistic_local", n=17, p=3, num_clients=4, guide_kind="full_local", mapping="loop", seed_=9)
+def test_sfvi_gradient_equals_centralised(model_name, n, p, num_clients, guide_kind, mapping, seed_):
     model = MODELS[model_name]
     X, y = make_data(model_name, n, p, seed_)
     rng = np.random.default_rng(seed_ + 1)
@@ -108,36 +108,38 @@ def test_sfvi_gradient_equals_centralised(model_name, n, p, num_clients, guide_k
         "meanfield": nf.MeanFieldGuide(model),
         "full_local": nf.StructuredGuide(model, local_scale="full"),
     }[guide_kind]
-    svi = nf.FederatedSVI(model, guide, optax.sgd(1.0), num_particles=2, backend=backend)
+    svi = nf.FederatedSVI(model, guide, optax.sgd(1.0), num_particles=2, client_mapping=mapping)
     state = svi.init(random.PRNGKey(seed_), clients)
     # random (not initial) parameters on both sides of the boundary
     k1, k2 = random.split(random.PRNGKey(seed_ + 7))
     server = state.server._replace(global_params=perturb(k1, state.server.global_params))
     new_clients = jax.tree_util.tree_map(lambda x: x, state.clients)
-    if svi._setup_cache.plan.backend == "vmap":
-        new_clients = new_clients._replace(local_params=perturb(k2, new_clients.local_params))
+    if svi._setup_cache.plan.mapping == "vmap":
+        inner = new_clients.state
+        new_clients = new_clients._replace(state=inner._replace(local_params=perturb(k2, inner.local_params)))
     else:
         new_clients = tuple(
-            c._replace(local_params=perturb(random.fold_in(k2, i), c.local_params)) for i, c in enumerate(new_clients)
+            c._replace(state=c.state._replace(local_params=perturb(random.fold_in(k2, i), c.state.local_params)))
+            for i, c in enumerate(new_clients)
         )
-    state = state._replace(server=server, clients=new_clients, message=state.message._replace(global_params=server.global_params))
+    broadcast = state.broadcast._replace(shared=state.broadcast.shared._replace(global_params=server.global_params))
+    state = state._replace(server=server, clients=new_clients, broadcast=broadcast)
 
-    # the noise SFVI will use this round (server's eps_G, each client's eps_Lj)
+    # the noise SFVI will use this round: the server's eps_G, and each client's eps_Lj,
+    # drawn from the client's own key
     setup = svi._setup_cache
-    _, k_clients, _ = random.split(state.rng_key, 3)
-    ckeys = random.split(k_clients, len(clients))
-    eps_locals = [
-        random.normal(ckeys[j], (2, setup.objective.local_size(client_data(setup.plan, j))))
-        for j in range(len(clients))
-    ]
+    eps_locals = []
+    for j in range(len(clients)):
+        own = random.split(client_item(setup.plan, state.clients, j).rng_key)[1]
+        eps_locals.append(random.normal(own, (2, setup.extra.local_size(client_data(setup.plan, j)))))
     g_ref, l_ref = centralised_grads(svi, state, clients, state.server.eps_global, eps_locals)
 
     new_state, _ = svi.update(state, clients)  # SGD(lr=1) ascent: new = old + grad
     g_fed = jax.tree_util.tree_map(jnp.subtract, svi.get_params(new_state), svi.get_params(state))
     assert rel_err(g_fed, g_ref) < 1e-5
     for j in range(len(clients)):
-        l_new = client_state(setup.plan, new_state.clients, j).local_params
-        l_old = client_state(setup.plan, state.clients, j).local_params
+        l_new = client_item(setup.plan, new_state.clients, j).state.local_params
+        l_old = client_item(setup.plan, state.clients, j).state.local_params
         l_fed = jax.tree_util.tree_map(jnp.subtract, l_new, l_old)
         n_j = int(setup.plan.num_rows[j])
         # padded entries must not move; compare the real ones

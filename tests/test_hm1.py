@@ -6,7 +6,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.hm1 import hm1
+from numpyro_fed.algorithms import hm1
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,7 @@ def test_rounds_equal_algorithm_1_by_hand(devices):
     clients, xs, ys, _ = devices
     method = nf.HM1(lr=0.02, shrinkage=0.05, alpha=0.3, local_steps=5)
     res = method.run(random.PRNGKey(0), 3, clients)
-    _, k_theta, _ = random.split(random.PRNGKey(0), 3)  # run()'s initial Theta: N(0, 0.01^2)
-    theta = 0.01 * np.asarray(random.normal(k_theta, (4, 3)), np.float64)
+    theta = np.asarray(method.init(random.PRNGKey(0), clients).server.theta, np.float64)  # N(0, 0.01^2) draws
     omega = np.eye(4)
     for _ in range(3):
         theta, omega = numpy_round(theta, omega, xs, ys, 0.02, 0.05, 0.3, 5)
@@ -63,14 +62,18 @@ def test_partial_participation_and_messages(devices):
     receives only its own column and its shrinkage direction (d numbers each)."""
     clients, _, _, _ = devices
     method = nf.HM1(subset_size=2)
-    one = method.run(random.PRNGKey(1), 1, clients)
-    start = 0.01 * np.asarray(random.normal(random.split(random.PRNGKey(1), 3)[1], (4, 3)))
+    one = method.run(random.PRNGKey(1), 1, clients, record_transcript=True, keep_values=True)
+    start = np.asarray(method.init(random.PRNGKey(1), clients).server.theta)
     changed = np.any(np.abs(np.asarray(one.theta) - start) > 1e-7, axis=1)
     assert changed.sum() == 2
     assert one.communication.messages_up == 2
+    down = [e for e in one.transcript.entries if e.sender == "server"]
+    assert len({e.receiver for e in down}) == 2  # only the asked devices hear from the server
+    assert {e.name for e in down} == {"per_client['theta']", "per_client['shrink']"}
+    assert {e.shape for e in down} == {(3,)}  # its own column and its s_k, d numbers each
     alg = hm1(4, 3)
-    msg = alg.broadcast(one.state)
-    assert sorted(msg) == ["shrink", "theta"] and msg["theta"].shape == (4, 3) and msg["shrink"].shape == (4, 3)
+    state, broadcast = alg.init_server(random.PRNGKey(0))
+    assert broadcast.shared is None and broadcast.per_client["theta"].shape == (4, 3)
 
 
 def test_hm1_clear_errors(devices):

@@ -51,7 +51,7 @@ def test_transcript_carries_only_global_quantities(clients, method):
     allowed = ("global_grad", "global_params", "elbo")
     assert all(e.name.startswith(allowed) for e in sent_by_clients), {e.name for e in sent_by_clients}
     # 2. shapes: nothing that scales with a client's rows
-    n_global = svi._setup_cache.objective.global_size
+    n_global = svi._setup_cache.extra.global_size
     for e in t.entries:
         assert all(d <= max(n_global * n_global, n_global) for d in e.shape), e
     # 3. values: no client's data and no local variational parameter appears in any message
@@ -72,10 +72,10 @@ def test_audit_detects_a_leak(clients):
 def test_message_round_trip_as_ndarrays(clients):
     svi = nf.FederatedSVI(logistic_local, nf.StructuredGuide(logistic_local), optax.adam(0.05))
     state = svi.init(random.PRNGKey(0), clients)
-    arrays = nf.message_to_ndarrays(state.message)
+    arrays = nf.message_to_ndarrays(state.broadcast)
     assert all(isinstance(a, np.ndarray) for a in arrays)
-    back = nf.message_from_ndarrays(state.message, arrays)
-    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state.message)):
+    back = nf.message_from_ndarrays(state.broadcast, arrays)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state.broadcast)):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="leaves"):
-        nf.message_from_ndarrays(state.message, arrays[:-1])
+        nf.message_from_ndarrays(state.broadcast, arrays[:-1])

@@ -63,7 +63,7 @@ def test_local_averaging_and_virtual_clients_are_exact_for_a_conjugate_model(lin
     np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.cov, cov, rtol=1e-4, atol=1e-8)
     if variant == "virtual":  # each client keeps one factor per shard; they sum to its likelihood
-        factors = res.state.clients.factor
+        factors = res.state.clients.state.factor
         assert factors.precision.shape == (3, 4, D, D)
 
 
@@ -107,16 +107,16 @@ def test_positive_definiteness_safeguard():
         alg = pvi(prior, lambda u, data: 0.0, 1)
         state, _ = alg.init_server(random.PRNGKey(0))
         delta = G.NaturalGaussian(jnp.ones((1, 2)), precision * jnp.eye(2)[None])
-        _, message, info = alg.server_step(random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)},
-                                           jnp.ones(1, bool))
-        assert float(info.damping) == want and bool(G.is_positive_definite(message["q"]))
+        _, message, info = alg.exchanges[0].server_step(
+            random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)}, nf.ServerView(jnp.ones(1, bool)))
+        assert float(info.damping) == want and bool(G.is_positive_definite(message.shared["q"]))
     alg = pvi(prior, lambda u, data: 0.0, 1, max_halvings=0)
     state, _ = alg.init_server(random.PRNGKey(0))
     delta = G.NaturalGaussian(jnp.ones((1, 2)), -1.5 * jnp.eye(2)[None])
-    _, message, info = alg.server_step(random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)},
-                                       jnp.ones(1, bool))
+    _, message, info = alg.exchanges[0].server_step(
+        random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)}, nf.ServerView(jnp.ones(1, bool)))
     assert float(info.damping) == 0.0  # rejected: q unchanged
-    np.testing.assert_array_equal(message["q"].precision, jnp.eye(2))
+    np.testing.assert_array_equal(message.shared["q"].precision, jnp.eye(2))
 
 
 def test_trust_region_halves_damping_for_a_far_move():
@@ -130,24 +130,25 @@ def test_trust_region_halves_damping_for_a_far_move():
     for max_kl, want in ((None, 1.0), (8.0, 0.5), (2.0, 0.25)):
         alg = factor_protocol(prior, None, 1, max_kl=max_kl)
         state, _ = alg.init_server(random.PRNGKey(0))
-        _, message, info = alg.server_step(random.PRNGKey(1), state, msgs, jnp.ones(1, bool))
+        _, message, info = alg.exchanges[0].server_step(random.PRNGKey(1), state, msgs,
+                                                        nf.ServerView(jnp.ones(1, bool)))
         assert float(info.damping) == want
-        assert float(G.kl_divergence(message["q"], prior)) <= (max_kl or np.inf)
+        assert float(G.kl_divergence(message.shared["q"], prior)) <= (max_kl or np.inf)
 
 
 def test_client_update_is_one_natural_parameter_message(linear):
     """What a client sends is Delta t_j (d + d^2 numbers) and a validity flag: no data."""
     clients, *_ = linear
     p = nf.PVI(linear_model, schedule="synchronous")
-    state = p.init(random.PRNGKey(0), clients)
-    setup = p._setup(clients)
-    _, (_, messages, _) = setup.round_fn(state, setup.plan.data)
-    assert set(messages) == {"delta", "valid"}
-    assert messages["delta"].shift.shape == (3, D) and messages["delta"].precision.shape == (3, D, D)
+    res = p.run(random.PRNGKey(0), 1, clients, record_transcript=True, keep_values=True)
+    up = [e for e in res.transcript.entries if e.receiver == "server"]
+    assert {e.name for e in up} == {"['delta'].shift", "['delta'].precision", "['valid']"}
+    assert {e.shape for e in up if e.name.endswith("shift")} == {(D,)}
+    assert {e.shape for e in up if e.name.endswith("precision")} == {(D, D)}
     for name in clients.names:
         for arr in clients[name].values():
-            assert not contains(np.asarray(messages["delta"].precision), arr)
-            assert not contains(np.asarray(messages["delta"].shift), arr)
+            for e in up:
+                assert not contains(e.value, arr)
 
 
 def test_clear_errors(linear):

@@ -51,10 +51,27 @@ def clients():
     return nf.Clients.split(np.arange(24) % 4, y=y)
 
 
+def exact_mu(y, tau0=2.0, tau=1.0, sigma=1.0):
+    """Mean and sd of mu's exact posterior under ``normal_hierarchical``."""
+    g, m = y.shape
+    prec = np.zeros((g + 1, g + 1))
+    prec[0, 0] = 1 / tau0**2 + g / tau**2
+    prec[0, 1:] = prec[1:, 0] = -1 / tau**2
+    prec[np.arange(1, g + 1), np.arange(1, g + 1)] = 1 / tau**2 + m / sigma**2
+    cov = np.linalg.inv(prec)
+    return (cov @ np.concatenate([[0.0], y.sum(1) / sigma**2]))[0], np.sqrt(cov[0, 0])
+
+
 @pytest.mark.parametrize("global_scale", ["full", "diagonal"])
 def test_sfvi_avg_approaches_sfvi(clients, global_scale):
+    """SFVI-Avg's q(mu) against SFVI's and the exact posterior, 0.25 sd.
+
+    The SFVI reference decays its learning rate: at a constant adam(0.05) its last iterate
+    wanders by up to 0.45 sd around the optimum (seed-dependent), which is optimiser noise
+    in the reference, not an SFVI-Avg error."""
     guide = nf.StructuredGuide(normal_hierarchical, global_scale=global_scale)
-    exact = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.05), num_particles=4)
+    exact = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(optax.exponential_decay(0.05, 1500, 0.05)),
+                            num_particles=4)
     r_exact = exact.run(random.PRNGKey(0), 1500, clients, progress_bar=False)
     avg = nf.FederatedSVI(
         normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25, num_particles=2
@@ -63,6 +80,8 @@ def test_sfvi_avg_approaches_sfvi(clients, global_scale):
     mu_exact = exact.sample_posterior(random.PRNGKey(1), r_exact, 20000)["mu"]
     mu_avg = avg.sample_posterior(random.PRNGKey(1), r_avg, 20000)["mu"]
     assert abs(float(mu_avg.mean() - mu_exact.mean())) < 0.25 * float(mu_exact.std())
+    truth, sd = exact_mu(np.stack([clients[c]["y"] for c in clients.names], 0).reshape(-1, 2))
+    assert abs(float(mu_avg.mean()) - truth) < 0.25 * sd
     assert r_avg.communication.rounds == 60
     assert r_avg.communication.messages_up == 60 * 4
 
