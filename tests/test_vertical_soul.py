@@ -40,8 +40,9 @@ def pooled_soul_round(vmodel, obj, data, rows, state, noise0, noise, gamma, m):
         params.update({f"z_{c}": zs[c][rows] for c in obj.clients})
         return -potential_energy(_RowScale(vmodel, scale), (), sub, params)
 
-    us = {"server": state.server.chain, **{c: state.clients[c].chain for c in obj.clients}}
-    zs = {c: state.clients[c].params["z"] for c in obj.clients}
+    parts = {c: slot.state.inner for c, slot in zip(obj.clients, state.clients)}
+    us = {"server": state.server.inner.chain, **{c: parts[c].chain for c in obj.clients}}
+    zs = {c: parts[c].params["z"] for c in obj.clients}
     xi = {"server": noise0, **noise}
     acc = {c: jnp.zeros_like(zs[c]) for c in obj.clients}
     # power form with server sites: theta_0 is held during the clients' steps, then takes one step
@@ -72,19 +73,24 @@ def test_soul_round_equals_pooled_langevin(data3, form, access, batch_size, mode
     vmodel = nf.vertical_split(model, clients=SPEC3, form=form, rho=0.7, response="y", response_access=access)
     soul = nf.VerticalSOUL(vmodel, optax.sgd(1.0), step_size=GAMMA, num_langevin=3, batch_size=batch_size)
     state = soul.init(random.PRNGKey(3), **data3)
-    clients = {c: s._replace(params={**s.params, "z": random.normal(random.PRNGKey(i), (24,))})
-               for i, (c, s) in enumerate(state.clients.items())}
-    state = state._replace(clients=clients)
+    def moved(i, slot):
+        inner = slot.state.inner
+        inner = inner._replace(params={**inner.params, "z": random.normal(random.PRNGKey(i), (24,))})
+        return slot._replace(state=slot.state._replace(inner=inner))
+
+    state = state._replace(clients=tuple(moved(i, slot) for i, slot in enumerate(state.clients)))
     rows, noise0, noise = _round_noise(soul, state)
     new, _ = soul.update(state, **data3)
-    obj = soul._setup_cache.objective
+    obj = soul.objective
     chains, grad_z = pooled_soul_round(vmodel, obj, data3, rows, state, noise0, noise, GAMMA, 3)
+    before = {c: slot.state.inner for c, slot in zip(obj.clients, state.clients)}
+    after = {c: slot.state.inner for c, slot in zip(obj.clients, new.clients)}
     for c in obj.clients:
-        step = new.clients[c].params["z"] - state.clients[c].params["z"]
+        step = after[c].params["z"] - before[c].params["z"]
         err = float(jnp.linalg.norm(step - grad_z[c]) / jnp.linalg.norm(grad_z[c]))
         assert err < 1e-5, (c, err)
-        np.testing.assert_allclose(new.clients[c].chain, chains[c], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(new.server.chain, chains["server"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(after[c].chain, chains[c], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.server.inner.chain, chains["server"], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- truth

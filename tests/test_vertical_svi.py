@@ -50,12 +50,12 @@ class _RowScale(numpyro.primitives.Messenger):
 
 def _round_noise(svi, state):
     """The draws one round makes (the key schedule of VerticalSVI's round)."""
-    alg = svi._setup_cache.algorithm
-    obj = svi._setup_cache.objective
-    _, k_sched, k_server, k_clients = random.split(state.rng_key, 4)
-    keys = random.split(k_clients, len(obj.clients))
-    noise = {c: alg.client_noise(keys[i], c) for i, c in enumerate(obj.clients)}
-    return alg.schedule(k_sched)["rows"], alg.server_noise(k_server), noise
+    obj, alg = svi._setup_cache.extra
+    n_exchanges = len(svi._setup_cache.algorithm.exchanges)
+    k_forward = random.split(state.server_key, 2 + n_exchanges)[2]  # the server's key for the first exchange
+    noise = {c: alg.client_noise(random.split(slot.rng_key)[1], c)  # each client's own key
+             for c, slot in zip(obj.clients, state.clients)}
+    return state.server.rows, alg.server_noise(k_forward), noise
 
 
 def pooled_elbo(vmodel, guide, obj, data, rows, eps0, noise):
@@ -105,15 +105,18 @@ def test_vertical_gradient_equals_pooled_elbo_gradient(data3, form, access, aux,
     state = svi.init(random.PRNGKey(3), **data3)
     # move the amortized output layer off zero so that every path carries gradient
     if aux == "amortized":
-        clients = {c: s._replace(params={**s.params, "aux": {**s.params["aux"],
-                   "out_w": 0.3 * random.normal(random.PRNGKey(i), s.params["aux"]["out_w"].shape)}})
-                   for i, (c, s) in enumerate(state.clients.items())}
-        state = state._replace(clients=clients)
+        def moved(i, slot):
+            p = slot.state.inner.params
+            aux = {**p["aux"], "out_w": 0.3 * random.normal(random.PRNGKey(i), p["aux"]["out_w"].shape)}
+            inner = slot.state.inner._replace(params={**p, "aux": aux})
+            return slot._replace(state=slot.state._replace(inner=inner))
+
+        state = state._replace(clients=tuple(moved(i, slot) for i, slot in enumerate(state.clients)))
     rows, eps0, noise = _round_noise(svi, state)
     new, _ = svi.update(state, **data3)
     before, after = svi.get_params(state), svi.get_params(new)
     step = jax.tree_util.tree_map(lambda a, b: a - b, after, before)
-    obj = svi._setup_cache.objective
+    obj = svi.objective
     grad = jax.grad(pooled_elbo(vmodel, guide, obj, data3, rows, eps0, noise))(before)
     for party in ("server", "a", "b", "c"):
         got, _ = ravel_pytree(step[party])
@@ -205,11 +208,13 @@ def assert_only_z_crosses(res, data3, form, access, secrets):
     t = res.transcript
     up = [e for e in t.entries if e.receiver == "server"]
     down = [e for e in t.entries if e.sender == "server"]
-    allowed_up = {"['z']"} if form == "augmented" else {"['z']", "['grad_z']"}
+    # z_j, the scalar objective term of the update exchange (for the trace) and, in the
+    # power form, gradients for the others' z
+    allowed_up = {"['z']", "['value']"} if form == "augmented" else {"['z']", "['grad_z']", "['value']"}
     assert {e.name for e in up} == allowed_up
-    assert {e.name for e in down} <= {"['rows']", "['grad_z']", "['z']"}
-    for e in up + down:  # per-row quantities on the round's 8 rows only
-        assert e.shape in ((8,), (2, 8), (3, 8)), e
+    assert {e.name for e in down} <= {"shared['rows']", "shared['proceed']", "per_client['grad_z']", "shared['z']"}
+    for e in up + down:  # per-row quantities on the round's 8 rows only, or a scalar flag / term
+        assert e.shape in ((8,), (2, 8), (3, 8)) or (e.shape == () and e.name in ("['value']", "shared['proceed']")), e
     secrets = {c: [data3[x]] + list(secrets.get(c, [])) for c, x in (("a", "xa"), ("b", "xb"), ("c", "xc"))}
     if access == "server":
         secrets["server"] = [data3["y"]]
@@ -320,6 +325,6 @@ def test_shared_public_arguments(data3):
     vm = nf.vertical_split(model, clients=SPEC3, rho=0.5, response="y", shared=["offset"])
     svi = nf.VerticalSVI(vm, nf.VerticalGuide("meanfield"), optax.adam(0.05))
     state = svi.init(random.PRNGKey(0), **data3, offset=jnp.ones(24))
-    views = svi._setup_cache.objective.party_args("a", {**data3, "offset": jnp.ones(24)}, jnp.arange(24))
+    views = svi.objective.party_args("a", {**data3, "offset": jnp.ones(24)}, jnp.arange(24))
     assert set(views) == {"xa", "y", "offset"}
     assert np.isfinite(float(svi.evaluate(state, **data3, offset=jnp.ones(24))))
