@@ -37,6 +37,10 @@ _NONFINITE = (
     "argument '{arg}' of client '{client}' holds {count} non-finite value(s) (NaN/inf); "
     "clean or impute them before federating"
 )
+_DTYPE = (
+    "argument '{arg}' of client '{client}' has dtype {dtype}; client data must be numeric arrays "
+    "(bool, integer or float): convert categories to integer codes or one-hot columns first"
+)
 _SPLIT_LEN = (
     "Clients.split: argument '{arg}' has {got} rows but group_ids has {want}; "
     "group_ids needs one entry per row"
@@ -59,6 +63,10 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
     The leading axis of every array indexes the client's rows (observations, or units
     such as patients when a unit has several observations). Clients may hold different
     numbers of rows but must agree on argument names and trailing shapes.
+
+    The arrays are copied (and the copies made read-only), so later changes to the
+    caller's arrays do not reach the clients; every argument of every client must be
+    numeric (bool, integer or float) and finite.
 
     Args:
         data: mapping ``client name -> {argument name: array}``.
@@ -86,13 +94,16 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
                 raise ValueError(_NO_ARGS.format(client=client))
             arrays = {}
             for arg, value in args.items():
-                arr = np.asarray(value)
+                arr = np.array(value, copy=True)  # the caller's later writes do not reach us
+                if arr.dtype.kind not in "biuf":
+                    raise TypeError(_DTYPE.format(arg=arg, client=client, dtype=arr.dtype))
                 if arr.ndim == 0:
                     raise ValueError(_SCALAR.format(arg=arg, client=client))
-                if arr.dtype.kind in "fc":
+                if arr.dtype.kind == "f":
                     bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
                     if bad:
                         raise ValueError(_NONFINITE.format(arg=arg, client=client, count=bad))
+                arr.setflags(write=False)
                 arrays[str(arg)] = arr
             rows = {a: v.shape[0] for a, v in arrays.items()}
             if len(set(rows.values())) != 1:

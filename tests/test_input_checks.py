@@ -1,0 +1,116 @@
+"""Bad inputs a user would try get a clear error at construction or call (issue 10's list)."""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_fed as nf
+
+
+def linear(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+
+@pytest.fixture(scope="module")
+def clients():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(30, 2)).astype(np.float32)
+    return nf.Clients.split(np.repeat([0, 1, 2], 10), x=x, y=(x @ np.array([1.0, -1.0])).astype(np.float32))
+
+
+def test_unmarked_per_row_site_is_caught_on_any_client():
+    """A one-row first client used to hide an unmarked per-row site (its shape equalled the
+    one-row placeholder's): every distinct client size is now compared."""
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            b = numpyro.sample("b", dist.Normal(mu, 1.0))  # per row, not marked local
+            numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
+
+    clients = nf.Clients({"a": dict(y=np.zeros(1)), "b": dict(y=np.zeros(5))})
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1))
+    with pytest.raises(ValueError, match=r"site 'b' is global .* \(1,\) on client 'a' vs \(5,\) on client 'b'"):
+        svi.init(random.PRNGKey(0), clients)
+
+
+@pytest.mark.parametrize("sizes", [(10, 10, 10), (10, 8, 6)])
+def test_row_plate_must_name_a_plate_whatever_the_sizes(sizes):
+    x = np.zeros((sum(sizes), 2), np.float32)
+    clients = nf.Clients.split(np.repeat([0, 1, 2], sizes), x=x, y=np.zeros(sum(sizes), np.float32))
+    svi = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.1), row_plate="rowz")
+    with pytest.raises(ValueError, match=r"row_plate='rowz' is not a plate of the model .* client '0'"):
+        svi.init(random.PRNGKey(0), clients)
+
+
+def test_factor_inference_arguments(clients):
+    with pytest.raises(ValueError, match=r"subset_size=4: must be between 1 and the 3 clients"):
+        nf.PVI(linear, schedule="subset", subset_size=4).init(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match="subset_size=0"):
+        nf.EP(linear, schedule="subset", subset_size=0)
+    with pytest.raises(ValueError, match="local_steps=0"):
+        nf.PVI(linear, update="optax", optim=optax.adam(0.1), local_steps=0)
+    with pytest.raises(ValueError, match="num_particles=0"):
+        nf.PVI(linear, update="optax", optim=optax.adam(0.1), num_particles=0)
+    with pytest.raises(ValueError, match="num_particles=0"):
+        nf.EP(linear, tilted="vi", optim=optax.adam(0.1), num_particles=0)
+    pvi = nf.PVI(linear)
+    res = pvi.run(random.PRNGKey(0), 1, clients)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        pvi.sample_posterior(random.PRNGKey(0), res, 0)
+    ep = nf.EP(linear)
+    fit = ep.run(random.PRNGKey(0), 1, clients)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        ep.local_posterior(random.PRNGKey(0), fit, num_samples=0)
+
+
+def test_svi_sample_posterior_needs_a_positive_count(clients):
+    svi = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.1))
+    res = svi.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        svi.sample_posterior(random.PRNGKey(0), res, 0)
+
+
+def test_run_options_are_checked(clients):
+    svi = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.1))
+    with pytest.raises(ValueError, match="num_rounds=0"):
+        svi.run(random.PRNGKey(0), 0, clients)
+    with pytest.raises(ValueError, match="on_nonfinite='ignore'"):
+        svi.run(random.PRNGKey(0), 2, clients, on_nonfinite="ignore")
+    with pytest.raises(ValueError, match=r"availability=1.5: a probability must be in \(0, 1\]"):
+        svi.run(random.PRNGKey(0), 2, clients, availability=1.5)
+    with pytest.raises(ValueError, match="availability has shape"):
+        svi.run(random.PRNGKey(0), 2, clients, availability=np.ones((2, 5), bool))
+    with pytest.raises(ValueError, match="schedule covers 2 rounds but the run reaches round 3"):
+        svi.run(random.PRNGKey(0), 3, clients, availability=np.ones((2, 3), bool))
+    with pytest.raises(ValueError, match="checkpoint_every= needs checkpoint="):
+        svi.run(random.PRNGKey(0), 2, clients, checkpoint_every=1)
+
+
+def _vertical_model(xa, xb, y):
+    ba = numpyro.sample("ba", dist.Normal(0, 1).expand([1]).to_event(1))
+    bb = numpyro.sample("bb", dist.Normal(0, 1).expand([1]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        ga = numpyro.deterministic("ga", xa @ ba)
+        gb = numpyro.deterministic("gb", xb @ bb)
+        numpyro.sample("y", dist.Normal(ga + gb, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("arg, party", [("xb", "party 'b'"), ("y", "every party")])
+def test_vertical_party_data_are_validated(arg, party):
+    spec = {"a": dict(data="xa", sites="ba", contribution="ga"), "b": dict(data="xb", sites="bb", contribution="gb")}
+    vmodel = nf.vertical_split(_vertical_model, clients=spec, rho=0.5, response="y")
+    data = dict(xa=np.zeros((6, 1)), xb=np.zeros((6, 1)), y=np.zeros(6))
+    data[arg] = np.where(np.arange(data[arg].size).reshape(data[arg].shape) == 2, np.nan, data[arg])
+    svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.1))
+    with pytest.raises(ValueError, match=f"argument '{arg}' of {party}.* holds 1 non-finite"):
+        svi.init(random.PRNGKey(0), **data)
+    data[arg] = np.array(["a"] * 6).reshape(data[arg].shape)
+    with pytest.raises(TypeError, match=f"argument '{arg}' of {party}.* has dtype"):
+        svi.init(random.PRNGKey(0), **data)
