@@ -76,7 +76,8 @@ class FederatedInference:
         cached = self._setup_cache
         if cached is not None and _same_inputs(cached.inputs, inputs):
             return cached
-        self._setup_cache = self._build(inputs)
+        setup = self._build(inputs)
+        self._setup_cache = setup._replace(algorithm=setup.algorithm._replace(name=self.method))
         return self._setup_cache
 
     def _fitted(self) -> Setup:

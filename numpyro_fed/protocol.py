@@ -97,6 +97,7 @@ class FederatedAlgorithm(NamedTuple):
         monitor: ``info -> scalar``, the figure a progress bar shows and
             ``RunResult.trace`` records (``-ELBO``, ``KL(q_new || q)``, ...).
         monitor_name: its name.
+        name: the algorithm's name (recorded in checkpoints).
     """
 
     init_server: Callable
@@ -107,6 +108,7 @@ class FederatedAlgorithm(NamedTuple):
     round_info: Callable = None
     monitor: Callable = None
     monitor_name: str = "loss"
+    name: str = ""
 
 
 def all_clients(num_clients: int) -> Callable:

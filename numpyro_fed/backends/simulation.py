@@ -201,8 +201,8 @@ class SimulationBackend:
         stepwise = progress_bar or record_transcript or bool(callbacks)
         outputs: List[RoundOutput] = []
         if stepwise:
-            state, failure, outputs = self._loop(compiled, plan, avail, state, failure, num_rounds, progress_bar,
-                                                 transcript, callbacks, algorithm.monitor_name, checkpoint,
+            state, failure, outputs = self._loop(algorithm, compiled, plan, avail, state, failure, num_rounds, progress_bar,
+                                                 transcript, callbacks, checkpoint,
                                                  checkpoint_every)
         else:
             chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
@@ -213,7 +213,7 @@ class SimulationBackend:
                 outputs.append(outs)
                 done += n
                 if checkpoint is not None:
-                    ckpt.save(checkpoint, state, plan.names)
+                    ckpt.save(checkpoint, state, plan.names, algorithm.name)
             outputs = [jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)] if outputs else []
         if bool(failure.failed):
             _check(failure, plan, state, on_nonfinite)  # raises unless on_nonfinite="warn"
@@ -224,7 +224,7 @@ class SimulationBackend:
         if bool(failure.failed):
             stacked = jax.tree_util.tree_map(lambda x: x[: int(failure.round) - 1 - start], stacked)
         if checkpoint is not None and stepwise:
-            ckpt.save(checkpoint, state, plan.names)
+            ckpt.save(checkpoint, state, plan.names, algorithm.name)
         comm = self._communication(compiled, algorithm, plan, init_state, stacked)
         client_states = {n: client_item(plan, state.clients, j).state for j, n in enumerate(plan.names)}
         return RunResult(
@@ -238,8 +238,9 @@ class SimulationBackend:
             rounds_answered=np.asarray(jnp.sum(stacked.answered, axis=-1)),
         )
 
-    def _loop(self, compiled, plan, avail, state, failure, num_rounds, progress_bar, transcript, callbacks, figure_name,
+    def _loop(self, algorithm, compiled, plan, avail, state, failure, num_rounds, progress_bar, transcript, callbacks,
               checkpoint, checkpoint_every):
+        figure_name = algorithm.monitor_name
         iterator = range(num_rounds)
         bar = None
         if progress_bar:
@@ -261,7 +262,7 @@ class SimulationBackend:
             for callback in callbacks:
                 callback(int(state.round), state, out.info)
             if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
-                ckpt.save(checkpoint, state, plan.names)
+                ckpt.save(checkpoint, state, plan.names, algorithm.name)
             if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
                 window = jnp.stack([o.figure for o in outputs[last:]])
                 bar.set_postfix_str("{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(

@@ -1,0 +1,109 @@
+"""One small problem per algorithm core, built the same way in this process and in a
+subprocess (checkpoint tests): ``FAMILIES[name]() -> (inference, inputs)`` and
+:func:`run` to call ``run`` uniformly."""
+
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+
+import numpyro_fed as nf
+
+
+def linear(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+
+
+def hierarchical(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        with nf.local_site():
+            b = numpyro.sample("b", dist.Normal(0.0, 0.3))
+        numpyro.sample("y", dist.Normal(x @ w + b, 0.5), obs=y)
+
+
+def ep_model(x, y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with nf.local_site():
+        b = numpyro.sample("b", dist.Normal(mu, 0.5))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(b * x[:, 0], 0.3), obs=y)
+
+
+def vertical_model(xa, xb, y):
+    b0 = numpyro.sample("b0", dist.Normal(0.0, 1.0))
+    ba = numpyro.sample("ba", dist.Normal(0, 1).expand([2]).to_event(1))
+    bb = numpyro.sample("bb", dist.Normal(0, 1).expand([1]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        ga = numpyro.deterministic("ga", xa @ ba)
+        gb = numpyro.deterministic("gb", xb @ bb)
+        numpyro.sample("y", dist.Normal(b0 + ga + gb, 0.5), obs=y)
+
+
+SPEC = {"a": dict(data="xa", sites="ba", contribution="ga"), "b": dict(data="xb", sites="bb", contribution="gb")}
+
+
+def horizontal_data(sizes=(12, 9, 7), seed=0):
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    x = rng.normal(size=(n, 2)).astype(np.float32)
+    y = (x @ np.array([1.0, -0.5]) + 0.5 * rng.normal(size=n)).astype(np.float32)
+    return nf.Clients.split(np.repeat(np.arange(len(sizes)), sizes), x=x, y=y)
+
+
+def vertical_data(n=24, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = (0.3 + x @ np.array([1.0, -0.5, 0.8]) + 0.5 * rng.normal(size=n)).astype(np.float32)
+    return dict(xa=x[:, :2], xb=x[:, 2:], y=y)
+
+
+def sfvi():
+    return nf.FederatedSVI(hierarchical, nf.StructuredGuide(hierarchical), optax.adam(0.05)), horizontal_data()
+
+
+def sfvi_avg():
+    svi = nf.FederatedSVI(hierarchical, nf.StructuredGuide(hierarchical), optax.adam(0.05), method="sfvi_avg",
+                          local_steps=3, participation=2 / 3)
+    return svi, horizontal_data()
+
+
+def pvi():
+    return nf.PVI(linear, update="optax", optim=optax.adam(0.05), local_steps=20, damping=0.5), horizontal_data()
+
+
+def ep():
+    return nf.EP(ep_model, schedule="synchronous", damping=0.5), horizontal_data()
+
+
+def hm1():
+    return nf.HM1(lr=0.05, local_steps=3, subset_size=2), horizontal_data()
+
+
+def vertical_sfvi():
+    vmodel = nf.vertical_split(vertical_model, clients=SPEC, rho=0.5, response="y")
+    return nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.05), batch_size=8), vertical_data()
+
+
+def vertical_soul():
+    vmodel = nf.vertical_split(vertical_model, clients=SPEC, rho=0.5, response="y", form="power")
+    return nf.VerticalSOUL(vmodel, optax.sgd(0.05), step_size=1e-3, num_langevin=2, batch_size=8), vertical_data()
+
+
+FAMILIES = {f.__name__: f for f in (sfvi, sfvi_avg, pvi, ep, hm1, vertical_sfvi, vertical_soul)}
+
+
+def run(inference, inputs, rng_key, num_rounds, **options):
+    """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
+    options.setdefault("progress_bar", False)
+    if isinstance(inputs, dict):
+        return inference.run(rng_key, num_rounds, **options, **inputs)
+    return inference.run(rng_key, num_rounds, inputs, **options)
+
+
+def load(inference, inputs, path):
+    if isinstance(inputs, dict):
+        return inference.load(path, **inputs)
+    return inference.load(path, inputs)
