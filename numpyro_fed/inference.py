@@ -17,7 +17,7 @@ import jax
 from . import checkpoint as ckpt
 from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
-from .protocol import FederatedAlgorithm, RunResult, RunState
+from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 
 __all__ = ["FederatedInference", "Setup"]
 
@@ -119,9 +119,10 @@ class FederatedInference:
             checkpoint_every=checkpoint_every, callbacks=callbacks, availability=availability,
             on_nonfinite=on_nonfinite,
         )
+        states = result.client_states
         result = result._replace(
             params=self._params(setup, result.state),
-            client_states={n: self._client_view(setup, s) for n, s in result.client_states.items()},
+            client_states=ClientStates(setup.plan.names, lambda j: self._client_view(setup, states[setup.plan.names[j]])),
         )
         self._check_result(setup, result)
         return result

@@ -27,7 +27,7 @@ which backend runs them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 
@@ -37,6 +37,7 @@ from .transcript import Communication, Transcript
 __all__ = [
     "Broadcast",
     "ClientSlot",
+    "ClientStates",
     "Exchange",
     "FederatedAlgorithm",
     "RunResult",
@@ -155,6 +156,28 @@ class RunState(NamedTuple):
     broadcast: Broadcast
     clients: PyTree
     env_key: Array
+
+
+class ClientStates(Mapping):
+    """``{client name: that client's state}``, read on demand (slicing a thousand stacked
+    client states eagerly would cost more than the rounds)."""
+
+    def __init__(self, names: Sequence[str], get: Callable[[int], Any]) -> None:
+        self._names, self._get = tuple(names), get
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(f"no client named {name!r}; clients are {list(self._names)}")
+        return self._get(self._names.index(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"ClientStates({list(self._names)})"
 
 
 class RunResult(NamedTuple):

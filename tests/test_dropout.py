@@ -86,7 +86,7 @@ def test_exact_sfvi_skips_a_round_with_a_missing_client():
     the server's parameters as they were; the clients that answered keep their local step."""
     svi, clients = FAMILIES["sfvi"]()
     table = _schedule(3, 3, [(1, 1)])
-    one = svi.run(random.PRNGKey(0), 1, clients, progress_bar=False)
+    one = svi.run(random.PRNGKey(0), 1, clients, progress_bar=False, availability=table)
     two = svi.run(random.PRNGKey(0), 2, clients, progress_bar=False, availability=table)
     three = svi.run(random.PRNGKey(0), 3, clients, progress_bar=False, availability=table)
     assert np.asarray(three.info.complete).tolist() == [True, False, True]
@@ -123,7 +123,7 @@ def test_vertical_round_with_a_missing_party_is_skipped(family):
     party's parameters stay as they were after round 1."""
     inference, data = FAMILIES[family]()
     table = _schedule(3, 2, [(1, 1)])
-    one = run(inference, data, random.PRNGKey(0), 1)
+    one = run(inference, data, random.PRNGKey(0), 1, availability=table)
     two = run(inference, data, random.PRNGKey(0), 2, availability=table)
     three = run(inference, data, random.PRNGKey(0), 3, availability=table)
     assert np.asarray(three.info.complete).tolist() == [True, False, True]
