@@ -148,6 +148,11 @@ class SimulationBackend:
         _check(failure, plan, state, "raise")
         return new, out.info
 
+    def lower_round(self, algorithm: FederatedAlgorithm, plan: ClientPlan, state: RunState):
+        """The jit-lowered round (``.compile().memory_analysis()`` for memory benchmarks)."""
+        compiled = self._compiled(algorithm, plan)
+        return compiled.round.lower(state, _no_failure(len(plan.names)), plan.data, plan.server_data, None, False)
+
     # ------------------------------------------------------------------ run
     def run(
         self,

@@ -159,7 +159,7 @@ class FederatedSVI(FederatedInference):
         """The server-held parameters."""
         return state.server.global_params
 
-    def run(self, rng_key, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
+    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
         """Run ``num_rounds`` communication rounds on the simulation backend.
 
         Args:
