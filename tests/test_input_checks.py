@@ -1,6 +1,5 @@
 """Bad inputs a user would try get a clear error at construction or call (issue 10's list)."""
 
-import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist

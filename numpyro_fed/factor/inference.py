@@ -11,7 +11,7 @@ local latent sites) and hands the algorithm to the backend.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -15,7 +15,7 @@ are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
