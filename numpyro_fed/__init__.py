@@ -12,14 +12,17 @@ from . import algorithms, checkpoint, models
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
 from .clients import Clients
+from .comparison import federated_compare, federated_loo
 from .factor import EP, PVI, gaussian
 from .handlers import global_site, local_site
 from .horizontal import (
     ClientData,
     FederatedObjective,
     FederatedSVI,
+    FitDiagnostic,
     MeanFieldGuide,
     StructuredGuide,
+    UnreliableFitWarning,
     gaussian_barycenter,
 )
 from .linear import HM1
@@ -54,6 +57,7 @@ __all__ = [
     "FederatedObjective",
     "FederatedSVI",
     "FederatedSVIState",
+    "FitDiagnostic",
     "HM1",
     "HM1Result",
     "MeanFieldAux",
@@ -68,6 +72,7 @@ __all__ = [
     "SimulationBackend",
     "StructuredGuide",
     "Transcript",
+    "UnreliableFitWarning",
     "VerticalGuide",
     "VerticalRunResult",
     "VerticalSOUL",
@@ -75,6 +80,8 @@ __all__ = [
     "VerticalSVIState",
     "algorithms",
     "checkpoint",
+    "federated_compare",
+    "federated_loo",
     "gaussian",
     "gaussian_barycenter",
     "global_site",

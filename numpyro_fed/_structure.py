@@ -7,8 +7,12 @@ The joint log density of a federated model is split by site owner:
     \\log p(z, y) = \\underbrace{\\log p(z_G)}_{\\text{server}}
         + \\sum_j \\underbrace{\\log p(z_{L_j}, y_j \\mid z_G)}_{\\text{client } j}.
 
-The server evaluates its term on a one-row placeholder of the data (zeros with the
-arguments' trailing shapes): the terms of global sites must not depend on data values.
+**No term is ever computed on fabricated data.** The model is only ever run on a
+client's real rows. The once-counted global term ``log p(z_G)`` (with its Jacobian) is
+shared among the clients that hold data: each client adds ``w_j log p(z_G)`` to its own
+term with ``sum_j w_j = 1`` (SFVI: ``w_j = 1/J``), and what the server computes alone
+(the entropy of ``q(z_G)``, a Gaussian) does not involve the model. Supports and shapes of
+the global sites are read from a client's trace at set-up.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
-from .handlers import GLOBAL, LOCAL, site_role
+from .handlers import FEDERATION_KEY, GLOBAL, LOCAL, site_role
 
 __all__ = [
     "ModelStructure",
@@ -49,8 +53,25 @@ _BAD_ROLE = (
 )
 _NO_LATENT = "the model has no latent sample site: there is nothing to infer"
 _DATA_DEPENDENT_GLOBAL = (
-    "site '{name}' is global but is missing when the model runs on a one-row placeholder "
-    "of the data; global sites must not depend on data values"
+    "site '{name}' is global but is missing when the model runs on client '{client}''s data; "
+    "global sites must exist whatever a client's data"
+)
+_DISCRETE_LOCAL = (
+    "local latent site '{name}' is discrete ({support}): the structured guides are Gaussian and "
+    "enumerating discrete local sites inside a client's term is not supported yet. Marginalise it "
+    "out in the model (e.g. dist.MixtureSameFamily for a mixture label)"
+)
+_UNMARKED_ROW_SITE = (
+    "latent site '{name}' sits in plate '{plate}', which also holds the observed site(s) "
+    "{observed} and has one entry per row of client '{client}' ({rows} rows): it is a "
+    "per-row variable, and unmarked latent sites are global (shared by every client). "
+    "Mark it local with nf.local_site(model, sites=['{name}']) (or mark it "
+    "nf.global_site explicitly if one value really is shared by all clients)"
+)
+_DISCRETE_GLOBAL = (
+    "global latent site '{name}' is discrete ({support}); the server's Gaussian family "
+    "cannot represent it. Marginalise it out in the model, or make it a per-row local site "
+    "(nf.local_site) with infer={{'enumerate': 'parallel'}} so each client sums it out"
 )
 
 
@@ -130,6 +151,11 @@ class ModelStructure(NamedTuple):
     local_param_names: Tuple[str, ...]
     observed: Tuple[str, ...]
     row_plate: Optional[str]
+    global_supports: Dict[str, object] = {}
+
+    def constrain_global(self, z: jax.Array) -> Dict[str, jax.Array]:
+        """Constrained values of the global latent sites from the flat unconstrained ``z``."""
+        return {n: biject_to(self.global_supports[n])(u) for n, u in self.global_latent.unravel(z).items()}
 
     def local_layout(self, tr) -> SiteLayout:
         entries = []
@@ -145,30 +171,55 @@ class ModelStructure(NamedTuple):
         return {n: tr[n]["kwargs"].get("constraint") for n in self.local_param_names}
 
 
-def _shape_probes(clients, template_args):
+def _shape_probes(clients):
     """One client per distinct row count (a global site's shape may depend on nothing
-    else), plus the one-row placeholder: ``[(label, args)]``."""
+    else): ``[(client name, args)]``."""
     seen, probes = set(), []
     for name in clients.names:
         rows = clients.num_rows[name]
         if rows not in seen:
             seen.add(rows)
-            probes.append((f"client '{name}'", clients[name]))
-    probes.append(("a one-row placeholder", template_args))
+            probes.append((name, clients[name]))
     return probes
+
+
+def _explicit_role(site) -> Optional[str]:
+    return (site.get("infer") or {}).get(FEDERATION_KEY)
+
+
+def _check_unmarked_row_sites(tr, client: str, rows: int) -> None:
+    """An unmarked latent site sharing a row-sized plate with observed data is an error."""
+    observed_plates: Dict[str, list] = {}
+    for name, site in tr.items():
+        if site["type"] == "sample" and site["is_observed"]:
+            for frame in site["cond_indep_stack"]:
+                if frame.size == rows:
+                    observed_plates.setdefault(frame.name, []).append(name)
+    for name, site in tr.items():
+        if not is_latent(site) or _explicit_role(site) is not None:
+            continue
+        for frame in site["cond_indep_stack"]:
+            if frame.name in observed_plates:
+                raise ValueError(_UNMARKED_ROW_SITE.format(
+                    name=name, plate=frame.name, observed=observed_plates[frame.name], client=client, rows=rows,
+                ))
 
 
 def analyse_model(model, clients, kwargs) -> ModelStructure:
     """Discover the sites of ``model`` and check the annotations against every client's data.
 
     Roles come from the first client's trace; the shape of every global site is compared
-    across all clients (one per distinct row count, which is all a shape can depend on)
-    and the one-row placeholder, so an unmarked per-row site is caught whatever the
-    order of the clients.
+    across all clients (one per distinct row count, which is all a shape can depend on).
+    An unmarked latent site inside a plate that indexes a client's rows (a plate of
+    observed sites whose size is the row count) is an error, so a per-row site is never
+    silently shared, whatever the client sizes. The model runs only on real client data.
     """
     first = clients.names[0]
     tr = trace_model(model, clients[first], kwargs)
-    probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients, clients.template())]
+    probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients)]
+    for label, other in probes:
+        _check_unmarked_row_sites(other, label, clients.num_rows[label])
+    supports = {}
     global_entries, global_param = [], {}
     local_latent, local_param, observed = [], [], []
     for name, site in tr.items():
@@ -179,23 +230,28 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
             continue
         role = site_role(site)
         if role == LOCAL:
+            if site["type"] == "sample" and site["fn"].support.is_discrete:
+                raise ValueError(_DISCRETE_LOCAL.format(name=name, support=site["fn"].support))
             (local_latent if site["type"] == "sample" else local_param).append(name)
             continue
         if role != GLOBAL:
             raise ValueError(_BAD_ROLE.format(name=name, role=role))
+        if site["type"] == "sample" and site["fn"].support.is_discrete:
+            raise ValueError(_DISCRETE_GLOBAL.format(name=name, support=site["fn"].support))
         u = _unconstrained(site)
         for label, other in probes:
             if name not in other:
-                raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name))
+                raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name, client=label))
             if jnp.shape(_unconstrained(other[name])) != jnp.shape(u):
                 raise ValueError(
                     _GLOBAL_SHAPE.format(
                         name=name, client_shape=jnp.shape(site["value"]), client=first,
-                        other=label, other_shape=jnp.shape(other[name]["value"]),
+                        other=f"client '{label}'", other_shape=jnp.shape(other[name]["value"]),
                     )
                 )
         if site["type"] == "sample":
             global_entries.append((name, jnp.shape(u), None))
+            supports[name] = site["fn"].support
         else:
             global_param[name] = (u, site["kwargs"].get("constraint"))
     if not global_entries and not local_latent:
@@ -207,6 +263,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         local_param_names=tuple(local_param),
         observed=tuple(observed),
         row_plate=None,
+        global_supports=supports,
     )
 
 
@@ -241,7 +298,7 @@ def log_joint(
     kwargs: Mapping,
     latent: Mapping[str, jax.Array],
     params: Mapping[str, jax.Array],
-    count: Callable[[dict], bool],
+    count: Callable[[dict], float],
     row_plate: Optional[str] = None,
     row_mask: Optional[jax.Array] = None,
 ) -> jax.Array:
@@ -251,8 +308,8 @@ def log_joint(
         latent: unconstrained values of latent sites (others are drawn from the prior
             with a fixed seed and must not be counted).
         params: constrained values of ``numpyro.param`` sites.
-        count: predicate on a trace site; latent sites counted get their
-            log-abs-det-Jacobian added.
+        count: weight of a trace site's term (``False``/0: not counted); latent sites
+            counted get their log-abs-det-Jacobian added.
         row_plate, row_mask: padded rows (mask 0) contribute nothing.
     """
     ladj: Dict[str, jax.Array] = {}
@@ -274,7 +331,10 @@ def log_joint(
     tr = trace(substitute(masker, substitute_fn=substitute_fn)).get_trace(**dict(args), **dict(kwargs))
     total = jnp.zeros(())
     for name, site in tr.items():
-        if site["type"] != "sample" or not count(site):
+        if site["type"] != "sample":
+            continue
+        weight = count(site)
+        if weight is False or (isinstance(weight, (int, float)) and weight == 0):
             continue
         lp = site["fn"].log_prob(site["value"])
         if name in ladj:
@@ -284,5 +344,5 @@ def log_joint(
             lp = lp + j
         if site["scale"] is not None:
             lp = lp * site["scale"]
-        total = total + jnp.sum(lp)
+        total = total + (1.0 if weight is True else weight) * jnp.sum(lp)
     return total

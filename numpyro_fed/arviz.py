@@ -22,9 +22,10 @@ def to_arviz(
     result: "RunResult",
     rng_key: jax.Array,
     *,
-    num_samples: int = 1000,
+    num_samples: int = 250,
     client: Optional[str] = None,
     clients: Optional["Clients"] = None,
+    num_chains: int = 4,
 ) -> "az.InferenceData":
     """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI`,
     :class:`~numpyro_fed.VerticalSVI`, :class:`~numpyro_fed.VerticalSOUL`,
@@ -34,9 +35,20 @@ def to_arviz(
     named ``client``: that client's NUTS draws of eq. 8, global and local sites) and
     ``sample_stats`` the damping applied per round.
 
-    The posterior group holds draws from the variational approximation (for SOUL: the
-    Langevin draws given ``z_hat``) with one chain (global sites, plus ``client``'s
-    local sites when a client is named). The ELBO trace goes into ``sample_stats`` as
+    The posterior group holds ``num_chains x num_samples`` draws from the variational
+    approximation (for SOUL: the Langevin draws given ``z_hat``): global sites, plus
+    ``client``'s local and deterministic sites when a client is named. Draws from ``q``
+    are independent, so they are laid out as ``num_chains`` chains (default 4, as
+    NumPyro's ``MCMC`` would): ``az.summary`` then reports R-hat (about 1) and ESS
+    (about the number of draws) without the one-chain warning and NaN R-hat. Sequential
+    draws (EP's local NUTS, SOUL's Langevin) are cut into consecutive segments, which is
+    split-R-hat's own check.
+
+    With a named ``client`` of a :class:`~numpyro_fed.FederatedSVI` fit, the
+    ``log_likelihood`` group holds the pointwise log-likelihood of the client's rows and
+    ``posterior_predictive`` draws of new data, both computed by the client on its own
+    data at the same posterior draws (so ``az.loo`` / ``az.waic`` work per client; see
+    :func:`~numpyro_fed.federated_loo` for all clients at once). The ELBO trace goes into ``sample_stats`` as
     ``elbo`` with a ``round`` dimension (for SOUL: ``log_joint``, the averaged
     ``log p(theta, z, y)``). Observed data is
     added only for a named client whose data the caller passes in ``clients`` (the
@@ -46,7 +58,8 @@ def to_arviz(
         svi: the fitted :class:`~numpyro_fed.FederatedSVI`, ``VerticalSVI`` or ``VerticalSOUL``.
         result: its :class:`~numpyro_fed.RunResult`.
         rng_key: PRNG key for the posterior draws.
-        num_samples: draws in the single chain.
+        num_samples: draws per chain.
+        num_chains: chains the independent draws are laid out as.
         client: name of the client whose local sites (and data) to include.
         clients: the :class:`~numpyro_fed.Clients`, for that client's observed data.
 
@@ -58,15 +71,28 @@ def to_arviz(
     from .factor.inference import FactorInference
     from .vertical.inference import VerticalInference
 
+    if int(num_chains) != num_chains or num_chains < 1:
+        raise ValueError(f"num_chains={num_chains}: must be a positive integer")
+    total = int(num_chains) * int(num_samples)
+
+    def chains(x):
+        x = np.asarray(x)
+        return x.reshape((int(num_chains), int(num_samples)) + x.shape[1:])
+
     if isinstance(svi, FactorInference):
-        return _factor_to_arviz(svi, result, rng_key, num_samples, client)
+        return _factor_to_arviz(svi, result, rng_key, total, client, chains)
     vertical = isinstance(svi, VerticalInference)
+    groups = {}
     if vertical:  # every party's sites; data stay with their owners
-        draws = svi.sample_posterior(rng_key, result, num_samples)
+        draws = svi.sample_posterior(rng_key, result, total)
         client = clients = None
     else:
-        draws = svi.sample_posterior(rng_key, result, num_samples, client=client)
-    posterior = {k: np.asarray(v)[None] for k, v in draws.items()}
+        draws = svi.sample_posterior(rng_key, result, total, client=client)
+        if client is not None:
+            log_lik, predictive = svi.log_likelihood(rng_key, result, total, client)
+            groups = {"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
+                      "posterior_predictive": {k: chains(v) for k, v in predictive.items()}}
+    posterior = {k: chains(v) for k, v in draws.items()}
     stat = svi.loss_name if vertical else "elbo"
     sample_stats = {stat: -np.asarray(result.losses)[None, None, :]}
     observed = None
@@ -76,6 +102,7 @@ def to_arviz(
         posterior=posterior,
         sample_stats=sample_stats,
         observed_data=observed,
+        **groups,
         dims={stat: ["round"]},
         attrs={
             "inference_library": "numpyro_fed",
@@ -87,7 +114,7 @@ def to_arviz(
     )
 
 
-def _factor_to_arviz(inference, result, rng_key, num_samples, client):
+def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains):
     import arviz as az
 
     if client is not None:
@@ -97,7 +124,7 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client):
     else:
         draws = inference.sample_posterior(rng_key, result, num_samples)
     return az.from_dict(
-        posterior={k: np.asarray(v)[None] for k, v in draws.items()},
+        posterior={k: chains(v) for k, v in draws.items()},
         sample_stats={"damping": np.asarray(result.info.damping)[None, None, :]},
         dims={"damping": ["round"]},
         attrs={

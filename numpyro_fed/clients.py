@@ -193,15 +193,6 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
     def total_rows(self) -> int:
         return sum(self.num_rows.values())
 
-    def template(self) -> Dict[str, np.ndarray]:
-        """A one-row placeholder of zeros with every argument's trailing shape and dtype.
-
-        This is all the server knows of the data: it traces the model on it to evaluate
-        the terms of the global sites, which must not depend on data values.
-        """
-        first = next(iter(self._data.values()))
-        return {k: np.zeros((1,) + v.shape[1:], v.dtype) for k, v in first.items()}
-
     def pooled(self) -> Dict[str, np.ndarray]:
         """All clients' rows concatenated (for centralised reference fits only)."""
         return {

@@ -31,6 +31,12 @@ _OBSERVED = (
     "site '{name}' is observed and cannot be marked {role}: observed sites always belong "
     "to the client that holds the data; remove '{name}' from sites="
 )
+_REPARAM_INSIDE = (
+    "site '{name}' named in {handler}(sites=...) was reparameterised before the annotation saw it "
+    "(numpyro.handlers.reparam applied inside the annotation); apply the annotation first: "
+    "reparam({handler}(model, sites=[...]), config=...). The sites a reparameterisation creates "
+    "(e.g. '{name}_decentered') then take the role of '{name}'"
+)
 _MISSING = (
     "{handler}(sites=...) names {names} but the model has no sample or param site of "
     "that name; sites seen: {seen}. Check the spelling"
@@ -85,11 +91,13 @@ class _FederationAnnotation(Messenger):
         self.sites = sites
         self._seen: set = set()
         self._visited: list = []
+        self._pending: list = []
         super().__init__(fn)
 
     def __enter__(self):
         self._seen = set()
         self._visited = []
+        self._pending = []
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -106,11 +114,17 @@ class _FederationAnnotation(Messenger):
                 )
 
     def process_message(self, msg):
+        if msg["type"] == "deterministic" and self.sites is not None and msg["name"] in self.sites:
+            raise ValueError(_REPARAM_INSIDE.format(name=msg["name"], handler=type(self).__name__))
         if msg["type"] not in ("sample", "param"):
             return
         name = msg["name"]
         self._visited.append(name)
-        if self.sites is not None and name not in self.sites:
+        # a site created while a marked site is being processed comes from a
+        # reparameterisation of that site (numpyro.handlers.reparam outside this handler):
+        # it takes the marked site's role
+        derived = bool(self._pending) and name not in self._pending
+        if self.sites is not None and name not in self.sites and not derived:
             return
         if msg["type"] == "sample" and msg.get("is_observed"):
             if self.sites is None:
@@ -125,6 +139,12 @@ class _FederationAnnotation(Messenger):
         infer[FEDERATION_KEY] = self.role
         msg["infer"] = infer
         self._seen.add(name)
+        if not derived:
+            self._pending.append(name)
+
+    def postprocess_message(self, msg):
+        if self._pending and msg.get("name") == self._pending[-1]:
+            self._pending.pop()
 
 
 class global_site(_FederationAnnotation):

@@ -12,8 +12,6 @@ def test_split_and_metadata():
     assert c.num_rows == {"0": 2, "1": 1, "2": 2}
     assert c.total_rows == 5
     np.testing.assert_array_equal(c["2"]["y"], [0.0, 2.0])
-    t = c.template()
-    assert t["X"].shape == (1, 2) and not t["X"].any()
     assert c.pooled()["y"].shape == (5,)
 
 

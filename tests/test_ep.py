@@ -242,8 +242,8 @@ def test_one_model_under_three_inference_objects(hier):
         summary = az.summary(data, var_names=["mu"], kind="stats")
         assert np.max(np.abs(summary["mean"].to_numpy() - mean[:DL]) / np.sqrt(np.diag(cov[:DL, :DL]))) < 0.5
         assert data.attrs["method"] == method.method
-    local = nf.to_arviz(ep, fits[2][1], random.PRNGKey(2), num_samples=200, client="1")
-    assert local.posterior["theta"].shape == (1, 200, DL)
+    local = nf.to_arviz(ep, fits[2][1], random.PRNGKey(2), num_samples=50, client="1")
+    assert local.posterior["theta"].shape == (4, 50, DL)
 
 
 def test_inclusion_rule_and_variable_selection_model_errors():

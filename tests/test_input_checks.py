@@ -23,9 +23,10 @@ def clients():
     return nf.Clients.split(np.repeat([0, 1, 2], 10), x=x, y=(x @ np.array([1.0, -1.0])).astype(np.float32))
 
 
-def test_unmarked_per_row_site_is_caught_on_any_client():
-    """A one-row first client used to hide an unmarked per-row site (its shape equalled the
-    one-row placeholder's): every distinct client size is now compared."""
+@pytest.mark.parametrize("sizes", [(1, 5), (5, 5), (1, 1)])
+def test_unmarked_per_row_site_is_caught_on_any_client(sizes):
+    """An unmarked latent site in the plate of the rows is an error whatever the client
+    sizes (equal sizes used to share it silently across clients)."""
 
     def model(y):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -33,10 +34,14 @@ def test_unmarked_per_row_site_is_caught_on_any_client():
             b = numpyro.sample("b", dist.Normal(mu, 1.0))  # per row, not marked local
             numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
 
-    clients = nf.Clients({"a": dict(y=np.zeros(1)), "b": dict(y=np.zeros(5))})
-    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1))
-    with pytest.raises(ValueError, match=r"site 'b' is global .* \(1,\) on client 'a' vs \(5,\) on client 'b'"):
-        svi.init(random.PRNGKey(0), clients)
+    clients = nf.Clients({"a": dict(y=np.zeros(sizes[0])), "b": dict(y=np.zeros(sizes[1]))})
+    for inference in (nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1)), nf.EP(model)):
+        with pytest.raises(ValueError, match=r"latent site 'b' sits in plate 'rows'.* nf.local_site\(model, sites=\['b'\]\)"):
+            inference.init(random.PRNGKey(0), clients)
+    # an explicit global_site is the way to say one value really is shared
+    marked = nf.global_site(model, sites=["b"])
+    if sizes[0] == sizes[1]:
+        nf.FederatedSVI(marked, nf.StructuredGuide(marked), optax.adam(0.1)).init(random.PRNGKey(0), clients)
 
 
 @pytest.mark.parametrize("sizes", [(10, 10, 10), (10, 8, 6)])
@@ -113,3 +118,23 @@ def test_vertical_party_data_are_validated(arg, party):
     data[arg] = np.array(["a"] * 6).reshape(data[arg].shape)
     with pytest.raises(TypeError, match=f"argument '{arg}' of {party}.* has dtype"):
         svi.init(random.PRNGKey(0), **data)
+
+
+def test_discrete_sites_get_a_clear_error():
+    def global_discrete(y):
+        k = numpyro.sample("k", dist.Bernoulli(0.5))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(k, 1.0), obs=y)
+
+    def local_discrete(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]), nf.local_site():
+            z = numpyro.sample("z", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu * z, 1.0), obs=y)
+
+    clients = nf.Clients({"a": dict(y=np.zeros(3)), "b": dict(y=np.ones(3))})
+    with pytest.raises(ValueError, match=r"global latent site 'k' is discrete .* Marginalise it out"):
+        nf.FederatedSVI(global_discrete, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match=r"local latent site 'z' is discrete .* not supported yet"):
+        nf.FederatedSVI(local_discrete, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)

@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,13 +114,24 @@ def test_to_arviz(unequal):
     svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
     result = svi.run(random.PRNGKey(0), 15, unequal, progress_bar=False)
     idata = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=50, client="0", clients=unequal)
-    assert idata.posterior["beta"].shape == (1, 50, 2)
+    assert idata.posterior["beta"].shape == (4, 50, 2)
     assert idata.sample_stats["elbo"].shape[-1] == 15
     assert "y" in idata.observed_data
     summary = az.summary(idata, var_names=["beta", "sigma"], kind="stats")
     assert list(summary.index) == ["beta[0]", "beta[1]", "sigma"]
     idata_server = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=50)
     assert "b" not in idata_server.posterior and not hasattr(idata_server, "observed_data")
+    # independent draws as four chains: a full summary with no chain warning, finite R-hat
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        full = az.summary(idata_server, var_names=["beta"])
+    assert np.all(np.abs(full["r_hat"].to_numpy() - 1) < 0.05)
+    # the client's pointwise log-likelihood and predictive draws, at the posterior draws
+    assert idata.log_likelihood["y"].shape == (4, 50, unequal.num_rows["0"])
+    assert idata.posterior_predictive["y"].shape == (4, 50, unequal.num_rows["0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert np.isfinite(az.loo(idata).elpd_loo) and np.isfinite(az.waic(idata).elpd_waic)
 
 
 def test_local_param_stays_on_the_client(unequal):
@@ -137,6 +150,7 @@ def test_local_param_stays_on_the_client(unequal):
     assert X.shape[0] == 26 and "shift" not in result.params["theta"]
     for c, want in offsets.items():
         assert abs(float(result.client_states[c].local_params["theta"]["shift"]) - want) < 0.3
+        assert abs(float(svi.client_params(result, c)["shift"]) - want) < 0.3
     assert not any("shift" in e.name for e in result.transcript.entries)
 
 
@@ -158,7 +172,7 @@ def test_global_site_that_depends_on_rows_names_the_fix(unequal):
             numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    with pytest.raises(ValueError, match=r"site 'b' is global .* mark it with\s+nf.local_site\(model, sites=\['b'\]\)"):
+    with pytest.raises(ValueError, match=r"site 'b' sits in plate 'rows'.* Mark it local with nf.local_site\(model, sites=\['b'\]\)"):
         svi.init(random.PRNGKey(0), unequal)
 
 
@@ -220,3 +234,45 @@ def test_guide_option_errors():
         nf.StructuredGuide(global_scale="dense")
     with pytest.raises(ValueError, match="init_scale"):
         nf.StructuredGuide(init_scale=0.0)
+
+
+def test_params_come_back_constrained(unequal):
+    """numpyro.param values are returned as the model sees them (a positive sigma is
+    positive), globally and per client."""
+
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        sigma = numpyro.param("sigma", 1.0, constraint=dist.constraints.positive)
+        with nf.local_site():
+            lo = numpyro.param("lo", 0.5, constraint=dist.constraints.interval(0.0, 1.0))
+        with numpyro.plate("rows", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta + lo, sigma), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 400, unequal, progress_bar=False)
+    sigma = float(result.params["theta"]["sigma"])
+    assert sigma > 0 and float(svi.get_params(result.state)["theta"]["sigma"]) == sigma
+    # the noise of the data (0.3 around X @ [1, -0.5] in the fixture) is what sigma finds
+    assert 0.1 < sigma < 0.8
+    raw = float(result.state.server.global_params["theta"]["sigma"])
+    assert np.isclose(np.log(sigma), raw, atol=1e-5)  # the server's own state stays unconstrained
+    for c in unequal.names:
+        assert 0.0 < float(svi.client_params(result, c)["lo"]) < 1.0
+
+
+def test_deterministic_sites_in_client_draws_and_arviz(unequal):
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        numpyro.deterministic("ratio", beta[0] / beta[1])
+        with numpyro.plate("rows", X.shape[0]):
+            mean = numpyro.deterministic("mean", X @ beta)
+            numpyro.sample("y", dist.Normal(mean, 0.3), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 200, unequal, progress_bar=False)
+    draws = svi.sample_posterior(random.PRNGKey(1), result, 100, client="1")
+    beta = np.asarray(draws["beta"])
+    np.testing.assert_allclose(draws["ratio"], beta[:, 0] / beta[:, 1], rtol=1e-5)
+    np.testing.assert_allclose(draws["mean"], beta @ np.asarray(unequal["1"]["X"]).T, rtol=1e-4, atol=1e-5)
+    idata = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=100, client="1")
+    assert idata.posterior["mean"].shape == (4, 100, unequal.num_rows["1"]) and "ratio" in idata.posterior

@@ -100,12 +100,19 @@ class FactorInference(FederatedInference):
 
     # ------------------------------------------------------------------ set-up
     def _terms(self, clients: Clients, plan, structure) -> ModelTerms:
-        layout, kwargs, template = structure.global_latent, self.model_kwargs, clients.template()
+        layout, kwargs = structure.global_latent, self.model_kwargs
         d, cls = layout.size, type(self).__name__
 
-        def log_prior(u):
-            return log_joint(self.model, template, kwargs, layout.unravel(u), {},
-                             lambda s: is_latent(s) and site_role(s) == GLOBAL)
+        def prior_on(args):
+            def log_prior(u):
+                return log_joint(self.model, args, kwargs, layout.unravel(u), {},
+                                 lambda s: is_latent(s) and site_role(s) == GLOBAL)
+            return log_prior
+
+        # The Gaussian prior factor is read off the model at set-up by a client on its own
+        # rows (the server never runs the model); a prior that moves with the data is refused.
+        log_prior = prior_on(clients[clients.names[0]])
+        _check_prior_is_data_free(log_prior, prior_on(clients[clients.names[-1]]), d, clients.names, layout.names)
 
         def log_lik(u, data):
             return log_joint(self.model, data.args, kwargs, layout.unravel(u), {},
@@ -223,13 +230,13 @@ class FactorInference(FederatedInference):
         return self._load(path, clients)
 
     def _supports(self, args=None) -> Dict[str, Any]:
-        """Latent sites' supports, from a trace on ``args`` (default: the template, traced
-        once per set-up)."""
+        """Latent sites' supports, from a trace on ``args`` (default: the first client's
+        data, traced once per set-up)."""
         if args is not None:
             return latent_supports(trace_model(self.model, args, self.model_kwargs))
         setup = self._fitted()
         if "supports" not in setup.cache:
-            setup.cache["supports"] = self._supports(setup.inputs.template())
+            setup.cache["supports"] = self._supports(setup.inputs[setup.inputs.names[0]])
         return setup.cache["supports"]
 
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: int) -> Dict[str, jax.Array]:
@@ -243,6 +250,22 @@ class FactorInference(FederatedInference):
         layout = setup.extra.structure.global_latent
         supports = self._supports()
         return {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
+
+
+_PRIOR_DEPENDS_ON_DATA = (
+    "the prior of the global site(s) {sites} differs between client '{a}' and client '{b}' "
+    "(log density {va:.6g} vs {vb:.6g} at the same point): a global prior must not depend on a "
+    "client's data. Pass shared constants as model_kwargs="
+)
+
+
+def _check_prior_is_data_free(first, last, d, names, sites) -> None:
+    if len(names) < 2:
+        return
+    u = 0.3 * random.normal(random.PRNGKey(7), (d,))
+    va, vb = float(first(u)), float(last(u))
+    if not np.isclose(va, vb, rtol=1e-5, atol=1e-6):
+        raise ValueError(_PRIOR_DEPENDS_ON_DATA.format(sites=list(sites), a=names[0], b=names[-1], va=va, vb=vb))
 
 
 def latent_supports(tr) -> Dict[str, Any]:

@@ -8,14 +8,16 @@ and the Gaussian barycenter.
 
 from .barycenter import gaussian_barycenter
 from .guides import MeanFieldGuide, StructuredGuide
-from .inference import FederatedSVI
+from .inference import FederatedSVI, FitDiagnostic, UnreliableFitWarning
 from .objective import ClientData, FederatedObjective
 
 __all__ = [
     "ClientData",
     "FederatedObjective",
     "FederatedSVI",
+    "FitDiagnostic",
     "MeanFieldGuide",
     "StructuredGuide",
+    "UnreliableFitWarning",
     "gaussian_barycenter",
 ]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Union
+import warnings
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import random
 
-from .._structure import analyse_model, trace_model
+from .._structure import analyse_model, constrain_params, trace_model
 from ..backends.mapping import client_data, client_item, plan_clients
 from ..clients import Clients
 from ..inference import FederatedInference, Setup
@@ -19,7 +21,7 @@ from .objective import FederatedObjective
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
 
-__all__ = ["FederatedSVI"]
+__all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
 
 METHODS = ("sfvi", "sfvi_avg")
 _OPTIM = (
@@ -28,6 +30,28 @@ _OPTIM = (
 )
 _CLIENTS = "clients must be an nf.Clients; got {kind}. Build one with nf.Clients({{...}}) or nf.Clients.split(...)"
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
+PARETO_K_LIMIT = 0.7
+_UNRELIABLE = (
+    "{cls}: the fitted approximation is unreliable: Pareto k = {k:.2f} > {limit} for the importance "
+    "ratios p(z, y) / q(z) (effective sample size {ess:.0f} of {n} draws), so q misses posterior mass "
+    "and its means and sds can be far off. Common causes: a funnel (a scale parameter and the "
+    "variables it scales, e.g. a centred hierarchical model: use the non-centred form or "
+    "numpyro.infer.reparam.LocScaleReparam), a heavy-tailed or bounded posterior, or too few rounds. "
+    "Check against NUTS (see svi.diagnose); check_fit=False silences this"
+)
+
+
+class UnreliableFitWarning(UserWarning):
+    """A fit whose importance-sampling check says ``q`` is far from the posterior."""
+
+
+class FitDiagnostic(NamedTuple):
+    """PSIS check of a variational fit (see :meth:`FederatedSVI.diagnose`)."""
+
+    pareto_k: float
+    ess: float
+    elbo: float
+    log_weights: np.ndarray
 
 
 def check_positive_int(name: str, value) -> int:
@@ -48,7 +72,13 @@ class FederatedSVI(FederatedInference):
         method: ``"sfvi"`` (paper 001 Alg. 1; exact, one gradient exchange per step) or
             ``"sfvi_avg"`` (Alg. 2; ``local_steps`` local steps, then barycenter averaging).
         num_particles: Monte Carlo draws per step.
-        stl: sticking-the-landing gradient estimator.
+        stl: sticking-the-landing gradient estimator (Roeder et al., 2017; paper 001
+            eq. 6), the default: the variational density's own score term, whose mean is
+            zero, is left out, so the gradient noise vanishes as ``q`` reaches a posterior
+            inside its family. ``False`` gives the plain reparameterised estimator.
+        check_fit: after ``run``, check the fit by Pareto-smoothed importance sampling
+            (:meth:`diagnose`) and warn (``UnreliableFitWarning``) when ``q`` is far from
+            the posterior.
         local_steps: m for ``"sfvi_avg"``.
         participation: fraction of clients asked per round for ``"sfvi_avg"``.
         client_mapping: how the simulation maps clients: ``"auto"``, ``"vmap"`` or
@@ -80,7 +110,8 @@ class FederatedSVI(FederatedInference):
         *,
         method: str = "sfvi",
         num_particles: int = 1,
-        stl: bool = False,
+        stl: bool = True,
+        check_fit: bool = True,
         local_steps: int = 10,
         participation: float = 1.0,
         client_mapping: str = "auto",
@@ -109,7 +140,8 @@ class FederatedSVI(FederatedInference):
         self.optim = optim
         self.method = method
         self.num_particles = check_positive_int("num_particles", num_particles)
-        self.stl = stl
+        self.stl = bool(stl)
+        self.check_fit = bool(check_fit)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.participation = float(participation)
         self.client_mapping = client_mapping
@@ -127,9 +159,7 @@ class FederatedSVI(FederatedInference):
         plan, structure = plan_clients(
             self.model, self.model_kwargs, clients, structure, self.client_mapping, self.row_plate
         )
-        objective = FederatedObjective(
-            self.model, self.guide, structure, clients.template(), self.model_kwargs, self.stl
-        )
+        objective = FederatedObjective(self.model, self.guide, structure, self.model_kwargs, self.stl)
         J = len(clients)
         if self.method == "sfvi":
             algorithm = sfvi(objective, self.optim, J, num_particles=self.num_particles)
@@ -142,7 +172,8 @@ class FederatedSVI(FederatedInference):
         return Setup(clients, algorithm, plan, objective, {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict:
-        return state.server.global_params
+        g = state.server.global_params
+        return {"guide": g["guide"], "theta": constrain_params(g["theta"], setup.extra.global_constraints)}
 
     # ------------------------------------------------------------------ SVI API
     def init(self, rng_key, clients: Clients) -> RunState:
@@ -156,8 +187,22 @@ class FederatedSVI(FederatedInference):
         return state, -info.elbo
 
     def get_params(self, state: RunState) -> Dict:
-        """The server-held parameters."""
-        return state.server.global_params
+        """The server-held parameters: the guide's (``"guide"``, in its own unconstrained
+        parametrisation) and the global ``numpyro.param`` sites (``"theta"``, constrained,
+        as the model sees them)."""
+        return self._params(self._fitted(), state)
+
+    def client_params(self, result: Union[RunResult, RunState], client: str) -> Dict[str, jax.Array]:
+        """A client's own ``numpyro.param`` sites (marked local), constrained: the client's
+        computation on its own state."""
+        state = result.state if isinstance(result, RunResult) else result
+        setup = self._fitted()
+        if client not in setup.inputs:
+            raise KeyError(_UNKNOWN_CLIENT.format(name=client, names=list(setup.inputs.names)))
+        j = setup.plan.names.index(client)
+        local = client_item(setup.plan, state.clients, j).state.local_params
+        constraints = setup.extra.client_layout(setup.inputs[client])[1]
+        return constrain_params(local["theta"], constraints)
 
     def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
         """Run ``num_rounds`` communication rounds on the simulation backend.
@@ -181,6 +226,17 @@ class FederatedSVI(FederatedInference):
         """
         return self._run(rng_key, num_rounds, clients, **options)
 
+    def _check_result(self, setup: Setup, result: RunResult) -> None:
+        if not self.check_fit:
+            return
+        diag = self.diagnose(result)
+        if not diag.pareto_k <= PARETO_K_LIMIT:
+            warnings.warn(
+                _UNRELIABLE.format(cls=type(self).__name__, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
+                                  n=len(diag.log_weights)),
+                UnreliableFitWarning, stacklevel=4,
+            )
+
     def load(self, path: str, clients: Clients) -> RunState:
         """A run state saved by :meth:`save`, for ``clients`` (pass as ``init_state=``)."""
         return self._load(path, clients)
@@ -190,10 +246,40 @@ class FederatedSVI(FederatedInference):
         setup = self._setup(clients)
         num_particles = check_positive_int("num_particles", num_particles)
         rng_key = state.server_key if rng_key is None else rng_key
-        key = ("elbo", num_particles)
+        return -jnp.mean(self._log_weights(setup, state, num_particles, rng_key))
+
+    def _log_weights(self, setup: Setup, state: RunState, num_draws: int, rng_key) -> jax.Array:
+        key = ("log_weights", num_draws)
         if key not in setup.cache:
-            setup.cache[key] = jax.jit(_elbo_estimator(setup, num_particles))
-        return -setup.cache[key](state, setup.plan.data, rng_key)
+            setup.cache[key] = jax.jit(_log_weight_estimator(setup, num_draws))
+        return setup.cache[key](state, setup.plan.data, rng_key)
+
+    def diagnose(self, result: Union[RunResult, RunState], num_draws: int = 1000, rng_key=None) -> FitDiagnostic:
+        """How far the fitted ``q`` is from the posterior, by Pareto-smoothed importance
+        sampling (Yao et al., 2018, "Yes, but did it work?").
+
+        Draws ``z ~ q`` and computes ``log w = log p(z, y) - log q(z)``, each client
+        summing its own term over its own rows (one scalar per draw leaves a client, as
+        in the ELBO). ``pareto_k`` above 0.7 means ``q`` misses mass the posterior has:
+        its means and variances can be far off (e.g. a funnel, a heavy tail, a
+        posterior outside the Gaussian family). ``run`` calls this and warns.
+
+        Returns:
+            a :class:`FitDiagnostic` ``(pareto_k, ess, elbo, log_weights)``.
+        """
+        import arviz as az
+
+        setup = self._fitted()
+        state = result.state if isinstance(result, RunResult) else result
+        num_draws = check_positive_int("num_draws", num_draws)
+        rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
+        log_w = np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64)
+        if not np.all(np.isfinite(log_w)):
+            return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
+        smoothed, k = az.psislw(log_w)
+        w = np.exp(smoothed - smoothed.max())
+        ess = float(w.sum() ** 2 / np.sum(w**2))
+        return FitDiagnostic(float(k), ess, float(np.mean(log_w)), log_w)
 
     # ------------------------------------------------------------------ posterior
     def sample_posterior(
@@ -205,10 +291,11 @@ class FederatedSVI(FederatedInference):
     ) -> Dict[str, jax.Array]:
         """Draws from the fitted approximation, in constrained space.
 
-        Without ``client``: the global latent sites (what the server can compute). With a
-        client name: that client's local latent sites as well, drawn from
-        ``q(z_L | z_G)``; this uses the client's local state and data and is the client's
-        own computation.
+        Without ``client``: the global latent sites (what the server can compute; it never
+        runs the model). With a client name: that client's local latent sites as well,
+        drawn from ``q(z_L | z_G)``, and the model's ``numpyro.deterministic`` sites
+        computed on the client's rows; this uses the client's local state and data and is
+        the client's own computation.
 
         Args:
             result: a :class:`RunResult` or a :class:`RunState`.
@@ -216,22 +303,33 @@ class FederatedSVI(FederatedInference):
         state = result.state if isinstance(result, RunResult) else result
         num_samples = check_positive_int("num_samples", num_samples)
         setup = self._fitted()
-        obj, plan = setup.extra, setup.plan
-        g = self.get_params(state)
+        obj = setup.extra
+        g = state.server.global_params
         k_g, k_l = random.split(rng_key)
         eps_g = random.normal(k_g, (num_samples, obj.global_size))
         z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
         if client is None:
-            args = setup.inputs.template()
-            draw = jax.jit(jax.vmap(lambda z: obj.constrained_sample(g, None, z, None, args)))
-            return draw(z_g)
+            return jax.jit(jax.vmap(obj.structure.constrain_global))(z_g)
+        _, local, z_g, z_real, real_layout, args = self._client_latents(setup, state, client, k_l, z_g)
+        key = ("client_draws", client)
+        if key not in setup.cache:  # compiled once per client and set-up
+            setup.cache[key] = jax.jit(jax.vmap(
+                lambda g_, l_, zg, zl: obj.constrained_sample(g_, l_, zg, zl, args, real_layout),
+                in_axes=(None, None, 0, 0)))
+        return setup.cache[key](g, local, z_g, z_real)
+
+    def _client_latents(self, setup: Setup, state: RunState, client: str, rng_key, z_g):
+        """Client ``client``'s draws of its local latents given the global draws ``z_g``
+        (unpadded), with what it needs to run the model on its own rows."""
+        obj, plan = setup.extra, setup.plan
         if client not in setup.inputs:
             raise KeyError(_UNKNOWN_CLIENT.format(name=client, names=list(setup.inputs.names)))
+        g = state.server.global_params
         j = plan.names.index(client)
         data = client_data(plan, j)
         local = client_item(plan, state.clients, j).state.local_params
         layout, _, _ = obj.client_layout(data.args)
-        eps_l = random.normal(k_l, (num_samples, layout.size))
+        eps_l = random.normal(rng_key, (z_g.shape[0], layout.size))
         z_l = jax.vmap(lambda zg, e: obj.local_latent(g, local, zg, e, layout, data.row_mask))(z_g, eps_l)
         n = int(plan.num_rows[j])
         args = setup.inputs[client]
@@ -244,9 +342,39 @@ class FederatedSVI(FederatedInference):
                     values[name] = jax.lax.slice_in_dim(values[name], 0, n, axis=axis)
             return real_layout.ravel(values)
 
-        z_real = jax.vmap(unpad)(z_l)
-        draw = jax.jit(jax.vmap(lambda zg, zl: obj.constrained_sample(g, local, zg, zl, args, real_layout)))
-        return draw(z_g, z_real)
+        return g, local, z_g, jax.vmap(unpad)(z_l), real_layout, args
+
+    def log_likelihood(
+        self, rng_key: jax.Array, result: Union[RunResult, RunState], num_samples: int, client: str
+    ) -> tuple:
+        """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows.
+
+        The draws are those of :meth:`sample_posterior` with the same ``rng_key`` (the
+        global draws are the same for every client, so the clients' matrices stack into
+        the pooled one). This runs the model on the client's data: it is the client's
+        own computation, and its output stays with the client (federated model comparison
+        sends only sums, see :func:`numpyro_fed.federated_loo`).
+
+        Returns:
+            ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
+            (num_samples, *site batch shape)``.
+        """
+        state = result.state if isinstance(result, RunResult) else result
+        num_samples = check_positive_int("num_samples", num_samples)
+        setup = self._fitted()
+        obj = setup.extra
+        k_g, k_l = random.split(rng_key)
+        g = state.server.global_params
+        eps_g = random.normal(k_g, (num_samples, obj.global_size))
+        z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
+        g, local, z_g, z_real, real_layout, args = self._client_latents(setup, state, client, k_l, z_g)
+        keys = random.split(random.fold_in(k_l, 1), num_samples)
+        key = ("observed_sites", client)
+        if key not in setup.cache:  # compiled once per client and set-up
+            setup.cache[key] = jax.jit(jax.vmap(
+                lambda g_, l_, zg, zl, k: obj.observed_sites(g_, l_, zg, zl, args, real_layout, k),
+                in_axes=(None, None, 0, 0, 0)))
+        return setup.cache[key](g, local, z_g, z_real, keys)
 
     def observed(self, clients: Clients, client: str) -> Dict[str, jax.Array]:
         """Values of a client's observed sites (the client's own data)."""
@@ -254,25 +382,31 @@ class FederatedSVI(FederatedInference):
         return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
 
 
-def _elbo_estimator(setup: Setup, num_particles: int):
-    """``(state, data, rng_key) -> ELBO``: the server term plus every client's term."""
+def _log_weight_estimator(setup: Setup, num_draws: int):
+    """``(state, data, rng_key) -> (num_draws,)`` values of ``log p(z, y) - log q(z)`` at
+    draws ``z ~ q``: the server's term plus every client's term, per draw.
+
+    Each client evaluates its own term (with its share of the global prior) on its own
+    rows and returns one scalar per draw; the server adds the entropy term.
+    """
     obj, plan = setup.extra, setup.plan
+    share = 1.0 / len(plan.names)
 
     def estimate(state: RunState, data, rng_key):
         k_g, k_l = random.split(rng_key)
         g = state.server.global_params
-        eps_g = random.normal(k_g, (num_particles, obj.global_size))
+        eps_g = random.normal(k_g, (num_draws, obj.global_size))
 
         def client_value(key, local_params, d):
-            eps_l = random.normal(key, (num_particles, obj.local_size(d)))
-            return jnp.mean(jax.vmap(lambda a, b: obj.client_term(g, local_params, a, b, d))(eps_g, eps_l))
+            eps_l = random.normal(key, (num_draws, obj.local_size(d)))
+            return jax.vmap(lambda a, b: obj.client_term(g, local_params, a, b, d, share))(eps_g, eps_l)
 
         keys = random.split(k_l, len(plan.names))
         if plan.mapping == "vmap":
-            values = jax.vmap(client_value)(keys, state.clients.state.local_params, data)
+            values = jnp.sum(jax.vmap(client_value)(keys, state.clients.state.local_params, data), axis=0)
         else:
-            values = jnp.stack([client_value(keys[j], s.state.local_params, d)
-                                for j, (s, d) in enumerate(zip(state.clients, data))])
-        return jnp.mean(jax.vmap(lambda e: obj.server_term(g, e))(eps_g)) + jnp.sum(values)
+            values = sum(client_value(keys[j], s.state.local_params, d)
+                         for j, (s, d) in enumerate(zip(state.clients, data)))
+        return jax.vmap(lambda e: obj.server_term(g, e))(eps_g) + values
 
     return estimate

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import jax
-import jax.numpy as jnp
 
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
@@ -38,12 +37,20 @@ from ..handlers import GLOBAL, LOCAL, site_role
 __all__ = ["ClientData", "FederatedObjective"]
 
 
-def _server_counts(site) -> bool:
-    return is_latent(site) and site_role(site) == GLOBAL
+def _client_weights(prior_share, scale):
+    """Weight of each site's term in a client's ELBO term: ``scale`` for its observed and
+    local sites, ``prior_share`` for the global latent sites."""
 
+    def weight(site):
+        if site["type"] != "sample":
+            return False
+        if site["is_observed"] or site_role(site) == LOCAL:
+            return scale
+        if is_latent(site) and site_role(site) == GLOBAL:
+            return prior_share
+        return False
 
-def _client_counts(site) -> bool:
-    return site["type"] == "sample" and (site["is_observed"] or site_role(site) == LOCAL)
+    return weight
 
 
 class FederatedObjective:
@@ -53,7 +60,6 @@ class FederatedObjective:
         model: the annotated NumPyro model.
         guide: a :class:`~numpyro_fed.StructuredGuide`.
         structure: the model's sites (see ``analyse_model``).
-        template: the one-row placeholder the server evaluates global terms on.
         model_kwargs: non-data keyword arguments shared by every party.
         stl: use the sticking-the-landing estimator (Roeder et al., 2017): the
             variational density is evaluated with its parameters held fixed.
@@ -64,14 +70,12 @@ class FederatedObjective:
         model: Callable,
         guide: StructuredGuide,
         structure: ModelStructure,
-        template: Mapping[str, Any],
         model_kwargs: Optional[Mapping[str, Any]] = None,
         stl: bool = False,
     ) -> None:
         self.model = model
         self.guide = guide
         self.structure = structure
-        self.template = {k: jnp.asarray(v) for k, v in template.items()}
         self.model_kwargs = dict(model_kwargs or {})
         self.stl = bool(stl)
         self.global_constraints = {n: c for n, (_, c) in structure.global_param.items()}
@@ -113,17 +117,19 @@ class FederatedObjective:
 
     # ------------------------------------------------------------- ELBO terms
     def server_term(self, global_params, eps_global) -> jax.Array:
-        """``log p(z_G) + log|J| - log q(z_G)`` at ``z_G = f(eta_G, eps_G)``."""
+        """``- log q(z_G)`` at ``z_G = f(eta_G, eps_G)``: the server's own term, which
+        never evaluates the model."""
         g = global_params["guide"]
         z = self.global_latent(global_params, eps_global)
-        latent = self.structure.global_latent.unravel(z)
-        params = constrain_params(global_params["theta"], self.global_constraints)
-        lp = log_joint(self.model, self.template, self.model_kwargs, latent, params, _server_counts)
         gq = jax.lax.stop_gradient(g) if self.stl else g
-        return lp - self.guide.log_prob_global(gq, z)
+        return -self.guide.log_prob_global(gq, z)
 
-    def client_term(self, global_params, local_params, eps_global, eps_local, data: ClientData):
-        """``log p(z_Lj, y_j | z_G) + log|J| - log q(z_Lj | z_G)`` for one client."""
+    def client_term(
+        self, global_params, local_params, eps_global, eps_local, data: ClientData,
+        prior_share: float = 0.0, scale: float = 1.0,
+    ):
+        """``w_j [log p(z_G) + log|J_G|] + s [log p(z_Lj, y_j | z_G) + log|J_L| - log q(z_Lj | z_G)]``
+        for one client, on its own rows, with ``w_j = prior_share`` and ``s = scale``."""
         layout, local_constraints, _ = self.client_layout(data.args)
         z_g = self.global_latent(global_params, eps_global)
         z_l = self.local_latent(global_params, local_params, z_g, eps_local, layout, data.row_mask)
@@ -133,14 +139,14 @@ class FederatedObjective:
             **constrain_params(local_params["theta"], local_constraints),
         }
         lp = log_joint(
-            self.model, data.args, self.model_kwargs, latent, params, _client_counts,
+            self.model, data.args, self.model_kwargs, latent, params, _client_weights(prior_share, scale),
             self.structure.row_plate, data.row_mask,
         )
         gq, lq = global_params["guide"], local_params["guide"]
         if self.stl:
             gq, lq = jax.lax.stop_gradient(gq), jax.lax.stop_gradient(lq)
         mask = layout.flat_mask(data.row_mask)
-        return lp - self.guide.log_prob_local(lq, gq, z_g, z_l, mask)
+        return lp - scale * self.guide.log_prob_local(lq, gq, z_g, z_l, mask)
 
     def local_size(self, data: ClientData) -> int:
         return self.client_layout(data.args)[0].size
@@ -148,10 +154,30 @@ class FederatedObjective:
     def constrained_sample(
         self, global_params, local_params, z_global, z_local, args, layout: Optional[SiteLayout] = None
     ) -> Dict[str, jax.Array]:
-        """Constrained values of the latent sites for given unconstrained draws.
+        """Constrained values of the latent sites for given unconstrained draws, and the
+        model's ``numpyro.deterministic`` sites computed from them on ``args``.
 
-        Without ``layout`` (the server's view) only the global sites are returned.
+        Without ``layout`` only the global latent sites are substituted.
         """
+        latent, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout)
+        values = {n: tr[n]["value"] for n in latent}
+        values.update({n: site["value"] for n, site in tr.items() if site["type"] == "deterministic"})
+        return values
+
+    def observed_sites(
+        self, global_params, local_params, z_global, z_local, args, layout: SiteLayout, rng_key
+    ) -> tuple:
+        """``(log_likelihood, predictive)`` of the observed sites at one posterior draw, on
+        the client's rows ``args``: each observed site's pointwise log density of the
+        client's data, and a draw of new data from it (a client's computation)."""
+        _, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout)
+        observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
+        keys = jax.random.split(rng_key, max(len(observed), 1))
+        log_lik = {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}
+        predictive = {n: tr[n]["fn"].sample(k) for n, k in zip(observed, keys)}
+        return log_lik, predictive
+
+    def _substituted_trace(self, global_params, local_params, z_global, z_local, args, layout):
         latent = dict(self.structure.global_latent.unravel(z_global))
         params = constrain_params(global_params["theta"], self.global_constraints)
         if layout is not None:
@@ -169,4 +195,4 @@ class FederatedObjective:
         tr = trace(substitute(seed(self.model, 0), substitute_fn=sub)).get_trace(
             **dict(args), **self.model_kwargs
         )
-        return {n: tr[n]["value"] for n in latent}
+        return latent, tr

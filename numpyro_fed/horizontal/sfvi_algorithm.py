@@ -89,6 +89,7 @@ def sfvi(
         Hassan et al., paper 001, Algorithm 1 and supplement S1.
     """
     n_global = objective.global_size
+    prior_share = 1.0 / num_clients
 
     def draw(rng_key):
         return random.normal(rng_key, (num_particles, n_global))
@@ -108,7 +109,7 @@ def sfvi(
         eps_local = random.normal(rng_key, (num_particles, objective.local_size(data)))
 
         def term(g, l):
-            values = jax.vmap(lambda eg, el: objective.client_term(g, l, eg, el, data))(
+            values = jax.vmap(lambda eg, el: objective.client_term(g, l, eg, el, data, prior_share))(
                 message.eps_global, eps_local
             )
             return jnp.mean(values)

@@ -9,7 +9,8 @@ local stochastic-gradient VI on
     \\log p(z_G) - \\log q(z_G) + \\frac{N}{N_j}\\big[\\log p(z_{L_j}, y_j \\mid z_G)
         - \\log q(z_{L_j} \\mid z_G)\\big]
 
-and returns its updated ``(eta_G^{(j)}, theta^{(j)})``. The server averages ``theta`` and
+and returns its updated ``(eta_G^{(j)}, theta^{(j)})``. The whole local objective is the
+client's computation on its own rows (the server never runs the model). The server averages ``theta`` and
 sets ``q(z_G)`` to the 2-Wasserstein barycenter of the clients' ``q^{(j)}(z_G)``.
 
 **A missing answer** (dropout): the server averages over the clients that answered; a
@@ -86,6 +87,7 @@ def sfvi_avg(
     n_global = objective.global_size
     num_active = max(1, int(round(participation * num_clients)))
     diagonal = objective.guide.global_scale == "diagonal"
+    prior_share = 1.0 / num_clients
 
     def select(rng_key, state):
         del state
@@ -114,14 +116,14 @@ def sfvi_avg(
             eg = random.normal(kg, (num_particles, n_global))
             el = random.normal(kl, (num_particles, n_local))
             both = jax.vmap(
-                lambda a, b: objective.server_term(g, a) + weight * objective.client_term(g, l, a, b, data)
+                lambda a, b: objective.server_term(g, a) + objective.client_term(g, l, a, b, data, 1.0, weight)
             )(eg, el)
             return jnp.mean(both)
 
         k0, k1, k2 = random.split(rng_key, 3)
         elbo = objective.client_term(
             message.global_params, state.local_params,
-            random.normal(k0, (n_global,)), random.normal(k1, (n_local,)), data,
+            random.normal(k0, (n_global,)), random.normal(k1, (n_local,)), data, prior_share,
         )
         grad_fn = jax.grad(local_objective, argnums=(0, 1))
 

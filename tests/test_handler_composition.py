@@ -1,0 +1,147 @@
+"""Federation annotations survive NumPyro's other handlers, and eight schools (sigma as
+client data, one school per client) is fitted right or warned about."""
+
+import warnings
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+from numpyro import handlers
+from numpyro.infer import MCMC, NUTS
+from numpyro.infer.reparam import LocScaleReparam
+
+import numpyro_fed as nf
+
+Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
+SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
+
+
+def centred(y, sigma):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("school", y.shape[0]):
+        with nf.local_site():
+            theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def unmarked(y, sigma):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("school", y.shape[0]):
+        theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def schools():
+    return nf.Clients.split(np.arange(8), y=Y, sigma=SIGMA)
+
+
+def structure(model, clients=None):
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01))
+    svi.init(random.PRNGKey(0), clients or schools())
+    s = svi._setup_cache.extra.structure
+    return set(s.global_latent.names), set(s.local_latent_names), set(s.observed), set(s.local_param_names)
+
+
+@pytest.mark.parametrize("order", ["annotation inside", "context manager"])
+def test_reparam_keeps_the_local_role(order):
+    """LocScaleReparam on a local site creates 'theta_decentered': it stays local (it used
+    to become a global site shared by every client)."""
+    config = {"theta": LocScaleReparam(0)}
+    if order == "annotation inside":
+        model = handlers.reparam(nf.local_site(unmarked, sites=["theta"]), config=config)
+    else:
+        model = handlers.reparam(centred, config=config)
+    glob, local, obs, _ = structure(model)
+    assert glob == {"mu", "tau"} and local == {"theta_decentered"} and obs == {"obs"}
+    # a learnable centring creates a param site: local as well
+    partial = handlers.reparam(nf.local_site(unmarked, sites=["theta"]), config={"theta": LocScaleReparam()})
+    assert structure(partial)[3] == {"theta_centered"}
+
+
+def test_reparam_applied_inside_the_annotation_is_an_error():
+    model = nf.local_site(handlers.reparam(unmarked, config={"theta": LocScaleReparam(0)}), sites=["theta"])
+    with pytest.raises(ValueError, match=r"site 'theta' .* was reparameterised before the annotation saw it"):
+        structure(model)
+
+
+@pytest.mark.parametrize("handler", ["scale", "mask", "substitute", "block", "condition"])
+def test_annotations_survive_handlers(handler):
+    if handler == "scale":
+        model = handlers.scale(centred, scale=2.0)
+    elif handler == "mask":
+        model = handlers.mask(centred, mask=True)
+    elif handler == "substitute":
+        model = handlers.substitute(centred, data={"mu": 1.0})
+    elif handler == "block":
+        model = handlers.block(centred, hide=["not_a_site"])
+    else:  # condition a local site: it becomes client data
+        model = handlers.condition(centred, data={"theta": np.zeros(1, np.float32)})
+    glob, local, obs, _ = structure(model)
+    if handler == "condition":
+        assert glob == {"mu", "tau"} and local == set() and obs == {"obs", "theta"}
+    else:
+        assert glob == {"mu", "tau"} and local == {"theta"} and obs == {"obs"}
+
+
+def test_scale_and_mask_reach_the_client_terms():
+    """The client's term is the model's own log density: a scale handler doubles the
+    likelihood, a mask removes it."""
+    clients = schools()
+
+    def client_terms(model):
+        svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01), stl=False)
+        state = svi.init(random.PRNGKey(0), clients)
+        obj = svi._setup_cache.extra
+        from numpyro_fed.backends.mapping import client_data
+        data = client_data(svi._setup_cache.plan, 0)
+        g = state.server.global_params
+        local = jax.tree_util.tree_map(lambda x: x[0], state.clients.state.local_params)
+        return float(obj.client_term(g, local, np.zeros(2), np.zeros(1), data, 0.0))
+
+    base = client_terms(centred)
+    lik_only = client_terms(handlers.block(handlers.mask(centred, mask=False), hide=[]))
+    scaled = client_terms(handlers.scale(centred, scale=2.0))
+    # masked: every density is gone, only the local entropy term remains
+    assert lik_only != base
+    assert scaled == pytest.approx(2 * base - lik_only, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def nuts_reference():
+    # NUTS on the non-centred form (the centred funnel biases NUTS too)
+    model = handlers.reparam(unmarked, config={"theta": LocScaleReparam(0)})
+    mc = MCMC(NUTS(model, target_accept_prob=0.9), num_warmup=1000, num_samples=4000, progress_bar=False)
+    mc.run(random.PRNGKey(0), y=Y, sigma=SIGMA)
+    return {k: np.asarray(v) for k, v in mc.get_samples().items()}
+
+
+def test_eight_schools_non_centred_matches_nuts(nuts_reference):
+    """Non-centred by LocScaleReparam, sigma as client data, one school per client, default
+    settings: every global mean within 0.3 NUTS sd, every sd within 25%."""
+    model = handlers.reparam(centred, config={"theta": LocScaleReparam(0)})
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(5e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.UnreliableFitWarning)
+        result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
+    draws = svi.sample_posterior(random.PRNGKey(2), result, 8000)
+    for site in ("mu", "tau"):
+        ref = nuts_reference[site]
+        got = np.asarray(draws[site])
+        assert abs(got.mean() - ref.mean()) < 0.3 * ref.std(), site
+        assert abs(got.std() / ref.std() - 1) < 0.25, site
+
+
+def test_eight_schools_centred_is_flagged(nuts_reference):
+    """The centred funnel is outside any Gaussian family: the fit is far from NUTS, and the
+    PSIS check says so."""
+    svi = nf.FederatedSVI(centred, nf.StructuredGuide(centred), optax.adam(5e-3))
+    with pytest.warns(nf.UnreliableFitWarning, match=r"Pareto k = .* funnel"):
+        result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
+    tau = np.asarray(svi.sample_posterior(random.PRNGKey(2), result, 4000)["tau"])
+    assert abs(tau.mean() - nuts_reference["tau"].mean()) > 0.3 * nuts_reference["tau"].std()  # wrong: flagged
