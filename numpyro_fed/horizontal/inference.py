@@ -309,7 +309,9 @@ class FederatedSVI(FederatedInference):
         eps_g = random.normal(k_g, (num_samples, obj.global_size))
         z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
         if client is None:
-            return jax.jit(jax.vmap(obj.structure.constrain_global))(z_g)
+            if "server_draws" not in setup.cache:  # compiled once per set-up
+                setup.cache["server_draws"] = jax.jit(jax.vmap(obj.structure.constrain_global))
+            return setup.cache["server_draws"](z_g)
         _, local, z_g, z_real, real_layout, args = self._client_latents(setup, state, client, k_l, z_g)
         key = ("client_draws", client)
         if key not in setup.cache:  # compiled once per client and set-up
