@@ -34,6 +34,11 @@ _NOT_SUPPORTED = (
     "federated_loo works with nf.FederatedSVI fits (the clients' pointwise log-likelihood needs "
     "their local draws); got {kind}"
 )
+_NONFINITE = (
+    "client '{client}': the log-likelihood of site '{site}' is not finite at {count} (draw, row) pairs, so "
+    "PSIS-LOO is undefined; the fit puts mass where the model gives the data zero density (check the "
+    "fit with svi.diagnose, or the model's support)"
+)
 _HIGH_K = (
     "federated_loo({model}): {count} of {n} rows have Pareto k > {k0:.2f} (clients {clients}); "
     "their PSIS-LOO terms are unreliable (influential rows, or a posterior approximation far from "
@@ -107,7 +112,10 @@ def _client_log_lik(inference, result, rng_key, num_samples, client, var_name):
         if len(log_lik) != 1:
             raise ValueError(_ONE_SITE.format(names=sorted(log_lik)))
         var_name = next(iter(log_lik))
-    return np.asarray(log_lik[var_name])
+    values = np.asarray(log_lik[var_name])
+    if not np.all(np.isfinite(values)):
+        raise ValueError(_NONFINITE.format(client=client, site=var_name, count=int(np.sum(~np.isfinite(values)))))
+    return values
 
 
 def federated_loo(

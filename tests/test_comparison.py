@@ -105,3 +105,17 @@ def test_numpyro_predictive_on_a_clients_draws(fits):
     # the predictive mean is the draws' linear predictor
     mean = np.asarray(draws["beta"])[:, None] * data["x"] + np.asarray(draws["b"])
     assert np.abs(np.asarray(pred["y"]).mean(0) - mean.mean(0)).max() < 4 * 0.5 / np.sqrt(200) + 0.05
+
+
+def test_non_finite_log_likelihood_is_an_error(fits, monkeypatch):
+    clients, out = fits
+    svi, result = out["slope"]
+    real = svi.log_likelihood
+
+    def broken(key, res, n, client):
+        log_lik, pred = real(key, res, n, client)
+        return {"y": log_lik["y"].at[0, 0].set(np.nan)}, pred
+
+    monkeypatch.setattr(svi, "log_likelihood", broken)
+    with pytest.raises(ValueError, match=r"client '0': the log-likelihood of site 'y' is not finite at 1"):
+        nf.federated_loo(svi, result, random.PRNGKey(3), num_samples=100)
