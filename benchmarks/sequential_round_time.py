@@ -5,7 +5,7 @@ should not grow with J (the runtime gathers the asked client under ``vmap``). Ba
 logistic regression, ``w ~ N(0, 2^2 I_4)``, 50 rows per client, J = 10 and 100.
 
 - PVI: sequential, optax local updates (adam 0.01, 100 steps, 8 draws);
-- EP: sequential, Laplace tilted moments (L-BFGS, 100 steps).
+- EP: sequential, integrated-Laplace tilted moments (Newton, at most 100 outer steps).
 
 Each method runs ``--rounds`` rounds through ``run(progress_bar=False)`` (one compiled
 loop) after a warm-up run that compiles; the best of 3 is reported per round, with the

@@ -108,13 +108,13 @@ def test_positive_definiteness_safeguard():
         state, _ = alg.init_server(random.PRNGKey(0))
         delta = G.NaturalGaussian(jnp.ones((1, 2)), precision * jnp.eye(2)[None])
         _, message, info = alg.exchanges[0].server_step(
-            random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)}, nf.ServerView(jnp.ones(1, bool)))
+            random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool), "fit_ok": jnp.ones(1, bool), "fit_stat": jnp.zeros(1), "fit_k": jnp.zeros(1)}, nf.ServerView(jnp.ones(1, bool)))
         assert float(info.damping) == want and bool(G.is_positive_definite(message.shared["q"]))
     alg = pvi(prior, lambda u, data: 0.0, 1, max_halvings=0)
     state, _ = alg.init_server(random.PRNGKey(0))
     delta = G.NaturalGaussian(jnp.ones((1, 2)), -1.5 * jnp.eye(2)[None])
     _, message, info = alg.exchanges[0].server_step(
-        random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool)}, nf.ServerView(jnp.ones(1, bool)))
+        random.PRNGKey(1), state, {"delta": delta, "valid": jnp.ones(1, bool), "fit_ok": jnp.ones(1, bool), "fit_stat": jnp.zeros(1), "fit_k": jnp.zeros(1)}, nf.ServerView(jnp.ones(1, bool)))
     assert float(info.damping) == 0.0  # rejected: q unchanged
     np.testing.assert_array_equal(message.shared["q"].precision, jnp.eye(2))
 
@@ -126,7 +126,7 @@ def test_trust_region_halves_damping_for_a_far_move():
 
     prior = G.NaturalGaussian(jnp.zeros(1), jnp.eye(1))
     delta = G.NaturalGaussian(jnp.full((1, 1), 8.0), jnp.zeros((1, 1, 1)))
-    msgs = {"delta": delta, "valid": jnp.ones(1, bool)}
+    msgs = {"delta": delta, "valid": jnp.ones(1, bool), "fit_ok": jnp.ones(1, bool), "fit_stat": jnp.zeros(1), "fit_k": jnp.zeros(1)}
     for max_kl, want in ((None, 1.0), (8.0, 0.5), (2.0, 0.25)):
         alg = factor_protocol(prior, None, 1, max_kl=max_kl)
         state, _ = alg.init_server(random.PRNGKey(0))
@@ -137,12 +137,14 @@ def test_trust_region_halves_damping_for_a_far_move():
 
 
 def test_client_update_is_one_natural_parameter_message(linear):
-    """What a client sends is Delta t_j (d + d^2 numbers) and a validity flag: no data."""
+    """What a client sends is Delta t_j (d + d^2 numbers), a validity flag and its fit check
+    (a flag and one number): no data."""
     clients, *_ = linear
     p = nf.PVI(linear_model, schedule="synchronous")
     res = p.run(random.PRNGKey(0), 1, clients, record_transcript=True, keep_values=True)
     up = [e for e in res.transcript.entries if e.receiver == "server"]
-    assert {e.name for e in up} == {"['delta'].shift", "['delta'].precision", "['valid']"}
+    assert {e.name for e in up} == {"['delta'].shift", "['delta'].precision", "['valid']", "['fit_ok']",
+                                    "['fit_stat']", "['fit_k']"}
     assert {e.shape for e in up if e.name.endswith("shift")} == {(D,)}
     assert {e.shape for e in up if e.name.endswith("precision")} == {(D, D)}
     for name in clients.names:

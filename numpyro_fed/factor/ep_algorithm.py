@@ -23,6 +23,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from ..protocol import FederatedAlgorithm
@@ -35,19 +36,19 @@ __all__ = ["ep", "tilted_moments"]
 
 
 def tilted_moments(
-    method: str, *, laplace_steps: int = 200, num_warmup: int = 500, num_samples: int = 500,
-    optim: Any = None, vi_steps: int = 500, num_particles: int = 8, diagonal: bool = False,
+    method: str, *, laplace_steps: int = 50, num_warmup: int = 500, num_samples: int = 500,
+    optim: Any = None, vi_steps: int = 2000, num_particles: int = 8, diagonal: bool = False,
 ) -> Callable:
-    """``(rng_key, log_lik, cavity, w0, d) -> (mean, cov)`` for ``method`` in
+    """``(rng_key, log_lik, cavity, w0, d) -> (mean, cov, FitCheck)`` for ``method`` in
     ``"laplace"``, ``"nuts"``, ``"vi"``."""
     if method == "laplace":
-        return lambda key, f, cav, w0, d: laplace_moments(f, cav, w0, d, steps=laplace_steps)
+        return lambda key, f, cav, w0, d: laplace_moments(f, cav, w0, d, key, steps=laplace_steps)
     if method == "nuts":
         return lambda key, f, cav, w0, d: nuts_moments(f, cav, w0, d, key, num_warmup=num_warmup,
-                                                       num_samples=num_samples)
+                                                               num_samples=num_samples)
     if method == "vi":
-        return lambda key, f, cav, w0, d: gaussian_vi_moments(f, cav, w0, d, key, optim=optim, steps=vi_steps,
-                                                              num_particles=num_particles, diagonal=diagonal)
+        return lambda key, f, cav, w0, d: gaussian_vi_moments(
+            f, cav, w0, d, key, optim=optim, steps=vi_steps, num_particles=num_particles, diagonal=diagonal)
     raise ValueError(f"tilted={method!r}: choose one of {TILTED_METHODS}")
 
 
@@ -85,6 +86,9 @@ def ep(
         a way of life".
     """
     moments = tilted_moments("laplace") if moments is None else moments
+    # one trace of the model per shape: the estimators differentiate it to third order, and
+    # jit lets JAX transform the traced program instead of re-running the model's Python
+    client_log_lik = jax.jit(client_log_lik)
     d = log_prior_factor.shift.shape[0]
     diagonal = log_prior_factor.diagonal
 
@@ -92,8 +96,8 @@ def ep(
         del kl_weight
         start, _ = G.to_moments(q)  # q is always proper; the cavity need not be
         w0 = jnp.concatenate([start, jnp.zeros(num_local, start.dtype)])
-        mean, cov = moments(rng_key, partial(client_log_lik, data=data), cavity, w0, d)
-        return moments_to_factor(mean, cov, diagonal)
+        mean, cov, check = moments(rng_key, partial(client_log_lik, data=data), cavity, w0, d)
+        return moments_to_factor(mean, cov, diagonal), check
 
     return factor_protocol(
         log_prior_factor, local_update, num_clients, schedule=schedule, damping=damping,

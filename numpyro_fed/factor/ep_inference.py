@@ -15,7 +15,7 @@ from ..horizontal.inference import check_positive_int
 from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
-from .inference import FactorInference, latent_supports
+from .inference import _K_ADVICE, FactorInference, latent_supports
 from .tilted import TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
@@ -40,9 +40,13 @@ class EP(FactorInference):
         model: a NumPyro model whose global latent sites have Gaussian priors in
             unconstrained space (Normal; LogNormal for positive sites). Sites marked
             ``local_site`` never leave their client.
-        tilted: how a client computes the tilted moments: ``"laplace"`` (mode and inverse
-            Hessian, L-BFGS), ``"nuts"`` (NumPyro NUTS draws) or ``"vi"`` (Gaussian
-            ``KL(q || tilted)`` fit with optax).
+        tilted: how a client computes the tilted moments: ``"laplace"`` (the default: the
+            local latents integrated out by an inner Laplace approximation, exact when they
+            are conditionally Gaussian, then the mode and inverse Hessian over the global
+            sites, by Newton's method; each client checks its fit by PSIS and ``run`` warns,
+            naming the client, when the Gaussian misses the tilted mass), ``"nuts"``
+            (NumPyro NUTS draws; divergences are reported) or ``"vi"`` (Gaussian
+            ``KL(q || tilted)`` fit with optax; an unconverged fit is reported).
         family: ``"full"`` or ``"diagonal"`` (mean-field EP: the tilted variances only).
         schedule: ``"sequential"`` (one client per round, classic EP), ``"synchronous"``
             (all clients each round, parallel EP: use ``damping < 1``) or ``"subset"``.
@@ -52,11 +56,13 @@ class EP(FactorInference):
         max_kl: optional trust region: also halve ``delta`` while the round would move
             ``q`` by more than ``max_kl`` nats (``KL(q_new || q)``). Synchronous EP over
             many clients sums many updates; this keeps one round from overshooting.
-        laplace_steps: L-BFGS iterations for ``tilted="laplace"``.
+        laplace_steps: the most Newton iterations of the outer mode search for
+            ``tilted="laplace"`` (it stops at the mode).
         num_warmup: NUTS warm-up (adaptation) steps for ``tilted="nuts"``.
         num_samples: NUTS draws per tilted distribution for ``tilted="nuts"``.
         optim: optax optimiser for ``tilted="vi"``.
-        vi_steps: optimiser steps for ``tilted="vi"``.
+        vi_steps: optimiser steps for ``tilted="vi"`` (default 2000; the client reports a
+            fit whose objective is still falling).
         num_particles: Monte Carlo draws per ELBO estimate for ``tilted="vi"``.
         client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
@@ -96,11 +102,11 @@ class EP(FactorInference):
         subset_size: int = 1,
         max_halvings: int = 10,
         max_kl: Optional[float] = None,
-        laplace_steps: int = 200,
+        laplace_steps: int = 50,
         num_warmup: int = 500,
         num_samples: int = 500,
         optim: Any = None,
-        vi_steps: int = 500,
+        vi_steps: int = 2000,
         num_particles: int = 8,
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
@@ -119,11 +125,32 @@ class EP(FactorInference):
                 raise ValueError(f"{name}={value}: must be a positive integer")
         if max_kl is not None and not max_kl > 0:
             raise ValueError(f"max_kl={max_kl}: must be positive (or None)")
-        self.tilted, self.max_kl = tilted, max_kl
+        self.tilted, self.max_kl, self.vi_steps = tilted, max_kl, int(vi_steps)
         self.moments = tilted_moments(
             tilted, laplace_steps=int(laplace_steps), num_warmup=int(num_warmup), num_samples=int(num_samples),
             optim=optim, vi_steps=int(vi_steps), num_particles=int(num_particles), diagonal=family == "diagonal",
         )
+
+    def _fit_advice(self) -> Dict[str, Any]:
+        invalid = ""
+        if self.tilted == "laplace":
+            invalid = ("With tilted='laplace' an invalid fit means no smooth mode was found (Newton's method did not "
+                       "converge, e.g. at the kink of a Laplace/lasso prior): use tilted='vi' or tilted='nuts'. ")
+            k = ("the Laplace approximation does not hold the tilted distribution's mass (Pareto k of its importance "
+                 "weights above 0.7: skew, heavy tails or a mode at a boundary)",
+                 "Use tilted='nuts' (or tilted='vi') for this model.")
+        else:
+            k = _K_ADVICE
+        if self.tilted == "nuts":
+            stat = ("NUTS had divergent transitions in the tilted distribution (a geometry it cannot follow, e.g. the "
+                    "funnel of a centred hierarchical model)", "share of divergent draws",
+                    "Reparameterise (numpyro.infer.reparam.LocScaleReparam on the local site), or use "
+                    "tilted='laplace', which integrates Gaussian local latents out exactly.")
+        else:
+            stat = ("the local Gaussian VI fit had not converged (its objective was still falling)",
+                    "drift over the last quarter, in standard errors",
+                    f"Raise vi_steps (now {self.vi_steps}) or the optimiser's learning rate.")
+        return {"stat": stat, "k": k, "invalid": invalid}
 
     def _algorithm(self, terms, plan, num_clients: int):
         return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=self.moments,

@@ -23,7 +23,8 @@ from .._structure import SiteLayout, analyse_model, is_latent, log_joint, trace_
 from ..backends.mapping import client_data, plan_clients
 from ..clients import Clients
 from ..handlers import GLOBAL, LOCAL, site_role
-from ..horizontal.inference import check_positive_int
+from ..horizontal.inference import UnreliableFitWarning, check_positive_int
+from .tilted import PARETO_K_LIMIT
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
 from . import gaussian as G
@@ -41,8 +42,18 @@ _PRIOR_FIX = (
 _SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
 _ALL_INVALID = (
     "{cls}: in round(s) {rounds} every update that arrived was invalid (an improper cavity, or a local fit "
-    "that failed or is not a proper Gaussian), from client(s) {clients}; q did not move. Use damping < 1, "
+    "that failed or is not a proper Gaussian), from client(s) {clients}; q did not move. {hint}Use damping < 1, "
     "more local steps, or another tilted/update method"
+)
+_K_ADVICE = (
+    "the fitted Gaussian does not hold the tilted distribution's mass (Pareto k of its importance weights above "
+    "0.7: skew, heavy tails, a boundary, or a funnel that a Gaussian over the global and local sites cannot follow)",
+    "Reparameterise the local sites (numpyro.infer.reparam.LocScaleReparam), or use nf.EP(tilted='laplace'), "
+    "which integrates Gaussian local latents out exactly; tilted='nuts' for a non-Gaussian tilted distribution.",
+)
+_UNCHECKED_FIT = (
+    "{cls}: {what} on client(s) {clients}, in their latest applied update (round(s) {rounds}; worst {stat_name} = "
+    "{stat:.3g}). Those updates are in q, so q may be wrong. {fix}"
 )
 _NEVER_APPLIED = (
     "{cls} applied no update in {rounds} round(s): q is still the prior, not a posterior. {why}Use damping < 1, "
@@ -97,6 +108,12 @@ class FactorInference(FederatedInference):
 
     def _algorithm(self, terms: ModelTerms, plan, num_clients: int):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _fit_advice(self) -> Dict[str, Any]:
+        """What a failed local-fit check means for this method: ``stat`` (``what``,
+        ``stat_name``, ``fix``: the convergence/divergence check), ``k`` (``what``, ``fix``:
+        the Pareto-k check) and ``invalid`` (why a fit can come back invalid)."""
+        return {"stat": ("the local fit failed its check", "statistic", ""), "k": _K_ADVICE, "invalid": ""}
 
     # ------------------------------------------------------------------ set-up
     def _terms(self, clients: Clients, plan, structure) -> ModelTerms:
@@ -187,13 +204,42 @@ class FactorInference(FederatedInference):
             if dead.any():
                 bad = sorted({names[j] for r in np.flatnonzero(dead) for j in range(len(names))
                               if not np.asarray(info.valid)[r, j]})
-                why = f"Every update was invalid (clients {bad}). "
+                why = f"Every update was invalid (clients {bad}). {self._fit_advice()['invalid']}"
             raise ValueError(_NEVER_APPLIED.format(cls=cls, rounds=len(damping), why=why))
         if dead.any():
             rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
-            shown = rounds if len(rounds) <= 10 else rounds[:10] + ["..."]
-            warnings.warn(_ALL_INVALID.format(cls=cls, rounds=shown, clients=list(names)), RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
+                                              hint=self._fit_advice()["invalid"]), RuntimeWarning, stacklevel=4)
+        self._check_local_fits(setup, result, start)
+
+    def _check_local_fits(self, setup: Setup, result: RunResult, start: int) -> None:
+        """Warn, naming clients and rounds, when a client's own check failed the local fit
+        of its latest applied update (the one its factor in ``q`` mostly reflects; an
+        earlier failure that a later passing fit superseded stays in ``info.fit_ok``). An
+        invalid update is reported above."""
+        info, names = result.info, setup.plan.names
+        applied = np.asarray(info.valid) & (np.asarray(info.damping) > 0)[:, None]
+        failed = applied & ~np.asarray(info.fit_ok)
+        last = [np.flatnonzero(applied[:, j])[-1] if applied[:, j].any() else None for j in range(len(names))]
+        bad = [j for j, r in enumerate(last) if r is not None and failed[r, j]]
+        if not bad:
+            return
+        advice = self._fit_advice()
+        k = np.asarray(info.fit_k)
+        stat = np.asarray(info.fit_stat)
+        by_k = [j for j in bad if k[last[j], j] > PARETO_K_LIMIT]
+        by_stat = [j for j in bad if j not in by_k]
+        k_what, k_fix = advice["k"]
+        for group, (what, stat_name, fix), values in ((by_stat, advice["stat"], stat),
+                                                      (by_k, (k_what, "Pareto k", k_fix), k)):
+            if not group:
+                continue
+            got = values[[last[j] for j in group], group]
+            worst = float(np.nanmax(got)) if np.isfinite(got).any() else float("inf")
+            rounds = sorted({int(start + last[j] + 1) for j in group})
+            warnings.warn(_UNCHECKED_FIT.format(cls=type(self).__name__, what=what, clients=[names[j] for j in group],
+                                                rounds=_shown(rounds), stat_name=stat_name, stat=worst, fix=fix),
+                          UnreliableFitWarning, stacklevel=5)
 
     # ------------------------------------------------------------------ API
     def init(self, rng_key: jax.Array, clients: Clients) -> RunState:
@@ -266,6 +312,10 @@ def _check_prior_is_data_free(first, last, d, names, sites) -> None:
     va, vb = float(first(u)), float(last(u))
     if not np.isclose(va, vb, rtol=1e-5, atol=1e-6):
         raise ValueError(_PRIOR_DEPENDS_ON_DATA.format(sites=list(sites), a=names[0], b=names[-1], va=va, vb=vb))
+
+
+def _shown(rounds):
+    return rounds if len(rounds) <= 10 else rounds[:10] + ["..."]
 
 
 def latent_supports(tr) -> Dict[str, Any]:

@@ -41,6 +41,7 @@ from jax import random
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
+from .tilted import DRIFT_LIMIT, FitCheck, objective_drift
 from .updates import factor_protocol
 
 __all__ = ["pvi"]
@@ -48,7 +49,10 @@ __all__ = ["pvi"]
 
 def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
                  kl_weight=1.0):
-    """Maximise ``E_q[log_lik] - kl_weight KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``."""
+    """Maximise ``E_q[log_lik] - kl_weight KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``.
+
+    Returns the optimum and its :class:`~numpyro_fed.factor.tilted.FitCheck`: the
+    objective's drift over the last quarter of the steps (:func:`objective_drift`)."""
     diagonal = q.diagonal
     mean, cov = G.to_moments(q)
     d = mean.shape[0]
@@ -76,15 +80,16 @@ def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, st
 
     def step(carry, key):
         params, opt_state = carry
-        grads = jax.grad(neg_elbo)(params, key)
+        value, grads = jax.value_and_grad(neg_elbo)(params, key)
         updates, opt_state = optim.update(grads, opt_state, params)
         params = jax.tree_util.tree_map(jnp.add, params, updates)
-        return (params, opt_state), None
+        return (params, opt_state), value
 
     keys = random.split(rng_key, steps)
-    (params, _), _ = jax.lax.scan(step, (init, optim.init(init)), keys)
+    (params, _), values = jax.lax.scan(step, (init, optim.init(init)), keys)
     loc, cov_, _ = moments(params)
-    return G.from_moments(loc, cov_)
+    drift = objective_drift(values)
+    return G.from_moments(loc, cov_), FitCheck(drift <= DRIFT_LIMIT, drift, jnp.full((), jnp.nan, drift.dtype))
 
 
 def pvi(
@@ -136,10 +141,11 @@ def pvi(
         if update == "conjugate":  # optimum: cavity * likelihood^(1 / kl_weight)
             hess = jax.hessian(log_lik)(jnp.zeros(d))
             exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2).scale(1.0 / kl_weight)
+            exact_fit = FitCheck(jnp.asarray(True), jnp.zeros(()), jnp.full((), jnp.nan))
             if diagonal:  # mean-field optimum of KL(q || cavity * likelihood)
                 full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
-                return G.project_diagonal(full)
-            return cavity + exact
+                return G.project_diagonal(full), exact_fit
+            return cavity + exact, exact_fit
         return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight)
 
     return factor_protocol(

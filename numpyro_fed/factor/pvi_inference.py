@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import jax
 from jax import random
@@ -13,7 +13,7 @@ from ..clients import Clients
 from ..horizontal.inference import check_positive_int
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
-from .inference import FactorInference
+from .inference import _K_ADVICE, FactorInference
 from .pvi_algorithm import pvi
 from .updates import VARIANTS
 
@@ -100,7 +100,7 @@ class PVI(FactorInference):
         damping: float = 1.0,
         subset_size: int = 1,
         optim: Any = None,
-        local_steps: int = 100,
+        local_steps: int = 1000,
         num_particles: int = 8,
         max_halvings: int = 10,
         variant: str = "plain",
@@ -139,6 +139,12 @@ class PVI(FactorInference):
         if self.variant == "plain":
             return structure
         return structure._replace(row_plate=self._shard_plate(clients, structure.row_plate))
+
+    def _fit_advice(self) -> Dict[str, Any]:
+        return {"stat": ("the local optimisation had not converged (the local ELBO was still rising)",
+                         "drift over the last quarter, in standard errors",
+                         f"Raise local_steps (now {self.local_steps}) or the optimiser's learning rate."),
+                "k": _K_ADVICE, "invalid": ""}
 
     def _algorithm(self, terms, plan, num_clients: int):
         d = terms.prior.shift.shape[0]

@@ -24,7 +24,7 @@ the cavity enters in natural parameters. All functions are pure, jit- and vmap-c
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,12 @@ from .._typing import Array
 from .gaussian import NaturalGaussian
 
 __all__ = [
+    "FitCheck",
     "cavity_log_density",
+    "gaussian_pareto_k",
+    "integrated_laplace",
+    "objective_drift",
+    "pareto_k",
     "gaussian_vi_moments",
     "laplace_moments",
     "moments_to_factor",
@@ -62,37 +67,203 @@ def _marginal(mean: Array, cov: Array, d: int) -> Tuple[Array, Array]:
     return mean[:d], cov[:d, :d]
 
 
-def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, *, steps: int = 200,
-                    grad_tol: float = 1e-2) -> Tuple[Array, Array]:
-    """Laplace approximation of the tilted distribution: ``steps`` L-BFGS iterations from
-    ``w0``, then the inverse negative Hessian at the mode (``u`` block).
+class FitCheck(NamedTuple):
+    """A client's own check of its local fit, sent beside the update.
 
-    The result is NaN (an invalid update) unless the point reached is a mode: its Newton
-    decrement ``sqrt(g^T H^-1 g)`` (in posterior standard deviations) is below
-    ``grad_tol``."""
-    f = _tilted(log_lik, cavity, d)
+    ``ok`` is False when the fit should not be trusted. ``stat``: the share of divergent
+    NUTS transitions (``tilted="nuts"``), or how far the local objective still moved over
+    the last quarter of the steps, in Monte Carlo standard errors (``"vi"``, PVI's optax
+    update); ``pareto_k``: the Pareto ``k`` of the fitted Gaussian's importance weights
+    against the tilted distribution (``"laplace"``; ``"vi"`` and PVI with local latents).
+    NaN where a check does not apply."""
 
-    def neg(w):
-        return -f(w)
+    ok: Array
+    stat: Array
+    pareto_k: Array
 
-    opt = optax.lbfgs()
-    value_and_grad = optax.value_and_grad_from_state(neg)
 
-    def body(carry, _):
-        w, state = carry
-        value, grad = value_and_grad(w, state=state)
-        updates, state = opt.update(grad, state, w, value=value, grad=grad, value_fn=neg)
-        return (optax.apply_updates(w, updates), state), None
+PARETO_K_LIMIT = 0.7  # Vehtari et al. (2024): above it importance sampling, and the fit, are unreliable
+DRIFT_LIMIT = 4.0  # local objective still improving by more than this many standard errors
 
-    (mode, _), _ = jax.lax.scan(body, (w0, opt.init(w0)), None, length=steps)
-    hess = jax.hessian(neg)(mode)
-    cov = jnp.linalg.inv((hess + hess.T) / 2)
-    # a mode L-BFGS did not reach is no Laplace approximation: return NaN, which the
-    # protocol sends as an invalid (zero) update
-    grad = jax.grad(neg)(mode)
-    newton = jnp.sqrt(jnp.abs(grad @ cov @ grad))  # Newton decrement: ~0 at a mode
-    mode = jnp.where(newton < grad_tol, mode, jnp.nan)
-    return _marginal(mode, (cov + cov.T) / 2, d)
+
+def pareto_k(log_weights: Array) -> Array:
+    """The Pareto ``k`` of PSIS (Vehtari et al., 2024) for one vector of log weights.
+
+    The generalized Pareto fit of Zhang & Stephens (2009) to the largest
+    ``min(S/5, 3 sqrt(S))`` weights, with ArviZ's weakly informative prior on ``k``;
+    jit-compatible (static sizes). Non-finite log weights give ``inf``."""
+    s = log_weights.shape[0]
+    m = int(min(s / 5, 3 * s**0.5))
+    x = jnp.sort(log_weights - jnp.max(log_weights))
+    tail = jnp.exp(x[-m:]) - jnp.exp(x[-m - 1])  # ascending exceedances over the cutoff
+    m_est = 30 + int(m**0.5)
+    b = 1 - jnp.sqrt(m_est / (jnp.arange(1, m_est + 1) - 0.5))
+    b = b / (3 * tail[int(m / 4 + 0.5) - 1]) + 1 / tail[-1]
+    k = jnp.mean(jnp.log1p(-b[:, None] * tail), axis=1)
+    len_scale = m * (jnp.log(-(b / k)) - k - 1)
+    weights = 1 / jnp.sum(jnp.exp(len_scale - len_scale[:, None]), axis=1)
+    weights = jnp.where(weights >= 10 * jnp.finfo(weights.dtype).eps, weights, 0.0)
+    b_post = jnp.sum(b * weights) / jnp.sum(weights)
+    k_post = jnp.mean(jnp.log1p(-b_post * tail))
+    k_post = (m * k_post + 10 * 0.5) / (m + 10)
+    return jnp.where(jnp.all(jnp.isfinite(log_weights)), k_post, jnp.inf)
+
+
+def _newton_direction(h: Array, g: Array) -> Array:
+    """``|H|^-1 g`` with ``|H|`` the Hessian with its eigenvalues replaced by their absolute
+    values (floored): Newton's step where ``H`` is positive definite, a descent direction
+    everywhere else (saddle-free Newton, Dauphin et al., 2014)."""
+    lam, vec = jnp.linalg.eigh((h + h.T) / 2)
+    lam = jnp.maximum(jnp.abs(lam), 1e-6 * jnp.max(jnp.abs(lam)) + 1e-12)
+    step = vec @ ((vec.T @ g) / lam)
+    return jnp.where(jnp.all(jnp.isfinite(step)), step, g)
+
+
+_STEPS = jnp.concatenate([2.0 ** -jnp.arange(10), jnp.zeros(1)])  # backtracking: 1, 1/2, ..., 1/512, no move
+
+
+def _backtrack(neg: Callable, v: Array, dv: Array) -> Array:
+    """The longest of the steps ``v - t dv`` that does not raise ``neg`` (to a relative
+    1e-6, so that rounding never decides between steps near the optimum), else no move."""
+    cands = v - _STEPS[:, None] * dv
+    vals = jax.vmap(neg)(cands)
+    vals = jnp.where(jnp.isfinite(vals), vals, jnp.inf)
+    ok = vals <= vals[-1] + 1e-6 * (1 + jnp.abs(vals[-1]))
+    return cands[jnp.argmax(ok)]  # the first acceptable (the last, no move, always is)
+
+
+def _inner_mode(neg: Callable, v0: Array, steps: int) -> Array:
+    """Minimise ``neg(v)`` by (saddle-free) Newton with backtracking, ``steps`` iterations
+    from ``v0``."""
+
+    def body(v, _):
+        return _backtrack(neg, v, _newton_direction(jax.hessian(neg)(v), jax.grad(neg)(v))), None
+
+    return jax.lax.scan(body, v0, None, length=steps)[0]
+
+
+def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
+    """The Laplace approximation of ``log ∫ exp f(u, v) dv`` (Tierney & Kadane, 1986;
+    INLA's inner step): ``f(u, v*) - log det(-H_vv(u, v*)) / 2 + const`` with ``v*(u)`` the
+    conditional mode. Exact when ``v | u`` is Gaussian (e.g. a Gaussian hierarchical model,
+    centred or not), so the funnel of ``(u, v)`` never enters.
+
+    Returns ``log_marginal(u, v0, steps, refine=0) -> (value, (decrement, v*))``. ``v*`` is
+    found by damped Newton from ``v0`` (``steps`` iterations, no gradient through them),
+    then refined by ``refine`` plain Newton steps with gradient: ``refine=1`` makes the
+    first derivative of ``v*(u)``, and so the gradient of the value, exact at a converged
+    mode. ``decrement`` is the inner Newton decrement at the final point (about 0 when the
+    inner mode was reached).
+    """
+    if num_local == 0:
+        return lambda u, v0, steps, refine=0: (f(u), (jnp.zeros((), u.dtype), v0))
+
+    def neg_v(u):
+        return lambda v: -f(jnp.concatenate([u, v]))
+
+    def log_marginal(u, v0, steps, refine=0):
+        v = jax.lax.stop_gradient(_inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps))
+        neg = neg_v(u)
+        for _ in range(refine):
+            h = jax.hessian(neg)(v)
+            v = v - jnp.linalg.solve((h + h.T) / 2, jax.grad(neg)(v))
+        g, h = jax.grad(neg)(v), jax.hessian(neg)(v)
+        h = (h + h.T) / 2
+        sign, logdet = jnp.linalg.slogdet(h)
+        value = -neg(v) - 0.5 * logdet + 0.5 * num_local * jnp.log(2 * jnp.pi)
+        decrement = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(h, jax.lax.stop_gradient(g))))
+        aux = (jax.lax.stop_gradient(decrement), jax.lax.stop_gradient(v))
+        return jnp.where(sign > 0, value, -jnp.inf), aux
+
+    return log_marginal
+
+
+def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, rng_key: Array = None, *,
+                    steps: int = 30, grad_tol: float = 1e-2, inner_steps: int = 8,
+                    num_draws: int = 1000) -> Tuple[Array, Array, FitCheck]:
+    """Laplace approximation of the tilted distribution's ``u``-marginal, with its check.
+
+    The local latents ``v`` are integrated out first by the inner Laplace approximation of
+    :func:`integrated_laplace` (exact for Gaussian ``v | u``); the outer mode over ``u`` is
+    found by at most ``steps`` Newton iterations with backtracking from ``w0[:d]`` (the
+    inner mode warm-started from the last one, ``inner_steps`` Newton iterations each) and
+    the covariance is the inverse negative Hessian there. (A joint mode over ``(u, v)`` is
+    wrong on hierarchical models: on eight schools it sits in the funnel's neck,
+    ``tau -> 0``.)
+
+    The result is NaN (an invalid update) unless a mode was reached: the outer and inner
+    Newton decrements ``sqrt(g^T H^-1 g)`` (in standard deviations) below ``grad_tol``.
+
+    The check: ``num_draws`` draws from the Gaussian, importance-weighted against the
+    (integrated) tilted density; the Pareto ``k`` of the weights above
+    :data:`PARETO_K_LIMIT` means the Gaussian misses the tilted mass (skew, a boundary,
+    heavy tails): ``FitCheck(ok=False, pareto_k=k)``.
+    """
+    rng_key = random.PRNGKey(0) if rng_key is None else rng_key
+    num_local = w0.shape[0] - d
+    log_marginal = integrated_laplace(lambda w: log_lik(w) + cavity_log_density(cavity, w[:d]), d, num_local)
+
+    def value(u, v):
+        return log_marginal(u, v, inner_steps)[0]
+
+    def derivatives(u, v):
+        """Gradient (exact: one refining Newton step makes ``v*``'s derivative exact), the
+        Hessian, the inner decrement and mode. With local latents the Hessian is central
+        differences of the gradient (one batch of ``2d + 1``; an exact one would
+        differentiate the model to fourth order and take minutes to compile)."""
+        if num_local == 0:  # no inner problem: the exact Hessian is cheap
+            g, h = jax.grad(value)(u, v), jax.hessian(value)(u, v)
+            return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v
+        h = 1e-3 * (1.0 + jnp.abs(u))
+        points = jnp.concatenate([u[None], u + jnp.diag(h), u - jnp.diag(h)])
+        grads, (decs, vs) = jax.vmap(jax.grad(lambda x: log_marginal(x, v, inner_steps, 1), has_aux=True))(points)
+        hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
+        return grads[0], (hess + hess.T) / 2, decs[0], vs[0]
+
+    def converged(g, h, dec, tol):
+        newton = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(-h, g)))
+        return (newton < tol) & (dec < tol)
+
+    def cond(carry):  # to 1/100 of the tolerance (quadratic convergence), or until stuck
+        i, _, _, g, h, dec, moved = carry
+        return (i == 0) | ((i <= steps) & moved & ~converged(g, h, dec, grad_tol / 100))
+
+    def body(carry):  # Newton ascent with backtracking, then measure at the new point
+        i, u, v, g, h, dec, _ = carry
+        new = _backtrack(lambda x: -value(x, v), u, -_newton_direction(-h, g))
+        moved = (i == 0) | jnp.any(new != u)
+        u = jnp.where(i == 0, u, new)
+        g, h, dec, v = derivatives(u, v)
+        return i + 1, u, v, g, h, dec, moved
+
+    zero = jnp.zeros((), w0.dtype)
+    start = (jnp.zeros((), jnp.int32), w0[:d], w0[d:], jnp.zeros(d, w0.dtype), -jnp.eye(d, dtype=w0.dtype), zero,
+             jnp.asarray(True))
+    _, mode, v_mode, g, h, dec, _ = jax.lax.while_loop(cond, body, start)
+    cov = jnp.linalg.inv(-h)
+    cov = (cov + cov.T) / 2
+    # a mode not reached is no Laplace approximation: NaN, which the protocol sends as an
+    # invalid (zero) update
+    reached = converged(g, h, dec, grad_tol) & jnp.all(jnp.linalg.eigvalsh(cov) > 0)
+    # the sampled check: does the Gaussian hold the tilted mass?
+    chol = jnp.linalg.cholesky(cov)
+    eps = random.normal(rng_key, (num_draws, d))
+    log_w = jax.vmap(lambda u: value(u, v_mode))(mode + eps @ chol.T) + 0.5 * jnp.sum(eps**2, 1)  # up to a constant
+    k = jnp.where(reached, pareto_k(log_w), jnp.nan)
+    mode = jnp.where(reached, mode, jnp.nan)
+    return mode, cov, FitCheck(reached & (k <= PARETO_K_LIMIT), jnp.full((), jnp.nan, k.dtype), k)
+
+
+def _nuts_chain(log_density: Callable, w0: Array, rng_key: Array, num_warmup: int, num_samples: int):
+    init_kernel, sample_kernel = hmc(potential_fn=lambda w: -log_density(w), algo="NUTS")
+    state = init_kernel(w0, num_warmup=num_warmup, rng_key=rng_key)
+
+    def body(s, _):
+        s = sample_kernel(s)
+        return s, (s.z, s.diverging)
+
+    state, _ = jax.lax.scan(body, state, None, length=num_warmup)
+    return jax.lax.scan(body, state, None, length=num_samples)[1]
 
 
 def nuts_draws(log_density: Callable, w0: Array, rng_key: Array, *, num_warmup: int = 500,
@@ -102,39 +273,52 @@ def nuts_draws(log_density: Callable, w0: Array, rng_key: Array, *, num_warmup: 
     NumPyro's functional ``hmc(potential_fn, algo="NUTS")`` (step size and diagonal mass
     matrix adapted during warm-up), in ``lax.scan``: jit- and vmap-compatible.
     """
-    init_kernel, sample_kernel = hmc(potential_fn=lambda w: -log_density(w), algo="NUTS")
-    state = init_kernel(w0, num_warmup=num_warmup, rng_key=rng_key)
-
-    def body(s, _):
-        s = sample_kernel(s)
-        return s, s.z
-
-    state, _ = jax.lax.scan(body, state, None, length=num_warmup)
-    return jax.lax.scan(body, state, None, length=num_samples)[1]
+    return _nuts_chain(log_density, w0, rng_key, num_warmup, num_samples)[0]
 
 
 def nuts_moments(
     log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, rng_key: Array, *,
     num_warmup: int = 500, num_samples: int = 500,
-) -> Tuple[Array, Array]:
-    """Sample mean and covariance of NUTS draws of the tilted distribution (``u`` part)."""
-    draws = nuts_draws(_tilted(log_lik, cavity, d), w0, rng_key, num_warmup=num_warmup,
-                       num_samples=num_samples)[:, :d]
+) -> Tuple[Array, Array, FitCheck]:
+    """Sample mean and covariance of NUTS draws of the tilted distribution (``u`` part).
+
+    The check: any divergent transition after warm-up (the sampler could not follow the
+    geometry, e.g. a funnel) fails it; ``stat`` is the share of divergent draws."""
+    draws, diverging = _nuts_chain(_tilted(log_lik, cavity, d), w0, rng_key, num_warmup, num_samples)
+    draws = draws[:, :d]
     mean = jnp.mean(draws, 0)
     r = draws - mean
-    return mean, r.T @ r / (num_samples - 1)
+    share = jnp.mean(diverging.astype(mean.dtype))
+    return mean, r.T @ r / (num_samples - 1), FitCheck(share == 0, share, jnp.full((), jnp.nan, mean.dtype))
+
+
+def objective_drift(values: Array) -> Array:
+    """How much a stochastic objective (to be minimised) still fell over the last quarter of
+    its trace: ``(mean of the third quarter - mean of the last) / standard error``. Large
+    and positive: still improving, i.e. not converged."""
+    n = values.shape[0] // 4
+    a, b = values[-2 * n:-n], values[-n:]
+    se = jnp.sqrt((jnp.var(a) + jnp.var(b)) / max(n, 1)) + 1e-12 * (1 + jnp.abs(jnp.mean(b)))
+    return (jnp.mean(a) - jnp.mean(b)) / se
 
 
 def gaussian_vi_moments(
     log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, rng_key: Array, *,
-    optim: Any, steps: int = 500, num_particles: int = 8, init_scale: float = 0.1, diagonal: bool = False,
-) -> Tuple[Array, Array]:
+    optim: Any, steps: int = 2000, num_particles: int = 8, init_scale: float = 0.1, diagonal: bool = False,
+    num_draws: int = 1000,
+) -> Tuple[Array, Array, FitCheck]:
     """Moments of ``argmin_q KL(q || tilted)`` over Gaussians ``q(u, v)`` (full or diagonal).
 
     The objective ``E_q[log_lik] + E_q[log cavity(u)] + H[q]`` has its last two terms in
     closed form; the first is a reparameterised Monte Carlo estimate with
-    ``num_particles`` draws. ``q`` starts at mean ``w0`` and scale ``init_scale``; the
-    returned moments average the iterates of the second half of the ``steps``.
+    ``num_particles`` draws. ``q`` starts at mean ``w0`` and scale ``init_scale``; the returned moments average the iterates of the second half
+    of the ``steps``.
+
+    The checks: the objective must have stopped falling (:func:`objective_drift` at most
+    :data:`DRIFT_LIMIT` standard errors; ``stat``), and the final Gaussian must hold the
+    tilted mass: the Pareto ``k`` of ``num_draws`` importance weights at most
+    :data:`PARETO_K_LIMIT` (``pareto_k``; a Gaussian over ``(u, v)`` cannot follow the
+    funnel of a centred hierarchical model, and this is where it shows).
     """
     n = w0.shape[0]
     rows, cols = jnp.tril_indices(n, -1)
@@ -162,15 +346,29 @@ def gaussian_vi_moments(
 
     def step(carry, key):
         params, opt_state = carry
-        grads = jax.grad(neg_elbo)(params, key)
+        value, grads = jax.value_and_grad(neg_elbo)(params, key)
         updates, opt_state = optim.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         r = root(params)
-        return (params, opt_state), (params["loc"], jnp.diag(r**2) if diagonal else r @ r.T)
+        return (params, opt_state), (params["loc"], jnp.diag(r**2) if diagonal else r @ r.T, value)
 
-    _, (locs, covs) = jax.lax.scan(step, (init, optim.init(init)), random.split(rng_key, steps))
+    fit_key, check_key = random.split(rng_key)
+    _, (locs, covs, values) = jax.lax.scan(step, (init, optim.init(init)), random.split(fit_key, steps))
     half = steps // 2  # Polyak averaging over the second half damps the optimiser's noise
-    return _marginal(jnp.mean(locs[half:], 0), jnp.mean(covs[half:], 0), d)
+    drift = objective_drift(values)
+    loc, cov = jnp.mean(locs[half:], 0), jnp.mean(covs[half:], 0)
+    k = gaussian_pareto_k(lambda w: log_lik(w) + cavity_log_density(cavity, w[:d]), loc, cov, check_key, num_draws)
+    mean, cov = _marginal(loc, cov, d)
+    return mean, cov, FitCheck((drift <= DRIFT_LIMIT) & (k <= PARETO_K_LIMIT), drift, k)
+
+
+def gaussian_pareto_k(log_density: Callable, mean: Array, cov: Array, rng_key: Array, num_draws: int) -> Array:
+    """The Pareto ``k`` of ``exp(log_density) / N(mean, cov)`` over ``num_draws`` draws of the
+    Gaussian (PSIS's check of an approximation; Yao et al., 2018)."""
+    chol = jnp.linalg.cholesky((cov + cov.T) / 2)
+    eps = random.normal(rng_key, (num_draws, mean.shape[0]))
+    log_w = jax.vmap(log_density)(mean + eps @ chol.T) + 0.5 * jnp.sum(eps**2, 1)  # up to a constant
+    return pareto_k(log_w)
 
 
 def moments_to_factor(mean: Array, cov: Array, diagonal: bool) -> NaturalGaussian:

@@ -31,6 +31,7 @@ from jax import random
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
+from .tilted import FitCheck
 
 __all__ = [
     "SCHEDULES",
@@ -63,6 +64,9 @@ class FactorInfo(NamedTuple):
     invalid: jax.Array  # answered clients whose update was invalid (improper cavity or failed fit)
     valid: jax.Array  # (J,) the answered clients whose update was valid
     kl: jax.Array  # KL(q_new || q): how far the round moved q
+    fit_ok: jax.Array  # (J,) the answered clients whose own check passed its local fit
+    fit_stat: jax.Array  # (J,) its convergence statistic (NaN: not answered or not applicable)
+    fit_k: jax.Array  # (J,) its Pareto k (NaN: not answered or not applicable)
 
 
 def current_factor(state: FactorClientState, ack: jax.Array) -> NaturalGaussian:
@@ -87,8 +91,9 @@ def factor_protocol(
 
     Args:
         log_prior_factor: ``p(theta)`` as a Gaussian factor (full or diagonal: the family).
-        local_update: ``(rng_key, cavity, q, data, kl_weight) -> q_new``, the client's
-            local fit.
+        local_update: ``(rng_key, cavity, q, data, kl_weight) -> (q_new, check)``, the
+            client's local fit and its own :class:`~numpyro_fed.factor.tilted.FitCheck`
+            of it (sent with the update, reported per client and round in ``info``).
         num_clients: J.
         schedule: ``"sequential"`` (one client per round, in turn), ``"synchronous"``
             (all), ``"subset"`` (``subset_size`` chosen uniformly per round).
@@ -145,27 +150,34 @@ def factor_protocol(
         ks = jnp.arange(shards)
         if variant == "plain":
             cavity = q - factor
-            pending = local_update(rng_key, cavity, q, data, 1.0) - q
+            fit, check = local_update(rng_key, cavity, q, data, 1.0)
+            pending = fit - q
             delta, proper = pending, G.is_positive_definite(cavity)
         elif variant == "local_averaging":
             cavity = q - factor
-            fits = jax.vmap(lambda k, key: local_update(key, cavity, q, shard(data, k), 1.0 / shards))(ks, keys)
+            fits, checks = jax.vmap(lambda k, key: local_update(key, cavity, q, shard(data, k), 1.0 / shards))(ks,
+                                                                                                           keys)
             pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
             delta, proper = pending, G.is_positive_definite(cavity)
+            check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         else:  # virtual clients: one factor and one cavity per shard
 
             def one(k, key, t_k):
                 cavity = q - t_k
-                return local_update(key, cavity, q, shard(data, k), 1.0) - q, G.is_positive_definite(cavity)
+                fit, check = local_update(key, cavity, q, shard(data, k), 1.0)
+                return fit - q, G.is_positive_definite(cavity), check
 
-            pending, proper = jax.vmap(one)(ks, keys, factor)
+            pending, proper, checks = jax.vmap(one)(ks, keys, factor)
             delta, proper = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending), jnp.all(proper)
+            check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
         # a proper Gaussian) is no update: the client sends zero and says so
         valid = proper & _finite(delta) & G.is_positive_definite(q + delta)
         delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
         pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
-        return FactorClientState(factor, pending), {"delta": delta, "valid": valid}
+        message = {"delta": delta, "valid": valid, "fit_ok": check.ok, "fit_stat": check.stat,
+                   "fit_k": check.pareto_k}
+        return FactorClientState(factor, pending), message
 
     def server_step(rng_key, state: FactorServerState, messages, view):
         del rng_key
@@ -196,7 +208,11 @@ def factor_protocol(
         ack = jnp.where(answered, applied, state.ack)
         kl = G.kl_divergence(q, state.q)
         new = FactorServerState(q, ack, state.round + 1)
-        info = FactorInfo(applied, jnp.asarray(halvings), jnp.sum(answered & ~messages["valid"]), valid, kl)
+        fit_ok = answered & messages["fit_ok"]
+        fit_stat = jnp.where(answered, messages["fit_stat"], jnp.nan)
+        fit_k = jnp.where(answered, messages["fit_k"], jnp.nan)
+        info = FactorInfo(applied, jnp.asarray(halvings), jnp.sum(answered & ~messages["valid"]), valid, kl, fit_ok,
+                          fit_stat, fit_k)
         return new, Broadcast({"q": q}, {"ack": ack}), info
 
     return FederatedAlgorithm(
