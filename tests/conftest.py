@@ -1,7 +1,20 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# One persistent XLA compilation cache for this test session, shared by the xdist workers
+# (they inherit the controller's environment), subprocesses and notebook kernels. Tests
+# clear JAX's in-memory caches (see below), so without it every test recompiles even
+# NumPyro's eager ops. The cache key is the compiled program itself: results are identical.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="numpyro_fed_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    _owner = os.getpid()
+    atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
 
 import gc  # noqa: E402
 

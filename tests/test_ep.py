@@ -93,9 +93,7 @@ def test_ep_integrates_out_local_latents_exactly(hier):
     m, c = mean[:DL], cov[:DL, :DL]
     res = nf.EP(hier_model).run(random.PRNGKey(0), K, clients)
     np.testing.assert_allclose(res.mean, m, rtol=1e-4, atol=1e-5)
-    # the Hessian over mu is a central difference of exact gradients (float32): each entry
-    # within 1e-4 of the largest variance (the off-diagonals are 150 times smaller than it)
-    np.testing.assert_allclose(res.cov, c, rtol=1e-4, atol=1e-4 * np.max(np.diag(c)))
+    np.testing.assert_allclose(res.cov, c, rtol=1e-4, atol=1e-7)
     once = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 1, clients)
     assert np.max(np.abs(np.asarray(once.mean) - m) / np.sqrt(np.diag(c))) > 0.05  # not there after one round
     sync = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 25, clients)
@@ -225,7 +223,7 @@ def test_ep_on_hm2_matches_pooled_nuts():
     u = np.concatenate([np.asarray(s["mu"]), np.log(np.asarray(s["tau"]))], 1)
     z = (np.asarray(res.mean) - u.mean(0)) / u.std(0)
     ratio = np.sqrt(np.diag(np.asarray(res.cov))) / u.std(0)
-    assert np.max(np.abs(z[:4])) < 0.25, z  # mu (measured 0.21 at most; the joint-mode Laplace: 0.2)
+    assert np.max(np.abs(z[:4])) < 0.2, z  # mu
     assert np.max(np.abs(z[4:])) < 0.5, z  # log tau
     assert np.max(np.abs(ratio - 1)) < 0.2, ratio
     assert int(np.sum(np.asarray(res.info.invalid))) == 0

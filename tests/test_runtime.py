@@ -2,6 +2,7 @@
 new process, guards that name the round and the clients, and the byte rule."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def test_checkpoint_resumed_in_a_new_process_gives_the_uninterrupted_parameters(
         full[family] = _params_npz(run(inference, inputs, random.PRNGKey(0), 5, callbacks=[save_at_2]))
     script = RESUME.format(root=str(ROOT), families=families, path=str(tmp_path) + "/", rest=3)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+                               **{k: v for k, v in os.environ.items() if k.startswith("JAX_")}})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for family in families:
         with np.load(tmp_path / f"{family}_resumed.npz") as resumed:

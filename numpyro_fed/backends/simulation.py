@@ -450,6 +450,11 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
         new_state = RunState(state.round + 1, server, server_key, broadcast, slots, env_key)
         return new_state, RoundOutput(info, figure, asked, answered, client_ok, server_ok), traffic
 
+    # jit-wrapped so that its trace is cached: the scan's shape probe, the scan body, the
+    # per-round path and the traffic probe all reuse one trace of the clients' steps
+    # (tracing a model-heavy local update can take seconds)
+    one_round = jax.jit(one_round)
+
     def guarded(state, failure: _Failure, data, server_data, avail, with_traffic):
         new, out, traffic = one_round(state, data, server_data, avail)
         bad = ~failure.failed & ~(jnp.all(out.client_ok) & out.server_ok)

@@ -148,20 +148,22 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
     conditional mode. Exact when ``v | u`` is Gaussian (e.g. a Gaussian hierarchical model,
     centred or not), so the funnel of ``(u, v)`` never enters.
 
-    Returns ``log_marginal(u, v0, steps, refine=0) -> (value, (decrement, v*))``. ``v*`` is
-    found by damped Newton from ``v0`` (``steps`` iterations, no gradient through them),
-    then refined by ``refine`` plain Newton steps with gradient: ``refine=1`` makes the
-    first derivative of ``v*(u)``, and so the gradient of the value, exact at a converged
-    mode. ``decrement`` is the inner Newton decrement at the final point (about 0 when the
-    inner mode was reached).
+    Returns ``log_marginal(u, v0, steps, refine=0, volume_only=False) -> (value, (decrement,
+    v*))``. ``v*`` is found by damped Newton from ``v0`` (``steps`` iterations, no gradient
+    through them), then refined by ``refine`` plain Newton steps with gradient: ``refine=1``
+    makes the first derivative of ``v*(u)``, and so the gradient of the value, exact at a
+    converged mode. ``decrement`` is the inner Newton decrement at the final point (about 0
+    when the inner mode was reached). ``volume_only``: the value is the volume term
+    ``-log det(-H_vv) / 2 + const`` alone.
     """
     if num_local == 0:
-        return lambda u, v0, steps, refine=0: (f(u), (jnp.zeros((), u.dtype), v0))
+        return lambda u, v0, steps, refine=0, volume_only=False: (
+            jnp.zeros((), u.dtype) if volume_only else f(u), (jnp.zeros((), u.dtype), v0))
 
     def neg_v(u):
         return lambda v: -f(jnp.concatenate([u, v]))
 
-    def log_marginal(u, v0, steps, refine=0):
+    def log_marginal(u, v0, steps, refine=0, volume_only=False):
         v = jax.lax.stop_gradient(_inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps))
         neg = neg_v(u)
         for _ in range(refine):
@@ -170,7 +172,7 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
         g, h = jax.grad(neg)(v), jax.hessian(neg)(v)
         h = (h + h.T) / 2
         sign, logdet = jnp.linalg.slogdet(h)
-        value = -neg(v) - 0.5 * logdet + 0.5 * num_local * jnp.log(2 * jnp.pi)
+        value = 0.5 * num_local * jnp.log(2 * jnp.pi) - 0.5 * logdet + (0.0 if volume_only else -neg(v))
         decrement = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(h, jax.lax.stop_gradient(g))))
         aux = (jax.lax.stop_gradient(decrement), jax.lax.stop_gradient(v))
         return jnp.where(sign > 0, value, -jnp.inf), aux
@@ -201,24 +203,42 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     """
     rng_key = random.PRNGKey(0) if rng_key is None else rng_key
     num_local = w0.shape[0] - d
-    log_marginal = integrated_laplace(lambda w: log_lik(w) + cavity_log_density(cavity, w[:d]), d, num_local)
+    def tilted(w):
+        return log_lik(w) + cavity_log_density(cavity, w[:d])
+
+    log_marginal = integrated_laplace(tilted, d, num_local)
 
     def value(u, v):
         return log_marginal(u, v, inner_steps)[0]
 
     def derivatives(u, v):
-        """Gradient (exact: one refining Newton step makes ``v*``'s derivative exact), the
-        Hessian, the inner decrement and mode. With local latents the Hessian is central
-        differences of the gradient (one batch of ``2d + 1``; an exact one would
-        differentiate the model to fourth order and take minutes to compile)."""
+        """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``.
+
+        Its two terms are differentiated apart. ``f(u, v*(u))``: the gradient is ``f_u`` and
+        the Hessian the Schur complement ``H_uu - H_uv H_vv^-1 H_vu`` (implicit function
+        theorem), exact from second derivatives of the model. The volume term
+        ``-log det(-H_vv(u, v*(u))) / 2``: exact gradient (one refining Newton step makes
+        ``v*``'s derivative exact), Hessian by central differences of it (one batch of
+        ``2d + 1``; an exact one would differentiate the model to fourth order and take
+        minutes to compile). The differences see only the volume term, which is constant in
+        ``u`` for Gaussian ``v | u``, so there the Hessian is exact to rounding."""
         if num_local == 0:  # no inner problem: the exact Hessian is cheap
             g, h = jax.grad(value)(u, v), jax.hessian(value)(u, v)
             return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v
         h = 1e-3 * (1.0 + jnp.abs(u))
         points = jnp.concatenate([u[None], u + jnp.diag(h), u - jnp.diag(h)])
-        grads, (decs, vs) = jax.vmap(jax.grad(lambda x: log_marginal(x, v, inner_steps, 1), has_aux=True))(points)
-        hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
-        return grads[0], (hess + hess.T) / 2, decs[0], vs[0]
+        vol = jax.grad(lambda x: log_marginal(x, v, inner_steps, 1, volume_only=True), has_aux=True)
+        grads, (decs, vs) = jax.vmap(vol)(points)
+        vol_hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
+        w = jnp.concatenate([u, vs[0]])
+        g_f, h_f = jax.grad(tilted)(w), jax.hessian(tilted)(w)
+        h_f = (h_f + h_f.T) / 2
+        solve = jnp.linalg.solve(h_f[d:, d:], jnp.concatenate([h_f[d:, :d], g_f[d:, None]], 1))
+        # at the inner mode g_f[d:] = 0; the correction keeps the gradient first-order right
+        # near it (it is the gradient after one more Newton step in v)
+        grad = g_f[:d] - h_f[:d, d:] @ solve[:, d] + grads[0]
+        hess = h_f[:d, :d] - h_f[:d, d:] @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
+        return grad, (hess + hess.T) / 2, decs[0], vs[0]
 
     def converged(g, h, dec, tol):
         newton = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(-h, g)))
