@@ -17,6 +17,7 @@ the global sites are read from a client's trace at set-up.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import jax
@@ -57,9 +58,15 @@ _DATA_DEPENDENT_GLOBAL = (
     "global sites must exist whatever a client's data"
 )
 _DISCRETE_LOCAL = (
-    "local latent site '{name}' is discrete ({support}): the structured guides are Gaussian and "
-    "enumerating discrete local sites inside a client's term is not supported yet. Marginalise it "
-    "out in the model (e.g. dist.MixtureSameFamily for a mixture label)"
+    "local latent site '{name}' is discrete ({support}) and not enumerated: the guides are "
+    "Gaussian, so a discrete local site must be summed out inside its client's term. Add "
+    "infer={{'enumerate': 'parallel'}} to the site (or wrap the model in "
+    "numpyro.contrib.funsor.config_enumerate), or marginalise it in the model (e.g. "
+    "dist.MixtureSameFamily for a mixture label)"
+)
+_ENUM_ONLY_PARALLEL = (
+    "local latent site '{name}' has infer['enumerate'] = {how!r}; only 'parallel' enumeration "
+    "(as in NumPyro's TraceEnum_ELBO) is supported"
 )
 _UNMARKED_ROW_SITE = (
     "latent site '{name}' sits in plate '{plate}', which also holds the observed site(s) "
@@ -152,6 +159,7 @@ class ModelStructure(NamedTuple):
     observed: Tuple[str, ...]
     row_plate: Optional[str]
     global_supports: Dict[str, object] = {}
+    enumerated: Tuple[str, ...] = ()  # discrete local sites summed out in their client's term
 
     def constrain_global(self, z: jax.Array) -> Dict[str, jax.Array]:
         """Constrained values of the global latent sites from the flat unconstrained ``z``."""
@@ -221,7 +229,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         _check_unmarked_row_sites(other, label, clients.num_rows[label])
     supports = {}
     global_entries, global_param = [], {}
-    local_latent, local_param, observed = [], [], []
+    local_latent, local_param, observed, enumerated = [], [], [], []
     for name, site in tr.items():
         if site["type"] == "sample" and site["is_observed"]:
             observed.append(name)
@@ -231,7 +239,13 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         role = site_role(site)
         if role == LOCAL:
             if site["type"] == "sample" and site["fn"].support.is_discrete:
-                raise ValueError(_DISCRETE_LOCAL.format(name=name, support=site["fn"].support))
+                how = site["infer"].get("enumerate")
+                if how is None:
+                    raise ValueError(_DISCRETE_LOCAL.format(name=name, support=site["fn"].support))
+                if how != "parallel":
+                    raise ValueError(_ENUM_ONLY_PARALLEL.format(name=name, how=how))
+                enumerated.append(name)
+                continue
             (local_latent if site["type"] == "sample" else local_param).append(name)
             continue
         if role != GLOBAL:
@@ -256,6 +270,8 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
             global_param[name] = (u, site["kwargs"].get("constraint"))
     if not global_entries and not local_latent:
         raise ValueError(_NO_LATENT)
+    if enumerated:
+        _require_funsor()
     return ModelStructure(
         global_latent=make_layout(global_entries),
         global_param=global_param,
@@ -264,6 +280,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         observed=tuple(observed),
         row_plate=None,
         global_supports=supports,
+        enumerated=tuple(enumerated),
     )
 
 
@@ -329,6 +346,17 @@ def log_joint(
 
     masker = _RowMask(seed(model, 0), row_plate, row_mask)
     tr = trace(substitute(masker, substitute_fn=substitute_fn)).get_trace(**dict(args), **dict(kwargs))
+    enumerated = [n for n, site in tr.items() if _is_enumerated(site)]
+    if enumerated and _uncounted(count(tr[enumerated[0]])):
+        # the enumerated values are then not summed over: nothing counted may depend on them
+        observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]
+                    and not _uncounted(count(site))]
+        if observed:
+            raise ValueError(f"observed site(s) {observed} are counted but the enumerated site(s) {enumerated} "
+                             "they depend on are not: count the enumerated sites with the observed ones")
+    elif enumerated:
+        return _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, row_mask, tr, masker,
+                                     ladj, enumerated)
     total = jnp.zeros(())
     for name, site in tr.items():
         if site["type"] != "sample":
@@ -345,4 +373,82 @@ def log_joint(
         if site["scale"] is not None:
             lp = lp * site["scale"]
         total = total + (1.0 if weight is True else weight) * jnp.sum(lp)
+    return total
+
+
+def _uncounted(weight) -> bool:
+    return weight is False or (isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight == 0)
+
+
+def _is_enumerated(site) -> bool:
+    return (site["type"] == "sample" and not site["is_observed"] and site["fn"].support.is_discrete
+            and site["infer"].get("enumerate") == "parallel")
+
+
+def _require_funsor():
+    if importlib.util.find_spec("funsor") is None:  # pragma: no cover - funsor is a dependency
+        raise ImportError("enumerating discrete local sites needs funsor (as NumPyro's TraceEnum_ELBO does): "
+                          "pip install funsor")
+
+
+class _Reweigh(Messenger):
+    """Set each sample site's scale to its weight (times any scale the model gave it);
+    ``0`` drops a site's factor."""
+
+    def __init__(self, fn, weight: Callable[[dict], float]):
+        self.weight = weight
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample":
+            w = self.weight(msg)
+            w = 0.0 if w is False else (1.0 if w is True else w)
+            msg["scale"] = w if msg["scale"] is None else msg["scale"] * w
+
+
+def _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, row_mask, tr, masker, ladj,
+                          enumerated):
+    """:func:`log_joint` of a model with enumerated discrete sites, which are summed out
+    exactly as NumPyro's ``TraceEnum_ELBO`` does (funsor's sum-product over the plates).
+
+    Sites that depend on an enumerated value (the discrete site and its children: local
+    and observed sites of the client) must share the enumerated site's weight ``w``: the
+    result is ``w log sum_d exp(...)`` (a client's rows scaled as a whole, e.g. SFVI-Avg's
+    ``N / n_j``), with other sites' weights applied relative to ``w`` (they are constant in
+    the enumerated values, so in or out of the sum is the same). A padded row (``row_mask``
+    0) has every factor masked to 0, so its sum over the enumerated values is the number of
+    them; that ``log K`` per padded entry is taken off again."""
+    from numpyro.contrib.funsor import enum
+    from numpyro.contrib.funsor import log_density as enum_log_density
+
+    w = count(tr[enumerated[0]])  # may be traced: equal weights are the caller's contract
+    w = 1.0 if w is True else w
+
+    def relative(site):
+        v = count(site)
+        v = 0.0 if v is False else (1.0 if v is True else v)
+        return v / w
+
+    nesting = max([-f.dim for site in tr.values() if site["type"] == "sample" for f in site["cond_indep_stack"]
+                   if f.dim is not None] + [0])
+    masked = _RowMask(seed(model, 0), row_plate, row_mask)
+    inner = _Reweigh(substitute(masked, substitute_fn=substitute_fn), relative)
+    value, _ = enum_log_density(enum(inner, first_available_dim=-nesting - 1), tuple(), {**dict(args), **dict(kwargs)},
+                                {})
+    total = w * value
+    for name, j in ladj.items():  # Jacobians of the substituted continuous sites
+        v = count(tr[name])
+        if v is False or (isinstance(v, (int, float)) and v == 0):
+            continue
+        if name in masker.masks:
+            j = j * masker.masks[name]
+        scale = tr[name]["scale"]
+        total = total + (1.0 if v is True else v) * jnp.sum(j if scale is None else j * scale)
+    for name in enumerated:  # padded entries: all-zero factors summed over the K values
+        if name not in masker.masks:
+            continue
+        fn = tr[name]["fn"]
+        size = fn.enumerate_support(expand=False).shape[0]
+        padded = jnp.sum(1.0 - jnp.broadcast_to(masker.masks[name], fn.batch_shape))
+        total = total - w * padded * jnp.log(size)
     return total

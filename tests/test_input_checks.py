@@ -129,12 +129,17 @@ def test_discrete_sites_get_a_clear_error():
     def local_discrete(y):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         with numpyro.plate("rows", y.shape[0]), nf.local_site():
-            z = numpyro.sample("z", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
+            z = numpyro.sample("z", dist.Bernoulli(0.5))
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(mu * z, 1.0), obs=y)
 
     clients = nf.Clients({"a": dict(y=np.zeros(3)), "b": dict(y=np.ones(3))})
     with pytest.raises(ValueError, match=r"global latent site 'k' is discrete .* Marginalise it out"):
         nf.FederatedSVI(global_discrete, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
-    with pytest.raises(ValueError, match=r"local latent site 'z' is discrete .* not supported yet"):
+    with pytest.raises(ValueError, match=r"local latent site 'z' is discrete .* not enumerated.*"
+                                         r"infer=\{'enumerate': 'parallel'\}"):
         nf.FederatedSVI(local_discrete, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
+    sequential = numpyro.handlers.infer_config(local_discrete, lambda site: {"enumerate": "sequential"}
+                                               if site["name"] == "z" else {})
+    with pytest.raises(ValueError, match=r"'z' has infer\['enumerate'\] = 'sequential'; only 'parallel'"):
+        nf.FederatedSVI(sequential, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)

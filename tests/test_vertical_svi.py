@@ -273,6 +273,14 @@ def test_clear_errors(data3):
     with pytest.raises(ValueError, match="aux="):
         nf.VerticalGuide("full")
 
+    def with_switch(xa, xb, xc, y):
+        numpyro.sample("switch", dist.Bernoulli(0.5))
+        three_client_model(xa, xb, xc, y)
+
+    switch = nf.vertical_split(with_switch, clients=SPEC3, rho=0.5, response="y")
+    with pytest.raises(ValueError, match=r"latent site 'switch' is discrete .* Marginalise it out"):
+        nf.VerticalSVI(switch, nf.VerticalGuide(), optax.adam(0.1)).init(random.PRNGKey(0), **data3)
+
 
 def test_evaluate_and_resume(data3):
     vmodel = nf.vertical_split(three_client_model, clients=SPEC3, form="power", rho=0.5, response="y")

@@ -65,7 +65,7 @@ class ModelTerms(NamedTuple):
     """The protocol's inputs, built from the model (see :meth:`FactorInference._terms`)."""
 
     prior: G.NaturalGaussian
-    log_lik: Callable  # (u, data) -> log p(y_j | u); global sites only
+    log_lik: Callable  # (u, data) -> log p(y_j | u); global sites only (discrete local ones summed out)
     log_joint: Callable  # (w = [u, v], data) -> log p(y_j, v | u) with local Jacobians
     num_local: int
     local: SiteLayout
@@ -131,9 +131,10 @@ class FactorInference(FederatedInference):
         log_prior = prior_on(clients[clients.names[0]])
         _check_prior_is_data_free(log_prior, prior_on(clients[clients.names[-1]]), d, clients.names, layout.names)
 
-        def log_lik(u, data):
+        def log_lik(u, data):  # (local sites, if any, are discrete and summed out with the data)
             return log_joint(self.model, data.args, kwargs, layout.unravel(u), {},
-                             lambda s: s["type"] == "sample" and s["is_observed"], structure.row_plate, data.row_mask)
+                             lambda s: s["type"] == "sample" and (s["is_observed"] or site_role(s) == LOCAL),
+                             structure.row_plate, data.row_mask)
 
         local = structure.local_layout(trace_model(self.model, client_data(plan, 0).args, kwargs))
         log_joint_local = self._joint(structure, local)

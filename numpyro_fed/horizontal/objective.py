@@ -15,9 +15,11 @@ are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
@@ -79,6 +81,7 @@ class FederatedObjective:
         self.model_kwargs = dict(model_kwargs or {})
         self.stl = bool(stl)
         self.global_constraints = {n: c for n, (_, c) in structure.global_param.items()}
+        self._enum_dependent: Dict[tuple, Tuple[str, ...]] = {}
 
     # ------------------------------------------------------------- parameters
     @property
@@ -161,8 +164,29 @@ class FederatedObjective:
         """
         latent, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout)
         values = {n: tr[n]["value"] for n in latent}
-        values.update({n: site["value"] for n, site in tr.items() if site["type"] == "deterministic"})
+        skip = self.enumeration_dependent(args) if self.structure.enumerated else ()
+        values.update({n: site["value"] for n, site in tr.items() if site["type"] == "deterministic" and n not in skip})
         return values
+
+    def enumeration_dependent(self, args) -> Tuple[str, ...]:
+        """The ``numpyro.deterministic`` sites whose value depends on an enumerated site
+        (they have no value once it is summed out, so they are left out of the draws).
+        Found once per argument shapes by running the model with the enumerated sites at
+        two different values."""
+        key = tuple(sorted((k, jnp.shape(v)) for k, v in dict(args).items()))
+        if key not in self._enum_dependent:
+            names = set()
+            with jax.ensure_compile_time_eval():  # concrete even when called under jit
+                traces = [trace(substitute(seed(self.model, 0), substitute_fn=_fixed_discrete(value))).get_trace(
+                    **dict(args), **self.model_kwargs) for value in (0, 1)]
+            for value, tr in enumerate(traces):
+                det = {n: np.asarray(site["value"]) for n, site in tr.items() if site["type"] == "deterministic"}
+                if value == 0:
+                    first = det
+                else:
+                    names = {n for n in det if det[n].shape != first[n].shape or not np.array_equal(det[n], first[n])}
+            self._enum_dependent[key] = tuple(sorted(names))
+        return self._enum_dependent[key]
 
     def observed_sites(
         self, global_params, local_params, z_global, z_local, args, layout: SiteLayout, rng_key
@@ -170,14 +194,60 @@ class FederatedObjective:
         """``(log_likelihood, predictive)`` of the observed sites at one posterior draw, on
         the client's rows ``args``: each observed site's pointwise log density of the
         client's data, and a draw of new data from it (a client's computation)."""
-        _, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout)
+        k_trace, k_obs = jax.random.split(rng_key)
+        _, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout, k_trace)
         observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
-        keys = jax.random.split(rng_key, max(len(observed), 1))
-        log_lik = {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}
+        keys = jax.random.split(k_obs, max(len(observed), 1))
         predictive = {n: tr[n]["fn"].sample(k) for n, k in zip(observed, keys)}
+        if self.structure.enumerated:
+            return self._enumerated_log_lik(global_params, local_params, z_global, z_local, args, layout, tr,
+                                            observed), predictive
+        log_lik = {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}
         return log_lik, predictive
 
-    def _substituted_trace(self, global_params, local_params, z_global, z_local, args, layout):
+    def _enumerated_log_lik(self, global_params, local_params, z_global, z_local, args, layout, tr, observed):
+        """Pointwise log-likelihood with the enumerated sites summed out: one value per row
+        of the plate the enumerated sites share with the observed site,
+        ``log p(y_i | z_G, v_i) = log sum_d p(d, v_i, y_i | z_G) - log sum_d p(d, v_i | z_G)``
+        (``v_i``: the row's continuous local latents, conditioned on as without
+        enumeration). The row's items are coupled through ``d``, so a row is one point."""
+        if len(observed) != 1:
+            raise ValueError(_ENUM_POINTWISE.format(what=f"{len(observed)} observed sites {observed}"))
+        obs = tr[observed[0]]
+        enum_plates = set.intersection(*[{f.name for f in tr[n]["cond_indep_stack"]} for n in
+                                         self.structure.enumerated])
+        frames = [f for f in obs["cond_indep_stack"] if f.name in enum_plates]
+        if len(frames) != 1:
+            raise ValueError(_ENUM_POINTWISE.format(
+                what=f"the enumerated sites {list(self.structure.enumerated)} and '{observed[0]}' share the plates "
+                     f"{sorted(f.name for f in frames)}, not exactly one row plate"))
+        plate, rows = frames[0].name, frames[0].size
+        latent = {**self.structure.global_latent.unravel(z_global), **layout.unravel(z_local)}
+        _, local_constraints, _ = self.client_layout(args)
+        params = {**constrain_params(global_params["theta"], self.global_constraints),
+                  **constrain_params(local_params["theta"], local_constraints)}
+
+        def count(with_observed):
+            def weight(site):
+                if site["type"] != "sample":
+                    return False
+                return bool(site["is_observed"] and with_observed) or (not site["is_observed"]
+                                                                       and site_role(site) == LOCAL)
+            return weight
+
+        def row(i):
+            mask = (jnp.arange(rows) == i).astype(jnp.float32)
+            both = log_joint(self.model, args, self.model_kwargs, latent, params, count(True), plate, mask)
+            prior = log_joint(self.model, args, self.model_kwargs, latent, params, count(False), plate, mask)
+            return both - prior
+
+        return {observed[0]: jax.vmap(row)(jnp.arange(rows))}
+
+    def _substituted_trace(self, global_params, local_params, z_global, z_local, args, layout, rng_key=None):
+        """The model on ``args`` at the given draws. Enumerated sites, which have no draw,
+        take a value from their conditional prior with ``rng_key`` (a posterior predictive
+        draw then comes from the marginal ``p(y | z)``, as NumPyro's ``Predictive`` does
+        without ``infer_discrete``)."""
         latent = dict(self.structure.global_latent.unravel(z_global))
         params = constrain_params(global_params["theta"], self.global_constraints)
         if layout is not None:
@@ -192,7 +262,29 @@ class FederatedObjective:
                 return params[msg["name"]]
             return None
 
-        tr = trace(substitute(seed(self.model, 0), substitute_fn=sub)).get_trace(
+        rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        tr = trace(substitute(seed(self.model, rng_key), substitute_fn=sub)).get_trace(
             **dict(args), **self.model_kwargs
         )
         return latent, tr
+
+
+_ENUM_POINTWISE = (
+    "a pointwise log-likelihood of a model with enumerated sites is one value per row, which needs one "
+    "observed site in one row plate shared with the enumerated sites; this model has {what}. Use the "
+    "ELBO-based comparison, or write the model so that one observed site holds a row's data"
+)
+
+
+def _fixed_discrete(value):
+    """A ``substitute_fn`` that sets every enumerated site to ``value`` (clipped to its
+    support's size)."""
+
+    def fn(msg):
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["infer"].get("enumerate") == "parallel":
+            support = msg["fn"].enumerate_support(expand=False)
+            pick = support[min(value, support.shape[0] - 1)]
+            return jnp.broadcast_to(pick, msg["fn"].shape())
+        return None
+
+    return fn

@@ -55,6 +55,10 @@ _ROW_LATENT = (
     "latent variables only as the auxiliary z_j. Make it a parameter of the contribution "
     "or fit the model with NUTS"
 )
+_DISCRETE = (
+    "latent site '{name}' is discrete ({support}); vertical federation's guides are Gaussian over "
+    "unconstrained values. Marginalise it out in the model"
+)
 _OBS_PLATE = (
     "observed site '{name}' is not inside the row plate '{plate}'; put the likelihood "
     "inside `with numpyro.plate('{plate}', n):` so that rows can be minibatched"
@@ -151,6 +155,8 @@ class VerticalObjective:
                 continue
             if _in_plate(site, self.row_plate):
                 raise ValueError(_ROW_LATENT.format(name=name, plate=self.row_plate))
+            if site["fn"].support.is_discrete:
+                raise ValueError(_DISCRETE.format(name=name, support=site["fn"].support))
             self.supports[name] = site["fn"].support
             u = biject_to(site["fn"].support).inv(site["value"])
             entries[_owner(site)].append((name, jnp.shape(u), None))
