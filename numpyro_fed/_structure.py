@@ -36,6 +36,8 @@ __all__ = [
     "SiteLayout",
     "analyse_model",
     "constrain_params",
+    "deterministic_of_globals",
+    "global_deterministic_sites",
     "is_latent",
     "log_joint",
     "make_layout",
@@ -452,3 +454,40 @@ def _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, 
         padded = jnp.sum(1.0 - jnp.broadcast_to(masker.masks[name], fn.batch_shape))
         total = total - w * padded * jnp.log(size)
     return total
+
+
+def global_deterministic_sites(model, kwargs: Mapping, clients, global_names) -> Tuple[str, ...]:
+    """The ``numpyro.deterministic`` sites that are functions of the global latent sites
+    alone: equal, at the same global values, when the model runs on the first and the last
+    client's data and with other draws of everything else (local latents, enumerated
+    sites). Only those can be reported with draws of ``q(z_G)``."""
+    names = clients.names
+    base = trace_model(model, clients[names[0]], kwargs)
+    fixed = {n: base[n]["value"] for n in global_names}
+    runs = [trace(substitute(seed(model, s), data=fixed)).get_trace(**dict(clients[c]), **dict(kwargs))
+            for c, s in ((names[0], 1), (names[-1], 2))]
+    observed_plates = {f.name for site in base.values() if site["type"] == "sample" and site["is_observed"]
+                       for f in site["cond_indep_stack"]}
+    keep = []
+    for name, site in base.items():
+        if site["type"] != "deterministic":
+            continue
+        if len(names) == 1 and any(f.name in observed_plates for f in site["cond_indep_stack"]):
+            continue  # one client: per-row values cannot be told from global ones; leave them out
+        value = np.asarray(site["value"])
+        if all(name in tr and np.shape(tr[name]["value"]) == value.shape
+               and np.allclose(np.asarray(tr[name]["value"]), value, rtol=1e-6, atol=1e-6) for tr in runs):
+            keep.append(name)
+    return tuple(keep)
+
+
+def deterministic_of_globals(model, kwargs: Mapping, args: Mapping, names) -> Callable:
+    """``constrained global values -> {name: value}`` of the deterministic sites ``names``
+    (see :func:`global_deterministic_sites`), computed by running the model on ``args``
+    (a client's own data)."""
+
+    def values(globals_):
+        tr = trace(substitute(seed(model, 0), data=dict(globals_))).get_trace(**dict(args), **dict(kwargs))
+        return {n: tr[n]["value"] for n in names}
+
+    return values

@@ -213,6 +213,7 @@ def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
     p = nf.PVI(model, update="optax", optim=optax.adam(0.01), local_steps=200, schedule="sequential")
     res = p.run(random.PRNGKey(0), 3, clients)
     draws = p.sample_posterior(random.PRNGKey(1), res, 200)
+    assert set(draws) == {"s", "w"}
     assert draws["s"].shape == (200,) and bool(jnp.all(draws["s"] > 0))
     assert abs(float(jnp.median(draws["s"])) - SIGMA) < 0.2
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.mean))
@@ -276,3 +277,25 @@ def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, 
           np.sqrt(np.diag(res.cov)) / sd)
     assert np.max(np.abs(res.mean - mean) / sd) < 0.25
     np.testing.assert_allclose(np.sqrt(np.diag(res.cov)), sd, rtol=0.05)
+
+
+def test_deterministic_sites_of_the_globals_are_in_the_draws(linear):
+    """PVI/EP draws of ``q(z_G)`` carry the model's deterministic sites that are functions
+    of the global sites alone (``w_sq``), computed from the draws; per-row ones (``mean``)
+    have no value under ``q(z_G)`` and are left out."""
+    clients, *_ = linear
+
+    def model(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        numpyro.deterministic("w_sq", jnp.sum(w**2))
+        with numpyro.plate("rows", y.shape[0]):
+            mean = numpyro.deterministic("mean", x @ w)
+            numpyro.sample("y", dist.Normal(mean, SIGMA), obs=y)
+
+    for inference in (nf.PVI(model, schedule="sequential"), nf.EP(model)):
+        res = inference.run(random.PRNGKey(0), 1, clients)
+        draws = inference.sample_posterior(random.PRNGKey(1), res, 50)
+        assert set(draws) == {"w", "w_sq"}, type(inference).__name__
+        np.testing.assert_allclose(draws["w_sq"], jnp.sum(draws["w"] ** 2, -1), rtol=1e-5)
+        idata = nf.to_arviz(inference, res, random.PRNGKey(1), num_samples=25)
+        assert "w_sq" in idata.posterior and "mean" not in idata.posterior

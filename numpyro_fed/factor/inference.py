@@ -19,7 +19,8 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import SiteLayout, analyse_model, is_latent, log_joint, trace_model
+from .._structure import (SiteLayout, analyse_model, deterministic_of_globals, global_deterministic_sites,
+                          is_latent, log_joint, trace_model)
 from ..backends.mapping import client_data, plan_clients
 from ..clients import Clients
 from ..handlers import GLOBAL, LOCAL, site_role
@@ -287,7 +288,10 @@ class FactorInference(FederatedInference):
         return setup.cache["supports"]
 
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: int) -> Dict[str, jax.Array]:
-        """Draws of the global sites from ``q``, constrained."""
+        """Draws of the global sites from ``q``, constrained, and of the model's
+        ``numpyro.deterministic`` sites that are functions of the global sites alone
+        (computed by the first client on its own rows; per-row and local ones have no value
+        under ``q(z_G)`` and are left out)."""
         setup = self._fitted()
         num_samples = check_positive_int("num_samples", num_samples)
         state = result.state if isinstance(result, RunResult) else result
@@ -296,7 +300,15 @@ class FactorInference(FederatedInference):
         u = jax.vmap(lambda e: G.sample(q, e))(eps)
         layout = setup.extra.structure.global_latent
         supports = self._supports()
-        return {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
+        draws = {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
+        if "deterministic" not in setup.cache:  # compiled once per set-up
+            names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs, layout.names)
+            first = setup.inputs[setup.inputs.names[0]]
+            fn = deterministic_of_globals(self.model, self.model_kwargs, first, names)
+            setup.cache["deterministic"] = jax.jit(jax.vmap(fn)) if names else None
+        if setup.cache["deterministic"] is not None:
+            draws.update(setup.cache["deterministic"](draws))
+        return draws
 
 
 _PRIOR_DEPENDS_ON_DATA = (
