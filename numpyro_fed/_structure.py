@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
@@ -359,22 +360,24 @@ def log_joint(
     elif enumerated:
         return _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, row_mask, tr, masker,
                                      ladj, enumerated)
+    return _site_terms(tr, [n for n, site in tr.items() if site["type"] == "sample"], count, masker.masks, ladj)
+
+
+def _site_terms(tr, names, count, masks, ladj, log_prob: bool = True) -> jax.Array:
+    """``sum_site count(site) * sum(scale * (log p(site) + masked Jacobian))`` over ``names``
+    (without ``log p`` when ``log_prob`` is False: the Jacobians alone)."""
     total = jnp.zeros(())
-    for name, site in tr.items():
-        if site["type"] != "sample":
-            continue
+    for name in names:
+        site = tr[name]
         weight = count(site)
-        if weight is False or (isinstance(weight, (int, float)) and weight == 0):
+        if _uncounted(weight):
             continue
-        lp = site["fn"].log_prob(site["value"])
+        term = site["fn"].log_prob(site["value"]) if log_prob else 0.0
         if name in ladj:
-            j = ladj[name]
-            if name in masker.masks:
-                j = j * masker.masks[name]
-            lp = lp + j
+            term = term + (ladj[name] * masks[name] if name in masks else ladj[name])
         if site["scale"] is not None:
-            lp = lp * site["scale"]
-        total = total + (1.0 if weight is True else weight) * jnp.sum(lp)
+            term = term * site["scale"]
+        total = total + (1.0 if weight is True else weight) * jnp.sum(term)
     return total
 
 
@@ -437,15 +440,8 @@ def _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, 
     inner = _Reweigh(substitute(masked, substitute_fn=substitute_fn), relative)
     value, _ = enum_log_density(enum(inner, first_available_dim=-nesting - 1), tuple(), {**dict(args), **dict(kwargs)},
                                 {})
-    total = w * value
-    for name, j in ladj.items():  # Jacobians of the substituted continuous sites
-        v = count(tr[name])
-        if v is False or (isinstance(v, (int, float)) and v == 0):
-            continue
-        if name in masker.masks:
-            j = j * masker.masks[name]
-        scale = tr[name]["scale"]
-        total = total + (1.0 if v is True else v) * jnp.sum(j if scale is None else j * scale)
+    # the Jacobians of the substituted continuous sites
+    total = w * value + _site_terms(tr, list(ladj), count, masker.masks, ladj, log_prob=False)
     for name in enumerated:  # padded entries: all-zero factors summed over the K values
         if name not in masker.masks:
             continue
@@ -456,38 +452,77 @@ def _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, 
     return total
 
 
-def global_deterministic_sites(model, kwargs: Mapping, clients, global_names) -> Tuple[str, ...]:
+def deterministic_values(tr) -> Dict[str, np.ndarray]:
+    """``{name: value}`` of a trace's ``numpyro.deterministic`` sites, as NumPy arrays."""
+    return {n: np.asarray(site["value"]) for n, site in tr.items() if site["type"] == "deterministic"}
+
+
+def changed_deterministic(first: Mapping, others, rtol: float = 0.0, atol: float = 0.0) -> set:
+    """Names of the deterministic sites in ``first`` (see :func:`deterministic_values`)
+    whose value differs, or is missing, in any of the ``others``: the sites that depend on
+    what was varied between the model runs."""
+    return {n for n, v in first.items()
+            if any(n not in o or o[n].shape != v.shape or not np.allclose(o[n], v, rtol=rtol, atol=atol)
+                   for o in others)}
+
+
+def fixed_discrete(value):
+    """A ``substitute_fn`` that sets every enumerated site to ``value`` (clipped to its
+    support's size)."""
+
+    def fn(msg):
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["infer"].get("enumerate") == "parallel":
+            support = msg["fn"].enumerate_support(expand=False)
+            pick = support[min(value, support.shape[0] - 1)]
+            return jnp.broadcast_to(pick, msg["fn"].shape())
+        return None
+
+    return fn
+
+
+def global_deterministic_sites(model, kwargs: Mapping, clients, global_names, global_params=()) -> Tuple[str, ...]:
     """The ``numpyro.deterministic`` sites that are functions of the global latent sites
-    alone: equal, at the same global values, when the model runs on the first and the last
-    client's data and with other draws of everything else (local latents, enumerated
-    sites). Only those can be reported with draws of ``q(z_G)``."""
+    (and the global ``numpyro.param`` sites ``global_params``) alone: equal, at the same
+    global values, when the model runs on the first and the last client's data with other
+    draws of everything else (local latents; enumerated sites at their first and second
+    value) and other values of every other ``numpyro.param``. Only those can be reported with draws of ``q(z_G)``."""
     names = clients.names
     base = trace_model(model, clients[names[0]], kwargs)
     fixed = {n: base[n]["value"] for n in global_names}
-    runs = [trace(substitute(seed(model, s), data=fixed)).get_trace(**dict(clients[c]), **dict(kwargs))
-            for c, s in ((names[0], 1), (names[-1], 2))]
+
+    def moved(shift, value):
+        discrete = fixed_discrete(value)
+
+        def sub(msg):
+            if msg["type"] == "sample" and msg["name"] in fixed:
+                return fixed[msg["name"]]
+            if msg["type"] == "param" and msg["name"] not in global_params and msg["name"] in base:
+                t = biject_to(msg["kwargs"].get("constraint") or constraints.real)
+                return t(t.inv(base[msg["name"]]["value"]) + shift)
+            return discrete(msg)
+        return sub
+
+    runs = [deterministic_values(trace(substitute(seed(model, s), substitute_fn=moved(0.1 * s, s - 1))).get_trace(
+        **dict(clients[c]), **dict(kwargs))) for c, s in ((names[0], 1), (names[-1], 2))]
     observed_plates = {f.name for site in base.values() if site["type"] == "sample" and site["is_observed"]
                        for f in site["cond_indep_stack"]}
-    keep = []
-    for name, site in base.items():
-        if site["type"] != "deterministic":
-            continue
-        if len(names) == 1 and any(f.name in observed_plates for f in site["cond_indep_stack"]):
-            continue  # one client: per-row values cannot be told from global ones; leave them out
-        value = np.asarray(site["value"])
-        if all(name in tr and np.shape(tr[name]["value"]) == value.shape
-               and np.allclose(np.asarray(tr[name]["value"]), value, rtol=1e-6, atol=1e-6) for tr in runs):
-            keep.append(name)
-    return tuple(keep)
+    first = deterministic_values(base)
+    if len(names) == 1:  # one client: per-row values cannot be told from global ones; leave them out
+        first = {n: v for n, v in first.items()
+                 if not any(f.name in observed_plates for f in base[n]["cond_indep_stack"])}
+    changed = changed_deterministic(first, runs, rtol=1e-6, atol=1e-6)
+    return tuple(n for n in first if n not in changed)
 
 
 def deterministic_of_globals(model, kwargs: Mapping, args: Mapping, names) -> Callable:
     """``constrained global values -> {name: value}`` of the deterministic sites ``names``
     (see :func:`global_deterministic_sites`), computed by running the model on ``args``
-    (a client's own data)."""
+    (a client's own data); ``params``: constrained values of global ``numpyro.param``
+    sites."""
 
-    def values(globals_):
-        tr = trace(substitute(seed(model, 0), data=dict(globals_))).get_trace(**dict(args), **dict(kwargs))
+    def values(globals_, params=None):
+        data = {**dict(globals_), **dict(params or {})}
+        tr = trace(substitute(seed(model, 0), data=data)).get_trace(**dict(args), **dict(kwargs))
         return {n: tr[n]["value"] for n in names}
 
     return values

@@ -276,3 +276,30 @@ def test_deterministic_sites_in_client_draws_and_arviz(unequal):
     np.testing.assert_allclose(draws["mean"], beta @ np.asarray(unequal["1"]["X"]).T, rtol=1e-4, atol=1e-5)
     idata = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=100, client="1")
     assert idata.posterior["mean"].shape == (4, 100, unequal.num_rows["1"]) and "ratio" in idata.posterior
+
+
+def test_server_draws_carry_the_deterministic_sites_of_the_global_sites(unequal):
+    """Without a client, draws of q(z_G) carry the deterministic sites that are functions
+    of the global latent and global param sites alone, at the fitted param values; those
+    that depend on the rows or on a client's own param are left out."""
+
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        sigma = numpyro.param("sigma", 1.0, constraint=dist.constraints.positive)
+        with nf.local_site():
+            lo = numpyro.param("lo", 0.0)
+        numpyro.deterministic("ratio", beta[0] / beta[1])
+        numpyro.deterministic("snr", beta[0] / sigma)  # global param: fitted value
+        numpyro.deterministic("shifted", beta[0] + lo)  # a client's own param: left out
+        with numpyro.plate("rows", X.shape[0]):
+            mean = numpyro.deterministic("mean", X @ beta + lo)
+            numpyro.sample("y", dist.Normal(mean, sigma), obs=y)
+
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    result = svi.run(random.PRNGKey(0), 200, unequal, progress_bar=False)
+    draws = svi.sample_posterior(random.PRNGKey(1), result, 50)
+    assert set(draws) == {"beta", "ratio", "snr"}
+    beta, sigma = np.asarray(draws["beta"]), float(result.params["theta"]["sigma"])
+    assert abs(sigma - 1.0) > 0.05  # fitted, not the initial value
+    np.testing.assert_allclose(draws["ratio"], beta[:, 0] / beta[:, 1], rtol=1e-5)
+    np.testing.assert_allclose(draws["snr"], beta[:, 0] / sigma, rtol=1e-5)

@@ -11,7 +11,8 @@ import numpy as np
 import optax
 from jax import random
 
-from .._structure import analyse_model, constrain_params, trace_model
+from .._structure import (analyse_model, constrain_params, deterministic_of_globals, global_deterministic_sites,
+                          trace_model)
 from ..backends.mapping import client_data, client_item, plan_clients
 from ..clients import Clients
 from ..inference import FederatedInference, Setup
@@ -291,8 +292,10 @@ class FederatedSVI(FederatedInference):
     ) -> Dict[str, jax.Array]:
         """Draws from the fitted approximation, in constrained space.
 
-        Without ``client``: the global latent sites (what the server can compute; it never
-        runs the model). With a client name: that client's local latent sites as well,
+        Without ``client``: the global latent sites, and the model's ``numpyro.deterministic``
+        sites that are functions of the global sites (and global ``numpyro.param`` sites)
+        alone, computed by the first client on its own rows (the server never runs the
+        model; per-row and local deterministic sites have no value under ``q(z_G)``). With a client name: that client's local latent sites as well,
         drawn from ``q(z_L | z_G)``, and the model's ``numpyro.deterministic`` sites
         computed on the client's rows; this uses the client's local state and data and is
         the client's own computation.
@@ -311,7 +314,16 @@ class FederatedSVI(FederatedInference):
         if client is None:
             if "server_draws" not in setup.cache:  # compiled once per set-up
                 setup.cache["server_draws"] = jax.jit(jax.vmap(obj.structure.constrain_global))
-            return setup.cache["server_draws"](z_g)
+                names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs,
+                                                   obj.structure.global_latent.names, obj.global_constraints)
+                first = setup.inputs[setup.inputs.names[0]]
+                fn = deterministic_of_globals(self.model, self.model_kwargs, first, names)
+                setup.cache["deterministic"] = jax.jit(jax.vmap(fn, in_axes=(0, None))) if names else None
+            draws = setup.cache["server_draws"](z_g)
+            if setup.cache["deterministic"] is not None:
+                params = constrain_params(g["theta"], obj.global_constraints)
+                draws.update(setup.cache["deterministic"](draws, params))
+            return draws
         _, local, z_g, z_real, real_layout, args = self._client_latents(setup, state, client, k_l, z_g)
         key = ("client_draws", client)
         if key not in setup.cache:  # compiled once per client and set-up

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
@@ -27,7 +26,10 @@ from numpyro.handlers import seed, substitute, trace
 from .._structure import (
     ModelStructure,
     SiteLayout,
+    changed_deterministic,
     constrain_params,
+    deterministic_values,
+    fixed_discrete,
     is_latent,
     log_joint,
     trace_model,
@@ -175,17 +177,11 @@ class FederatedObjective:
         two different values."""
         key = tuple(sorted((k, jnp.shape(v)) for k, v in dict(args).items()))
         if key not in self._enum_dependent:
-            names = set()
             with jax.ensure_compile_time_eval():  # concrete even when called under jit
-                traces = [trace(substitute(seed(self.model, 0), substitute_fn=_fixed_discrete(value))).get_trace(
-                    **dict(args), **self.model_kwargs) for value in (0, 1)]
-            for value, tr in enumerate(traces):
-                det = {n: np.asarray(site["value"]) for n, site in tr.items() if site["type"] == "deterministic"}
-                if value == 0:
-                    first = det
-                else:
-                    names = {n for n in det if det[n].shape != first[n].shape or not np.array_equal(det[n], first[n])}
-            self._enum_dependent[key] = tuple(sorted(names))
+                first, other = (deterministic_values(trace(substitute(
+                    seed(self.model, 0), substitute_fn=fixed_discrete(value))).get_trace(
+                    **dict(args), **self.model_kwargs)) for value in (0, 1))
+            self._enum_dependent[key] = tuple(sorted(changed_deterministic(first, [other])))
         return self._enum_dependent[key]
 
     def observed_sites(
@@ -274,17 +270,3 @@ _ENUM_POINTWISE = (
     "observed site in one row plate shared with the enumerated sites; this model has {what}. Use the "
     "ELBO-based comparison, or write the model so that one observed site holds a row's data"
 )
-
-
-def _fixed_discrete(value):
-    """A ``substitute_fn`` that sets every enumerated site to ``value`` (clipped to its
-    support's size)."""
-
-    def fn(msg):
-        if msg["type"] == "sample" and not msg["is_observed"] and msg["infer"].get("enumerate") == "parallel":
-            support = msg["fn"].enumerate_support(expand=False)
-            pick = support[min(value, support.shape[0] - 1)]
-            return jnp.broadcast_to(pick, msg["fn"].shape())
-        return None
-
-    return fn
