@@ -10,8 +10,8 @@ Designs (paper 004 §5.2, after Van Erp et al., 2019), every device sharing ``th
 Fit: :func:`numpyro_fed.models.variable_selection` (``prior="lasso"`` or ``"ridge"``) by
 federated EP (synchronous, damping 0.5, trust region ``max_kl=20``, ``--rounds`` rounds, tilted moments by NUTS with 300
 warm-up steps and 300 draws; with ``--tilted laplace`` the lasso's kink leaves no smooth
-local mode, which EP reports as invalid updates, and raises when a round has no valid
-one); then
+local mode, which EP reports as invalid updates: it warns of rounds with no valid one and raises
+when none was ever applied); then
 each device samples its local posterior of ``theta_k`` (paper 004 eq. 8, NUTS) and
 includes a coefficient unless its 90% credible interval covers 0. Reported per case,
 averaged over devices and ``--runs`` runs: A-RMSE of ``x theta_hat`` (posterior mean) on
