@@ -485,7 +485,8 @@ def global_deterministic_sites(model, kwargs: Mapping, clients, global_names, gl
     (and the global ``numpyro.param`` sites ``global_params``) alone: equal, at the same
     global values, when the model runs on the first and the last client's data with other
     draws of everything else (local latents; enumerated sites at their first and second
-    value) and other values of every other ``numpyro.param``. Only those can be reported with draws of ``q(z_G)``."""
+    value) and other values of every other ``numpyro.param``. Only those can be reported
+    with draws of ``q(z_G)``."""
     names = clients.names
     base = trace_model(model, clients[names[0]], kwargs)
     fixed = {n: base[n]["value"] for n in global_names}

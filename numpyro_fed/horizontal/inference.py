@@ -295,10 +295,11 @@ class FederatedSVI(FederatedInference):
         Without ``client``: the global latent sites, and the model's ``numpyro.deterministic``
         sites that are functions of the global sites (and global ``numpyro.param`` sites)
         alone, computed by the first client on its own rows (the server never runs the
-        model; per-row and local deterministic sites have no value under ``q(z_G)``). With a client name: that client's local latent sites as well,
-        drawn from ``q(z_L | z_G)``, and the model's ``numpyro.deterministic`` sites
-        computed on the client's rows; this uses the client's local state and data and is
-        the client's own computation.
+        model; per-row and local deterministic sites have no value under ``q(z_G)``).
+        With a client name: that client's local latent sites as well, drawn from
+        ``q(z_L | z_G)``, and the model's ``numpyro.deterministic`` sites computed on the
+        client's rows; this uses the client's local state and data and is the client's own
+        computation.
 
         Args:
             result: a :class:`RunResult` or a :class:`RunState`.
