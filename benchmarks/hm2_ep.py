@@ -8,8 +8,8 @@ noise sd 0.5 (the paper does not state it). Model: :func:`numpyro_fed.models.hm2
 EP: synchronous, damping 0.5 with a 20-nat trust region (``max_kl=20``), tilted moments by
 the default integrated Laplace (``theta_k`` and the noise scale integrated out of each
 device's tilted distribution; see docs/ep.md), ``--rounds`` rounds; the devices' own
-fit checks (PSIS Pareto k) and any warning are recorded. Without the trust region, one of the first ten data sets
-(rep 6) diverged: in round 2 the sum of 100 valid device updates moved ``mu_2`` to 59, and
+fit checks (PSIS Pareto k) and any warning are recorded. Without the trust region, one of
+the first ten data sets (rep 6, previous release's run) diverged: in round 2 the sum of 100 valid device updates moved ``mu_2`` to 59, and
 every cavity was improper from then on. Reference:
 NUTS (500 warm-up, 1000 draws) on the pooled hierarchical model. For each of ``--reps``
 simulated data sets: EP's means in NUTS sds, sd ratios, and whether each method's 90%
@@ -107,7 +107,8 @@ def main():
         reps.append(row)
         print(rep, "max|z|", np.round(np.max(np.abs(row["z_vs_nuts"])), 3), "sd ratio",
               np.round([min(row["sd_ratio"]), max(row["sd_ratio"])], 3), "EP covers", sum(row["ep_covers"]),
-              "NUTS covers", sum(row["nuts_covers"]), "failed checks", row["failed_fit_checks"], f"EP {t_ep:.0f}s NUTS {t_nuts:.0f}s", flush=True)
+              "NUTS covers", sum(row["nuts_covers"]), "failed checks", row["failed_fit_checks"],
+              f"EP {t_ep:.0f}s NUTS {t_nuts:.0f}s", flush=True)
         for message in flagged:
             print("  warning:", message, flush=True)
         write(args, reps)  # after every data set, so a long run can be stopped early
@@ -129,6 +130,7 @@ def write(args, reps):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
+
 
 if __name__ == "__main__":
     main()
