@@ -9,8 +9,8 @@ EP: synchronous, damping 0.5 with a 20-nat trust region (``max_kl=20``), tilted 
 the default integrated Laplace (``theta_k`` and the noise scale integrated out of each
 device's tilted distribution; see docs/ep.md), ``--rounds`` rounds; the devices' own
 fit checks (PSIS Pareto k) and any warning are recorded. Without the trust region, one of
-the first ten data sets (rep 6, previous release's run) diverged: in round 2 the sum of 100 valid device updates moved ``mu_2`` to 59, and
-every cavity was improper from then on. Reference:
+the first ten data sets (rep 6, previous release's run) diverged: in round 2 the sum of
+100 valid device updates moved ``mu_2`` to 59, and every cavity was improper from then on. Reference:
 NUTS (500 warm-up, 1000 draws) on the pooled hierarchical model. For each of ``--reps``
 simulated data sets: EP's means in NUTS sds, sd ratios, and whether each method's 90%
 interval of phi covers the truth.
