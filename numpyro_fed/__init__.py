@@ -8,11 +8,12 @@ family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horiz
 :mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL).
 """
 
-from . import algorithms, checkpoint, models
+from . import algorithms, checkpoint, dp, models
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
 from .clients import Clients
 from .comparison import federated_compare, federated_loo
+from .dp import PrivacyReport, dp_noise
 from .factor import EP, PVI, gaussian
 from .handlers import global_site, local_site
 from .horizontal import (
@@ -77,9 +78,12 @@ __all__ = [
     "VerticalRunResult",
     "VerticalSOUL",
     "VerticalSVI",
+    "PrivacyReport",
     "VerticalSVIState",
     "algorithms",
     "checkpoint",
+    "dp",
+    "dp_noise",
     "federated_compare",
     "federated_loo",
     "gaussian",
