@@ -1,0 +1,67 @@
+"""The Gaussian mechanisms of paper 002, as pure functions of a client's own key.
+
+- :func:`dp_sgd_transform`: DP-SGD (§4.1, Theorem 6) as an optax transform, optax's own
+  ``differentially_private_aggregate`` (per-example clipping over the whole gradient
+  pytree, Gaussian noise on the sum, divided by the batch size) seeded with the client's
+  key; chain it first: ``optax.chain(dp_sgd_transform(...), optax.adam(lr))``.
+- :func:`fixed_size_subset`: the rows of one DP-SGD step, a uniformly random subset of
+  fixed size drawn without replacement among the client's real rows (paper 002
+  Definition 4; not epoch shuffling).
+- :func:`perturbed_sum`: update perturbation (§4.2, Theorems 7 and 12): clip each shard's
+  change in natural parameters to ``C``, add Gaussian noise to the sum.
+
+Noise is drawn from the key passed in, which is the client's own; JAX's default PRNG
+(threefry) is not a cryptographically secure generator, so these are research-grade
+implementations of the mechanisms, not hardened ones.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+import optax.contrib
+
+__all__ = ["clip_per_example", "dp_sgd_transform", "fixed_size_subset", "perturbed_sum"]
+
+
+def clip_per_example(tree, clip: float) -> Tuple[object, jax.Array]:
+    """Scale each example's slice (leading axis of every leaf) of ``tree`` to L2 norm at
+    most ``clip``, the norm taken over the whole pytree. Returns ``(clipped, norms)``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    n = leaves[0].shape[0]
+    norms = jnp.sqrt(sum(jnp.sum(jnp.reshape(x, (n, -1)) ** 2, axis=1) for x in leaves))
+    factor = jnp.minimum(1.0, clip / jnp.maximum(norms, 1e-30))
+    clipped = [x * factor.reshape((n,) + (1,) * (x.ndim - 1)).astype(x.dtype) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, clipped), norms
+
+
+def perturbed_sum(tree, clip: float, noise_std, key: jax.Array):
+    """``sum_k clip(tree_k, C) + N(0, noise_std^2 I)`` over the leading (shard) axis; with
+    ``noise_std = noise_multiplier * C``. Under substitution one row changes one shard's
+    clipped change by at most ``2C``, which the accountant's ``REPLACE_ONE`` relation
+    accounts for."""
+    clipped, _ = clip_per_example(tree, clip)
+    leaves, treedef = jax.tree_util.tree_flatten(clipped)
+    keys = jax.random.split(key, len(leaves))
+    noised = [jnp.sum(x, axis=0) + noise_std * jax.random.normal(k, x.shape[1:], x.dtype)
+              for x, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(treedef, noised)
+
+
+def fixed_size_subset(key: jax.Array, row_mask: jax.Array, size: int) -> jax.Array:
+    """Indices of ``size`` rows drawn uniformly without replacement among the rows whose
+    ``row_mask`` is 1 (padded rows are never drawn; the caller ensures ``size`` is at most
+    the number of real rows)."""
+    scores = jnp.where(row_mask > 0, jax.random.uniform(key, row_mask.shape), 2.0)
+    return jnp.argsort(scores)[:size]
+
+
+def dp_sgd_transform(clip: float, noise_multiplier: float, key: jax.Array) -> optax.GradientTransformation:
+    """optax's DP-SGD aggregation (expects per-example gradients, leading batch axis),
+    with its noise drawn from ``key`` (the client's own)."""
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key, as NumPyro uses
+        key = jax.random.wrap_key_data(key)
+    return optax.contrib.differentially_private_aggregate(clip, noise_multiplier, key=key)
