@@ -50,3 +50,25 @@ def test_fixed_size_subsets_are_uniform_without_replacement_and_skip_padding():
     assert idx.shape == (20000, 2) and np.all(idx[:, 0] != idx[:, 1]) and idx.max() < 5
     freq = np.bincount(idx.ravel(), minlength=5) / idx.size
     np.testing.assert_allclose(freq, 0.2, atol=0.01)
+
+
+def test_factor_perturbation_clips_in_natural_parameters_and_is_exact_without_noise():
+    from numpyro_fed.factor import gaussian as G
+    from numpyro_fed.dp.mechanisms import from_natural_vector, natural_vector, perturbed_factor_sum
+    rng = np.random.default_rng(0)
+    for diagonal in (False, True):
+        a = rng.normal(size=(3, 4, 4))
+        prec = jnp.asarray(a @ np.swapaxes(a, 1, 2), jnp.float32)
+        changes = G.NaturalGaussian(jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+                                    jax.vmap(jnp.diag)(prec) if diagonal else prec)
+        one = jax.tree_util.tree_map(lambda x: x[0], changes)
+        back = from_natural_vector(natural_vector(one), one)
+        np.testing.assert_array_equal(back.precision, one.precision)
+        exact = perturbed_factor_sum(changes, 1e9, 0.0, jax.random.PRNGKey(0))
+        np.testing.assert_allclose(exact.precision, jnp.sum(changes.precision, 0), rtol=1e-6)
+        np.testing.assert_allclose(exact.shift, jnp.sum(changes.shift, 0), rtol=1e-6)
+        clipped = perturbed_factor_sum(changes, 0.5, 0.0, jax.random.PRNGKey(0))
+        assert float(jnp.linalg.norm(natural_vector(clipped))) <= 3 * 0.5 * (1 + 1e-5)
+        noisy = perturbed_factor_sum(changes, 0.5, 1.0, jax.random.PRNGKey(0))
+        np.testing.assert_allclose(noisy.precision, np.swapaxes(np.asarray(noisy.precision), -1, -2)
+                                   if not diagonal else noisy.precision)

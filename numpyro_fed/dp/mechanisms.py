@@ -65,3 +65,33 @@ def dp_sgd_transform(clip: float, noise_multiplier: float, key: jax.Array) -> op
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key, as NumPyro uses
         key = jax.random.wrap_key_data(key)
     return optax.contrib.differentially_private_aggregate(clip, noise_multiplier, key=key)
+
+
+def natural_vector(t) -> jax.Array:
+    """A Gaussian factor's natural parameters as one vector: ``shift`` and the precision's
+    diagonal (diagonal family) or upper triangle with the diagonal (full family), each
+    free parameter once, so its L2 norm is the norm the clipping bound refers to."""
+    if t.precision.ndim == 1:
+        return jnp.concatenate([t.shift, t.precision])
+    rows, cols = jnp.triu_indices(t.shift.shape[0])
+    return jnp.concatenate([t.shift, t.precision[rows, cols]])
+
+
+def from_natural_vector(v: jax.Array, like):
+    """Inverse of :func:`natural_vector` (the precision rebuilt symmetric)."""
+    d = like.shift.shape[0]
+    if like.precision.ndim == 1:
+        return type(like)(v[:d], v[d:])
+    rows, cols = jnp.triu_indices(d)
+    upper = jnp.zeros((d, d), v.dtype).at[rows, cols].set(v[d:])
+    return type(like)(v[:d], upper + jnp.triu(upper, 1).T)
+
+
+def perturbed_factor_sum(changes, clip: float, noise_std, key: jax.Array):
+    """Update perturbation of shard changes ``lambda*_k - lambda`` (a factor pytree with a
+    leading shard axis): each clipped to ``clip`` in the norm of :func:`natural_vector`,
+    summed, Gaussian noise of ``noise_std`` added to every free natural parameter (paper
+    002 eqs. 4.4 and 4.10). Divide by the number of shards for local averaging."""
+    like = jax.tree_util.tree_map(lambda x: x[0], changes)
+    vectors = jax.vmap(natural_vector)(changes)
+    return from_natural_vector(perturbed_sum(vectors, clip, noise_std, key), like)
