@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 
-__all__ = ["clip_per_example", "dp_sgd_transform", "fixed_size_subset", "perturbed_sum"]
+__all__ = ["clip_per_example", "dp_sgd_transform", "fixed_size_subset", "perturbed_factor_sum", "perturbed_sum",
+           "update_perturbation"]
 
 
 def clip_per_example(tree, clip: float) -> Tuple[object, jax.Array]:
@@ -91,7 +92,19 @@ def perturbed_factor_sum(changes, clip: float, noise_std, key: jax.Array):
     """Update perturbation of shard changes ``lambda*_k - lambda`` (a factor pytree with a
     leading shard axis): each clipped to ``clip`` in the norm of :func:`natural_vector`,
     summed, Gaussian noise of ``noise_std`` added to every free natural parameter (paper
-    002 eqs. 4.4 and 4.10). Divide by the number of shards for local averaging."""
+    002 eqs. 4.7 and 4.11). Returns ``(noised sum, clipped changes)``; divide the sum by
+    the number of shards for local averaging."""
     like = jax.tree_util.tree_map(lambda x: x[0], changes)
-    vectors = jax.vmap(natural_vector)(changes)
-    return from_natural_vector(perturbed_sum(vectors, clip, noise_std, key), like)
+    clipped, _ = clip_per_example(jax.vmap(natural_vector)(changes), clip)
+    noised = clipped.sum(0) + noise_std * jax.random.normal(key, clipped.shape[1:], clipped.dtype)
+    return from_natural_vector(noised, like), jax.vmap(lambda v: from_natural_vector(v, like))(clipped)
+
+
+def update_perturbation(clip: float, noise_multiplier: float):
+    """The ``perturb`` argument of :func:`~numpyro_fed.factor.updates.factor_protocol`:
+    clip to ``clip``, noise of standard deviation ``noise_multiplier * clip``."""
+
+    def perturb(key, changes):
+        return perturbed_factor_sum(changes, clip, noise_multiplier * clip, key)
+
+    return perturb

@@ -107,6 +107,7 @@ def pvi(
     num_particles: int = 8,
     variant: str = "plain",
     num_shards: int = 1,
+    perturb: Any = None,
 ) -> FederatedAlgorithm:
     """Build PVI's pure functions.
 
@@ -127,6 +128,8 @@ def pvi(
             eq. 4.2); ``"virtual"`` (Alg. 3: one factor per shard, updated synchronously
             against its own cavity, eq. 4.9; the client sends the sum of the changes).
         num_shards: ``N`` shards per client (contiguous blocks of its real rows).
+        perturb: update perturbation (paper 002 §4.2), see
+            :func:`~numpyro_fed.factor.updates.factor_protocol`.
 
     References:
         Ashman et al. (2022), "Partitioned variational inference"; paper 002 §3.1, Alg. 1.
@@ -151,4 +154,5 @@ def pvi(
     return factor_protocol(
         log_prior_factor, local_posterior, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, variant=variant, num_shards=num_shards,
+        perturb=perturb,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 from jax import random
@@ -15,6 +15,7 @@ from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
 from .inference import _K_ADVICE, FactorInference
 from .pvi_algorithm import pvi
+from ..dp.mechanisms import update_perturbation
 from .updates import VARIANTS
 
 __all__ = ["PVI"]
@@ -105,6 +106,7 @@ class PVI(FactorInference):
         max_halvings: int = 10,
         variant: str = "plain",
         num_shards: int = 1,
+        update_noise: Optional[Tuple[float, float]] = None,
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
@@ -125,6 +127,11 @@ class PVI(FactorInference):
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
+        if update_noise is not None:  # (clip, noise_multiplier); WIP: accounting/report to come (issue 12)
+            clip, multiplier = update_noise
+            if not (clip > 0 and multiplier >= 0):
+                raise ValueError(f"update_noise={update_noise!r}: (clip > 0, noise_multiplier >= 0)")
+        self.update_noise = update_noise
 
     def _check_structure(self, structure) -> None:
         if not structure.local_latent_names:
@@ -168,7 +175,8 @@ class PVI(FactorInference):
         return pvi(
             terms.prior, terms.log_lik, num_clients, update=self.update_kind, optim=self.optim,
             local_steps=self.local_steps, num_particles=self.num_particles, variant=self.variant,
-            num_shards=self.num_shards, **common,
+            num_shards=self.num_shards,
+            perturb=None if self.update_noise is None else update_perturbation(*self.update_noise), **common,
         )
 
     def _shard_plate(self, clients: Clients, plate: Optional[str]) -> str:

@@ -86,6 +86,7 @@ def factor_protocol(
     variant: str = "plain",
     num_shards: int = 1,
     max_kl: Optional[float] = None,
+    perturb: Optional[Callable] = None,
 ) -> FederatedAlgorithm:
     """Build the shared protocol around a client's local fit.
 
@@ -105,6 +106,11 @@ def factor_protocol(
         num_shards: shards per client for the two variants.
         max_kl: optional trust region: the damping is also halved while
             ``KL(q_new || q) > max_kl`` nats (tames parallel EP over many clients).
+        perturb: update perturbation (paper 002 §4.2): ``(rng_key, changes) -> (noised
+            sum, clipped changes)`` over the shards' changes ``lambda*_k - lambda`` (leading
+            shard axis; one shard for ``"plain"``). The client sends the noised sum (divided
+            by the shards for ``"local_averaging"``), drawn from its own key; its fit
+            diagnostics, which depend on its data, stay out of the message.
     """
     prior = log_prior_factor
     diagonal = prior.diagonal
@@ -148,16 +154,23 @@ def factor_protocol(
         factor = current_factor(state, broadcast.per_client["ack"])  # acknowledge the last update
         keys = random.split(rng_key, shards)
         ks = jnp.arange(shards)
+        noise_key = random.fold_in(rng_key, shards)  # used only with perturb
         if variant == "plain":
             cavity = q - factor
             fit, check = local_update(rng_key, cavity, q, data, 1.0)
             pending = fit - q
+            if perturb is not None:
+                pending = perturb(noise_key, jax.tree_util.tree_map(lambda x: x[None], pending))[0]
             delta, proper = pending, G.is_positive_definite(cavity)
         elif variant == "local_averaging":
             cavity = q - factor
             fits, checks = jax.vmap(lambda k, key: local_update(key, cavity, q, shard(data, k), 1.0 / shards))(ks,
                                                                                                            keys)
-            pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
+            if perturb is None:
+                pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
+            else:  # eq. 4.7: (sum of clipped changes + noise) / N
+                changes = jax.tree_util.tree_map(lambda x, q_: x - q_, fits, q)
+                pending = perturb(noise_key, changes)[0].scale(1.0 / shards)
             delta, proper = pending, G.is_positive_definite(cavity)
             check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         else:  # virtual clients: one factor and one cavity per shard
@@ -168,13 +181,20 @@ def factor_protocol(
                 return fit - q, G.is_positive_definite(cavity), check
 
             pending, proper, checks = jax.vmap(one)(ks, keys, factor)
-            delta, proper = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending), jnp.all(proper)
+            if perturb is None:
+                delta = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending)
+            else:  # eq. 4.11: the virtual factors keep their clipped changes; the noise is in q
+                delta, pending = perturb(noise_key, pending)
+            proper = jnp.all(proper)
             check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
         # a proper Gaussian) is no update: the client sends zero and says so
         valid = proper & _finite(delta) & G.is_positive_definite(q + delta)
         delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
         pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
+        if perturb is not None:  # the fit's own check depends on the data: it is not released
+            check = FitCheck(jnp.asarray(True), jnp.full((), jnp.nan, check.stat.dtype),
+                             jnp.full((), jnp.nan, check.stat.dtype))
         message = {"delta": delta, "valid": valid, "fit_ok": check.ok, "fit_stat": check.stat,
                    "fit_k": check.pareto_k}
         return FactorClientState(factor, pending), message
