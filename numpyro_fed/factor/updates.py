@@ -155,12 +155,23 @@ def factor_protocol(
         keys = random.split(rng_key, shards)
         ks = jnp.arange(shards)
         noise_key = random.fold_in(rng_key, shards)  # used only with perturb
+
+        def released(key, changes, usable):
+            """Under DP: a shard whose fit failed (or whose own cavity is improper) adds a
+            zero change, not NaN, so the release stays a noised sum of changes of norm at
+            most C and says nothing about which shard failed (post-processing only)."""
+            ok = usable & jax.vmap(_finite)(changes)
+            changes = jax.tree_util.tree_map(
+                lambda x: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), changes)
+            return perturb(key, changes)
+
         if variant == "plain":
             cavity = q - factor
             fit, check = local_update(rng_key, cavity, q, data, 1.0)
             pending = fit - q
             if perturb is not None:
-                pending = perturb(noise_key, jax.tree_util.tree_map(lambda x: x[None], pending))[0]
+                pending = released(noise_key, jax.tree_util.tree_map(lambda x: x[None], pending),
+                                   jnp.ones(1, bool))[0]
             delta, proper = pending, G.is_positive_definite(cavity)
         elif variant == "local_averaging":
             cavity = q - factor
@@ -170,7 +181,7 @@ def factor_protocol(
                 pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
             else:  # eq. 4.7: (sum of clipped changes + noise) / N
                 changes = jax.tree_util.tree_map(lambda x, q_: x - q_, fits, q)
-                pending = perturb(noise_key, changes)[0].scale(1.0 / shards)
+                pending = released(noise_key, changes, jnp.ones(shards, bool))[0].scale(1.0 / shards)
             delta, proper = pending, G.is_positive_definite(cavity)
             check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         else:  # virtual clients: one factor and one cavity per shard
@@ -184,8 +195,10 @@ def factor_protocol(
             if perturb is None:
                 delta = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending)
             else:  # eq. 4.11: the virtual factors keep their clipped changes; the noise is in q
-                delta, pending = perturb(noise_key, pending)
-            proper = jnp.all(proper)
+                delta, pending = released(noise_key, pending, proper)
+            # whether the shards' own cavities were proper depends on their (data-
+            # dependent) factors: under DP it is not part of the release
+            proper = jnp.all(proper) if perturb is None else jnp.asarray(True)
             check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
         # a proper Gaussian) is no update: the client sends zero and says so
