@@ -72,6 +72,8 @@ def test_factor_perturbation_clips_in_natural_parameters_and_is_exact_without_no
         noisy, _ = perturbed_factor_sum(changes, 0.5, 1.0, jax.random.PRNGKey(0))
         np.testing.assert_array_equal(same.precision, changes.precision)
         assert np.all(np.linalg.norm(np.asarray(jax.vmap(natural_vector)(parts)), axis=1) <= 0.5 * (1 + 1e-5))
+        total, shares = perturbed_factor_sum(changes, 0.5, 1.0, jax.random.PRNGKey(3))
+        np.testing.assert_allclose(total.shift, jnp.sum(shares.shift, 0), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(noisy.precision, np.swapaxes(np.asarray(noisy.precision), -1, -2)
                                    if not diagonal else noisy.precision)
 

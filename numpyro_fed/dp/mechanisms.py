@@ -92,12 +92,16 @@ def perturbed_factor_sum(changes, clip: float, noise_std, key: jax.Array):
     """Update perturbation of shard changes ``lambda*_k - lambda`` (a factor pytree with a
     leading shard axis): each clipped to ``clip`` in the norm of :func:`natural_vector`,
     summed, Gaussian noise of ``noise_std`` added to every free natural parameter (paper
-    002 eqs. 4.7 and 4.11). Returns ``(noised sum, clipped changes)``; divide the sum by
-    the number of shards for local averaging."""
+    002 eqs. 4.7 and 4.11). Returns ``(noised sum, noised shard changes)``: the noise is
+    drawn as one share of ``noise_std / sqrt(N)`` per shard (the sum's noise has exactly
+    ``noise_std``), so virtual factors that keep their noised change add up to what the
+    server received and a refit replaces its noise instead of piling it up in ``q`` (as
+    the paper's code, DPBayes/DPPVI, does). Divide the sum by ``N`` for local averaging."""
     like = jax.tree_util.tree_map(lambda x: x[0], changes)
     clipped, _ = clip_per_example(jax.vmap(natural_vector)(changes), clip)
-    noised = clipped.sum(0) + noise_std * jax.random.normal(key, clipped.shape[1:], clipped.dtype)
-    return from_natural_vector(noised, like), jax.vmap(lambda v: from_natural_vector(v, like))(clipped)
+    share = noise_std / jnp.sqrt(clipped.shape[0])
+    parts = clipped + share * jax.random.normal(key, clipped.shape, clipped.dtype)
+    return from_natural_vector(parts.sum(0), like), jax.vmap(lambda v: from_natural_vector(v, like))(parts)
 
 
 def update_perturbation(clip: float, noise_multiplier: float):

@@ -107,7 +107,7 @@ def factor_protocol(
         max_kl: optional trust region: the damping is also halved while
             ``KL(q_new || q) > max_kl`` nats (tames parallel EP over many clients).
         perturb: update perturbation (paper 002 §4.2): ``(rng_key, changes) -> (noised
-            sum, clipped changes)`` over the shards' changes ``lambda*_k - lambda`` (leading
+            sum, noised changes)`` over the shards' changes ``lambda*_k - lambda`` (leading
             shard axis; one shard for ``"plain"``). The client sends the noised sum (divided
             by the shards for ``"local_averaging"``), drawn from its own key; its fit
             diagnostics, which depend on its data, stay out of the message.
@@ -194,7 +194,7 @@ def factor_protocol(
             pending, proper, checks = jax.vmap(one)(ks, keys, factor)
             if perturb is None:
                 delta = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending)
-            else:  # eq. 4.11: the virtual factors keep their clipped changes; the noise is in q
+            else:  # eq. 4.11: each virtual factor keeps its clipped change plus its share of the noise
                 delta, pending = released(noise_key, pending, proper)
             # whether the shards' own cavities were proper depends on their (data-
             # dependent) factors: under DP it is not part of the release
