@@ -69,22 +69,23 @@ def dp_sgd_transform(clip: float, noise_multiplier: float, key: jax.Array) -> op
 
 
 def natural_vector(t) -> jax.Array:
-    """A Gaussian factor's natural parameters as one vector: ``shift`` and the precision's
-    diagonal (diagonal family) or upper triangle with the diagonal (full family), each
-    free parameter once, so its L2 norm is the norm the clipping bound refers to."""
+    """A Gaussian factor's canonical natural parameters as one vector: ``eta_1 = shift`` and
+    ``eta_2 = -precision / 2``, its diagonal (diagonal family, as DPBayes/DPPVI clips
+    mean-field factors) or its upper triangle with the diagonal (full family), each free
+    parameter once; the clipping bound refers to this vector's L2 norm."""
     if t.precision.ndim == 1:
-        return jnp.concatenate([t.shift, t.precision])
+        return jnp.concatenate([t.shift, -0.5 * t.precision])
     rows, cols = jnp.triu_indices(t.shift.shape[0])
-    return jnp.concatenate([t.shift, t.precision[rows, cols]])
+    return jnp.concatenate([t.shift, -0.5 * t.precision[rows, cols]])
 
 
 def from_natural_vector(v: jax.Array, like):
     """Inverse of :func:`natural_vector` (the precision rebuilt symmetric)."""
     d = like.shift.shape[0]
     if like.precision.ndim == 1:
-        return type(like)(v[:d], v[d:])
+        return type(like)(v[:d], -2.0 * v[d:])
     rows, cols = jnp.triu_indices(d)
-    upper = jnp.zeros((d, d), v.dtype).at[rows, cols].set(v[d:])
+    upper = jnp.zeros((d, d), v.dtype).at[rows, cols].set(-2.0 * v[d:])
     return type(like)(v[:d], upper + jnp.triu(upper, 1).T)
 
 
