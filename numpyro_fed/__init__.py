@@ -14,7 +14,7 @@ from .backends import NonFiniteError, SimulationBackend
 from .clients import Clients
 from .comparison import federated_compare, federated_loo
 from .dp import PrivacyReport, dp_noise
-from .factor import EP, PVI, gaussian
+from .factor import BCM, EP, PVI, gaussian
 from .handlers import global_site, local_site
 from .horizontal import (
     ClientData,
@@ -47,6 +47,7 @@ PVIRunResult = HM1Result = VerticalRunResult = RunResult
 
 __all__ = [
     "AmortizedAux",
+    "BCM",
     "Broadcast",
     "ClientData",
     "ClientSlot",

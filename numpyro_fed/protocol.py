@@ -76,11 +76,18 @@ class Exchange(NamedTuple):
     - ``server_step(rng_key, server_state, messages, view) -> (server_state, broadcast, info)``
 
     ``messages`` stacks every client's message along a leading client axis.
+
+    ``secure_sum`` names top-level message fields that go through a trusted aggregator
+    (paper 002's black-box secure summation, Theorems 11 and 14): the backend sums them over
+    the clients that answered and the server step receives only that sum (no client axis)
+    for those fields; the transcript records each client's part as sent to
+    ``"aggregator"`` and the sum as sent by ``"aggregator"`` to ``"server"``.
     """
 
     client_step: Callable
     server_step: Callable
     name: str = "exchange"
+    secure_sum: Tuple[str, ...] = ()
 
 
 class FederatedAlgorithm(NamedTuple):

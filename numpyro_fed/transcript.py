@@ -136,7 +136,8 @@ class Transcript:
 
     @property
     def bytes_up(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.receiver == "server")
+        """Bytes the clients sent (to the server, or to the trusted aggregator)."""
+        return sum(e.nbytes for e in self.entries if e.sender not in ("server", "aggregator"))
 
     @property
     def bytes_down(self) -> int:

@@ -95,6 +95,29 @@ def vertical_soul():
 FAMILIES = {f.__name__: f for f in (sfvi, sfvi_avg, pvi, ep, hm1, vertical_sfvi, vertical_soul)}
 
 
+def dp_linear():
+    return nf.dp_noise(linear, clip=2.0, delta=1e-3, noise_multiplier=1.0)
+
+
+def pvi_dp_optimisation():
+    return nf.PVI(dp_linear(), update="optax", optim=optax.adam(0.05), local_steps=20, damping=0.5,
+                  dp="optimisation", dp_batch_size=4), horizontal_data()
+
+
+def pvi_dp_local_averaging():
+    return nf.PVI(dp_linear(), damping=0.5, dp="update_perturbation", variant="local_averaging",
+                  num_shards=2), horizontal_data()
+
+
+def pvi_dp_virtual_trusted():
+    return nf.PVI(dp_linear(), damping=0.5, dp="update_perturbation", variant="virtual", num_shards=2,
+                  trusted_aggregator=True), horizontal_data()
+
+
+#: the differentially private variants (their messages are noised; the same audits apply)
+DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averaging, pvi_dp_virtual_trusted)}
+
+
 def run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
     options.setdefault("progress_bar", False)

@@ -11,7 +11,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["01_horizontal_sfvi.ipynb", "02_vertical_fl.ipynb", "03_pvi_ep.ipynb"])
+@pytest.mark.parametrize("name", ["01_horizontal_sfvi.ipynb", "02_vertical_fl.ipynb", "03_pvi_ep.ipynb",
+                                  "04_differential_privacy.ipynb"])
 def test_tutorial_executes(tmp_path, name):
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient

@@ -76,25 +76,3 @@ def test_factor_perturbation_clips_in_natural_parameters_and_is_exact_without_no
         np.testing.assert_allclose(total.shift, jnp.sum(shares.shift, 0), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(noisy.precision, np.swapaxes(np.asarray(noisy.precision), -1, -2)
                                    if not diagonal else noisy.precision)
-
-
-import pytest  # noqa: E402
-
-
-@pytest.mark.parametrize("variant,shards", [("plain", 1), ("local_averaging", 4), ("virtual", 4)])
-def test_pvi_update_perturbation_without_noise_and_with_a_large_clip_is_pvi(variant, shards):
-    """Issue 12 item 2: with noise off and the clip large, update perturbation leaves every
-    PVI variant unchanged, to float precision."""
-    import numpyro_fed as nf
-    from tests.test_pvi import linear_model
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(60, 3)).astype(np.float32)
-    y = (x @ np.array([1.0, -0.5, 0.3]) + 0.5 * rng.normal(size=60)).astype(np.float32)
-    clients = nf.Clients.split(np.repeat([0, 1, 2], 20), x=x, y=y)
-    kw = dict(schedule="synchronous", variant=variant, num_shards=shards)
-    plain = nf.PVI(linear_model, **kw).run(jax.random.PRNGKey(0), 2, clients)
-    noised = nf.PVI(linear_model, update_noise=(1e9, 0.0), **kw).run(jax.random.PRNGKey(0), 2, clients)
-    np.testing.assert_allclose(noised.mean, plain.mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(noised.cov, plain.cov, rtol=1e-5, atol=1e-7)
-    noisy = nf.PVI(linear_model, update_noise=(5.0, 0.05), **kw).run(jax.random.PRNGKey(0), 2, clients)
-    assert not np.allclose(noisy.mean, plain.mean, atol=1e-3)

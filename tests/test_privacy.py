@@ -9,7 +9,7 @@ from jax import random
 
 import numpyro_fed as nf
 
-from .families import FAMILIES, run
+from .families import DP_FAMILIES, FAMILIES, run
 from .models import logistic_local
 
 
@@ -107,11 +107,15 @@ def _client_secrets(family, inference, inputs, result):
 _BY_DESIGN = {"hm1": ("['theta']",), "vertical_sfvi": ("['z']",), "vertical_soul": ("['z']",)}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(DP_FAMILIES))
+@pytest.mark.filterwarnings("ignore::numpyro_fed.UnreliableFitWarning", "ignore:.*every update that arrived")
 def test_privacy_audit_of_every_core(family):
     """No client data value, no local variational parameter and no client PRNG key (at any
-    round) appears in any message, or in the server's state or pending broadcast."""
-    inference, inputs = FAMILIES[family]()
+    round) appears in any message, or in the server's state or pending broadcast. The DP
+    variants (issue 12, item 6) also send nothing but their noised update (and, without a
+    trusted aggregator, its validity flag and constant placeholders for the withheld fit
+    diagnostics); under a trusted aggregator the server receives only the sum."""
+    inference, inputs = {**FAMILIES, **DP_FAMILIES}[family]()
     keys = []  # every client's own key after each round (the client splits it each exchange)
 
     def grab(rnd, state, info):
@@ -135,6 +139,17 @@ def test_privacy_audit_of_every_core(family):
             assert not contains(e.value, key), (family, e.name)
         assert not any(contains(leaf, key) for leaf in server_held), family
     assert t.bytes_up == result.communication.bytes_up and t.bytes_down == result.communication.bytes_down
+    if family in DP_FAMILIES:
+        sent = [e for e in t.entries if e.sender not in ("server", "aggregator")]
+        assert {e.name for e in sent} <= {"['delta'].shift", "['delta'].precision", "['valid']", "['fit_ok']",
+                                          "['fit_stat']", "['fit_k']"}, {e.name for e in sent}
+        for e in sent:  # the fit diagnostics are constants: True, NaN
+            if e.name in ("['fit_ok']",):
+                assert bool(e.value)
+            if e.name in ("['fit_stat']", "['fit_k']"):
+                assert np.isnan(e.value)
+        if inference.trusted_aggregator:
+            assert {e.sender for e in t.entries if e.receiver == "server"} == {"aggregator"}
 
 
 def _slots(state, inference):

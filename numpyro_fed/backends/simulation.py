@@ -279,7 +279,7 @@ class SimulationBackend:
                 break
             outputs.append(out)
             if transcript is not None:
-                _record(transcript, int(before.round), plan.names, out, traffic)
+                _record(transcript, int(before.round), plan.names, out, traffic, algorithm.exchanges)
             for callback in callbacks:
                 callback(int(state.round), state, out.info)
             if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
@@ -336,18 +336,36 @@ def _no_failure(num_clients: int) -> _Failure:
     return _Failure(jnp.zeros((), bool), jnp.zeros((), jnp.int32), jnp.zeros(num_clients, bool), jnp.zeros((), bool))
 
 
-def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic) -> None:
+def _aggregate(messages, secure_sum: Tuple[str, ...]):
+    """The messages as the server receives them: the ``secure_sum`` fields summed over the
+    clients (the rows of clients that did not answer are zeros) by the trusted aggregator."""
+    if not secure_sum:
+        return messages
+    return {k: jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), v) if k in secure_sum else v
+            for k, v in messages.items()}
+
+
+def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, exchanges) -> None:
     asked, answered = np.asarray(out.asked), np.asarray(out.answered)
-    for e, (broadcast, messages) in enumerate(traffic):
+    for e, ((broadcast, messages), exchange) in enumerate(zip(traffic, exchanges)):
         receivers = asked if e == 0 else answered
         for j, name in enumerate(names):
             if receivers[j]:
                 part = jax.tree_util.tree_map(lambda x: x[j], broadcast.per_client)
                 transcript.record(rnd, "server", name, Broadcast(broadcast.shared, part), exchange=str(e))
+        secure = exchange.secure_sum
+        direct = {k: v for k, v in messages.items() if k not in secure} if secure else messages
+        hidden = {k: v for k, v in messages.items() if k in secure} if secure else None
         for j, name in enumerate(names):
             if answered[j]:
-                transcript.record(rnd, name, "server", jax.tree_util.tree_map(lambda x: x[j], messages),
-                                  exchange=str(e))
+                if not secure or direct:
+                    transcript.record(rnd, name, "server", jax.tree_util.tree_map(lambda x: x[j], direct),
+                                      exchange=str(e))
+                if secure:
+                    transcript.record(rnd, name, "aggregator", jax.tree_util.tree_map(lambda x: x[j], hidden),
+                                      exchange=str(e))
+        if secure:
+            transcript.record(rnd, "aggregator", "server", _aggregate(hidden, secure), exchange=str(e))
 
 
 def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
@@ -435,7 +453,8 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
                 messages = _pick(answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
                 slots = keep(answered, new, slots)
             traffic.append((broadcast, messages))
-            server, broadcast, info = exchange.server_step(key, server, messages, view)
+            server, broadcast, info = exchange.server_step(key, server, _aggregate(messages, exchange.secure_sum),
+                                                           view)
             sent_ok = sent_ok & _finite(broadcast)
             infos.append(info)
         info = round_info(tuple(infos))

@@ -1,8 +1,8 @@
 """Differential privacy for federated fits (paper 002): the ``dp_noise`` annotation, the
 mechanisms, and accounting with ``dp-accounting``."""
 
-from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon
+from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon, epsilon_composed
 from .annotation import DPSpec, dp_noise, dp_sites
 
 __all__ = ["ClientPrivacy", "DPSpec", "PrivacyReport", "calibrate_noise_multiplier", "dp_noise", "dp_sites",
-           "epsilon"]
+           "epsilon", "epsilon_composed"]

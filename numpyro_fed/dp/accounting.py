@@ -21,13 +21,14 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence, Tuple
 
 import dp_accounting
 from dp_accounting import pld
 
-__all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_noise_multiplier", "epsilon"]
+__all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_noise_multiplier", "epsilon", "epsilon_composed"]
 
 #: PLD discretisation for reported epsilons (dp-accounting's default).
 REPORT_DISCRETIZATION = 1e-4
@@ -78,11 +79,36 @@ def epsilon(noise_multiplier: float, delta: float, compositions: int, sampling_r
     return float(accountant.get_epsilon(delta))
 
 
+def epsilon_composed(events: Sequence[Tuple[float, int, float]], delta: float, *,
+                     discretization: float = REPORT_DISCRETIZATION) -> float:
+    """Epsilon at ``delta`` of releases of different kinds composed:
+    ``events = [(noise_multiplier, compositions, sampling_rate), ...]`` (see :func:`epsilon`)."""
+    events = [(float(nm), int(c), float(r)) for nm, c, r in events if c > 0]
+    for nm, c, r in events:
+        _check(nm, delta, c, r)
+    if not events:
+        return 0.0
+    if any(nm == 0 for nm, _, _ in events):
+        return math.inf
+    if len(events) == 1:
+        nm, c, r = events[0]
+        return epsilon(nm, delta, c, r, discretization=discretization)
+    accountant = _accountant(discretization)
+    accountant.compose(dp_accounting.ComposedDpEvent([_event(nm, c, r) for nm, c, r in events]))
+    return float(accountant.get_epsilon(delta))
+
+
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, compositions: int,
                                sampling_rate: float = 1.0, *, tol: float = 1e-3) -> float:
     """The smallest noise multiplier ``sigma / C`` (to ``tol``) whose ``compositions``
     releases are ``(target_epsilon, delta)``-DP under substitution
-    (``dp_accounting.calibrate_dp_mechanism`` on the PLD accountant)."""
+    (``dp_accounting.calibrate_dp_mechanism`` on the PLD accountant). Cached per
+    arguments (a pure function; calibrating can take seconds)."""
+    return _calibrate(float(target_epsilon), float(delta), int(compositions), float(sampling_rate), float(tol))
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(target_epsilon: float, delta: float, compositions: int, sampling_rate: float, tol: float) -> float:
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"epsilon={target_epsilon!r}: must be a finite number > 0")
     _check(1.0, delta, compositions, sampling_rate)

@@ -17,14 +17,14 @@ implementations of the mechanisms, not hardened ones.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Callable, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
 import optax
 import optax.contrib
 
-__all__ = ["clip_per_example", "dp_sgd_transform", "fixed_size_subset", "perturbed_factor_sum", "perturbed_sum",
+__all__ = ["DPSGD", "add_gradient", "clip_per_example", "dp_sgd_transform", "fixed_size_subset", "perturbed_factor_sum", "perturbed_sum",
            "update_perturbation"]
 
 
@@ -66,6 +66,32 @@ def dp_sgd_transform(clip: float, noise_multiplier: float, key: jax.Array) -> op
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key, as NumPyro uses
         key = jax.random.wrap_key_data(key)
     return optax.contrib.differentially_private_aggregate(clip, noise_multiplier, key=key)
+
+
+class DPSGD(NamedTuple):
+    """DP-SGD settings of a client's local optimisation: clipping bound, ``sigma / C`` and
+    the fixed size of every step's subset of rows."""
+
+    clip: float
+    noise_multiplier: float
+    batch_size: int
+
+
+def add_gradient(fn: Callable) -> optax.GradientTransformation:
+    """An optax transform that adds ``grad(fn)(params)`` to the updates: a term of the
+    objective that does not touch the data (the local ELBO's KL to the cavity), added after
+    the DP aggregation of the data term, outside its clipping."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("add_gradient needs params= in update()")
+        return jax.tree_util.tree_map(jnp.add, updates, jax.grad(fn)(params)), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def natural_vector(t) -> jax.Array:

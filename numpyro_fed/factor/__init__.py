@@ -2,12 +2,12 @@
 
 Pure cores: :func:`~numpyro_fed.factor.pvi_algorithm.pvi`,
 :func:`~numpyro_fed.factor.ep_algorithm.ep` over the shared
-:func:`~numpyro_fed.factor.updates.factor_protocol`; class layers :class:`PVI` and
-:class:`EP`; Gaussian natural-parameter algebra in :mod:`~numpyro_fed.factor.gaussian`.
+:func:`~numpyro_fed.factor.updates.factor_protocol`; class layers :class:`PVI`,
+:class:`BCM` (one PVI round: the Bayesian committee machine) and :class:`EP`; Gaussian natural-parameter algebra in :mod:`~numpyro_fed.factor.gaussian`.
 """
 
 from . import gaussian
 from .ep_inference import EP
-from .pvi_inference import PVI
+from .pvi_inference import BCM, PVI
 
-__all__ = ["EP", "PVI", "gaussian"]
+__all__ = ["BCM", "EP", "PVI", "gaussian"]

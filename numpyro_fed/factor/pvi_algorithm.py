@@ -36,8 +36,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import random
 
+from ..dp.mechanisms import add_gradient, dp_sgd_transform, fixed_size_subset
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
@@ -47,12 +49,8 @@ from .updates import factor_protocol
 __all__ = ["pvi"]
 
 
-def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
-                 kl_weight=1.0):
-    """Maximise ``E_q[log_lik] - kl_weight KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``.
-
-    Returns the optimum and its :class:`~numpyro_fed.factor.tilted.FitCheck`: the
-    objective's drift over the last quarter of the steps (:func:`objective_drift`)."""
+def _gaussian_params(q: NaturalGaussian):
+    """``q`` as unconstrained optimiser parameters, and the map back to ``(loc, cov, root)``."""
     diagonal = q.diagonal
     mean, cov = G.to_moments(q)
     d = mean.shape[0]
@@ -71,16 +69,22 @@ def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, st
         tril = jnp.diag(s).at[rows, cols].set(params["lower"])
         return params["loc"], tril @ tril.T, tril
 
-    def neg_elbo(params, key):
-        loc, cov_, root = moments(params)
-        eps = random.normal(key, (particles, d))
-        draws = loc + (eps * root if diagonal else eps @ root.T)
-        expected = jnp.mean(jax.vmap(log_lik)(draws))
-        return -(expected - kl_weight * G.kl_divergence(G.from_moments(loc, cov_), cavity))
+    return init, moments
+
+
+def _draws(moments, params, eps):
+    loc, _, root = moments(params)
+    return loc + (eps * root if root.ndim == 1 else eps @ root.T)
+
+
+def _optimise(init, moments, optim, steps, rng_key, gradient):
+    """``steps`` optax steps from ``init``; ``gradient(params, key) -> (objective, grads)``.
+    Returns the optimum as a Gaussian and its :class:`~numpyro_fed.factor.tilted.FitCheck`:
+    the objective's drift over the last quarter of the steps (:func:`objective_drift`)."""
 
     def step(carry, key):
         params, opt_state = carry
-        value, grads = jax.value_and_grad(neg_elbo)(params, key)
+        value, grads = gradient(params, key)
         updates, opt_state = optim.update(grads, opt_state, params)
         params = jax.tree_util.tree_map(jnp.add, params, updates)
         return (params, opt_state), value
@@ -90,6 +94,62 @@ def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, st
     loc, cov_, _ = moments(params)
     drift = objective_drift(values)
     return G.from_moments(loc, cov_), FitCheck(drift <= DRIFT_LIMIT, drift, jnp.full((), jnp.nan, drift.dtype))
+
+
+def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
+                 kl_weight=1.0):
+    """Maximise ``E_q[log_lik] - kl_weight KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``."""
+    init, moments = _gaussian_params(q)
+    d = q.shift.shape[0]
+
+    def neg_elbo(params, key):
+        loc, cov_, _ = moments(params)
+        draws = _draws(moments, params, random.normal(key, (particles, d)))
+        expected = jnp.mean(jax.vmap(log_lik)(draws))
+        return -(expected - kl_weight * G.kl_divergence(G.from_moments(loc, cov_), cavity))
+
+    return _optimise(init, moments, optim, steps, rng_key, jax.value_and_grad(neg_elbo))
+
+
+def _local_dp_sgd(row_log_lik, data, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
+                  dp, kl_weight=1.0):
+    """The local ELBO of :func:`_local_optax` maximised by DP-SGD (paper 002 §4.1, Theorem 6).
+
+    Every step draws a fixed-size subset of ``dp.batch_size`` of the client's real rows
+    without replacement (:func:`~numpyro_fed.dp.mechanisms.fixed_size_subset`), takes each
+    row's gradient of ``-E_q[log p(y_i | theta)]`` by ``vmap`` over the rows, and hands the
+    per-example gradients to optax's DP-SGD aggregation
+    (:func:`~numpyro_fed.dp.mechanisms.dp_sgd_transform`: clipped over the whole pytree to
+    ``dp.clip``, noise ``dp.noise_multiplier * clip`` on the sum, divided by the batch)
+    seeded with the client's key; the mean is scaled to the client's ``n`` rows and the
+    KL term's gradient, which does not touch the data, is added exactly after it. Then the
+    caller's optimiser. The same draws ``eps`` as :func:`_local_optax` for the same key,
+    so with the whole data in every batch, no noise and a large clip both are equal."""
+    init, moments = _gaussian_params(q)
+    d = q.shift.shape[0]
+    size = dp.batch_size
+    n = data.num_rows
+
+    def kl(params):
+        loc, cov_, _ = moments(params)
+        return kl_weight * G.kl_divergence(G.from_moments(loc, cov_), cavity)
+
+    def row_loss(params, row, eps):
+        one = data._replace(args=jax.tree_util.tree_map(lambda x: x[None], row),
+                            row_mask=jnp.ones(1, data.row_mask.dtype), num_rows=jnp.ones((), data.num_rows.dtype))
+        return -jnp.mean(jax.vmap(lambda u: row_log_lik(u, one))(_draws(moments, params, eps)))
+
+    chain = optax.chain(dp_sgd_transform(dp.clip, dp.noise_multiplier, random.fold_in(rng_key, 2)),
+                        optax.scale(n), add_gradient(kl), optim)
+
+    def gradient(params, key):
+        eps = random.normal(key, (particles, d))
+        rows = jax.tree_util.tree_map(lambda x: x[fixed_size_subset(random.fold_in(key, 1), data.row_mask, size)],
+                                      data.args)
+        values, per_example = jax.vmap(jax.value_and_grad(row_loss), in_axes=(None, 0, None))(params, rows, eps)
+        return n * jnp.mean(values) + kl(params), per_example
+
+    return _optimise(init, moments, chain, steps, rng_key, gradient)
 
 
 def pvi(
@@ -108,6 +168,9 @@ def pvi(
     variant: str = "plain",
     num_shards: int = 1,
     perturb: Any = None,
+    dp_sgd: Any = None,
+    trusted_aggregator: bool = False,
+    split_prior: bool = False,
 ) -> FederatedAlgorithm:
     """Build PVI's pure functions.
 
@@ -130,6 +193,16 @@ def pvi(
         num_shards: ``N`` shards per client (contiguous blocks of its real rows).
         perturb: update perturbation (paper 002 §4.2), see
             :func:`~numpyro_fed.factor.updates.factor_protocol`.
+        dp_sgd: a :class:`~numpyro_fed.dp.mechanisms.DPSGD`: the local optimisation
+            (``update="optax"``, ``variant="plain"``) runs DP-SGD (paper 002 §4.1) on the
+            per-row log-likelihood ``client_log_lik(u, one_row_data)``.
+        trusted_aggregator: see :func:`~numpyro_fed.factor.updates.factor_protocol`.
+        split_prior: the first round is a Bayesian committee machine with split prior
+            (Tresp, 2000; paper 002's "BCM split" baseline): each client fits its posterior
+            under the prior ``p^(1/J)`` and the server multiplies the fits, ``q = prod_j
+            q_j``. (Without it, one synchronous round with damping 1 is "BCM same":
+            ``q = prod_j q_j / p^(J-1)``, each ``q_j`` fitted under the full prior.) Only
+            the first round is a BCM; :class:`~numpyro_fed.BCM` runs exactly one.
 
     References:
         Ashman et al. (2022), "Partitioned variational inference"; paper 002 §3.1, Alg. 1.
@@ -138,6 +211,13 @@ def pvi(
     diagonal = log_prior_factor.diagonal
 
     def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
+        if split_prior:  # round 1: the cavity is p; fit under p^(1/J), send q_j - p^(1/J)
+            rest = log_prior_factor.scale(1.0 - 1.0 / num_clients)
+            fit, check = fit_local(rng_key, cavity - rest, q, data, kl_weight)
+            return fit + rest, check
+        return fit_local(rng_key, cavity, q, data, kl_weight)
+
+    def fit_local(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
         def log_lik(u):
             return client_log_lik(u, data)
 
@@ -149,10 +229,15 @@ def pvi(
                 full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
                 return G.project_diagonal(full), exact_fit
             return cavity + exact, exact_fit
+        if dp_sgd is not None:
+            return _local_dp_sgd(client_log_lik, data, cavity, q, optim, local_steps, num_particles, rng_key,
+                                 dp_sgd, kl_weight)
         return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight)
 
+    if dp_sgd is not None and (update != "optax" or variant != "plain" or perturb is not None):
+        raise ValueError("dp_sgd= is the local optimisation of update='optax', variant='plain', without perturb=")
     return factor_protocol(
         log_prior_factor, local_posterior, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, variant=variant, num_shards=num_shards,
-        perturb=perturb,
+        perturb=perturb, private_fit=dp_sgd is not None, trusted_aggregator=trusted_aggregator,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import jax
 from jax import random
@@ -15,10 +15,10 @@ from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
 from .inference import _K_ADVICE, FactorInference
 from .pvi_algorithm import pvi
-from ..dp.mechanisms import update_perturbation
+from ..dp.plan import PrivateFit, check_dp_options, warn_withheld
 from .updates import VARIANTS
 
-__all__ = ["PVI"]
+__all__ = ["BCM", "PVI"]
 
 _LOCAL_CONJ = (
     "update='conjugate' has no closed form with local latent sites ({names}); use "
@@ -34,7 +34,7 @@ _SHARD_PLATE = (
 _OPTIM = "update='optax' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
 
 
-class PVI(FactorInference):
+class PVI(PrivateFit, FactorInference):
     """Partitioned variational inference (Ashman et al., 2022; paper 002 Algorithm 1).
 
     Approximates the posterior of the model's global latent sites by
@@ -66,6 +66,18 @@ class PVI(FactorInference):
             ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.algorithms.pvi`.
         num_shards: shards per client for the two variants (every client needs at least
             that many rows).
+        dp: differential privacy (paper 002; the model marks its protected rows with
+            :class:`~numpyro_fed.dp_noise`, which carries the budget): ``"optimisation"``
+            (DP-SGD in each local optimisation, §4.1; needs ``update="optax"``,
+            ``variant="plain"`` and ``dp_batch_size``) or ``"update_perturbation"`` (each
+            shard's change in natural parameters clipped to ``clip`` and noised, §4.2; any
+            ``variant``). ``None`` (default) with a ``dp_noise``-marked model is an error.
+            See :meth:`privacy_report` and ``docs/differential_privacy.md``.
+        dp_batch_size: rows in every DP-SGD step (a fresh uniformly random subset of that
+            fixed size, drawn without replacement).
+        trusted_aggregator: with ``dp="update_perturbation"`` and ``schedule="synchronous"``:
+            the updates are summed by a trusted aggregator, the server sees only the sum
+            and each of the M clients adds noise ``sigma / sqrt(M)`` (Theorems 11, 14).
         client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
@@ -106,7 +118,9 @@ class PVI(FactorInference):
         max_halvings: int = 10,
         variant: str = "plain",
         num_shards: int = 1,
-        update_noise: Optional[Tuple[float, float]] = None,
+        dp: Optional[str] = None,
+        dp_batch_size: Optional[int] = None,
+        trusted_aggregator: bool = False,
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
@@ -127,16 +141,18 @@ class PVI(FactorInference):
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
-        if update_noise is not None:  # (clip, noise_multiplier); WIP: accounting/report to come (issue 12)
-            clip, multiplier = update_noise
-            if not (clip > 0 and multiplier >= 0):
-                raise ValueError(f"update_noise={update_noise!r}: (clip > 0, noise_multiplier >= 0)")
-        self.update_noise = update_noise
+        self.dp = check_dp_options(self, dp, dp_batch_size, trusted_aggregator)
+        self.dp_batch_size = None if dp_batch_size is None else int(dp_batch_size)
+        self.trusted_aggregator = bool(trusted_aggregator)
+        self._dp_rounds: Optional[int] = None  # the rounds a calibration to epsilon= plans for
 
     def _check_structure(self, structure) -> None:
         if not structure.local_latent_names:
             return
         names = list(structure.local_latent_names)
+        if self.dp is not None:
+            raise ValueError(f"dp={self.dp!r} protects models with global latent sites only; {names} are local "
+                             "(their fit would need a private mechanism of its own)")
         if self.update_kind == "conjugate":
             raise ValueError(_LOCAL_CONJ.format(names=names))
         if self.variant != "plain":
@@ -172,12 +188,32 @@ class PVI(FactorInference):
                 changes = [jax.jit(change)(data) for data in plan.data]
             for name, c in zip(plan.names, changes):
                 G.check_quadratic(c, what=f"client '{name}''s log-likelihood", sites=terms.sites, fix=_CONJ_FIX)
+        private = self._privacy
+        if getattr(self, "prior", "same") == "split":
+            common["split_prior"] = True
         return pvi(
             terms.prior, terms.log_lik, num_clients, update=self.update_kind, optim=self.optim,
             local_steps=self.local_steps, num_particles=self.num_particles, variant=self.variant,
-            num_shards=self.num_shards,
-            perturb=None if self.update_noise is None else update_perturbation(*self.update_noise), **common,
+            num_shards=self.num_shards, perturb=private.perturb if private else None,
+            dp_sgd=private.dp_sgd if private else None, trusted_aggregator=self.trusted_aggregator, **common,
         )
+
+    # ------------------------------------------------------------------ privacy
+    def _build(self, clients: Clients):
+        self._plan_privacy(clients)
+        return super()._build(clients)
+
+    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any):
+        """As :meth:`FactorInference.run <numpyro_fed.factor.inference.FactorInference.run>`;
+        with ``dp=``, noise calibrated to a ``dp_noise(epsilon=...)`` target plans for
+        ``num_rounds`` rounds (see :meth:`privacy_report` for what the fit spent)."""
+        self._prepare_private_run(num_rounds, clients, options)
+        return super().run(rng_key, num_rounds, clients, **options)
+
+    def _check_result(self, setup, result) -> None:
+        super()._check_result(setup, result)
+        if self._privacy is not None:
+            warn_withheld(type(self).__name__, result)
 
     def _shard_plate(self, clients: Clients, plate: Optional[str]) -> str:
         """The plate that indexes rows, needed to mask a client's shards."""
@@ -192,3 +228,40 @@ class PVI(FactorInference):
         if len(found) != 1:
             raise ValueError(_SHARD_PLATE.format(found=found))
         return found[0]
+
+
+class BCM(PVI):
+    """Bayesian committee machine (Tresp, 2000): one round, every client fits its own
+    posterior, the server multiplies them (paper 002's minimal-communication baselines).
+
+    - ``prior="same"``: each client fits ``q_j ≈ p(theta | y_j)`` under the full prior and
+      ``q = prod_j q_j / p^(J-1)``;
+    - ``prior="split"``: each client fits under ``p^(1/J)`` and ``q = prod_j q_j``.
+
+    It is PVI's first synchronous round with damping 1 (every factor starts at 1, so the
+    cavity is the prior), with PVI's local fits, checks and DP mechanisms (paper 002 trains
+    BCM with DP-SGD: ``dp="optimisation"``). :meth:`run` runs exactly one round.
+
+    Args:
+        model: as for :class:`PVI`.
+        prior: ``"same"`` or ``"split"``.
+        **kwargs: :class:`PVI`'s arguments, except ``schedule`` and ``damping``.
+    """
+
+    method = "bcm"
+
+    def __init__(self, model: Callable, *, prior: str = "same", **kwargs: Any) -> None:
+        if prior not in ("same", "split"):
+            raise ValueError(f"prior={prior!r}: choose 'same' or 'split'")
+        for fixed in ("schedule", "damping", "subset_size", "variant", "num_shards"):
+            if fixed in kwargs:
+                raise ValueError(f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not "
+                                 f"apply")
+        self.prior = prior
+        super().__init__(model, schedule="synchronous", damping=1.0, **kwargs)
+
+    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any):
+        """The one round: ``num_rounds`` must be 1 (the argument keeps the call uniform)."""
+        if num_rounds != 1 or options.get("init_state") is not None:
+            raise ValueError("BCM is one round from the prior: num_rounds=1 and no init_state")
+        return super().run(rng_key, 1, clients, **options)

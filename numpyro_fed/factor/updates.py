@@ -56,6 +56,11 @@ class FactorServerState(NamedTuple):
 class FactorClientState(NamedTuple):
     factor: NaturalGaussian  # t_j: the client's own factor
     pending: NaturalGaussian  # Delta t_j sent last, applied once acknowledged
+    releases: jax.Array  # updates this client has sent (its privacy ledger under DP)
+    # under DP, what the client keeps to itself (its fit diagnostics depend on its data):
+    # [shard fits released as a zero change (non-finite, or an improper own cavity),
+    #  local fits that failed their own check (e.g. not converged)]
+    withheld: jax.Array
 
 
 class FactorInfo(NamedTuple):
@@ -87,6 +92,8 @@ def factor_protocol(
     num_shards: int = 1,
     max_kl: Optional[float] = None,
     perturb: Optional[Callable] = None,
+    private_fit: bool = False,
+    trusted_aggregator: bool = False,
 ) -> FederatedAlgorithm:
     """Build the shared protocol around a client's local fit.
 
@@ -110,8 +117,20 @@ def factor_protocol(
             sum, noised changes)`` over the shards' changes ``lambda*_k - lambda`` (leading
             shard axis; one shard for ``"plain"``). The client sends the noised sum (divided
             by the shards for ``"local_averaging"``), drawn from its own key; its fit
-            diagnostics, which depend on its data, stay out of the message.
+            diagnostics, which depend on its data, stay out of the message and are counted
+            in its own state (``withheld``).
+        private_fit: the local fit is itself differentially private (DP-SGD, paper 002
+            §4.1): its change is sent as it is, but its fit diagnostics are withheld and
+            counted as with ``perturb``.
+        trusted_aggregator: the changes go through a trusted aggregator
+            (:class:`~numpyro_fed.protocol.Exchange`'s ``secure_sum``): the server sees
+            only their sum, so each client's message is its noised change alone, sent as
+            it is (no validity flag or zeroing that would depend on the client's own,
+            less noised, change); the server checks the sum.
     """
+    if trusted_aggregator and perturb is None:
+        raise ValueError("trusted_aggregator=True scales the noise of update perturbation: it needs perturb=")
+    private = perturb is not None or private_fit
     prior = log_prior_factor
     diagonal = prior.diagonal
     d = prior.shift.shape[0]
@@ -138,7 +157,7 @@ def factor_protocol(
 
     def init_client(rng_key, data) -> FactorClientState:
         del rng_key, data
-        return FactorClientState(_zero_factor(), _zero_factor())
+        return FactorClientState(_zero_factor(), _zero_factor(), jnp.zeros((), jnp.int32), jnp.zeros(2, jnp.int32))
 
     def shard(data, k):
         """Client data restricted to its k-th shard: a contiguous block of its real rows."""
@@ -156,11 +175,15 @@ def factor_protocol(
         ks = jnp.arange(shards)
         noise_key = random.fold_in(rng_key, shards)  # used only with perturb
 
+        zeroed = jnp.zeros((), jnp.int32)
+
         def released(key, changes, usable):
             """Under DP: a shard whose fit failed (or whose own cavity is improper) adds a
             zero change, not NaN, so the release stays a noised sum of changes of norm at
-            most C and says nothing about which shard failed (post-processing only)."""
+            most C and says nothing about which shard failed; the client counts them."""
+            nonlocal zeroed
             ok = usable & jax.vmap(_finite)(changes)
+            zeroed = jnp.sum(~ok).astype(jnp.int32)
             changes = jax.tree_util.tree_map(
                 lambda x: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), changes)
             return perturb(key, changes)
@@ -168,6 +191,7 @@ def factor_protocol(
         if variant == "plain":
             cavity = q - factor
             fit, check = local_update(rng_key, cavity, q, data, 1.0)
+            failed_fits = (~check.ok).astype(jnp.int32)
             pending = fit - q
             if perturb is not None:
                 pending = released(noise_key, jax.tree_util.tree_map(lambda x: x[None], pending),
@@ -183,6 +207,7 @@ def factor_protocol(
                 changes = jax.tree_util.tree_map(lambda x, q_: x - q_, fits, q)
                 pending = released(noise_key, changes, jnp.ones(shards, bool))[0].scale(1.0 / shards)
             delta, proper = pending, G.is_positive_definite(cavity)
+            failed_fits = jnp.sum(~checks.ok)
             check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
         else:  # virtual clients: one factor and one cavity per shard
 
@@ -192,6 +217,7 @@ def factor_protocol(
                 return fit - q, G.is_positive_definite(cavity), check
 
             pending, proper, checks = jax.vmap(one)(ks, keys, factor)
+            failed_fits = jnp.sum(~checks.ok)
             if perturb is None:
                 delta = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending)
             else:  # eq. 4.11: each virtual factor keeps its clipped change plus its share of the noise
@@ -200,24 +226,39 @@ def factor_protocol(
             # dependent) factors: under DP it is not part of the release
             proper = jnp.all(proper) if perturb is None else jnp.asarray(True)
             check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
-        # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
-        # a proper Gaussian) is no update: the client sends zero and says so
-        valid = proper & _finite(delta) & G.is_positive_definite(q + delta)
-        delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
-        pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
-        if perturb is not None:  # the fit's own check depends on the data: it is not released
+        releases = state.releases + 1
+        if private:  # the fit's own check depends on the data: the client keeps it
+            withheld = state.withheld + jnp.stack([zeroed, jnp.asarray(failed_fits, jnp.int32)])
             check = FitCheck(jnp.asarray(True), jnp.full((), jnp.nan, check.stat.dtype),
                              jnp.full((), jnp.nan, check.stat.dtype))
+        else:
+            withheld = state.withheld
+        if trusted_aggregator:  # sent as noised; only the sum is released (see the docstring)
+            return FactorClientState(factor, pending, releases, withheld), {"delta": delta}
+        # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
+        # a proper Gaussian) is no update: the client sends zero and says so. A noised
+        # update (perturb) is judged by the server instead, whose safeguard damps the sum
+        # until q stays proper: rejecting it here would discard most noised updates early
+        # on, when q's precision is still the prior's.
+        proper_q = G.is_positive_definite(q + delta) if perturb is None else jnp.asarray(True)
+        valid = proper & _finite(delta) & proper_q
+        delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
+        pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
         message = {"delta": delta, "valid": valid, "fit_ok": check.ok, "fit_stat": check.stat,
                    "fit_k": check.pareto_k}
-        return FactorClientState(factor, pending), message
+        return FactorClientState(factor, pending, releases, withheld), message
 
     def server_step(rng_key, state: FactorServerState, messages, view):
         del rng_key
         answered = view.answered
+        if trusted_aggregator:  # the sum alone arrives; the server checks it below
+            nan = jnp.full(answered.shape, jnp.nan, prior.shift.dtype)
+            messages = {"delta": None, "valid": answered, "fit_ok": answered, "fit_stat": nan, "fit_k": nan,
+                        "total": messages["delta"]}
         valid = answered & messages["valid"]
         w = answered.astype(prior.shift.dtype)
-        total = jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), messages["delta"])
+        total = messages["total"] if trusted_aggregator else jax.tree_util.tree_map(
+            lambda x: jnp.tensordot(w, x, axes=1), messages["delta"])
 
         def acceptable(delta):
             new = state.q + total.scale(delta)
@@ -248,7 +289,8 @@ def factor_protocol(
                           fit_stat, fit_k)
         return new, Broadcast({"q": q}, {"ack": ack}), info
 
+    secure = ("delta",) if trusted_aggregator else ()
     return FederatedAlgorithm(
-        init_server, init_client, select, (Exchange(client_step, server_step, "factor_update"),),
+        init_server, init_client, select, (Exchange(client_step, server_step, "factor_update", secure),),
         num_selected=num_selected, monitor=lambda info: info.kl, monitor_name="KL(q_new||q)",
     )

@@ -19,6 +19,8 @@ from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
 from .guides import StructuredGuide
 from .objective import FederatedObjective
+from ..dp.plan import PrivateFit, check_sgd_options
+from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
 
@@ -62,7 +64,7 @@ def check_positive_int(name: str, value) -> int:
     return int(value)
 
 
-class FederatedSVI(FederatedInference):
+class FederatedSVI(PrivateFit, FederatedInference):
     """Federated stochastic variational inference.
 
     Args:
@@ -82,6 +84,15 @@ class FederatedSVI(FederatedInference):
             the posterior.
         local_steps: m for ``"sfvi_avg"``.
         participation: fraction of clients asked per round for ``"sfvi_avg"``.
+        dp: ``"sgd"``: DP federated SVI (paper 002's "global VI" baseline; the model marks
+            its protected rows with :class:`~numpyro_fed.dp_noise`): each round every
+            client sends the sum of its rows' clipped gradients on a fixed-size random
+            subset, plus Gaussian noise from its own key (see
+            :mod:`~numpyro_fed.horizontal.dp_sfvi_algorithm`). Global sites only;
+            ``method="sfvi"``; the PSIS check is not run (it sums data-dependent terms).
+        dp_sampling_rate: ``q``: each client uses ``round(q n_j)`` rows per round.
+        trusted_aggregator: the gradients are summed by a trusted aggregator; each of the
+            M clients adds noise ``sigma / sqrt(M)`` and the server sees only the sum.
         client_mapping: how the simulation maps clients: ``"auto"``, ``"vmap"`` or
             ``"loop"`` (see :mod:`numpyro_fed.backends.mapping`).
         row_plate: the plate that indexes rows, when clients of unequal size are padded
@@ -115,6 +126,9 @@ class FederatedSVI(FederatedInference):
         check_fit: bool = True,
         local_steps: int = 10,
         participation: float = 1.0,
+        dp: Optional[str] = None,
+        dp_sampling_rate: Optional[float] = None,
+        trusted_aggregator: bool = False,
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
@@ -148,6 +162,10 @@ class FederatedSVI(FederatedInference):
         self.client_mapping = client_mapping
         self.row_plate = row_plate
         self.model_kwargs = dict(model_kwargs or {})
+        self.dp = check_sgd_options(self, dp, dp_sampling_rate, trusted_aggregator)
+        self.dp_sampling_rate = None if dp_sampling_rate is None else float(dp_sampling_rate)
+        self.trusted_aggregator = bool(trusted_aggregator)
+        self._dp_rounds: Optional[int] = None
         self._init_inference()
 
     # ------------------------------------------------------------------ set-up
@@ -162,7 +180,17 @@ class FederatedSVI(FederatedInference):
         )
         objective = FederatedObjective(self.model, self.guide, structure, self.model_kwargs, self.stl)
         J = len(clients)
-        if self.method == "sfvi":
+        self._plan_privacy(clients)
+        if self._privacy is not None:
+            local = list(structure.local_latent_names) + list(structure.local_param_names)
+            if local:
+                raise ValueError(f"dp='sgd' (DP federated SVI) fits models with global sites only; {local} are "
+                                 f"local. Use nf.PVI(dp=...) or drop the local sites")
+            p = self._privacy
+            algorithm = dp_sfvi(objective, self.optim, J, clip=p.spec.clip, noise_multiplier=p.noise_multiplier,
+                                sampling_rate=self.dp_sampling_rate, max_batch=p.dp_sgd.batch_size,
+                                trusted_aggregator=self.trusted_aggregator, num_particles=self.num_particles)
+        elif self.method == "sfvi":
             algorithm = sfvi(objective, self.optim, J, num_particles=self.num_particles)
         else:
             algorithm = sfvi_avg(
@@ -225,10 +253,11 @@ class FederatedSVI(FederatedInference):
             per-round ``-ELBO`` (also ``losses``), ``client_states`` each client's
             local parameters.
         """
+        self._prepare_private_run(num_rounds, clients, options)
         return self._run(rng_key, num_rounds, clients, **options)
 
     def _check_result(self, setup: Setup, result: RunResult) -> None:
-        if not self.check_fit:
+        if not self.check_fit or self._privacy is not None:  # under DP: the check sums data-dependent terms
             return
         diag = self.diagnose(result)
         if not diag.pareto_k <= PARETO_K_LIMIT:

@@ -1,0 +1,138 @@
+"""DP federated SVI: SFVI whose clients send DP-SGD gradients (paper 002's "global VI,
+trusted aggr." baseline; Jälkö et al., 2017).
+
+Every round each client draws a fixed-size subset of its real rows without replacement,
+``b_j = round(q n_j)`` rows for a sampling rate ``q`` shared by all clients, takes each
+row's gradient of its ELBO term with respect to the server's parameters (``vmap`` over the
+rows), clips each to ``C`` over the whole pytree and sends the sum plus Gaussian noise
+drawn from its own key, scaled by ``1 / q`` (an unbiased estimate of its data term's
+gradient), plus its share of the prior's gradient, which does not touch the data:
+
+- with a trusted aggregator (``secure_sum``) each of the ``M`` clients adds noise of
+  standard deviation ``sigma / sqrt(M)`` and the server sees only the sum, whose noise is
+  ``sigma``: centralised DP-SGD on the pooled rows;
+- without one each client adds ``sigma`` itself (its message is private on its own).
+
+The server adds the gradient of its own term and steps, as in SFVI (a round in which an
+asked client did not answer is skipped). The clients send no ELBO value (it depends on
+their data): ``info.elbo`` is the server's own term only. The model must have global
+latent sites only. Privacy: one Gaussian release per round per client, at sampling rate
+``b_j / n_j`` (see :mod:`numpyro_fed.dp.plan`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import random
+
+from .._steps import ascent, tree_weighted_sum
+from .._typing import Array, PyTree
+from ..dp.mechanisms import fixed_size_subset, perturbed_sum
+from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from .sfvi_algorithm import SFVIBroadcast, SFVIInfo, SFVIServerState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .objective import FederatedObjective
+
+__all__ = ["DPSFVIClientState", "dp_sfvi"]
+
+
+class DPSFVIClientState(NamedTuple):
+    local_params: PyTree  # empty: DP federated SVI needs global latent sites only
+    releases: Array  # noised gradients this client has sent (its privacy ledger)
+
+
+def dp_sfvi(
+    objective: "FederatedObjective",
+    optim: optax.GradientTransformation,
+    num_clients: int,
+    *,
+    clip: float,
+    noise_multiplier: float,
+    sampling_rate: float,
+    max_batch: int,
+    trusted_aggregator: bool = True,
+    num_particles: int = 1,
+) -> FederatedAlgorithm:
+    """Build DP federated SVI (see the module docstring).
+
+    Args:
+        objective: server and client ELBO terms (global latent sites only).
+        optim: the server's optax optimiser.
+        num_clients: J (= M, the clients whose noise adds up under a trusted aggregator).
+        clip: ``C``.
+        noise_multiplier: ``sigma / C`` of the released sum.
+        sampling_rate: ``q``; client j uses ``b_j = round(q n_j)`` rows (at least 1).
+        max_batch: the largest ``b_j`` (static: the subsets are drawn at this size and
+            masked to ``b_j``).
+        trusted_aggregator: secure summation of the gradients (see above).
+        num_particles: Monte Carlo draws per round, shared by every row.
+    """
+    n_global = objective.global_size
+    prior_share = 1.0 / num_clients
+    noise_std = noise_multiplier * clip / (math.sqrt(num_clients) if trusted_aggregator else 1.0)
+
+    def draw(rng_key):
+        return random.normal(rng_key, (num_particles, n_global))
+
+    def init_server(rng_key):
+        params = objective.init_global()
+        eps = draw(rng_key)
+        state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
+        return state, Broadcast(SFVIBroadcast(params, eps))
+
+    def init_client(rng_key, data):
+        del rng_key
+        return DPSFVIClientState(objective.init_local(data), jnp.zeros((), jnp.int32))
+
+    def client_step(rng_key, state, broadcast, data):
+        message = broadcast.shared
+        k_rows, k_noise = random.split(rng_key)
+        size = jnp.clip(jnp.round(sampling_rate * data.num_rows), 1, max_batch)
+        rows = jax.tree_util.tree_map(lambda x: x[fixed_size_subset(k_rows, data.row_mask, max_batch)], data.args)
+        use = (jnp.arange(max_batch) < size).astype(data.row_mask.dtype)
+        empty = jnp.zeros((0,), message.eps_global.dtype)
+
+        def term(g, one, share, scale):
+            return jnp.mean(jax.vmap(lambda e: objective.client_term(g, state.local_params, e, empty, one, share,
+                                                                     scale))(message.eps_global))
+
+        def row_term(g, row):
+            one = data._replace(args=jax.tree_util.tree_map(lambda x: x[None], row),
+                                row_mask=jnp.ones(1, data.row_mask.dtype), num_rows=jnp.ones((), data.num_rows.dtype))
+            return term(g, one, 0.0, 1.0)
+
+        per_row = jax.vmap(jax.grad(row_term), in_axes=(None, 0))(message.global_params, rows)
+        per_row = jax.tree_util.tree_map(lambda x: x * use.reshape((-1,) + (1,) * (x.ndim - 1)), per_row)
+        noised = perturbed_sum(per_row, clip, noise_std, k_noise)
+        prior = jax.grad(lambda g: term(g, data, prior_share, 0.0))(message.global_params)  # data-free
+        grad = jax.tree_util.tree_map(lambda a, p: a / sampling_rate + p, noised, prior)
+        return DPSFVIClientState(state.local_params, state.releases + 1), {"global_grad": grad}
+
+    def server_step(rng_key, state, messages, view):
+        def term(g):
+            return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
+
+        elbo_server, grad = jax.value_and_grad(term)(state.global_params)
+        w = view.answered.astype(elbo_server.dtype)
+        total = messages["global_grad"] if trusted_aggregator else tree_weighted_sum(w, messages["global_grad"])
+        complete = jnp.all(view.answered)
+        grad = jax.tree_util.tree_map(jnp.add, grad, total)
+        stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
+        params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
+        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
+        eps = draw(rng_key)
+        new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
+        return new_state, Broadcast(SFVIBroadcast(params, eps)), SFVIInfo(elbo_server, complete)
+
+    secure = ("global_grad",) if trusted_aggregator else ()
+    return FederatedAlgorithm(
+        init_server, init_client, all_clients(num_clients),
+        (Exchange(client_step, server_step, "dp_gradient", secure),),
+        num_selected=num_clients, monitor=lambda info: -info.elbo, monitor_name="-server term",
+    )
