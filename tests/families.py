@@ -114,8 +114,14 @@ def pvi_dp_virtual_trusted():
                   trusted_aggregator=True), horizontal_data()
 
 
+def svi_dp_trusted():
+    return nf.FederatedSVI(dp_linear(), nf.MeanFieldGuide(linear), optax.adam(0.05), dp="sgd", dp_sampling_rate=0.5,
+                           trusted_aggregator=True), horizontal_data()
+
+
 #: the differentially private variants (their messages are noised; the same audits apply)
-DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averaging, pvi_dp_virtual_trusted)}
+DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averaging, pvi_dp_virtual_trusted,
+                                       svi_dp_trusted)}
 
 
 def run(inference, inputs, rng_key, num_rounds, **options):

@@ -167,3 +167,18 @@ def test_bcm_same_and_split_are_exact_for_a_conjugate_model(clients):
                 local_steps=20, dp="optimisation", dp_batch_size=5)
     out = dp.run(jax.random.PRNGKey(0), 1, clients)
     assert [c.compositions for c in dp.privacy_report(out).clients] == [20, 20, 20]
+
+
+def test_families_without_a_dp_mechanism_refuse_a_marked_model(clients):
+    """A dp_noise-marked model is never fitted without the protection it asks for."""
+    from .families import SPEC, vertical_data, vertical_model
+    with pytest.raises(ValueError, match="EP has no differentially private mechanism"):
+        nf.EP(marked(clip=1.0, noise_multiplier=1.0)).init(jax.random.PRNGKey(0), clients)
+    vmodel = nf.vertical_split(nf.dp_noise(vertical_model, clip=1.0, delta=1e-3, noise_multiplier=1.0),
+                               clients=SPEC, rho=0.5, response="y")
+    with pytest.raises(ValueError, match="VerticalSVI has no differentially private mechanism"):
+        nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.05)).init(jax.random.PRNGKey(0),
+                                                                                   **vertical_data())
+    plain = nf.vertical_split(vertical_model, clients=SPEC, rho=0.5, response="y")
+    nf.VerticalSVI(plain, nf.VerticalGuide("meanfield"), optax.adam(0.05)).init(jax.random.PRNGKey(0),
+                                                                              **vertical_data())

@@ -45,6 +45,6 @@ def test_dp_svi_set_up_errors():
         svi(linear, dp="sgd")
     with pytest.raises(ValueError, match="method='sfvi'"):
         svi(linear, dp="sgd", dp_sampling_rate=0.5, method="sfvi_avg")
-    with pytest.raises(ValueError, match="choose the mechanism"):
+    with pytest.raises(ValueError, match="choose the mechanism with dp='sgd'"):
         svi(nf.dp_noise(linear, clip=1.0, delta=1e-3, noise_multiplier=1.0)).init(jax.random.PRNGKey(0),
                                                                                 horizontal_data())

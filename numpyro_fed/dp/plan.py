@@ -23,7 +23,7 @@ from .annotation import DPSpec, dp_sites
 from .mechanisms import DPSGD, update_perturbation
 
 __all__ = ["MECHANISMS", "Privacy", "PrivateFit", "check_dp_options", "check_sgd_options", "dp_specs",
-           "plan_privacy", "privacy_report"]
+           "plan_privacy", "privacy_report", "refuse_dp"]
 
 MECHANISMS = ("optimisation", "update_perturbation")  # PVI's; FederatedSVI's is "sgd"
 
@@ -32,6 +32,11 @@ _CHOOSE = (
     "choose the mechanism with dp='optimisation' (DP-SGD in each client's local optimisation; update='optax', "
     "dp_batch_size=) or dp='update_perturbation' (clip and noise each update; variant='local_averaging' or "
     "'virtual' with num_shards=, optionally trusted_aggregator=True)"
+)
+_CHOOSE_SVI = (
+    "the model marks observed site(s) {sites} with dp_noise, so the fit must be differentially private: "
+    "choose the mechanism with dp='sgd' and dp_sampling_rate= (DP federated SVI, method='sfvi'; "
+    "optionally trusted_aggregator=True), or use nf.PVI(dp=...)"
 )
 _UNMARKED = (
     "dp={dp!r}: observed site(s) {sites} are not marked by dp_noise, so their rows would not be protected; "
@@ -137,6 +142,8 @@ def plan_privacy(inference, clients) -> Privacy:
     specs = dp_sites(tr)
     dp = inference.dp
     if dp is None:
+        if hasattr(inference, "dp_sampling_rate"):  # FederatedSVI
+            raise ValueError(_CHOOSE_SVI.format(sites=sorted(specs)))
         raise ValueError(_CHOOSE.format(sites=sorted(specs)))
     if not specs:
         raise ValueError(_NO_MARKS.format(dp=dp))
@@ -277,3 +284,18 @@ class PrivateFit:
             raise ValueError(f"privacy_report: this {type(self).__name__} is not differentially private "
                              f"(no dp=, no dp_noise)")
         return privacy_report(self._privacy, setup.plan.names, result)
+
+
+_NOT_PRIVATE = (
+    "{cls} has no differentially private mechanism, and the model marks observed site(s) {sites} with dp_noise: "
+    "fitting it would send updates computed from those rows without noise. Use nf.PVI(dp=...), nf.BCM(dp=...) or "
+    "nf.FederatedSVI(dp='sgd'), or remove dp_noise"
+)
+
+
+def refuse_dp(cls: str, model, args, model_kwargs) -> None:
+    """Raise when a family without a DP mechanism is given a ``dp_noise``-marked model
+    (never fit it silently without the protection the model asks for)."""
+    sites = dp_sites(trace_model(model, args, model_kwargs))
+    if sites:
+        raise ValueError(_NOT_PRIVATE.format(cls=cls, sites=sorted(sites)))

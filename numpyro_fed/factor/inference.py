@@ -22,6 +22,7 @@ from numpyro.distributions.transforms import biject_to
 from .._structure import (SiteLayout, analyse_model, deterministic_of_globals, global_deterministic_sites,
                           is_latent, log_joint, trace_model)
 from ..backends.mapping import client_data, plan_clients
+from ..dp.plan import PrivateFit, refuse_dp
 from ..clients import Clients
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..horizontal.inference import UnreliableFitWarning, check_positive_int
@@ -174,6 +175,8 @@ class FactorInference(FederatedInference):
         cls = type(self).__name__
         if self.schedule == "subset" and self.subset_size > len(clients):
             raise ValueError(_SUBSET.format(size=self.subset_size, J=len(clients)))
+        if not isinstance(self, PrivateFit):  # EP: no DP mechanism
+            refuse_dp(cls, self.model, clients[clients.names[0]], self.model_kwargs)
         structure = analyse_model(self.model, clients, self.model_kwargs)
         if structure.global_param or structure.local_param_names:
             names = sorted(structure.global_param) + list(structure.local_param_names)

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..backends.mapping import ClientPlan
 from ..inference import FederatedInference, Setup
+from ..dp.plan import refuse_dp
 from ..protocol import RunResult, RunState
 from .objective import SERVER, VerticalObjective
 from .protocol import PartyData, vertical_protocol
@@ -90,6 +91,7 @@ class VerticalInference(FederatedInference):
 
     def _build(self, data: Mapping[str, Any]) -> Setup:
         arrays = {k: jnp.asarray(v) for k, v in validate_party_data(self.model, data).items()}
+        refuse_dp(type(self).__name__, self.model, arrays, getattr(self, "model_kwargs", {}))
         obj, alg = self._build_algorithm(arrays)
         rows = jnp.arange(obj.num_rows)
         parties = tuple(PartyData(c, obj.party_args(c, arrays, rows)) for c in obj.clients)
