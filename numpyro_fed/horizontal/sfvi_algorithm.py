@@ -39,7 +39,8 @@ from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 if TYPE_CHECKING:  # pragma: no cover
     from .objective import FederatedObjective
 
-__all__ = ["SFVIBroadcast", "SFVIClientMessage", "SFVIClientState", "SFVIInfo", "SFVIServerState", "sfvi"]
+__all__ = ["SFVIBroadcast", "SFVIClientMessage", "SFVIClientState", "SFVIInfo", "SFVIServerState", "sfvi",
+           "sfvi_server"]
 
 
 class SFVIServerState(NamedTuple):
@@ -69,6 +70,38 @@ class SFVIInfo(NamedTuple):
     complete: Array  # every asked client answered, so the server stepped
 
 
+def sfvi_server(objective: "FederatedObjective", optim: optax.GradientTransformation, num_particles: int):
+    """The SFVI server's own part (shared with DP federated SVI): ``init_server`` and
+    ``update(rng_key, state, client_grad, complete) -> (state, broadcast, server_term)``,
+    which adds the gradient of its own term (``-log q(z_G)``) to the clients' summed
+    gradient, steps unless the round is incomplete, and broadcasts fresh noise."""
+    n_global = objective.global_size
+
+    def draw(rng_key):
+        return random.normal(rng_key, (num_particles, n_global))
+
+    def init_server(rng_key):
+        params = objective.init_global()
+        eps = draw(rng_key)
+        state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
+        return state, Broadcast(SFVIBroadcast(params, eps))
+
+    def update(rng_key, state, client_grad, complete):
+        def term(g):
+            return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
+
+        elbo_server, grad = jax.value_and_grad(term)(state.global_params)
+        grad = jax.tree_util.tree_map(jnp.add, grad, client_grad)
+        stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
+        params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
+        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
+        eps = draw(rng_key)
+        new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
+        return new_state, Broadcast(SFVIBroadcast(params, eps)), elbo_server
+
+    return init_server, update
+
+
 def sfvi(
     objective: "FederatedObjective",
     optim: optax.GradientTransformation,
@@ -88,17 +121,8 @@ def sfvi(
     References:
         Hassan et al., paper 001, Algorithm 1 and supplement S1.
     """
-    n_global = objective.global_size
     prior_share = 1.0 / num_clients
-
-    def draw(rng_key):
-        return random.normal(rng_key, (num_particles, n_global))
-
-    def init_server(rng_key):
-        params = objective.init_global()
-        eps = draw(rng_key)
-        state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
-        return state, Broadcast(SFVIBroadcast(params, eps))
+    init_server, server_update = sfvi_server(objective, optim, num_particles)
 
     def init_client(rng_key, data):
         params = objective.init_local(data)
@@ -121,21 +145,13 @@ def sfvi(
         return SFVIClientState(local_params, opt_state), SFVIClientMessage(g_grad, elbo)
 
     def server_step(rng_key, state, messages, view):
-        def term(g):
-            return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
-
-        elbo_server, grad = jax.value_and_grad(term)(state.global_params)
-        w = view.answered.astype(elbo_server.dtype)
+        w = view.answered.astype(messages.elbo.dtype)
         complete = jnp.all(view.answered)
-        grad = jax.tree_util.tree_map(jnp.add, grad, tree_weighted_sum(w, messages.global_grad))
+        new_state, broadcast, elbo_server = server_update(rng_key, state, tree_weighted_sum(w, messages.global_grad),
+                                                          complete)
         # the ELBO estimate of an incomplete round scales the answered terms up to J clients
         elbo = elbo_server + jnp.dot(w, messages.elbo) * num_clients / jnp.maximum(jnp.sum(w), 1.0)
-        stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
-        params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
-        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
-        eps = draw(rng_key)
-        new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
-        return new_state, Broadcast(SFVIBroadcast(params, eps)), SFVIInfo(elbo, complete)
+        return new_state, broadcast, SFVIInfo(elbo, complete)
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients), (Exchange(client_step, server_step, "gradient"),),
