@@ -64,8 +64,12 @@ def site_role(msg: dict) -> str:
     return infer.get(FEDERATION_KEY, GLOBAL)
 
 
-class _FederationAnnotation(Messenger):
-    role: str = ""
+class NamedSites(Messenger):
+    """A handler that acts on all sites in its scope, or only on those named by ``sites``.
+
+    It checks the names (strings, each once) and, on leaving the scope, that every named
+    site was seen (subclasses add names to ``self._seen``; ``self._visited`` lists what the
+    scope saw, for the error)."""
 
     def __init__(
         self,
@@ -91,13 +95,11 @@ class _FederationAnnotation(Messenger):
         self.sites = sites
         self._seen: set = set()
         self._visited: list = []
-        self._pending: list = []
         super().__init__(fn)
 
     def __enter__(self):
         self._seen = set()
         self._visited = []
-        self._pending = []
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -112,6 +114,23 @@ class _FederationAnnotation(Messenger):
                         seen=sorted(set(self._visited)),
                     )
                 )
+
+
+class _FederationAnnotation(NamedSites):
+    role: str = ""
+
+    def __init__(
+        self,
+        fn: Optional[Callable] = None,
+        *,
+        sites: Union[None, str, Iterable[str]] = None,
+    ) -> None:
+        self._pending: list = []
+        super().__init__(fn, sites=sites)
+
+    def __enter__(self):
+        self._pending = []
+        return super().__enter__()
 
     def process_message(self, msg):
         if msg["type"] == "deterministic" and self.sites is not None and msg["name"] in self.sites:

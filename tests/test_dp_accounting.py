@@ -101,7 +101,11 @@ def test_dp_noise_site_errors():
 
     with pytest.raises(ValueError, match="in no plate"):
         trace(seed(no_plate, 0)).get_trace(Y)
-    with pytest.raises(ValueError, match=r"names \['z'\]"):
+    with pytest.raises(ValueError, match=r"names \['z'\].*sites seen: \['mu', 'y'\]"):
         trace(seed(nf.dp_noise(_model, sites=["z"], **spec), 0)).get_trace(Y)
+    with pytest.raises(ValueError, match=r"lists \['y'\] more than once"):
+        nf.dp_noise(_model, sites=["y", "y"], **spec)
+    with pytest.raises(TypeError, match="takes site names"):
+        nf.dp_noise(_model, sites=[1], **spec)
     with pytest.raises(ValueError, match="not below 1/n = 1/4 for client 'a'"):
         nf.dp.DPSpec(1.0, 0.3, epsilon=1.0).check_rows(4, "a")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
-from numpyro.primitives import Messenger
+from ..handlers import NamedSites
 
 __all__ = ["DP_KEY", "DPSpec", "dp_noise", "dp_sites"]
 
@@ -70,7 +70,7 @@ def _spec(clip, delta, noise_multiplier, epsilon) -> DPSpec:
                   None if epsilon is None else float(epsilon))
 
 
-class dp_noise(Messenger):
+class dp_noise(NamedSites):
     """Mark observed sites whose rows are protected by differential privacy.
 
     Args:
@@ -101,22 +101,11 @@ class dp_noise(Messenger):
                  noise_multiplier: Optional[float] = None, epsilon: Optional[float] = None,
                  sites: Union[None, str, Iterable[str]] = None) -> None:
         self.spec = _spec(clip, delta, noise_multiplier, epsilon)
-        self.sites = (sites,) if isinstance(sites, str) else (None if sites is None else tuple(sites))
-        self._seen: set = set()
-        super().__init__(fn)
-
-    def __enter__(self):
-        self._seen = set()
-        return super().__enter__()
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        super().__exit__(exc_type, exc_value, traceback)
-        if exc_type is None and self.sites is not None:
-            missing = [s for s in self.sites if s not in self._seen]
-            if missing:
-                raise ValueError(f"dp_noise(sites=...) names {missing} but the model has no sample site of that name")
+        super().__init__(fn, sites=sites)
 
     def process_message(self, msg):
+        if msg["type"] == "sample":
+            self._visited.append(msg["name"])
         if msg["type"] != "sample" or (self.sites is not None and msg["name"] not in self.sites):
             return
         if not msg.get("is_observed"):
