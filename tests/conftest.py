@@ -16,6 +16,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _owner = os.getpid()
     atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
 
+# copied into a Flower app folder and imported there as a top-level module (not a test module)
+collect_ignore = ["flower_tasks.py"]
+
 import gc  # noqa: E402
 
 import jax  # noqa: E402

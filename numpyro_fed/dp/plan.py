@@ -233,6 +233,12 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
     """Warn with what the clients' own ledgers recorded (the simulation gathers them)."""
     from ..horizontal.inference import UnreliableFitWarning
 
+    if result.state.clients is None:  # a network backend: each ledger stays on its client
+        warnings.warn(f"{cls}: under DP each client keeps its fit diagnostics in its own ledger, which stays on its "
+                      f"node over a network backend, so the server cannot report withheld diagnostics or failed "
+                      f"local fits (not yet collected over Flower); check the fit in simulation",
+                      category or UnreliableFitWarning, stacklevel=4)
+        return
     bad, zeroed, failed = [], 0, 0
     for name in result.client_states:
         w = np.asarray(result.client_states[name].withheld)

@@ -259,6 +259,11 @@ class FederatedSVI(PrivateFit, FederatedInference):
     def _check_result(self, setup: Setup, result: RunResult) -> None:
         if not self.check_fit or self._privacy is not None:  # under DP: the check sums data-dependent terms
             return
+        if result.state.clients is None:  # a network backend: the clients' states stay on their nodes
+            warnings.warn(f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
+                          f"client's term and is not run over a network backend yet; check the fit in simulation, "
+                          f"or pass check_fit=False to silence this", UnreliableFitWarning, stacklevel=4)
+            return
         diag = self.diagnose(result)
         if not diag.pareto_k <= PARETO_K_LIMIT:
             warnings.warn(

@@ -100,6 +100,8 @@ class VerticalInference(FederatedInference):
         return Setup(dict(data), vertical_protocol(alg, obj), plan, (obj, alg), {"data": arrays})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, Any]:
+        if state.clients is None:  # a network backend: each party keeps its own parameters
+            return {SERVER: state.server.inner.params}
         params = {c: slot.state.inner.params for c, slot in zip(setup.plan.names, state.clients)}
         params[SERVER] = state.server.inner.params
         return params

@@ -1,0 +1,19 @@
+"""Federation over `Flower <https://flower.ai>`_ (``pip install numpyro-fed[flower]``).
+
+- :class:`FlowerTask`: what a federation runs (the inference object, and how a node loads
+  its own data), imported by the ServerApp and every ClientApp;
+- :class:`FlowerBackend`: the round loop over Flower's ``Grid`` (the simulation
+  backend's ``run``, inside the ServerApp);
+- :mod:`numpyro_fed.flower.app`: the ``ServerApp`` and ``ClientApp``;
+- :mod:`numpyro_fed.flower.executor`: a long-running ClientApp executor that keeps a
+  client's compiled JAX functions alive across rounds;
+- :class:`LocalFederation`: a SuperLink and N SuperNodes on 127.0.0.1 (tests, the demo).
+
+See ``docs/flower.md``.
+"""
+
+from .launcher import FederationError, LocalFederation
+from .server import FlowerBackend, MissingClientsWarning
+from .task import FlowerTask, load_task
+
+__all__ = ["FederationError", "FlowerBackend", "FlowerTask", "LocalFederation", "MissingClientsWarning", "load_task"]

@@ -1,0 +1,97 @@
+"""The Flower apps: ``server`` (a ``ServerApp``) and ``client`` (a ``ClientApp``).
+
+A Flower app's ``pyproject.toml`` names them::
+
+    [tool.flwr.app.components]
+    serverapp = "numpyro_fed.flower.app:server"
+    clientapp = "numpyro_fed.flower.app:client"
+
+    [tool.flwr.app.config]
+    task = "my_package.my_module:task"   # a numpyro_fed.flower.FlowerTask
+    num-clients = 3
+    num-rounds = 10
+    seed = 0                             # the server's run key
+    reply-timeout = 60.0                 # seconds per exchange (first round: first-timeout)
+    first-timeout = 600.0
+    out = ""                             # where the ServerApp writes its result ("": nowhere)
+    keep-values = false                  # keep the transcript's arrays in the result (audits)
+
+The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds the task's
+inference object on the template, and runs it with ``backend=FlowerBackend(grid)``; the
+result (server parameters, trace, per-round diagnostics, communication, the transcript
+recorded at the server, the rounds that lacked clients, per-round wall times) goes to
+``out`` as a pickle, or an ``{"error": ...}`` when the run failed (``flwr run`` exits 0
+either way).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+import warnings
+
+
+
+def _server_main(grid, context) -> None:
+    cfg = context.run_config
+    out = str(cfg.get("out", ""))
+    started = time.perf_counter()
+    result = {"started_at": time.time()}
+    try:
+        import jax
+        import numpy as np
+
+        from .server import FlowerBackend
+        from .task import build, call_run, load_task
+
+        task = load_task(str(cfg["task"]))
+
+        def progress(rnd, answered):
+            if out:
+                with open(out + ".progress", "w") as fh:
+                    fh.write(f"{rnd} {time.perf_counter() - started:.3f} {' '.join(answered)}\n")
+
+        backend = FlowerBackend(grid, reply_timeout=float(cfg.get("reply-timeout", 60.0)),
+                                first_timeout=float(cfg.get("first-timeout", 600.0)), progress=progress)
+        num_rounds = int(cfg["num-rounds"])
+        template = backend.connect(task, int(cfg["num-clients"]))
+        server_data = task.load_server() if task.load_server is not None else None
+        inference, inputs, _ = build(task, template, num_rounds, server=server_data)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = call_run(inference, inputs, jax.random.PRNGKey(int(cfg.get("seed", 0))), num_rounds,
+                           progress_bar=False, record_transcript=True, keep_values=bool(cfg.get("keep-values", False)),
+                           backend=backend, **task.run_options)
+        to_np = (lambda t: jax.tree_util.tree_map(np.asarray, t))
+        result.update(
+            params=to_np(run.params), trace=np.asarray(run.trace), info=to_np(run.info),
+            server_state=to_np(run.state.server), communication=run.communication._asdict(),
+            transcript=run.transcript, rounds_answered=np.asarray(run.rounds_answered), clients=template.names,
+            missing=backend.missing, timings=backend.timings, errors=backend.errors, round_seconds=backend.round_seconds,
+            warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
+        )
+    except Exception as ex:  # the result file says what failed (flwr run exits 0 regardless)
+        result.update(error=f"{type(ex).__name__}: {ex}", traceback=traceback.format_exc())
+    finally:
+        result["seconds"] = time.perf_counter() - started
+        if out:  # written whole, then renamed: a reader never sees half a file
+            result["ended_at"] = time.time()
+            with open(out + ".part", "wb") as fh:
+                pickle.dump(result, fh)
+            os.replace(out + ".part", out)
+
+
+def _make_server():
+    from flwr.serverapp import ServerApp
+
+    app = ServerApp()
+    app.main()(_server_main)
+    return app
+
+
+from .client import make_client_app  # noqa: E402  (imports flwr)
+
+server = _make_server()
+client = make_client_app()

@@ -1,0 +1,160 @@
+"""The ClientApp: a node's side of every algorithm.
+
+Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
+
+- ``query`` / ``hello``: the node loads its data with the task's ``load_client`` and
+  answers its name and the *shapes* of its arrays (never values);
+- ``query`` / ``setup``: the template (every party's shapes), this client's index and the
+  planned rounds; the client builds the algorithm, draws its own PRNG key from local
+  entropy (``os.urandom``) and initialises its state;
+- ``train`` / ``exchange``: one exchange's broadcast; the client runs the algorithm's
+  ``client_step`` and answers its message.
+
+The client's state (its key and the algorithm's state) lives in the node's
+``context.state``, never in Python globals. What a process keeps between messages is only
+what it can rebuild from ``context.state``: the built algorithm, its compiled steps and
+the node's own data (so a long-running executor, :mod:`numpyro_fed.flower.executor`,
+compiles once; a fresh process per message rebuilds them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, NamedTuple
+
+import jax
+import numpy as np
+from jax import random
+
+from ..protocol import ClientSlot
+from .task import build, load_task
+from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
+
+__all__ = ["client_key", "make_client_app"]
+
+#: node_config key for reproducing the simulation's client keys (tests and studies only:
+#: with it the client's key derives from this seed as in ``SimulationBackend.init``)
+SEED_KEY = "numpyro-fed-seed"
+
+
+class _Built(NamedTuple):
+    index: int
+    algorithm: Any
+    data: Any
+    structures: Any
+    steps: tuple
+
+
+_BUILT: Dict[tuple, _Built] = {}  # (run id, set-up text) -> what this process rebuilt
+
+
+def client_key(node_config, index: int, num_clients: int) -> jax.Array:
+    """This client's own key: from local entropy, or (with ``numpyro-fed-seed`` in the
+    node config) as ``SimulationBackend.init`` derives client ``index``'s key from that
+    run seed, so that a Flower run can be checked against the simulation."""
+    if SEED_KEY in node_config:
+        k_clients = random.split(random.PRNGKey(int(node_config[SEED_KEY])), 3)[1]
+        return random.split(k_clients, num_clients)[index]
+    return np.frombuffer(os.urandom(8), np.uint32).copy()
+
+
+def _step(exchange):
+    def fn(slot: ClientSlot, broadcast, data):
+        key, sub = random.split(slot.rng_key)  # the client splits its own key
+        state, message = exchange.client_step(sub, slot.state, broadcast, data)
+        return ClientSlot(key, state), message
+
+    return jax.jit(fn)
+
+
+def _built(context) -> _Built:
+    """The algorithm as this client built it at set-up (rebuilt from ``context.state``)."""
+    setup = context.state["nf.setup"]
+    text = str(setup["text"])
+    key = (int(context.run_id), text)
+    if key not in _BUILT:
+        spec = json.loads(text)
+        task = load_task(str(context.run_config["task"]))
+        template = parse_template(spec["template"])
+        own = task.load_client(context.node_config)
+        _, _, s = build(task, template, int(spec["num_rounds"]), own=own)
+        j = int(spec["index"])
+        from ..backends.mapping import client_item
+
+        data = [client_item(s.plan, s.plan.data, i) for i in range(len(s.plan.names))]
+        needs = getattr(data[j], "args", None)  # vertical: the arguments this party's steps read
+        missing = sorted(set(needs or ()) - set(own[1]))
+        if missing:  # zeros would stand in for them: a silently wrong posterior
+            raise ValueError(f"party {own[0]!r} needs arguments {missing}, which its load_client did not return (with "
+                             f"response_access='shared' every party holds the response too): return them from load_client")
+        structures = wire_structures(s.algorithm, data, s.plan.server_data)
+        steps = tuple(_step(e) for e in s.algorithm.exchanges)
+        _BUILT.clear()  # one run at a time per process
+        _BUILT[key] = _Built(j, s.algorithm, data[j], structures, steps)
+    return _BUILT[key]
+
+
+def _reply(message, config: Dict[str, Any] = None, arrays=None):
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    content = RecordDict()
+    if config is not None:
+        content["nf"] = ConfigRecord(config)
+    if arrays is not None:
+        content["message"] = arrays
+    return Message(content=content, reply_to=message)
+
+
+def _hello(message, context):
+    task = load_task(str(context.run_config["task"]))
+    loaded = task.load_client(context.node_config)
+    if loaded is None:  # this node takes no part in this task
+        return _reply(message, {"name": "", "shapes": "{}", "order": -1})
+    name, arrays = loaded
+    order = context.node_config.get("partition-id", -1)
+    return _reply(message, {"name": str(name), "shapes": json.dumps(shapes_of(arrays)), "order": int(order)})
+
+
+def _setup(message, context):
+    from flwr.app import ConfigRecord
+
+    cfg = message.content["nf"]
+    text = json.dumps({"template": str(cfg["template"]), "index": int(cfg["index"]),
+                       "num_rounds": int(cfg["num_rounds"])})
+    context.state["nf.setup"] = ConfigRecord({"text": text})
+    built = _built(context)
+    J = len(parse_template(str(cfg["template"])).clients)
+    k_init, own = random.split(client_key(context.node_config, built.index, J))
+    slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
+    context.state["nf.slot"] = to_record(slot)
+    return _reply(message, {"ok": True})
+
+
+def _exchange(message, context):
+    built = _built(context)
+    e = int(message.content["nf"]["exchange"])
+    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
+    slot = from_record(like, context.state["nf.slot"])
+    broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
+    slot, out = built.steps[e](slot, broadcast, built.data)
+    context.state["nf.slot"] = to_record(slot)
+    return _reply(message, arrays=to_record(out))
+
+
+def make_client_app():
+    """The ClientApp every node runs (``clientapp = "numpyro_fed.flower.app:client"``)."""
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.query()
+    def query(message, context):
+        kind = str(message.content["nf"]["kind"])
+        return _hello(message, context) if kind == "hello" else _setup(message, context)
+
+    @app.train()
+    def train(message, context):
+        return _exchange(message, context)
+
+    return app

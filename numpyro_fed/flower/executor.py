@@ -1,0 +1,88 @@
+"""A long-running ClientApp executor for a SuperNode started with ``--isolation process``.
+
+By default a SuperNode starts a fresh ``flwr-clientapp`` process for every message, so a
+JAX client would import JAX, rebuild its model and re-compile its step every round. With
+``flower-supernode ... --isolation process`` the SuperNode starts no app processes and
+waits for an executor to poll its runtime API; this one (``python -m numpyro_fed
+flower-client --runtime-api HOST:PORT``) runs every task of that node in one process:
+Flower's own ``AcquireTask`` loop (as ``flower-superexec`` runs it) and, per task, the body
+of Flower's ``run_clientapp`` (pull the message and ``context``, load the ClientApp, run
+it, push the reply and the new ``context``). The client's state still round-trips through
+``context.state``; what the process keeps is its compiled code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+__all__ = ["serve"]
+
+
+def serve(runtime_api: str, poll: float = 0.05, parent_pid: int = 0) -> None:
+    """Serve ClientApp tasks of the SuperNode whose runtime API is at ``runtime_api`` until
+    killed (or until ``parent_pid``, when given, is gone)."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.cli.install import install_from_fab
+    from flwr.clientapp.utils import get_load_client_app_fn
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supernode.runtime import run_clientapp as rc
+
+    def connect(component, *extra):
+        return RuntimeHttpClient.from_server_address(
+            server_address=runtime_api, insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name=component), *extra],
+            retry_invoker=make_simple_http_retry_invoker())
+
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    acquire = connect("SuperExec")
+    apps = {}
+    while True:
+        if parent_pid and not _alive(parent_pid):
+            return
+        res = acquire.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP],
+                                                     agentapp_fab_hashes=[]))
+        if not (res.HasField("task") and res.token):
+            time.sleep(poll)
+            continue
+        client = connect("flwr-clientapp", RuntimeTokenHttpInterceptor(res.token))
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        heartbeat.start()
+        message = context = reply = None
+        status, details = SubStatus.FAILED, "numpyro_fed executor: the task failed"
+        try:
+            message, context, run, fab = rc.pull_task_input(client)
+            if fab.hash_str not in apps:
+                install_from_fab(fab.content, skip_prompt=True)
+                load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+                apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
+            reply = apps[fab.hash_str](message=message, context=context)
+            status, details = SubStatus.COMPLETED, ""
+        except Exception as ex:  # reported to the server as the reply's error, as run_clientapp does
+            details = f"{type(ex)}:<'{ex}'>"
+            print(f"numpyro_fed executor: task failed: {details}", file=sys.stderr, flush=True)
+            if message is not None:
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
+        finally:
+            if reply is not None and context is not None:
+                rc.push_message(client, reply, context)
+            rc.push_task_output(client=client, context=context, sub_status=status, details=details)
+            heartbeat.stop()
+            client.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,295 @@
+"""The server's side: :class:`FlowerBackend`, the round loop over Flower's ``Grid``.
+
+:class:`FlowerBackend` offers the simulation backend's ``run`` (same arguments, same
+:class:`~numpyro_fed.protocol.RunResult`), so an inference object's ``run(...,
+backend=FlowerBackend(grid))`` drives a real federation. A round does what
+``SimulationBackend`` does, with the client computations on the nodes:
+
+1. the server splits its own key and asks ``select``'s clients;
+2. per exchange it pushes each asked client its broadcast (``shared`` and its own
+   ``per_client`` row) and pulls the replies until every asked client answered or the
+   reply timeout passed; a client that did not answer (a dead node, an error, a timeout)
+   is treated as not having answered (the runtime's dropout policy: its row of the
+   messages is zeros and the server step sees it in ``view.answered``); a later exchange
+   of the round asks only the clients that answered the earlier ones;
+3. the server step runs here (jit-compiled).
+
+Rounds that lacked clients are reported by name (a warning and ``backend.missing``). A
+client that computed but whose answer arrived late keeps its new state on its node (in the
+simulation a dropped client's state is rolled back): the next round it continues from it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
+from ..transcript import Communication, Transcript, message_bytes
+from .task import FlowerTask
+from .wire import Template, describe, from_record, to_record, wire_structures
+
+__all__ = ["FlowerBackend", "MissingClientsWarning"]
+
+
+class MissingClientsWarning(RuntimeWarning):
+    """Some rounds ran without some clients (dropped nodes, errors or timeouts)."""
+
+
+_UNSUPPORTED = ("FlowerBackend.run does not support {what} yet (it is supported by the simulation backend); "
+                "run without it")
+
+
+class FlowerBackend:
+    """Runs an algorithm's rounds over a Flower ``Grid`` (inside a ServerApp's ``main``).
+
+    Args:
+        grid: the ServerApp's ``Grid``.
+        reply_timeout: seconds to wait for the clients' answers to one exchange.
+        first_timeout: the same for the set-up and the first round (clients compile then).
+        poll: seconds between two pulls of the replies.
+        progress: a callable ``(round, answered names)`` after each round (e.g. to write
+            a progress file).
+    """
+
+    def __init__(self, grid: Any, *, reply_timeout: float = 60.0, first_timeout: float = 600.0, poll: float = 0.05,
+                 progress: Optional[Callable] = None) -> None:
+        self.grid = grid
+        self.reply_timeout, self.first_timeout, self.poll = float(reply_timeout), float(first_timeout), float(poll)
+        self.progress = progress
+        self.template: Optional[Template] = None
+        self.nodes: List[int] = []
+        self.missing: List[tuple] = []  # (round, exchange, [client names]) that did not answer
+        self.errors: Dict[str, str] = {}  # client name -> last error it reported
+        self.round_seconds: List[float] = []
+        self.timings: Dict[str, float] = {}  # seconds: connect, setup
+
+    # ------------------------------------------------------------------ messaging
+    def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float):
+        """Push one message per node; pull until all answered or ``timeout``. Returns
+        ``{node id: reply}`` of the nodes that answered without an error."""
+        from flwr.app import Message
+
+        messages = [Message(content=c, dst_node_id=int(n), message_type=message_type) for n, c in zip(node_ids,
+                                                                                                      contents)]
+        ids = list(self.grid.push_messages(messages))
+        waiting = {i: int(n) for i, n in zip(ids, node_ids) if i}
+        replies: Dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(waiting)):
+                node = waiting.pop(reply.metadata.reply_to_message_id, None)
+                if node is None:
+                    continue
+                if reply.has_error():
+                    self.errors[self._name(node)] = str(reply.error.reason)
+                else:
+                    replies[node] = reply
+            if waiting:
+                time.sleep(self.poll)
+        return replies
+
+    def _name(self, node: int) -> str:
+        if self.template is not None and node in self.nodes:
+            return self.template.names[self.nodes.index(node)]
+        return f"node {node}"
+
+    def connect(self, task: FlowerTask, num_clients: int, timeout: float = 120.0):
+        """Wait for ``num_clients`` nodes, ask every connected node for its name and data
+        shapes (no values; a node whose ``load_client`` returns ``None`` takes no part),
+        and build the template (clients ordered by ``partition-id``, then name)."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        nodes = list(self.grid.get_node_ids())
+        while len(nodes) < num_clients and time.monotonic() < deadline:
+            time.sleep(0.2)
+            nodes = list(self.grid.get_node_ids())
+        if len(nodes) < num_clients:
+            raise TimeoutError(f"only {len(nodes)} of {num_clients} SuperNodes connected within {timeout:.0f} s")
+        hello = [RecordDict({"nf": ConfigRecord({"kind": "hello"})}) for _ in nodes]
+        replies = self._send(nodes, hello, "query", self.first_timeout)
+        info = {n: r.content["nf"] for n, r in replies.items() if str(r.content["nf"]["name"])}
+        nodes = [n for n in nodes if n in info]  # nodes whose load_client returned None take no part
+        if len(nodes) != num_clients:
+            raise RuntimeError(f"{len(nodes)} node(s) answered the hello with data for this task, not "
+                               f"{num_clients} (errors: {self.errors})")
+        order = sorted(nodes, key=lambda n: (int(info[n]["order"]), str(info[n]["name"])))
+        names = [str(info[n]["name"]) for n in order]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two nodes gave the same client name: {names}")
+        shapes = {str(info[n]["name"]): {k: (tuple(s), dt) for k, (s, dt) in json.loads(str(info[n]["shapes"])).items()}
+                  for n in order}
+        from .task import kind_of
+
+        kind = kind_of(task.make_inference())
+        server = {}
+        if task.load_server is not None:
+            from .wire import shapes_of
+
+            server = shapes_of(task.load_server())
+        self.nodes, self.template = order, Template(kind, shapes, server)
+        self.timings["connect"] = time.perf_counter() - t0
+        return self.template
+
+    # ------------------------------------------------------------------ run
+    def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, progress_bar: bool = False,
+            record_transcript: bool = False, keep_values: bool = False, checkpoint=None, checkpoint_every=None,
+            callbacks: Sequence[Callable] = (), availability: Any = None, on_nonfinite: str = "raise") -> RunResult:
+        """The simulation backend's ``run`` over the network (``clients``: the plan built
+        from :meth:`connect`'s template). Dropout is real here, so ``availability`` is
+        refused; so are ``init_state`` and checkpoints (not yet supported)."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        from ..backends.simulation import GUARDS, NonFiniteError, _aggregate, _finite
+
+        del progress_bar
+        for what, value in (("availability= (dropout is real over Flower)", availability),
+                            ("init_state= (resuming)", init_state), ("checkpoint=", checkpoint)):
+            if value is not None:
+                raise ValueError(_UNSUPPORTED.format(what=what))
+        if on_nonfinite not in GUARDS:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
+        if self.template is None:
+            raise ValueError("FlowerBackend.run needs connect() first (it builds the clients' template)")
+        plan, names, J = clients, list(clients.names), len(clients.names)
+        if names != self.template.names:
+            raise ValueError(f"the plan's clients {names} are not the connected clients {self.template.names}")
+        for exchange in algorithm.exchanges:
+            if exchange.secure_sum:
+                raise ValueError("a trusted aggregator (secure_sum) is not available over Flower yet: run without "
+                                 "trusted_aggregator=True")
+        from ..backends.mapping import client_item
+
+        t0 = time.perf_counter()
+        data = [client_item(plan, plan.data, j) for j in range(J)]
+        structures = wire_structures(algorithm, data, plan.server_data)
+        transcript = Transcript(keep_values) if record_transcript else None
+
+        # set-up: every client builds the same algorithm from the template and keys itself
+        text = describe(self.template)
+        setup = [RecordDict({"nf": ConfigRecord({"kind": "setup", "template": text, "index": j,
+                                                 "num_rounds": int(num_rounds)})}) for j in range(J)]
+        ready = self._send(self.nodes, setup, "query", self.first_timeout)
+        alive = [n in ready for n in self.nodes]
+        if not any(alive):
+            raise RuntimeError(f"no client finished its set-up: {self.errors}")
+        if not all(alive):
+            self.missing.append((0, "setup", [names[j] for j in range(J) if not alive[j]]))
+        self.timings["setup"] = time.perf_counter() - t0
+
+        k_server, _, k_env = random.split(rng_key, 3)  # the clients' keys are their own
+        k_init, server_key = random.split(k_server)
+        server, broadcast = jax.jit(algorithm.init_server)(k_init)
+        select = jax.jit(algorithm.select)
+        steps = [jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, _aggregate(m, ex.secure_sum), v))
+                 for ex in algorithm.exchanges]
+        round_info = algorithm.round_info or last_info
+        monitor = algorithm.monitor or (lambda info: jnp.zeros(()))
+        infos, figures, asked_log, answered_log = [], [], [], []
+        up = down = msgs_up = msgs_down = 0
+        state = RunState(jnp.zeros((), jnp.int32), server, server_key, broadcast, None, k_env)
+        for r in range(int(num_rounds)):
+            t0 = time.perf_counter()
+            timeout = self.first_timeout if r == 0 else self.reply_timeout
+            server_key, k_select, *k_ex = random.split(state.server_key, 2 + len(algorithm.exchanges))
+            asked = np.asarray(select(k_select, server)) & np.asarray(alive)
+            answered = asked.copy()
+            round_infos, sent = [], []
+            for e, (exchange, key) in enumerate(zip(algorithm.exchanges, k_ex)):
+                to = [j for j in range(J) if answered[j]]
+                contents = []
+                for j in to:
+                    part = jax.tree_util.tree_map(lambda x, j=j: x[j], broadcast.per_client)
+                    b = Broadcast(broadcast.shared, part)
+                    record = to_record(b)
+                    contents.append(RecordDict({"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}),
+                                                "broadcast": record}))
+                    down += message_bytes(b)
+                    msgs_down += 1
+                    if transcript is not None:
+                        transcript.record(r, "server", names[j], from_record(structures.broadcasts[e], record),
+                                          exchange=str(e))
+                replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
+                rows = []
+                for j in range(J):
+                    reply = replies.get(self.nodes[j]) if answered[j] else None
+                    if reply is None:
+                        answered[j] = False
+                        rows.append(None)
+                        continue
+                    message = from_record(structures.messages[e], reply.content["message"])
+                    up += message_bytes(message)
+                    msgs_up += 1
+                    if transcript is not None:
+                        transcript.record(r, names[j], "server", message, exchange=str(e))
+                    rows.append(message)
+                zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), structures.messages[e])
+                stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[m if m is not None else zero
+                                                                               for m in rows])
+                sent.append(stacked)
+                server, broadcast, info = steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
+                                                                                   plan.server_data))
+                round_infos.append(info)
+            lacked = [names[j] for j in range(J) if asked[j] and not answered[j]]
+            if lacked:
+                self.missing.append((r + 1, "round", lacked))
+            info = round_info(tuple(round_infos))
+            figure = monitor(info)
+            if not (bool(_finite(broadcast)) and bool(jnp.isfinite(figure))):
+                bad = [names[j] for j in range(J) if answered[j] and not all(
+                    bool(_finite(jax.tree_util.tree_map(lambda x, j=j: x[j], m))) for m in sent)]
+                message = (f"round {r + 1}: non-finite values (messages of client(s) {bad}; the server's state, "
+                           f"broadcast or loss); the run stopped there. Lower the learning rate or damping, "
+                           f"check the data and priors")
+                if on_nonfinite == "raise" or not figures:
+                    raise NonFiniteError(message, r + 1, bad, state)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                break
+            state = RunState(state.round + 1, server, server_key, broadcast, None, state.env_key)
+            infos.append(info)
+            figures.append(figure)
+            asked_log.append(asked)
+            answered_log.append(answered.copy())
+            self.round_seconds.append(time.perf_counter() - t0)
+            for callback in callbacks:
+                callback(int(state.round), state, info)
+            if self.progress is not None:
+                self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
+        self._warn_missing()
+        stack = (lambda *xs: jnp.stack(xs))
+        return RunResult(
+            params=state.server,
+            state=state,
+            trace=jnp.stack(figures),
+            info=jax.tree_util.tree_map(stack, *infos),
+            communication=Communication(len(figures), up, down, msgs_up, msgs_down),
+            client_states=ClientStates(names, _stays_on_client),
+            transcript=transcript,
+            rounds_answered=np.asarray([a.sum() for a in answered_log]),
+        )
+
+    def _warn_missing(self) -> None:
+        if not self.missing:
+            return
+        by_client: Dict[str, List[int]] = {}
+        for rnd, _, lacked in self.missing:
+            for name in lacked:
+                by_client.setdefault(name, []).append(rnd)
+        parts = [f"client {n!r} missed round(s) {rs}" + (f" (its error: {self.errors[n]})" if n in self.errors else "")
+                 for n, rs in by_client.items()]
+        warnings.warn("the fit continued without some clients (the dropout policy: a client that does not "
+                      "answer within the reply timeout is left out of that round's server step): "
+                      + "; ".join(parts) + " (round 0 is the set-up)", MissingClientsWarning, stacklevel=3)
+
+
+def _stays_on_client(j: int):
+    raise KeyError("over Flower each client's state stays on its node (context.state); the server does not have it")

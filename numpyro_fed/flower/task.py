@@ -1,0 +1,72 @@
+"""A :class:`FlowerTask`: what a federation runs, the same code on the server and the nodes."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+__all__ = ["FlowerTask", "load_task"]
+
+
+@dataclass(frozen=True)
+class FlowerTask:
+    """What a Flower federation runs. Both the ServerApp and every ClientApp import it.
+
+    Attributes:
+        make_inference: ``() -> inference object`` (e.g. ``nf.PVI(model, ...)``): called
+            on every party, so that all build the same algorithm.
+        load_client: ``(node_config) -> (name, {argument: array})``, called on the node
+            only: the client's name and its own data (horizontal: the model's arguments for
+            its rows; vertical: its own covariate blocks). Its data never leaves the node.
+        load_server: ``() -> {argument: array}``: data the server itself holds (vertical
+            federation: the response), or ``None``.
+        run_options: extra keyword arguments of the inference object's ``run``.
+    """
+
+    make_inference: Callable[[], Any]
+    load_client: Callable[[Mapping[str, Any]], Tuple[str, Mapping[str, Any]]]
+    load_server: Optional[Callable[[], Mapping[str, Any]]] = None
+    run_options: Dict[str, Any] = field(default_factory=dict)
+
+
+def load_task(ref: str) -> FlowerTask:
+    """The task named ``"package.module:name"`` (a :class:`FlowerTask`, or a function of no
+    arguments returning one)."""
+    module, _, attr = ref.partition(":")
+    if not module or not attr:
+        raise ValueError(f"task={ref!r}: name a task as 'package.module:name'")
+    obj = getattr(importlib.import_module(module), attr, None)
+    if obj is None:
+        raise ValueError(f"task={ref!r}: module {module!r} has no attribute {attr!r}")
+    task = obj if isinstance(obj, FlowerTask) else obj()
+    if not isinstance(task, FlowerTask):
+        raise TypeError(f"task={ref!r} is a {type(task).__name__}, not a numpyro_fed.flower.FlowerTask")
+    return task
+
+
+def kind_of(inference) -> str:
+    from ..vertical.inference import VerticalInference
+
+    return "vertical" if isinstance(inference, VerticalInference) else "horizontal"
+
+
+def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
+    """``(inference, inputs, setup)`` as one party builds them from the template (clients
+    are laid out one by one, as the simulation's ``client_mapping="loop"`` does)."""
+    from .wire import inputs_from_template
+
+    inference = task.make_inference()
+    if hasattr(inference, "client_mapping"):
+        inference.client_mapping = "loop"
+    inputs = inputs_from_template(template, own, server)
+    if hasattr(inference, "_prepare_private_run"):
+        inference._prepare_private_run(num_rounds, inputs, {})
+    return inference, inputs, inference._setup(inputs)
+
+
+def call_run(inference, inputs, rng_key, num_rounds, **options):
+    """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
+    if isinstance(inputs, dict):
+        return inference.run(rng_key, num_rounds, **options, **inputs)
+    return inference.run(rng_key, num_rounds, inputs, **options)

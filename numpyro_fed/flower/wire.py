@@ -1,0 +1,141 @@
+"""What crosses the wire between the ServerApp and the ClientApps, and how.
+
+A message pytree travels as a Flower ``ArrayRecord`` of its leaves in flattening order;
+Flower serialises each leaf with ``numpy.save``, the serialisation
+:func:`numpyro_fed.transcript.message_bytes` counts, so the byte counts are those sent.
+Both sides know every message's structure from the algorithm itself
+(:func:`wire_structures`), so only the arrays travel.
+
+Before the first round the server sends each client a *template* (:func:`describe`): every
+client's name and the shapes and dtypes (not the values) of its arrays, and the shapes of
+the server's own arrays (vertical federation). Both sides build the same
+:class:`~numpyro_fed.protocol.FederatedAlgorithm` from it, each with zeros in place of the
+data it does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..protocol import Broadcast, FederatedAlgorithm, ServerView
+from ..transcript import message_from_ndarrays, message_to_ndarrays
+
+__all__ = ["Template", "WireStructures", "describe", "from_record", "parse_template", "to_record", "wire_structures"]
+
+
+def to_record(message: Any):
+    """A message pytree as a Flower ``ArrayRecord`` (leaves in flattening order)."""
+    from flwr.app import ArrayRecord
+
+    return ArrayRecord(message_to_ndarrays(message))
+
+
+def from_record(like: Any, record) -> Any:
+    """Rebuild a message with the structure of ``like`` from :func:`to_record` output."""
+    arrays = [record[k].numpy() for k in record]
+    return message_from_ndarrays(like, arrays)
+
+
+class Template(NamedTuple):
+    """The shapes every party's data has: ``clients = {name: {arg: (shape, dtype)}}`` in
+    client order, ``server = {arg: (shape, dtype)}`` (vertical federation)."""
+
+    kind: str  # "horizontal" or "vertical"
+    clients: Dict[str, Dict[str, tuple]]
+    server: Dict[str, tuple]
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.clients)
+
+
+def shapes_of(arrays: Mapping[str, Any]) -> Dict[str, tuple]:
+    return {str(k): (tuple(int(d) for d in np.shape(v)), np.asarray(v).dtype.str) for k, v in arrays.items()}
+
+
+def describe(template: Template) -> str:
+    """The template as JSON (what the server sends in the set-up message)."""
+    return json.dumps({"kind": template.kind, "clients": [[n, template.clients[n]] for n in template.clients],
+                       "server": template.server})
+
+
+def parse_template(text: str) -> Template:
+    raw = json.loads(text)
+
+    def arrays(d):
+        return {k: (tuple(s), dt) for k, (s, dt) in d.items()}
+
+    return Template(raw["kind"], {n: arrays(a) for n, a in raw["clients"]}, arrays(raw["server"]))
+
+
+def _zeros(shapes: Mapping[str, tuple]) -> Dict[str, np.ndarray]:
+    return {k: np.zeros(s, np.dtype(dt)) for k, (s, dt) in shapes.items()}
+
+
+def inputs_from_template(template: Template, own: Optional[tuple] = None, server: Optional[Mapping] = None):
+    """The inference object's inputs as this party sees them: its own arrays (``own =
+    (name, arrays)`` on a client, ``server`` on the server) and zeros of the right shapes
+    for everything it does not hold."""
+    from ..clients import Clients
+
+    if template.kind == "horizontal":
+        data = {n: _zeros(s) for n, s in template.clients.items()}
+        if own is not None:
+            data[own[0]] = dict(own[1])
+        return Clients(data)
+    data: Dict[str, Any] = {}  # zeros first, then what this party holds (never overwritten by zeros)
+    for shapes in list(template.clients.values()) + [template.server]:
+        data.update(_zeros(shapes))
+    if server is not None:
+        data.update(dict(server))
+    if own is not None:
+        data.update(dict(own[1]))
+    return data
+
+
+class WireStructures(NamedTuple):
+    """Per exchange: the structure of one client's broadcast (``Broadcast(shared,
+    per_client row)``) and of one client's message (shape structs)."""
+
+    broadcasts: tuple
+    messages: tuple
+    client_states: tuple  # per client: the structure of its algorithm state
+
+
+def _row(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def wire_structures(algorithm: FederatedAlgorithm, data: Sequence[Any], server_data: Any) -> WireStructures:
+    """Every message's structure, traced from the algorithm (no values): both sides call it
+    with the same template, so only the leaves need to travel."""
+    key = jax.random.PRNGKey(0)
+    J = len(data)
+    states = [jax.eval_shape(algorithm.init_client, key, d) for d in data]
+    first_states = states
+    _, broadcast = jax.eval_shape(algorithm.init_server, key)
+    server = jax.eval_shape(algorithm.init_server, key)[0]
+    broadcasts, messages = [], []
+    for exchange in algorithm.exchanges:
+        row = Broadcast(broadcast.shared, _row(broadcast.per_client))
+        broadcasts.append(row)
+        outs = [jax.eval_shape(exchange.client_step, key, s, row, d) for s, d in zip(states, data)]
+        states = [o[0] for o in outs]
+        messages.append(outs[0][1])
+        stacked = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((J,) + x.shape, x.dtype), outs[0][1])
+        view = ServerView(jax.ShapeDtypeStruct((J,), jnp.bool_), server_data)
+        step = partial(_server_step, exchange)
+        server, broadcast, _ = jax.eval_shape(step, key, server, stacked, view)
+    return WireStructures(tuple(broadcasts), tuple(messages), tuple(first_states))
+
+
+def _server_step(exchange, key, server, messages, view):
+    from ..backends.simulation import _aggregate
+
+    return exchange.server_step(key, server, _aggregate(messages, exchange.secure_sum), view)

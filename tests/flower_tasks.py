@@ -1,0 +1,34 @@
+"""Flower tasks for tests/test_flower.py (copied into the Flower app folder with
+families.py): each family of tests/families.py, its clients one per SuperNode."""
+
+from families import DP_FAMILIES, FAMILIES
+
+from numpyro_fed.flower import FlowerTask
+
+ALL = {**FAMILIES, **DP_FAMILIES}
+
+
+def _task(name):
+    inference, inputs = ALL[name]()
+    if isinstance(inputs, dict):  # vertical: parties a (xa) and b (xb); the server holds y
+        # response_access="shared" (both families here): every party holds y too
+        shared = {"y": inputs["y"]} if inference.model.response_access == "shared" else {}
+        parties = [("a", {"xa": inputs["xa"], **shared}), ("b", {"xb": inputs["xb"], **shared})]
+
+        def load_client(node_config):
+            i = int(node_config["partition-id"])
+            return parties[i] if i < len(parties) else None
+
+        return FlowerTask(lambda: ALL[name]()[0], load_client, lambda: {"y": inputs["y"]})
+
+    def load_client(node_config):
+        n = inputs.names[int(node_config["partition-id"])]
+        return n, inputs[n]
+
+    return FlowerTask(lambda: ALL[name]()[0], load_client)
+
+
+def __getattr__(name):
+    if name in ALL:
+        return _task(name)
+    raise AttributeError(name)
