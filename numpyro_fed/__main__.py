@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         description="Serve a SuperNode's ClientApp tasks in this one process (JAX compiled once).",
     )
     fclient.add_argument("--runtime-api", required=True, help="the SuperNode's runtime API, HOST:PORT")
-    fclient.add_argument("--poll", type=float, default=0.05, help="seconds between two polls for a task")
+    fclient.add_argument("--poll", type=float, default=0.1, help="seconds between two polls for a task")
     fclient.add_argument("--parent-pid", type=int, default=0, help="stop when this process (the SuperNode) is gone")
     args = parser.parse_args(argv)
     if args.command == "flower-client":

@@ -20,7 +20,7 @@ pytest.importorskip("flwr")
 from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.launcher import _descendants, _exists  # noqa: E402
 
-from .families import FAMILIES, run  # noqa: E402
+from .families import DP_FAMILIES, FAMILIES, run  # noqa: E402
 from .test_privacy import _BY_DESIGN, _client_secrets, _slots, contains  # noqa: E402
 
 pytestmark = pytest.mark.flower
@@ -47,8 +47,11 @@ def federation():
         assert not _exists(pid) and _descendants(pid) == []
 
 
+ALL = {**FAMILIES, **DP_FAMILIES}
+
+
 def _simulate(family, num_rounds, **options):
-    inference, inputs = FAMILIES[family]()
+    inference, inputs = ALL[family]()
     if hasattr(inference, "client_mapping"):
         inference.client_mapping = "loop"  # one client per node, unpadded
     keys = []
@@ -70,20 +73,10 @@ def _assert_same(flower, result):
     np.testing.assert_allclose(flower["trace"], np.asarray(result.trace), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", ["pvi", "ep", "sfvi_avg", "sfvi", "vertical_sfvi", "hm1", "vertical_soul"])
-def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(federation, family):
-    """Item 1: the Flower run's server state and trace equal the simulation's (loop mapping,
-    the same client keys). Item 2: the transcript recorded at the server, from the messages
-    as they arrived through the SuperLink, carries no client data value, local variational
-    parameter or client key (the simulation's audit), and its byte count is what Flower's
-    ArrayRecords carried."""
-    inference, inputs, result, keys = _simulate(family, ROUNDS)
-    J = len(inference._setup_cache.plan.names)
-    flower = federation.run(f"flower_tasks:{family}", ROUNDS, seed=0, num_clients=J, keep_values=True)
-    assert flower["clients"] == list(inference._setup_cache.plan.names)
-    _assert_same(flower, result)
-    assert flower["missing"] == []
-    np.testing.assert_array_equal(flower["rounds_answered"], result.rounds_answered)  # SFVI-Avg asks 2 of 3
+def _audit(family, inference, inputs, result, keys, flower):
+    """The transcript recorded at the server, from the messages as they arrived through the
+    SuperLink, carries no client data value, local variational parameter or client key (the
+    simulation's audit), and its byte count is what Flower's ArrayRecords carried."""
     t = flower["transcript"]
     senders = {e.sender for e in t.entries}
     assert "server" in senders and senders <= {"server"} | set(flower["clients"])  # HM1 asks 2 of 3
@@ -97,17 +90,46 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
         assert not any(contains(e.value, key) for e in t.entries), family
     comm = flower["communication"]
     assert t.bytes_up == comm["bytes_up"] > 0 and t.bytes_down == comm["bytes_down"] > 0
-    assert comm["bytes_up"] == result.communication.bytes_up
+
+
+# PVI's equality is shown by the dropout test (rounds 1-2 with every client, then without one)
+@pytest.mark.parametrize("family", ["pvi_dp_optimisation", "ep", "sfvi_avg", "sfvi", "vertical_sfvi", "hm1",
+                                    "vertical_soul"])
+def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(federation, family):
+    """Item 1: the Flower run's server state and trace equal the simulation's (loop mapping,
+    the same client keys, so DP noise too). Item 2: the server-side transcript audit. Under
+    DP each client sends its privacy ledger (one int32 ``releases``) after the last round,
+    and ``privacy_report`` on the server equals the simulation's."""
+    inference, inputs, result, keys = _simulate(family, ROUNDS)
+    J = len(inference._setup_cache.plan.names)
+    flower = federation.run(f"flower_tasks:{family}", ROUNDS, seed=0, num_clients=J, keep_values=True)
+    assert flower["clients"] == list(inference._setup_cache.plan.names)
+    _assert_same(flower, result)
+    assert flower["missing"] == []
+    np.testing.assert_array_equal(flower["rounds_answered"], result.rounds_answered)  # SFVI-Avg asks 2 of 3
+    _audit(family, inference, inputs, result, keys, flower)
+    ledger = [e for e in flower["transcript"].entries if e.exchange == "ledger"]
+    comm = flower["communication"]
+    assert comm["bytes_down"] == result.communication.bytes_down
+    assert comm["bytes_up"] == result.communication.bytes_up + sum(e.nbytes for e in ledger)
+    if family in DP_FAMILIES:
+        assert [e.name for e in ledger] == ["['releases']"] * J
+        want = inference.privacy_report(result)
+        assert flower["privacy_report"].clients == want.clients and want.epsilon < np.inf
+        assert [int(e.value) for e in ledger] == [int(result.client_states[n].releases) for n in flower["clients"]]
+    else:
+        assert ledger == [] and "privacy_report" not in flower
 
 
 def test_a_killed_supernode_drops_out_and_is_reported():
     """Item 3: SuperNode 2 is killed (SIGKILL) after round 2 of 5; the fit continues with the
     other two (the dropout policy: a client that does not answer within the reply timeout
     is left out of that round's server step), the result says which rounds lacked which
-    client, and it equals the simulation with client 2 unavailable from round 3 on."""
+    client, and it equals the simulation with client 2 unavailable from round 3 on (item 1
+    for PVI: rounds 1-2 ran with every client). The transcript audit (item 2) holds."""
     rounds = 5
     with _federation(3) as fed:
-        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=8.0)
+        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=8.0, keep_values=True)
         deadline = time.monotonic() + 400
         while fed.progress(handle) < 2 and time.monotonic() < deadline and handle[0].poll() is None:
             time.sleep(0.1)
@@ -120,8 +142,10 @@ def test_a_killed_supernode_drops_out_and_is_reported():
     assert any("MissingClientsWarning" in w and "'2' missed round(s) [3, 4, 5]" in w for w in flower["warnings"])
     schedule = np.ones((rounds, 3), bool)
     schedule[2:, 2] = False
-    _, _, result, _ = _simulate("pvi", rounds, availability=schedule)
-    _assert_same(flower, result)
+    inference, inputs, result, keys = _simulate("pvi", rounds, availability=schedule)
+    _assert_same(flower, result)  # item 1 for PVI: rounds 1-2 with every client, then without '2'
+    _audit("pvi", inference, inputs, result, keys, flower)
+    assert flower["communication"]["bytes_up"] == result.communication.bytes_up
 
 
 def test_flower_demo_command_matches_the_simulation_and_leaves_no_process(tmp_path):

@@ -236,7 +236,8 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
     if result.state.clients is None:  # a network backend: each ledger stays on its client
         warnings.warn(f"{cls}: under DP each client keeps its fit diagnostics in its own ledger, which stays on its "
                       f"node over a network backend, so the server cannot report withheld diagnostics or failed "
-                      f"local fits (not yet collected over Flower); check the fit in simulation",
+                      f"local fits (each client warns about its own in its node's log); check the fit there or in "
+                      f"simulation",
                       category or UnreliableFitWarning, stacklevel=4)
         return
     bad, zeroed, failed = [], 0, 0

@@ -59,6 +59,7 @@ def _server_main(grid, context) -> None:
         template = backend.connect(task, int(cfg["num-clients"]))
         server_data = task.load_server() if task.load_server is not None else None
         inference, inputs, _ = build(task, template, num_rounds, server=server_data)
+        backend.collect_ledgers = getattr(inference, "_privacy", None) is not None  # privacy_report's input
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run = call_run(inference, inputs, jax.random.PRNGKey(int(cfg.get("seed", 0))), num_rounds,
@@ -72,6 +73,8 @@ def _server_main(grid, context) -> None:
             missing=backend.missing, timings=backend.timings, errors=backend.errors, round_seconds=backend.round_seconds,
             warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
         )
+        if backend.collect_ledgers:  # from the ledgers the clients sent after the last round
+            result["privacy_report"] = inference.privacy_report(run)
     except Exception as ex:  # the result file says what failed (flwr run exits 0 regardless)
         result.update(error=f"{type(ex).__name__}: {ex}", traceback=traceback.format_exc())
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Dict, NamedTuple
 
 import jax
@@ -40,6 +41,7 @@ SEED_KEY = "numpyro-fed-seed"
 
 class _Built(NamedTuple):
     index: int
+    name: str
     algorithm: Any
     data: Any
     structures: Any
@@ -91,7 +93,7 @@ def _built(context) -> _Built:
         structures = wire_structures(s.algorithm, data, s.plan.server_data)
         steps = tuple(_step(e) for e in s.algorithm.exchanges)
         _BUILT.clear()  # one run at a time per process
-        _BUILT[key] = _Built(j, s.algorithm, data[j], structures, steps)
+        _BUILT[key] = _Built(j, str(own[0]), s.algorithm, data[j], structures, steps)
     return _BUILT[key]
 
 
@@ -131,15 +133,35 @@ def _setup(message, context):
     return _reply(message, {"ok": True})
 
 
+def _slot(built: _Built, context) -> ClientSlot:
+    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
+    return from_record(like, context.state["nf.slot"])
+
+
 def _exchange(message, context):
     built = _built(context)
     e = int(message.content["nf"]["exchange"])
-    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
-    slot = from_record(like, context.state["nf.slot"])
+    slot = _slot(built, context)
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
     slot, out = built.steps[e](slot, broadcast, built.data)
     context.state["nf.slot"] = to_record(slot)
     return _reply(message, arrays=to_record(out))
+
+
+def _ledger(message, context):
+    """At the end of a run: this client's privacy ledger (``releases``: the updates it sent,
+    the accounting's input; the server saw them arrive), nothing else. Fit diagnostics it
+    withheld under DP stay here: it warns about them on its own node."""
+    built = _built(context)
+    state = _slot(built, context).state
+    ledger = {"releases": np.asarray(state.releases, np.int32)} if hasattr(state, "releases") else {}
+    withheld = np.asarray(getattr(state, "withheld", np.zeros(2)))
+    if withheld.sum() > 0:
+        warnings.warn(f"numpyro_fed client {built.name!r}: it withheld fit diagnostics under DP (they stay on this "
+                      f"node): {int(withheld[0])} zeroed shard(s), {int(withheld[1])} failed local fit(s); the "
+                      f"posterior may be unreliable: check the fit (more local steps, a smaller learning rate)",
+                      RuntimeWarning, stacklevel=2)
+    return _reply(message, arrays=to_record(ledger))
 
 
 def make_client_app():
@@ -151,7 +173,10 @@ def make_client_app():
     @app.query()
     def query(message, context):
         kind = str(message.content["nf"]["kind"])
-        return _hello(message, context) if kind == "hello" else _setup(message, context)
+        handler = {"hello": _hello, "setup": _setup, "ledger": _ledger}.get(kind)
+        if handler is None:
+            raise ValueError(f"numpyro_fed ClientApp: unknown query {kind!r}")
+        return handler(message, context)
 
     @app.train()
     def train(message, context):

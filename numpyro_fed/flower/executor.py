@@ -9,6 +9,11 @@ Flower's own ``AcquireTask`` loop (as ``flower-superexec`` runs it) and, per tas
 of Flower's ``run_clientapp`` (pull the message and ``context``, load the ClientApp, run
 it, push the reply and the new ``context``). The client's state still round-trips through
 ``context.state``; what the process keeps is its compiled code.
+
+One change to Flower's body: the message's objects are pulled with a short retry
+(``poll``). The SuperNode hands out a task as soon as the message is registered, before it
+has fetched the message's objects from the SuperLink; Flower's default retry waits 1 s, then
+2 s, ... (measured here: 1-3.6 s per task at 10 SuperNodes on 2 cores).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 __all__ = ["serve"]
 
 
-def serve(runtime_api: str, poll: float = 0.05, parent_pid: int = 0) -> None:
+def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0) -> None:
     """Serve ClientApp tasks of the SuperNode whose runtime API is at ``runtime_api`` until
     killed (or until ``parent_pid``, when given, is gone)."""
     from flwr.app import Message
@@ -60,7 +65,7 @@ def serve(runtime_api: str, poll: float = 0.05, parent_pid: int = 0) -> None:
         message = context = reply = None
         status, details = SubStatus.FAILED, "numpyro_fed executor: the task failed"
         try:
-            message, context, run, fab = rc.pull_task_input(client)
+            message, context, run, fab = _pull_task_input(client, poll)
             if fab.hash_str not in apps:
                 install_from_fab(fab.content, skip_prompt=True)
                 load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
@@ -78,6 +83,33 @@ def serve(runtime_api: str, poll: float = 0.05, parent_pid: int = 0) -> None:
             rc.push_task_output(client=client, context=context, sub_status=status, details=details)
             heartbeat.stop()
             client.close()
+
+
+def _pull_task_input(client, poll: float):
+    """Flower's ``run_clientapp.pull_task_input`` (flwr 1.41) with a retry of ``poll``
+    seconds (capped at 0.25 s) for objects the SuperNode does not hold yet."""
+    from flwr.app import Message
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (make_confirm_message_received_fn_protobuf,
+                                                                     make_pull_object_fn_protobuf)
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=poll, backoff_cap=max(poll, 0.25))
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower sets it
+    return message, context, run, fab
 
 
 def _alive(pid: int) -> bool:

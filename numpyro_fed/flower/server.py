@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +34,9 @@ from jax import random
 from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
 from ..transcript import Communication, Transcript, message_bytes
 from .task import FlowerTask
-from .wire import Template, describe, from_record, to_record, wire_structures
+from .wire import Template, WireStructures, describe, from_record, to_record, wire_structures
 
-__all__ = ["FlowerBackend", "MissingClientsWarning"]
+__all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
 
 
 class MissingClientsWarning(RuntimeWarning):
@@ -57,6 +57,12 @@ class FlowerBackend:
         poll: seconds between two pulls of the replies.
         progress: a callable ``(round, answered names)`` after each round (e.g. to write
             a progress file).
+
+    Set ``collect_ledgers = True`` for a differentially private run (numpyro_fed's
+    ServerApp does): after the last round each client sends its privacy ledger (its
+    ``releases`` count, one int32), so that ``privacy_report(result)`` works on the server;
+    ``result.client_states[name]`` is then that :class:`ClientLedger`. Nothing else of a
+    client's state leaves its node.
     """
 
     def __init__(self, grid: Any, *, reply_timeout: float = 60.0, first_timeout: float = 600.0, poll: float = 0.05,
@@ -70,6 +76,7 @@ class FlowerBackend:
         self.errors: Dict[str, str] = {}  # client name -> last error it reported
         self.round_seconds: List[float] = []
         self.timings: Dict[str, float] = {}  # seconds: connect, setup
+        self.collect_ledgers = False  # ask each client for its privacy ledger after the last round (DP runs)
 
     # ------------------------------------------------------------------ messaging
     def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float):
@@ -84,7 +91,7 @@ class FlowerBackend:
         replies: Dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while waiting and time.monotonic() < deadline:
-            for reply in self.grid.pull_messages(list(waiting)):
+            for reply in _pull_replies(self.grid, list(waiting), self.poll):
                 node = waiting.pop(reply.metadata.reply_to_message_id, None)
                 if node is None:
                     continue
@@ -264,6 +271,9 @@ class FlowerBackend:
                 callback(int(state.round), state, info)
             if self.progress is not None:
                 self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
+        ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
+        for ledger in ledgers.values():  # what crossed the wire
+            up, msgs_up = up + message_bytes(ledger._asdict()), msgs_up + 1
         self._warn_missing()
         stack = (lambda *xs: jnp.stack(xs))
         return RunResult(
@@ -272,10 +282,38 @@ class FlowerBackend:
             trace=jnp.stack(figures),
             info=jax.tree_util.tree_map(stack, *infos),
             communication=Communication(len(figures), up, down, msgs_up, msgs_down),
-            client_states=ClientStates(names, _stays_on_client),
+            client_states=ClientStates(names, lambda j: _ledger_of(names[j], ledgers)),
             transcript=transcript,
             rounds_answered=np.asarray([a.sum() for a in answered_log]),
         )
+
+    def _ledgers(self, structures: WireStructures, alive, transcript, last_round: int) -> Dict[str, ClientLedger]:
+        """Each client's privacy ledger (its ``releases`` count), asked for after the last
+        round when the algorithm's client state keeps one (the DP families); recorded in the
+        transcript as what it is, a client -> server message."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        names = self.template.names
+        keeps = [j for j in range(len(names)) if alive[j] and hasattr(structures.client_states[j], "releases")]
+        if not keeps:
+            return {}
+        query = [RecordDict({"nf": ConfigRecord({"kind": "ledger"})}) for _ in keeps]
+        replies = self._send([self.nodes[j] for j in keeps], query, "query", self.reply_timeout)
+        ledgers, lacked = {}, []
+        like = {"releases": jax.ShapeDtypeStruct((), np.int32)}
+        for j in keeps:
+            reply = replies.get(self.nodes[j])
+            if reply is None:
+                lacked.append(names[j])
+                continue
+            ledgers[names[j]] = ClientLedger(**from_record(like, reply.content["message"]))
+            if transcript is not None:
+                transcript.record(last_round - 1, names[j], "server", ledgers[names[j]]._asdict(), exchange="ledger")
+        if lacked:
+            warnings.warn(f"client(s) {lacked} did not send their privacy ledger after the last round (errors: "
+                          f"{ {n: self.errors[n] for n in lacked if n in self.errors} }): privacy_report cannot "
+                          f"cover them; each ledger stays on its node", MissingClientsWarning, stacklevel=4)
+        return ledgers
 
     def _warn_missing(self) -> None:
         if not self.missing:
@@ -291,5 +329,62 @@ class FlowerBackend:
                       + "; ".join(parts) + " (round 0 is the set-up)", MissingClientsWarning, stacklevel=3)
 
 
-def _stays_on_client(j: int):
-    raise KeyError("over Flower each client's state stays on its node (context.state); the server does not have it")
+class ClientLedger(NamedTuple):
+    """What a client reports of its state over Flower at the end of a DP run: its privacy
+    ledger (``releases``: the updates it sent), the input of ``privacy_report``."""
+
+    releases: Any
+
+
+def _ledger_of(name: str, ledgers: Dict[str, ClientLedger]) -> ClientLedger:
+    if name in ledgers:
+        return ledgers[name]
+    raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
+                   f"has only the privacy ledger of a DP run's clients that answered at its end")
+
+
+def _pull_replies(grid, message_ids, poll: float):
+    """``grid.pull_messages(message_ids)``, with a retry of ``poll`` seconds (capped at
+    0.25 s) for a reply whose objects the SuperLink does not hold yet. Flower's own pull
+    (flwr 1.41's ``GrpcGrid``/``HttpGrid``) waits 1 s, then 2 s, ... and blocks the replies
+    behind it meanwhile (measured here: replies of 10 SuperNodes arriving in bursts seconds
+    apart). Other grids (Flower's simulation engine) use their own ``pull_messages``."""
+    runtime = getattr(grid, "_runtime_client", None)
+    if runtime is None or not hasattr(grid, "_run") or not hasattr(grid, "node"):
+        return grid.pull_messages(message_ids)
+    from flwr.app import Message, Metadata
+    from flwr.app.error import Error
+    from flwr.app.message import make_message
+    from flwr.common.constant import ErrorCode
+    from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest
+    from flwr.supercore.constant import SYSTEM_MESSAGE_TYPE
+    from flwr.supercore.date import now
+    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
+    from flwr.supercore.inflatable.inflatable_utils import (ObjectPullError, inflate_object_from_contents,
+                                                         pull_objects)
+
+    run_id = grid._run.run_id
+    res = runtime.PullMessages(PullAppMessagesRequest(message_ids=message_ids))
+    out = []
+    for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
+        msg_id = proto.metadata.message_id
+        try:
+            contents = pull_objects([t.object_id for t in iterate_object_tree(tree)],
+                                    make_pull_object_fn_protobuf(runtime.PullObject, grid.node, run_id),
+                                    initial_backoff=poll, backoff_cap=max(poll, 0.25))
+        except ObjectPullError as e:  # as Flower does: an error reply (this client did not answer)
+            out.append(make_message(metadata=Metadata(
+                run_id=run_id, message_id="", src_node_id=grid.node.node_id, dst_node_id=grid.node.node_id,
+                message_type=SYSTEM_MESSAGE_TYPE, group_id="", ttl=0,
+                reply_to_message_id=proto.metadata.reply_to_message_id, created_at=now().timestamp()),
+                error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=f"reply objects unavailable: {e}")))
+            continue
+        runtime.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id,
+                                                                     message_object_id=msg_id))
+        message = inflate_object_from_contents(msg_id, contents)
+        assert isinstance(message, Message)
+        message.metadata.__dict__["_message_id"] = msg_id  # as Flower sets it
+        out.append(message)
+    return out
