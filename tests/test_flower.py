@@ -19,6 +19,7 @@ pytest.importorskip("flwr")
 
 from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.launcher import _descendants, _exists  # noqa: E402
+from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
 
 from .families import DP_FAMILIES, FAMILIES, run  # noqa: E402
 from .test_privacy import _BY_DESIGN, _client_secrets, _slots, contains  # noqa: E402
@@ -32,15 +33,15 @@ RTOL, ATOL = 1e-6, 1e-6
 ROUNDS = 2
 
 
-def _federation(num_nodes):
+def _federation(num_nodes, aggregator=False):
     # numpyro-fed-seed: each node derives its key from run seed 0 as the simulation does
     return LocalFederation([{"partition-id": i, "numpyro-fed-seed": 0} for i in range(num_nodes)],
-                           app_files=APP_FILES)
+                           app_files=APP_FILES, aggregator=aggregator)
 
 
 @pytest.fixture(scope="module")
 def federation():
-    with _federation(3) as fed:
+    with _federation(3, aggregator=True) as fed:  # runs without secure_sum leave the aggregator out
         pids = [p.pid for p in fed.procs]
         yield fed
     for pid in pids:  # every process it started is gone, and none of theirs is left
@@ -79,7 +80,7 @@ def _audit(family, inference, inputs, result, keys, flower):
     simulation's audit), and its byte count is what Flower's ArrayRecords carried."""
     t = flower["transcript"]
     senders = {e.sender for e in t.entries}
-    assert "server" in senders and senders <= {"server"} | set(flower["clients"])  # HM1 asks 2 of 3
+    assert "server" in senders and senders <= {"server", "aggregator"} | set(flower["clients"])  # HM1 asks 2 of 3
     for owner, secrets in _client_secrets(family, inference, inputs, result).items():
         for secret in secrets:
             for e in t.entries:
@@ -93,13 +94,15 @@ def _audit(family, inference, inputs, result, keys, flower):
 
 
 # PVI's equality is shown by the dropout test (rounds 1-2 with every client, then without one)
-@pytest.mark.parametrize("family", ["pvi_dp_optimisation", "ep", "sfvi_avg", "sfvi", "vertical_sfvi", "hm1",
-                                    "vertical_soul"])
+@pytest.mark.parametrize("family", ["pvi_dp_optimisation", "svi_dp_trusted", "ep", "sfvi_avg", "sfvi",
+                                    "vertical_sfvi", "hm1", "vertical_soul"])
 def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(federation, family):
     """Item 1: the Flower run's server state and trace equal the simulation's (loop mapping,
     the same client keys, so DP noise too). Item 2: the server-side transcript audit. Under
     DP each client sends its privacy ledger (one int32 ``releases``) after the last round,
-    and ``privacy_report`` on the server equals the simulation's."""
+    and ``privacy_report`` on the server equals the simulation's. Under a trusted aggregator
+    (``svi_dp_trusted``) each client seals its secure part for the aggregator node; the
+    server relays it unread and receives only the sum."""
     inference, inputs, result, keys = _simulate(family, ROUNDS)
     J = len(inference._setup_cache.plan.names)
     flower = federation.run(f"flower_tasks:{family}", ROUNDS, seed=0, num_clients=J, keep_values=True)
@@ -108,10 +111,19 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     assert flower["missing"] == []
     np.testing.assert_array_equal(flower["rounds_answered"], result.rounds_answered)  # SFVI-Avg asks 2 of 3
     _audit(family, inference, inputs, result, keys, flower)
-    ledger = [e for e in flower["transcript"].entries if e.exchange == "ledger"]
+    entries = flower["transcript"].entries
+    ledger = [e for e in entries if e.exchange == "ledger"]
+    sealed = [e for e in entries if e.receiver == "aggregator"]
+    assert all(e.name == "['sealed']" and e.dtype == "uint8" for e in sealed)
+    secure = {k for ex in inference._setup_cache.algorithm.exchanges for k in ex.secure_sum}
+    assert bool(sealed) == bool(secure) == (family == "svi_dp_trusted")
+    to_server = {e.name for e in entries if e.receiver == "server" and e.sender != "aggregator"}
+    assert not any(n.startswith(f"['{k}']") for k in secure for n in to_server)  # the server never saw a part
     comm = flower["communication"]
     assert comm["bytes_down"] == result.communication.bytes_down
-    assert comm["bytes_up"] == result.communication.bytes_up + sum(e.nbytes for e in ledger)
+    # a sealed part is one uint8 array (a 128-byte .npy header) of the secure leaves' bytes and the envelope
+    assert comm["bytes_up"] == (result.communication.bytes_up + sum(e.nbytes for e in ledger)
+                                + len(sealed) * (128 + OVERHEAD))
     if family in DP_FAMILIES:
         assert [e.name for e in ledger] == ["['releases']"] * J
         want = inference.privacy_report(result)
@@ -182,3 +194,32 @@ def test_a_party_keeps_its_own_arrays_over_the_templates_zeros():
     assert not mine["xb"].any() and mine["xa"].all()
     server = inputs_from_template(template, server={"y": y})
     np.testing.assert_array_equal(server["y"], y)
+
+
+def test_a_sealed_part_opens_only_with_the_aggregators_key_and_its_own_round():
+    """The envelope of the trusted aggregator's parts: only the aggregator's private key
+    opens it, and only with the run, round, exchange and client it was sealed for (a part
+    the server swaps between clients or replays in another round does not open)."""
+    from cryptography.exceptions import InvalidTag
+
+    from numpyro_fed.flower.sealed import associated_data, new_keypair, open_sealed, seal, split_leaves
+    from numpyro_fed.transcript import message_to_bytes
+
+    private, public = new_keypair()
+    message = {"g": np.arange(3, dtype=np.float32), "n": np.asarray(2, np.int32)}
+    plain = message_to_bytes(message)
+    blob = seal(public, plain, associated_data(7, 1, 0, 2))
+    assert len(blob) == len(plain) + OVERHEAD and plain not in blob
+    assert seal(public, plain, associated_data(7, 1, 0, 2)) != blob  # a fresh key and nonce per part
+    leaves = split_leaves(open_sealed(private, blob, associated_data(7, 1, 0, 2)))
+    np.testing.assert_array_equal(leaves[0], message["g"])
+    assert int(leaves[1]) == 2
+    for aad in (associated_data(7, 1, 0, 1), associated_data(7, 2, 0, 2), associated_data(8, 1, 0, 2)):
+        with pytest.raises(InvalidTag):
+            open_sealed(private, blob, aad)
+    with pytest.raises(InvalidTag):
+        open_sealed(new_keypair()[0], blob, associated_data(7, 1, 0, 2))
+    tampered = bytearray(blob)
+    tampered[-1] ^= 1
+    with pytest.raises(InvalidTag):
+        open_sealed(private, bytes(tampered), associated_data(7, 1, 0, 2))

@@ -30,6 +30,8 @@ from jax import random
 
 from ..protocol import ClientSlot
 from .task import build, load_task
+from ..transcript import message_to_bytes
+from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
 __all__ = ["client_key", "make_client_app"]
@@ -37,11 +39,13 @@ __all__ = ["client_key", "make_client_app"]
 #: node_config key for reproducing the simulation's client keys (tests and studies only:
 #: with it the client's key derives from this seed as in ``SimulationBackend.init``)
 SEED_KEY = "numpyro-fed-seed"
+_SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))  # the simulation's secure sum (backends.simulation._aggregate)
 
 
 class _Built(NamedTuple):
     index: int
     name: str
+    aggregator_key: bytes  # the trusted aggregator's public key (b"" without one)
     algorithm: Any
     data: Any
     structures: Any
@@ -93,7 +97,12 @@ def _built(context) -> _Built:
         structures = wire_structures(s.algorithm, data, s.plan.server_data)
         steps = tuple(_step(e) for e in s.algorithm.exchanges)
         _BUILT.clear()  # one run at a time per process
-        _BUILT[key] = _Built(j, str(own[0]), s.algorithm, data[j], structures, steps)
+        agg = bytes.fromhex(spec.get("aggregator_key", ""))
+        pinned = context.node_config.get(PIN_KEY)
+        if agg and pinned is not None and bytes.fromhex(str(pinned)) != agg:
+            raise ValueError(f"client {own[0]!r}: the server relayed an aggregator key other than the one pinned in "
+                             f"this node's config ({PIN_KEY}); refusing to seal for it")
+        _BUILT[key] = _Built(j, str(own[0]), agg, s.algorithm, data[j], structures, steps)
     return _BUILT[key]
 
 
@@ -109,6 +118,12 @@ def _reply(message, config: Dict[str, Any] = None, arrays=None):
 
 
 def _hello(message, context):
+    from flwr.app import ConfigRecord
+
+    if context.node_config.get(ROLE_KEY) == "aggregator":  # the trusted aggregator: a key, no data
+        private, public = new_keypair()
+        context.state["nf.aggregator"] = ConfigRecord({"private": private.hex(), "last": [-1, -1]})
+        return _reply(message, {"name": "", "role": "aggregator", "key": public.hex(), "shapes": "{}", "order": -1})
     task = load_task(str(context.run_config["task"]))
     loaded = task.load_client(context.node_config)
     if loaded is None:  # this node takes no part in this task
@@ -123,7 +138,7 @@ def _setup(message, context):
 
     cfg = message.content["nf"]
     text = json.dumps({"template": str(cfg["template"]), "index": int(cfg["index"]),
-                       "num_rounds": int(cfg["num_rounds"])})
+                       "num_rounds": int(cfg["num_rounds"]), "aggregator_key": str(cfg.get("aggregator_key", ""))})
     context.state["nf.setup"] = ConfigRecord({"text": text})
     built = _built(context)
     J = len(parse_template(str(cfg["template"])).clients)
@@ -145,7 +160,45 @@ def _exchange(message, context):
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
     slot, out = built.steps[e](slot, broadcast, built.data)
     context.state["nf.slot"] = to_record(slot)
+    secure = built.algorithm.exchanges[e].secure_sum
+    if secure:  # sealed for the trusted aggregator; the server only relays it
+        if not built.aggregator_key:
+            raise ValueError("this exchange goes through a trusted aggregator, and the set-up named none")
+        hidden = message_to_bytes({k: v for k, v in out.items() if k in secure})
+        aad = associated_data(context.run_id, int(message.content["nf"]["round"]), e, built.index)
+        out = {"direct": {k: v for k, v in out.items() if k not in secure},
+               "sealed": np.frombuffer(seal(built.aggregator_key, hidden, aad), np.uint8)}
     return _reply(message, arrays=to_record(out))
+
+
+def _aggregate(message, context):
+    """The trusted aggregator: open the round's sealed parts (in client order, with the
+    indices the server names), sum them over the clients (zeros for those that did not
+    answer, as the simulation does) and return only the sum."""
+    from flwr.app import ConfigRecord
+
+    cfg, own = message.content["nf"], context.state["nf.aggregator"]
+    rnd, e, J = int(cfg["round"]), int(cfg["exchange"]), int(cfg["num_clients"])
+    indices = [int(j) for j in cfg["indices"]]
+    last = [int(x) for x in own["last"]]
+    if (rnd, e) <= tuple(last):
+        raise ValueError(f"aggregator: round {rnd} exchange {e} after round {last[0]} exchange {last[1]}: refused "
+                         f"(a replayed or reordered request)")
+    if len(set(indices)) != len(indices) or not all(0 <= j < J for j in indices):
+        raise ValueError(f"aggregator: invalid client indices {indices} for {J} clients")
+    blobs = [record.numpy().tobytes() for record in message.content["sealed"].values()]
+    if len(blobs) != len(indices):
+        raise ValueError(f"aggregator: {len(blobs)} sealed parts for {len(indices)} client indices")
+    private = bytes.fromhex(str(own["private"]))
+    parts = {j: split_leaves(open_sealed(private, blob, associated_data(context.run_id, rnd, e, j)))
+             for j, blob in zip(indices, blobs)}
+    first = parts[indices[0]]
+    rows = [parts.get(j, [np.zeros_like(x) for x in first]) for j in range(J)]
+    summed = [np.asarray(_SUM(np.stack(xs))) for xs in zip(*rows)]
+    context.state["nf.aggregator"] = ConfigRecord({"private": own["private"], "last": [rnd, e]})
+    from flwr.app import ArrayRecord
+
+    return _reply(message, arrays=ArrayRecord(summed))
 
 
 def _ledger(message, context):
@@ -180,6 +233,8 @@ def make_client_app():
 
     @app.train()
     def train(message, context):
+        if str(message.content["nf"]["kind"]) == "aggregate":
+            return _aggregate(message, context)
         return _exchange(message, context)
 
     return app

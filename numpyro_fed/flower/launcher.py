@@ -154,14 +154,21 @@ class LocalFederation:
             executor (default); ``False``: Flower's default, a fresh ClientApp process per
             message.
         start_timeout: seconds to wait for each process to come up.
+        aggregator: also start one SuperNode as the trusted aggregator (node config
+            ``numpyro-fed-role = "aggregator"``, after the others) for algorithms with
+            ``secure_sum`` exchanges (``trusted_aggregator=True``).
     """
 
     def __init__(self, node_configs: Sequence[Mapping[str, Any]], *, workdir: Optional[str] = None,
                  app_files: Optional[Mapping[str, str]] = None, executor: bool = True,
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, aggregator: bool = False) -> None:
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="nf-flower-")
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.node_configs = [dict(c) for c in node_configs]
+        if aggregator:
+            from .sealed import ROLE_KEY
+
+            self.node_configs.append({ROLE_KEY: "aggregator"})
         self.executor = bool(executor)
         self.start_timeout = float(start_timeout)
         self.home = self.workdir / "flwr-home"

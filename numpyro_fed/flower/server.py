@@ -33,6 +33,7 @@ from jax import random
 
 from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
 from ..transcript import Communication, Transcript, message_bytes
+from .sealed import OVERHEAD, ROLE_KEY
 from .task import FlowerTask
 from .wire import Template, WireStructures, describe, from_record, to_record, wire_structures
 
@@ -77,6 +78,8 @@ class FlowerBackend:
         self.round_seconds: List[float] = []
         self.timings: Dict[str, float] = {}  # seconds: connect, setup
         self.collect_ledgers = False  # ask each client for its privacy ledger after the last round (DP runs)
+        self.aggregator: Optional[int] = None  # the trusted aggregator's node (numpyro-fed-role = "aggregator")
+        self.aggregator_key = ""  # its public key (hex), relayed to the clients at set-up
 
     # ------------------------------------------------------------------ messaging
     def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float):
@@ -124,6 +127,11 @@ class FlowerBackend:
             raise TimeoutError(f"only {len(nodes)} of {num_clients} SuperNodes connected within {timeout:.0f} s")
         hello = [RecordDict({"nf": ConfigRecord({"kind": "hello"})}) for _ in nodes]
         replies = self._send(nodes, hello, "query", self.first_timeout)
+        aggregators = [n for n, r in replies.items() if str(r.content["nf"].get("role", "")) == "aggregator"]
+        if len(aggregators) > 1:
+            raise RuntimeError(f"{len(aggregators)} nodes say they are the trusted aggregator; start one")
+        self.aggregator = aggregators[0] if aggregators else None
+        self.aggregator_key = str(replies[self.aggregator].content["nf"]["key"]) if aggregators else ""
         info = {n: r.content["nf"] for n, r in replies.items() if str(r.content["nf"]["name"])}
         nodes = [n for n in nodes if n in info]  # nodes whose load_client returned None take no part
         if len(nodes) != num_clients:
@@ -156,7 +164,7 @@ class FlowerBackend:
         refused; so are ``init_state`` and checkpoints (not yet supported)."""
         from flwr.app import ConfigRecord, RecordDict
 
-        from ..backends.simulation import GUARDS, NonFiniteError, _aggregate, _finite
+        from ..backends.simulation import GUARDS, NonFiniteError, _finite
 
         del progress_bar
         for what, value in (("availability= (dropout is real over Flower)", availability),
@@ -170,10 +178,10 @@ class FlowerBackend:
         plan, names, J = clients, list(clients.names), len(clients.names)
         if names != self.template.names:
             raise ValueError(f"the plan's clients {names} are not the connected clients {self.template.names}")
-        for exchange in algorithm.exchanges:
-            if exchange.secure_sum:
-                raise ValueError("a trusted aggregator (secure_sum) is not available over Flower yet: run without "
-                                 "trusted_aggregator=True")
+        if any(ex.secure_sum for ex in algorithm.exchanges) and self.aggregator is None:
+            raise ValueError("this algorithm sends parts of its messages through a trusted aggregator (secure_sum, "
+                             "e.g. trusted_aggregator=True), and no SuperNode is one: start a SuperNode with "
+                             f"node_config '{ROLE_KEY}=\"aggregator\"' (LocalFederation(..., aggregator=True))")
         from ..backends.mapping import client_item
 
         t0 = time.perf_counter()
@@ -184,7 +192,8 @@ class FlowerBackend:
         # set-up: every client builds the same algorithm from the template and keys itself
         text = describe(self.template)
         setup = [RecordDict({"nf": ConfigRecord({"kind": "setup", "template": text, "index": j,
-                                                 "num_rounds": int(num_rounds)})}) for j in range(J)]
+                                                 "num_rounds": int(num_rounds),
+                                                 "aggregator_key": self.aggregator_key})}) for j in range(J)]
         ready = self._send(self.nodes, setup, "query", self.first_timeout)
         alive = [n in ready for n in self.nodes]
         if not any(alive):
@@ -197,8 +206,8 @@ class FlowerBackend:
         k_init, server_key = random.split(k_server)
         server, broadcast = jax.jit(algorithm.init_server)(k_init)
         select = jax.jit(algorithm.select)
-        steps = [jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, _aggregate(m, ex.secure_sum), v))
-                 for ex in algorithm.exchanges]
+        # the secure_sum fields arrive summed by the trusted aggregator
+        steps = [jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges]
         round_info = algorithm.round_info or last_info
         monitor = algorithm.monitor or (lambda info: jnp.zeros(()))
         infos, figures, asked_log, answered_log = [], [], [], []
@@ -226,23 +235,34 @@ class FlowerBackend:
                         transcript.record(r, "server", names[j], from_record(structures.broadcasts[e], record),
                                           exchange=str(e))
                 replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
-                rows = []
+                secure = exchange.secure_sum
+                like, direct_like, hidden_like = _wire_like(structures.messages[e], secure)
+                rows, sealed = [], {}
                 for j in range(J):
                     reply = replies.get(self.nodes[j]) if answered[j] else None
                     if reply is None:
                         answered[j] = False
                         rows.append(None)
                         continue
-                    message = from_record(structures.messages[e], reply.content["message"])
+                    message = from_record(like, reply.content["message"])
                     up += message_bytes(message)
                     msgs_up += 1
-                    if transcript is not None:
+                    if secure:  # the direct fields, and the sealed part the server relays unread
+                        message, sealed[j] = message["direct"], message["sealed"]
+                    if transcript is not None and (message or not secure):
                         transcript.record(r, names[j], "server", message, exchange=str(e))
+                    if transcript is not None and secure:
+                        transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
                     rows.append(message)
-                zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), structures.messages[e])
+                zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
                 stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[m if m is not None else zero
                                                                                for m in rows])
                 sent.append(stacked)
+                if secure:
+                    summed = self._secure_sum(r, e, J, sealed, hidden_like, timeout)
+                    if transcript is not None:
+                        transcript.record(r, "aggregator", "server", summed, exchange=str(e))
+                    stacked = {**stacked, **summed}
                 server, broadcast, info = steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
                                                                                    plan.server_data))
                 round_infos.append(info)
@@ -286,6 +306,24 @@ class FlowerBackend:
             transcript=transcript,
             rounds_answered=np.asarray([a.sum() for a in answered_log]),
         )
+
+    def _secure_sum(self, rnd: int, e: int, J: int, sealed: Dict[int, Any], hidden_like, timeout: float):
+        """The trusted aggregator's sum of the sealed parts (zeros when no client answered,
+        as the simulation's sum of zero rows)."""
+        from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+        if not sealed:
+            return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), hidden_like)
+        idx = sorted(sealed)
+        content = RecordDict({"nf": ConfigRecord({"kind": "aggregate", "round": rnd, "exchange": e, "num_clients": J,
+                                                  "indices": idx}),
+                              "sealed": ArrayRecord([np.asarray(sealed[j]) for j in idx])})
+        reply = self._send([self.aggregator], [content], "train", timeout).get(self.aggregator)
+        if reply is None:
+            raise RuntimeError(f"round {rnd + 1}: the trusted aggregator returned no sum (its error: "
+                               f"{self.errors.get(self._name(self.aggregator), 'none: it timed out')}); the server "
+                               f"step cannot run without it")
+        return from_record(hidden_like, reply.content["message"])
 
     def _ledgers(self, structures: WireStructures, alive, transcript, last_round: int) -> Dict[str, ClientLedger]:
         """Each client's privacy ledger (its ``releases`` count), asked for after the last
@@ -341,6 +379,17 @@ def _ledger_of(name: str, ledgers: Dict[str, ClientLedger]) -> ClientLedger:
         return ledgers[name]
     raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
                    f"has only the privacy ledger of a DP run's clients that answered at its end")
+
+
+def _wire_like(like, secure):
+    """``(as it travels, direct part, secure part)`` of one client's message: with
+    ``secure_sum`` fields, ``{"direct": the other fields, "sealed": the secure ones sealed}``."""
+    if not secure:
+        return like, like, None
+    direct = {k: v for k, v in like.items() if k not in secure}
+    hidden = {k: v for k, v in like.items() if k in secure}
+    sealed = jax.ShapeDtypeStruct((message_bytes(hidden) + OVERHEAD,), np.uint8)
+    return {"direct": direct, "sealed": sealed}, direct, hidden
 
 
 def _pull_replies(grid, message_ids, poll: float):
