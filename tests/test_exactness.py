@@ -83,7 +83,7 @@ def rel_err(a, b):
     return float(jnp.linalg.norm(fa - fb) / jnp.maximum(jnp.linalg.norm(fb), 1e-12))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     model_name=st.sampled_from(sorted(MODELS)),
     n=st.integers(4, 24),
