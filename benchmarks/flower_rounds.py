@@ -125,9 +125,8 @@ def one_size(n, rounds, executor=True):
                 "connect"], message_bytes_up=int(up), message_bytes_down=int(down))
         else:
             up = down = 1000
-        # echo payload: np.save of a uint8 array adds a 128-byte header, as PVI's leaves have
-        echo = fed.run("", rounds, app_dir=str(echo_dir(root)), up=max(1, up - 128), down=max(1, down - 128),
-                       timeout=1200)
+        # echo payload: one uint8 array of a PVI message's bytes, as PVI's ArrayRecord holds
+        echo = fed.run("", rounds, app_dir=str(echo_dir(root)), up=max(1, up), down=max(1, down), timeout=1200)
         out.update(echo_round_seconds=echo["round_seconds"], echo_warm_round_seconds=float(
             np.mean(echo["round_seconds"][1:])))
     if pvi is not None:

@@ -67,8 +67,10 @@ class FederatedInference:
         """What ``RunResult.client_states`` shows of a client's algorithm state."""
         return client_state
 
-    def _check_result(self, setup: Setup, result: RunResult) -> None:
-        """Family-specific checks after a run (warn or raise)."""
+    def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
+        """Family-specific checks after a run (warn or raise). Over a network backend
+        (``self._network``) a check may ask the clients for values computed on their nodes
+        and return the result with that traffic counted."""
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, inputs) -> Setup:
@@ -124,7 +126,11 @@ class FederatedInference:
             params=self._params(setup, result.state),
             client_states=ClientStates(setup.plan.names, lambda j: self._client_view(setup, states[setup.plan.names[j]])),
         )
-        self._check_result(setup, result)
+        self._network = backend if hasattr(backend, "client_values") else None  # a network backend's clients
+        try:
+            result = self._check_result(setup, result) or result
+        finally:
+            self._network = None
         return result
 
     def save(self, path: str, state: "RunState | RunResult") -> None:

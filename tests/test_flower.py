@@ -119,11 +119,20 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     assert bool(sealed) == bool(secure) == (family == "svi_dp_trusted")
     to_server = {e.name for e in entries if e.receiver == "server" and e.sender != "aggregator"}
     assert not any(n.startswith(f"['{k}']") for k in secure for n in to_server)  # the server never saw a part
+    check = [e for e in entries if e.exchange == "log_weights"]  # SFVI's fit check, after the run
     comm = flower["communication"]
-    assert comm["bytes_down"] == result.communication.bytes_down
+    assert comm["bytes_down"] == result.communication.bytes_down + sum(e.nbytes for e in check if e.sender == "server")
     # a sealed part is one uint8 array (a 128-byte .npy header) of the secure leaves' bytes and the envelope
-    assert comm["bytes_up"] == (result.communication.bytes_up + sum(e.nbytes for e in ledger)
+    assert comm["bytes_up"] == (result.communication.bytes_up + sum(e.nbytes for e in ledger + check
+                                                                    if e.sender != "server")
                                 + len(sealed) * (128 + OVERHEAD))
+    if family in ("sfvi", "sfvi_avg"):  # the fit check ran with each client's term computed on its node
+        assert {e.sender for e in check if e.sender != "server"} == set(flower["clients"])
+        np.testing.assert_allclose(flower["fit_check"].log_weights, inference.last_fit_check.log_weights,
+                                   rtol=1e-5, atol=1e-4)
+        assert not any("fit check" in w and "needs every client" in w for w in flower["warnings"])
+    else:
+        assert check == []
     if family in DP_FAMILIES:
         assert [e.name for e in ledger] == ["['releases']"] * J
         want = inference.privacy_report(result)

@@ -303,3 +303,48 @@ def test_server_draws_carry_the_deterministic_sites_of_the_global_sites(unequal)
     assert abs(sigma - 1.0) > 0.05  # fitted, not the initial value
     np.testing.assert_allclose(draws["ratio"], beta[:, 0] / beta[:, 1], rtol=1e-5)
     np.testing.assert_allclose(draws["snr"], beta[:, 0] / sigma, rtol=1e-5)
+
+
+def test_fit_check_over_a_network_equals_the_simulations():
+    """Over a network backend each client computes its term of the fit check's ``log w``
+    on its node (``_client_value``, what ``diagnose`` computes for it in simulation): the
+    server's sum equals ``diagnose``'s, the traffic is counted, and a client that does not
+    answer makes the run warn instead of skipping the check."""
+    from numpyro_fed.backends.mapping import client_item
+
+    from .families import sfvi
+
+    inference, clients = sfvi()
+    inference.client_mapping = "loop"
+    result = inference.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+    setup = inference._setup_cache
+    want = inference.last_fit_check
+
+    class Network:  # stands in for FlowerBackend: each client's value from its own state and data
+        def __init__(self, answering):
+            self.answering = answering
+
+        def client_values(self, name, payloads, like, transcript=None, rnd=0):
+            out = {}
+            for j, payload in payloads.items():
+                if j in self.answering:
+                    slot = client_item(setup.plan, result.state.clients, j)
+                    data = client_item(setup.plan, setup.plan.data, j)
+                    like_in = inference._client_value_inputs(name, setup, data)
+                    assert jax.tree_util.tree_structure(like_in) == jax.tree_util.tree_structure(payload)
+                    out[j] = inference._client_value(name, setup, slot.state, data, payload)
+            return out
+
+    remote = result._replace(state=result.state._replace(clients=None))
+    inference._network = Network({0, 1, 2})
+    checked = inference._check_result(setup, remote)
+    np.testing.assert_allclose(inference.last_fit_check.log_weights, want.log_weights, rtol=1e-5, atol=1e-4)
+    assert inference.last_fit_check.pareto_k == pytest.approx(want.pareto_k, abs=1e-3)
+    # 3 clients x (1000 float32 values + header) up; global params and two keys down
+    assert checked.communication.bytes_up == result.communication.bytes_up + 3 * (4000 + 128)
+    assert checked.communication.messages_down == result.communication.messages_down + 3
+    inference._network = Network({0, 2})
+    with pytest.warns(nf.UnreliableFitWarning, match="some clients did not answer"):
+        inference._check_result(setup, remote)
+    assert inference.last_fit_check is None
+    inference._network = None

@@ -73,6 +73,7 @@ def _server_main(grid, context) -> None:
             missing=backend.missing, timings=backend.timings, errors=backend.errors, round_seconds=backend.round_seconds,
             warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
         )
+        result["fit_check"] = getattr(inference, "last_fit_check", None)  # SFVI: checked with the clients' terms
         if backend.collect_ledgers:  # from the ledgers the clients sent after the last round
             result["privacy_report"] = inference.privacy_report(run)
     except Exception as ex:  # the result file says what failed (flwr run exits 0 regardless)

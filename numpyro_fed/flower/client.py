@@ -46,6 +46,8 @@ class _Built(NamedTuple):
     index: int
     name: str
     aggregator_key: bytes  # the trusted aggregator's public key (b"" without one)
+    inference: Any
+    setup: Any
     algorithm: Any
     data: Any
     structures: Any
@@ -84,7 +86,7 @@ def _built(context) -> _Built:
         task = load_task(str(context.run_config["task"]))
         template = parse_template(spec["template"])
         own = task.load_client(context.node_config)
-        _, _, s = build(task, template, int(spec["num_rounds"]), own=own)
+        inference, _, s = build(task, template, int(spec["num_rounds"]), own=own)
         j = int(spec["index"])
         from ..backends.mapping import client_item
 
@@ -102,7 +104,7 @@ def _built(context) -> _Built:
         if agg and pinned is not None and bytes.fromhex(str(pinned)) != agg:
             raise ValueError(f"client {own[0]!r}: the server relayed an aggregator key other than the one pinned in "
                              f"this node's config ({PIN_KEY}); refusing to seal for it")
-        _BUILT[key] = _Built(j, str(own[0]), agg, s.algorithm, data[j], structures, steps)
+        _BUILT[key] = _Built(j, str(own[0]), agg, inference, s, s.algorithm, data[j], structures, steps)
     return _BUILT[key]
 
 
@@ -171,6 +173,19 @@ def _exchange(message, context):
     return _reply(message, arrays=to_record(out))
 
 
+def _client_value(message, context):
+    """A family's value computed on this client after a run (e.g. SFVI's fit check: its
+    term of ``log p - log q`` per draw, summed over its own rows), from its own state and
+    data; what the family defines in ``_client_value`` is all that is sent."""
+    built = _built(context)
+    name = str(message.content["nf"]["name"])
+    like = built.inference._client_value_inputs(name, built.setup, built.data)
+    payload = from_record(like, message.content["broadcast"])
+    state = _slot(built, context).state
+    value = built.inference._client_value(name, built.setup, state, built.data, payload)
+    return _reply(message, arrays=to_record(value))
+
+
 def _aggregate(message, context):
     """The trusted aggregator: open the round's sealed parts (in client order, with the
     indices the server names), sum them over the clients (zeros for those that did not
@@ -196,9 +211,7 @@ def _aggregate(message, context):
     rows = [parts.get(j, [np.zeros_like(x) for x in first]) for j in range(J)]
     summed = [np.asarray(_SUM(np.stack(xs))) for xs in zip(*rows)]
     context.state["nf.aggregator"] = ConfigRecord({"private": own["private"], "last": [rnd, e]})
-    from flwr.app import ArrayRecord
-
-    return _reply(message, arrays=ArrayRecord(summed))
+    return _reply(message, arrays=to_record(summed))  # the leaves in the order the parts held them
 
 
 def _ledger(message, context):
@@ -233,8 +246,11 @@ def make_client_app():
 
     @app.train()
     def train(message, context):
-        if str(message.content["nf"]["kind"]) == "aggregate":
+        kind = str(message.content["nf"]["kind"])
+        if kind == "aggregate":
             return _aggregate(message, context)
+        if kind == "client_value":
+            return _client_value(message, context)
         return _exchange(message, context)
 
     return app

@@ -307,6 +307,31 @@ class FlowerBackend:
             rounds_answered=np.asarray([a.sum() for a in answered_log]),
         )
 
+    def client_values(self, name: str, payloads: Dict[int, Any], like: Any, transcript=None,
+                      rnd: int = 0) -> Dict[int, Any]:
+        """After a run: ask client ``j`` (for each ``j`` in ``payloads``) to compute the
+        family's client-side value ``name`` from its own state and data and ``payloads[j]``
+        (e.g. SFVI's fit check: one scalar per draw), and return ``{j: its reply}``
+        (structure ``like``) for those that answered. Both ways are recorded in
+        ``transcript`` (exchange ``name``), as they cross the wire."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        names = self.template.names
+        order = sorted(payloads)
+        contents = [RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name}),
+                                "broadcast": to_record(payloads[j])}) for j in order]
+        replies = self._send([self.nodes[j] for j in order], contents, "train", self.reply_timeout)
+        out = {}
+        for j in order:
+            if transcript is not None:
+                transcript.record(rnd, "server", names[j], payloads[j], exchange=name)
+            reply = replies.get(self.nodes[j])
+            if reply is not None:
+                out[j] = from_record(like, reply.content["message"])
+                if transcript is not None:
+                    transcript.record(rnd, names[j], "server", out[j], exchange=name)
+        return out
+
     def _secure_sum(self, rnd: int, e: int, J: int, sealed: Dict[int, Any], hidden_like, timeout: float):
         """The trusted aggregator's sum of the sealed parts (zeros when no client answered,
         as the simulation's sum of zero rows)."""

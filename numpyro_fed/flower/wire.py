@@ -1,8 +1,12 @@
 """What crosses the wire between the ServerApp and the ClientApps, and how.
 
-A message pytree travels as a Flower ``ArrayRecord`` of its leaves in flattening order;
-Flower serialises each leaf with ``numpy.save``, the serialisation
-:func:`numpyro_fed.transcript.message_bytes` counts, so the byte counts are those sent.
+A message pytree travels as a Flower ``ArrayRecord`` holding one ``uint8`` array: the
+message's bytes as :func:`numpyro_fed.transcript.message_to_bytes` writes them (each leaf
+by ``numpy.save``, in flattening order), the serialisation
+:func:`numpyro_fed.transcript.message_bytes` counts, so the byte counts are those sent
+(Flower adds its own framing: the array's 128-byte ``.npy`` header and the record's
+metadata). One array rather than one per leaf: Flower stores and fetches each array as a
+separate object, one request each at the SuperNode and at the executor.
 Both sides know every message's structure from the algorithm itself
 (:func:`wire_structures`), so only the arrays travel.
 
@@ -24,22 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..protocol import Broadcast, FederatedAlgorithm, ServerView
-from ..transcript import message_from_ndarrays, message_to_ndarrays
+from ..transcript import message_from_bytes, message_to_bytes
 
 __all__ = ["Template", "WireStructures", "describe", "from_record", "parse_template", "to_record", "wire_structures"]
 
 
 def to_record(message: Any):
-    """A message pytree as a Flower ``ArrayRecord`` (leaves in flattening order)."""
+    """A message pytree as a Flower ``ArrayRecord``: one ``uint8`` array of its
+    :func:`~numpyro_fed.transcript.message_to_bytes`."""
     from flwr.app import ArrayRecord
 
-    return ArrayRecord(message_to_ndarrays(message))
+    return ArrayRecord([np.frombuffer(message_to_bytes(message), np.uint8)])
 
 
 def from_record(like: Any, record) -> Any:
     """Rebuild a message with the structure of ``like`` from :func:`to_record` output."""
     arrays = [record[k].numpy() for k in record]
-    return message_from_ndarrays(like, arrays)
+    if len(arrays) != 1 or arrays[0].dtype != np.uint8 or arrays[0].ndim != 1:
+        raise ValueError(f"a numpyro_fed message record holds one uint8 array, not {len(arrays)} array(s)")
+    return message_from_bytes(like, arrays[0].tobytes())
 
 
 class Template(NamedTuple):

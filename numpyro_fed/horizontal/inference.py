@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
@@ -81,7 +82,9 @@ class FederatedSVI(PrivateFit, FederatedInference):
             inside its family. ``False`` gives the plain reparameterised estimator.
         check_fit: after ``run``, check the fit by Pareto-smoothed importance sampling
             (:meth:`diagnose`) and warn (``UnreliableFitWarning``) when ``q`` is far from
-            the posterior.
+            the posterior; the diagnostic is kept as ``last_fit_check``. Over a network
+            backend (Flower) each client computes its own term of ``log w`` per draw on its
+            node and sends those 1000 scalars, as the ELBO's terms travel.
         local_steps: m for ``"sfvi_avg"``.
         participation: fraction of clients asked per round for ``"sfvi_avg"``.
         dp: ``"sgd"``: DP federated SVI (paper 002's "global VI" baseline; the model marks
@@ -256,21 +259,79 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self._prepare_private_run(num_rounds, clients, options)
         return self._run(rng_key, num_rounds, clients, **options)
 
-    def _check_result(self, setup: Setup, result: RunResult) -> None:
+    def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
+        self.last_fit_check = None
         if not self.check_fit or self._privacy is not None:  # under DP: the check sums data-dependent terms
-            return
+            return None
         if result.state.clients is None:  # a network backend: the clients' states stay on their nodes
-            warnings.warn(f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
-                          f"client's term and is not run over a network backend yet; check the fit in simulation, "
-                          f"or pass check_fit=False to silence this", UnreliableFitWarning, stacklevel=4)
-            return
-        diag = self.diagnose(result)
+            network = getattr(self, "_network", None)
+            log_w = None if network is None else self._network_log_weights(network, setup, result)
+            traffic = self._fit_check_traffic(result.communication) if network is not None else None
+            result = result if traffic is None else result._replace(communication=traffic)
+            if log_w is None:
+                why = "this backend cannot ask the clients" if network is None else "some clients did not answer"
+                warnings.warn(f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
+                              f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
+                              f"silence this", UnreliableFitWarning, stacklevel=4)
+                return result
+            diag = _diagnostic(log_w)
+        else:
+            diag = self.diagnose(result)
+        self.last_fit_check = diag
         if not diag.pareto_k <= PARETO_K_LIMIT:
             warnings.warn(
                 _UNRELIABLE.format(cls=type(self).__name__, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
                                   n=len(diag.log_weights)),
                 UnreliableFitWarning, stacklevel=4,
             )
+        return result
+
+    # ------------------------------------------------------------------ fit check over a network
+    def _network_log_weights(self, network, setup: Setup, result: RunResult, num_draws: int = 1000):
+        """:meth:`diagnose`'s ``log w`` (its default key and draws) with each client's term
+        computed on its node (:meth:`_client_value`), or ``None`` if a client did not answer."""
+        obj, J = setup.extra, len(setup.plan.names)
+        k_g, k_l = random.split(random.PRNGKey(0x51))
+        keys = random.split(k_l, J)
+        g = result.state.server.global_params
+        payloads = {j: {"global_params": g, "k_g": k_g, "key": keys[j]} for j in range(J)}
+        like = {"values": jax.ShapeDtypeStruct((_FIT_CHECK_DRAWS,), jnp.float32)}
+        got = network.client_values("log_weights", payloads, like, result.transcript, int(result.communication.rounds))
+        self._fit_check_messages = (payloads, got)
+        if len(got) < J:
+            return None
+        eps_g = random.normal(k_g, (num_draws, obj.global_size))
+        values = sum(got[j]["values"] for j in range(J))  # in client order, as the simulation sums them
+        return np.asarray(jax.vmap(lambda e: obj.server_term(g, e))(eps_g) + values, np.float64)
+
+    def _fit_check_traffic(self, comm):
+        """The run's communication plus the fit check's messages (as serialised)."""
+        from ..transcript import message_bytes
+
+        sent, got = self._fit_check_messages
+        return comm._replace(bytes_up=comm.bytes_up + sum(message_bytes(m) for m in got.values()),
+                             bytes_down=comm.bytes_down + sum(message_bytes(m) for m in sent.values()),
+                             messages_up=comm.messages_up + len(got), messages_down=comm.messages_down + len(sent))
+
+    def _client_value_inputs(self, name: str, setup: Setup, data) -> Dict[str, Any]:
+        """The structure of what the server sends for :meth:`_client_value` ``name``."""
+        if name != "log_weights":
+            raise ValueError(f"{type(self).__name__}: no client-side value {name!r}")
+        g = jax.eval_shape(lambda: setup.algorithm.init_server(random.PRNGKey(0))[0]).global_params
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        return {"global_params": g, "k_g": key, "key": key}
+
+    def _client_value(self, name: str, setup: Setup, client_state, data, payload) -> Dict[str, Any]:
+        """On a client after a network run: its term of the fit check's ``log w`` per draw,
+        summed over its own rows (what :meth:`diagnose` computes for it in simulation)."""
+        self._client_value_inputs(name, setup, data)
+        key = ("client_log_weights", _FIT_CHECK_DRAWS)
+        if key not in setup.cache:
+            setup.cache[key] = jax.jit(partial(_client_log_weights_from_keys, setup.extra, 1.0 / len(setup.plan.names),
+                                               _FIT_CHECK_DRAWS))
+        values = setup.cache[key](payload["global_params"], payload["k_g"], payload["key"], client_state.local_params,
+                                  data)
+        return {"values": values}
 
     def load(self, path: str, clients: Clients) -> RunState:
         """A run state saved by :meth:`save`, for ``clients`` (pass as ``init_state=``)."""
@@ -302,19 +363,14 @@ class FederatedSVI(PrivateFit, FederatedInference):
         Returns:
             a :class:`FitDiagnostic` ``(pareto_k, ess, elbo, log_weights)``.
         """
-        import arviz as az
-
         setup = self._fitted()
         state = result.state if isinstance(result, RunResult) else result
         num_draws = check_positive_int("num_draws", num_draws)
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
-        log_w = np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64)
-        if not np.all(np.isfinite(log_w)):
-            return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
-        smoothed, k = az.psislw(log_w)
-        w = np.exp(smoothed - smoothed.max())
-        ess = float(w.sum() ** 2 / np.sum(w**2))
-        return FitDiagnostic(float(k), ess, float(np.mean(log_w)), log_w)
+        if state.clients is None:
+            raise ValueError(f"{type(self).__name__}.diagnose needs every client's state; over a network backend "
+                             f"the run itself checks the fit (see last_fit_check)")
+        return _diagnostic(np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64))
 
     # ------------------------------------------------------------------ posterior
     def sample_posterior(
@@ -447,8 +503,7 @@ def _log_weight_estimator(setup: Setup, num_draws: int):
         eps_g = random.normal(k_g, (num_draws, obj.global_size))
 
         def client_value(key, local_params, d):
-            eps_l = random.normal(key, (num_draws, obj.local_size(d)))
-            return jax.vmap(lambda a, b: obj.client_term(g, local_params, a, b, d, share))(eps_g, eps_l)
+            return _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d)
 
         keys = random.split(k_l, len(plan.names))
         if plan.mapping == "vmap":
@@ -459,3 +514,28 @@ def _log_weight_estimator(setup: Setup, num_draws: int):
         return jax.vmap(lambda e: obj.server_term(g, e))(eps_g) + values
 
     return estimate
+
+
+_FIT_CHECK_DRAWS = 1000  # draws of the fit check run after a network run (diagnose's default)
+
+
+def _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d):
+    """One client's term of ``log p(z, y) - log q(z)`` per draw, over its own rows."""
+    eps_l = random.normal(key, (num_draws, obj.local_size(d)))
+    return jax.vmap(lambda a, b: obj.client_term(g, local_params, a, b, d, share))(eps_g, eps_l)
+
+
+def _client_log_weights_from_keys(obj, share, num_draws, g, k_g, key, local_params, d):
+    eps_g = random.normal(k_g, (num_draws, obj.global_size))
+    return _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d)
+
+
+def _diagnostic(log_w: np.ndarray) -> FitDiagnostic:
+    import arviz as az
+
+    if not np.all(np.isfinite(log_w)):
+        return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
+    smoothed, k = az.psislw(log_w)
+    w = np.exp(smoothed - smoothed.max())
+    ess = float(w.sum() ** 2 / np.sum(w**2))
+    return FitDiagnostic(float(k), ess, float(np.mean(log_w)), log_w)
