@@ -160,6 +160,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.stl = bool(stl)
         self.check_fit = bool(check_fit)
+        self.last_fit_check: Optional[FitDiagnostic] = None  # the last run's fit check (check_fit)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.participation = float(participation)
         self.client_mapping = client_mapping
