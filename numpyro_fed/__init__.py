@@ -26,7 +26,7 @@ from .horizontal import (
     UnreliableFitWarning,
     gaussian_barycenter,
 )
-from .linear import HM1
+from .linear import HM1, UnconvergedWarning
 from .protocol import Broadcast, ClientSlot, Exchange, FederatedAlgorithm, RunResult, RunState, ServerView
 from .transcript import (
     Communication,
@@ -74,6 +74,7 @@ __all__ = [
     "SimulationBackend",
     "StructuredGuide",
     "Transcript",
+    "UnconvergedWarning",
     "UnreliableFitWarning",
     "VerticalGuide",
     "VerticalRunResult",

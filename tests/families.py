@@ -79,7 +79,7 @@ def ep():
 
 
 def hm1():
-    return nf.HM1(lr=0.05, local_steps=3, subset_size=2), horizontal_data()
+    return nf.HM1(lr=0.02, local_steps=3, subset_size=2), horizontal_data()
 
 
 def vertical_sfvi():

@@ -67,7 +67,8 @@ def test_hm1_with_dropout_keeps_the_last_theta(devices):
     """As test_separate_models_are_least_squares (same tolerances), 60 rounds instead of 20;
     the server keeps a missing device's last theta_k."""
     clients, xs, ys, _ = devices
-    res = nf.HM1(lr=0.1, shrinkage=0.0, local_steps=50).run(random.PRNGKey(0), 60, clients, availability=P)
+    res = nf.HM1(lr=0.1, shrinkage=0.0, local_steps=50, gradient="mean", batch_size=None).run(
+        random.PRNGKey(0), 60, clients, availability=P)
     assert res.rounds_answered.min() < 4
     for j in range(4):
         ls = np.linalg.lstsq(xs[j], ys[j], rcond=None)[0]

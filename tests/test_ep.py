@@ -164,6 +164,8 @@ def test_ep_clear_errors(linear):
         nf.EP(linear_model, tilted="nuts", num_samples=0)
     with pytest.raises(ValueError, match="damping=1.5"):
         nf.EP(linear_model, damping=1.5)
+    with pytest.raises(ValueError, match="max_kl='big': must be positive, 'auto' or None"):
+        nf.EP(linear_model, max_kl="big")
     ep = nf.EP(linear_model)
     with pytest.raises(ValueError, match="needs a fitted EP"):
         ep.sample_posterior(random.PRNGKey(0), None, 10)
@@ -187,6 +189,17 @@ def test_ep_clear_errors(linear):
 
     with pytest.raises(ValueError, match="EP keeps q = p"):
         nf.EP(half_normal).init(random.PRNGKey(0), clients)
+
+
+def test_parallel_ep_has_a_trust_region_by_default():
+    """max_kl="auto": 20 nats when more than one client may answer in a round (their summed
+    updates can overshoot, benchmarks/hm2_ep.py), off for one client per round."""
+    assert nf.EP(linear_model, schedule="synchronous").max_kl == nf.factor.ep_inference.DEFAULT_MAX_KL == 20.0
+    assert nf.EP(linear_model, schedule="subset", subset_size=3).max_kl == 20.0
+    assert nf.EP(linear_model).max_kl is None  # sequential
+    assert nf.EP(linear_model, schedule="subset", subset_size=1).max_kl is None
+    assert nf.EP(linear_model, schedule="synchronous", max_kl=None).max_kl is None
+    assert nf.EP(linear_model, schedule="synchronous", max_kl=5.0).max_kl == 5.0
 
 
 def test_ep_on_hm2_matches_pooled_nuts():

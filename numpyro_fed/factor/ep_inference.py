@@ -19,7 +19,9 @@ from .inference import _K_ADVICE, FactorInference, latent_supports
 from .tilted import TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
-__all__ = ["EP"]
+__all__ = ["DEFAULT_MAX_KL", "EP"]
+
+DEFAULT_MAX_KL = 20.0  # nats: the trust region of parallel EP (max_kl="auto"); see EP
 
 _OPTIM = "tilted='vi' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
 _CLIENT = "client {name!r} is not one of the fitted clients {names}; for a new client use EP.adapt"
@@ -53,9 +55,14 @@ class EP(FactorInference):
         damping: ``delta`` in ``(0, 1]``: ``q_k <- q_k * Delta q_k^delta``.
         subset_size: clients per round for ``schedule="subset"``.
         max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
-        max_kl: optional trust region: also halve ``delta`` while the round would move
-            ``q`` by more than ``max_kl`` nats (``KL(q_new || q)``). Synchronous EP over
-            many clients sums many updates; this keeps one round from overshooting.
+        max_kl: trust region: also halve ``delta`` while the round would move ``q`` by more
+            than ``max_kl`` nats (``KL(q_new || q)``). Parallel EP sums many clients'
+            updates, each computed against the same ``q``, and one sum can overshoot so far
+            that every client's next cavity is improper (and every update invalid from then
+            on). ``"auto"`` (the default) is ``DEFAULT_MAX_KL`` = 20 nats whenever more than
+            one client may answer in a round (``schedule="synchronous"``, or ``"subset"``
+            with ``subset_size > 1``) and off for one client per round; ``None`` turns it
+            off.
         laplace_steps: the most Newton iterations of the outer mode search for
             ``tilted="laplace"`` (it stops at the mode).
         num_warmup: NUTS warm-up (adaptation) steps for ``tilted="nuts"``.
@@ -101,7 +108,7 @@ class EP(FactorInference):
         damping: float = 1.0,
         subset_size: int = 1,
         max_halvings: int = 10,
-        max_kl: Optional[float] = None,
+        max_kl: "Optional[float] | str" = "auto",
         laplace_steps: int = 50,
         num_warmup: int = 500,
         num_samples: int = 500,
@@ -123,8 +130,11 @@ class EP(FactorInference):
                             ("num_samples", num_samples), ("vi_steps", vi_steps), ("num_particles", num_particles)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer")
-        if max_kl is not None and not max_kl > 0:
-            raise ValueError(f"max_kl={max_kl}: must be positive (or None)")
+        if max_kl == "auto":
+            parallel = schedule == "synchronous" or (schedule == "subset" and subset_size > 1)
+            max_kl = DEFAULT_MAX_KL if parallel else None
+        elif max_kl is not None and (isinstance(max_kl, str) or not max_kl > 0):
+            raise ValueError(f"max_kl={max_kl!r}: must be positive, 'auto' or None")
         self.tilted, self.max_kl, self.vi_steps = tilted, max_kl, int(vi_steps)
         self.moments = tilted_moments(
             tilted, laplace_steps=int(laplace_steps), num_warmup=int(num_warmup), num_samples=int(num_samples),

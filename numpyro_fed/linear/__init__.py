@@ -1,5 +1,5 @@
 """Paper 004's linear models: HM1 (a learned device covariance, Algorithm 1)."""
 
-from .hm1_inference import HM1
+from .hm1_inference import HM1, UnconvergedWarning
 
-__all__ = ["HM1"]
+__all__ = ["HM1", "UnconvergedWarning"]

@@ -11,11 +11,31 @@ Device parameters ``Theta = [theta_1 ... theta_K]`` (d x K) get the structural p
 One round (Algorithm 1): the server sends each asked device, in the per-client part of its
 broadcast, only its own column ``theta_k`` and the aggregate
 ``s_k = sum_i theta_i (Omega^-1)_{ik}`` (it never shares ``Omega`` or other columns); the
-device takes ``local_steps`` (minibatch) gradient steps on its mean squared error,
-``theta_k <- theta_k + 2 eta X_b^T (Y_b - X_b theta_k) / b``, then the prior shrinkage
+device takes ``local_steps`` minibatch gradient steps, by default Algorithm 1's **summed**
+step ``theta_k <- theta_k + 2 eta X_b^T (Y_b - X_b theta_k)`` on ``b = batch_size`` rows
+drawn without replacement (the ``1 / sigma_k^2`` of Stage 1 folded into ``eta``;
+``gradient="mean"`` divides by ``b``), then the prior shrinkage
 ``theta_k <- theta_k - 2 eta_2 s_k``, and returns ``theta_k``; the server updates
 ``Omega <- (1 - alpha) Omega + (alpha / d) Theta^T Theta`` (the closed form of Zhang and
 Yeung, 2012, relaxed). Partial participation: ``subset_size`` devices per round.
+
+**A well-behaved variant** (not in the paper), two switches:
+
+- ``noise_scaled=True``: the shrinkage, scaled by the device's own noise estimate
+  ``sigma_k^2`` (the residual variance ``RSS / (n_k - d)`` of the ``theta_k`` it received,
+  which never leaves the device), is taken inside every local step in proportion to the
+  batch: ``theta_k <- theta_k + 2 eta (X_b^T (Y_b - X_b theta_k) - (b / n_k) sigma_k^2 s_k)``.
+  A full-batch round then leaves ``theta_k`` unchanged exactly where §3's ``L`` (its data
+  term weighted by ``1 / sigma_k^2``) is stationary in ``theta_k``, and minibatch rounds do
+  so in expectation. Algorithm 1's separate shrinkage step weights the prior by ``eta_2``
+  against ``T`` steps on ``b`` rows in noise-free units, so its fixed point moves with
+  ``eta_2``, ``T``, ``b`` and the noise level.
+- ``omega_df=nu``: ``Omega``'s target is ``(Theta^T Theta + nu s^2 I) / (d + nu)``, the
+  posterior mean under an inverse-Wishart prior with ``nu + K + 1`` degrees of freedom and
+  mean ``s^2 I`` (``s^2 = ||Theta||_F^2 / (K d)``, the mean square of the current entries).
+  With ``K > d``, ``Theta^T Theta`` has rank at most ``d``, so the paper's target is singular
+  and ``Omega^-1`` grows like ``(1 - alpha)^-c`` after ``c`` rounds; the prior keeps every
+  eigenvalue of the target at least ``nu s^2 / (d + nu)``.
 
 **A missing answer** (dropout): the server keeps the device's last returned ``theta_k``.
 
@@ -32,7 +52,9 @@ from jax import random
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm
 
-__all__ = ["HM1Info", "HM1ServerState", "hm1"]
+__all__ = ["GRADIENTS", "HM1Info", "HM1ServerState", "hm1", "minibatch_weights"]
+
+GRADIENTS = ("sum", "mean")
 
 
 class HM1ServerState(NamedTuple):
@@ -46,27 +68,52 @@ class HM1Info(NamedTuple):
     distance: jax.Array  # ||Theta - truth|| / sqrt(K) (paper 004 Figure 3); 0 without a truth
 
 
+def minibatch_weights(rng_key: jax.Array, mask: jax.Array, batch_size: Optional[int]) -> jax.Array:
+    """0/1 weights of one minibatch: ``min(batch_size, rows)`` of the real rows
+    (``mask > 0``) drawn uniformly without replacement; ``None`` gives every real row (a
+    full-batch step)."""
+    if batch_size is None:
+        return mask
+    b = min(int(batch_size), mask.shape[0])
+    scores = jnp.where(mask > 0, random.uniform(rng_key, mask.shape), -1.0)
+    _, chosen = jax.lax.top_k(scores, b)  # real rows first: a device with fewer rows takes them all
+    return jnp.zeros_like(mask).at[chosen].set(1.0) * mask
+
+
 def hm1(
     num_clients: int, dim: int, *, lr: float = 0.01, shrinkage: Optional[float] = None, alpha: float = 0.1,
-    local_steps: int = 20, batch_size: Optional[int] = None, subset_size: Optional[int] = None,
-    init_scale: float = 0.01, truth: Optional[jax.Array] = None,
+    local_steps: int = 20, batch_size: Optional[int] = None, gradient: str = "sum", noise_scaled: bool = False,
+    omega_df: Optional[float] = None, subset_size: Optional[int] = None, init_scale: float = 0.01,
+    truth: Optional[jax.Array] = None,
 ) -> FederatedAlgorithm:
     """Build Algorithm 1's pure functions.
 
     Args:
         num_clients: K devices.
         dim: d covariates.
-        lr: ``eta`` of the local gradient steps on the mean squared error.
-        shrinkage: ``eta_2`` of the prior-shrinkage step (default ``lr``; 0 gives K
-            separate models).
+        lr: ``eta`` of the local gradient steps.
+        shrinkage: ``eta_2`` of the prior-shrinkage step (default ``lr``, as in Algorithm 1;
+            0 gives K separate models).
         alpha: the ``Omega`` update's proportion.
         local_steps: T.
-        batch_size: rows per local step (``None``: all of the device's rows).
+        batch_size: rows per local step, drawn without replacement (a device with fewer
+            rows uses all of them; ``None``: all of the device's rows).
+        gradient: ``"sum"`` (Algorithm 1: ``2 eta X_b^T (Y_b - X_b theta)``) or ``"mean"``
+            (the same divided by the rows in the batch).
+        noise_scaled: the variant's shrinkage, scaled by the device's own noise estimate and
+            taken inside every local step (module docstring); ``shrinkage`` is then unused.
+        omega_df: ``nu`` of the inverse-Wishart prior on ``Omega`` (``None``: the paper's
+            update, no prior).
         subset_size: devices per round (``None``: all; partial participation otherwise).
         init_scale: ``Theta`` starts at ``N(0, init_scale^2)`` draws (the server's key) and
             ``Omega`` at ``I``.
         truth: ``(K, d)`` true parameters of a simulation: ``HM1Info.distance`` tracks them.
     """
+    if gradient not in GRADIENTS:
+        raise ValueError(f"gradient={gradient!r}: choose one of {GRADIENTS}")
+    if noise_scaled and shrinkage is not None:
+        raise ValueError(f"shrinkage={shrinkage} with noise_scaled=True: the variant weights the prior by the "
+                         "device's noise estimate; leave shrinkage unset")
     eta2 = lr if shrinkage is None else shrinkage
     m = num_clients if subset_size is None else int(subset_size)
     target = None if truth is None else jnp.asarray(truth, jnp.float32)
@@ -96,23 +143,36 @@ def hm1(
         """``data``: ``x`` (n, d), ``y`` (n,), ``mask`` (n,) with 0 on padded rows."""
         x, y, mask = data["x"], data["y"], data["mask"]
         mine = message.per_client
+        rows = jnp.sum(mask)
+
+        if noise_scaled:  # the prior's gradient, weighted by the device's noise estimate (module docstring)
+            sigma2 = jnp.sum(mask * (y - x @ mine["theta"]) ** 2) / jnp.maximum(rows - dim, 1.0)
+            prior = sigma2 * mine["shrink"] / rows
+        else:
+            prior = jnp.zeros_like(mine["theta"])
 
         def step(theta, key):
-            if batch_size is None:
-                w = mask
-            else:  # a minibatch of the device's real rows, without replacement
-                scores = jnp.where(mask > 0, random.uniform(key, mask.shape), -1.0)
-                w = (scores >= jnp.sort(scores)[-batch_size]).astype(x.dtype) * mask
-            resid = (y - x @ theta) * w
-            return theta + 2 * lr * x.T @ resid / jnp.maximum(jnp.sum(w), 1.0), None
+            w = minibatch_weights(key, mask, batch_size)
+            grad = x.T @ ((y - x @ theta) * w) - jnp.sum(w) * prior
+            if gradient == "mean":
+                grad = grad / jnp.maximum(jnp.sum(w), 1.0)
+            return theta + 2 * lr * grad, None
 
         theta, _ = jax.lax.scan(step, mine["theta"], random.split(rng_key, local_steps))
+        if noise_scaled:
+            return state, {"theta": theta}
         return state, {"theta": theta - 2 * eta2 * mine["shrink"]}
 
     def server_step(rng_key, state: HM1ServerState, messages, view):
         del rng_key
         theta = jnp.where(view.answered[:, None], messages["theta"], state.theta)
-        omega = (1 - alpha) * state.omega + alpha / dim * theta @ theta.T
+        gram = theta @ theta.T
+        if omega_df is None:
+            goal = gram / dim
+        else:  # the inverse-Wishart posterior mean (module docstring)
+            mean_square = jnp.trace(gram) / (num_clients * dim)
+            goal = (gram + omega_df * mean_square * jnp.eye(num_clients, dtype=gram.dtype)) / (dim + omega_df)
+        omega = (1 - alpha) * state.omega + alpha * goal
         scale = jnp.sqrt(num_clients)
         change = jnp.linalg.norm(theta - state.theta) / scale
         distance = jnp.zeros(()) if target is None else jnp.linalg.norm(theta - target) / scale

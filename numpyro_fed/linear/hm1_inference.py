@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Optional
 
 import jax
@@ -13,9 +14,21 @@ from ..clients import Clients
 from ..horizontal.inference import check_positive_int
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
-from .hm1_algorithm import hm1
+from .hm1_algorithm import GRADIENTS, hm1
 
-__all__ = ["HM1"]
+__all__ = ["HM1", "UnconvergedWarning"]
+
+_MOVING = (
+    "HM1: Theta still moved by {rel:.1%} of its root mean square in the last round (round {round}; the "
+    "warning threshold is {tol:.0%}), so the result is not a converged estimate. Run more rounds, or "
+    "lower lr (constant-step minibatch SGD keeps moving by about sqrt(lr * batch_size) times the noise; "
+    "batch_size=None with gradient='mean' converges exactly). A change that grows from round to round "
+    "means lr is too large for the summed step: keep lr * batch_size * E[x^2] well below 1."
+)
+
+
+class UnconvergedWarning(RuntimeWarning):
+    """A fit whose parameters still move at the end of the run."""
 
 _DATA = (
     "HM1 fits y = x @ theta_k on every client: client {client!r} needs arrays '{x}' of shape "
@@ -28,19 +41,45 @@ class HM1(FederatedInference):
 
     The MAP of ``Theta ~ MN(0, I, Omega)``, ``Y_k ~ N(X_k theta_k, sigma_k^2 I)`` by
     Algorithm 1 (see :mod:`numpyro_fed.linear.hm1_algorithm`): devices take ``local_steps``
-    gradient steps on their own mean squared error plus a prior-shrinkage step towards the
-    server's aggregate ``sum_i theta_i (Omega^-1)_{ik}``; the server updates ``Omega``.
-    ``shrinkage=0`` gives K separate models trained the same way (the paper's baseline).
+    minibatch gradient steps on their own data, by default Algorithm 1's summed step
+    ``theta_k += 2 lr X_b^T (Y_b - X_b theta_k)`` on ``batch_size`` rows, then a
+    prior-shrinkage step towards the server's aggregate ``sum_i theta_i (Omega^-1)_{ik}``;
+    the server updates ``Omega``. ``shrinkage=0`` gives K separate models trained the same
+    way (the paper's baseline).
+
+    The summed step is stable when ``lr`` times the largest eigenvalue of ``X_b^T X_b``
+    stays below 1 (about ``lr * batch_size * E[x^2] < 1`` for standardised covariates):
+    scale ``lr`` with ``1 / batch_size``. A run that blows up stops with
+    :class:`~numpyro_fed.NonFiniteError`; one whose ``Theta`` still moves in the last round
+    warns (:class:`~numpyro_fed.UnconvergedWarning`).
+
+    Algorithm 1's prior weight relative to the data depends on ``shrinkage``, ``local_steps``,
+    ``batch_size`` and the (unit-free) noise level, so it is not the MAP of §3's ``L``; and
+    with more devices than covariates (``K > d``) its ``Omega`` update is singular.
+    ``noise_scaled=True`` and ``omega_df=nu`` give a well-behaved variant (see
+    :mod:`~numpyro_fed.linear.hm1_algorithm` and docs/linear_models.md).
 
     Args:
-        lr: local step size ``eta`` (on the mean squared error).
-        shrinkage: ``eta_2`` (default ``lr``).
+        lr: local step size ``eta`` (Algorithm 1's ``eta_2``, which also scales its
+            local steps).
+        shrinkage: ``eta_2`` of the prior-shrinkage step (default ``lr``).
         alpha: ``Omega`` update proportion (paper default 0.1).
         local_steps: T gradient steps per round.
-        batch_size: rows per local step (``None``: full-batch gradient descent).
+        batch_size: rows per local step, drawn without replacement; the paper does not
+            state it. Default 10; a device with fewer rows uses all of them; ``None``:
+            full-batch steps.
+        gradient: ``"sum"`` (Algorithm 1, default) or ``"mean"`` (the summed step divided
+            by the batch's rows: a step on the mean squared error).
+        noise_scaled: the variant's shrinkage, scaled by each device's own noise estimate
+            (which stays on the device) and taken inside every local step, so that a
+            full-batch round's fixed point is §3's stationary point (``shrinkage`` unused).
+        omega_df: ``nu`` of the variant's inverse-Wishart prior on ``Omega``
+            (``None``: the paper's update).
         subset_size: devices per round (``None``: full participation).
         x: the name of the covariate array (rows, d) in each client's data.
         y: the name of the response array (rows,).
+        convergence_tol: warn (:class:`UnconvergedWarning`) when ``Theta``'s change in the
+            last round exceeds this fraction of its root mean square.
 
     Examples:
         >>> import jax, numpy as np, numpyro_fed as nf
@@ -49,10 +88,10 @@ class HM1(FederatedInference):
         >>> x = rng.normal(size=(120, 3)); g = np.repeat([0, 1], 60)
         >>> y = np.einsum("nd,nd->n", x, theta[g])
         >>> clients = nf.Clients.split(g, x=x, y=y)
-        >>> res = nf.HM1(lr=0.05).run(jax.random.PRNGKey(0), 30, clients)
+        >>> res = nf.HM1().run(jax.random.PRNGKey(0), 30, clients)
         >>> res.params["theta"].shape, res.params["omega"].shape
         ((2, 3), (2, 2))
-        >>> separate = nf.HM1(lr=0.05, shrinkage=0.0).run(jax.random.PRNGKey(0), 30, clients)
+        >>> separate = nf.HM1(shrinkage=0.0).run(jax.random.PRNGKey(0), 30, clients)
         >>> bool(np.abs(separate.params["theta"] - theta).max() < 1e-4)  # noise-free least squares
         True
     """
@@ -60,15 +99,28 @@ class HM1(FederatedInference):
     method = "hm1"
 
     def __init__(self, *, lr: float = 0.01, shrinkage: Optional[float] = None, alpha: float = 0.1,
-                 local_steps: int = 20, batch_size: Optional[int] = None, subset_size: Optional[int] = None,
-                 x: str = "x", y: str = "y") -> None:
+                 local_steps: int = 20, batch_size: Optional[int] = 10, gradient: str = "sum",
+                 noise_scaled: bool = False, omega_df: Optional[float] = None, subset_size: Optional[int] = None,
+                 x: str = "x", y: str = "y", convergence_tol: float = 0.05) -> None:
         if not lr > 0:
             raise ValueError(f"lr={lr}: must be positive")
         if shrinkage is not None and shrinkage < 0:
             raise ValueError(f"shrinkage={shrinkage}: must be >= 0 (0 gives separate models)")
         if not 0 <= alpha <= 1:
             raise ValueError(f"alpha={alpha}: must be in [0, 1]")
+        if gradient not in GRADIENTS:
+            raise ValueError(f"gradient={gradient!r}: choose one of {GRADIENTS}")
+        if noise_scaled and shrinkage is not None:
+            raise ValueError(f"shrinkage={shrinkage} with noise_scaled=True: the variant weights the prior by each "
+                             "device's noise estimate; leave shrinkage unset")
+        if omega_df is not None and not omega_df > 0:
+            raise ValueError(f"omega_df={omega_df}: must be positive (None: the paper's Omega update)")
         self.lr, self.shrinkage, self.alpha = float(lr), shrinkage, float(alpha)
+        if not convergence_tol > 0:
+            raise ValueError(f"convergence_tol={convergence_tol}: must be positive")
+        self.gradient, self.noise_scaled = gradient, bool(noise_scaled)
+        self.convergence_tol = float(convergence_tol)
+        self.omega_df = None if omega_df is None else float(omega_df)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.batch_size = None if batch_size is None else check_positive_int("batch_size", batch_size)
         self.subset_size = None if subset_size is None else check_positive_int("subset_size", subset_size)
@@ -99,18 +151,32 @@ class HM1(FederatedInference):
             raise ValueError(f"HM1: every client needs the same number of covariates; got {sorted(dims)}")
         if self.subset_size is not None and not 1 <= self.subset_size <= len(clients):
             raise ValueError(f"subset_size={self.subset_size}: must be between 1 and {len(clients)} clients")
-        if self.batch_size is not None and self.batch_size > min(clients.num_rows.values()):
-            raise ValueError(f"batch_size={self.batch_size}: larger than the smallest client's "
-                             f"{min(clients.num_rows.values())} rows")
+        d = next(iter(dims))
+        small = [n for n in clients.names if clients.num_rows[n] <= d]
+        if self.noise_scaled and small:
+            raise ValueError(f"noise_scaled=True needs more rows than covariates on every device to estimate "
+                             f"its noise; clients {small} have at most d = {d} rows")
         f = jnp.float32
         data = {"x": jnp.asarray(np.stack(xs), f), "y": jnp.asarray(np.stack(ys), f),
                 "mask": jnp.asarray(np.stack(masks), f)}
-        d = dims.pop()
         plan = ClientPlan(clients.names, data, "vmap", None, np.array([clients.num_rows[n] for n in clients.names]))
         algorithm = hm1(len(clients), d, lr=self.lr, shrinkage=self.shrinkage, alpha=self.alpha,
-                        local_steps=self.local_steps, batch_size=self.batch_size, subset_size=self.subset_size,
+                        local_steps=self.local_steps, batch_size=self.batch_size, gradient=self.gradient,
+                        noise_scaled=self.noise_scaled, omega_df=self.omega_df, subset_size=self.subset_size,
                         truth=self._truth)
         return Setup(clients, algorithm, plan, d, {})
+
+    def _check_result(self, setup: Setup, result: RunResult) -> None:
+        """Warn when ``Theta``'s last change exceeds ``convergence_tol`` of its size."""
+        change = np.asarray(result.info.change)
+        if change.size == 0:
+            return
+        theta = np.asarray(result.state.server.theta)
+        size = float(np.sqrt(np.mean(theta ** 2)))
+        rel = float(change[-1]) / max(size, 1e-12)
+        if rel > self.convergence_tol:
+            warnings.warn(_MOVING.format(rel=rel, round=int(result.state.server.round), tol=self.convergence_tol),
+                          UnconvergedWarning, stacklevel=4)
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
         return {"theta": state.server.theta, "omega": state.server.omega}
