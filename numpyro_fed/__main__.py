@@ -14,14 +14,20 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="six-cities logistic GLMM federated over two silos with SFVI / SFVI-Avg, next to NUTS",
+        help="six-cities logistic GLMM federated over two silos with SFVI, SFVI-Avg, EP and PVI, next to NUTS",
         description="Fit the paper-001 S3.1 logistic mixed model on the six-cities wheeze data "
-        "split into two silos (300 / 237 children) with SFVI and SFVI-Avg, and compare with "
-        "NUTS on the pooled data.",
+        "split into two silos (300 / 237 children) with SFVI, SFVI-Avg, EP and PVI, and compare "
+        "each with NUTS on the pooled data: posterior means and sds, distance from NUTS, "
+        "communication and time.",
     )
     demo.add_argument("--rounds", type=int, default=3000, help="SFVI rounds (default 3000)")
     demo.add_argument("--avg-rounds", type=int, default=100, help="SFVI-Avg rounds (default 100)")
     demo.add_argument("--local-steps", type=int, default=20, help="SFVI-Avg local steps per round")
+    demo.add_argument("--ep-rounds", type=int, default=6, help="EP rounds (sequential, default 6)")
+    demo.add_argument("--ep-draws", type=int, default=300,
+                      help="NUTS warm-up steps and draws of each EP tilted fit (default 300)")
+    demo.add_argument("--pvi-rounds", type=int, default=4, help="PVI rounds (sequential, default 4)")
+    demo.add_argument("--pvi-steps", type=int, default=1000, help="PVI local optimiser steps (default 1000)")
     demo.add_argument("--nuts-warmup", type=int, default=500)
     demo.add_argument("--nuts-samples", type=int, default=1000)
     demo.add_argument("--seed", type=int, default=0)
@@ -71,6 +77,7 @@ def main(argv=None) -> int:
 
         out = run_demo(
             rounds=args.rounds, avg_rounds=args.avg_rounds, local_steps=args.local_steps,
+            ep_rounds=args.ep_rounds, ep_draws=args.ep_draws, pvi_rounds=args.pvi_rounds, pvi_steps=args.pvi_steps,
             nuts_warmup=args.nuts_warmup, nuts_samples=args.nuts_samples, seed=args.seed, plot=args.plot,
         )
         if args.json:

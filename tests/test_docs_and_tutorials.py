@@ -1,5 +1,6 @@
 """The tutorial runs, the docs build strictly, README's example and the CLI work."""
 
+import json
 import os
 import pathlib
 import re
@@ -49,8 +50,12 @@ def test_readme_example_runs():
 def test_cli_help_and_small_demo(tmp_path):
     out = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--rounds" in out.stdout
-    args = ["--rounds", "30", "--avg-rounds", "3", "--local-steps", "2", "--nuts-warmup", "20",
-            "--nuts-samples", "20", "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "o.json")]
+    args = ["--rounds", "30", "--avg-rounds", "3", "--local-steps", "2", "--ep-rounds", "2", "--ep-draws", "20",
+            "--pvi-rounds", "2", "--pvi-steps", "20", "--nuts-warmup", "20", "--nuts-samples", "20",
+            "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "o.json")]
     run = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "beta0" in run.stdout and (tmp_path / "p.png").exists() and (tmp_path / "o.json").exists()
+    assert "beta0" in run.stdout and (tmp_path / "p.png").exists()
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert set(out["max_abs_z"]) == {"sfvi", "sfvi_avg", "ep", "pvi"} and "closest to NUTS" in run.stdout
+    assert out["communication"]["ep"]["rounds"] == 2 and out["communication"]["pvi"]["rounds"] == 2
