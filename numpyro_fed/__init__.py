@@ -24,6 +24,7 @@ from .horizontal import (
     MeanFieldGuide,
     StructuredGuide,
     UnreliableFitWarning,
+    diagonal_gaussian_barycenter,
     gaussian_barycenter,
 )
 from .linear import HM1, UnconvergedWarning
@@ -89,6 +90,7 @@ __all__ = [
     "federated_compare",
     "federated_loo",
     "gaussian",
+    "diagonal_gaussian_barycenter",
     "gaussian_barycenter",
     "global_site",
     "local_site",

@@ -6,7 +6,15 @@ from typing import Dict
 
 import numpy as np
 
-__all__ = ["load_k401k", "load_pima", "load_six_cities", "six_cities_silos", "unbalanced_split"]
+__all__ = [
+    "heterogeneous_split",
+    "load_digits",
+    "load_k401k",
+    "load_pima",
+    "load_six_cities",
+    "six_cities_silos",
+    "unbalanced_split",
+]
 
 
 def load_six_cities() -> Dict[str, np.ndarray]:
@@ -114,3 +122,99 @@ def unbalanced_split(y: np.ndarray, num_clients: int, rho: float, kappa: float,
     for i, k in enumerate(range(n_small_clients, num_clients)):
         labels[rest[i * large_n:(i + 1) * large_n]] = k
     return labels
+
+
+def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Dict[str, np.ndarray]:
+    """scikit-learn's bundled handwritten digits (1797 images, 8 x 8, ten classes), the
+    stand-in for MNIST in paper 001's §4.1 and S3.2 experiments (MNIST is 70 000 images of
+    28 x 28 and is not shipped in a package).
+
+    Pixels are scaled to [0, 1] and flattened to 64 features. The split into training and
+    test rows is stratified by label and fixed by ``seed``. Returns ``x_train`` (n, 64)
+    float32, ``y_train`` (n,) int32, ``x_test``, ``y_test``.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction={test_fraction}: must be in (0, 1)")
+    try:
+        from sklearn.datasets import load_digits as _sk_load_digits
+    except ImportError as err:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "the digits data ships in scikit-learn: pip install 'numpyro-fed[demo]'"
+        ) from err
+
+    bunch = _sk_load_digits()
+    x = (bunch.data / 16.0).astype(np.float32)
+    y = bunch.target.astype(np.int32)
+    rng = np.random.default_rng(seed)
+    test = np.zeros(len(y), dtype=bool)
+    for label in np.unique(y):
+        rows = rng.permutation(np.flatnonzero(y == label))
+        test[rows[: int(round(test_fraction * len(rows)))]] = True
+    return {"x_train": x[~test], "y_train": y[~test], "x_test": x[test], "y_test": y[test]}
+
+
+def heterogeneous_split(labels: np.ndarray, num_silos: int, dominant_fraction: float = 0.9,
+                        rng: np.random.Generator | None = None, dominant=None) -> np.ndarray:
+    """Paper 001 §4.1's heterogeneous partition: silos of equal size ``floor(n / J)``, a
+    share ``dominant_fraction`` of each silo's rows carrying one label (silo ``j``'s label is
+    ``dominant[j]``, by default ``classes[j % num_classes]``), the rest spread as evenly as
+    the pool allows over the other labels.
+
+    Returns each row's silo (``-1``: rows no silo takes). Raises when the pool of a label
+    runs out before every silo has its share: choose fewer silos or a smaller
+    ``dominant_fraction``.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be 1-D; got shape {labels.shape}")
+    if not 0.0 <= dominant_fraction <= 1.0:
+        raise ValueError(f"dominant_fraction={dominant_fraction}: must be in [0, 1]")
+    rng = np.random.default_rng(0) if rng is None else rng
+    classes = np.unique(labels)
+    size = len(labels) // num_silos if num_silos >= 1 else 0
+    if size < 1:
+        raise ValueError(f"num_silos={num_silos}: must be between 1 and the number of rows ({len(labels)})")
+    if dominant is None:
+        dominant = classes[np.arange(num_silos) % len(classes)]
+    dominant = np.asarray(dominant)
+    if dominant.shape != (num_silos,):
+        raise ValueError(f"dominant must give one label per silo; got shape {dominant.shape}")
+    pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    out = np.full(len(labels), -1)
+    n_dom = int(round(dominant_fraction * size))
+    for j in range(num_silos):  # the dominant rows first, so that no silo's share is used up by others
+        c = dominant[j]
+        if len(pools[c]) < n_dom:
+            raise ValueError(
+                f"heterogeneous_split: label {c} has {len(pools[c])} rows left for silo {j}, which needs "
+                f"{n_dom}; use fewer silos (num_silos={num_silos}) or a smaller dominant_fraction")
+        out[[pools[c].pop() for _ in range(n_dom)]] = j
+    # the other rows one at a time, silo by silo in turn: each silo takes the other label it
+    # holds fewest of (the spread is even), ties going to the label with most rows left
+    counts = np.zeros((num_silos, len(classes)), dtype=int)
+    index = {c: i for i, c in enumerate(classes)}
+    for _ in range(size - n_dom):
+        for j in rng.permutation(num_silos):
+            left = np.array([len(pools[c]) for c in classes])
+            ok = (left > 0) & (classes != dominant[j])
+            if ok.any():
+                score = np.where(ok, -counts[j] * 10**9 + left + rng.random(len(classes)), -np.inf)
+                c = classes[int(np.argmax(score))]
+                out[pools[c].pop()] = j
+                counts[j, index[c]] += 1
+                continue
+            # only silo j's own label is left: silo k (another dominant label) takes a row of it
+            # and hands silo j one of its other-label rows (not j's label), a swap that keeps both valid
+            c = dominant[j]
+            for k in rng.permutation(num_silos):
+                given = [r for r in np.flatnonzero(out == k)
+                         if labels[r] != dominant[k] and labels[r] != c]
+                if dominant[k] != c and given and pools[c]:
+                    r = given[0]
+                    out[r] = j
+                    out[pools[c].pop()] = k
+                    counts[k, index[c]] += 1
+                    break
+            else:
+                raise ValueError(f"heterogeneous_split: silo {j} cannot be filled; the other labels are used up")
+    return out

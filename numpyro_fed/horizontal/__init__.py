@@ -6,7 +6,7 @@ Pure cores: :func:`~numpyro_fed.horizontal.sfvi_algorithm.sfvi` and
 and the Gaussian barycenter.
 """
 
-from .barycenter import gaussian_barycenter
+from .barycenter import diagonal_gaussian_barycenter, gaussian_barycenter
 from .guides import MeanFieldGuide, StructuredGuide
 from .inference import FederatedSVI, FitDiagnostic, UnreliableFitWarning
 from .objective import ClientData, FederatedObjective
@@ -19,5 +19,6 @@ __all__ = [
     "MeanFieldGuide",
     "StructuredGuide",
     "UnreliableFitWarning",
+    "diagonal_gaussian_barycenter",
     "gaussian_barycenter",
 ]

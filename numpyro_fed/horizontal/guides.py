@@ -148,11 +148,21 @@ class StructuredGuide:
         L = self.global_scale_tril(params)
         return params["loc"], L @ L.T
 
+    def global_mean_sd(self, params: Dict[str, Array]) -> Tuple[Array, Array]:
+        """Mean and marginal standard deviations of ``q(z_G)``, in O(n_G): the whole
+        description of a diagonal ``q(z_G)`` without forming its covariance."""
+        return params["loc"], jax.nn.softplus(params["scale"])
+
+    def global_from_mean_sd(self, loc: Array, sd: Array) -> Dict[str, Array]:
+        """Server parameters of the diagonal ``q(z_G)`` with the given mean and sds."""
+        if self.global_scale != "diagonal":
+            raise ValueError("global_from_mean_sd is for global_scale='diagonal'; use global_from_moments")
+        return {"loc": loc, "scale": jnp.log(jnp.expm1(sd))}
+
     def global_from_moments(self, loc: Array, cov: Array) -> Dict[str, Array]:
         """Server parameters whose ``q(z_G)`` has the given mean and covariance."""
         if self.global_scale == "diagonal":
-            s = jnp.sqrt(jnp.diagonal(cov))
-            return {"loc": loc, "scale": jnp.log(jnp.expm1(s))}
+            return self.global_from_mean_sd(loc, jnp.sqrt(jnp.diagonal(cov)))
         L = jnp.linalg.cholesky(cov)
         s = jnp.diagonal(L)
         unit = L / s[None, :]

@@ -29,7 +29,7 @@ from jax import random
 from .._steps import ascent, tree_weighted_sum
 from .._typing import Array, PyTree
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm
-from .barycenter import gaussian_barycenter
+from .barycenter import diagonal_gaussian_barycenter, gaussian_barycenter
 from .sfvi_algorithm import SFVIInfo
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -146,13 +146,17 @@ def sfvi_avg(
         elbo_server = objective.server_term(state.global_params, random.normal(rng_key, (n_global,)))
         elbo = elbo_server + jnp.dot(answered, messages.elbo)
         guide_params = messages.global_params["guide"]
-        means, covs = jax.vmap(objective.guide.global_moments)(guide_params)
-        # rows of clients that did not answer are zeros: give them a harmless unit covariance
-        eye = jnp.broadcast_to(jnp.ones_like(covs[0]) if diagonal else jnp.eye(covs.shape[-1]), covs.shape)
-        covs = jnp.where(jnp.reshape(view.answered, (-1,) + (1,) * (covs.ndim - 1)), covs, eye)
-        mean, cov = gaussian_barycenter(w, means, covs, diagonal=diagonal)
+        # rows of clients that did not answer are zeros (weight 0): give them a harmless unit scale
+        if diagonal:  # closed form on the sds, O(J n_G): no n_G x n_G covariance is formed
+            means, sds = jax.vmap(objective.guide.global_mean_sd)(guide_params)
+            sds = jnp.where(view.answered[:, None], sds, 1.0)
+            guide = objective.guide.global_from_mean_sd(*diagonal_gaussian_barycenter(w, means, sds))
+        else:
+            means, covs = jax.vmap(objective.guide.global_moments)(guide_params)
+            covs = jnp.where(view.answered[:, None, None], covs, jnp.eye(covs.shape[-1]))
+            guide = objective.guide.global_from_moments(*gaussian_barycenter(w, means, covs))
         averaged = {
-            "guide": objective.guide.global_from_moments(mean, cov),
+            "guide": guide,
             "theta": tree_weighted_sum(w, messages.global_params["theta"]),
         }
         params = jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), averaged, state.global_params)

@@ -1,0 +1,116 @@
+"""Bayesian neural networks for heterogeneous silos (paper 001 §4.1) and multinomial
+regression (paper 001 S3.2).
+
+All networks are ``softmax(W2 ReLU(W1 x))`` without biases, as in the paper.
+
+- :func:`hierarchical_bnn`: the first layer is personal to each silo and shares a Gaussian
+  prior across silos, non-centred: ``W1^(j) = mu + sigma eps^(j)`` with ``mu ~ N(0, 1)``
+  elementwise and ``sigma ~ N+(0, 1)`` global, ``eps^(j) ~ N(0, I)`` and ``W2^(j) ~ N(0, I)``
+  local to silo ``j``.
+- :func:`fedpop_bnn`: the fully Bayesian FedPop model (Kotelevskii et al., 2022): a shared
+  feature layer ``W1 ~ N(0, I)`` (global) and a personal head drawn from a population
+  prior, non-centred: ``W2^(j) = m + s eps^(j)``, ``m ~ N(0, I)``, ``s ~ N+(0, 1)`` global,
+  ``eps^(j) ~ N(0, I)`` local.
+- :func:`bnn`: the same network with one set of weights, ``W1, W2 ~ N(0, I)``: the
+  baseline fitted to one silo alone or to the pooled data.
+- :func:`multinomial_regression`: ``softmax(W x + b)`` with ``W ~ N(0, sigma_W^2)``,
+  ``b ~ N(0, sigma_b^2)`` and the prior scales learned (``numpyro.param``, empirical
+  Bayes).
+
+A silo's local sites (``w1_eps``, ``w2``, ``head_eps``) are one draw per silo, not per
+row: every client evaluates the model on its own rows and owns its own copy.
+:func:`bnn_predict` turns posterior draws into class probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpyro
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+
+from ..handlers import local_site
+
+__all__ = ["bnn", "bnn_predict", "fedpop_bnn", "hierarchical_bnn", "multinomial_regression"]
+
+
+def _likelihood(logits, y):
+    with numpyro.plate("rows", logits.shape[0]):
+        numpyro.sample("y", dist.Categorical(logits=logits), obs=y)
+
+
+def _normal(name, shape):
+    return numpyro.sample(name, dist.Normal(0.0, 1.0).expand(list(shape)).to_event(len(shape)))
+
+
+def hierarchical_bnn(x, y=None, hidden: int = 64, num_classes: int = 10):
+    """Paper 001 §4.1's hierarchical BNN (see the module docstring). ``x`` is (rows, d),
+    ``y`` (rows,) integer labels."""
+    d = x.shape[-1]
+    w1_loc = _normal("w1_loc", (d, hidden))
+    w1_scale = numpyro.sample("w1_scale", dist.HalfNormal(1.0))
+    with local_site():
+        w1_eps = _normal("w1_eps", (d, hidden))
+        w2 = _normal("w2", (hidden, num_classes))
+    w1 = w1_loc + w1_scale * w1_eps
+    _likelihood(jax.nn.relu(x @ w1) @ w2, y)
+
+
+def fedpop_bnn(x, y=None, hidden: int = 64, num_classes: int = 10):
+    """The fully Bayesian FedPop model (see the module docstring)."""
+    d = x.shape[-1]
+    w1 = _normal("w1", (d, hidden))
+    head_loc = _normal("head_loc", (hidden, num_classes))
+    head_scale = numpyro.sample("head_scale", dist.HalfNormal(1.0))
+    with local_site():
+        head_eps = _normal("head_eps", (hidden, num_classes))
+    _likelihood(jax.nn.relu(x @ w1) @ (head_loc + head_scale * head_eps), y)
+
+
+def bnn(x, y=None, hidden: int = 64, num_classes: int = 10):
+    """One network, ``W1, W2 ~ N(0, I)``: the silo-alone and pooled baseline."""
+    d = x.shape[-1]
+    w1 = _normal("w1", (d, hidden))
+    w2 = _normal("w2", (hidden, num_classes))
+    _likelihood(jax.nn.relu(x @ w1) @ w2, y)
+
+
+def multinomial_regression(x, y=None, num_classes: int = 10):
+    """Paper 001 S3.2: ``y ~ Categorical(softmax(W x + b))`` with ``W ~ N(0, sigma_W^2)``
+    and ``b ~ N(0, sigma_b^2)``; ``sigma_W`` and ``sigma_b`` are learned (global
+    ``numpyro.param`` sites)."""
+    d = x.shape[-1]
+    sigma_w = numpyro.param("sigma_w", 1.0, constraint=constraints.positive)
+    sigma_b = numpyro.param("sigma_b", 1.0, constraint=constraints.positive)
+    w = numpyro.sample("w", dist.Normal(0.0, sigma_w).expand([d, num_classes]).to_event(2))
+    b = numpyro.sample("b", dist.Normal(0.0, sigma_b).expand([num_classes]).to_event(1))
+    _likelihood(x @ w + b, y)
+
+
+def bnn_predict(draws: Mapping[str, jax.Array], x) -> jax.Array:
+    """Posterior-predictive class probabilities ``(rows, classes)`` of any model above,
+    averaged over the draws (each site with a leading draw axis): the draws of one silo
+    (``svi.sample_posterior(key, result, S, client=...)``) for the personal models."""
+    x = jnp.asarray(x)
+
+    def one(sample):
+        if "w" in sample:  # multinomial regression
+            logits = x @ sample["w"] + sample["b"]
+        else:
+            if "w1_eps" in sample:
+                w1 = sample["w1_loc"] + sample["w1_scale"] * sample["w1_eps"]
+            else:
+                w1 = sample["w1"]
+            if "head_eps" in sample:
+                w2 = sample["head_loc"] + sample["head_scale"] * sample["head_eps"]
+            else:
+                w2 = sample["w2"]
+            logits = jax.nn.relu(x @ w1) @ w2
+        return jax.nn.softmax(logits, axis=-1)
+
+    names = ("w", "b", "w1", "w1_loc", "w1_scale", "w1_eps", "w2", "head_loc", "head_scale", "head_eps")
+    sites = {k: v for k, v in draws.items() if k in names}
+    return jnp.mean(jax.vmap(one)(sites), axis=0)
