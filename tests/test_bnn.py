@@ -159,3 +159,17 @@ def test_sfvi_avg_diagonal_average_never_forms_the_covariance(digits, monkeypatc
     g = svi.get_params(res.state)["guide"]
     np.testing.assert_allclose(g["loc"], locs.mean(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(jax.nn.softplus(g["scale"]), sds.mean(0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("global_scale", ["diagonal", "full"])
+def test_global_mean_sd_are_the_marginal_moments(global_scale):
+    guide = nf.StructuredGuide(global_scale=global_scale)
+    rng = np.random.default_rng(0)
+    params = {"loc": jnp.asarray(rng.normal(size=4), jnp.float32),
+              "scale": jnp.asarray(rng.normal(size=4), jnp.float32)}
+    if global_scale == "full":
+        params["lower"] = jnp.asarray(rng.normal(size=6), jnp.float32)
+    loc, sd = guide.global_mean_sd(params)
+    mean, cov = guide.global_moments(params)
+    np.testing.assert_allclose(loc, mean)
+    np.testing.assert_allclose(sd, np.sqrt(np.diag(cov)), rtol=1e-5)

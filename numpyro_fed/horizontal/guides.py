@@ -149,9 +149,11 @@ class StructuredGuide:
         return params["loc"], L @ L.T
 
     def global_mean_sd(self, params: Dict[str, Array]) -> Tuple[Array, Array]:
-        """Mean and marginal standard deviations of ``q(z_G)``, in O(n_G): the whole
-        description of a diagonal ``q(z_G)`` without forming its covariance."""
-        return params["loc"], jax.nn.softplus(params["scale"])
+        """Mean and marginal standard deviations of ``q(z_G)``. For a diagonal ``q(z_G)``
+        this is its whole description, in O(n_G), without forming its covariance."""
+        if "lower" not in params:
+            return params["loc"], jax.nn.softplus(params["scale"])
+        return params["loc"], jnp.sqrt(jnp.sum(self.global_scale_tril(params) ** 2, axis=1))
 
     def global_from_mean_sd(self, loc: Array, sd: Array) -> Dict[str, Array]:
         """Server parameters of the diagonal ``q(z_G)`` with the given mean and sds."""
