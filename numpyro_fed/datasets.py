@@ -179,6 +179,9 @@ def heterogeneous_split(labels: np.ndarray, num_silos: int, dominant_fraction: f
     dominant = np.asarray(dominant)
     if dominant.shape != (num_silos,):
         raise ValueError(f"dominant must give one label per silo; got shape {dominant.shape}")
+    unknown = sorted(set(dominant.tolist()) - set(classes.tolist()))
+    if unknown:
+        raise ValueError(f"dominant names labels {unknown} that no row carries; labels are {classes.tolist()}")
     pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
     out = np.full(len(labels), -1)
     n_dom = int(round(dominant_fraction * size))
@@ -189,8 +192,9 @@ def heterogeneous_split(labels: np.ndarray, num_silos: int, dominant_fraction: f
                 f"heterogeneous_split: label {c} has {len(pools[c])} rows left for silo {j}, which needs "
                 f"{n_dom}; use fewer silos (num_silos={num_silos}) or a smaller dominant_fraction")
         out[[pools[c].pop() for _ in range(n_dom)]] = j
-    # the other rows one at a time, silo by silo in turn: each silo takes the other label it
-    # holds fewest of (the spread is even), ties going to the label with most rows left
+    # the other rows one at a time, silo by silo in turn: each silo takes, among the other labels
+    # with rows left, one it holds fewest of (the spread is even); ties go to the label with
+    # most rows left, then at random
     counts = np.zeros((num_silos, len(classes)), dtype=int)
     index = {c: i for i, c in enumerate(classes)}
     for _ in range(size - n_dom):
@@ -198,8 +202,10 @@ def heterogeneous_split(labels: np.ndarray, num_silos: int, dominant_fraction: f
             left = np.array([len(pools[c]) for c in classes])
             ok = (left > 0) & (classes != dominant[j])
             if ok.any():
-                score = np.where(ok, -counts[j] * 10**9 + left + rng.random(len(classes)), -np.inf)
-                c = classes[int(np.argmax(score))]
+                tie = rng.random(len(classes))
+                cand = np.flatnonzero(ok)
+                order = np.lexsort((-tie[cand], -left[cand], counts[j, cand]))
+                c = classes[cand[order[0]]]
                 out[pools[c].pop()] = j
                 counts[j, index[c]] += 1
                 continue

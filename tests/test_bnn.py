@@ -48,6 +48,8 @@ def test_heterogeneous_split_errors():
         heterogeneous_split(y, 0)
     with pytest.raises(ValueError, match="one label per silo"):
         heterogeneous_split(y, 2, dominant=np.array([0]))
+    with pytest.raises(ValueError, match=r"labels \[7\] that no row carries"):
+        heterogeneous_split(y, 2, dominant=np.array([0, 7]))
 
 
 def _roles(model, x, y):
@@ -76,6 +78,11 @@ def test_bnn_predict_is_the_mean_softmax_of_the_draws(digits):
     lin = {"w": rng.normal(size=(2, 64, 10)), "b": rng.normal(size=(2, 10))}
     want = np.mean([jax.nn.softmax(x @ lin["w"][s] + lin["b"][s]) for s in range(2)], axis=0)
     np.testing.assert_allclose(bnn_predict(lin, x), want, rtol=1e-5, atol=1e-6)
+    server_only = {k: draws[k] for k in ("w1_loc", "w1_scale")}  # a personal model's global sites alone
+    with pytest.raises(ValueError, match="no first layer.*client="):
+        bnn_predict(server_only, x)
+    with pytest.raises(ValueError, match="no head: need head_loc"):
+        bnn_predict({"w1": draws["w1_eps"], "head_loc": draws["w2"]}, x)
 
 
 HIDDEN = 64

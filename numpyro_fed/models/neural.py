@@ -95,27 +95,46 @@ def multinomial_regression(x, y=None, num_classes: int = 10):
     _likelihood(x @ w + b, y)
 
 
+_LAYERS = {  # each layer: its sites in the hierarchical / FedPop form, or as one weight matrix
+    "first layer": (("w1_loc", "w1_scale", "w1_eps"), ("w1",)),
+    "head": (("head_loc", "head_scale", "head_eps"), ("w2",)),
+}
+
+
+def _layer(draws, layer):
+    split, whole = _LAYERS[layer]
+    if all(n in draws for n in split):
+        return split
+    if all(n in draws for n in whole):
+        return whole
+    raise ValueError(
+        f"bnn_predict: the draws have no {layer}: need {' + '.join(split)} or {whole[0]}; got "
+        f"{sorted(draws)}. A silo's own weights are local sites: draw them with "
+        f"svi.sample_posterior(key, result, num_samples, client=...)")
+
+
 def bnn_predict(draws: Mapping[str, jax.Array], x) -> jax.Array:
     """Posterior-predictive class probabilities ``(rows, classes)`` of any model above,
     averaged over the draws (each site with a leading draw axis): the draws of one silo
-    (``svi.sample_posterior(key, result, S, client=...)``) for the personal models."""
+    (``svi.sample_posterior(key, result, S, client=...)``) for the personal models.
+
+    Raises ``ValueError`` naming the missing sites when a layer's draws are absent (for
+    example the server's draws of a personal model, which hold no local site)."""
     x = jnp.asarray(x)
+    if "w" in draws and "b" in draws:  # multinomial regression
+        names = ("w", "b")
+    else:
+        names = _layer(draws, "first layer") + _layer(draws, "head")
+
+    def weight(sample, names):
+        return sample[names[0]] if len(names) == 1 else sample[names[0]] + sample[names[1]] * sample[names[2]]
 
     def one(sample):
-        if "w" in sample:  # multinomial regression
+        if "w" in sample:
             logits = x @ sample["w"] + sample["b"]
         else:
-            if "w1_eps" in sample:
-                w1 = sample["w1_loc"] + sample["w1_scale"] * sample["w1_eps"]
-            else:
-                w1 = sample["w1"]
-            if "head_eps" in sample:
-                w2 = sample["head_loc"] + sample["head_scale"] * sample["head_eps"]
-            else:
-                w2 = sample["w2"]
-            logits = jax.nn.relu(x @ w1) @ w2
+            w1 = weight(sample, _layer(sample, "first layer"))
+            logits = jax.nn.relu(x @ w1) @ weight(sample, _layer(sample, "head"))
         return jax.nn.softmax(logits, axis=-1)
 
-    names = ("w", "b", "w1", "w1_loc", "w1_scale", "w1_eps", "w2", "head_loc", "head_scale", "head_eps")
-    sites = {k: v for k, v in draws.items() if k in names}
-    return jnp.mean(jax.vmap(one)(sites), axis=0)
+    return jnp.mean(jax.vmap(one)({n: jnp.asarray(draws[n]) for n in names}), axis=0)
