@@ -8,7 +8,7 @@ family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horiz
 :mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL).
 """
 
-from . import algorithms, checkpoint, dp, models
+from . import algorithms, checkpoint, dp, models, warnings
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
 from .clients import Clients
@@ -40,6 +40,17 @@ from .transcript import (
 )
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 
+from .warnings import (
+    BiasedFitWarning,
+    FederatedWarning,
+    FitWarning,
+    InvalidUpdateWarning,
+    MissingClientsWarning,
+    ModelComparisonWarning,
+    NonFiniteWarning,
+    UncheckedFitWarning,
+)
+
 __version__ = "0.1.0"
 
 # Earlier names of the shared result and state types, kept for existing code.
@@ -49,6 +60,7 @@ PVIRunResult = HM1Result = VerticalRunResult = RunResult
 __all__ = [
     "AmortizedAux",
     "BCM",
+    "BiasedFitWarning",
     "Broadcast",
     "ClientData",
     "ClientSlot",
@@ -60,37 +72,44 @@ __all__ = [
     "FederatedObjective",
     "FederatedSVI",
     "FederatedSVIState",
+    "FederatedWarning",
     "FitDiagnostic",
+    "FitWarning",
     "HM1",
     "HM1Result",
+    "InvalidUpdateWarning",
     "MeanFieldAux",
     "MeanFieldGuide",
+    "MissingClientsWarning",
+    "ModelComparisonWarning",
     "NonFiniteError",
+    "NonFiniteWarning",
     "PVI",
     "PVIRunResult",
     "PVIState",
+    "PrivacyReport",
     "RunResult",
     "RunState",
     "ServerView",
     "SimulationBackend",
     "StructuredGuide",
     "Transcript",
+    "UncheckedFitWarning",
     "UnconvergedWarning",
     "UnreliableFitWarning",
     "VerticalGuide",
     "VerticalRunResult",
     "VerticalSOUL",
     "VerticalSVI",
-    "PrivacyReport",
     "VerticalSVIState",
     "algorithms",
     "checkpoint",
+    "diagonal_gaussian_barycenter",
     "dp",
     "dp_noise",
     "federated_compare",
     "federated_loo",
     "gaussian",
-    "diagonal_gaussian_barycenter",
     "gaussian_barycenter",
     "global_site",
     "local_site",
@@ -102,4 +121,5 @@ __all__ = [
     "models",
     "to_arviz",
     "vertical_split",
+    "warnings",
 ]

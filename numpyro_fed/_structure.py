@@ -85,6 +85,55 @@ _DISCRETE_GLOBAL = (
 )
 
 
+MAX_ENUMERATED_SUPPORT = 1024  # values a client sums over per enumerated site (its memory grows with it)
+_UNBOUNDED_ENUM = (
+    "local latent site '{name}' is marked for enumeration but {dist} has an unbounded support ({support}): "
+    "summing it out would need infinitely many terms, so the result would be wrong. Marginalise it in the model "
+    "(e.g. a Poisson count of a Poisson observation), truncate it (a Categorical over the values that matter), or "
+    "make it continuous"
+)
+_HUGE_ENUM = (
+    "local latent site '{name}' is marked for enumeration over {size} values ({support}), more than the "
+    "{limit} a client sums over: every term of the ELBO and of the fit check would hold {size} copies of the "
+    "model. Marginalise it in the model, or use a smaller support"
+)
+
+
+def enumerated_support_size(fn) -> Optional[int]:
+    """How many values enumerating ``fn`` sums over, or ``None`` for an unbounded support.
+
+    Read off the support's bounds, without building the values (a ``Binomial(2**20)``
+    would otherwise be materialised).
+
+    Example:
+        >>> import numpyro.distributions as dist
+        >>> enumerated_support_size(dist.Binomial(10, 0.5)), enumerated_support_size(dist.Poisson(3.0))
+        (11, None)
+    """
+    if not getattr(fn, "has_enumerate_support", False):
+        return None
+    support = fn.support
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    if support is constraints.boolean:
+        return 2
+    lower, upper = getattr(support, "lower_bound", None), getattr(support, "upper_bound", None)
+    if lower is None or upper is None:
+        return None
+    return int(np.max(np.asarray(upper)) - np.min(np.asarray(lower))) + 1
+
+
+def _check_enumerable(name: str, fn) -> None:
+    size = enumerated_support_size(fn)
+    if size is None:
+        base = fn
+        while hasattr(base, "base_dist"):  # name the distribution, not its Expanded/Masked wrapper
+            base = base.base_dist
+        raise ValueError(_UNBOUNDED_ENUM.format(name=name, dist=type(base).__name__, support=fn.support))
+    if size > MAX_ENUMERATED_SUPPORT:
+        raise ValueError(_HUGE_ENUM.format(name=name, size=size, support=fn.support, limit=MAX_ENUMERATED_SUPPORT))
+
+
 class SiteLayout(NamedTuple):
     """Flat layout of a group of unconstrained sites (one role, one client shape)."""
 
@@ -247,6 +296,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
                     raise ValueError(_DISCRETE_LOCAL.format(name=name, support=site["fn"].support))
                 if how != "parallel":
                     raise ValueError(_ENUM_ONLY_PARALLEL.format(name=name, how=how))
+                _check_enumerable(name, site["fn"])
                 enumerated.append(name)
                 continue
             (local_latent if site["type"] == "sample" else local_param).append(name)

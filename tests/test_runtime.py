@@ -143,7 +143,7 @@ def test_exploding_optimiser_stops_with_the_round(binary, progress_bar):
 
 def test_nonfinite_can_warn_and_keep_the_finite_rounds(binary):
     svi = nf.FederatedSVI(logistic, nf.StructuredGuide(logistic), optax.sgd(1e8))
-    with pytest.warns(RuntimeWarning, match=r"round (\d+): non-finite"):
+    with pytest.warns(nf.NonFiniteWarning, match=r"round (\d+): non-finite"):
         res = svi.run(random.PRNGKey(0), 200, binary, progress_bar=False, on_nonfinite="warn")
     assert res.trace.shape[0] == int(res.state.round) < 200
     assert np.isfinite(res.trace).all()
@@ -175,7 +175,7 @@ def test_pvi_that_never_applies_an_update_raises_and_a_dead_round_warns():
         broken.run(random.PRNGKey(0), 3, clients)
     good = nf.PVI(linear, update="optax", optim=optax.adam(0.05), local_steps=20)
     moved = good.run(random.PRNGKey(0), 1, clients)
-    with pytest.warns(RuntimeWarning, match=r"in round\(s\) \[2, 3\] every update that arrived was invalid"):
+    with pytest.warns(nf.InvalidUpdateWarning, match=r"in round\(s\) \[2, 3\] every update that arrived was invalid"):
         broken.run(None, 2, clients, init_state=moved.state)
 
 

@@ -44,6 +44,7 @@ from ..protocol import (
     last_info,
 )
 from ..transcript import Communication, Transcript, message_bytes
+from ..warnings import NonFiniteWarning
 from .mapping import ClientPlan, client_item
 
 __all__ = ["NonFiniteError", "SimulationBackend"]
@@ -322,7 +323,7 @@ def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: s
         parts.append("the server's state, broadcast or loss")
     message = _NONFINITE.format(round=int(failure.round), what="; ".join(parts) or "the loss")
     if on_nonfinite == "warn":
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, NonFiniteWarning, stacklevel=4)
         return
     raise NonFiniteError(message, int(failure.round), bad, state)
 

@@ -21,6 +21,7 @@ from .._structure import trace_model
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DPSpec, dp_sites
 from .mechanisms import DPSGD, update_perturbation
+from ..warnings import UncheckedFitWarning
 
 __all__ = ["MECHANISMS", "Privacy", "PrivateFit", "check_dp_options", "check_sgd_options", "dp_specs",
            "plan_privacy", "privacy_report", "refuse_dp"]
@@ -231,14 +232,12 @@ def privacy_report(privacy: Privacy, names, result) -> PrivacyReport:
 
 def warn_withheld(cls: str, result, category: Any = None) -> None:
     """Warn with what the clients' own ledgers recorded (the simulation gathers them)."""
-    from ..horizontal.inference import UnreliableFitWarning
-
     if result.state.clients is None:  # a network backend: each ledger stays on its client
         warnings.warn(f"{cls}: under DP each client keeps its fit diagnostics in its own ledger, which stays on its "
                       f"node over a network backend, so the server cannot report withheld diagnostics or failed "
                       f"local fits (each client warns about its own in its node's log); check the fit there or in "
                       f"simulation",
-                      category or UnreliableFitWarning, stacklevel=4)
+                      category or UncheckedFitWarning, stacklevel=4)
         return
     bad, zeroed, failed = [], 0, 0
     for name in result.client_states:
@@ -248,7 +247,7 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
             zeroed, failed = zeroed + int(w[0]), failed + int(w[1])
     if bad:
         warnings.warn(_WITHHELD.format(cls=cls, clients=bad, zeroed=zeroed, failed=failed),
-                      category or UnreliableFitWarning, stacklevel=4)
+                      category or UncheckedFitWarning, stacklevel=4)
 
 
 class PrivateFit:

@@ -25,7 +25,8 @@ from ..backends.mapping import client_data, plan_clients
 from ..dp.plan import PrivateFit, refuse_dp
 from ..clients import Clients
 from ..handlers import GLOBAL, LOCAL, site_role
-from ..horizontal.inference import UnreliableFitWarning, check_positive_int
+from ..horizontal.inference import check_positive_int
+from ..warnings import InvalidUpdateWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
@@ -214,7 +215,7 @@ class FactorInference(FederatedInference):
         if dead.any():
             rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
             warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
-                                              hint=self._fit_advice()["invalid"]), RuntimeWarning, stacklevel=4)
+                                              hint=self._fit_advice()["invalid"]), InvalidUpdateWarning, stacklevel=4)
         self._check_local_fits(setup, result, start)
 
     def _check_local_fits(self, setup: Setup, result: RunResult, start: int) -> None:

@@ -32,6 +32,7 @@ from ..protocol import ClientSlot
 from .task import build, load_task
 from ..transcript import message_to_bytes
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
+from ..warnings import UncheckedFitWarning
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
 __all__ = ["client_key", "make_client_app"]
@@ -226,7 +227,7 @@ def _ledger(message, context):
         warnings.warn(f"numpyro_fed client {built.name!r}: it withheld fit diagnostics under DP (they stay on this "
                       f"node): {int(withheld[0])} zeroed shard(s), {int(withheld[1])} failed local fit(s); the "
                       f"posterior may be unreliable: check the fit (more local steps, a smaller learning rate)",
-                      RuntimeWarning, stacklevel=2)
+                      UncheckedFitWarning, stacklevel=2)
     return _reply(message, arrays=to_record(ledger))
 
 

@@ -35,13 +35,10 @@ from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView,
 from ..transcript import Communication, Transcript, message_bytes
 from .sealed import OVERHEAD, ROLE_KEY
 from .task import FlowerTask
+from ..warnings import MissingClientsWarning, NonFiniteWarning
 from .wire import Template, WireStructures, describe, from_record, to_record, wire_structures
 
 __all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
-
-
-class MissingClientsWarning(RuntimeWarning):
-    """Some rounds ran without some clients (dropped nodes, errors or timeouts)."""
 
 
 _UNSUPPORTED = ("FlowerBackend.run does not support {what} yet (it is supported by the simulation backend); "
@@ -279,7 +276,7 @@ class FlowerBackend:
                            f"check the data and priors")
                 if on_nonfinite == "raise" or not figures:
                     raise NonFiniteError(message, r + 1, bad, state)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warnings.warn(message, NonFiniteWarning, stacklevel=3)
                 break
             state = RunState(state.round + 1, server, server_key, broadcast, None, state.env_key)
             infos.append(info)

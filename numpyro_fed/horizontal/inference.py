@@ -24,6 +24,7 @@ from ..dp.plan import PrivateFit, check_sgd_options
 from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
+from ..warnings import UncheckedFitWarning, UnreliableFitWarning
 
 __all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
 
@@ -43,10 +44,6 @@ _UNRELIABLE = (
     "numpyro.infer.reparam.LocScaleReparam), a heavy-tailed or bounded posterior, or too few rounds. "
     "Check against NUTS (see svi.diagnose); check_fit=False silences this"
 )
-
-
-class UnreliableFitWarning(UserWarning):
-    """A fit whose importance-sampling check says ``q`` is far from the posterior."""
 
 
 class FitDiagnostic(NamedTuple):
@@ -273,7 +270,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 why = "this backend cannot ask the clients" if network is None else "some clients did not answer"
                 warnings.warn(f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
                               f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
-                              f"silence this", UnreliableFitWarning, stacklevel=4)
+                              f"silence this", UncheckedFitWarning, stacklevel=4)
                 return result
             diag = _diagnostic(log_w)
         else:

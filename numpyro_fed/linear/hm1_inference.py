@@ -14,6 +14,7 @@ from ..clients import Clients
 from ..horizontal.inference import check_positive_int
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
+from ..warnings import UnconvergedWarning
 from .hm1_algorithm import GRADIENTS, hm1
 
 __all__ = ["HM1", "UnconvergedWarning"]
@@ -26,9 +27,6 @@ _MOVING = (
     "means lr is too large for the summed step: keep lr * batch_size * E[x^2] well below 1."
 )
 
-
-class UnconvergedWarning(RuntimeWarning):
-    """A fit whose parameters still move at the end of the run."""
 
 _DATA = (
     "HM1 fits y = x @ theta_k on every client: client {client!r} needs arrays '{x}' of shape "

@@ -1,0 +1,86 @@
+"""Every warning numpyro_fed emits, under one base class.
+
+Filter on :class:`FederatedWarning` to catch (or silence) all of them, or on a subclass:
+
+- :class:`FitWarning`: something about a fit's quality
+
+  - :class:`UnreliableFitWarning`: ``q`` is far from the posterior (Pareto k, a moment check);
+
+    - :class:`BiasedFitWarning`: ``q``'s means or sds disagree with the importance-weighted
+      ones of the same draws (a bias a tail check alone does not see);
+    - :class:`InvalidUpdateWarning`: every update that reached the server in a round was
+      invalid, so ``q`` did not move;
+    - :class:`UncheckedFitWarning`: the fit could not be checked (a client did not answer,
+      a diagnostic stayed on a client under DP);
+
+  - :class:`UnconvergedWarning`: an optimisation (a local fit, HM1's rounds) was still moving
+    when it stopped;
+
+- :class:`NonFiniteWarning`: a round produced a non-finite value (``on_nonfinite="warn"``);
+- :class:`MissingClientsWarning`: a network run went on without some clients;
+- :class:`ModelComparisonWarning`: federated PSIS-LOO found rows whose Pareto k is high.
+
+Example:
+    >>> import warnings
+    >>> import numpyro_fed as nf
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("q is far from the posterior", nf.BiasedFitWarning)
+    >>> issubclass(caught[0].category, nf.FederatedWarning)
+    True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BiasedFitWarning",
+    "FederatedWarning",
+    "FitWarning",
+    "InvalidUpdateWarning",
+    "MissingClientsWarning",
+    "ModelComparisonWarning",
+    "NonFiniteWarning",
+    "UncheckedFitWarning",
+    "UnconvergedWarning",
+    "UnreliableFitWarning",
+]
+
+
+class FederatedWarning(UserWarning):
+    """Base class of every warning numpyro_fed emits."""
+
+
+class FitWarning(FederatedWarning):
+    """A warning about the quality of a fit."""
+
+
+class UnreliableFitWarning(FitWarning):
+    """A fit whose check says ``q`` is far from the posterior."""
+
+
+class BiasedFitWarning(UnreliableFitWarning):
+    """``q``'s user-space means or sds disagree with the PSIS-weighted moments of the same draws."""
+
+
+class InvalidUpdateWarning(UnreliableFitWarning):
+    """Every update that reached the server in some round was invalid; ``q`` did not move then."""
+
+
+class UncheckedFitWarning(UnreliableFitWarning):
+    """The fit could not be checked (a client did not answer, or kept its diagnostics under DP)."""
+
+
+class UnconvergedWarning(FitWarning, RuntimeWarning):
+    """An optimisation was still moving when it stopped (a local fit, HM1's rounds)."""
+
+
+class NonFiniteWarning(FederatedWarning, RuntimeWarning):
+    """A round produced a non-finite value and the run went on (``on_nonfinite="warn"``)."""
+
+
+class MissingClientsWarning(FederatedWarning, RuntimeWarning):
+    """A network run went on without some clients (the dropout policy)."""
+
+
+class ModelComparisonWarning(FederatedWarning):
+    """Federated PSIS-LOO found rows whose Pareto k is high: the estimate is unreliable there."""

@@ -1,0 +1,97 @@
+"""One warning family (issue 25, item 5): every warning the library emits derives from
+``nf.FederatedWarning``, and enumeration refuses supports it cannot sum over."""
+
+import ast
+import importlib
+import pathlib
+
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_fed as nf
+from numpyro_fed._structure import MAX_ENUMERATED_SUPPORT, enumerated_support_size
+
+PACKAGE = pathlib.Path(nf.__file__).parent
+
+
+def _warn_calls():
+    """``(module, line, category expression)`` of every ``warnings.warn`` call in the package."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warn"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "warnings"):
+                category = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "category"), None)
+                yield module, node.lineno, category
+
+
+def _names_in(expr):
+    """The class names a category expression can evaluate to (``a or B`` gives both)."""
+    if isinstance(expr, ast.Name):
+        return [expr.id]
+    if isinstance(expr, ast.BoolOp):
+        return [n for v in expr.values for n in _names_in(v)]
+    return [None]
+
+
+def test_every_library_warning_derives_from_the_base_class():
+    calls = list(_warn_calls())
+    assert len(calls) > 10  # the scan sees the package
+    bad = []
+    for module, line, category in calls:
+        if category is None:
+            bad.append(f"{module}:{line} (no category: a bare UserWarning)")
+            continue
+        namespace = vars(importlib.import_module(module))
+        for name in _names_in(category):
+            if name == "category":  # a parameter; its callers pass library classes (checked at their calls)
+                continue
+            cls = namespace.get(name)
+            if not (isinstance(cls, type) and issubclass(cls, nf.FederatedWarning)):
+                bad.append(f"{module}:{line} ({name})")
+    assert not bad, f"warnings outside nf.FederatedWarning: {bad}"
+
+
+def test_warning_classes_are_exported_and_keep_their_old_bases():
+    for name in nf.warnings.__all__:
+        assert getattr(nf, name) is getattr(nf.warnings, name)
+        assert issubclass(getattr(nf, name), nf.FederatedWarning)
+    assert issubclass(nf.UnconvergedWarning, RuntimeWarning)  # what HM1 users filtered on
+    assert issubclass(nf.BiasedFitWarning, nf.UnreliableFitWarning)
+    assert nf.flower.MissingClientsWarning is nf.MissingClientsWarning
+
+
+def _enumerated(make):
+    def model(y):
+        lam = numpyro.sample("lam", dist.LogNormal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            with nf.local_site():
+                k = numpyro.sample("k", make(lam), infer={"enumerate": "parallel"})
+            numpyro.sample("y", dist.Normal(k, 1.0), obs=y)
+    return model
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda lam: dist.Poisson(lam), "'k'.*Poisson has an unbounded support"),
+    (lambda lam: dist.Binomial(2**20, 0.5), f"'k'.*1048577 values.*{MAX_ENUMERATED_SUPPORT}"),
+], ids=["poisson", "binomial-2^20"])
+def test_enumeration_refuses_unbounded_or_huge_supports(make, match):
+    model = _enumerated(make)
+    clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 3.0, 20))
+    with pytest.raises(ValueError, match=match):
+        nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1)).init(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match=match):
+        nf.EP(model).init(random.PRNGKey(0), clients)
+
+
+def test_enumerated_support_size():
+    assert enumerated_support_size(dist.Bernoulli(0.3)) == 2
+    assert enumerated_support_size(dist.Categorical(np.ones(7) / 7)) == 7
+    assert enumerated_support_size(dist.Binomial(np.array([3, 9]), 0.5)) == 10
+    assert enumerated_support_size(dist.Poisson(2.0).expand([4])) is None
