@@ -26,6 +26,7 @@ def to_arviz(
     client: Optional[str] = None,
     clients: Optional["Clients"] = None,
     num_chains: int = 4,
+    corrected: bool = False,
 ) -> "az.InferenceData":
     """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI`,
     :class:`~numpyro_fed.VerticalSVI`, :class:`~numpyro_fed.VerticalSOUL`,
@@ -62,6 +63,12 @@ def to_arviz(
         num_chains: chains the independent draws are laid out as.
         client: name of the client whose local sites (and data) to include.
         clients: the :class:`~numpyro_fed.Clients`, for that client's observed data.
+        corrected: for a :class:`~numpyro_fed.FederatedSVI`, ``PVI`` or ``EP`` fit without
+            ``client``: the posterior group holds PSIS-corrected draws of the global sites
+            (the last fit check's draws resampled by their importance weights; see
+            ``sample_posterior``). ``attrs["draws"]`` says which draws the
+            group holds (``"q"`` or ``"psis-corrected"``) and ``attrs["fit_check"]`` the
+            check's verdict (``"ok"``, ``"biased"``, ``"unreliable"`` or ``"not run"``).
 
     Returns:
         ``arviz.InferenceData`` accepted by ``az.summary`` and ``az.plot_posterior``.
@@ -79,15 +86,19 @@ def to_arviz(
         x = np.asarray(x)
         return x.reshape((int(num_chains), int(num_samples)) + x.shape[1:])
 
+    if corrected and (isinstance(svi, VerticalInference) or client is not None):
+        raise ValueError("corrected=True resamples the global sites' draws of a FederatedSVI, PVI or EP fit by the "
+                         "fit check's weights: drop client= (a client's local draws are not reweighted)")
     if isinstance(svi, FactorInference):
-        return _factor_to_arviz(svi, result, rng_key, total, client, chains)
+        return _factor_to_arviz(svi, result, rng_key, total, client, chains, corrected)
     vertical = isinstance(svi, VerticalInference)
     groups = {}
     if vertical:  # every party's sites; data stay with their owners
         draws = svi.sample_posterior(rng_key, result, total)
         client = clients = None
     else:
-        draws = svi.sample_posterior(rng_key, result, total, client=client)
+        extra = {"corrected": True} if corrected else {}
+        draws = svi.sample_posterior(rng_key, result, total, client=client, **extra)
         if client is not None:
             log_lik, predictive = svi.log_likelihood(rng_key, result, total, client)
             groups = {"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
@@ -110,11 +121,18 @@ def to_arviz(
             "rounds": int(result.communication.rounds),
             "bytes_up": int(result.communication.bytes_up),
             "bytes_down": int(result.communication.bytes_down),
+            "draws": "psis-corrected" if corrected else "q",
+            "fit_check": _verdict(svi),
         },
     )
 
 
-def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains):
+def _verdict(svi) -> str:
+    check = getattr(svi, "last_fit_check", None)
+    return "not run" if check is None else check.verdict
+
+
+def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains, corrected):
     import arviz as az
 
     if client is not None:
@@ -122,7 +140,7 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains):
             raise ValueError(f"{type(inference).__name__} has no local posteriors; use nf.EP for client=")
         draws = inference.local_posterior(rng_key, result, client=client, num_samples=num_samples)
     else:
-        draws = inference.sample_posterior(rng_key, result, num_samples)
+        draws = inference.sample_posterior(rng_key, result, num_samples, corrected=corrected)
     return az.from_dict(
         posterior={k: chains(v) for k, v in draws.items()},
         sample_stats={"damping": np.asarray(result.info.damping)[None, None, :]},
@@ -133,5 +151,7 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains):
             "rounds": int(result.communication.rounds),
             "bytes_up": int(result.communication.bytes_up),
             "bytes_down": int(result.communication.bytes_down),
+            "draws": "psis-corrected" if corrected else "q",
+            "fit_check": _verdict(inference),
         },
     )

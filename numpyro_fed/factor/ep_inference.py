@@ -74,6 +74,11 @@ class EP(FactorInference):
         client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
+        check_fit: after ``run``, check ``q`` against the posterior of the global sites
+            (:meth:`diagnose`: Pareto k and the moment check; local latents integrated by
+            Laplace on each client) and warn
+            (``UnreliableFitWarning`` / ``BiasedFitWarning``); kept as ``last_fit_check``.
+            Not run under DP.
 
     Examples:
         >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
@@ -118,10 +123,11 @@ class EP(FactorInference):
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
+        check_fit: bool = True,
     ) -> None:
         super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
                          max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
-                         model_kwargs=model_kwargs)
+                         model_kwargs=model_kwargs, check_fit=check_fit)
         if tilted not in TILTED_METHODS:
             raise ValueError(f"tilted={tilted!r}: choose one of {TILTED_METHODS}")
         if tilted == "vi" and not (hasattr(optim, "init") and hasattr(optim, "update")):

@@ -11,7 +11,7 @@ local latent sites) and hands the algorithm to the backend.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,10 @@ from ..dp.plan import PrivateFit, refuse_dp
 from ..clients import Clients
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..horizontal.inference import check_positive_int
-from ..warnings import InvalidUpdateWarning, UnreliableFitWarning
+from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
+from .check import log_weight_estimator
+from ..fit_check import (MOMENT_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample)
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
 from . import gaussian as G
@@ -86,7 +88,7 @@ class FactorInference(FederatedInference):
     method = "factor"
 
     def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
-                 model_kwargs) -> None:
+                 model_kwargs, check_fit: bool = True) -> None:
         if family not in ("full", "diagonal"):
             raise ValueError(f"family={family!r}: choose 'full' or 'diagonal'")
         if schedule not in SCHEDULES:
@@ -100,6 +102,8 @@ class FactorInference(FederatedInference):
         self.max_halvings = int(max_halvings)
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
+        self.check_fit = bool(check_fit)
+        self.last_fit_check: Optional[FitDiagnostic] = None  # the last run's check of q (check_fit)
         self._init_inference()
 
     # ------------------------------------------------------------------ hooks
@@ -217,6 +221,62 @@ class FactorInference(FederatedInference):
             warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
                                               hint=self._fit_advice()["invalid"]), InvalidUpdateWarning, stacklevel=4)
         self._check_local_fits(setup, result, start)
+        self._check_q(setup, result)
+
+    def _check_q(self, setup: Setup, result: RunResult) -> None:
+        """The fit check of the final ``q`` against the full posterior (:meth:`diagnose`), and its warning."""
+        self.last_fit_check = None
+        cls = type(self).__name__
+        if not self.check_fit or getattr(self, "_privacy", None) is not None:  # under DP: data-dependent sums
+            return
+        if result.state.clients is None:
+            warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) runs in simulation "
+                          f"only for {cls} so far; over a network backend q is unchecked: check the fit in "
+                          f"simulation, or pass check_fit=False to silence this", UncheckedFitWarning, stacklevel=5)
+            return
+        check = self.last_fit_check = self.diagnose(result)
+        if check.verdict == "unreliable":
+            warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
+                                               local=self._local_note(setup)), UnreliableFitWarning, stacklevel=5)
+        elif check.verdict == "biased":
+            warnings.warn(_Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights), margin=MOMENT_MARGIN,
+                                           sites=describe_biased(check.biased), local=self._local_note(setup)),
+                          BiasedFitWarning, stacklevel=5)
+
+    @staticmethod
+    def _local_note(setup: Setup) -> str:
+        return (" (local latents integrated out by Laplace on each client, so a non-Gaussian v | theta can also "
+                "show here)" if setup.extra.terms.num_local else "")
+
+    def diagnose(self, result: Union[RunResult, RunState], num_draws: int = 1000, rng_key=None) -> FitDiagnostic:
+        """How far ``q`` is from the posterior of the global sites, by Pareto-smoothed
+        importance sampling: the server draws ``u ~ q``, each client returns its own
+        ``log p(y_j | u)`` per draw (local latents integrated by Laplace; see
+        :mod:`numpyro_fed.factor.check`), the server adds the prior and ``-log q(u)``. Also
+        compares ``q``'s user-space moments with the weighted ones (see
+        :mod:`numpyro_fed.fit_check`). ``run`` calls this (``check_fit=True``) and warns.
+        Simulation only.
+
+        Returns:
+            a :class:`~numpyro_fed.FitDiagnostic`.
+        """
+        setup = self._fitted()
+        state = result.state if isinstance(result, RunResult) else result
+        num_draws = check_positive_int("num_draws", num_draws)
+        if state.clients is None:
+            raise ValueError(f"{type(self).__name__}.diagnose needs the simulation's client states")
+        rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
+        key = ("log_weights", num_draws)
+        if key not in setup.cache:  # compiled once per set-up
+            terms = setup.extra.terms
+            setup.cache[key] = jax.jit(log_weight_estimator(terms.prior, terms.log_joint, terms.num_local,
+                                                            setup.plan.mapping, num_draws))
+        log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key)
+        return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u))
+
+    def _user_space(self, u) -> Dict[str, np.ndarray]:
+        layout, supports = self._fitted().extra.structure.global_latent, self._supports()
+        return {k: np.asarray(biject_to(supports[k])(v)) for k, v in jax.vmap(layout.unravel)(u).items()}
 
     def _check_local_fits(self, setup: Setup, result: RunResult, start: int) -> None:
         """Warn, naming clients and rounds, when a client's own check failed the local fit
@@ -291,17 +351,24 @@ class FactorInference(FederatedInference):
             setup.cache["supports"] = self._supports(setup.inputs[setup.inputs.names[0]])
         return setup.cache["supports"]
 
-    def sample_posterior(self, rng_key: jax.Array, result, num_samples: int) -> Dict[str, jax.Array]:
+    def sample_posterior(self, rng_key: jax.Array, result, num_samples: int,
+                         corrected: bool = False) -> Dict[str, jax.Array]:
         """Draws of the global sites from ``q``, constrained, and of the model's
         ``numpyro.deterministic`` sites that are functions of the global sites alone
         (computed by the first client on its own rows; per-row and local ones have no value
-        under ``q(z_G)`` and are left out)."""
+        under ``q(z_G)`` and are left out).
+
+        ``corrected=True``: PSIS-corrected draws instead, the last fit check's draws
+        resampled by their importance weights (needs that check, with Pareto k <= 0.7)."""
         setup = self._fitted()
         num_samples = check_positive_int("num_samples", num_samples)
         state = result.state if isinstance(result, RunResult) else result
         q = state.server.q
-        eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
-        u = jax.vmap(lambda e: G.sample(q, e))(eps)
+        if corrected:
+            u = importance_resample(rng_key, self.last_fit_check, num_samples, type(self).__name__)
+        else:
+            eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
+            u = jax.vmap(lambda e: G.sample(q, e))(eps)
         layout = setup.extra.structure.global_latent
         supports = self._supports()
         draws = {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
@@ -319,6 +386,21 @@ _PRIOR_DEPENDS_ON_DATA = (
     "the prior of the global site(s) {sites} differs between client '{a}' and client '{b}' "
     "(log density {va:.6g} vs {vb:.6g} at the same point): a global prior must not depend on a "
     "client's data. Pass shared constants as model_kwargs="
+)
+
+
+_Q_UNRELIABLE = (
+    "{cls}: the fitted q is unreliable: Pareto k = {k:.2f} > 0.7 for the importance ratios p(theta, y) / q(theta) "
+    "of the global sites (effective sample size {ess:.0f} of {n} draws){local}, so q misses posterior mass and its "
+    "means and sds can be far off (a skewed or heavy-tailed posterior in unconstrained space, a funnel, too few "
+    "rounds). Check against NUTS (see .diagnose); check_fit=False silences this"
+)
+_Q_BIASED = (
+    "{cls}: Pareto k = {k:.2f} is below 0.7, but q's moments disagree with the importance-weighted moments of the "
+    "same {n} draws (by more than {margin:.0%} of the weighted sd) at {sites}{local}: q is biased there (a Gaussian "
+    "in unconstrained space whose tails are off shows in user space, or the fit has not converged). Use "
+    "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, run "
+    "more rounds, or check against NUTS; check_fit=False silences this"
 )
 
 

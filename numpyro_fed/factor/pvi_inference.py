@@ -81,6 +81,11 @@ class PVI(PrivateFit, FactorInference):
         client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
+        check_fit: after ``run``, check ``q`` against the posterior of the global sites
+            (:meth:`diagnose`: Pareto k and the moment check; each client's term computed on
+            its own rows) and warn
+            (``UnreliableFitWarning`` / ``BiasedFitWarning``); kept as ``last_fit_check``.
+            Not run under DP.
 
     Examples:
         >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
@@ -124,10 +129,11 @@ class PVI(PrivateFit, FactorInference):
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
+        check_fit: bool = True,
     ) -> None:
         super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
                          max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
-                         model_kwargs=model_kwargs)
+                         model_kwargs=model_kwargs, check_fit=check_fit)
         if update not in ("conjugate", "optax"):
             raise ValueError(f"update={update!r}: choose 'conjugate' or 'optax'")
         if variant not in VARIANTS:

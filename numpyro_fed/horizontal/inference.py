@@ -24,7 +24,9 @@ from ..dp.plan import PrivateFit, check_sgd_options
 from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
-from ..warnings import UncheckedFitWarning, UnreliableFitWarning
+from ..fit_check import (MOMENT_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
+                         importance_resample)
+from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
 
 __all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
 
@@ -35,7 +37,6 @@ _OPTIM = (
 )
 _CLIENTS = "clients must be an nf.Clients; got {kind}. Build one with nf.Clients({{...}}) or nf.Clients.split(...)"
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
-PARETO_K_LIMIT = 0.7
 _UNRELIABLE = (
     "{cls}: the fitted approximation is unreliable: Pareto k = {k:.2f} > {limit} for the importance "
     "ratios p(z, y) / q(z) (effective sample size {ess:.0f} of {n} draws), so q misses posterior mass "
@@ -44,15 +45,13 @@ _UNRELIABLE = (
     "numpyro.infer.reparam.LocScaleReparam), a heavy-tailed or bounded posterior, or too few rounds. "
     "Check against NUTS (see svi.diagnose); check_fit=False silences this"
 )
-
-
-class FitDiagnostic(NamedTuple):
-    """PSIS check of a variational fit (see :meth:`FederatedSVI.diagnose`)."""
-
-    pareto_k: float
-    ess: float
-    elbo: float
-    log_weights: np.ndarray
+_BIASED = (
+    "{cls}: Pareto k = {k:.2f} is below {limit}, but q's moments disagree with the importance-weighted moments "
+    "of the same {n} draws (by more than {margin:.0%} of the weighted sd) at {sites}: q is biased there (a "
+    "Gaussian too narrow for a hierarchical scale, a skewed marginal, or too few rounds). Use "
+    "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, "
+    "fit longer or with a richer guide, or check against NUTS; check_fit=False silences this"
+)
 
 
 def check_positive_int(name: str, value) -> int:
@@ -272,17 +271,35 @@ class FederatedSVI(PrivateFit, FederatedInference):
                               f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
                               f"silence this", UncheckedFitWarning, stacklevel=4)
                 return result
-            diag = _diagnostic(log_w)
+            diag = fit_diagnostic(log_w, *self._check_draws(setup, result.state, _FIT_CHECK_DRAWS,
+                                                            random.PRNGKey(0x51)))
         else:
             diag = self.diagnose(result)
         self.last_fit_check = diag
-        if not diag.pareto_k <= PARETO_K_LIMIT:
-            warnings.warn(
-                _UNRELIABLE.format(cls=type(self).__name__, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
-                                  n=len(diag.log_weights)),
-                UnreliableFitWarning, stacklevel=4,
-            )
+        cls = type(self).__name__
+        if diag.verdict == "unreliable":
+            warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
+                                             n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=4)
+        elif diag.verdict == "biased":
+            warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
+                                         margin=MOMENT_MARGIN, sites=describe_biased(diag.biased)),
+                          BiasedFitWarning, stacklevel=4)
         return result
+
+    def _check_draws(self, setup: Setup, state: RunState, num_draws: int, rng_key):
+        """The fit check's draws of the global sites (the server's own: the same ``k_g`` as
+        the clients' terms use), in user space and unconstrained."""
+        if "check_draws" not in setup.cache:  # compiled once per set-up
+            obj = setup.extra
+
+            def draws(g, k_g, num):
+                z = jax.vmap(lambda e: obj.global_latent(g, e))(random.normal(k_g, (num, obj.global_size)))
+                return jax.vmap(obj.structure.constrain_global)(z), z
+
+            setup.cache["check_draws"] = jax.jit(draws, static_argnums=2)
+        k_g, _ = random.split(rng_key)
+        user, z = setup.cache["check_draws"](state.server.global_params, k_g, num_draws)
+        return {k: np.asarray(v) for k, v in user.items()}, np.asarray(z)
 
     # ------------------------------------------------------------------ fit check over a network
     def _network_log_weights(self, network, setup: Setup, result: RunResult, num_draws: int = 1000):
@@ -356,10 +373,14 @@ class FederatedSVI(PrivateFit, FederatedInference):
         summing its own term over its own rows (one scalar per draw leaves a client, as
         in the ELBO). ``pareto_k`` above 0.7 means ``q`` misses mass the posterior has:
         its means and variances can be far off (e.g. a funnel, a heavy tail, a
-        posterior outside the Gaussian family). ``run`` calls this and warns.
+        posterior outside the Gaussian family). Below it, the moment check compares
+        ``q``'s mean and sd of every global site (user space) with the PSIS-weighted ones
+        of the same draws (``moments``, ``biased``; see :mod:`numpyro_fed.fit_check`).
+        ``run`` calls this and warns (``UnreliableFitWarning``, ``BiasedFitWarning``).
 
         Returns:
-            a :class:`FitDiagnostic` ``(pareto_k, ess, elbo, log_weights)``.
+            a :class:`FitDiagnostic` (``pareto_k``, ``ess``, ``elbo``, ``log_weights``,
+            ``moments``, ``biased``, ``draws``, ``verdict``).
         """
         setup = self._fitted()
         state = result.state if isinstance(result, RunResult) else result
@@ -368,7 +389,8 @@ class FederatedSVI(PrivateFit, FederatedInference):
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs every client's state; over a network backend "
                              f"the run itself checks the fit (see last_fit_check)")
-        return _diagnostic(np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64))
+        log_w = np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64)
+        return fit_diagnostic(log_w, *self._check_draws(setup, state, num_draws, rng_key))
 
     # ------------------------------------------------------------------ posterior
     def sample_posterior(
@@ -377,6 +399,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         result: Union[RunResult, RunState],
         num_samples: int,
         client: Optional[str] = None,
+        corrected: bool = False,
     ) -> Dict[str, jax.Array]:
         """Draws from the fitted approximation, in constrained space.
 
@@ -391,6 +414,12 @@ class FederatedSVI(PrivateFit, FederatedInference):
 
         Args:
             result: a :class:`RunResult` or a :class:`RunState`.
+            corrected: PSIS-corrected draws of the global sites instead of draws from
+                ``q``: the last fit check's draws resampled by their smoothed importance
+                weights (:func:`numpyro_fed.fit_check.importance_resample`). Needs the
+                check of the run that gave ``result`` (``check_fit=True``) with Pareto k
+                at most 0.7; only as many distinct values as the check drew (1000).
+                Global sites only (a client's local draws are not reweighted).
         """
         state = result.state if isinstance(result, RunResult) else result
         num_samples = check_positive_int("num_samples", num_samples)
@@ -398,8 +427,15 @@ class FederatedSVI(PrivateFit, FederatedInference):
         obj = setup.extra
         g = state.server.global_params
         k_g, k_l = random.split(rng_key)
-        eps_g = random.normal(k_g, (num_samples, obj.global_size))
-        z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
+        if corrected:
+            if client is not None:
+                raise ValueError(f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
+                                 f"draws only (a client's local draws are not reweighted); drop client= or "
+                                 f"corrected=True")
+            z_g = importance_resample(k_g, self.last_fit_check, num_samples, type(self).__name__)
+        else:
+            eps_g = random.normal(k_g, (num_samples, obj.global_size))
+            z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
         if client is None:
             if "server_draws" not in setup.cache:  # compiled once per set-up
                 setup.cache["server_draws"] = jax.jit(jax.vmap(obj.structure.constrain_global))
@@ -528,12 +564,3 @@ def _client_log_weights_from_keys(obj, share, num_draws, g, k_g, key, local_para
     return _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d)
 
 
-def _diagnostic(log_w: np.ndarray) -> FitDiagnostic:
-    import arviz as az
-
-    if not np.all(np.isfinite(log_w)):
-        return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
-    smoothed, k = az.psislw(log_w)
-    w = np.exp(smoothed - smoothed.max())
-    ess = float(w.sum() ** 2 / np.sum(w**2))
-    return FitDiagnostic(float(k), ess, float(np.mean(log_w)), log_w)

@@ -1,0 +1,172 @@
+"""The fit check every family shares: Pareto-smoothed importance sampling of ``q`` against
+the posterior, and a moment check that sees bias, not only tails.
+
+A family draws ``S`` values ``z ~ q`` (the server's draws of the global sites; local
+latents integrated or drawn on their clients), each client computes its own term of
+``log w = log p(z, y) - log q(z)`` per draw over its own rows, and the server sums them.
+From ``log w`` and the server's own draws this module computes:
+
+- **Pareto k** (Vehtari et al., 2024): above :data:`PARETO_K_LIMIT` importance sampling
+  cannot correct ``q``: ``q`` misses mass the posterior has.
+- **The moment check**: per global site, in user (constrained) space, ``q``'s mean and sd
+  against the PSIS-weighted mean and sd of the same draws. k below the limit says
+  importance sampling *can* correct ``q``; it does not say ``q`` is right. When ``q`` is
+  too narrow or shifted, the weighted moments move away from ``q``'s; a gap larger than
+  :data:`MOMENT_MARGIN` of the weighted sd (or the Monte Carlo error of the weighted
+  moments, whichever is larger) is reported as a biased site.
+- **Corrected draws**: importance resampling of the check's draws by their smoothed
+  weights (``sample_posterior(..., corrected=True)``), usable when k is below the limit.
+
+What it cannot see: posterior mass that none of the ``S`` draws reaches (a mode ``q``
+never visits, a tail far beyond ``q``'s); and local latents, which stay on their clients
+(only the global sites' moments are compared).
+
+Example:
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> z = rng.normal(0.0, 0.8, 2000)          # q = N(0, 0.8^2), posterior N(0, 1)
+    >>> log_w = -0.5 * z**2 + 0.5 * (z / 0.8) ** 2
+    >>> check = fit_diagnostic(log_w, {"x": z})
+    >>> [m.site for m in check.biased], check.pareto_k < PARETO_K_LIMIT
+    (['x'], True)
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["FitDiagnostic", "MOMENT_MARGIN", "PARETO_K_LIMIT", "SiteMoments", "fit_diagnostic",
+           "importance_resample", "moment_report"]
+
+PARETO_K_LIMIT = 0.7
+"""Pareto k above which importance sampling cannot correct ``q`` (Vehtari et al., 2024)."""
+
+MOMENT_MARGIN = 0.15
+"""A site is biased when ``q``'s mean is more than this many weighted sds from the
+weighted mean, or ``q``'s sd is off by more than this fraction of the weighted sd (the
+suite's tolerance for a wrong fit is 0.3 sd / 20 %, so the check fires before it)."""
+
+_MCSE_FACTOR = 3.0  # the margin never falls below this many Monte Carlo standard errors
+
+
+class SiteMoments(NamedTuple):
+    """One scalar of a global site, in user space: ``q``'s moments and the PSIS-weighted ones."""
+
+    site: str
+    q_mean: float
+    q_sd: float
+    weighted_mean: float
+    weighted_sd: float
+
+    @property
+    def mean_gap(self) -> float:
+        """``(q_mean - weighted_mean) / weighted_sd``."""
+        return (self.q_mean - self.weighted_mean) / max(self.weighted_sd, 1e-300)
+
+    @property
+    def sd_ratio(self) -> float:
+        """``q_sd / weighted_sd``."""
+        return self.q_sd / max(self.weighted_sd, 1e-300)
+
+
+class FitDiagnostic(NamedTuple):
+    """PSIS check of a fit: ``pareto_k``, ``ess`` (of the smoothed weights), ``elbo`` (mean
+    ``log w``), the ``log_weights``, per-scalar ``moments`` of the global sites and the
+    ``biased`` ones among them (see :data:`MOMENT_MARGIN`), and the check's unconstrained
+    global ``draws`` (for corrected draws)."""
+
+    pareto_k: float
+    ess: float
+    elbo: float
+    log_weights: np.ndarray
+    moments: Tuple[SiteMoments, ...] = ()
+    biased: Tuple[SiteMoments, ...] = ()
+    draws: Optional[np.ndarray] = None
+
+    @property
+    def verdict(self) -> str:
+        """``"ok"``, ``"biased"`` (k below the limit, moments off) or ``"unreliable"`` (k above it)."""
+        if not self.pareto_k <= PARETO_K_LIMIT:
+            return "unreliable"
+        return "biased" if self.biased else "ok"
+
+
+def smoothed_weights(log_w: np.ndarray) -> Tuple[np.ndarray, float]:
+    """Normalised PSIS weights and Pareto k of ``log_w``."""
+    import arviz as az
+
+    log_w = np.asarray(log_w, np.float64)
+    if np.ptp(log_w) == 0.0:  # q is the posterior up to its constant: equal weights (ArviZ says k = inf)
+        return np.full(len(log_w), 1.0 / len(log_w)), float("-inf")
+    smoothed, k = az.psislw(log_w)
+    w = np.exp(smoothed - smoothed.max())
+    return w / w.sum(), float(k)
+
+
+def _flat_sites(draws: Dict[str, np.ndarray], num_draws: int):
+    for name, value in draws.items():
+        value = np.asarray(value, np.float64).reshape(num_draws, -1)
+        for i in range(value.shape[1]):
+            yield (name if value.shape[1] == 1 else f"{name}[{i}]"), value[:, i]
+
+
+def moment_report(draws: Dict[str, np.ndarray], weights: np.ndarray, ess: float):
+    """Per-scalar :class:`SiteMoments` of ``draws`` (user space, ``(S, ...)`` each) under
+    equal weights and under ``weights``, and the biased ones."""
+    moments, biased = [], []
+    margin = max(MOMENT_MARGIN, _MCSE_FACTOR / np.sqrt(max(ess, 1.0)))
+    for site, x in _flat_sites(draws, len(weights)):
+        wm = float(np.sum(weights * x))
+        wsd = float(np.sqrt(np.sum(weights * (x - wm) ** 2)))
+        m = SiteMoments(site, float(x.mean()), float(x.std()), wm, wsd)
+        moments.append(m)
+        if wsd > 0 and (abs(m.mean_gap) > margin or abs(np.log(m.sd_ratio)) > np.log1p(margin)):
+            biased.append(m)
+    return tuple(moments), tuple(biased)
+
+
+def fit_diagnostic(log_w: np.ndarray, draws: Optional[Dict[str, np.ndarray]] = None,
+                   unconstrained: Optional[np.ndarray] = None) -> FitDiagnostic:
+    """The check from ``log w`` per draw and, optionally, the server's draws of the global
+    sites in user space (``draws``, for the moment check) and unconstrained (kept for
+    corrected draws)."""
+    log_w = np.asarray(log_w, np.float64)
+    if not np.all(np.isfinite(log_w)):
+        return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
+    w, k = smoothed_weights(log_w)
+    ess = float(1.0 / np.sum(w**2))
+    moments, biased = moment_report(draws, w, ess) if draws else ((), ())
+    keep = None if unconstrained is None else np.asarray(unconstrained)
+    return FitDiagnostic(k, ess, float(np.mean(log_w)), log_w, moments, biased, keep)
+
+
+_NOT_CORRECTABLE = (
+    "{cls}: corrected draws resample the fit check's draws by their importance weights, which needs a fit "
+    "check with Pareto k <= {limit}; {why}. Use uncorrected draws (corrected=False), or improve the fit"
+)
+
+
+def importance_resample(rng_key, check: Optional[FitDiagnostic], num_samples: int, cls: str):
+    """Unconstrained global draws resampled (with replacement) from ``check``'s draws by
+    their smoothed weights, or a ValueError saying why they cannot be trusted."""
+    import jax
+
+    if check is None or check.draws is None:
+        raise ValueError(_NOT_CORRECTABLE.format(cls=cls, limit=PARETO_K_LIMIT,
+                                                 why="there is none (run with check_fit=True)"))
+    if not check.pareto_k <= PARETO_K_LIMIT:
+        raise ValueError(_NOT_CORRECTABLE.format(cls=cls, limit=PARETO_K_LIMIT,
+                                                 why=f"the last check has k = {check.pareto_k:.2f}"))
+    w, _ = smoothed_weights(check.log_weights)
+    idx = jax.random.choice(rng_key, len(w), (int(num_samples),), p=jax.numpy.asarray(w))
+    return jax.numpy.asarray(check.draws)[idx]
+
+
+def describe_biased(biased: Tuple[SiteMoments, ...], limit: int = 6) -> str:
+    """``"tau (q mean 3.1 sd 1.2; weighted 3.6 sd 2.2), ..."`` for a warning."""
+    parts = [f"{m.site} (q mean {m.q_mean:.3g} sd {m.q_sd:.3g}; weighted mean {m.weighted_mean:.3g} "
+             f"sd {m.weighted_sd:.3g})" for m in biased[:limit]]
+    more = len(biased) - limit
+    return ", ".join(parts) + (f" and {more} more" if more > 0 else "")

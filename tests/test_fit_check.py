@@ -1,0 +1,196 @@
+"""The fit check sees bias, not only tails (issue 25, item 2): a hierarchical scale that
+SFVI narrows with Pareto k < 0.7 warns (BiasedFitWarning, naming the site), the
+PSIS-corrected draws are within tolerance of NUTS, and a right fit passes."""
+
+import warnings
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from numpyro.infer import MCMC, NUTS
+
+import numpyro_fed as nf
+from numpyro_fed.fit_check import PARETO_K_LIMIT, fit_diagnostic
+
+Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
+SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
+
+
+def eight_schools(y, sigma):
+    """Non-centred eight schools, one school per client (its effect is local)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with nf.local_site():
+        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+
+def eight_schools_pooled(y, sigma):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("schools", y.shape[0]):
+        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+
+@pytest.fixture(scope="module")
+def schools():
+    clients = nf.Clients({f"school{j}": dict(y=Y[j:j + 1], sigma=SIGMA[j:j + 1]) for j in range(8)})
+    mcmc = MCMC(NUTS(eight_schools_pooled), num_warmup=1000, num_samples=4000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(1), y=Y, sigma=SIGMA)
+    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    svi = nf.FederatedSVI(eight_schools, nf.MeanFieldGuide(eight_schools), optax.adam(0.02))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = svi.run(jax.random.PRNGKey(0), 3000, clients, progress_bar=False)
+    return svi, result, ref, caught
+
+
+def _z_and_ratio(draws, ref, site):
+    x = np.asarray(draws[site])
+    return (x.mean() - ref[site].mean()) / ref[site].std(), x.std() / ref[site].std()
+
+
+def test_sfvi_narrowing_a_hierarchical_scale_with_small_k_warns(schools):
+    svi, result, ref, caught = schools
+    check = svi.last_fit_check
+    # the defect: q's tau is far too narrow, and k alone passes it
+    _, ratio = _z_and_ratio(svi.sample_posterior(jax.random.PRNGKey(2), result, 4000), ref, "tau")
+    assert ratio < 0.7
+    assert check.pareto_k < PARETO_K_LIMIT
+    # the moment check sees it, names the site, and the run warns
+    assert check.verdict == "biased"
+    assert "tau" in [m.site for m in check.biased]
+    biased = [w for w in caught if issubclass(w.category, nf.BiasedFitWarning)]
+    assert len(biased) == 1 and "tau (q mean" in str(biased[0].message)
+    assert "corrected=True" in str(biased[0].message)
+
+
+def test_psis_corrected_draws_match_nuts(schools):
+    svi, result, ref, _ = schools
+    draws = svi.sample_posterior(jax.random.PRNGKey(3), result, 4000, corrected=True)
+    for site in ("mu", "tau"):
+        z, ratio = _z_and_ratio(draws, ref, site)
+        assert abs(z) < 0.3 and 0.8 < ratio < 1.25, (site, z, ratio)
+    idata = nf.to_arviz(svi, result, jax.random.PRNGKey(4), corrected=True)
+    assert idata.attrs["draws"] == "psis-corrected" and idata.attrs["fit_check"] == "biased"
+    assert nf.to_arviz(svi, result, jax.random.PRNGKey(4)).attrs["draws"] == "q"
+
+
+def test_corrected_draws_refuse_what_they_cannot_correct(schools):
+    svi, result, _, _ = schools
+    with pytest.raises(ValueError, match="global sites' draws only"):
+        svi.sample_posterior(jax.random.PRNGKey(3), result, 10, client="school0", corrected=True)
+    saved = svi.last_fit_check
+    try:
+        svi.last_fit_check = saved._replace(pareto_k=0.9)
+        with pytest.raises(ValueError, match="k = 0.90"):
+            svi.sample_posterior(jax.random.PRNGKey(3), result, 10, corrected=True)
+        svi.last_fit_check = None
+        with pytest.raises(ValueError, match="check_fit=True"):
+            svi.sample_posterior(jax.random.PRNGKey(3), result, 10, corrected=True)
+    finally:
+        svi.last_fit_check = saved
+
+
+def test_a_right_fit_passes_the_moment_check():
+    """Conjugate normal mean (q's family holds the posterior): verdict ok, no warning."""
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    y = np.random.default_rng(0).normal(1.0, 1.0, 60).astype(np.float32)
+    clients = nf.Clients.split(np.arange(60) % 3, y=y)
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FitWarning)
+        svi.run(jax.random.PRNGKey(0), 1500, clients, progress_bar=False)
+    check = svi.last_fit_check
+    assert check.verdict == "ok" and not check.biased
+    (m,) = check.moments
+    post_var = 1.0 / (1.0 / 100.0 + 60.0)
+    post_mean = post_var * y.sum()
+    assert abs(m.weighted_mean - post_mean) < 0.1 * np.sqrt(post_var)
+    assert abs(m.weighted_sd / np.sqrt(post_var) - 1.0) < 0.1
+
+
+def test_moment_check_flags_shift_and_width_but_not_noise():
+    rng = np.random.default_rng(1)
+    z = rng.normal(0.0, 1.0, 4000)
+    exact = fit_diagnostic(np.zeros_like(z), {"x": z})  # q is the posterior: all weights equal
+    assert exact.verdict == "ok"
+    shifted = fit_diagnostic(0.4 * z - 0.08, {"x": z})  # posterior N(0.4, 1)
+    assert shifted.verdict == "biased" and shifted.biased[0].mean_gap < -0.3
+    assert fit_diagnostic(np.array([0.0, np.nan]), {"x": np.zeros(2)}).verdict == "unreliable"
+
+
+def eight_schools_lognormal(y, sigma):
+    """Eight schools with a LogNormal prior on tau (PVI/EP need a Gaussian prior in
+    unconstrained space), one school per client."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.LogNormal(1.0, 1.0))
+    with nf.local_site():
+        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+
+def eight_schools_lognormal_pooled(y, sigma):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.LogNormal(1.0, 1.0))
+    with numpyro.plate("schools", y.shape[0]):
+        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+
+def test_ep_user_space_bias_is_checked_and_corrected():
+    """EP's Gaussian in log tau gives tau a user-space sd far above NUTS's; the check of q
+    (each school's term by Laplace on its own client) names tau, and the corrected draws
+    are within tolerance."""
+    clients = nf.Clients({f"school{j}": dict(y=Y[j:j + 1], sigma=SIGMA[j:j + 1]) for j in range(8)})
+    mcmc = MCMC(NUTS(eight_schools_lognormal_pooled), num_warmup=1000, num_samples=4000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(1), y=Y, sigma=SIGMA)
+    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    ep = nf.EP(eight_schools_lognormal)
+    with pytest.warns(nf.BiasedFitWarning, match=r"EP: .*tau \(q mean"):
+        result = ep.run(jax.random.PRNGKey(0), 10, clients)
+    assert ep.last_fit_check.verdict == "biased" and ep.last_fit_check.pareto_k < PARETO_K_LIMIT
+    _, ratio = _z_and_ratio(ep.sample_posterior(jax.random.PRNGKey(2), result, 4000), ref, "tau")
+    assert ratio > 1.25  # the defect the check reports
+    draws = ep.sample_posterior(jax.random.PRNGKey(2), result, 4000, corrected=True)
+    for site in ("mu", "tau"):
+        z, ratio = _z_and_ratio(draws, ref, site)
+        assert abs(z) < 0.3 and 0.8 < ratio < 1.25, (site, z, ratio)
+    assert nf.to_arviz(ep, result, jax.random.PRNGKey(3), corrected=True).attrs["draws"] == "psis-corrected"
+
+
+def test_pvi_check_passes_a_conjugate_fit_and_is_opt_out():
+    """Bayesian linear regression: PVI's conjugate update is exact, the check says ok
+    (every client's log-likelihood term summed), and check_fit=False skips it."""
+    def model(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("rows", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta, 0.5), obs=y)
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(90, 2)).astype(np.float32)
+    y = (X @ np.array([1.0, -0.5]) + 0.5 * rng.normal(size=90)).astype(np.float32)
+    clients = nf.Clients.split(np.arange(90) % 3, X=X, y=y)
+    pvi = nf.PVI(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FitWarning)
+        pvi.run(jax.random.PRNGKey(0), 2, clients)
+    check = pvi.last_fit_check
+    assert check.verdict == "ok" and [m.site for m in check.moments] == ["beta[0]", "beta[1]"]
+    prec = np.eye(2) + X.T @ X / 0.25
+    mean = np.linalg.solve(prec, X.T @ y / 0.25)
+    got = np.array([m.weighted_mean for m in check.moments])
+    assert np.all(np.abs(got - mean) < 0.05 * np.sqrt(np.diag(np.linalg.inv(prec))))
+    off = nf.PVI(model, check_fit=False)
+    off.run(jax.random.PRNGKey(0), 2, clients)
+    assert off.last_fit_check is None
