@@ -194,3 +194,71 @@ def test_pvi_check_passes_a_conjugate_fit_and_is_opt_out():
     off = nf.PVI(model, check_fit=False)
     off.run(jax.random.PRNGKey(0), 2, clients)
     assert off.last_fit_check is None
+
+
+def negative_binomial_glm(X, y):
+    a = numpyro.sample("a", dist.Normal(0.0, 2.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    phi = numpyro.sample("phi", dist.LogNormal(0.0, 1.0))
+    with numpyro.plate("rows", X.shape[0]):
+        numpyro.sample("y", dist.NegativeBinomial2(jax.numpy.exp(a + X @ b), phi), obs=y)
+
+
+@pytest.fixture(scope="module")
+def glm():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 2)).astype(np.float32)
+    mean = np.exp(0.5 + X @ np.array([0.4, -0.3]))
+    y = rng.negative_binomial(3.0, 3.0 / (3.0 + mean)).astype(np.float32)
+    mcmc = MCMC(NUTS(negative_binomial_glm), num_warmup=500, num_samples=2000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(1), X, y)
+    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    return nf.Clients.split(rng.integers(0, 4, 300), X=X, y=y), ref
+
+
+def _worst(draws, ref):
+    z = max(float(np.max(np.abs((np.asarray(draws[k]).mean(0) - ref[k].mean(0)) / ref[k].std(0)))) for k in ref)
+    r = [np.asarray(draws[k]).std(0) / ref[k].std(0) for k in ref]
+    return z, float(min(np.min(x) for x in r)), float(max(np.max(x) for x in r))
+
+
+def test_pvi_local_fit_that_stops_early_says_so(glm):
+    """100 Adam steps per local fit, no extension: the fits are unconverged and q is wrong;
+    the run names the clients (parameter drift) and the check of q flags it."""
+    clients, ref = glm
+    pvi = nf.PVI(negative_binomial_glm, update="optax", optim=optax.adam(0.01), local_steps=100, max_local_steps=100)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = pvi.run(jax.random.PRNGKey(0), 3, clients)
+    z, lo, hi = _worst(pvi.sample_posterior(jax.random.PRNGKey(2), result, 4000), ref)
+    assert z > 0.3 or not 0.8 < lo <= hi < 1.25  # wrong ...
+    local = [str(w.message) for w in caught if "had not converged" in str(w.message)]
+    assert local and "max_local_steps (now 100)" in local[0] and "client(s) ['0'" in local[0]  # ... and said
+    assert np.all(np.asarray(result.info.fit_stat)[-1] > 1.0)
+
+
+def test_pvi_default_budget_extends_until_the_local_fits_converge(glm):
+    """The same 100 steps with the default max_local_steps (4x): each unconverged fit runs
+    on, converges, and q is within tolerance of NUTS without a warning."""
+    clients, ref = glm
+    pvi = nf.PVI(negative_binomial_glm, update="optax", optim=optax.adam(0.01), local_steps=100)
+    assert pvi.max_local_steps == 400
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FitWarning)
+        result = pvi.run(jax.random.PRNGKey(0), 3, clients)
+    z, lo, hi = _worst(pvi.sample_posterior(jax.random.PRNGKey(2), result, 4000), ref)
+    assert z < 0.3 and 0.8 < lo <= hi < 1.2, (z, lo, hi)
+    assert np.all(np.asarray(result.info.fit_stat)[-1] <= 1.0)
+
+
+def test_parameter_drift_sees_a_scale_that_still_moves():
+    from numpyro_fed.factor.tilted import PARAMETER_DRIFT_LIMIT, parameter_drift
+
+    steps = np.arange(400.0)[:, None]
+    locs = np.zeros((400, 2))
+    still = np.ones((400, 2))
+    growing = np.exp(np.concatenate([np.zeros((400, 1)), steps / 1000.0], 1))  # sd up 10 % a quarter
+    assert float(parameter_drift(locs, still)) == 0.0
+    assert float(parameter_drift(locs, growing)) > PARAMETER_DRIFT_LIMIT
+    with pytest.raises(ValueError, match="max_local_steps=50: must be at least local_steps=100"):
+        nf.PVI(negative_binomial_glm, update="optax", optim=optax.adam(0.01), local_steps=100, max_local_steps=50)

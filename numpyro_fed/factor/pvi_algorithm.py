@@ -32,7 +32,7 @@ All functions are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from ..dp.mechanisms import add_gradient, dp_sgd_transform, fixed_size_subset
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
-from .tilted import DRIFT_LIMIT, FitCheck, objective_drift
+from .tilted import FitCheck, convergence_stat
 from .updates import factor_protocol
 
 __all__ = ["pvi"]
@@ -77,27 +77,45 @@ def _draws(moments, params, eps):
     return loc + (eps * root if root.ndim == 1 else eps @ root.T)
 
 
-def _optimise(init, moments, optim, steps, rng_key, gradient):
-    """``steps`` optax steps from ``init``; ``gradient(params, key) -> (objective, grads)``.
-    Returns the optimum as a Gaussian and its :class:`~numpyro_fed.factor.tilted.FitCheck`:
-    the objective's drift over the last quarter of the steps (:func:`objective_drift`)."""
+def _optimise(init, moments, optim, steps, rng_key, gradient, max_chunks=1):
+    """Optax steps from ``init`` in chunks of ``steps``; ``gradient(params, key) ->
+    (objective, grads)``. After each chunk the fit is judged on that chunk
+    (:func:`~numpyro_fed.factor.tilted.convergence_stat`: the objective's drift and the
+    parameters' movement over its last two quarters); an unconverged fit runs another
+    chunk, up to ``max_chunks`` (1 under DP-SGD, whose steps are accounted). Returns the
+    Polyak average of the last chunk's final quarter as a Gaussian and its
+    :class:`~numpyro_fed.factor.tilted.FitCheck` (``stat`` above 1: not converged)."""
+    tail = max(steps // 4, 1)
 
     def step(carry, key):
         params, opt_state = carry
         value, grads = gradient(params, key)
         updates, opt_state = optim.update(grads, opt_state, params)
         params = jax.tree_util.tree_map(jnp.add, params, updates)
-        return (params, opt_state), value
+        loc, cov_, _ = moments(params)
+        sd = jnp.sqrt(cov_ if cov_.ndim == 1 else jnp.diag(cov_))
+        return (params, opt_state), (value, loc, sd, cov_)
 
-    keys = random.split(rng_key, steps)
-    (params, _), values = jax.lax.scan(step, (init, optim.init(init)), keys)
-    loc, cov_, _ = moments(params)
-    drift = objective_drift(values)
-    return G.from_moments(loc, cov_), FitCheck(drift <= DRIFT_LIMIT, drift, jnp.full((), jnp.nan, drift.dtype))
+    def chunk(carry):
+        i, params, opt_state, key, _, _ = carry
+        sub = jax.lax.cond(i == 0, lambda: key, lambda: random.fold_in(key, i))  # chunk 0: the key's own draws
+        (params, opt_state), (values, locs, sds, covs) = jax.lax.scan(step, (params, opt_state),
+                                                                        random.split(sub, steps))
+        average = (jnp.mean(locs[-tail:], 0), jnp.mean(covs[-tail:], 0))
+        return i + 1, params, opt_state, key, convergence_stat(values, locs, sds), average
+
+    def more(carry):
+        i, stat = carry[0], carry[4]
+        return (i < max_chunks) & ~(stat <= 1.0)
+
+    loc0, cov0, _ = moments(init)
+    start = (0, init, optim.init(init), rng_key, jnp.full((), jnp.inf, loc0.dtype), (loc0, cov0))
+    _, _, _, _, stat, (loc, cov_) = jax.lax.while_loop(more, chunk, start)
+    return G.from_moments(loc, cov_), FitCheck(stat <= 1.0, stat, jnp.full((), jnp.nan, stat.dtype))
 
 
 def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
-                 kl_weight=1.0):
+                 kl_weight=1.0, max_chunks=1):
     """Maximise ``E_q[log_lik] - kl_weight KL(q || cavity)`` over ``q = N(loc, L L^T)`` from ``q``."""
     init, moments = _gaussian_params(q)
     d = q.shift.shape[0]
@@ -108,7 +126,7 @@ def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, st
         expected = jnp.mean(jax.vmap(log_lik)(draws))
         return -(expected - kl_weight * G.kl_divergence(G.from_moments(loc, cov_), cavity))
 
-    return _optimise(init, moments, optim, steps, rng_key, jax.value_and_grad(neg_elbo))
+    return _optimise(init, moments, optim, steps, rng_key, jax.value_and_grad(neg_elbo), max_chunks)
 
 
 def _local_dp_sgd(row_log_lik, data, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
@@ -164,6 +182,7 @@ def pvi(
     subset_size: int = 1,
     optim: Any = None,
     local_steps: int = 100,
+    max_local_steps: Optional[int] = None,
     num_particles: int = 8,
     variant: str = "plain",
     num_shards: int = 1,
@@ -193,6 +212,10 @@ def pvi(
         num_shards: ``N`` shards per client (contiguous blocks of its real rows).
         perturb: update perturbation (paper 002 §4.2), see
             :func:`~numpyro_fed.factor.updates.factor_protocol`.
+        max_local_steps: ``update="optax"``: an unconverged local fit (its objective or
+            parameters still moving over the last quarter of ``local_steps``) runs another
+            ``local_steps``, up to this many steps in all (default: ``local_steps``, no
+            extension). Not under DP-SGD.
         dp_sgd: a :class:`~numpyro_fed.dp.mechanisms.DPSGD`: the local optimisation
             (``update="optax"``, ``variant="plain"``) runs DP-SGD (paper 002 §4.1) on the
             per-row log-likelihood ``client_log_lik(u, one_row_data)``.
@@ -209,6 +232,7 @@ def pvi(
     """
     d = log_prior_factor.shift.shape[0]
     diagonal = log_prior_factor.diagonal
+    max_chunks = max(1, (max_local_steps or local_steps) // local_steps)
 
     def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
         if split_prior:  # round 1: the cavity is p; fit under p^(1/J), send q_j - p^(1/J)
@@ -232,7 +256,7 @@ def pvi(
         if dp_sgd is not None:
             return _local_dp_sgd(client_log_lik, data, cavity, q, optim, local_steps, num_particles, rng_key,
                                  dp_sgd, kl_weight)
-        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight)
+        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight, max_chunks)
 
     if dp_sgd is not None and (update != "optax" or variant != "plain" or perturb is not None):
         raise ValueError("dp_sgd= is the local optimisation of update='optax', variant='plain', without perturb=")

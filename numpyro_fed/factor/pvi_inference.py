@@ -60,6 +60,11 @@ class PVI(PrivateFit, FactorInference):
         subset_size: clients per round for ``schedule="subset"``.
         optim: optax optimiser for ``update="optax"``.
         local_steps: optimiser steps per local update.
+        max_local_steps: with ``update="optax"`` (global sites only, no DP), a local fit whose
+            objective or parameters still move over the last quarter of its steps runs
+            another ``local_steps``, up to this many in all (default ``4 * local_steps``);
+            one still moving then is reported (``UnreliableFitWarning`` naming the client
+            and round).
         num_particles: Monte Carlo draws per local ELBO estimate.
         max_halvings: PD safeguard (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
         variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (paper 002 Alg. 2) or
@@ -119,6 +124,7 @@ class PVI(PrivateFit, FactorInference):
         subset_size: int = 1,
         optim: Any = None,
         local_steps: int = 1000,
+        max_local_steps: Optional[int] = None,
         num_particles: int = 8,
         max_halvings: int = 10,
         variant: str = "plain",
@@ -145,6 +151,10 @@ class PVI(PrivateFit, FactorInference):
         self.update_kind = update
         self.optim = optim
         self.local_steps = check_positive_int("local_steps", local_steps)
+        self.max_local_steps = (4 * self.local_steps if max_local_steps is None
+                                else check_positive_int("max_local_steps", max_local_steps))
+        if self.max_local_steps < self.local_steps:
+            raise ValueError(f"max_local_steps={max_local_steps}: must be at least local_steps={local_steps}")
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
         self.dp = check_dp_options(self, dp, dp_batch_size, trusted_aggregator)
@@ -170,9 +180,11 @@ class PVI(PrivateFit, FactorInference):
         return structure._replace(row_plate=self._shard_plate(clients, structure.row_plate))
 
     def _fit_advice(self) -> Dict[str, Any]:
-        return {"stat": ("the local optimisation had not converged (the local ELBO was still rising)",
-                         "drift over the last quarter, in standard errors",
-                         f"Raise local_steps (now {self.local_steps}) or the optimiser's learning rate."),
+        return {"stat": ("the local optimisation had not converged (the local ELBO still rising or q's mean or sd "
+                         "still moving over the last quarter of the steps)",
+                         "convergence statistic (objective and parameter drift over their limits; above 1 fails)",
+                         f"Raise local_steps (now {self.local_steps}) or max_local_steps (now "
+                         f"{self.max_local_steps}), or change the optimiser's learning rate."),
                 "k": _K_ADVICE, "invalid": ""}
 
     def _algorithm(self, terms, plan, num_clients: int):
@@ -199,7 +211,8 @@ class PVI(PrivateFit, FactorInference):
             common["split_prior"] = True
         return pvi(
             terms.prior, terms.log_lik, num_clients, update=self.update_kind, optim=self.optim,
-            local_steps=self.local_steps, num_particles=self.num_particles, variant=self.variant,
+            local_steps=self.local_steps, max_local_steps=self.max_local_steps, num_particles=self.num_particles,
+            variant=self.variant,
             num_shards=self.num_shards, perturb=private.perturb if private else None,
             dp_sgd=private.dp_sgd if private else None, trusted_aggregator=self.trusted_aggregator, **common,
         )
