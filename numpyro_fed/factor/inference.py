@@ -29,7 +29,7 @@ from ..horizontal.inference import check_positive_int
 from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
 from .check import log_weight_estimator
-from ..fit_check import (MOMENT_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample)
+from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample)
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
 from . import gaussian as G
@@ -239,7 +239,8 @@ class FactorInference(FederatedInference):
             warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
                                                local=self._local_note(setup)), UnreliableFitWarning, stacklevel=5)
         elif check.verdict == "biased":
-            warnings.warn(_Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights), margin=MOMENT_MARGIN,
+            warnings.warn(_Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights),
+                                           mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
                                            sites=describe_biased(check.biased), local=self._local_note(setup)),
                           BiasedFitWarning, stacklevel=5)
 
@@ -397,7 +398,8 @@ _Q_UNRELIABLE = (
 )
 _Q_BIASED = (
     "{cls}: Pareto k = {k:.2f} is below 0.7, but q's moments disagree with the importance-weighted moments of the "
-    "same {n} draws (by more than {margin:.0%} of the weighted sd) at {sites}{local}: q is biased there (a Gaussian "
+    "same {n} draws (means more than {mean_margin} weighted sds apart or sds more than {sd_margin:.0%}) at "
+    "{sites}{local}: q is biased there (a Gaussian "
     "in unconstrained space whose tails are off shows in user space, or the fit has not converged). Use "
     "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, run "
     "more rounds, or check against NUTS; check_fit=False silences this"

@@ -89,20 +89,34 @@ PARAMETER_DRIFT_LIMIT = 0.05  # a local fit's mean or sd still moving by more th
 
 def parameter_drift(locs: Array, sds: Array) -> Array:
     """How far a local fit's parameters still moved between the last two quarters of its
-    iterates (``(steps, n)`` means and sds): the largest ``|mean change| / sd`` and
-    ``|log sd change|`` over the coordinates, comparing the quarters' averages. The loss
-    can look flat while Adam still moves a scale slowly; this judges the parameters."""
+    iterates (``(steps, n)`` means and sds), in units of its limit: per coordinate, the
+    change of the quarters' average mean over ``PARAMETER_DRIFT_LIMIT`` sds, and of their
+    average log sd over ``PARAMETER_DRIFT_LIMIT``, each limit raised to ``DRIFT_LIMIT``
+    standard errors of the quarter averages (by batch means) when the optimiser's noise is larger; the
+    largest. Above 1: still moving. The loss can look flat while Adam still moves a scale
+    slowly; this judges the parameters."""
     n = locs.shape[0] // 4
-    loc_a, loc_b = jnp.mean(locs[-2 * n:-n], 0), jnp.mean(locs[-n:], 0)
-    sd_a, sd_b = jnp.mean(sds[-2 * n:-n], 0), jnp.mean(sds[-n:], 0)
-    return jnp.maximum(jnp.max(jnp.abs(loc_a - loc_b) / sd_b), jnp.max(jnp.abs(jnp.log(sd_a / sd_b))))
+    batches = max(min(n // 5, 10), 1)  # batch means: the iterates are autocorrelated (momentum)
+    size = max(n // batches, 1)
+
+    def se_of_mean(x):
+        means = jnp.mean(x[-batches * size:].reshape((batches, size) + x.shape[1:]), 1)
+        return jnp.sqrt(jnp.var(means, 0) / max(batches - 1, 1))
+
+    def stat(x, unit):
+        a, b = x[-2 * n:-n], x[-n:]
+        se = jnp.sqrt(se_of_mean(a) ** 2 + se_of_mean(b) ** 2)
+        return jnp.abs(jnp.mean(a, 0) - jnp.mean(b, 0)) / jnp.maximum(PARAMETER_DRIFT_LIMIT * unit, DRIFT_LIMIT * se)
+
+    unit = jnp.mean(sds[-n:], 0)
+    return jnp.maximum(jnp.max(stat(locs, unit)), jnp.max(stat(jnp.log(sds), jnp.ones_like(unit))))
 
 
 def convergence_stat(values: Array, locs: Array, sds: Array) -> Array:
     """The local fit's convergence statistic in units of its limits: the larger of the
-    objective's drift over :data:`DRIFT_LIMIT` and the parameters' over
-    :data:`PARAMETER_DRIFT_LIMIT`. Above 1: not converged."""
-    return jnp.maximum(objective_drift(values) / DRIFT_LIMIT, parameter_drift(locs, sds) / PARAMETER_DRIFT_LIMIT)
+    objective's drift over :data:`DRIFT_LIMIT` and :func:`parameter_drift`. Above 1: not
+    converged."""
+    return jnp.maximum(objective_drift(values) / DRIFT_LIMIT, parameter_drift(locs, sds))
 
 
 def pareto_k(log_weights: Array) -> Array:

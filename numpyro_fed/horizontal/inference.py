@@ -24,7 +24,7 @@ from ..dp.plan import PrivateFit, check_sgd_options
 from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
-from ..fit_check import (MOMENT_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
+from ..fit_check import (MEAN_MARGIN, SD_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
                          importance_resample)
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
 
@@ -47,8 +47,8 @@ _UNRELIABLE = (
 )
 _BIASED = (
     "{cls}: Pareto k = {k:.2f} is below {limit}, but q's moments disagree with the importance-weighted moments "
-    "of the same {n} draws (by more than {margin:.0%} of the weighted sd) at {sites}: q is biased there (a "
-    "Gaussian too narrow for a hierarchical scale, a skewed marginal, or too few rounds). Use "
+    "of the same {n} draws (means more than {mean_margin} weighted sds apart or sds more than {sd_margin:.0%}) "
+    "at {sites}: q is biased there (a Gaussian too narrow for a hierarchical scale, a skewed marginal, or too few rounds). Use "
     "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, "
     "fit longer or with a richer guide, or check against NUTS; check_fit=False silences this"
 )
@@ -282,7 +282,8 @@ class FederatedSVI(PrivateFit, FederatedInference):
                                              n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=4)
         elif diag.verdict == "biased":
             warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
-                                         margin=MOMENT_MARGIN, sites=describe_biased(diag.biased)),
+                                         mean_margin=MEAN_MARGIN,
+                                         sd_margin=SD_MARGIN, sites=describe_biased(diag.biased)),
                           BiasedFitWarning, stacklevel=4)
         return result
 
