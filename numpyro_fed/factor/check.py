@@ -4,8 +4,12 @@ global sites, summed from every client's own term (see :mod:`numpyro_fed.fit_che
 The server draws ``u`` from ``q`` and sends the draws; each client returns one scalar per
 draw, ``log p(y_j | u)``, over its own rows: exact for models whose local sites are
 discrete (summed out), and with continuous local latents the integrated Laplace
-approximation of ``log ∫ p(y_j, v | u) dv`` (exact when ``v | u`` is Gaussian), warm-started
-at the conditional mode at ``q``'s mean. The server adds the prior factor (read off the
+approximation of ``log ∫ p(y_j, v | u) dv``, warm-started at the conditional mode at
+``q``'s mean. That is exact when ``v | u`` is Gaussian (a Gaussian hierarchical model,
+centred or not), which :func:`locals_are_gaussian` checks on each client; ``run`` checks
+``q`` only then (the Laplace term of a logistic GLMM with a few rows per random effect is
+biased enough to flag a right fit: measured on the demo's six-cities model, beta0 off by
+1.1 weighted sds for an EP fit within 0.04 NUTS sds). The server adds the prior factor (read off the
 model, exact up to a constant for the Gaussian priors these families take) and ``-log q(u)``.
 Pure and jit-compatible.
 """
@@ -23,10 +27,20 @@ from . import gaussian as G
 from .gaussian import NaturalGaussian
 from .tilted import integrated_laplace
 
-__all__ = ["client_log_likelihoods", "log_weight_estimator"]
+__all__ = ["client_log_likelihoods", "locals_are_gaussian", "log_weight_estimator"]
 
 INNER_STEPS = 30  # Newton steps to the conditional mode at q's mean (the warm start)
-WARM_STEPS = 8  # Newton steps from the warm start at each draw
+WARM_STEPS = 4  # Newton steps from the warm start at each draw (one is exact for a Gaussian v | u)
+GAUSSIAN_TOL = 1e-4  # relative change of the local Hessian between two points of a Gaussian v | u
+
+
+def locals_are_gaussian(log_joint: Callable, num_global: int, num_local: int, mean, data, rng_key):
+    """Whether ``v -> log p(y_j, v | u)`` is quadratic at ``u = mean`` (the client's own
+    check on its own rows): its Hessian at 0 and at a random point agree."""
+    if not num_local:
+        return jnp.asarray(True)
+    change = G.hessian_change(lambda v: log_joint(jnp.concatenate([mean, v]), data), num_local, rng_key)
+    return change <= GAUSSIAN_TOL
 
 
 def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int, mean, u, data):
