@@ -264,3 +264,59 @@ def test_parameter_drift_sees_a_scale_that_still_moves():
     assert float(parameter_drift(noisy * 0.01, still)) < 1.0 and PARAMETER_DRIFT_LIMIT == 0.05
     with pytest.raises(ValueError, match="max_local_steps=50: must be at least local_steps=100"):
         nf.PVI(negative_binomial_glm, update="optax", optim=optax.adam(0.01), local_steps=100, max_local_steps=50)
+
+
+def _vertical_regression(n=300):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (X @ np.array([1.0, -0.5, 0.8, 0.3]) + 0.7 * rng.normal(size=n)).astype(np.float32)
+
+    def model(xa, xb, y):
+        ba = numpyro.sample("ba", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        bb = numpyro.sample("bb", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+        with numpyro.plate("rows", y.shape[0]):
+            ga = numpyro.deterministic("ga", xa @ ba)
+            gb = numpyro.deterministic("gb", xb @ bb)
+            numpyro.sample("y", dist.Normal(ga + gb, sigma), obs=y)
+
+    spec = {"a": dict(data="xa", sites="ba", contribution="ga"), "b": dict(data="xb", sites="bb", contribution="gb")}
+    return model, spec, dict(xa=X[:, :2], xb=X[:, 2:], y=y)
+
+
+def test_vertical_svi_with_a_too_large_rho_warns_with_the_rho_that_would_do():
+    """The docs' rho = 0.5 on standardised data (noise sd 0.7, n = 300): the augmented model
+    adds predictor noise 2 rho^2 = 0.5, half the likelihood's own, and the warning gives the
+    rule's rho; the same fit at a rho below it does not warn."""
+    model, spec, data = _vertical_regression()
+    svi = nf.VerticalSVI(nf.vertical_split(model, clients=spec, rho=0.5, response="y"), nf.VerticalGuide("amortized"),
+                         optax.adam(0.02))
+    with pytest.warns(nf.UnreliableFitWarning, match=r"rho = 0.5 is too large .* Use rho <= 0\.\d+"):
+        svi.run(jax.random.PRNGKey(0), 1000, progress_bar=False, **data)
+    check = svi.last_rho_check
+    assert check.shift > 1.0 and check.rho_max < 0.15
+    # the rule's rho_max depends on the data's scale, not on rho: a fit at a rho below it passes
+    rho = 0.5 * check.rho_max
+    ok = nf.VerticalSVI(nf.vertical_split(model, clients=spec, rho=rho, response="y"), nf.VerticalGuide("amortized"),
+                        optax.adam(0.02))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok.run(jax.random.PRNGKey(0), 1000, progress_bar=False, **data)
+    assert not [w for w in caught if "too large" in str(w.message)]
+    assert ok.last_rho_check.ok and ok.last_rho_check.shift <= 0.3
+
+
+def test_augmentation_check_is_the_gaussian_algebra():
+    """Gaussian likelihood, noise sd 0.5: curvature 1/0.25 = 4 per row, excess J rho^2 * 4."""
+    from numpyro_fed.vertical.rho import augmentation_check
+
+    y = np.linspace(-1.0, 1.0, 50)
+
+    def log_lik(z):
+        return jax.numpy.sum(dist.Normal(z["a"] + z["b"], 0.5).log_prob(y))
+
+    z = {"a": jax.numpy.zeros(50), "b": jax.numpy.zeros(50)}
+    check = augmentation_check(log_lik, z, 0.1, 50)
+    assert np.isclose(check.curvature, 4.0, rtol=1e-5) and np.isclose(check.excess, 2 * 0.01 * 4.0, rtol=1e-5)
+    assert np.isclose(check.shift, check.excess * 5.0, rtol=1e-5)
+    assert np.isclose(check.rho_max, np.sqrt(0.3 * np.sqrt(2 / 50) / 8.0), rtol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Optional
 
 import jax
@@ -12,12 +13,22 @@ from jax import random
 from ..protocol import RunResult, RunState
 from .guides import VerticalGuide
 from .inference import VerticalInference
+from ..inference import Setup
+from ..warnings import UnreliableFitWarning
 from .objective import SERVER, VerticalObjective
+from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
 from .sfvi_algorithm import vertical_sfvi
 
 __all__ = ["VerticalSVI"]
 
 _GUIDE = "guide must be an nf.VerticalGuide (e.g. nf.VerticalGuide('amortized')); got {kind}"
+_RHO_TOO_LARGE = (
+    "VerticalSVI: rho = {rho:g} is too large for this data: the augmented model adds predictor noise of variance "
+    "J rho^2 = {added:.3g}, {excess:.1%} of the likelihood's own (mean curvature {curv:.3g}), which moves the "
+    "likelihood's scale by about {shift:.1f} posterior sds and biases the coefficients with it, so the augmented "
+    "posterior is not the true model's. Use rho <= {rho_max:.3g} (the rule in nf.vertical.rho: shift <= "
+    "{limit}); check_rho=False silences this"
+)
 
 
 class VerticalSVI(VerticalInference):
@@ -33,6 +44,10 @@ class VerticalSVI(VerticalInference):
         optim: an ``optax.GradientTransformation`` (each party runs its own copy).
         batch_size: rows per iteration, chosen by the server (``None``: all rows).
         model_kwargs: non-data keyword arguments of the model.
+        check_rho: after ``run`` (augmented form, simulation), compare ``rho`` with the
+            data's scale (:mod:`numpyro_fed.vertical.rho`) and warn
+            (``UnreliableFitWarning``, with the ``rho`` that would do) when the augmented
+            posterior is measurably not the true model's; kept as ``last_rho_check``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -71,16 +86,55 @@ class VerticalSVI(VerticalInference):
         *,
         batch_size: Optional[int] = None,
         model_kwargs: Optional[dict] = None,
+        check_rho: bool = True,
     ) -> None:
         if not isinstance(guide, VerticalGuide):
             raise TypeError(_GUIDE.format(kind=type(guide).__name__))
         self.model, self.guide = model, guide
+        self.check_rho = bool(check_rho)
+        self.last_rho_check: Optional[AugmentationCheck] = None
         self._init_runner(optim, batch_size, model_kwargs)
 
     def _build_algorithm(self, data):
         obj = VerticalObjective(self.model, self.guide, data, self.model_kwargs)
         self._check_batch(obj)
         return obj, vertical_sfvi(obj, self.optim, self.batch_size)
+
+    def _check_result(self, setup: Setup, result: RunResult) -> None:
+        self.last_rho_check = None
+        obj = setup.extra[0]
+        if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
+            return
+        check = self.last_rho_check = self.rho_check(result)
+        if not check.ok:
+            warnings.warn(_RHO_TOO_LARGE.format(rho=check.rho, added=len(obj.clients) * check.rho**2,
+                                                excess=check.excess, curv=check.curvature, shift=check.shift,
+                                                rho_max=check.rho_max, limit=RHO_SHIFT_LIMIT),
+                          UnreliableFitWarning, stacklevel=4)
+
+    def rho_check(self, result) -> AugmentationCheck:
+        """How far the augmented posterior is from the true model's at this fit (see
+        :mod:`numpyro_fed.vertical.rho`): the server's likelihood curvature at the fitted
+        ``z`` (each client's ``z`` at its ``q``'s mean, the z it sends). Simulation only."""
+        state = result.state if isinstance(result, RunResult) else result
+        setup = self._fitted()
+        obj = setup.extra[0]
+        params = self._params(setup, state)
+        data, rows = setup.cache["data"], jnp.arange(obj.num_rows)
+        z = {}
+        for c in obj.clients:
+            p = params[c]
+            u, _ = self.guide.theta.sample(p["theta"], jnp.zeros(obj.layouts[c].size))
+            own = obj.party_args(c, data, rows)
+            z[c] = obj.client_term(c, u, p["aux"], jnp.zeros(obj.num_rows), own, rows, points=p["point"])[1]
+        server = params[SERVER]
+        u0, _ = self.guide.theta.sample(server["theta"], jnp.zeros(obj.layouts[SERVER].size))
+        own0 = obj.party_args(SERVER, data, rows)
+
+        def log_lik(zz):  # the server's term; its prior part does not depend on z
+            return obj.server_term(u0, zz, own0, rows, server["point"])
+
+        return augmentation_check(log_lik, z, self.model.rho, obj.num_rows)
 
     def evaluate(self, state: RunState, num_particles: int = 16, rng_key=None, **data):
         """``-ELBO`` on all rows, averaged over ``num_particles`` draws (jit-compiled)."""
