@@ -132,7 +132,7 @@ def _verdict(method) -> str:
     check = getattr(method, "last_fit_check", None)
     if check is not None:
         return f"{check.verdict} (k {check.pareto_k:.2f})"
-    return "not run (local latents not Gaussian given the global sites; the silos' own local-fit checks ran)" \
+    return "not run (no silo could integrate its local latents reliably; the silos' own local-fit checks ran)" \
         if getattr(method, "last_fit_check_skipped", None) else "not run"
 
 

@@ -29,7 +29,7 @@ from ..handlers import GLOBAL, LOCAL, site_role
 from ..horizontal.inference import check_positive_int
 from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
-from .check import locals_are_gaussian, log_weight_estimator
+from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample)
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
@@ -236,7 +236,7 @@ class FactorInference(FederatedInference):
                           f"only for {cls} so far; over a network backend q is unchecked: check the fit in "
                           f"simulation, or pass check_fit=False to silence this", UncheckedFitWarning, stacklevel=5)
             return
-        if not self._locals_gaussian(setup, result):
+        if self._local_integral(setup, result) is None:
             self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
             return
         check = self.last_fit_check = self.diagnose(result)
@@ -249,34 +249,55 @@ class FactorInference(FederatedInference):
                                            sites=describe_biased(check.biased), local=self._local_note(setup)),
                           BiasedFitWarning, stacklevel=5)
 
-    def _locals_gaussian(self, setup: Setup, result: RunResult) -> bool:
-        """Each client's check that its local latents are Gaussian given the global sites
-        (at ``q``'s mean), so that its Laplace term of the fit check is exact."""
+    def _local_integral(self, setup: Setup, result) -> Optional[str]:
+        """How the clients compute ``log p(y_j | theta)`` for the check: ``"exact"`` (no
+        continuous local latents, or Gaussian ones given the global sites: Laplace is
+        exact), ``"sampled"`` (importance sampling with the Laplace proposal, which every
+        client found good enough on its own rows) or ``None`` (some client's proposal is
+        not: the check would not be trustworthy). Each client decides on its own rows at
+        ``q``'s mean; cached per state."""
         terms, plan = setup.extra.terms, setup.plan
         if not terms.num_local:
-            return True
-        mean, _ = G.to_moments(result.state.server.q)
-        check = partial(locals_are_gaussian, terms.log_joint, mean.shape[0], terms.num_local, mean)
-        key = random.PRNGKey(5)
+            return "exact"
+        state = result.state if isinstance(result, RunResult) else result
+        mean, _ = G.to_moments(state.server.q)
+        d = mean.shape[0]
+        gaussian = partial(locals_are_gaussian, terms.log_joint, d, terms.num_local, mean)
+        k_of = partial(local_integral_k, terms.log_joint, d, terms.num_local, mean)
+        keys = self._client_check_keys(setup, state)
         if plan.mapping == "vmap":
-            return bool(jnp.all(jax.jit(jax.vmap(check, in_axes=(0, None)))(plan.data, key)))
-        return all(bool(jax.jit(check)(data, key)) for data in plan.data)
+            if bool(jnp.all(jax.jit(jax.vmap(gaussian, in_axes=(0, None)))(plan.data, random.PRNGKey(5)))):
+                return "exact"
+            k = np.asarray(jax.jit(jax.vmap(k_of))(plan.data, keys))
+        else:
+            if all(bool(jax.jit(gaussian)(data, random.PRNGKey(5))) for data in plan.data):
+                return "exact"
+            k = np.array([float(jax.jit(k_of)(data, key)) for data, key in zip(plan.data, keys)])
+        return "sampled" if np.all(k <= PARETO_K_LIMIT) else None
+
+    @staticmethod
+    def _client_check_keys(setup: Setup, state: RunState):
+        """Each client's key for the check, from its own key (the server never holds it)."""
+        if setup.plan.mapping == "vmap":
+            return jax.vmap(lambda k: random.fold_in(k, 0x51))(state.clients.rng_key)
+        return [random.fold_in(slot.rng_key, 0x51) for slot in state.clients]
 
     @staticmethod
     def _local_note(setup: Setup) -> str:
-        return (" (local latents integrated out on each client, exactly: they are Gaussian given the global sites)"
-                if setup.extra.terms.num_local else "")
+        return (" (local latents integrated out on each client, by Laplace with importance sampling where they are "
+                "not Gaussian given the global sites)" if setup.extra.terms.num_local else "")
 
     def diagnose(self, result: Union[RunResult, RunState], num_draws: int = 1000, rng_key=None) -> FitDiagnostic:
         """How far ``q`` is from the posterior of the global sites, by Pareto-smoothed
         importance sampling: the server draws ``u ~ q``, each client returns its own
-        ``log p(y_j | u)`` per draw (local latents integrated by Laplace; see
+        ``log p(y_j | u)`` per draw (local latents integrated by Laplace, importance-
+        corrected where they are not Gaussian given the global sites; see
         :mod:`numpyro_fed.factor.check`), the server adds the prior and ``-log q(u)``. Also
         compares ``q``'s user-space moments with the weighted ones (see
         :mod:`numpyro_fed.fit_check`). ``run`` calls this (``check_fit=True``) and warns,
-        when the model's local latents (if any) are Gaussian given the global sites, where
-        the Laplace term is exact; otherwise ``last_fit_check_skipped`` says why it did not,
-        and a call here gives the approximate check. Simulation only.
+        unless some client's importance proposal for its local latents fails its own
+        check (then ``last_fit_check_skipped`` says why, and a call here gives the
+        plain-Laplace, approximate check). Simulation only.
 
         Returns:
             a :class:`~numpyro_fed.FitDiagnostic`.
@@ -287,12 +308,13 @@ class FactorInference(FederatedInference):
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs the simulation's client states")
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
-        key = ("log_weights", num_draws)
+        sampled = self._local_integral(setup, state) == "sampled"
+        key = ("log_weights", num_draws, sampled)
         if key not in setup.cache:  # compiled once per set-up
             terms = setup.extra.terms
             setup.cache[key] = jax.jit(log_weight_estimator(terms.prior, terms.log_joint, terms.num_local,
-                                                            setup.plan.mapping, num_draws))
-        log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key)
+                                                            setup.plan.mapping, num_draws, sampled))
+        log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, self._client_check_keys(setup, state))
         return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u))
 
     def _user_space(self, u) -> Dict[str, np.ndarray]:
@@ -412,9 +434,9 @@ _PRIOR_DEPENDS_ON_DATA = (
 
 _NOT_CHECKED = (
     "{cls}: q was not checked against the posterior: the model's local latents are not Gaussian given the global "
-    "sites, so each client's term log p(y_j | theta) would be a Laplace approximation whose error can flag a right "
-    "fit or pass a wrong one. The clients' own checks of their local fits still ran; diagnose() runs the "
-    "approximate check on request"
+    "sites, and some client's importance sampling of them (Laplace proposal) failed its own Pareto-k check, so its "
+    "term log p(y_j | theta) could flag a right fit or pass a wrong one. The clients' own checks of their local fits "
+    "still ran; diagnose() runs the approximate (plain Laplace) check on request"
 )
 _Q_UNRELIABLE = (
     "{cls}: the fitted q is unreliable: Pareto k = {k:.2f} > 0.7 for the importance ratios p(theta, y) / q(theta) "

@@ -165,7 +165,7 @@ def _backtrack(neg: Callable, v: Array, dv: Array) -> Array:
     return cands[jnp.argmax(ok)]  # the first acceptable (the last, no move, always is)
 
 
-def _inner_mode(neg: Callable, v0: Array, steps: int) -> Array:
+def inner_mode(neg: Callable, v0: Array, steps: int) -> Array:
     """Minimise ``neg(v)`` by (saddle-free) Newton with backtracking, ``steps`` iterations
     from ``v0``."""
 
@@ -197,7 +197,7 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
         return lambda v: -f(jnp.concatenate([u, v]))
 
     def log_marginal(u, v0, steps, refine=0, volume_only=False):
-        v = jax.lax.stop_gradient(_inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps))
+        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps))
         neg = neg_v(u)
         for _ in range(refine):
             h = jax.hessian(neg)(v)
