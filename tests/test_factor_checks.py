@@ -51,28 +51,29 @@ def schools():
 
 
 @pytest.fixture(scope="module")
-def exact():
-    """Posterior mean and sd of (mu, log tau) by quadrature on a 1200 x 1200 grid."""
+def grid():
+    """The posterior of (mu, log tau) on a 1200 x 1200 grid: ``(mu, log tau, weights)``."""
     mu, lt = np.meshgrid(np.linspace(-25, 35, 1200), np.linspace(-8, 5, 1200), indexing="ij")
     logp = stats.norm.logpdf(mu, 0, 5) + stats.norm.logpdf(lt, 1, 1)
     for y, s in zip(Y, SIGMA):
         logp = logp + stats.norm.logpdf(y, mu, np.sqrt(s**2 + np.exp(2 * lt)))
     w = np.exp(logp - logp.max())
-    w /= w.sum()
+    return mu, lt, w / w.sum()
+
+
+@pytest.fixture(scope="module")
+def exact(grid):
+    """Posterior mean and sd of (mu, log tau) by quadrature."""
+    mu, lt, w = grid
     mean = np.array([(w * mu).sum(), (w * lt).sum()])
     sd = np.sqrt(np.array([(w * mu**2).sum(), (w * lt**2).sum()]) - mean**2)
     return mean, sd
 
 
 @pytest.fixture(scope="module")
-def exact_tau():
+def exact_tau(grid):
     """Posterior mean and sd of tau itself (user space), by the same quadrature."""
-    mu, lt = np.meshgrid(np.linspace(-25, 35, 1200), np.linspace(-8, 5, 1200), indexing="ij")
-    logp = stats.norm.logpdf(mu, 0, 5) + stats.norm.logpdf(lt, 1, 1)
-    for y, s in zip(Y, SIGMA):
-        logp = logp + stats.norm.logpdf(y, mu, np.sqrt(s**2 + np.exp(2 * lt)))
-    w = np.exp(logp - logp.max())
-    w /= w.sum()
+    _, lt, w = grid
     tau = np.exp(lt)
     mean = (w * tau).sum()
     return mean, np.sqrt((w * tau**2).sum() - mean**2)
