@@ -13,8 +13,9 @@ From ``log w`` and the server's own draws this module computes:
   importance sampling *can* correct ``q``; it does not say ``q`` is right. When ``q`` is
   too narrow or shifted, the weighted moments move away from ``q``'s; a mean more than
   :data:`MEAN_MARGIN` weighted sds away, or an sd off by more than :data:`SD_MARGIN` of the
-  weighted sd (each widened to 3 Monte Carlo errors of the weighted moments when those are
-  larger), is reported as a biased site.
+  weighted sd (each widened to 3 Monte Carlo standard errors of the self-normalised weighted
+  moments when those are larger: a heavy-tailed scale gets a wider margin), is reported as
+  a biased site.
 - **Corrected draws**: importance resampling of the check's draws by their smoothed
   weights (``sample_posterior(..., corrected=True)``), usable when k is below the limit.
 
@@ -121,14 +122,22 @@ def moment_report(draws: Dict[str, np.ndarray], weights: np.ndarray, ess: float)
     """Per-scalar :class:`SiteMoments` of ``draws`` (user space, ``(S, ...)`` each) under
     equal weights and under ``weights``, and the biased ones."""
     moments, biased = [], []
-    mcse = _MCSE_FACTOR / np.sqrt(max(ess, 1.0))
-    mean_margin, sd_margin = max(MEAN_MARGIN, mcse), max(SD_MARGIN, mcse)
     for site, x in _flat_sites(draws, len(weights)):
         wm = float(np.sum(weights * x))
-        wsd = float(np.sqrt(np.sum(weights * (x - wm) ** 2)))
+        r2 = (x - wm) ** 2
+        var = float(np.sum(weights * r2))
+        wsd = float(np.sqrt(var))
         m = SiteMoments(site, float(x.mean()), float(x.std()), wm, wsd)
         moments.append(m)
-        if wsd > 0 and (abs(m.mean_gap) > mean_margin or abs(np.log(m.sd_ratio)) > np.log1p(sd_margin)):
+        if wsd <= 0:
+            continue
+        # Monte Carlo standard errors of the self-normalised estimates (Owen, 2013, eq. 9.8; the
+        # delta method for the sd): heavy-tailed sites (a scale) get wider margins than 1/sqrt(ESS)
+        se_mean = float(np.sqrt(np.sum(weights**2 * r2))) / wsd
+        se_log_sd = float(np.sqrt(np.sum(weights**2 * (r2 - var) ** 2))) / (2.0 * var)
+        mean_margin = max(MEAN_MARGIN, _MCSE_FACTOR * se_mean)
+        sd_margin = max(np.log1p(SD_MARGIN), _MCSE_FACTOR * se_log_sd)
+        if abs(m.mean_gap) > mean_margin or abs(np.log(m.sd_ratio)) > sd_margin:
             biased.append(m)
     return tuple(moments), tuple(biased)
 

@@ -49,7 +49,10 @@ def test_update_perturbation_without_noise_and_with_a_large_clip_is_pvi(clients,
 
 def test_dp_sgd_without_noise_with_every_row_and_a_large_clip_is_pvi(clients):
     kw = dict(update="optax", optim=optax.adam(0.05), local_steps=30, num_particles=4, schedule="sequential")
-    plain = nf.PVI(linear_model, **kw).run(jax.random.PRNGKey(0), 3, clients)
+    # the same step budget: a DP-SGD local fit is never extended (every step is accounted)
+    plain = nf.PVI(linear_model, max_local_steps=30, **kw).run(jax.random.PRNGKey(0), 3, clients)
+    with pytest.raises(ValueError, match="every local step is accounted"):
+        nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=20, max_local_steps=60, **kw)
     dp = nf.PVI(marked(clip=1e9, noise_multiplier=0.0), dp="optimisation", dp_batch_size=20, **kw)
     same = dp.run(jax.random.PRNGKey(0), 3, clients)
     np.testing.assert_allclose(same.mean, plain.mean, rtol=1e-4, atol=1e-5)

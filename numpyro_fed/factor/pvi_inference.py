@@ -62,8 +62,8 @@ class PVI(PrivateFit, FactorInference):
         local_steps: optimiser steps per local update.
         max_local_steps: with ``update="optax"`` (global sites only, no DP), a local fit whose
             objective or parameters still move over the last quarter of its steps runs
-            another ``local_steps``, up to this many in all (default ``4 * local_steps``);
-            one still moving then is reported (``UnreliableFitWarning`` naming the client
+            another ``local_steps``, up to this many in all (default ``4 * local_steps``;
+            under ``dp=`` no extension, as every step is accounted); one still moving then is reported (``UnreliableFitWarning`` naming the client
             and round).
         num_particles: Monte Carlo draws per local ELBO estimate.
         max_halvings: PD safeguard (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
@@ -151,16 +151,26 @@ class PVI(PrivateFit, FactorInference):
         self.update_kind = update
         self.optim = optim
         self.local_steps = check_positive_int("local_steps", local_steps)
-        self.max_local_steps = (4 * self.local_steps if max_local_steps is None
-                                else check_positive_int("max_local_steps", max_local_steps))
-        if self.max_local_steps < self.local_steps:
-            raise ValueError(f"max_local_steps={max_local_steps}: must be at least local_steps={local_steps}")
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
         self.dp = check_dp_options(self, dp, dp_batch_size, trusted_aggregator)
+        self.max_local_steps = self._local_budget(max_local_steps)
         self.dp_batch_size = None if dp_batch_size is None else int(dp_batch_size)
         self.trusted_aggregator = bool(trusted_aggregator)
         self._dp_rounds: Optional[int] = None  # the rounds a calibration to epsilon= plans for
+
+    def _local_budget(self, max_local_steps: Optional[int]) -> int:
+        """``max_local_steps``: 4 x ``local_steps`` by default; ``local_steps`` under DP, where
+        every local step is accounted and a fit is never extended."""
+        if max_local_steps is None:
+            return self.local_steps if self.dp is not None else 4 * self.local_steps
+        value = check_positive_int("max_local_steps", max_local_steps)
+        if value < self.local_steps:
+            raise ValueError(f"max_local_steps={max_local_steps}: must be at least local_steps={self.local_steps}")
+        if self.dp is not None and value != self.local_steps:
+            raise ValueError(f"max_local_steps={max_local_steps}: under dp={self.dp!r} every local step is accounted, "
+                             f"so a local fit is never extended; leave max_local_steps unset")
+        return value
 
     def _check_structure(self, structure) -> None:
         if not structure.local_latent_names:
