@@ -40,7 +40,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import numpy as np
 
 __all__ = ["FitDiagnostic", "MEAN_MARGIN", "PARETO_K_LIMIT", "SD_MARGIN", "SiteMoments", "fit_diagnostic",
-           "importance_resample", "moment_report"]
+           "importance_resample", "moment_report", "state_fingerprint"]
 
 PARETO_K_LIMIT = 0.7
 """Pareto k above which importance sampling cannot correct ``q`` (Vehtari et al., 2024)."""
@@ -155,6 +155,19 @@ def fit_diagnostic(log_w: np.ndarray, draws: Optional[Dict[str, np.ndarray]] = N
     moments, biased = moment_report(draws, w, ess) if draws else ((), ())
     keep = None if unconstrained is None else np.asarray(unconstrained)
     return FitDiagnostic(k, ess, float(np.mean(log_w)), log_w, moments, biased, keep)
+
+
+def state_fingerprint(server_state) -> str:
+    """A digest of a server state's arrays: which fit a check belongs to (corrected draws must
+    come from the check of the state they are asked for, not from the last run's)."""
+    import hashlib
+
+    import jax
+
+    digest = hashlib.sha1()
+    for leaf in jax.tree_util.tree_leaves(server_state):
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()
 
 
 _NOT_CORRECTABLE = (

@@ -19,14 +19,19 @@ Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
 SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
 
 
-def eight_schools(y, sigma):
+def _schools_model(tau_prior):
     """Non-centred eight schools, one school per client (its effect is local)."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with nf.local_site():
-        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
-    with numpyro.plate("rows", y.shape[0]):
-        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+    def model(y, sigma):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = numpyro.sample("tau", tau_prior)
+        with nf.local_site():
+            eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+    return model
+
+
+eight_schools = _schools_model(dist.HalfCauchy(5.0))
 
 
 def eight_schools_pooled(y, sigma):
@@ -90,11 +95,15 @@ def test_corrected_draws_refuse_what_they_cannot_correct(schools):
         svi.last_fit_check = saved._replace(pareto_k=0.9)
         with pytest.raises(ValueError, match="k = 0.90"):
             svi.sample_posterior(jax.random.PRNGKey(3), result, 10, corrected=True)
-        svi.last_fit_check = None
+        svi.last_fit_check, svi.check_fit = None, False
         with pytest.raises(ValueError, match="check_fit=True"):
             svi.sample_posterior(jax.random.PRNGKey(3), result, 10, corrected=True)
     finally:
-        svi.last_fit_check = saved
+        svi.last_fit_check, svi.check_fit = saved, True
+    # another state than the run's: its own check, never the last run's draws
+    other = svi.init(jax.random.PRNGKey(5), svi._fitted().inputs)
+    assert svi._check_of(result.state) is saved
+    assert not np.array_equal(svi._check_of(other).log_weights, saved.log_weights)
 
 
 def test_a_right_fit_passes_the_moment_check():
@@ -129,15 +138,8 @@ def test_moment_check_flags_shift_and_width_but_not_noise():
     assert fit_diagnostic(np.array([0.0, np.nan]), {"x": np.zeros(2)}).verdict == "unreliable"
 
 
-def eight_schools_lognormal(y, sigma):
-    """Eight schools with a LogNormal prior on tau (PVI/EP need a Gaussian prior in
-    unconstrained space), one school per client."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.LogNormal(1.0, 1.0))
-    with nf.local_site():
-        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
-    with numpyro.plate("rows", y.shape[0]):
-        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+# a LogNormal prior on tau: PVI/EP need a Gaussian prior in unconstrained space
+eight_schools_lognormal = _schools_model(dist.LogNormal(1.0, 1.0))
 
 
 def eight_schools_lognormal_pooled(y, sigma):

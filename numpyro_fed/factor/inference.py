@@ -30,7 +30,8 @@ from ..horizontal.inference import check_positive_int
 from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
-from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample)
+from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample,
+                         state_fingerprint)
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
 from . import gaussian as G
@@ -240,6 +241,7 @@ class FactorInference(FederatedInference):
             self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
             return
         check = self.last_fit_check = self.diagnose(result)
+        self._checked_state = state_fingerprint(result.state.server)
         if check.verdict == "unreliable":
             warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
                                                local=self._local_note(setup)), UnreliableFitWarning, stacklevel=5)
@@ -274,6 +276,17 @@ class FactorInference(FederatedInference):
                 return "exact"
             k = np.array([float(jax.jit(k_of)(data, key)) for data, key in zip(plan.data, keys)])
         return "sampled" if np.all(k <= PARETO_K_LIMIT) else None
+
+    def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
+        """The fit check of ``state``: the run's own when ``state`` is the run's result,
+        otherwise computed now where it can be trusted, so corrected draws never come from
+        another fit (``None``: no trustworthy check)."""
+        if self.last_fit_check is not None and getattr(self, "_checked_state", None) == state_fingerprint(
+                state.server):
+            return self.last_fit_check
+        if not self.check_fit or state.clients is None or self._local_integral(self._fitted(), state) is None:
+            return None
+        return self.diagnose(state)
 
     @staticmethod
     def _client_check_keys(setup: Setup, state: RunState):
@@ -408,7 +421,7 @@ class FactorInference(FederatedInference):
         state = result.state if isinstance(result, RunResult) else result
         q = state.server.q
         if corrected:
-            u = importance_resample(rng_key, self.last_fit_check, num_samples, type(self).__name__)
+            u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__)
         else:
             eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
             u = jax.vmap(lambda e: G.sample(q, e))(eps)

@@ -25,7 +25,7 @@ from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
-                         importance_resample)
+                         importance_resample, state_fingerprint)
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
 
 __all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
@@ -276,6 +276,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         else:
             diag = self.diagnose(result)
         self.last_fit_check = diag
+        self._checked_state = state_fingerprint(result.state.server)
         cls = type(self).__name__
         if diag.verdict == "unreliable":
             warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
@@ -286,6 +287,14 @@ class FederatedSVI(PrivateFit, FederatedInference):
                                          sd_margin=SD_MARGIN, sites=describe_biased(diag.biased)),
                           BiasedFitWarning, stacklevel=4)
         return result
+
+    def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
+        """The fit check of ``state``: the run's own when ``state`` is the run's result,
+        otherwise computed now (simulation), so corrected draws never come from another fit."""
+        if self.last_fit_check is not None and getattr(self, "_checked_state", None) == state_fingerprint(
+                state.server):
+            return self.last_fit_check
+        return self.diagnose(state) if self.check_fit and state.clients is not None else None
 
     def _check_draws(self, setup: Setup, state: RunState, num_draws: int, rng_key):
         """The fit check's draws of the global sites (the server's own: the same ``k_g`` as
@@ -433,7 +442,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 raise ValueError(f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
                                  f"draws only (a client's local draws are not reweighted); drop client= or "
                                  f"corrected=True")
-            z_g = importance_resample(k_g, self.last_fit_check, num_samples, type(self).__name__)
+            z_g = importance_resample(k_g, self._check_of(state), num_samples, type(self).__name__)
         else:
             eps_g = random.normal(k_g, (num_samples, obj.global_size))
             z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
