@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
@@ -174,9 +175,26 @@ def make_layout(entries) -> SiteLayout:
     return SiteLayout(names, shapes, axes, size, unravel_ordered)
 
 
+def _finite_point(msg):
+    """A continuous latent site's value drawn uniformly in (-1, 1) in unconstrained space, as
+    NumPyro's ``init_to_uniform`` does (``None`` for other sites: they keep their draw)."""
+    if (msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None
+            or msg["fn"].support.is_discrete or msg["kwargs"].get("rng_key") is None):
+        return None  # (a value set by an inner handler, e.g. improper_values, is kept)
+    fn = msg["fn"]
+    shape = tuple(msg["kwargs"].get("sample_shape", ())) + tuple(fn.batch_shape) + tuple(fn.event_shape)
+    transform = biject_to(fn.support)
+    return transform(jax.random.uniform(msg["kwargs"]["rng_key"], transform.inverse_shape(shape),
+                                        minval=-1.0, maxval=1.0))
+
+
 def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
-    """Trace ``model(**args, **kwargs)`` with a fixed seed."""
-    return trace(seed(model, rng_seed)).get_trace(**dict(args), **dict(kwargs))
+    """Trace ``model(**args, **kwargs)`` for its structure: continuous latent sites at a
+    point drawn uniformly in (-1, 1) of unconstrained space, not from their prior (a draw
+    from a heavy prior such as ``InverseGamma(0.001, 0.001)`` can be infinite and make the
+    likelihood invalid); discrete sites drawn from their prior with a fixed seed."""
+    return trace(substitute(seed(model, rng_seed), substitute_fn=_finite_point)).get_trace(
+        **dict(args), **dict(kwargs))
 
 
 def _unconstrained(site) -> jax.Array:
@@ -342,6 +360,41 @@ def constrain_params(unconstrained: Mapping, constraints: Mapping) -> Dict[str, 
         n: (biject_to(constraints[n])(u) if constraints.get(n) is not None else u)
         for n, u in unconstrained.items()
     }
+
+
+def _base_distribution(fn):
+    while True:
+        inner = getattr(fn, "base_dist", None)
+        if inner is None:
+            return fn
+        fn = inner
+
+
+class improper_values(Messenger):
+    """Give a latent site whose prior cannot be sampled (``dist.ImproperUniform``: a flat
+    prior) the point at zero in unconstrained space when nothing else set its value.
+
+    The library traces a model to read its structure, initialise a guide or evaluate a
+    density; every evaluation substitutes its own values, so this only stands in where NumPyro
+    would otherwise raise ``NotImplementedError`` for a flat prior. The log density of such a
+    site is zero wherever it is evaluated, as in NumPyro's own inference."""
+
+    def process_message(self, msg):
+        if msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None:
+            return
+        base = _base_distribution(msg["fn"])
+        if isinstance(base, dist.ImproperUniform):
+            fn = msg["fn"]
+            shape = tuple(msg["kwargs"].get("sample_shape", ())) + tuple(fn.batch_shape) + tuple(fn.event_shape)
+            transform = biject_to(fn.support)
+            msg["value"] = transform(jnp.zeros(transform.inverse_shape(shape)))
+
+
+def with_improper_values(model: Optional[Callable]) -> Optional[Callable]:
+    """``model`` under :class:`improper_values` (once; ``None`` stays ``None``)."""
+    if model is None or isinstance(model, improper_values):
+        return model
+    return improper_values(model)
 
 
 class _RowMask(Messenger):

@@ -305,6 +305,8 @@ def test_vertical_svi_with_a_too_large_rho_warns_with_the_rho_that_would_do():
         warnings.simplefilter("always")
         ok.run(jax.random.PRNGKey(0), 1000, progress_bar=False, **data)
     assert not [w for w in caught if "too large" in str(w.message)]
+    # no check of q exists for the vertical families: every fit says so
+    assert [w for w in caught if issubclass(w.category, nf.UncheckedFitWarning) and "not checked" in str(w.message)]
     assert ok.last_rho_check.ok and ok.last_rho_check.shift <= 0.3
 
 

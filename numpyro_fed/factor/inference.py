@@ -21,7 +21,7 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 from .._structure import (SiteLayout, analyse_model, deterministic_of_globals, global_deterministic_sites,
-                          is_latent, log_joint, trace_model)
+                          is_latent, log_joint, trace_model, with_improper_values)
 from ..backends.mapping import client_data, plan_clients
 from ..dp.plan import PrivateFit, refuse_dp
 from ..clients import Clients
@@ -97,7 +97,7 @@ class FactorInference(FederatedInference):
             raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
         if not 0 < damping <= 1:
             raise ValueError(f"damping={damping}: must be in (0, 1]")
-        self.model = model
+        self.model = with_improper_values(model)
         self.family, self.schedule = family, schedule
         self.damping = float(damping)
         self.subset_size = check_positive_int("subset_size", subset_size)
@@ -152,6 +152,7 @@ class FactorInference(FederatedInference):
         sites = ", ".join(layout.names)
         prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=sites,
                                    fix=_PRIOR_FIX.format(cls=cls))
+        _check_prior_is_proper(prior, layout, cls)
         if self.family == "diagonal":
             if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
                 raise ValueError("family='diagonal' needs independent priors across the global sites")
@@ -465,6 +466,27 @@ _Q_BIASED = (
     "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, run "
     "more rounds, or check against NUTS; check_fit=False silences this"
 )
+
+
+_IMPROPER = (
+    "{cls}: the prior of the global site(s) {sites} is flat (improper: zero prior precision in "
+    "unconstrained space). {cls} starts q at the prior, and an improper q has no cavity or local "
+    "ELBO, so the first round cannot be formed. Give those sites a proper Gaussian prior (e.g. "
+    "dist.Normal(0, 10) for a location, dist.LogNormal(0, 2) for a scale), or use nf.FederatedSVI, "
+    "which accepts flat priors"
+)
+
+
+def _check_prior_is_proper(prior, layout, cls) -> None:
+    """Refuse a prior with a flat direction (``dist.ImproperUniform``), naming the sites."""
+    diag = np.asarray(jnp.diag(prior.precision) if prior.precision.ndim == 2 else prior.precision)
+    flat = diag <= 1e-12 * max(1.0, float(np.max(np.abs(diag), initial=0.0)))
+    if not flat.any():
+        return
+    sizes = [int(np.prod(s)) for s in layout.shapes]
+    owners = np.repeat(np.arange(len(sizes)), sizes)
+    names = [layout.names[i] for i in sorted(set(owners[flat].tolist()))]
+    raise ValueError(_IMPROPER.format(cls=cls, sites=", ".join(names)))
 
 
 def _check_prior_is_data_free(first, last, d, names, sites) -> None:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
+from .._structure import with_improper_values
 from .._typing import Array
 
 __all__ = ["SCALES", "MeanFieldGuide", "StructuredGuide", "softplus_inverse", "std_normal_logpdf"]
@@ -86,7 +87,7 @@ class StructuredGuide:
                 raise ValueError(f"StructuredGuide({arg}={value!r}): choose one of {SCALES}")
         if not (init_scale > 0):
             raise ValueError(f"StructuredGuide(init_scale={init_scale}): must be > 0")
-        self.model = model
+        self.model = with_improper_values(model)
         self.global_scale = global_scale
         self.local_scale = local_scale
         self.conditional = bool(conditional)

@@ -13,7 +13,7 @@ import optax
 from jax import random
 
 from .._structure import (analyse_model, constrain_params, deterministic_of_globals, global_deterministic_sites,
-                          trace_model)
+                          trace_model, with_improper_values)
 from ..backends.mapping import client_data, client_item, plan_clients
 from ..clients import Clients
 from ..inference import FederatedInference, Setup
@@ -149,7 +149,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 "participation < 1 is for method='sfvi_avg'; SFVI's gradient is exact only "
                 "when every client answers each round"
             )
-        self.model = model
+        self.model = with_improper_values(model)
         self.guide = guide
         self.optim = optim
         self.method = method

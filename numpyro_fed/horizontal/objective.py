@@ -33,6 +33,7 @@ from .._structure import (
     is_latent,
     log_joint,
     trace_model,
+    with_improper_values,
 )
 from .guides import StructuredGuide
 from ..clients import ClientData
@@ -77,7 +78,7 @@ class FederatedObjective:
         model_kwargs: Optional[Mapping[str, Any]] = None,
         stl: bool = False,
     ) -> None:
-        self.model = model
+        self.model = with_improper_values(model)
         self.guide = guide
         self.structure = structure
         self.model_kwargs = dict(model_kwargs or {})

@@ -31,7 +31,7 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
-from .._structure import SiteLayout, make_layout
+from .._structure import SiteLayout, make_layout, with_improper_values
 from .handler import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
 from .guides import VerticalGuide
 
@@ -130,7 +130,7 @@ class VerticalObjective:
         self.arg_spec = {k: (tuple(jnp.shape(v)[1:]), jnp.asarray(v).dtype) for k, v in data.items()}
         self.num_rows = int(jnp.shape(next(iter(data.values())))[0])
         self.own_args = {c: tuple(a for a in data if model.owner_of_argument(a) == c) for c in self.clients}
-        tr = trace(seed(model, 0)).get_trace(**dict(data), **self.model_kwargs)
+        tr = trace(seed(with_improper_values(model), 0)).get_trace(**dict(data), **self.model_kwargs)
         self.row_plate = self._find_row_plate(tr)
         entries: Dict[str, list] = {c: [] for c in (SERVER,) + self.clients}
         self.observed = []
@@ -266,7 +266,8 @@ class VerticalObjective:
             return None
 
         aux = _AuxValue(
-            substitute(seed(self.model, 0), substitute_fn=substitute_fn), aux_values or {}, aux_fns or {}
+            substitute(seed(with_improper_values(self.model), 0), substitute_fn=substitute_fn), aux_values or {},
+            aux_fns or {}
         )
         tr = trace(aux).get_trace(**self._full_args(own, b), **self.model_kwargs)
         row_scale = self.num_rows / b

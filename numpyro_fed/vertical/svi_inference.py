@@ -14,7 +14,7 @@ from ..protocol import RunResult, RunState
 from .guides import VerticalGuide
 from .inference import VerticalInference
 from ..inference import Setup
-from ..warnings import UnreliableFitWarning
+from ..warnings import UncheckedFitWarning, UnreliableFitWarning
 from .objective import SERVER, VerticalObjective
 from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
 from .sfvi_algorithm import vertical_sfvi
@@ -28,6 +28,14 @@ _RHO_TOO_LARGE = (
     "likelihood's scale by about {shift:.1f} posterior sds and biases the coefficients with it, so the augmented "
     "posterior is not the true model's. Use rho <= {rho_max:.3g} (the rule in nf.vertical.rho: shift <= "
     "{limit}); check_rho=False silences this"
+)
+
+_UNCHECKED = (
+    "VerticalSVI: this fit is not checked against the posterior: the vertical families have no fit check "
+    "yet (only rho's distance from the true model is checked). On the external suite "
+    "(benchmarks/posteriordb_suite.py) default fits were far from the reference with no other warning. Where "
+    "the data can be pooled for a test, compare with NUTS on the augmented model; check the loss has "
+    "stopped moving (result.losses); filter nf.UncheckedFitWarning to silence this"
 )
 
 
@@ -103,6 +111,7 @@ class VerticalSVI(VerticalInference):
     def _check_result(self, setup: Setup, result: RunResult) -> None:
         self.last_rho_check = None
         obj = setup.extra[0]
+        warnings.warn(_UNCHECKED, UncheckedFitWarning, stacklevel=4)
         if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
             return
         check = self.last_rho_check = self.rho_check(result)
