@@ -181,11 +181,16 @@ def _finite_point(msg):
     if (msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None
             or msg["fn"].support.is_discrete or msg["kwargs"].get("rng_key") is None):
         return None  # (a value set by an inner handler, e.g. improper_values, is kept)
+    transform, shape = _unconstrained_shape(msg)
+    return transform(jax.random.uniform(msg["kwargs"]["rng_key"], shape, minval=-1.0, maxval=1.0))
+
+
+def _unconstrained_shape(msg):
+    """``(biject_to(support), the unconstrained shape)`` of a sample site's value."""
     fn = msg["fn"]
     shape = tuple(msg["kwargs"].get("sample_shape", ())) + tuple(fn.batch_shape) + tuple(fn.event_shape)
     transform = biject_to(fn.support)
-    return transform(jax.random.uniform(msg["kwargs"]["rng_key"], transform.inverse_shape(shape),
-                                        minval=-1.0, maxval=1.0))
+    return transform, transform.inverse_shape(shape)
 
 
 def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
@@ -384,10 +389,8 @@ class improper_values(Messenger):
             return
         base = _base_distribution(msg["fn"])
         if isinstance(base, dist.ImproperUniform):
-            fn = msg["fn"]
-            shape = tuple(msg["kwargs"].get("sample_shape", ())) + tuple(fn.batch_shape) + tuple(fn.event_shape)
-            transform = biject_to(fn.support)
-            msg["value"] = transform(jnp.zeros(transform.inverse_shape(shape)))
+            transform, shape = _unconstrained_shape(msg)
+            msg["value"] = transform(jnp.zeros(shape))
 
 
 def with_improper_values(model: Optional[Callable]) -> Optional[Callable]:
