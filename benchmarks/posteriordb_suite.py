@@ -166,17 +166,17 @@ def run_pair(post: Posterior, family: str, ref, num_draws=4000, rounds=None) -> 
     check = getattr(obj, "last_fit_check", None)
     row["verdict"] = None if check is None else check.verdict
     row["pareto_k"] = None if check is None else float(check.pareto_k)
-    if family == "vertical":
-        raw = obj.sample_posterior(jax.random.PRNGKey(1), result, num_draws)
+    def pick(raw):  # the reference's scalars (a vertical model's sites are split by column)
+        if family != "vertical":
+            return scalars(raw, post.sites)
         draws = {ours: (np.asarray(raw[site]).reshape(num_draws) if j is None else np.asarray(raw[site])[:, j])
                  for ours, (site, j) in where.items()}
-        draws = {ours: draws[ours] for ours in post.sites}
-    else:
-        draws = scalars(obj.sample_posterior(jax.random.PRNGKey(1), result, num_draws), post.sites)
-    row["q"] = compare(draws, ref)
+        return {ours: draws[ours] for ours in post.sites}
+
+    row["q"] = compare(pick(obj.sample_posterior(jax.random.PRNGKey(1), result, num_draws)), ref)
     if check is not None and check.verdict != "unreliable":
-        fixed = scalars(obj.sample_posterior(jax.random.PRNGKey(1), result, num_draws, corrected=True), post.sites)
-        row["corrected"] = compare(fixed, ref)
+        row["corrected"] = compare(pick(obj.sample_posterior(jax.random.PRNGKey(1), result, num_draws,
+                                                             corrected=True)), ref)
     row["status"] = "within" if row["q"]["within"] else ("warned" if fed else "SILENT WRONG")
     return row
 

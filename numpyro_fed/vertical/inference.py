@@ -3,15 +3,22 @@ party data, set-up and the ``init / update / run`` layer over the backend."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+import warnings
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import random
 
 from ..backends.mapping import ClientPlan
 from ..inference import FederatedInference, Setup
 from ..dp.plan import refuse_dp
+from ..fit_check import (MEAN_MARGIN, PARETO_K_LIMIT, SD_MARGIN, FitDiagnostic, describe_biased, importance_resample,
+                         state_fingerprint)
 from ..protocol import RunResult, RunState
+from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
+from .check import CHECK_DRAWS, check_function, constrain_draws, split_flat, vertical_fit_check
 from .objective import SERVER, VerticalObjective
 from .protocol import PartyData, vertical_protocol
 
@@ -28,6 +35,34 @@ _NONFINITE = (
     "argument '{arg}' of {party} holds {count} non-finite value(s) (NaN/inf); clean or impute them before "
     "federating"
 )
+
+
+_UNRELIABLE = (
+    "{cls}: the fit is unreliable as a posterior of the true model: Pareto k = {k:.2f} > {limit} for p(theta, y) / "
+    "q(theta) of the true model (z_j = g_j; effective sample size {ess:.0f} of {n} draws), so q misses mass the true "
+    "posterior has. Common causes: rho too large for the data's scale (the augmented posterior is not the true "
+    "model's; see last_rho_check), a mean-field auxiliary guide that narrows the coefficients, too few iterations, "
+    "or a posterior outside the Gaussian family. Lower rho, use nf.VerticalGuide('amortized'), fit longer, or check "
+    "against NUTS on pooled data; check_fit=False silences this"
+)
+_BIASED = (
+    "{cls}: Pareto k = {k:.2f} is below {limit}, but q's moments disagree with the importance-weighted moments of the "
+    "true model at the same {n} draws (means more than {mean_margin} weighted sds apart or sds more than "
+    "{sd_margin:.0%}) at {sites}: the fit is biased there ({why}). Use sample_posterior(..., corrected=True) for "
+    "importance-resampled draws, {fix}; check_fit=False silences this"
+)
+_WHY = {
+    "vertical_sfvi": ("rho too large, a mean-field auxiliary guide, or too few iterations",
+                      "lower rho, use nf.VerticalGuide('amortized') or fit longer"),
+    "vertical_soul": ("SOUL's draws condition on the point z_hat, so they are narrower than the true posterior, and "
+                      "the Langevin step adds a bias of order step_size",
+                      "lower rho or step_size"),
+}
+_NETWORK = (
+    "{cls}: the fit check needs every party's state, and over a network backend the vertical check is not built "
+    "yet; check the fit in simulation (diagnose), or pass check_fit=False to silence this"
+)
+_NOT_CORRECTABLE_STATE = "corrected=True needs check_fit=True and every party's state (simulation)"
 
 
 def _party_label(model, arg: str) -> str:
@@ -75,10 +110,70 @@ class VerticalInference(FederatedInference):
         self.optim = optim
         self.batch_size = batch_size
         self.model_kwargs = dict(model_kwargs or {})
+        self.last_fit_check: Optional[FitDiagnostic] = None
         self._init_inference()
 
     def _build_algorithm(self, data):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _check_draws_fn(self, setup: Setup, num_draws: int) -> Callable:  # pragma: no cover - abstract
+        """``(state, arrays, rng_key) -> (u, log_q, points)``: the check's Gaussian draws of every party."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ fit check (true model)
+    def diagnose(self, result: Union[RunResult, RunState], num_draws: int = CHECK_DRAWS,
+                 rng_key=None) -> FitDiagnostic:
+        """How far the fit is from the **true** model's posterior (see
+        :mod:`numpyro_fed.vertical.check`): Pareto k and the per-site moment check of
+        ``p(theta, y) / q(theta)`` with ``z_j = g_j``, each client sending its ``g_j`` and one
+        scalar per draw. Simulation only (every party's state is needed)."""
+        setup = self._fitted()
+        state = result.state if isinstance(result, RunResult) else result
+        if isinstance(num_draws, bool) or int(num_draws) != num_draws or num_draws < 2:
+            raise ValueError(f"num_draws={num_draws}: must be an integer >= 2")
+        if state.clients is None:
+            raise ValueError(f"{type(self).__name__}.diagnose needs every party's state (a simulation run)")
+        rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
+        obj = setup.extra[0]
+        key = ("fit_check", int(num_draws))
+        if key not in setup.cache:  # compiled once per set-up and draw count
+            setup.cache[key] = jax.jit(check_function(obj, self._check_draws_fn(setup, int(num_draws))))
+        log_p, log_q, u = setup.cache[key](state, setup.cache["data"], rng_key)
+        return vertical_fit_check(obj, log_p, log_q, u)
+
+    def _fit_check(self, setup: Setup, result: RunResult) -> None:
+        """Run after every ``run``: the check of the result, kept as ``last_fit_check``, and
+        the warning its verdict calls for."""
+        self.last_fit_check = None
+        if not getattr(self, "check_fit", True):
+            return
+        cls = type(self).__name__
+        if result.state.clients is None:
+            warnings.warn(_NETWORK.format(cls=cls), UncheckedFitWarning, stacklevel=5)
+            return
+        diag = self.last_fit_check = self.diagnose(result)
+        self._checked_state = state_fingerprint((result.state.server, result.state.clients))
+        if diag.verdict == "unreliable":
+            warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
+                                             n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=5)
+        elif diag.verdict == "biased":
+            why, fix = _WHY[self.method]
+            warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
+                                         mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
+                                         sites=describe_biased(diag.biased), why=why, fix=fix),
+                          BiasedFitWarning, stacklevel=5)
+
+    def _corrected_draws(self, rng_key, state: RunState, num_samples: int) -> Dict[str, jax.Array]:
+        """Every party's sites, importance-resampled from the check of ``state`` (its own
+        check: the run's when ``state`` is the run's result, otherwise computed now)."""
+        if not getattr(self, "check_fit", True) or state.clients is None:
+            raise ValueError(f"{type(self).__name__}: {_NOT_CORRECTABLE_STATE}")
+        check = self.last_fit_check
+        if check is None or getattr(self, "_checked_state", None) != state_fingerprint((state.server, state.clients)):
+            check = self.diagnose(state)
+        obj = self._fitted().extra[0]
+        flat = importance_resample(rng_key, check, num_samples, type(self).__name__)
+        return constrain_draws(obj, split_flat(obj, flat))
 
     def _check_batch(self, obj: VerticalObjective) -> None:
         b = self.batch_size

@@ -22,6 +22,7 @@ terms are scaled by ``n / b``.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -247,6 +248,7 @@ class VerticalObjective:
         aux_values: Optional[Mapping] = None,
         aux_fns: Optional[Mapping] = None,
         copy: Optional[int] = None,
+        model=None,
     ):
         ladj: Dict[str, jax.Array] = {}
         points = points or {}
@@ -266,7 +268,8 @@ class VerticalObjective:
             return None
 
         aux = _AuxValue(
-            substitute(seed(with_improper_values(self.model), 0), substitute_fn=substitute_fn), aux_values or {},
+            substitute(seed(with_improper_values(self.model if model is None else model), 0),
+                       substitute_fn=substitute_fn), aux_values or {},
             aux_fns or {}
         )
         tr = trace(aux).get_trace(**self._full_args(own, b), **self.model_kwargs)
@@ -347,3 +350,40 @@ class VerticalObjective:
             return (with_lik and site["is_observed"]) or (not site["is_observed"] and _owner(site) == SERVER)
 
         return self._log_density(own, rows.shape[0], latent, count, points, z)[0]
+
+    # ------------------------------------------------------------------ the true model (fit check)
+    @cached_property
+    def true_model(self):
+        """The model as the fit check reads it: the augmented form, whose likelihood at
+        ``z_j = g_j`` is the true model's (the power form's copies all equal it there too,
+        but a party's run computes ``g_j`` only from its own columns)."""
+        if self.form == "augmented":
+            return self.model
+        m = self.model
+        return vertical_split(m.fn, clients=m.clients, form="augmented", rho=m.rho, response=m.response,
+                              response_access=m.response_access, shared=m.shared)
+
+    def true_client_term(self, client: str, theta_u: jax.Array, own: Mapping,
+                         points: Optional[Mapping[str, jax.Array]] = None, model=None) -> Tuple[jax.Array, jax.Array]:
+        """Client ``client``'s part of the true model's ``log p(theta, y)`` on all rows:
+        ``log p(theta_j)`` (unconstrained, with its Jacobian) and its contribution ``g_j``
+        (no auxiliary noise: the fit check targets the true model, not the augmented one)."""
+        latent = self.layouts[client].unravel(theta_u)
+
+        def count(site):
+            return not site["is_observed"] and _owner(site) == client and not (site.get("infer") or {}).get(AUX_KEY)
+
+        total, made = self._log_density(own, self.num_rows, latent, count, points, {},
+                                        {client: lambda g: (g, jnp.zeros(()))}, model=model or self.true_model)
+        return total, made[client][0]
+
+    def true_server_term(self, server_u: jax.Array, g: Mapping[str, jax.Array], own: Mapping,
+                         points: Optional[Mapping[str, jax.Array]] = None, model=None) -> jax.Array:
+        """The server's part of the true model's ``log p(theta, y)``: ``log p(theta_0)`` and
+        the likelihood ``log p(y | sum_j g_j, theta_0)`` on all rows, given every client's ``g_j``."""
+        latent = self.layouts[SERVER].unravel(server_u)
+
+        def count(site):
+            return site["is_observed"] or (_owner(site) == SERVER and not (site.get("infer") or {}).get(AUX_KEY))
+
+        return self._log_density(own, self.num_rows, latent, count, points, g, model=model or self.true_model)[0]

@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Callable, Dict, Mapping, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import random
 
 from ..protocol import RunResult
 from .inference import VerticalInference
+from .check import gaussian_draws
 from .objective import SERVER, VerticalObjective
 from .soul_algorithm import PointGuide, vertical_soul
 
@@ -53,6 +55,13 @@ class VerticalSOUL(VerticalInference):
         batch_size: rows per iteration, chosen by the server (``None``: all rows).
         model_kwargs: non-data keyword arguments of the model.
         init_radius: chains start uniform in ``(-r, r)`` (unconstrained space).
+        check_fit: after ``run`` (simulation), check the draws against the **true** model's
+            posterior (:meth:`diagnose`): every party fits a Gaussian to 2000 steps of its own
+            chain (``z`` held at ``z_hat``), and that Gaussian is checked as
+            :class:`~numpyro_fed.VerticalSVI`'s ``q`` is (Pareto k and the per-site moment
+            check; :mod:`numpyro_fed.vertical.check`); warns ``UnreliableFitWarning`` or
+            ``BiasedFitWarning`` and keeps ``last_fit_check``. Non-Gaussian draws are judged
+            through their Gaussian summary.
 
     Examples:
         >>> import jax, numpy as np, optax
@@ -95,6 +104,7 @@ class VerticalSOUL(VerticalInference):
         batch_size: Optional[int] = None,
         model_kwargs: Optional[dict] = None,
         init_radius: float = 0.5,
+        check_fit: bool = True,
     ) -> None:
         steps = step_size.values() if isinstance(step_size, Mapping) else [step_size]
         for value in steps:
@@ -106,6 +116,7 @@ class VerticalSOUL(VerticalInference):
         self.step_size = step_size
         self.num_langevin = int(num_langevin)
         self.init_radius = float(init_radius)
+        self.check_fit = bool(check_fit)
         self._init_runner(optim, batch_size, model_kwargs)
 
     def _build_algorithm(self, data):
@@ -125,8 +136,36 @@ class VerticalSOUL(VerticalInference):
         alg = vertical_soul(obj, self.optim, step, self.num_langevin, self.batch_size, self.init_radius)
         return obj, alg
 
+    def _check_result(self, setup, result: RunResult) -> None:
+        self._fit_check(setup, result)
+
+    def _check_draws_fn(self, setup, num_draws: int):
+        obj = setup.extra[0]
+        chains = self._chains_fn(setup, 2 * num_draws)
+        parties = (SERVER,) + obj.clients
+
+        def draw(state, arrays, rng_key):
+            k_chain, k_q = random.split(rng_key)
+            runs = chains(state, arrays, k_chain)
+            u, log_q = {}, jnp.zeros(num_draws)
+            for key, p in zip(random.split(k_q, len(parties)), parties):  # each party summarises its own chain
+                d = obj.layouts[p].size
+                if not d:
+                    u[p] = jnp.zeros((num_draws, 0))
+                    continue
+                x = runs[p]
+                cov = jnp.atleast_2d(jnp.cov(x, rowvar=False)) + 1e-9 * jnp.eye(d)
+                u[p], lq = gaussian_draws(key, x.mean(0), jnp.linalg.cholesky(cov), num_draws)
+                log_q = log_q + lq
+            points = {c: slot.state.inner.params["point"] for c, slot in zip(obj.clients, state.clients)}
+            points[SERVER] = state.server.inner.params["point"]
+            return u, log_q, points
+
+        return draw
+
     def sample_posterior(
-        self, rng_key, result, num_samples: int, *, thinning: int = 1, num_warmup: int = 0
+        self, rng_key, result, num_samples: int, *, thinning: int = 1, num_warmup: int = 0,
+        corrected: bool = False,
     ) -> Dict[str, jax.Array]:
         """Langevin draws of every party's sites from ``p(theta | z_hat, y)``, constrained.
 
@@ -135,7 +174,8 @@ class VerticalSOUL(VerticalInference):
         sites each step is one more exchange of ``theta_0`` and its gradient). Each chain
         continues from the run's final state on all rows of the data of the last
         ``run``; ``num_warmup`` steps are discarded, then every ``thinning``-th is kept.
-        Jit-compiled once per set of arguments.
+        Jit-compiled once per set of arguments. ``corrected=True``: draws of the fit check's
+        Gaussian importance-resampled towards the true model's posterior (Pareto k <= 0.7).
         """
         if self._setup_cache is None:
             raise ValueError(_NOT_FITTED)
@@ -146,27 +186,40 @@ class VerticalSOUL(VerticalInference):
             raise ValueError(f"num_warmup={num_warmup!r}: must be a non-negative integer")
         setup = self._setup_cache
         state = result.state if isinstance(result, RunResult) else result
+        if corrected:
+            return self._corrected_draws(rng_key, state, int(num_samples))
         key = ("draws", int(num_samples), int(thinning), int(num_warmup))
         if key not in setup.cache:
             setup.cache[key] = jax.jit(self._draws_fn(setup, int(num_samples), int(thinning), int(num_warmup)))
         return setup.cache[key](state, setup.cache["data"], rng_key)
 
     @staticmethod
-    def _draws_fn(setup, num_samples, thinning, num_warmup):
+    def _chains_fn(setup, length: int):
+        """``(state, arrays, rng_key) -> {party: (length, d_party)}``: unconstrained Langevin
+        draws continuing from ``state`` with ``z`` held at its final value."""
         obj, alg = setup.extra
-        length = num_warmup + num_samples * thinning
 
-        def draws(state, arrays, rng_key):
+        def run(state, arrays, rng_key):
             parties = (SERVER,) + obj.clients
-            rows = jax.numpy.arange(obj.num_rows)
+            rows = jnp.arange(obj.num_rows)
             views = {c: obj.party_args(c, arrays, rows) for c in parties}
             states = {c: slot.state.inner for c, slot in zip(obj.clients, state.clients)}
             z_all = {c: states[c].params["z"] for c in obj.clients}
             keys = random.split(rng_key, len(parties))
             noise = {p: random.normal(k, (length, obj.layouts[p].size)) for k, p in zip(keys, parties)}
-            chains = alg.posterior_chain(state.server.inner, states, noise, z_all, views)
+            return alg.posterior_chain(state.server.inner, states, noise, z_all, views)
+
+        return run
+
+    @classmethod
+    def _draws_fn(cls, setup, num_samples, thinning, num_warmup):
+        obj = setup.extra[0]
+        run = cls._chains_fn(setup, num_warmup + num_samples * thinning)
+
+        def draws(state, arrays, rng_key):
+            chains = run(state, arrays, rng_key)
             out = {}
-            for party in parties:
+            for party in (SERVER,) + obj.clients:
                 if obj.layouts[party].size:
                     u = chains[party][num_warmup::thinning]
                     out.update(jax.vmap(lambda v, p=party: obj.constrain(p, v))(u))

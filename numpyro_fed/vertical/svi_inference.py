@@ -14,7 +14,7 @@ from ..protocol import RunResult, RunState
 from .guides import VerticalGuide
 from .inference import VerticalInference
 from ..inference import Setup
-from ..warnings import UncheckedFitWarning, UnreliableFitWarning
+from ..warnings import UnreliableFitWarning
 from .objective import SERVER, VerticalObjective
 from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
 from .sfvi_algorithm import vertical_sfvi
@@ -29,15 +29,6 @@ _RHO_TOO_LARGE = (
     "posterior is not the true model's. Use rho <= {rho_max:.3g} (the rule in nf.vertical.rho: shift <= "
     "{limit}); check_rho=False silences this"
 )
-
-_UNCHECKED = (
-    "VerticalSVI: this fit is not checked against the posterior: the vertical families have no fit check "
-    "yet (only rho's distance from the true model is checked). On the external suite "
-    "(benchmarks/posteriordb_suite.py) default fits were far from the reference with no other warning. Where "
-    "the data can be pooled for a test, compare with NUTS on the augmented model; check the loss has "
-    "stopped moving (result.losses); filter nf.UncheckedFitWarning to silence this"
-)
-
 
 class VerticalSVI(VerticalInference):
     """Vertical federated SVI (paper 000, Algorithms 1 and 2).
@@ -56,6 +47,11 @@ class VerticalSVI(VerticalInference):
             data's scale (:mod:`numpyro_fed.vertical.rho`) and warn
             (``UnreliableFitWarning``, with the ``rho`` that would do) when the augmented
             posterior is measurably not the true model's; kept as ``last_rho_check``.
+        check_fit: after ``run`` (simulation), check ``q`` against the **true** model's
+            posterior (:meth:`diagnose`, :mod:`numpyro_fed.vertical.check`: each client sends
+            its contribution ``g_j`` on every row and one scalar per draw, 1000 draws) and
+            warn (``UnreliableFitWarning`` when Pareto k > 0.7, ``BiasedFitWarning`` naming
+            the sites whose moments are off); kept as ``last_fit_check``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -95,11 +91,13 @@ class VerticalSVI(VerticalInference):
         batch_size: Optional[int] = None,
         model_kwargs: Optional[dict] = None,
         check_rho: bool = True,
+        check_fit: bool = True,
     ) -> None:
         if not isinstance(guide, VerticalGuide):
             raise TypeError(_GUIDE.format(kind=type(guide).__name__))
         self.model, self.guide = model, guide
         self.check_rho = bool(check_rho)
+        self.check_fit = bool(check_fit)
         self.last_rho_check: Optional[AugmentationCheck] = None
         self._init_runner(optim, batch_size, model_kwargs)
 
@@ -108,10 +106,26 @@ class VerticalSVI(VerticalInference):
         self._check_batch(obj)
         return obj, vertical_sfvi(obj, self.optim, self.batch_size)
 
+    def _check_draws_fn(self, setup: Setup, num_draws: int):
+        obj = setup.extra[0]
+        theta = self.guide.theta
+        parties = (SERVER,) + obj.clients
+
+        def draw(state, arrays, rng_key):
+            params = self._params(setup, state)
+            u, log_q = {}, 0.0
+            for key, p in zip(random.split(rng_key, len(parties)), parties):  # each party its own key and draws
+                eps = random.normal(key, (num_draws, obj.layouts[p].size))
+                u[p], lq = jax.vmap(lambda e, p=p: theta.sample(params[p]["theta"], e))(eps)
+                log_q = log_q + lq
+            return u, log_q, {p: params[p]["point"] for p in parties}
+
+        return draw
+
     def _check_result(self, setup: Setup, result: RunResult) -> None:
         self.last_rho_check = None
         obj = setup.extra[0]
-        warnings.warn(_UNCHECKED, UncheckedFitWarning, stacklevel=4)
+        self._fit_check(setup, result)
         if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
             return
         check = self.last_rho_check = self.rho_check(result)
@@ -167,14 +181,18 @@ class VerticalSVI(VerticalInference):
         estimate = setup.cache[key]
         return -estimate(state, setup.cache["data"], rng_key)
 
-    def sample_posterior(self, rng_key, result, num_samples: int) -> Dict[str, jax.Array]:
+    def sample_posterior(self, rng_key, result, num_samples: int, corrected: bool = False) -> Dict[str, jax.Array]:
         """Draws of every party's sites from ``q(theta)``, constrained.
 
         Each party can draw its own block; the simulation gathers them for analysis.
+        ``corrected=True``: the fit check's draws importance-resampled towards the true
+        model's posterior (needs the check's Pareto k <= 0.7; a ValueError says why not).
         """
         state = result.state if isinstance(result, RunResult) else result
         if int(num_samples) != num_samples or num_samples < 1:
             raise ValueError(f"num_samples={num_samples}: must be a positive integer")
+        if corrected:
+            return self._corrected_draws(rng_key, state, int(num_samples))
         setup = self._fitted()
         obj = setup.extra[0]
         params_of = self._params(setup, state)
