@@ -15,7 +15,11 @@ From ``log w`` and the server's own draws this module computes:
   :data:`MEAN_MARGIN` weighted sds away, or an sd off by more than :data:`SD_MARGIN` of the
   weighted sd (each widened to 3 Monte Carlo standard errors of the self-normalised weighted
   moments when those are larger: a heavy-tailed scale gets a wider margin), is reported as
-  a biased site.
+  a biased site. The same comparison runs in unconstrained space (``log tau`` for a
+  positive ``tau``), where ``q`` is Gaussian and the weighted moments are far better
+  estimated: a heavy-tailed scale whose user-space margin the Monte Carlo error widens
+  (a precision with a ``Gamma(0.001, 0.001)`` prior, q's sd 0.75x the weighted one) is
+  still seen there, and reported as ``"tau (unconstrained)"``.
 - **Corrected draws**: importance resampling of the check's draws by their smoothed
   weights (``sample_posterior(..., corrected=True)``), usable when k is below the limit.
 
@@ -80,8 +84,9 @@ class SiteMoments(NamedTuple):
 class FitDiagnostic(NamedTuple):
     """PSIS check of a fit: ``pareto_k``, ``ess`` (of the smoothed weights), ``elbo`` (mean
     ``log w``), the ``log_weights``, per-scalar ``moments`` of the global sites and the
-    ``biased`` ones among them (see :data:`MEAN_MARGIN`, :data:`SD_MARGIN`), and the check's unconstrained
-    global ``draws`` (for corrected draws)."""
+    ``biased`` ones among them and among the ``unconstrained_moments`` of the sites whose
+    support is not the real line (see :data:`MEAN_MARGIN`, :data:`SD_MARGIN`), and the
+    check's unconstrained global ``draws`` (for corrected draws)."""
 
     pareto_k: float
     ess: float
@@ -90,6 +95,7 @@ class FitDiagnostic(NamedTuple):
     moments: Tuple[SiteMoments, ...] = ()
     biased: Tuple[SiteMoments, ...] = ()
     draws: Optional[np.ndarray] = None
+    unconstrained_moments: Tuple[SiteMoments, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -143,18 +149,27 @@ def moment_report(draws: Dict[str, np.ndarray], weights: np.ndarray, ess: float)
 
 
 def fit_diagnostic(log_w: np.ndarray, draws: Optional[Dict[str, np.ndarray]] = None,
-                   unconstrained: Optional[np.ndarray] = None) -> FitDiagnostic:
+                   unconstrained: Optional[np.ndarray] = None,
+                   unconstrained_sites: Optional[Dict[str, np.ndarray]] = None) -> FitDiagnostic:
     """The check from ``log w`` per draw and, optionally, the server's draws of the global
-    sites in user space (``draws``, for the moment check) and unconstrained (kept for
-    corrected draws)."""
+    sites in user space (``draws``, for the moment check), flat and unconstrained (kept
+    for corrected draws) and unconstrained per site (``unconstrained_sites``, for the
+    moment check in unconstrained space of the sites whose support is not the real line)."""
     log_w = np.asarray(log_w, np.float64)
     if not np.all(np.isfinite(log_w)):
         return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
     w, k = smoothed_weights(log_w)
     ess = float(1.0 / np.sum(w**2))
     moments, biased = moment_report(draws, w, ess) if draws else ((), ())
+    u_moments = ()
+    if draws and unconstrained_sites:
+        transformed = {f"{k} (unconstrained)": np.asarray(v) for k, v in unconstrained_sites.items()
+                       if k in draws and not np.allclose(np.asarray(v), np.asarray(draws[k]))}
+        if transformed:
+            u_moments, u_biased = moment_report(transformed, w, ess)
+            biased = biased + u_biased
     keep = None if unconstrained is None else np.asarray(unconstrained)
-    return FitDiagnostic(k, ess, float(np.mean(log_w)), log_w, moments, biased, keep)
+    return FitDiagnostic(k, ess, float(np.mean(log_w)), log_w, moments, biased, keep, u_moments)
 
 
 def state_fingerprint(server_state) -> str:

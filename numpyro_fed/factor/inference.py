@@ -329,7 +329,8 @@ class FactorInference(FederatedInference):
             setup.cache[key] = jax.jit(log_weight_estimator(terms.prior, terms.log_joint, terms.num_local,
                                                             setup.plan.mapping, num_draws, sampled))
         log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, self._client_check_keys(setup, state))
-        return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u))
+        per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
+        return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u), per_site)
 
     def _user_space(self, u) -> Dict[str, np.ndarray]:
         layout, supports = self._fitted().extra.structure.global_latent, self._supports()

@@ -298,7 +298,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
 
     def _check_draws(self, setup: Setup, state: RunState, num_draws: int, rng_key):
         """The fit check's draws of the global sites (the server's own: the same ``k_g`` as
-        the clients' terms use), in user space and unconstrained."""
+        the clients' terms use), in user space, unconstrained flat and unconstrained per site."""
         if "check_draws" not in setup.cache:  # compiled once per set-up
             obj = setup.extra
 
@@ -309,7 +309,9 @@ class FederatedSVI(PrivateFit, FederatedInference):
             setup.cache["check_draws"] = jax.jit(draws, static_argnums=2)
         k_g, _ = random.split(rng_key)
         user, z = setup.cache["check_draws"](state.server.global_params, k_g, num_draws)
-        return {k: np.asarray(v) for k, v in user.items()}, np.asarray(z)
+        per_site = jax.vmap(setup.extra.structure.global_latent.unravel)(z)
+        return ({k: np.asarray(v) for k, v in user.items()}, np.asarray(z),
+                {k: np.asarray(v) for k, v in per_site.items()})
 
     # ------------------------------------------------------------------ fit check over a network
     def _network_log_weights(self, network, setup: Setup, result: RunResult, num_draws: int = 1000):

@@ -82,8 +82,12 @@ def vertical_fit_check(obj: VerticalObjective, log_p: jax.Array, log_q: jax.Arra
     parties = (SERVER,) + obj.clients
     user = {k: np.asarray(v) for k, v in constrain_draws(obj, u).items()}
     flat = np.concatenate([np.asarray(u[p]) for p in parties], axis=1)
+    per_site = {}
+    for p in parties:
+        if obj.layouts[p].size:
+            per_site.update({k: np.asarray(v) for k, v in jax.vmap(obj.layouts[p].unravel)(u[p]).items()})
     log_w = np.asarray(log_p, np.float64) - np.asarray(log_q, np.float64)
-    return fit_diagnostic(log_w, user, flat)
+    return fit_diagnostic(log_w, user, flat, per_site)
 
 
 def split_flat(obj: VerticalObjective, flat: jax.Array) -> Dict[str, jax.Array]:
