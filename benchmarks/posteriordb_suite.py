@@ -219,8 +219,8 @@ def main(argv=None):
         return
     rows, translations = [], {}
     families = args.families.split(",")
-    if RESULTS.exists() and (args.only or families != list(FAMILIES)):  # re-run part, keep the rest
-        old = json.loads(RESULTS.read_text())
+    if RESULTS.exists() and (args.only or families != list(FAMILIES) or args.skip_translation_check):
+        old = json.loads(RESULTS.read_text())  # re-run part, keep the rest (and the translation checks)
         rows = [r for r in old["pairs"] if args.only not in r["posterior"] or r["family"] not in families]
         translations = {k: v for k, v in old["translations"].items()
                         if args.only not in k or args.skip_translation_check}
@@ -246,7 +246,9 @@ def main(argv=None):
               "within": sum(r["status"] == "within" for r in rows),
               "warned": sum(r["status"] == "warned" for r in rows),
               "silent_wrong": sum(r["status"] == "SILENT WRONG" for r in rows),
-              "corrected_within": sum(bool(r.get("corrected", {}).get("within")) for r in ran)}
+              "corrected_within": sum(bool(r.get("corrected", {}).get("within")) for r in ran),
+              # outside tolerance while the fit check said ok: warned, if at all, by another warning only
+              "check_ok_but_wrong": sum(r.get("verdict") == "ok" and not r["q"]["within"] for r in ran)}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"command": "python benchmarks/posteriordb_suite.py", "tolerance": {
         "mean_sd": MEAN_TOL, "sd_ratio": SD_TOL}, "totals": totals, "translations": translations, "pairs": rows},

@@ -32,6 +32,18 @@ class Setup(NamedTuple):
     cache: dict  # derived values computed on demand (compiled estimators, supports, ...)
 
 
+def with_exchange_traffic(comm, exchanges):
+    """``comm`` plus the messages of the after-run exchanges (``[(sent, got), ...]``, each
+    ``{client: message}``), as serialised: a fit check's traffic over a network backend."""
+    from .transcript import message_bytes
+
+    for sent, got in exchanges:
+        comm = comm._replace(bytes_up=comm.bytes_up + sum(message_bytes(m) for m in got.values()),
+                             bytes_down=comm.bytes_down + sum(message_bytes(m) for m in sent.values()),
+                             messages_up=comm.messages_up + len(got), messages_down=comm.messages_down + len(sent))
+    return comm
+
+
 def _same_inputs(a, b) -> bool:
     """Set-ups are reused for the very same inputs: the same object, or a mapping of the
     same objects (compared by identity while the set-up holds them, so never by a reused id)."""

@@ -119,18 +119,21 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     assert bool(sealed) == bool(secure) == (family == "svi_dp_trusted")
     to_server = {e.name for e in entries if e.receiver == "server" and e.sender != "aggregator"}
     assert not any(n.startswith(f"['{k}']") for k in secure for n in to_server)  # the server never saw a part
-    check = [e for e in entries if e.exchange == "log_weights"]  # SFVI's fit check, after the run
+    check = [e for e in entries if e.exchange in ("log_weights", "local_integral")]  # the fit check, after the run
     comm = flower["communication"]
     assert comm["bytes_down"] == result.communication.bytes_down + sum(e.nbytes for e in check if e.sender == "server")
     # a sealed part is one uint8 array (a 128-byte .npy header) of the secure leaves' bytes and the envelope
     assert comm["bytes_up"] == (result.communication.bytes_up + sum(e.nbytes for e in ledger + check
                                                                     if e.sender != "server")
                                 + len(sealed) * (128 + OVERHEAD))
-    if family in ("sfvi", "sfvi_avg"):  # the fit check ran with each client's term computed on its node
+    if family in ("sfvi", "sfvi_avg", "ep"):  # the fit check ran with each client's term computed on its node
         assert {e.sender for e in check if e.sender != "server"} == set(flower["clients"])
         np.testing.assert_allclose(flower["fit_check"].log_weights, inference.last_fit_check.log_weights,
                                    rtol=1e-5, atol=1e-4)
         assert not any("fit check" in w and "needs every client" in w for w in flower["warnings"])
+        if family == "ep":  # a Gaussian local latent: each client first says so on its own rows (exact Laplace)
+            told = sorted(e.name for e in check if e.exchange == "local_integral" and e.sender != "server")
+            assert told == sorted(["['gaussian']", "['k']"] * J)
     else:
         assert check == []
     if family in DP_FAMILIES:
@@ -166,7 +169,11 @@ def test_a_killed_supernode_drops_out_and_is_reported():
     inference, inputs, result, keys = _simulate("pvi", rounds, availability=schedule)
     _assert_same(flower, result)  # item 1 for PVI: rounds 1-2 with every client, then without '2'
     _audit("pvi", inference, inputs, result, keys, flower)
-    assert flower["communication"]["bytes_up"] == result.communication.bytes_up
+    # after the run the fit check asks every client for its term; '2' is gone, so q is unchecked, and says so
+    check = [e for e in flower["transcript"].entries if e.exchange == "log_weights" and e.sender != "server"]
+    assert sorted({e.sender for e in check}) == ["0", "1"]
+    assert flower["communication"]["bytes_up"] == result.communication.bytes_up + sum(e.nbytes for e in check)
+    assert any("UncheckedFitWarning" in w and "did not answer" in w for w in flower["warnings"])
 
 
 def test_flower_demo_command_matches_the_simulation_and_leaves_no_process(tmp_path):

@@ -32,7 +32,8 @@ from .tilted import PARETO_K_LIMIT
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample,
                          state_fingerprint)
-from ..inference import FederatedInference, Setup
+from ..inference import FederatedInference, Setup, with_exchange_traffic
+from .network_check import NetworkFitCheck
 from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .updates import SCHEDULES
@@ -84,7 +85,7 @@ class FactorSetup(NamedTuple):
     terms: ModelTerms
 
 
-class FactorInference(FederatedInference):
+class FactorInference(NetworkFitCheck, FederatedInference):
     """Base of :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.EP` (not used directly)."""
 
     method = "factor"
@@ -204,7 +205,7 @@ class FactorInference(FederatedInference):
         mean, cov = G.to_moments(state.server.q)
         return {"mean": mean, "cov": cov}
 
-    def _check_result(self, setup: Setup, result: RunResult) -> None:
+    def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
         cls, names = type(self).__name__, setup.plan.names
         info = result.info
         answered = np.asarray(info.invalid) + np.asarray(info.valid).sum(axis=-1)
@@ -225,23 +226,34 @@ class FactorInference(FederatedInference):
             warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
                                               hint=self._fit_advice()["invalid"]), InvalidUpdateWarning, stacklevel=4)
         self._check_local_fits(setup, result, start)
-        self._check_q(setup, result)
+        return self._check_q(setup, result)
 
-    def _check_q(self, setup: Setup, result: RunResult) -> None:
+    def _check_q(self, setup: Setup, result: RunResult) -> RunResult:
         """The fit check of the final ``q`` against the full posterior (:meth:`diagnose`), and its warning."""
         self.last_fit_check, self.last_fit_check_skipped = None, None
         cls = type(self).__name__
         if not self.check_fit or getattr(self, "_privacy", None) is not None:  # under DP: data-dependent sums
-            return
-        if result.state.clients is None:
-            warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) runs in simulation "
-                          f"only for {cls} so far; over a network backend q is unchecked: check the fit in "
-                          f"simulation, or pass check_fit=False to silence this", UncheckedFitWarning, stacklevel=5)
-            return
-        if self._local_integral(setup, result) is None:
-            self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
-            return
-        check = self.last_fit_check = self.diagnose(result)
+            return result
+        if result.state.clients is None:  # a network backend: each client computes its term on its node
+            network = getattr(self, "_network", None)
+            log_w, u, why, exchanges = (None, None, "this backend cannot ask the clients", []) if network is None \
+                else self._network_check(network, setup, result)
+            result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
+            if why == "proposal":
+                self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
+                return result
+            if log_w is None:
+                warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) needs every "
+                              f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
+                              f"silence this", UncheckedFitWarning, stacklevel=5)
+                return result
+            per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
+            check = self.last_fit_check = fit_diagnostic(log_w, self._user_space(u), u, per_site)
+        else:
+            if self._local_integral(setup, result) is None:
+                self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
+                return result
+            check = self.last_fit_check = self.diagnose(result)
         self._checked_state = state_fingerprint(result.state.server)
         if check.verdict == "unreliable":
             warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
@@ -251,6 +263,7 @@ class FactorInference(FederatedInference):
                                            mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
                                            sites=describe_biased(check.biased), local=self._local_note(setup)),
                           BiasedFitWarning, stacklevel=5)
+        return result
 
     def _local_integral(self, setup: Setup, result) -> Optional[str]:
         """How the clients compute ``log p(y_j | theta)`` for the check: ``"exact"`` (no

@@ -239,10 +239,11 @@ class PVI(PrivateFit, FactorInference):
         self._prepare_private_run(num_rounds, clients, options)
         return super().run(rng_key, num_rounds, clients, **options)
 
-    def _check_result(self, setup, result) -> None:
-        super()._check_result(setup, result)
+    def _check_result(self, setup, result):
+        result = super()._check_result(setup, result)
         if self._privacy is not None:
             warn_withheld(type(self).__name__, result)
+        return result
 
     def _shard_plate(self, clients: Clients, plate: Optional[str]) -> str:
         """The plate that indexes rows, needed to mask a client's shards."""

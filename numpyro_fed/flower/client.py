@@ -182,8 +182,8 @@ def _client_value(message, context):
     name = str(message.content["nf"]["name"])
     like = built.inference._client_value_inputs(name, built.setup, built.data)
     payload = from_record(like, message.content["broadcast"])
-    state = _slot(built, context).state
-    value = built.inference._client_value(name, built.setup, state, built.data, payload)
+    slot = _slot(built, context)  # its own key stays here: the family may draw from it
+    value = built.inference._client_value(name, built.setup, slot.state, built.data, payload, rng_key=slot.rng_key)
     return _reply(message, arrays=to_record(value))
 
 

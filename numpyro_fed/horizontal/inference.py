@@ -16,7 +16,7 @@ from .._structure import (analyse_model, constrain_params, deterministic_of_glob
                           trace_model, with_improper_values)
 from ..backends.mapping import client_data, client_item, plan_clients
 from ..clients import Clients
-from ..inference import FederatedInference, Setup
+from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
 from .guides import StructuredGuide
 from .objective import FederatedObjective
@@ -333,12 +333,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
 
     def _fit_check_traffic(self, comm):
         """The run's communication plus the fit check's messages (as serialised)."""
-        from ..transcript import message_bytes
-
-        sent, got = self._fit_check_messages
-        return comm._replace(bytes_up=comm.bytes_up + sum(message_bytes(m) for m in got.values()),
-                             bytes_down=comm.bytes_down + sum(message_bytes(m) for m in sent.values()),
-                             messages_up=comm.messages_up + len(got), messages_down=comm.messages_down + len(sent))
+        return with_exchange_traffic(comm, [self._fit_check_messages])
 
     def _client_value_inputs(self, name: str, setup: Setup, data) -> Dict[str, Any]:
         """The structure of what the server sends for :meth:`_client_value` ``name``."""
@@ -348,7 +343,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
         return {"global_params": g, "k_g": key, "key": key}
 
-    def _client_value(self, name: str, setup: Setup, client_state, data, payload) -> Dict[str, Any]:
+    def _client_value(self, name: str, setup: Setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
         """On a client after a network run: its term of the fit check's ``log w`` per draw,
         summed over its own rows (what :meth:`diagnose` computes for it in simulation)."""
         self._client_value_inputs(name, setup, data)
