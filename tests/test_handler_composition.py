@@ -127,8 +127,14 @@ def test_eight_schools_non_centred_matches_nuts(nuts_reference):
     model = handlers.reparam(centred, config={"theta": LocScaleReparam(0)})
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(5e-3))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", nf.UnreliableFitWarning)
+        warnings.simplefilter("ignore", nf.FitWarning)
         result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
+    check = svi.last_fit_check
+    assert check.verdict != "unreliable", check.pareto_k
+    # the moment check in unconstrained space sees q's Gaussian in log tau narrower than the weighted
+    # one (log tau is skewed): this fit warns `biased` on that site alone, though tau in user space is
+    # within the tolerance below (a warned right fit, the check's price for seeing the seeds class)
+    assert {m.site for m in check.biased} <= {"tau (unconstrained)"}, check.biased
     draws = svi.sample_posterior(random.PRNGKey(2), result, 8000)
     for site in ("mu", "tau"):
         ref = nuts_reference[site]
