@@ -66,7 +66,8 @@ def to_arviz(
         corrected: for a :class:`~numpyro_fed.FederatedSVI`, ``PVI`` or ``EP`` fit without
             ``client``: the posterior group holds PSIS-corrected draws of the global sites
             (the last fit check's draws resampled by their importance weights; see
-            ``sample_posterior``). ``attrs["draws"]`` says which draws the
+            ``sample_posterior``); for a ``VerticalSVI`` or ``VerticalSOUL`` simulation fit,
+            every party's sites resampled towards the true model's posterior. ``attrs["draws"]`` says which draws the
             group holds (``"q"`` or ``"psis-corrected"``) and ``attrs["fit_check"]`` the
             check's verdict (``"ok"``, ``"biased"``, ``"unreliable"`` or ``"not run"``).
 
@@ -86,15 +87,16 @@ def to_arviz(
         x = np.asarray(x)
         return x.reshape((int(num_chains), int(num_samples)) + x.shape[1:])
 
-    if corrected and (isinstance(svi, VerticalInference) or client is not None):
-        raise ValueError("corrected=True resamples the global sites' draws of a FederatedSVI, PVI or EP fit by the "
-                         "fit check's weights: drop client= (a client's local draws are not reweighted)")
+    if corrected and client is not None:
+        raise ValueError("corrected=True resamples the global sites' draws of a FederatedSVI, PVI or EP fit (every "
+                         "party's sites of a vertical fit) by the fit check's weights: drop client= (a client's local "
+                         "draws are not reweighted)")
     if isinstance(svi, FactorInference):
         return _factor_to_arviz(svi, result, rng_key, total, client, chains, corrected)
     vertical = isinstance(svi, VerticalInference)
     groups = {}
     if vertical:  # every party's sites; data stay with their owners
-        draws = svi.sample_posterior(rng_key, result, total)
+        draws = svi.sample_posterior(rng_key, result, total, **({"corrected": True} if corrected else {}))
         client = clients = None
     else:
         extra = {"corrected": True} if corrected else {}

@@ -119,23 +119,29 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     assert bool(sealed) == bool(secure) == (family == "svi_dp_trusted")
     to_server = {e.name for e in entries if e.receiver == "server" and e.sender != "aggregator"}
     assert not any(n.startswith(f"['{k}']") for k in secure for n in to_server)  # the server never saw a part
-    check = [e for e in entries if e.exchange in ("log_weights", "local_integral")]  # the fit check, after the run
+    check = [e for e in entries if e.exchange in ("log_weights", "local_integral", "vertical_terms",
+                                                  "vertical_moments")]  # the fit check, after the run
     comm = flower["communication"]
     assert comm["bytes_down"] == result.communication.bytes_down + sum(e.nbytes for e in check if e.sender == "server")
     # a sealed part is one uint8 array (a 128-byte .npy header) of the secure leaves' bytes and the envelope
     assert comm["bytes_up"] == (result.communication.bytes_up + sum(e.nbytes for e in ledger + check
                                                                     if e.sender != "server")
                                 + len(sealed) * (128 + OVERHEAD))
-    if family in ("sfvi", "sfvi_avg", "ep"):  # the fit check ran with each client's term computed on its node
+    if family in ("sfvi", "sfvi_avg", "ep", "vertical_sfvi"):  # the fit check, each client's term on its node
         assert {e.sender for e in check if e.sender != "server"} == set(flower["clients"])
+        # (vertical: the parties' float32 terms are summed in another order than the simulation's)
         np.testing.assert_allclose(flower["fit_check"].log_weights, inference.last_fit_check.log_weights,
-                                   rtol=1e-5, atol=1e-4)
-        assert not any("fit check" in w and "needs every client" in w for w in flower["warnings"])
-        if family == "ep":  # a Gaussian local latent: each client first says so on its own rows (exact Laplace)
-            told = sorted(e.name for e in check if e.exchange == "local_integral" and e.sender != "server")
-            assert told == sorted(["['gaussian']", "['k']"] * J)
+                                   rtol=1e-5, atol=1e-3 if family == "vertical_sfvi" else 1e-4)
+        assert not any("fit check" in w and "needs every" in w for w in flower["warnings"])
+        if family == "vertical_sfvi":  # its terms, then its own sites' moments, standardised
+            assert sorted({e.exchange for e in check}) == ["vertical_moments", "vertical_terms"]
+            got, want = flower["fit_check"], inference.last_fit_check
+            assert {m.site for m in got.moments} == {m.site for m in want.moments}
+            assert {m.site for m in got.biased} == {m.site for m in want.biased} and got.verdict == want.verdict
     else:
         assert check == []
+    if family == "vertical_soul":  # SOUL's check over a network is not built, and it says so
+        assert any("SOUL's check is not built" in w for w in flower["warnings"])
     if family in DP_FAMILIES:
         assert [e.name for e in ledger] == ["['releases']"] * J
         want = inference.privacy_report(result)

@@ -107,6 +107,10 @@ def test_a_mean_field_guide_that_narrows_the_slopes_warns_and_corrected_draws_fi
     z = (got.mean(0) - mean) / sd
     ratio = got.std(0) / sd
     assert np.abs(z).max() < 0.3 and np.all(np.abs(ratio - 1) < 0.2), (z, ratio)
+    idata = nf.to_arviz(amortized, res, jax.random.PRNGKey(1), num_samples=1000, num_chains=4,
+                        corrected=True)  # the same 4000 draws as chains
+    assert idata.attrs["draws"] == "psis-corrected" and idata.attrs["fit_check"] == check.verdict
+    np.testing.assert_allclose(idata.posterior["ba"].values.reshape(4000, -1), fixed["ba"], rtol=1e-6)
 
 
 def test_soul_draws_narrower_than_the_true_posterior_warn():
@@ -143,3 +147,61 @@ def test_vertical_check_can_be_switched_off_and_corrected_draws_then_refuse():
         svi.sample_posterior(jax.random.PRNGKey(1), res, 10, corrected=True)
     check = svi.diagnose(res, num_draws=200)  # still available on request
     assert len(check.log_weights) == 200 and np.isfinite(check.pareto_k)
+
+
+class _Nodes:
+    """A stand-in for the Flower server's ``client_values``: each party's answer is computed
+    by ``_client_value`` from that party's own simulated state, data and key alone, and
+    everything that would cross the wire is kept."""
+
+    def __init__(self, inference, result, drop=()):
+        setup = inference._fitted()
+        self.inference, self.setup, self.result, self.drop = inference, setup, result, set(drop)
+        self.sent = []
+
+    def client_values(self, name, payloads, like, transcript=None, rnd=0):
+        out = {}
+        for j, payload in payloads.items():
+            if j in self.drop:
+                continue
+            slot = self.result.state.clients[j]
+            data = self.setup.plan.data[j]
+            out[j] = self.inference._client_value(name, self.setup, slot.state, data, payload, rng_key=slot.rng_key)
+            self.sent.append((name, j, payload, out[j]))
+        return out
+
+
+def test_the_parties_check_over_a_network_equals_the_simulations_and_sends_no_draw():
+    """Item 1 over a network: each client computes its terms and its own sites' moment check
+    on its node (its q, draws and key stay there); the server's Pareto k, log weights and
+    the verdict per site equal the simulation's ``diagnose`` (the same draws: each client
+    from its own key). Client sites come back standardised (mean gap, sd ratio), so no
+    value of a client's coefficients is in any reply."""
+    model, spec, data = _regression(learned_scale=False)
+    vmodel = nf.vertical_split(model, clients=spec, rho=0.05, response="y")
+    svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.02))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = svi.run(jax.random.PRNGKey(0), 1500, progress_bar=False, **data)
+    sim = svi.diagnose(res)
+    nodes = _Nodes(svi, res)
+    net, why, exchanges = svi._network_check(nodes, svi._fitted(), res)
+    assert why == "" and [n for n, *_ in nodes.sent] == ["vertical_terms"] * 2 + ["vertical_moments"] * 2
+    np.testing.assert_allclose(net.log_weights, sim.log_weights, rtol=1e-5, atol=1e-3)
+    assert net.pareto_k == pytest.approx(sim.pareto_k, abs=1e-3)
+    assert net.verdict == sim.verdict != "ok"  # the narrowed slopes are caught on the clients' nodes
+    assert {m.site for m in net.biased} == {m.site for m in sim.biased}
+    by_site = {m.site: m for m in sim.moments}
+    for m in net.moments:
+        assert m.mean_gap == pytest.approx(by_site[m.site].mean_gap, abs=1e-3)
+        assert m.sd_ratio == pytest.approx(by_site[m.site].sd_ratio, rel=1e-3)
+    client_sites = {"ba[0]", "ba[1]", "bb"}
+    assert {m.site for m in net.moments if m.weighted_sd == 1.0 and m.weighted_mean == 0.0} >= client_sites
+    for name, j, _, reply in nodes.sent:  # what a client sent: terms per draw, or standardised figures
+        sizes = {k: np.asarray(v).shape for k, v in reply.items()}
+        if name == "vertical_terms":
+            assert sizes == {"lp": (1000,), "g": (1000, 120)}
+        else:
+            assert sizes["user"][1] == 3 and sizes["unconstrained"][1] == 4
+    dropped = _Nodes(svi, res, drop={1})
+    assert svi._network_check(dropped, svi._fitted(), res)[:2] == (None, "some parties did not answer")

@@ -309,7 +309,8 @@ class FlowerBackend:
         """After a run: ask client ``j`` (for each ``j`` in ``payloads``) to compute the
         family's client-side value ``name`` from its own state and data and ``payloads[j]``
         (e.g. SFVI's fit check: one scalar per draw), and return ``{j: its reply}``
-        (structure ``like``) for those that answered. Both ways are recorded in
+        (structure ``like``, or ``like[j]`` when ``like`` is keyed by the clients' int indices,
+        for replies whose shape differs by client) for those that answered. Both ways are recorded in
         ``transcript`` (exchange ``name``), as they cross the wire."""
         from flwr.app import ConfigRecord, RecordDict
 
@@ -324,7 +325,8 @@ class FlowerBackend:
                 transcript.record(rnd, "server", names[j], payloads[j], exchange=name)
             reply = replies.get(self.nodes[j])
             if reply is not None:
-                out[j] = from_record(like, reply.content["message"])
+                per_client = isinstance(like, dict) and bool(like) and all(isinstance(k, int) for k in like)
+                out[j] = from_record(like[j] if per_client else like, reply.content["message"])
                 if transcript is not None:
                     transcript.record(rnd, names[j], "server", out[j], exchange=name)
         return out

@@ -110,13 +110,15 @@ def constrain_draws(obj: VerticalObjective, u: Mapping[str, jax.Array]) -> Dict[
 
 
 def check_function(obj: VerticalObjective, draw: Callable) -> Callable:
-    """A jit-able ``(state, arrays, rng_key) -> (log_p, log_q, u)``; ``draw(state, arrays, rng_key)``
-    gives ``u = {party: (S, d)}``, ``log_q`` (S,) and each party's ``points``."""
+    """A jit-able ``(state, arrays, rng_key, own_keys) -> (log_p, log_q, u)`` (``own_keys``
+    static); ``draw(state, arrays, rng_key, own_keys)`` gives ``u = {party: (S, d)}``,
+    ``log_q`` (S,) and each party's ``points`` (``own_keys``: each client draws from its own
+    key, as over a network backend, and ``rng_key`` is the server's)."""
 
-    def fn(state, arrays, rng_key):
+    def fn(state, arrays, rng_key, own_keys=False):
         rows = jnp.arange(obj.num_rows)
         views = {p: obj.party_args(p, arrays, rows) for p in (SERVER,) + obj.clients}
-        u, log_q, points = draw(state, arrays, rng_key)
+        u, log_q, points = draw(state, arrays, rng_key, own_keys)
         return true_log_joint(obj, points, views, u), log_q, u
 
     return fn

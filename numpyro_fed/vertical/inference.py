@@ -12,13 +12,14 @@ import numpy as np
 from jax import random
 
 from ..backends.mapping import ClientPlan
-from ..inference import FederatedInference, Setup
+from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..dp.plan import refuse_dp
 from ..fit_check import (MEAN_MARGIN, PARETO_K_LIMIT, SD_MARGIN, FitDiagnostic, describe_biased, importance_resample,
                          state_fingerprint)
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
 from .check import CHECK_DRAWS, check_function, constrain_draws, split_flat, vertical_fit_check
+from .network_check import CHECK_KEY, VerticalNetworkCheck
 from .objective import SERVER, VerticalObjective
 from .protocol import PartyData, vertical_protocol
 
@@ -59,9 +60,13 @@ _WHY = {
                       "lower rho or step_size"),
 }
 _NETWORK = (
-    "{cls}: the fit check needs every party's state, and over a network backend the vertical check is not built "
-    "yet; check the fit in simulation (diagnose), or pass check_fit=False to silence this"
+    "{cls}: the fit check of the true model needs every party's part, and {why}; check the fit in simulation "
+    "(diagnose), or pass check_fit=False to silence this"
 )
+_NO_NETWORK_CHECK = {
+    "vertical_soul": "over a network backend SOUL's check is not built (its Gaussians come from Langevin chains at "
+                     "z_hat, which would need one more exchange per chain step)",
+}
 _NOT_CORRECTABLE_STATE = "corrected=True needs check_fit=True and every party's state (simulation)"
 
 
@@ -91,7 +96,7 @@ def validate_party_data(model, data: Mapping[str, Any]) -> Dict[str, np.ndarray]
     return clean
 
 
-class VerticalInference(FederatedInference):
+class VerticalInference(VerticalNetworkCheck, FederatedInference):
     """``init / update / run / get_params`` over a vertical algorithm (see subclasses).
 
     Subclasses set ``self.optim``, ``self.batch_size``, ``self.model_kwargs`` and
@@ -126,42 +131,63 @@ class VerticalInference(FederatedInference):
         """How far the fit is from the **true** model's posterior (see
         :mod:`numpyro_fed.vertical.check`): Pareto k and the per-site moment check of
         ``p(theta, y) / q(theta)`` with ``z_j = g_j``, each client sending its ``g_j`` and one
-        scalar per draw. Simulation only (every party's state is needed)."""
+        scalar per draw. Simulation only (every party's state is needed; a network run is
+        checked on the parties' nodes after ``run``). Without ``rng_key`` each client draws
+        from its own key, as on its node, so the check equals the network's; a given
+        ``rng_key`` draws every party's values from it."""
         setup = self._fitted()
         state = result.state if isinstance(result, RunResult) else result
         if isinstance(num_draws, bool) or int(num_draws) != num_draws or num_draws < 2:
             raise ValueError(f"num_draws={num_draws}: must be an integer >= 2")
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs every party's state (a simulation run)")
-        rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
+        own_keys = rng_key is None  # the default draws are the network check's: each client from its own key
+        rng_key = random.PRNGKey(CHECK_KEY) if rng_key is None else rng_key
         obj = setup.extra[0]
         key = ("fit_check", int(num_draws))
         if key not in setup.cache:  # compiled once per set-up and draw count
-            setup.cache[key] = jax.jit(check_function(obj, self._check_draws_fn(setup, int(num_draws))))
-        log_p, log_q, u = setup.cache[key](state, setup.cache["data"], rng_key)
+            setup.cache[key] = jax.jit(check_function(obj, self._check_draws_fn(setup, int(num_draws))),
+                                       static_argnums=3)
+        log_p, log_q, u = setup.cache[key](state, setup.cache["data"], rng_key, own_keys)
         return vertical_fit_check(obj, log_p, log_q, u)
 
-    def _fit_check(self, setup: Setup, result: RunResult) -> None:
+    def _fit_check(self, setup: Setup, result: RunResult) -> RunResult:
         """Run after every ``run``: the check of the result, kept as ``last_fit_check``, and
-        the warning its verdict calls for."""
+        the warning its verdict calls for. Over a network backend each party computes its
+        part on its node (:mod:`numpyro_fed.vertical.network_check`); the returned result
+        counts that traffic."""
         self.last_fit_check = None
         if not getattr(self, "check_fit", True):
-            return
+            return result
         cls = type(self).__name__
         if result.state.clients is None:
-            warnings.warn(_NETWORK.format(cls=cls), UncheckedFitWarning, stacklevel=5)
-            return
-        diag = self.last_fit_check = self.diagnose(result)
+            network = getattr(self, "_network", None)
+            why = _NO_NETWORK_CHECK.get(self.method, "this backend cannot ask the parties")
+            diag, exchanges = None, []
+            if network is not None and self.method not in _NO_NETWORK_CHECK:
+                diag, why, exchanges = self._network_check(network, setup, result)
+            result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
+            if diag is None:
+                warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=5)
+                return result
+            self.last_fit_check = diag
+        else:
+            diag = self.last_fit_check = self.diagnose(result)
         self._checked_state = state_fingerprint((result.state.server, result.state.clients))
+        self._warn_verdict(diag)
+        return result
+
+    def _warn_verdict(self, diag: FitDiagnostic) -> None:
+        cls = type(self).__name__
         if diag.verdict == "unreliable":
             warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
-                                             n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=5)
+                                             n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=6)
         elif diag.verdict == "biased":
             why, fix = _WHY[self.method]
             warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
                                          mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
                                          sites=describe_biased(diag.biased), why=why, fix=fix),
-                          BiasedFitWarning, stacklevel=5)
+                          BiasedFitWarning, stacklevel=6)
 
     def _corrected_draws(self, rng_key, state: RunState, num_samples: int) -> Dict[str, jax.Array]:
         """Every party's sites, importance-resampled from the check of ``state`` (its own

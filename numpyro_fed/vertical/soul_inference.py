@@ -136,15 +136,15 @@ class VerticalSOUL(VerticalInference):
         alg = vertical_soul(obj, self.optim, step, self.num_langevin, self.batch_size, self.init_radius)
         return obj, alg
 
-    def _check_result(self, setup, result: RunResult) -> None:
-        self._fit_check(setup, result)
+    def _check_result(self, setup, result: RunResult) -> RunResult:
+        return self._fit_check(setup, result)
 
     def _check_draws_fn(self, setup, num_draws: int):
         obj = setup.extra[0]
         chains = self._chains_fn(setup, 2 * num_draws)
         parties = (SERVER,) + obj.clients
 
-        def draw(state, arrays, rng_key):
+        def draw(state, arrays, rng_key, own_keys=False):  # simulation only: one key for every party's chain
             k_chain, k_q = random.split(rng_key)
             runs = chains(state, arrays, k_chain)
             u, log_q = {}, jnp.zeros(num_draws)

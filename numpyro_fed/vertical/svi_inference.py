@@ -17,6 +17,7 @@ from ..inference import Setup
 from ..warnings import UnreliableFitWarning
 from .objective import SERVER, VerticalObjective
 from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
+from .network_check import party_check_key
 from .sfvi_algorithm import vertical_sfvi
 
 __all__ = ["VerticalSVI"]
@@ -106,34 +107,51 @@ class VerticalSVI(VerticalInference):
         self._check_batch(obj)
         return obj, vertical_sfvi(obj, self.optim, self.batch_size)
 
-    def _check_draws_fn(self, setup: Setup, num_draws: int):
+    def _party_draw(self, setup: Setup, num_draws: int):
+        """``draw(party, params, key) -> (u, log_q, point)``: ``num_draws`` draws of one
+        party's sites from its own ``q`` (on its own node over a network backend)."""
         obj = setup.extra[0]
         theta = self.guide.theta
-        parties = (SERVER,) + obj.clients
 
-        def draw(state, arrays, rng_key):
-            params = self._params(setup, state)
-            u, log_q = {}, 0.0
-            for key, p in zip(random.split(rng_key, len(parties)), parties):  # each party its own key and draws
-                eps = random.normal(key, (num_draws, obj.layouts[p].size))
-                u[p], lq = jax.vmap(lambda e, p=p: theta.sample(params[p]["theta"], e))(eps)
-                log_q = log_q + lq
-            return u, log_q, {p: params[p]["point"] for p in parties}
+        def draw(party, params, key):
+            eps = random.normal(key, (num_draws, obj.layouts[party].size))
+            u, log_q = jax.vmap(lambda e: theta.sample(params["theta"], e))(eps)
+            return u, log_q, params["point"]
 
         return draw
 
-    def _check_result(self, setup: Setup, result: RunResult) -> None:
+    def _check_draws_fn(self, setup: Setup, num_draws: int):
+        obj = setup.extra[0]
+        draw = self._party_draw(setup, num_draws)
+
+        def fn(state, arrays, rng_key, own_keys):
+            params = self._params(setup, state)
+            keys = {SERVER: rng_key}
+            if own_keys:  # each client from its own key, as on its node (network_check.party_check_key)
+                keys.update({c: party_check_key(slot.rng_key) for c, slot in zip(obj.clients, state.clients)})
+            else:
+                keys.update(zip(obj.clients, random.split(random.fold_in(rng_key, 1), len(obj.clients))))
+            u, log_q, points = {}, 0.0, {}
+            for p in (SERVER,) + obj.clients:
+                u[p], lq, points[p] = draw(p, params[p], keys[p])
+                log_q = log_q + lq
+            return u, log_q, points
+
+        return fn
+
+    def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
         self.last_rho_check = None
         obj = setup.extra[0]
-        self._fit_check(setup, result)
+        result = self._fit_check(setup, result)
         if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
-            return
+            return result
         check = self.last_rho_check = self.rho_check(result)
         if not check.ok:
             warnings.warn(_RHO_TOO_LARGE.format(rho=check.rho, added=len(obj.clients) * check.rho**2,
                                                 excess=check.excess, curv=check.curvature, shift=check.shift,
                                                 rho_max=check.rho_max, limit=RHO_SHIFT_LIMIT),
                           UnreliableFitWarning, stacklevel=4)
+        return result
 
     def rho_check(self, result) -> AugmentationCheck:
         """How far the augmented posterior is from the true model's at this fit (see
