@@ -212,3 +212,45 @@ def test_nuts_tilted_moments_report_divergences_on_the_centred_funnel():
     share = np.asarray(result.info.fit_stat)
     flagged = ~np.asarray(result.info.fit_ok) & ~np.isnan(share)
     assert flagged.sum() >= 4 and np.all(share[flagged] > 0)
+
+
+def _variance_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    sigmasq = numpyro.sample("sigmasq", dist.InverseGamma(0.001, 0.001))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("obs", dist.Normal(mu, jnp.sqrt(sigmasq)), obs=y)
+
+
+@pytest.mark.parametrize("cls", ["PVI", "EP"])
+def test_a_prior_flat_near_zero_and_curved_in_its_tails_is_refused(cls):
+    """Issue 25's EP-on-surgical class: ``sigmasq ~ InverseGamma(0.001, 0.001)`` is nearly
+    quadratic in ``log sigmasq`` near 0 (relative Hessian change 7.8e-5 at the one scale-1
+    point the test drew, under its 1e-4 tolerance), so it passed the Gaussian-prior test; the fit then used its Gaussian
+    approximation and the fit check weighed q against that approximation too (sd 0.71x the
+    reference, verdict ok). The test now looks at scales 1 and 3 and refuses it."""
+    y = np.random.default_rng(0).normal(1.0, 0.3, size=60).astype(np.float32)
+    clients = nf.Clients.split(np.arange(60) % 3, y=y)
+    with pytest.raises(ValueError, match="the prior is not a Gaussian function"):
+        getattr(nf, cls)(_variance_model).run(random.PRNGKey(0), 2, clients, progress_bar=False)
+
+
+def test_the_check_weighs_q_against_the_models_own_prior():
+    """The check's target is the model's posterior: its log weights use the model's own prior
+    of the global sites (``terms.log_prior``), not the Gaussian factor the fit uses, so a
+    wrong factor cannot make the check agree with the fit."""
+    from numpyro_fed.factor import gaussian as G
+
+    ep = nf.EP(tau_fixed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = ep.run(random.PRNGKey(0), 3, schools(), progress_bar=False)
+    setup = ep._fitted()
+    want = ep.diagnose(result, num_draws=200).log_weights
+    terms = setup.extra.terms
+    mu = np.linspace(-10, 10, 7)
+    np.testing.assert_allclose([float(terms.log_prior(jnp.asarray([m]))) for m in mu],
+                               stats.norm.logpdf(mu, 0, 5), rtol=1e-5)
+    wrong = G.NaturalGaussian(jnp.asarray([3.0]), jnp.asarray([[4.0]]))  # a factor far from N(0, 5^2)
+    setup.cache.clear()
+    ep._setup_cache = setup._replace(extra=setup.extra._replace(terms=terms._replace(prior=wrong)))
+    np.testing.assert_allclose(ep.diagnose(result, num_draws=200).log_weights, want, rtol=1e-6)

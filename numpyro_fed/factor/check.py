@@ -96,15 +96,17 @@ def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int,
     return jax.vmap(one)(u, random.split(rng_key, u.shape[0]))
 
 
-def log_weight_estimator(prior: NaturalGaussian, log_joint: Callable, num_local: int, mapping: str,
+def log_weight_estimator(log_prior: Callable, log_joint: Callable, num_local: int, mapping: str,
                          num_draws: int, sampled: bool = False) -> Callable:
     """``(q, data, rng_key, client_keys) -> (log_w, u)``: the check's ``num_draws`` draws
     ``u ~ q`` and their ``log p(u, y) - log q(u)`` (up to a constant), every client's term
     summed; ``sampled``: the clients integrate their local latents by importance sampling,
-    each from its own key in ``client_keys``."""
-    d = prior.shift.shape[0]
+    each from its own key in ``client_keys``. ``log_prior`` is the model's own prior of the
+    global sites (not the Gaussian factor the fit uses), so the check's target is the
+    model's posterior even where the fit approximates the prior."""
 
     def estimate(q: NaturalGaussian, data, rng_key, client_keys):
+        d = q.shift.shape[0]
         u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_draws, d)))
         mean, _ = G.to_moments(q)
 
@@ -115,14 +117,7 @@ def log_weight_estimator(prior: NaturalGaussian, log_joint: Callable, num_local:
             values = jnp.sum(jax.vmap(term)(data, client_keys), axis=0)
         else:
             values = sum(term(x, k) for x, k in zip(data, client_keys))
-        server = jax.vmap(lambda x: _prior_density(prior, x) - G.log_prob(q, x))(u)
+        server = jax.vmap(lambda x: log_prior(x) - G.log_prob(q, x))(u)
         return server + values, u
 
     return estimate
-
-
-def _prior_density(prior: NaturalGaussian, u):
-    """The prior factor's log density up to a constant (``shift^T u - u^T P u / 2``)."""
-    if prior.diagonal:
-        return prior.shift @ u - 0.5 * jnp.sum(prior.precision * u**2)
-    return prior.shift @ u - 0.5 * u @ prior.precision @ u

@@ -78,6 +78,7 @@ class ModelTerms(NamedTuple):
     num_local: int
     local: SiteLayout
     sites: str
+    log_prior: Callable  # u -> the model's own log p(u) of the global sites (Jacobians included): the check's target
 
 
 class FactorSetup(NamedTuple):
@@ -158,7 +159,8 @@ class FactorInference(NetworkFitCheck, FederatedInference):
             if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
                 raise ValueError("family='diagonal' needs independent priors across the global sites")
             prior = G.NaturalGaussian(prior.shift, jnp.diag(prior.precision))
-        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites)
+        # the check's target: the model's own prior (data-free, checked above), never the Gaussian factor
+        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior)
 
     def _joint(self, structure, local: SiteLayout) -> Callable:
         """``(w = [u, v], data) -> log p(y_j, v | u)`` with the local sites' Jacobians."""
@@ -339,7 +341,7 @@ class FactorInference(NetworkFitCheck, FederatedInference):
         key = ("log_weights", num_draws, sampled)
         if key not in setup.cache:  # compiled once per set-up
             terms = setup.extra.terms
-            setup.cache[key] = jax.jit(log_weight_estimator(terms.prior, terms.log_joint, terms.num_local,
+            setup.cache[key] = jax.jit(log_weight_estimator(terms.log_prior, terms.log_joint, terms.num_local,
                                                             setup.plan.mapping, num_draws, sampled))
         log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, self._client_check_keys(setup, state))
         per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}

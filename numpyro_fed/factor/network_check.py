@@ -26,7 +26,7 @@ import numpy as np
 from jax import random
 
 from . import gaussian as G
-from .check import _prior_density, client_log_likelihoods, local_integral_k, locals_are_gaussian
+from .check import client_log_likelihoods, local_integral_k, locals_are_gaussian
 from .tilted import PARETO_K_LIMIT
 
 __all__ = ["CHECK_DRAWS", "NetworkFitCheck"]
@@ -108,5 +108,5 @@ class NetworkFitCheck:
         if got is None:
             return None, None, "some clients did not answer", exchanges
         values = sum(got[j]["values"] for j in range(J))  # in client order, as the simulation sums them
-        server = jax.vmap(lambda x: _prior_density(terms.prior, x) - G.log_prob(q, x))(u)
+        server = jax.vmap(lambda x: terms.log_prior(x) - G.log_prob(q, x))(u)  # the model's own prior
         return np.asarray(server + values, np.float64), np.asarray(u), "", exchanges
