@@ -57,6 +57,12 @@ class ClientData(NamedTuple):
     num_rows: jax.Array
 
 
+_SAME_NAME = (
+    "two clients are both named {client!r} once their names are strings (keys of types {kinds}, e.g. 0 and '0'); "
+    "client names must stay distinct after str(): rename one"
+)
+
+
 class Clients(Mapping[str, Dict[str, np.ndarray]]):
     """Data held by each client, as keyword arguments of the model.
 
@@ -86,8 +92,11 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
             raise ValueError(_EMPTY)
         clean: Dict[str, Dict[str, np.ndarray]] = {}
         first = None
-        for client, args in data.items():
-            client = str(client)
+        for key, args in data.items():
+            client = str(key)
+            if client in clean:  # 0 and "0" would both become client "0"; the second would drop the first
+                raise ValueError(_SAME_NAME.format(client=client, key=key, kinds=sorted(
+                    {type(k).__name__ for k in data if str(k) == client})))
             if not isinstance(args, Mapping):
                 raise TypeError(_NOT_MAPPING.format(client=client, kind=type(args).__name__))
             if len(args) == 0:

@@ -32,6 +32,12 @@ class Setup(NamedTuple):
     cache: dict  # derived values computed on demand (compiled estimators, supports, ...)
 
 
+def _shapes(tree) -> tuple:
+    """A pytree's structure and leaf shapes (what two fits of one family and model share)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple(tuple(getattr(x, "shape", ())) for x in leaves)
+
+
 def with_exchange_traffic(comm, exchanges):
     """``comm`` plus the messages of the after-run exchanges (``[(sent, got), ...]``, each
     ``{client: message}``), as serialised: a fit check's traffic over a network backend."""
@@ -99,10 +105,38 @@ class FederatedInference:
             raise ValueError(f"this needs a fitted {type(self).__name__}: call run() or init() first")
         return self._setup_cache
 
+    # ------------------------------------------------------------------ results
+    def _state_of(self, result) -> RunState:
+        """The run state of ``result`` (a :class:`RunResult` or :class:`RunState`), refused with
+        an error naming both when it is another family's (or another fit's: its server state
+        has another structure than this object's runs give)."""
+        cls = type(self).__name__
+        if isinstance(result, RunResult):
+            other = result.fitted_by
+            if other and other != cls:
+                raise ValueError(f"{cls} was given a result of {other}.run: each family's state holds its own "
+                                 f"parameters, so pass it to the {other} that produced it (or run this {cls})")
+            state = result.state
+        elif isinstance(result, RunState):
+            state = result
+        else:
+            raise TypeError(f"{cls} needs a RunResult or RunState from its own run/init; got {type(result).__name__}")
+        want = self._fitted().cache.get("server_shapes")
+        if want is not None and _shapes(state.server) != want:
+            raise ValueError(f"{cls} was given a state whose server part does not match this {cls}'s fit (another "
+                             f"family's, or a fit of another model or data): pass the result of this object's own "
+                             f"run or init")
+        return state
+
+    def _remember_shapes(self, setup: Setup, state: RunState) -> None:
+        setup.cache["server_shapes"] = _shapes(state.server)
+
     # ------------------------------------------------------------------ API
     def _init(self, rng_key: jax.Array, inputs) -> RunState:
         setup = self._setup(inputs)
-        return self._backend.init(setup.algorithm, setup.plan, rng_key)
+        state = self._backend.init(setup.algorithm, setup.plan, rng_key)
+        self._remember_shapes(setup, state)
+        return state
 
     def _update(self, state: RunState, inputs):
         setup = self._setup(inputs)
@@ -126,6 +160,8 @@ class FederatedInference:
         callbacks: Sequence[Callable] = (),
     ) -> RunResult:
         setup = self._setup(inputs)
+        if init_state is not None:
+            init_state = self._state_of(init_state)
         backend = self._backend if backend is None else backend
         result = backend.run(
             setup.algorithm, setup.plan, num_rounds, rng_key, init_state=init_state, progress_bar=progress_bar,
@@ -137,7 +173,9 @@ class FederatedInference:
         result = result._replace(
             params=self._params(setup, result.state),
             client_states=ClientStates(setup.plan.names, lambda j: self._client_view(setup, states[setup.plan.names[j]])),
+            fitted_by=type(self).__name__,
         )
+        self._remember_shapes(setup, result.state)
         self._network = backend if hasattr(backend, "client_values") else None  # a network backend's clients
         try:
             result = self._check_result(setup, result) or result
@@ -148,7 +186,7 @@ class FederatedInference:
     def save(self, path: str, state: "RunState | RunResult") -> None:
         """Save a run state to ``path`` (an ``.npz`` file; see :mod:`numpyro_fed.checkpoint`)."""
         setup = self._fitted()
-        state = state.state if isinstance(state, RunResult) else state
+        state = self._state_of(state)
         ckpt.save(path, state, setup.plan.names, family=self.method)
 
     def _load(self, path: str, inputs) -> RunState:

@@ -203,6 +203,8 @@ class RunResult(NamedTuple):
             gathers them; in a deployment each stays on its client).
         transcript: a :class:`~numpyro_fed.Transcript` when one was recorded.
         rounds_answered: per round, how many clients answered.
+        fitted_by: the class name of the inference object whose ``run`` made it (another
+            family's methods refuse it, naming both).
     """
 
     params: Dict[str, Any]
@@ -213,6 +215,7 @@ class RunResult(NamedTuple):
     client_states: Dict[str, Any]
     transcript: Optional[Transcript] = None
     rounds_answered: Optional[Any] = None
+    fitted_by: str = ""
 
     @property
     def losses(self) -> jax.Array:

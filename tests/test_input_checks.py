@@ -143,3 +143,37 @@ def test_discrete_sites_get_a_clear_error():
                                                if site["name"] == "z" else {})
     with pytest.raises(ValueError, match=r"'z' has infer\['enumerate'\] = 'sequential'; only 'parallel'"):
         nf.FederatedSVI(sequential, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
+
+
+def test_client_names_equal_after_str_are_refused():
+    """Issue 26, item 6: ``0`` and ``"0"`` both became client ``"0"`` and the second silently
+    replaced the first (a client's rows lost)."""
+    with pytest.raises(ValueError, match=r"both named '0'.*int.*str"):
+        nf.Clients({0: dict(y=np.zeros(2)), "0": dict(y=np.ones(2))})
+
+
+def test_one_familys_result_passed_to_another_is_refused_naming_both():
+    """Issue 26, item 6: ``FederatedSVI.sample_posterior(pvi_result)`` raised deep inside a tree
+    map (or, with matching shapes, would read another family's state as its own); it now
+    names both classes. A bare state of another fit is refused by its structure."""
+    import warnings
+
+    from tests.families import pvi, sfvi
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        svi, clients = sfvi()
+        svi_result = svi.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+        factor, clients = pvi()
+        pvi_result = factor.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    assert svi_result.fitted_by == "FederatedSVI" and pvi_result.fitted_by == "PVI"
+    with pytest.raises(ValueError, match="FederatedSVI was given a result of PVI.run"):
+        svi.sample_posterior(random.PRNGKey(1), pvi_result, 5)
+    with pytest.raises(ValueError, match="PVI was given a result of FederatedSVI.run"):
+        factor.sample_posterior(random.PRNGKey(1), svi_result, 5)
+    with pytest.raises(ValueError, match="PVI was given a state whose server part does not match"):
+        factor.sample_posterior(random.PRNGKey(1), svi_result.state, 5)
+    with pytest.raises(ValueError, match="FederatedSVI was given a result of PVI.run"):
+        svi.run(random.PRNGKey(0), 1, clients, init_state=pvi_result, progress_bar=False)
+    assert svi.sample_posterior(random.PRNGKey(1), svi_result, 5)  # its own result still works
+    assert factor.sample_posterior(random.PRNGKey(1), pvi_result.state, 5)

@@ -195,7 +195,7 @@ class EP(FactorInference):
         setup = self._fitted()
         num_samples = check_positive_int("num_samples", num_samples)
         num_warmup = check_positive_int("num_warmup", num_warmup)
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         names = setup.inputs.names
         if client is not None and client not in names:
             raise ValueError(_CLIENT.format(name=client, names=list(names)))
@@ -230,7 +230,7 @@ class EP(FactorInference):
         by NUTS on the new client's own data ``data`` (the model's data arguments).
         """
         self._fitted()
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         return self._draws(rng_key, state.server.q, data, num_samples, num_warmup)
 
     def _sampler(self, local, num_samples, num_warmup) -> Callable:

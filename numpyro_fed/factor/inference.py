@@ -277,7 +277,7 @@ class FactorInference(NetworkFitCheck, FederatedInference):
         terms, plan = setup.extra.terms, setup.plan
         if not terms.num_local:
             return "exact"
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         mean, _ = G.to_moments(state.server.q)
         d = mean.shape[0]
         gaussian = partial(locals_are_gaussian, terms.log_joint, d, terms.num_local, mean)
@@ -332,7 +332,7 @@ class FactorInference(NetworkFitCheck, FederatedInference):
             a :class:`~numpyro_fed.FitDiagnostic`.
         """
         setup = self._fitted()
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         num_draws = check_positive_int("num_draws", num_draws)
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs the simulation's client states")
@@ -435,7 +435,7 @@ class FactorInference(NetworkFitCheck, FederatedInference):
         resampled by their importance weights (needs that check, with Pareto k <= 0.7)."""
         setup = self._fitted()
         num_samples = check_positive_int("num_samples", num_samples)
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         q = state.server.q
         if corrected:
             u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Callable, Dict, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -224,7 +224,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
     def client_params(self, result: Union[RunResult, RunState], client: str) -> Dict[str, jax.Array]:
         """A client's own ``numpyro.param`` sites (marked local), constrained: the client's
         computation on its own state."""
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         setup = self._fitted()
         if client not in setup.inputs:
             raise KeyError(_UNKNOWN_CLIENT.format(name=client, names=list(setup.inputs.names)))
@@ -390,7 +390,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             ``moments``, ``biased``, ``draws``, ``verdict``).
         """
         setup = self._fitted()
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         num_draws = check_positive_int("num_draws", num_draws)
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
         if state.clients is None:
@@ -428,7 +428,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 at most 0.7; only as many distinct values as the check drew (1000).
                 Global sites only (a client's local draws are not reweighted).
         """
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         num_samples = check_positive_int("num_samples", num_samples)
         setup = self._fitted()
         obj = setup.extra
@@ -505,7 +505,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
             (num_samples, *site batch shape)``.
         """
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         num_samples = check_positive_int("num_samples", num_samples)
         setup = self._fitted()
         obj = setup.extra

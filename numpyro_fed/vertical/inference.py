@@ -136,7 +136,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         from its own key, as on its node, so the check equals the network's; a given
         ``rng_key`` draws every party's values from it."""
         setup = self._fitted()
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         if isinstance(num_draws, bool) or int(num_draws) != num_draws or num_draws < 2:
             raise ValueError(f"num_draws={num_draws}: must be an integer >= 2")
         if state.clients is None:

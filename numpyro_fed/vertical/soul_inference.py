@@ -185,7 +185,7 @@ class VerticalSOUL(VerticalInference):
         if int(num_warmup) != num_warmup or num_warmup < 0:
             raise ValueError(f"num_warmup={num_warmup!r}: must be a non-negative integer")
         setup = self._setup_cache
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         if corrected:
             return self._corrected_draws(rng_key, state, int(num_samples))
         key = ("draws", int(num_samples), int(thinning), int(num_warmup))

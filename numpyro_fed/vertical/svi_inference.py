@@ -157,7 +157,7 @@ class VerticalSVI(VerticalInference):
         """How far the augmented posterior is from the true model's at this fit (see
         :mod:`numpyro_fed.vertical.rho`): the server's likelihood curvature at the fitted
         ``z`` (each client's ``z`` at its ``q``'s mean, the z it sends). Simulation only."""
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         setup = self._fitted()
         obj = setup.extra[0]
         params = self._params(setup, state)
@@ -206,7 +206,7 @@ class VerticalSVI(VerticalInference):
         ``corrected=True``: the fit check's draws importance-resampled towards the true
         model's posterior (needs the check's Pareto k <= 0.7; a ValueError says why not).
         """
-        state = result.state if isinstance(result, RunResult) else result
+        state = self._state_of(result)
         if int(num_samples) != num_samples or num_samples < 1:
             raise ValueError(f"num_samples={num_samples}: must be a positive integer")
         if corrected:
