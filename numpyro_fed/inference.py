@@ -140,6 +140,7 @@ class FederatedInference:
 
     def _update(self, state: RunState, inputs):
         setup = self._setup(inputs)
+        state = self._state_of(state)
         return self._backend.step(setup.algorithm, setup.plan, state)
 
     def _run(

@@ -175,5 +175,7 @@ def test_one_familys_result_passed_to_another_is_refused_naming_both():
         factor.sample_posterior(random.PRNGKey(1), svi_result.state, 5)
     with pytest.raises(ValueError, match="FederatedSVI was given a result of PVI.run"):
         svi.run(random.PRNGKey(0), 1, clients, init_state=pvi_result, progress_bar=False)
+    with pytest.raises(ValueError, match="PVI was given a state whose server part does not match"):
+        factor.update(svi_result.state, clients)
     assert svi.sample_posterior(random.PRNGKey(1), svi_result, 5)  # its own result still works
     assert factor.sample_posterior(random.PRNGKey(1), pvi_result.state, 5)
