@@ -64,8 +64,9 @@ _NETWORK = (
     "(diagnose), or pass check_fit=False to silence this"
 )
 _NO_NETWORK_CHECK = {
-    "vertical_soul": "over a network backend SOUL's check is not built (its Gaussians come from Langevin chains at "
-                     "z_hat, which would need one more exchange per chain step)",
+    "vertical_soul": "over a network backend SOUL's check is not built yet (each party would fit its Gaussian to its "
+                     "own Langevin chain at z_hat on its node; with server sites or the power form those chains need "
+                     "the other parties' values, an exchange per step with server sites)",
 }
 _NOT_CORRECTABLE_STATE = "corrected=True needs check_fit=True and every party's state (simulation)"
 

@@ -31,7 +31,7 @@ import numpy as np
 from jax import random
 
 from ..fit_check import FitDiagnostic, SiteMoments, fit_diagnostic, moment_report, smoothed_weights
-from .check import _CHUNK
+from .check import _CHUNK, CHECK_DRAWS
 from .objective import SERVER, VerticalObjective
 
 __all__ = ["CHECK_KEY", "VerticalNetworkCheck", "party_check_key"]
@@ -85,8 +85,6 @@ class VerticalNetworkCheck:
 
     def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
         """The structure of what the server sends for :meth:`_client_value` ``name``."""
-        from .check import CHECK_DRAWS
-
         if name == "vertical_terms":
             return {"draws": jax.ShapeDtypeStruct((), jnp.int32)}
         if name == "vertical_moments":
@@ -104,8 +102,6 @@ class VerticalNetworkCheck:
     def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
         """On client ``data.party`` after a network run: its part of the vertical fit check,
         from its own ``q``, rows and key (``rng_key``, never sent)."""
-        from .check import CHECK_DRAWS
-
         self._client_value_inputs(name, setup, data)
         obj: VerticalObjective = setup.extra[0]
         party = data.party
@@ -139,8 +135,6 @@ class VerticalNetworkCheck:
         """``(check, why, exchanges)``: the fit check computed with the parties over ``network``
         (``None`` with the reason when some party did not answer) and the ``(sent, got)``
         messages of each exchange."""
-        from .check import CHECK_DRAWS
-
         obj: VerticalObjective = setup.extra[0]
         J, rnd, exchanges = len(obj.clients), int(result.communication.rounds), []
         c0 = obj.clients[0]
@@ -172,18 +166,16 @@ class VerticalNetworkCheck:
         if not np.all(np.isfinite(check.log_weights)):
             return check, "", exchanges
         weights, _ = smoothed_weights(log_w)
-        likes = {}
-        for j, c in enumerate(obj.clients):
-            user_names, u_names = _scalar_names(obj, c)
-            likes[j] = {"user": jax.ShapeDtypeStruct((len(user_names), 3), jnp.float32),
-                        "unconstrained": jax.ShapeDtypeStruct((len(u_names), 4), jnp.float32)}
+        names = [_scalar_names(obj, c) for c in obj.clients]
+        likes = {j: {"user": jax.ShapeDtypeStruct((len(user), 3), jnp.float32),
+                     "unconstrained": jax.ShapeDtypeStruct((len(unc), 4), jnp.float32)}
+                 for j, (user, unc) in enumerate(names)}
         got = ask("vertical_moments", {"weights": jnp.asarray(weights, jnp.float32),
                                        "ess": jnp.asarray(check.ess, jnp.float32)}, likes)
         if got is None:
             return None, "some parties did not answer", exchanges
         moments, biased, u_moments = list(check.moments), list(check.biased), list(check.unconstrained_moments)
-        for j, c in enumerate(obj.clients):
-            user_names, u_names = _scalar_names(obj, c)
+        for j, (user_names, u_names) in enumerate(names):
             m, b = _rebuild(user_names, np.asarray(got[j]["user"]))
             rows = np.asarray(got[j]["unconstrained"])
             keep = rows[:, 3] > 0.5
