@@ -187,8 +187,8 @@ def test_ep_clear_errors(linear):
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(0.0, s), obs=y)
 
-    with pytest.raises(ValueError, match="EP keeps q = p"):
-        nf.EP(half_normal).init(random.PRNGKey(0), clients)
+    # a non-Gaussian prior is no longer refused (issue 26): its residual is the server's own site
+    assert nf.EP(half_normal).init(random.PRNGKey(0), clients).server.prior_site is not None
 
 
 def test_parallel_ep_has_a_trust_region_by_default():

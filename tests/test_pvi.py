@@ -170,8 +170,9 @@ def test_clear_errors(linear):
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
 
-    with pytest.raises(ValueError, match="the prior is not a Gaussian function of the unconstrained s, w"):
-        nf.PVI(half_normal_prior, update="optax", optim=optax.adam(0.01)).init(random.PRNGKey(0), clients)
+    # a non-Gaussian prior is no longer refused (issue 26): its residual is the server's own site
+    state = nf.PVI(half_normal_prior, update="optax", optim=optax.adam(0.01)).init(random.PRNGKey(0), clients)
+    assert state.server.prior_site is not None
 
     def with_local(x, y):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))

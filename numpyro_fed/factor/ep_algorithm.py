@@ -64,6 +64,7 @@ def ep(
     max_halvings: int = 10,
     subset_size: int = 1,
     max_kl: Optional[float] = None,
+    prior_site: Optional[Callable] = None,
 ) -> FederatedAlgorithm:
     """Build federated EP's pure functions.
 
@@ -80,6 +81,9 @@ def ep(
         subset_size: as in :func:`~numpyro_fed.algorithms.pvi`.
         max_kl: optional trust region (see
             :func:`~numpyro_fed.factor.updates.factor_protocol`).
+        prior_site: the server's step for a non-Gaussian prior's residual (see
+            :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
+            Gaussian part.
 
     References:
         Paper 004 (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
@@ -101,5 +105,5 @@ def ep(
 
     return factor_protocol(
         log_prior_factor, local_update, num_clients, schedule=schedule, damping=damping,
-        max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl,
+        max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl, prior_site=prior_site,
     )

@@ -171,7 +171,7 @@ class EP(FactorInference):
     def _algorithm(self, terms, plan, num_clients: int):
         return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=self.moments,
                   schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
-                  subset_size=self.subset_size, max_kl=self.max_kl)
+                  subset_size=self.subset_size, max_kl=self.max_kl, prior_site=self._prior_site(terms))
 
     # ------------------------------------------------------------ local posteriors
     def local_posterior(

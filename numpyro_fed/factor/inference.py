@@ -36,6 +36,7 @@ from ..inference import FederatedInference, Setup, with_exchange_traffic
 from .network_check import NetworkFitCheck
 from ..protocol import RunResult, RunState
 from . import gaussian as G
+from .prior_site import prior_site_update, split_prior
 from .updates import SCHEDULES
 
 __all__ = ["FactorInference", "ModelTerms", "latent_supports"]
@@ -79,6 +80,7 @@ class ModelTerms(NamedTuple):
     local: SiteLayout
     sites: str
     log_prior: Callable  # u -> the model's own log p(u) of the global sites (Jacobians included): the check's target
+    residual: Optional[Callable] = None  # u -> log p(u) - log prior(u): the server's site (non-Gaussian priors)
 
 
 class FactorSetup(NamedTuple):
@@ -121,6 +123,12 @@ class FactorInference(NetworkFitCheck, FederatedInference):
     def _algorithm(self, terms: ModelTerms, plan, num_clients: int):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _prior_site(self, terms: ModelTerms) -> Optional[Callable]:
+        """The server's step for a non-Gaussian prior's residual (``None`` for a Gaussian prior)."""
+        if terms.residual is None:
+            return None
+        return prior_site_update(terms.residual, terms.prior.shift.shape[0], self.family == "diagonal")
+
     def _fit_advice(self) -> Dict[str, Any]:
         """What a failed local-fit check means for this method: ``stat`` (``what``,
         ``stat_name``, ``fix``: the convergence/divergence check), ``k`` (``what``, ``fix``:
@@ -152,15 +160,21 @@ class FactorInference(NetworkFitCheck, FederatedInference):
         log_joint_local = self._joint(structure, local)
 
         sites = ", ".join(layout.names)
-        prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=sites,
-                                   fix=_PRIOR_FIX.format(cls=cls))
-        _check_prior_is_proper(prior, layout, cls)
+        residual = None
+        try:
+            prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=sites,
+                                       fix=_PRIOR_FIX.format(cls=cls))
+            _check_prior_is_proper(prior, layout, cls)
+        except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
+            if "flat" in str(err):
+                raise
+            prior, residual = split_prior(log_prior, d, layout, cls)
         if self.family == "diagonal":
             if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
                 raise ValueError("family='diagonal' needs independent priors across the global sites")
             prior = G.NaturalGaussian(prior.shift, jnp.diag(prior.precision))
         # the check's target: the model's own prior (data-free, checked above), never the Gaussian factor
-        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior)
+        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior, residual)
 
     def _joint(self, structure, local: SiteLayout) -> Callable:
         """``(w = [u, v], data) -> log p(y_j, v | u)`` with the local sites' Jacobians."""

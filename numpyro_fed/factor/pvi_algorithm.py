@@ -190,6 +190,7 @@ def pvi(
     dp_sgd: Any = None,
     trusted_aggregator: bool = False,
     split_prior: bool = False,
+    prior_site: Optional[Callable] = None,
 ) -> FederatedAlgorithm:
     """Build PVI's pure functions.
 
@@ -229,6 +230,9 @@ def pvi(
 
     References:
         Ashman et al. (2022), "Partitioned variational inference"; paper 002 §3.1, Alg. 1.
+        prior_site: the server's step for a non-Gaussian prior's residual (see
+            :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
+            Gaussian part.
     """
     d = log_prior_factor.shift.shape[0]
     diagonal = log_prior_factor.diagonal
@@ -264,4 +268,5 @@ def pvi(
         log_prior_factor, local_posterior, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, variant=variant, num_shards=num_shards,
         perturb=perturb, private_fit=dp_sgd is not None, trusted_aggregator=trusted_aggregator,
+        prior_site=prior_site,
     )

@@ -200,7 +200,7 @@ class PVI(PrivateFit, FactorInference):
     def _algorithm(self, terms, plan, num_clients: int):
         d = terms.prior.shift.shape[0]
         common = dict(schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
-                      subset_size=self.subset_size)
+                      subset_size=self.subset_size, prior_site=self._prior_site(terms))
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             moments = tilted_moments("vi", optim=self.optim, vi_steps=self.local_steps,
                                      num_particles=self.num_particles, diagonal=self.family == "diagonal")

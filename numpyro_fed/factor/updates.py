@@ -51,6 +51,7 @@ class FactorServerState(NamedTuple):
     q: NaturalGaussian
     ack: jax.Array  # (J,): damping applied to each client's last received update
     round: jax.Array
+    prior_site: Optional[NaturalGaussian] = None  # t_0, the server's factor of a non-Gaussian prior's residual
 
 
 class FactorClientState(NamedTuple):
@@ -72,6 +73,7 @@ class FactorInfo(NamedTuple):
     fit_ok: jax.Array  # (J,) the answered clients whose own check passed its local fit
     fit_stat: jax.Array  # (J,) its convergence statistic (NaN: not answered or not applicable)
     fit_k: jax.Array  # (J,) its Pareto k (NaN: not answered or not applicable)
+    prior_damping: jax.Array = None  # the damping applied to the prior site's update (NaN: no prior site)
 
 
 def current_factor(state: FactorClientState, ack: jax.Array) -> NaturalGaussian:
@@ -94,6 +96,7 @@ def factor_protocol(
     perturb: Optional[Callable] = None,
     private_fit: bool = False,
     trusted_aggregator: bool = False,
+    prior_site: Optional[Callable] = None,
 ) -> FederatedAlgorithm:
     """Build the shared protocol around a client's local fit.
 
@@ -127,6 +130,10 @@ def factor_protocol(
             only their sum, so each client's message is its noised change alone, sent as
             it is (no validity flag or zeroing that would depend on the client's own,
             less noised, change); the server checks the sum.
+        prior_site: for a non-Gaussian prior (:mod:`~numpyro_fed.factor.prior_site`):
+            ``(rng_key, cavity, q) -> (q_new, ok)``, the server's tilted-moment step for its
+            own factor ``t_0`` of the prior's residual, run after the clients' updates of
+            every round (with ``log_prior_factor`` the prior's Gaussian part).
     """
     if trusted_aggregator and perturb is None:
         raise ValueError("trusted_aggregator=True scales the noise of update perturbation: it needs perturb=")
@@ -149,7 +156,8 @@ def factor_protocol(
     def init_server(rng_key):
         del rng_key
         ack = jnp.zeros(num_clients, prior.shift.dtype)
-        return FactorServerState(prior, ack, jnp.zeros((), jnp.int32)), Broadcast({"q": prior}, {"ack": ack})
+        site = G.zeros(d, diagonal) if prior_site is not None else None
+        return FactorServerState(prior, ack, jnp.zeros((), jnp.int32), site), Broadcast({"q": prior}, {"ack": ack})
 
     def _zero_factor():
         z = G.zeros(d, diagonal)
@@ -248,8 +256,27 @@ def factor_protocol(
                    "fit_k": check.pareto_k}
         return FactorClientState(factor, pending, releases, withheld), message
 
+    def refine_prior_site(rng_key, q, site):
+        """The server's own site: ``t_0`` moved towards the tilted moments of the prior's
+        residual, damped and halved until ``q`` stays positive definite (rejected otherwise)."""
+        fit, ok = prior_site(rng_key, q - site, q)
+        change = fit - q
+        ok = ok & _finite(change)
+        change = jax.tree_util.tree_map(lambda x: jnp.where(ok, x, 0.0), change)
+
+        def halve(carry):
+            delta, halvings = carry
+            return delta / 2, halvings + 1
+
+        def keep_halving(carry):
+            delta, halvings = carry
+            return (~G.is_positive_definite(q + change.scale(delta))) & (halvings < max_halvings)
+
+        applied, _ = jax.lax.while_loop(keep_halving, halve, (jnp.asarray(damping, prior.shift.dtype), 0))
+        applied = jnp.where(ok & G.is_positive_definite(q + change.scale(applied)), applied, 0.0)
+        return q + change.scale(applied), site + change.scale(applied), applied
+
     def server_step(rng_key, state: FactorServerState, messages, view):
-        del rng_key
         answered = view.answered
         if trusted_aggregator:  # the sum alone arrives; the server checks it below
             nan = jnp.full(answered.shape, jnp.nan, prior.shift.dtype)
@@ -280,13 +307,16 @@ def factor_protocol(
         applied = jnp.where(acceptable(applied) & jnp.any(valid), applied, 0.0)
         q = state.q + total.scale(applied)
         ack = jnp.where(answered, applied, state.ack)
+        site, prior_damping = state.prior_site, jnp.full((), jnp.nan, prior.shift.dtype)
+        if prior_site is not None:
+            q, site, prior_damping = refine_prior_site(rng_key, q, site)
         kl = G.kl_divergence(q, state.q)
-        new = FactorServerState(q, ack, state.round + 1)
+        new = FactorServerState(q, ack, state.round + 1, site)
         fit_ok = answered & messages["fit_ok"]
         fit_stat = jnp.where(answered, messages["fit_stat"], jnp.nan)
         fit_k = jnp.where(answered, messages["fit_k"], jnp.nan)
         info = FactorInfo(applied, jnp.asarray(halvings), jnp.sum(answered & ~messages["valid"]), valid, kl, fit_ok,
-                          fit_stat, fit_k)
+                          fit_stat, fit_k, prior_damping)
         return new, Broadcast({"q": q}, {"ack": ack}), info
 
     secure = ("delta",) if trusted_aggregator else ()

@@ -1,0 +1,100 @@
+"""Issue 26, item 1: any proper prior under PVI and EP. The prior's Gaussian part (Laplace at
+its mode) is exact in q and the residual is one more factor held by the server, refined each
+round by the tilted-moment step (:mod:`numpyro_fed.factor.prior_site`).
+
+Truth: NumPyro NUTS on the pooled data (4000 draws), tolerance 0.3 reference sds for means and
+20 % for sds in user space (the trust issue's). PVI runs ``update="optax"`` (its local ELBO is
+exact KL(q || tilted)); EP runs ``tilted="nuts"`` (exact tilted moments) because EP's default
+Laplace tilted step is itself biased on a log-scale site (z -0.3 with a LogNormal prior too,
+where there is no prior site: measured, see the closing note).
+"""
+
+import warnings
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from numpyro.infer import MCMC, NUTS
+
+import numpyro_fed as nf
+
+N = 40
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=N).astype(np.float32)
+Y = (0.5 + 0.8 * X + 0.7 * _rng.normal(size=N)).astype(np.float32)
+
+SCALE_PRIORS = {"HalfNormal": dist.HalfNormal(1.0), "HalfCauchy": dist.HalfCauchy(1.0),
+                "Exponential": dist.Exponential(1.0), "Gamma": dist.Gamma(2.0, 2.0)}
+
+
+def _regression(scale_prior, slope_prior=None):
+    slope_prior = dist.Normal(0.0, 2.0) if slope_prior is None else slope_prior
+
+    def model(x, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 2.0))
+        b = numpyro.sample("b", slope_prior)
+        s = numpyro.sample("s", scale_prior)
+        with numpyro.plate("rows", x.shape[0]):
+            numpyro.sample("y", dist.Normal(a + b * x, s), obs=y)
+
+    return model
+
+
+def _nuts(model):
+    mc = MCMC(NUTS(model), num_warmup=1000, num_samples=4000, progress_bar=False)
+    mc.run(jax.random.PRNGKey(0), X, Y)
+    return {k: np.asarray(v) for k, v in mc.get_samples().items()}
+
+
+def _fit(cls, model):
+    clients = nf.Clients.split(np.arange(N) % 3, x=X, y=Y)
+    if cls == "PVI":
+        inference, rounds = nf.PVI(model, update="optax", optim=optax.adam(0.05)), 10
+    else:
+        inference, rounds = nf.EP(model, tilted="nuts"), 9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = inference.run(jax.random.PRNGKey(1), rounds, clients, progress_bar=False)
+    return inference, result, caught
+
+
+CASES = [(name, None) for name in SCALE_PRIORS] + [("StudentT", dist.StudentT(3.0, 0.0, 1.0))]
+
+
+@pytest.mark.parametrize("cls", ["PVI", "EP"])
+@pytest.mark.parametrize("name,slope", CASES, ids=[c[0] for c in CASES])
+def test_a_non_gaussian_prior_matches_nuts(cls, name, slope):
+    scale = SCALE_PRIORS.get(name, dist.HalfNormal(1.0))
+    model = _regression(scale, slope)
+    ref = _nuts(model)
+    inference, result, caught = _fit(cls, model)
+    assert inference._fitted().extra.terms.residual is not None  # the prior is not Gaussian: a server site
+    assert np.all(np.asarray(result.info.prior_damping) > 0)  # ... refined every round
+    draws = inference.sample_posterior(jax.random.PRNGKey(2), result, 4000)
+    for site in ("a", "b", "s"):
+        z = (draws[site].mean() - ref[site].mean()) / ref[site].std()
+        ratio = draws[site].std() / ref[site].std()
+        assert abs(z) < 0.3 and abs(ratio - 1) < 0.2, (site, z, ratio)
+
+
+def test_a_gaussian_prior_has_no_server_site():
+    model = _regression(dist.LogNormal(0.0, 1.0))
+    inference, result, _ = _fit("PVI", model)
+    assert inference._fitted().extra.terms.residual is None and result.state.server.prior_site is None
+    assert np.all(np.isnan(np.asarray(result.info.prior_damping)))
+
+
+def test_a_prior_without_a_mode_is_refused_naming_only_that_site():
+    def model(x, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 2.0))
+        b = numpyro.sample("b", dist.ImproperUniform(dist.constraints.real, (), ()))
+        s = numpyro.sample("s", dist.HalfCauchy(1.0))
+        with numpyro.plate("rows", x.shape[0]):
+            numpyro.sample("y", dist.Normal(a + b * x, s), obs=y)
+
+    clients = nf.Clients.split(np.arange(N) % 3, x=X, y=Y)
+    with pytest.raises(ValueError, match=r"global site\(s\) b has no mode"):
+        nf.EP(model).run(jax.random.PRNGKey(0), 1, clients, progress_bar=False)
