@@ -20,8 +20,8 @@ Family defaults (what a user gets from the docs' first example of each):
 
 - SFVI: ``FederatedSVI(model, StructuredGuide(model), optax.adam(0.02))``, 2000 rounds;
 - SFVI-Avg: the same with ``method="sfvi_avg"`` (10 local steps), 200 rounds;
-- PVI: ``PVI(model, update="optax", optim=optax.adam(0.05))`` (the conjugate default applies
-  only with a known noise scale), 10 synchronous rounds;
+- PVI: ``PVI(model)`` (``update="auto"``: the conjugate update where every likelihood is
+  quadratic, otherwise the local ELBO with ``optax.adam(0.05)``), 10 synchronous rounds;
 - EP: ``EP(model)`` (integrated Laplace, sequential), three sweeps (3 J rounds);
 - VerticalSVI (the regressions with two or more covariates, split by columns between two
   parties, intercept and sigma on the server): the augmented form at ``rho=0.5``,
@@ -130,7 +130,7 @@ def make(family: str, model):
         return nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.02), method=family), 2000 if (
             family == "sfvi") else 200
     if family == "pvi":
-        return nf.PVI(model, update="optax", optim=optax.adam(0.05)), 10
+        return nf.PVI(model), 10
     return nf.EP(model), None
 
 

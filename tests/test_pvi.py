@@ -162,7 +162,7 @@ def test_clear_errors(linear):
             numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=(y > 0).astype(jnp.float32))
 
     with pytest.raises(ValueError, match="client '0''s log-likelihood is not a Gaussian function"):
-        nf.PVI(logistic).init(random.PRNGKey(0), clients)
+        nf.PVI(logistic, update="conjugate").init(random.PRNGKey(0), clients)
 
     def half_normal_prior(x, y):
         s = numpyro.sample("s", dist.HalfNormal(1.0))
@@ -182,12 +182,16 @@ def test_clear_errors(linear):
             numpyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=y)
 
     with pytest.raises(ValueError, match=r"no closed form with local latent sites \(\['b'\]\)"):
-        nf.PVI(with_local).init(random.PRNGKey(0), clients)
+        nf.PVI(with_local, update="conjugate").init(random.PRNGKey(0), clients)
     with pytest.raises(ValueError, match=r"variant='virtual' is not supported with local latent sites"):
         nf.PVI(with_local, update="optax", optim=optax.adam(0.01), variant="virtual", num_shards=2).init(
             random.PRNGKey(0), clients)
     with pytest.raises(ValueError, match="optim="):
         nf.PVI(linear_model, update="optax")
+    with pytest.raises(ValueError, match="optim="):
+        nf.PVI(linear_model, optim=0.01)
+    with pytest.raises(ValueError, match="update='newton'"):
+        nf.PVI(linear_model, update="newton")
     with pytest.raises(ValueError, match="damping=0"):
         nf.PVI(linear_model, damping=0.0)
     with pytest.raises(ValueError, match="num_shards=2"):
@@ -200,6 +204,51 @@ def test_clear_errors(linear):
         nf.PVI(linear_model, schedule="random")
     with pytest.raises(TypeError, match="nf.Clients"):
         nf.PVI(linear_model).init(random.PRNGKey(0), {"x": 1})
+
+
+def test_default_update_is_chosen_per_model(linear):
+    """Issue 26 item 4: ``nf.PVI(model)`` runs on any annotated model. The default
+    ``update="auto"`` is the closed form where the likelihood is quadratic (exact in one
+    pass), and the stochastic local ELBO otherwise: a logistic likelihood, and local latent
+    sites (where it fits q over the global and local sites jointly) -- both of which the
+    conjugate update refuses."""
+    clients, mean, cov, _ = linear
+    exact = nf.PVI(linear_model)
+    res = exact.run(random.PRNGKey(0), 1, clients)
+    assert exact.update_used == "conjugate"
+    np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
+
+    def logistic(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=(y > 0).astype(jnp.float32))
+
+    def with_local(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, PRIOR_SD).expand([D]).to_event(1))
+        with nf.local_site(sites=["b"]):
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w + b, SIGMA), obs=y)
+
+    for model in (logistic, with_local):
+        pvi_ = nf.PVI(model, local_steps=300, schedule="sequential")
+        res = pvi_.run(random.PRNGKey(1), 3, clients)
+        assert pvi_.update_used == "optax", model.__name__
+        assert np.all(np.isfinite(np.asarray(res.mean)))
+    # the local-latent model is Gaussian: its exact marginal of w is the reference
+    xs = [np.asarray(clients[n]["x"]) for n in clients.names]
+    ys = [np.asarray(clients[n]["y"]) for n in clients.names]
+    # y_j ~ N(x_j w, SIGMA^2 I + 1 1^T): the client offset b_j ~ N(0, 1) integrated out
+    precision = np.eye(D) / PRIOR_SD**2
+    shift = np.zeros(D)
+    for x, y in zip(xs, ys):
+        inv = np.linalg.inv(SIGMA**2 * np.eye(len(y)) + np.ones((len(y), len(y))))
+        precision += x.T @ inv @ x
+        shift += x.T @ inv @ y
+    exact_cov = np.linalg.inv(precision)
+    exact_mean = exact_cov @ shift
+    sd = np.sqrt(np.diag(exact_cov))
+    assert np.max(np.abs((np.asarray(res.mean) - exact_mean) / sd)) < 0.3
 
 
 def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):

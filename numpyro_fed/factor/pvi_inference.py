@@ -32,6 +32,15 @@ _SHARD_PLATE = (
     "plates of the client's row count: {found}. Pass row_plate="
 )
 _OPTIM = "update='optax' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
+_UPDATES = ("auto", "conjugate", "optax")
+DEFAULT_LEARNING_RATE = 0.05  # the local ELBO's Adam step when update='auto' chooses 'optax' and optim= is unset
+_QUADRATIC_TOL = 1e-4
+
+
+def _default_optim():
+    import optax
+
+    return optax.adam(DEFAULT_LEARNING_RATE)
 
 
 class PVI(PrivateFit, FactorInference):
@@ -52,13 +61,19 @@ class PVI(PrivateFit, FactorInference):
             ``KL(q || cavity * p(y_j, v | theta))`` (needs ``update="optax"`` and
             ``variant="plain"``); only ``q(theta)``'s factor leaves the client.
         family: ``"full"`` or ``"diagonal"`` covariance.
-        update: ``"conjugate"`` (closed form; the model's log-likelihood must be quadratic
-            in the global sites, e.g. Bayesian linear regression with known noise) or
-            ``"optax"``.
+        update: ``"auto"`` (default), ``"conjugate"`` or ``"optax"``. ``"conjugate"`` is the
+            closed form, for a log-likelihood quadratic in the global sites (Bayesian linear
+            regression with known noise) and no local latent sites; ``"optax"`` fits each
+            local ELBO by stochastic optimisation with ``optim``. ``"auto"`` chooses per
+            model: ``"conjugate"`` when every client's log-likelihood is quadratic (checked
+            on the client's own rows, as the conjugate update itself does) and there are no
+            local latent sites or DP-SGD, otherwise ``"optax"`` with ``optim`` (default
+            ``optax.adam(0.05)``). The choice made is kept in :attr:`update_used`.
         schedule: ``"sequential"``, ``"synchronous"`` or ``"subset"``.
         damping: ``delta`` in ``(0, 1]``.
         subset_size: clients per round for ``schedule="subset"``.
-        optim: optax optimiser for ``update="optax"``.
+        optim: optax optimiser for ``update="optax"`` (and for ``"auto"`` when it chooses
+            ``"optax"``; default ``optax.adam(0.05)`` there).
         local_steps: optimiser steps per local update.
         max_local_steps: with ``update="optax"`` (global sites only, no DP), a local fit whose
             objective or parameters still move over the last quarter of its steps runs
@@ -118,7 +133,7 @@ class PVI(PrivateFit, FactorInference):
         model: Callable,
         *,
         family: str = "full",
-        update: str = "conjugate",
+        update: str = "auto",
         schedule: str = "synchronous",
         damping: float = 1.0,
         subset_size: int = 1,
@@ -140,15 +155,19 @@ class PVI(PrivateFit, FactorInference):
         super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
                          max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
                          model_kwargs=model_kwargs, check_fit=check_fit)
-        if update not in ("conjugate", "optax"):
-            raise ValueError(f"update={update!r}: choose 'conjugate' or 'optax'")
+        if update not in _UPDATES:
+            raise ValueError(f"update={update!r}: choose one of {_UPDATES}")
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r}: choose one of {VARIANTS}")
         if int(num_shards) != num_shards or num_shards < 1 or (variant == "plain" and num_shards != 1):
             raise ValueError(f"num_shards={num_shards}: a positive integer, and 1 unless variant= splits the data")
-        if update == "optax" and not (hasattr(optim, "init") and hasattr(optim, "update")):
+        if update == "auto" and dp == "optimisation":  # DP-SGD runs inside the local optimisation
+            update, optim = "optax", _default_optim() if optim is None else optim
+        if (update == "optax" or optim is not None) and not (hasattr(optim, "init") and hasattr(optim, "update")):
             raise ValueError(_OPTIM)
         self.update_kind = update
+        #: the update the fit uses: ``update`` as given, or what ``"auto"`` chose (set when built)
+        self.update_used: Optional[str] = None if update == "auto" else update
         self.optim = optim
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.num_particles = check_positive_int("num_particles", num_particles)
@@ -202,30 +221,50 @@ class PVI(PrivateFit, FactorInference):
         common = dict(schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
                       subset_size=self.subset_size, prior_site=self._prior_site(terms))
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
+            self._use("optax")
             moments = tilted_moments("vi", optim=self.optim, vi_steps=self.local_steps,
                                      num_particles=self.num_particles, diagonal=self.family == "diagonal")
             return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
-        if self.update_kind == "conjugate":  # each client checks its own likelihood
-
-            def change(data):
-                return G.hessian_change(partial(terms.log_lik, data=data), d, random.PRNGKey(2))
-
-            if plan.mapping == "vmap":
-                changes = jax.jit(jax.vmap(change))(plan.data)
-            else:
-                changes = [jax.jit(change)(data) for data in plan.data]
-            for name, c in zip(plan.names, changes):
-                G.check_quadratic(c, what=f"client '{name}''s log-likelihood", sites=terms.sites, fix=_CONJ_FIX)
+        update = self._choose_update(terms, plan, d)
         private = self._privacy
         if getattr(self, "prior", "same") == "split":
             common["split_prior"] = True
         return pvi(
-            terms.prior, terms.log_lik, num_clients, update=self.update_kind, optim=self.optim,
+            terms.prior, terms.log_lik, num_clients, update=update, optim=self.optim,
             local_steps=self.local_steps, max_local_steps=self.max_local_steps, num_particles=self.num_particles,
             variant=self.variant,
             num_shards=self.num_shards, perturb=private.perturb if private else None,
             dp_sgd=private.dp_sgd if private else None, trusted_aggregator=self.trusted_aggregator, **common,
         )
+
+    def _use(self, update: str) -> str:
+        """Record the update the fit uses (``"auto"`` resolved); ``"optax"`` gets the default optimiser."""
+        if update == "optax" and self.optim is None:
+            self.optim = _default_optim()
+        self.update_used = update
+        return update
+
+    def _choose_update(self, terms, plan, d: int) -> str:
+        """``"conjugate"`` or ``"optax"``: each client tests its own log-likelihood for being quadratic
+        in the global sites (the test the conjugate update needs anyway). With ``update="conjugate"`` a
+        client whose likelihood is not quadratic raises naming it; with ``"auto"`` it selects ``"optax"``."""
+        if self.update_kind == "optax":
+            return self._use("optax")
+
+        def change(data):
+            return G.hessian_change(partial(terms.log_lik, data=data), d, random.PRNGKey(2))
+
+        if plan.mapping == "vmap":
+            changes = jax.jit(jax.vmap(change))(plan.data)
+        else:
+            changes = [jax.jit(change)(data) for data in plan.data]
+        if self.update_kind == "auto":
+            quadratic = all(float(c) <= _QUADRATIC_TOL for c in changes)
+            return self._use("conjugate" if quadratic else "optax")
+        for name, c in zip(plan.names, changes):
+            G.check_quadratic(c, what=f"client '{name}''s log-likelihood", sites=terms.sites, fix=_CONJ_FIX,
+                              tol=_QUADRATIC_TOL)
+        return self._use("conjugate")
 
     # ------------------------------------------------------------------ privacy
     def _build(self, clients: Clients):
