@@ -41,6 +41,7 @@ from .transcript import (
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 
 from .warnings import (
+    ArvizGroupWarning,
     BiasedFitWarning,
     FederatedWarning,
     FitWarning,
@@ -60,6 +61,7 @@ PVIRunResult = HM1Result = VerticalRunResult = RunResult
 __all__ = [
     "AmortizedAux",
     "BCM",
+    "ArvizGroupWarning",
     "BiasedFitWarning",
     "Broadcast",
     "ClientData",

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+import warnings
+
 import jax
 import numpy as np
+from jax import random
+
+from .warnings import ArvizGroupWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import arviz as az
@@ -15,6 +20,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .protocol import RunResult
 
 __all__ = ["to_arviz"]
+
+_NEEDS_CLIENTS = (
+    "{cls}: the InferenceData has no log_likelihood group: it needs the clients' data. Pass client= (that "
+    "client's rows) or clients= (every client's rows, in a simulation where you hold them), or use "
+    "nf.federated_loo / nf.federated_compare, which leave each client's rows with it"
+)
+_NO_VERTICAL = ("omitted: a vertical fit's pointwise log-likelihood needs every party's share of each row; it is "
+                "not built")
 
 
 def to_arviz(
@@ -32,9 +45,10 @@ def to_arviz(
     :class:`~numpyro_fed.VerticalSVI`, :class:`~numpyro_fed.VerticalSOUL`,
     :class:`~numpyro_fed.PVI` or :class:`~numpyro_fed.EP` fit.
 
-    For PVI and EP the posterior holds draws of the global sites from ``q`` (for EP with a
-    named ``client``: that client's NUTS draws of eq. 8, global and local sites) and
-    ``sample_stats`` the damping applied per round.
+    For PVI and EP the posterior holds draws of the global sites from ``q`` (with a named
+    ``client``: for PVI also its local sites, drawn by the client from the Laplace
+    approximation of ``p(v | theta, y_j)`` at each draw; for EP that client's NUTS draws of
+    eq. 8, global and local sites) and ``sample_stats`` the damping applied per round.
 
     The posterior group holds ``num_chains x num_samples`` draws from the variational
     approximation (for SOUL: the Langevin draws given ``z_hat``): global sites, plus
@@ -49,7 +63,12 @@ def to_arviz(
     ``log_likelihood`` group holds the pointwise log-likelihood of the client's rows and
     ``posterior_predictive`` draws of new data, both computed by the client on its own
     data at the same posterior draws (so ``az.loo`` / ``az.waic`` work per client; see
-    :func:`~numpyro_fed.federated_loo` for all clients at once). The ELBO trace goes into ``sample_stats`` as
+    :func:`~numpyro_fed.federated_loo` for all clients at once); the same for PVI and EP
+    fits. With ``clients=`` and no ``client``, the two groups hold every client's rows side
+    by side (the same global draws for all; a simulation, where the caller holds every
+    client's data). With neither, they are left out: ``attrs["log_likelihood"]`` says why
+    and an :class:`~numpyro_fed.ArvizGroupWarning` says so once per fit. Every group holds
+    constrained (user-space) values. The ELBO trace goes into ``sample_stats`` as
     ``elbo`` with a ``round`` dimension (for SOUL: ``log_joint``, the averaged
     ``log p(theta, z, y)``). Observed data is
     added only for a named client whose data the caller passes in ``clients`` (the
@@ -62,7 +81,8 @@ def to_arviz(
         num_samples: draws per chain.
         num_chains: chains the independent draws are laid out as.
         client: name of the client whose local sites (and data) to include.
-        clients: the :class:`~numpyro_fed.Clients`, for that client's observed data.
+        clients: the :class:`~numpyro_fed.Clients`: with ``client``, for that client's
+            observed data; without, for every client's pointwise log-likelihood.
         corrected: for a :class:`~numpyro_fed.FederatedSVI`, ``PVI`` or ``EP`` fit without
             ``client``: the posterior group holds PSIS-corrected draws of the global sites
             (the last fit check's draws resampled by their importance weights; see
@@ -92,25 +112,22 @@ def to_arviz(
                          "party's sites of a vertical fit) by the fit check's weights: drop client= (a client's local "
                          "draws are not reweighted)")
     if isinstance(svi, FactorInference):
-        return _factor_to_arviz(svi, result, rng_key, total, client, chains, corrected)
+        return _factor_to_arviz(svi, result, rng_key, total, client, clients, chains, corrected)
     vertical = isinstance(svi, VerticalInference)
-    groups = {}
+    groups, note = {}, _NO_VERTICAL if vertical else None
     if vertical:  # every party's sites; data stay with their owners
         draws = svi.sample_posterior(rng_key, result, total, **({"corrected": True} if corrected else {}))
         client = clients = None
     else:
         extra = {"corrected": True} if corrected else {}
         draws = svi.sample_posterior(rng_key, result, total, client=client, **extra)
-        if client is not None:
-            log_lik, predictive = svi.log_likelihood(rng_key, result, total, client)
-            groups = {"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
-                      "posterior_predictive": {k: chains(v) for k, v in predictive.items()}}
+        groups, note = _pointwise_groups(svi, result, rng_key, total, client, clients, chains, corrected)
     posterior = {k: chains(v) for k, v in draws.items()}
     stat = svi.loss_name if vertical else "elbo"
     sample_stats = {stat: -np.asarray(result.losses)[None, None, :]}
     observed = None
     if client is not None and clients is not None:
-        observed = {k: np.asarray(v) for k, v in svi.observed(clients, client).items()}
+        observed = {k: np.asarray(v) for k, v in _observed(svi, clients, client).items()}
     return az.from_dict(
         posterior=posterior,
         sample_stats=sample_stats,
@@ -125,6 +142,7 @@ def to_arviz(
             "bytes_down": int(result.communication.bytes_down),
             "draws": "psis-corrected" if corrected else "q",
             "fit_check": _verdict(svi),
+            "log_likelihood": note or "included",
         },
     )
 
@@ -134,18 +152,29 @@ def _verdict(svi) -> str:
     return "not run" if check is None else check.verdict
 
 
-def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains, corrected):
+def _factor_to_arviz(inference, result, rng_key, num_samples, client, clients, chains, corrected):
     import arviz as az
 
-    if client is not None:
-        if not hasattr(inference, "local_posterior"):
-            raise ValueError(f"{type(inference).__name__} has no local posteriors; use nf.EP for client=")
+    groups, note = {}, None
+    if client is not None and hasattr(inference, "local_posterior"):  # EP: the client's NUTS draws of eq. 8
         draws = inference.local_posterior(rng_key, result, client=client, num_samples=num_samples)
+        log_lik, predictive = inference.pointwise_at(random.fold_in(rng_key, 1), draws, client)
+        groups = {"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
+                  "posterior_predictive": {k: chains(v) for k, v in predictive.items()}}
+    elif client is not None:  # PVI: q's global draws, the client's locals given each
+        draws = inference.client_draws(rng_key, result, num_samples, client)
+        groups, note = _pointwise_groups(inference, result, rng_key, num_samples, client, clients, chains, False)
     else:
         draws = inference.sample_posterior(rng_key, result, num_samples, corrected=corrected)
+        groups, note = _pointwise_groups(inference, result, rng_key, num_samples, None, clients, chains, corrected)
+    observed = None
+    if client is not None and clients is not None:
+        observed = {k: np.asarray(v) for k, v in _observed(inference, clients, client).items()}
     return az.from_dict(
         posterior={k: chains(v) for k, v in draws.items()},
         sample_stats={"damping": np.asarray(result.info.damping)[None, None, :]},
+        observed_data=observed,
+        **groups,
         dims={"damping": ["round"]},
         attrs={
             "inference_library": "numpyro_fed",
@@ -155,5 +184,41 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, chains, co
             "bytes_down": int(result.communication.bytes_down),
             "draws": "psis-corrected" if corrected else "q",
             "fit_check": _verdict(inference),
+            "log_likelihood": note or "included",
         },
     )
+
+
+def _observed(inference, clients, client):
+    """Values of a client's observed sites (the client's own data)."""
+    from ._structure import trace_model
+
+    tr = trace_model(inference.model, clients[client], inference.model_kwargs)
+    return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+
+
+def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, chains, corrected):
+    """The ``log_likelihood`` and ``posterior_predictive`` groups, and the note saying why
+    they are left out (``None`` when included): a named client's rows, or with ``clients=``
+    and no client every client's rows side by side (the same global draws for every client;
+    in a simulation, where the caller holds all the data)."""
+    if corrected:
+        return {}, ("omitted: corrected=True resamples the global sites only; the pointwise log-likelihood needs "
+                    "draws of every client's local sites at the same draws (use corrected=False)")
+    if client is not None:
+        names = [client]
+    elif clients is not None:
+        names = list(inference._fitted().inputs.names)
+        if list(clients.names) != names:
+            raise ValueError(f"clients= has clients {list(clients.names)}, the fit {names}: pass the fitted clients")
+    else:
+        note = _NEEDS_CLIENTS.format(cls=type(inference).__name__)
+        if not getattr(inference, "_warned_log_likelihood", False):
+            inference._warned_log_likelihood = True
+            warnings.warn(note, ArvizGroupWarning, stacklevel=4)
+        return {}, note
+    parts = [inference.log_likelihood(rng_key, result, num_samples, c) for c in names]
+    log_lik = {k: np.concatenate([np.asarray(p[0][k]) for p in parts], axis=1) for k in parts[0][0]}
+    predictive = {k: np.concatenate([np.asarray(p[1][k]) for p in parts], axis=1) for k in parts[0][1]}
+    return ({"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
+             "posterior_predictive": {k: chains(v) for k, v in predictive.items()}}, None)

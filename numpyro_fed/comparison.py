@@ -33,8 +33,8 @@ _ONE_SITE = (
     "the model has observed sites {names}; pass var_name= to say which one's log-likelihood to score"
 )
 _NOT_SUPPORTED = (
-    "federated_loo works with nf.FederatedSVI fits (the clients' pointwise log-likelihood needs "
-    "their local draws); got {kind}"
+    "federated_loo works with nf.FederatedSVI, nf.PVI and nf.EP fits (the clients' pointwise log-likelihood "
+    "needs their local draws); got {kind}"
 )
 _NONFINITE = (
     "client '{client}': the log-likelihood of site '{site}' is not finite at {count} (draw, row) pairs, so "
@@ -127,7 +127,10 @@ def federated_loo(
     """PSIS-LOO of a fitted federated model; each client scores its own rows.
 
     Args:
-        inference: a fitted :class:`~numpyro_fed.FederatedSVI`.
+        inference: a fitted :class:`~numpyro_fed.FederatedSVI`, :class:`~numpyro_fed.PVI` or
+            :class:`~numpyro_fed.EP` (for these, each client draws its local latents given
+            each global draw from the Laplace approximation of their conditional posterior,
+            on its own rows; see ``docs/model_comparison.md``).
         result: its :class:`~numpyro_fed.RunResult`.
         rng_key: key of the posterior draws (the same global draws for every client).
         num_samples: posterior draws.

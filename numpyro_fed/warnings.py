@@ -18,7 +18,9 @@ Filter on :class:`FederatedWarning` to catch (or silence) all of them, or on a s
 
 - :class:`NonFiniteWarning`: a round produced a non-finite value (``on_nonfinite="warn"``);
 - :class:`MissingClientsWarning`: a network run went on without some clients;
-- :class:`ModelComparisonWarning`: federated PSIS-LOO found rows whose Pareto k is high.
+- :class:`ModelComparisonWarning`: federated PSIS-LOO found rows whose Pareto k is high;
+- :class:`ArvizGroupWarning`: ``to_arviz`` left out a group (the log-likelihood without the
+  clients' data).
 
 Example:
     >>> import warnings
@@ -33,6 +35,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "ArvizGroupWarning",
     "BiasedFitWarning",
     "FederatedWarning",
     "FitWarning",
@@ -84,3 +87,7 @@ class MissingClientsWarning(FederatedWarning, RuntimeWarning):
 
 class ModelComparisonWarning(FederatedWarning):
     """Federated PSIS-LOO found rows whose Pareto k is high: the estimate is unreliable there."""
+
+
+class ArvizGroupWarning(FederatedWarning):
+    """``to_arviz`` left out a group it could not build (the log-likelihood without the clients' data)."""

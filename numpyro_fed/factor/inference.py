@@ -34,6 +34,7 @@ from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased,
                          state_fingerprint)
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from .network_check import NetworkFitCheck
+from .pointwise import PointwiseLikelihood
 from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .prior_site import prior_site_update, split_prior
@@ -88,7 +89,7 @@ class FactorSetup(NamedTuple):
     terms: ModelTerms
 
 
-class FactorInference(NetworkFitCheck, FederatedInference):
+class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
     """Base of :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.EP` (not used directly)."""
 
     method = "factor"

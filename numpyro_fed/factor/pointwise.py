@@ -1,0 +1,149 @@
+"""A client's pointwise log-likelihood under a PVI or EP fit (for ArviZ and federated PSIS-LOO).
+
+The server's ``q`` approximates the global sites only. At each draw ``u ~ q`` (the same
+draws for every client, so the clients' matrices stack into the pooled one) the client
+draws its local latents ``v`` from the Laplace approximation of ``p(v | u, y_j)``, on its
+own rows and from its own key: the conditional mode and the inverse Hessian there, exact
+when ``v | u`` is Gaussian (a Gaussian hierarchical model). It then evaluates every
+observed site's log density of each of its rows, and draws new data, at ``(u, v)``. All of
+it stays on the client: federated PSIS-LOO sends only sums (:mod:`numpyro_fed.comparison`).
+Pure and jit-compatible given the client's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import random
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, substitute, trace
+
+from .._structure import trace_model
+from ..backends.mapping import pad_client
+from ..horizontal.inference import check_positive_int
+from . import gaussian as G
+from .check import INNER_STEPS, WARM_STEPS, _laplace_proposal
+
+__all__ = ["PointwiseLikelihood", "conditional_local_draws", "observed_terms"]
+
+
+def conditional_local_draws(log_joint: Callable, num_global: int, num_local: int, mean, u, data, rng_key):
+    """``v_s ~ N(v*(u_s), -H_vv(u_s)^-1)`` for each row ``u_s`` of ``u`` (``(S, d)``): the
+    Laplace approximation of ``p(v | u_s, y_j)``, warm-started at the conditional mode at
+    ``q``'s ``mean``. ``(S, num_local)``."""
+    v0 = jnp.zeros(num_local, u.dtype)
+    v0 = _laplace_proposal(log_joint, num_global, num_local, mean, data, v0, INNER_STEPS)[0]
+
+    def one(x, key):
+        v, chol = _laplace_proposal(log_joint, num_global, num_local, x, data, v0, WARM_STEPS)
+        eps = random.normal(key, (num_local,), x.dtype)
+        return v + jax.scipy.linalg.solve_triangular(chol.T, eps, lower=False)
+
+    return jax.vmap(one)(u, random.split(rng_key, u.shape[0]))
+
+
+def observed_terms(model: Callable, args: Mapping, kwargs: Mapping, values: Dict[str, jax.Array],
+                   rng_key) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+    """``(log_likelihood, predictive)`` at one draw of the latent sites (constrained
+    ``values``): each observed site's pointwise log density of the client's data ``args``,
+    and a draw of new data from it."""
+    k_trace, k_obs = random.split(rng_key)
+    tr = trace(seed(substitute(model, data=values), k_trace)).get_trace(**dict(args), **dict(kwargs))
+    observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
+    keys = random.split(k_obs, max(len(observed), 1))
+    log_lik = {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}
+    return log_lik, {n: tr[n]["fn"].sample(k) for n, k in zip(observed, keys)}
+
+
+def constrained(layout, local, supports, u, v) -> Dict[str, jax.Array]:
+    """Constrained values of the global (``u``) and local (``v``) sites at one draw."""
+    values = {**layout.unravel(u), **(local.unravel(v) if local.size else {})}
+    return {k: biject_to(supports[k])(x) for k, x in values.items()}
+
+
+_ENUMERATED = (
+    "{cls}: the pointwise log-likelihood with enumerated discrete local sites ({names}) is not built for PVI/EP "
+    "fits (each row's term would sum them out); fit with nf.FederatedSVI for federated_loo / to_arviz's "
+    "log_likelihood group"
+)
+_NOT_CLIENT = "client {name!r} is not one of the fitted clients {names}"
+
+
+class PointwiseLikelihood:
+    """``log_likelihood`` and ``client_draws`` of :class:`~numpyro_fed.factor.inference.FactorInference`."""
+
+    def client_draws(self, rng_key: jax.Array, result, num_samples: int, client) -> Dict[str, jax.Array]:
+        """Constrained draws of the global sites from ``q`` (those of ``sample_posterior``
+        with the same ``rng_key``) and of ``client``'s local sites from the Laplace
+        approximation of ``p(v | theta, y_j)`` at each draw (see :mod:`numpyro_fed.factor.pointwise`).
+        The client's own computation, on its own rows."""
+        return self._client_pass(rng_key, result, num_samples, client)[0]
+
+    def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client) -> tuple:
+        """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows, at
+        the draws of :meth:`client_draws` (the global draws are the same for every client,
+        so the clients' matrices stack into the pooled one). Computed by the client on its
+        own rows; federated model comparison sends only sums (:func:`numpyro_fed.federated_loo`).
+
+        Returns:
+            ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
+            (num_samples, *site batch shape)``.
+        """
+        _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client)
+        return log_lik, predictive
+
+    def pointwise_at(self, rng_key: jax.Array, draws: Dict[str, jax.Array], client) -> tuple:
+        """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of
+        every latent site (e.g. EP's ``local_posterior`` draws)."""
+        setup = self._fitted()
+        args = setup.inputs[client]
+        num = jnp.shape(next(iter(draws.values())))[0]
+        fn = jax.jit(jax.vmap(lambda values, k: observed_terms(self.model, args, self.model_kwargs, values, k)))
+        return fn(draws, random.split(rng_key, num))
+
+    def _client_pass(self, rng_key, result, num_samples, client):
+        from .inference import latent_supports  # (inference imports this module)
+
+        setup = self._fitted()
+        state = self._state_of(result)
+        num_samples = check_positive_int("num_samples", num_samples)
+        names = list(setup.inputs.names)
+        if client not in names:
+            hint = f" (names are strings: client={str(client)!r})" if str(client) in names else ""
+            raise ValueError(_NOT_CLIENT.format(name=client, names=names) + hint)
+        structure = setup.extra.structure
+        if structure.enumerated:
+            raise NotImplementedError(_ENUMERATED.format(cls=type(self).__name__, names=list(structure.enumerated)))
+        q = state.server.q
+        d = q.shift.shape[0]
+        u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_samples, d)))
+        args = setup.inputs[client]
+        data = pad_client(args, int(setup.inputs.num_rows[client]))
+        tr = trace_model(self.model, data.args, self.model_kwargs)  # this client's shapes
+        local, supports = structure.local_layout(tr), latent_supports(tr)
+        layout = structure.global_latent
+        shapes = tuple((k, jnp.shape(v)) for k, v in sorted(data.args.items()))
+        key = ("pointwise", shapes)
+        if key not in setup.cache:  # compiled once per client shape
+            joint = self._joint(structure, local)
+            model, kwargs = self.model, self.model_kwargs
+
+            def run(q_, u_, data_, local_key, obs_key):
+                mean, _ = G.to_moments(q_)
+                if local.size:
+                    v = conditional_local_draws(joint, d, local.size, mean, u_, data_, local_key)
+                else:
+                    v = jnp.zeros((u_.shape[0], 0), u_.dtype)
+                values = jax.vmap(lambda a, b: constrained(layout, local, supports, a, b))(u_, v)
+                keys = random.split(obs_key, u_.shape[0])
+                log_lik, predictive = jax.vmap(
+                    lambda val, k: observed_terms(model, data_.args, kwargs, val, k))(values, keys)
+                return values, log_lik, predictive
+
+            setup.cache[key] = jax.jit(run)
+        index = names.index(client)
+        local_key, obs_key = random.split(random.fold_in(random.fold_in(rng_key, 0x10C), index))
+        values, log_lik, predictive = setup.cache[key](q, u, data, local_key, obs_key)
+        return values, log_lik, predictive
