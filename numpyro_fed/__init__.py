@@ -15,6 +15,7 @@ from .clients import Clients
 from .comparison import federated_compare, federated_loo
 from .dp import PrivacyReport, dp_noise
 from .factor import BCM, EP, PVI, gaussian
+from .groups import group_plate
 from .handlers import global_site, local_site
 from .horizontal import (
     ClientData,
@@ -115,6 +116,7 @@ __all__ = [
     "gaussian_barycenter",
     "global_site",
     "local_site",
+    "group_plate",
     "message_bytes",
     "message_from_bytes",
     "message_from_ndarrays",

@@ -31,6 +31,7 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
+from .groups import check_group_sites, group_axes, group_mask
 from .handlers import FEDERATION_KEY, GLOBAL, LOCAL, site_role
 
 __all__ = [
@@ -143,36 +144,46 @@ class SiteLayout(NamedTuple):
     row_axes: Tuple[Optional[int], ...]
     size: int
     unravel: Callable
+    group_axes: Tuple[Tuple[Tuple[str, int, str], ...], ...] = ()  # per site: (group plate, axis, codes arg)
 
     def ravel(self, values: Mapping[str, jax.Array]) -> jax.Array:
         if not self.names:
             return jnp.zeros(0)
         return jnp.concatenate([jnp.reshape(values[n], -1) for n in self.names])
 
-    def flat_mask(self, row_mask: jax.Array) -> jax.Array:
-        """Per-entry mask (1 real, 0 padding) from a per-row mask."""
+    def flat_mask(self, row_mask: jax.Array, args: Optional[Mapping] = None) -> jax.Array:
+        """Per-entry mask (1 real, 0 padding) from a per-row mask and, for sites in group
+        plates (:func:`numpyro_fed.group_plate`), the client's group codes in ``args``."""
         parts = []
-        for shape, axis in zip(self.shapes, self.row_axes):
+        groups = self.group_axes or ((),) * len(self.names)
+        for shape, axis, axes in zip(self.shapes, self.row_axes, groups):
             if axis is None:
-                parts.append(jnp.ones(int(np.prod(shape)), row_mask.dtype))
+                m = jnp.ones(shape, row_mask.dtype)
             else:
                 b = [1] * len(shape)
                 b[axis] = shape[axis]
-                parts.append(jnp.broadcast_to(row_mask.reshape(b), shape).reshape(-1))
+                m = jnp.broadcast_to(row_mask.reshape(b), shape)
+            if axes:
+                if args is None:
+                    raise ValueError("flat_mask: sites in group plates need the client's args")
+                m = m * group_mask(shape, axes, args).astype(row_mask.dtype)
+            parts.append(jnp.reshape(m, -1))
         return jnp.concatenate(parts) if parts else jnp.zeros(0, row_mask.dtype)
 
 
 def make_layout(entries) -> SiteLayout:
+    """``entries``: ``(name, shape, row axis[, group axes])`` per site."""
     names = tuple(e[0] for e in entries)
     shapes = tuple(tuple(e[1]) for e in entries)
     axes = tuple(e[2] for e in entries)
+    groups = tuple(e[3] if len(e) > 3 else () for e in entries)
     _, unravel = ravel_pytree({n: jnp.zeros(s) for n, s in zip(names, shapes)})
     size = int(sum(int(np.prod(s)) for s in shapes))
 
     def unravel_ordered(flat):
         return unravel(flat) if names else {}
 
-    return SiteLayout(names, shapes, axes, size, unravel_ordered)
+    return SiteLayout(names, shapes, axes, size, unravel_ordered, groups if any(groups) else ())
 
 
 def _finite_point(msg):
@@ -235,6 +246,7 @@ class ModelStructure(NamedTuple):
     row_plate: Optional[str]
     global_supports: Dict[str, object] = {}
     enumerated: Tuple[str, ...] = ()  # discrete local sites summed out in their client's term
+    group_plates: Dict[str, str] = {}  # group plate -> the data argument of its codes (numpyro_fed.groups)
 
     def constrain_global(self, z: jax.Array) -> Dict[str, jax.Array]:
         """Constrained values of the global latent sites from the flat unconstrained ``z``."""
@@ -244,7 +256,8 @@ class ModelStructure(NamedTuple):
         entries = []
         for name in self.local_latent_names:
             u = _unconstrained(tr[name])
-            entries.append((name, jnp.shape(u), _row_axis(tr[name], u, self.row_plate)))
+            entries.append((name, jnp.shape(u), _row_axis(tr[name], u, self.row_plate),
+                            group_axes(tr[name], u, self.group_plates)))
         return make_layout(entries)
 
     def local_param_init(self, tr) -> Dict[str, jax.Array]:
@@ -299,6 +312,8 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
     """
     first = clients.names[0]
     tr = trace_model(model, clients[first], kwargs)
+    plates = dict(getattr(model, "group_args", {}))
+    check_group_sites(tr, plates)
     probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients)]
     for label, other in probes:
         _check_unmarked_row_sites(other, label, clients.num_rows[label])
@@ -357,6 +372,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         row_plate=None,
         global_supports=supports,
         enumerated=tuple(enumerated),
+        group_plates=plates,
     )
 
 

@@ -137,14 +137,25 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
                         )
             clean[client] = arrays
         self._data = clean
+        #: per client, the pooled values of its recoded group columns (see :meth:`split`)
+        self.group_values: Dict[str, Dict[str, np.ndarray]] = {c: {} for c in clean}
 
     @classmethod
-    def split(cls, group_ids, **arrays) -> "Clients":
+    def split(cls, group_ids, *, groups=None, **arrays) -> "Clients":
         """Split pooled arrays into clients by a group vector.
 
         Rows with the same value of ``group_ids`` go to the same client, named
         ``str(group)``; clients are ordered by sorted group value and keep their rows in
         their original order.
+
+        Args:
+            group_ids: each row's client.
+            groups: the name (or names) of arguments holding a group code per row within
+                the client (wards of a hospital, for :func:`numpyro_fed.group_plate`): each
+                client's codes are recoded to ``0 .. G_j - 1`` in sorted order of the pooled
+                values (the pooled values of client ``c``'s groups are
+                ``clients.group_values[c][name]``).
+            arrays: the model's data arguments, one row per entry of ``group_ids``.
 
         Examples:
             >>> import numpy as np
@@ -152,6 +163,10 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
             >>> c = nf.Clients.split(np.array([1, 0, 1]), y=np.array([1.0, 2.0, 3.0]))
             >>> c["1"]["y"]
             array([1., 3.])
+            >>> w = nf.Clients.split(np.array([0, 0, 1, 1]), groups="ward", ward=np.array([7, 3, 7, 9]),
+            ...                      y=np.zeros(4))
+            >>> w["0"]["ward"], w["1"]["ward"], w.group_values["1"]["ward"]
+            (array([1, 0]), array([0, 1]), array([7, 9]))
         """
         group_ids = np.asarray(group_ids)
         if group_ids.ndim != 1:
@@ -162,11 +177,23 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
             n = np.shape(value)[0] if np.ndim(value) else None
             if n != group_ids.shape[0]:
                 raise ValueError(_SPLIT_LEN.format(arg=arg, got=n, want=group_ids.shape[0]))
-        data = {}
+        coded = [groups] if isinstance(groups, str) else list(groups or [])
+        for name in coded:
+            if name not in arrays:
+                raise ValueError(f"Clients.split: groups={name!r} is not one of the arrays {sorted(arrays)}")
+            if np.ndim(arrays[name]) != 1:
+                raise ValueError(f"Clients.split: groups={name!r} must be one code per row (1-D); "
+                                 f"got shape {np.shape(arrays[name])}")
+        data, values = {}, {}
         for g in np.unique(group_ids):
             idx = np.flatnonzero(group_ids == g)
             data[str(g)] = {k: np.asarray(v)[idx] for k, v in arrays.items()}
-        return cls(data)
+            values[str(g)] = {}
+            for name in coded:  # the client's own codes 0 .. G_j - 1
+                values[str(g)][name], data[str(g)][name] = np.unique(data[str(g)][name], return_inverse=True)
+        out = cls(data)
+        out.group_values = values
+        return out
 
     # Mapping interface -------------------------------------------------------------
     def __getitem__(self, client: str) -> Dict[str, np.ndarray]:

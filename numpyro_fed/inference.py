@@ -96,9 +96,19 @@ class FederatedInference:
         cached = self._setup_cache
         if cached is not None and _same_inputs(cached.inputs, inputs):
             return cached
+        self._size_group_plates(inputs)
         setup = self._build(inputs)
         self._setup_cache = setup._replace(algorithm=setup.algorithm._replace(name=self.method))
         return self._setup_cache
+
+    def _size_group_plates(self, inputs) -> None:
+        """Size the model's group plates (:func:`numpyro_fed.group_plate`) for these clients:
+        ``self.model`` becomes the sized model (the user's model when it has none)."""
+        from .clients import Clients
+        from .groups import sized_model
+
+        if isinstance(inputs, Clients) and hasattr(self, "model"):
+            self.model = sized_model(self.model, inputs, getattr(self, "model_kwargs", None) or {})
 
     def _fitted(self) -> Setup:
         if self._setup_cache is None:

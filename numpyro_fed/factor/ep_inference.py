@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
+from ..groups import trim_groups
 from .._structure import trace_model
 from ..backends.mapping import client_item, pad_client
 from ..horizontal.inference import check_positive_int
@@ -258,7 +259,7 @@ class EP(FactorInference):
         tr = trace_model(self.model, data.args, self.model_kwargs)  # this client's shapes
         local = setup.extra.structure.local_layout(tr)
         w = jax.jit(self._sampler(local, num_samples, num_warmup))(rng_key, cavity, data)
-        return self._constrain(w, local, latent_supports(tr))
+        return trim_groups(self._constrain(w, local, latent_supports(tr)), local, args)  # its own groups only
 
     def _constrain(self, w, local, supports) -> Dict[str, jax.Array]:
         layout = self._fitted().extra.structure.global_latent

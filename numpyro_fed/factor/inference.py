@@ -189,7 +189,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             values = {**layout.unravel(u), **local.unravel(v)}
             lp = log_joint(self.model, data.args, self.model_kwargs, values, {}, count, structure.row_plate,
                            data.row_mask)
-            pad = 1.0 - local.flat_mask(data.row_mask) if local.size else jnp.zeros(0)
+            pad = 1.0 - local.flat_mask(data.row_mask, data.args) if local.size else jnp.zeros(0)
             return lp - 0.5 * jnp.sum(pad * v**2)  # padded local entries: a proper N(0, 1)
 
         return log_joint_local

@@ -21,6 +21,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
 from .._structure import trace_model
+from ..groups import trim_groups
 from ..backends.mapping import pad_client
 from ..horizontal.inference import check_positive_int
 from . import gaussian as G
@@ -146,4 +147,4 @@ class PointwiseLikelihood:
         index = names.index(client)
         local_key, obs_key = random.split(random.fold_in(random.fold_in(rng_key, 0x10C), index))
         values, log_lik, predictive = setup.cache[key](q, u, data, local_key, obs_key)
-        return values, log_lik, predictive
+        return trim_groups(values, local, args), log_lik, predictive  # its own groups only

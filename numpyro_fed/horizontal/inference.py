@@ -24,6 +24,7 @@ from ..dp.plan import PrivateFit, check_sgd_options
 from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import sfvi_avg
+from ..groups import trim_groups
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
                          importance_resample, state_fingerprint)
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
@@ -462,7 +463,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             setup.cache[key] = jax.jit(jax.vmap(
                 lambda g_, l_, zg, zl: obj.constrained_sample(g_, l_, zg, zl, args, real_layout),
                 in_axes=(None, None, 0, 0)))
-        return setup.cache[key](g, local, z_g, z_real)
+        return trim_groups(setup.cache[key](g, local, z_g, z_real), real_layout, args)  # its own groups only
 
     def _client_latents(self, setup: Setup, state: RunState, client: str, rng_key, z_g):
         """Client ``client``'s draws of its local latents given the global draws ``z_g``
@@ -476,7 +477,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         local = client_item(plan, state.clients, j).state.local_params
         layout, _, _ = obj.client_layout(data.args)
         eps_l = random.normal(rng_key, (z_g.shape[0], layout.size))
-        z_l = jax.vmap(lambda zg, e: obj.local_latent(g, local, zg, e, layout, data.row_mask))(z_g, eps_l)
+        z_l = jax.vmap(lambda zg, e: obj.local_latent(g, local, zg, e, layout, data.row_mask, data.args))(z_g, eps_l)
         n = int(plan.num_rows[j])
         args = setup.inputs[client]
         real_layout = obj.client_layout(args)[0]

@@ -115,8 +115,8 @@ class FederatedObjective:
     def global_latent(self, global_params, eps_global) -> jax.Array:
         return self.guide.sample_global(global_params["guide"], eps_global)
 
-    def local_latent(self, global_params, local_params, z_global, eps_local, layout, row_mask):
-        mask = layout.flat_mask(row_mask)
+    def local_latent(self, global_params, local_params, z_global, eps_local, layout, row_mask, args=None):
+        mask = layout.flat_mask(row_mask, args)
         return self.guide.sample_local(
             local_params["guide"], global_params["guide"], z_global, eps_local, mask
         )
@@ -138,7 +138,7 @@ class FederatedObjective:
         for one client, on its own rows, with ``w_j = prior_share`` and ``s = scale``."""
         layout, local_constraints, _ = self.client_layout(data.args)
         z_g = self.global_latent(global_params, eps_global)
-        z_l = self.local_latent(global_params, local_params, z_g, eps_local, layout, data.row_mask)
+        z_l = self.local_latent(global_params, local_params, z_g, eps_local, layout, data.row_mask, data.args)
         latent = {**self.structure.global_latent.unravel(z_g), **layout.unravel(z_l)}
         params = {
             **constrain_params(global_params["theta"], self.global_constraints),
@@ -151,7 +151,7 @@ class FederatedObjective:
         gq, lq = global_params["guide"], local_params["guide"]
         if self.stl:
             gq, lq = jax.lax.stop_gradient(gq), jax.lax.stop_gradient(lq)
-        mask = layout.flat_mask(data.row_mask)
+        mask = layout.flat_mask(data.row_mask, data.args)
         return lp - scale * self.guide.log_prob_local(lq, gq, z_g, z_l, mask)
 
     def local_size(self, data: ClientData) -> int:
