@@ -8,7 +8,10 @@ The family of paper 001 (Hassan et al., §3.1), in unconstrained space:
     q(z_{L_j} \\mid z_G) = \\mathcal N\\big(\\bar\\mu_j + C_j (z_G - \\mu_G),\\; L_j L_j^\\top\\big),
 
 with each factor ``L = T diag(s)`` for a lower-unitriangular ``T`` (``"full"``) or
-``T = I`` (``"diagonal"``). The guide's parameters split into a server-held part
+``T = I`` (``"diagonal"``). With ``conditional_scale=True`` the local scales follow the
+global sites too: ``log s_j(z_G) = log s_j + D_j (z_G - mu_G)``, so ``q(z_L | z_G)`` can
+follow a funnel (a group scale ``tau`` and the effects it scales, whose conditional sd
+grows with ``tau``), which a fixed ``s_j`` cannot. The guide's parameters split into a server-held part
 (``mu_G``, ``L_G``) and a client-held part (``mu_bar_j``, ``C_j``, ``L_j``): the
 conditional form makes the ELBO a sum of one server term and one term per client.
 """
@@ -28,6 +31,7 @@ from .._typing import Array
 __all__ = ["SCALES", "MeanFieldGuide", "StructuredGuide", "softplus_inverse", "std_normal_logpdf"]
 
 SCALES = ("full", "diagonal")
+_MAX_LOG_SCALE_SHIFT = 30.0  # |D (z_G - mu_G)| bound: exp stays finite in float32
 _HALF_LOG_2PI = 0.5 * jnp.log(2 * jnp.pi)
 
 
@@ -58,6 +62,9 @@ class StructuredGuide:
             conditionally independent given the globals) or ``"full"``.
         conditional: keep the coupling ``C_j`` of each client's local latents to the
             global ones. ``False`` gives ``q(z_G) q(z_L)``.
+        conditional_scale: let each local scale depend on the global sites, log-affinely
+            (``D_j`` above, started at 0; needs ``conditional``). Doubles the client's
+            coupling parameters.
         init_scale: initial standard deviation of every factor.
 
     Examples:
@@ -66,7 +73,7 @@ class StructuredGuide:
         >>> sorted(g.init_global(3))
         ['loc', 'lower', 'scale']
         >>> sorted(g.init_local(4, 3))
-        ['coupling', 'loc', 'scale']
+        ['coupling', 'loc', 'scale', 'scale_coupling']
 
     References:
         Hassan, Salomone, Mengersen. Federated variational inference methods for
@@ -80,6 +87,7 @@ class StructuredGuide:
         global_scale: str = "full",
         local_scale: str = "diagonal",
         conditional: bool = True,
+        conditional_scale: bool = True,
         init_scale: float = 0.1,
     ) -> None:
         for arg, value in (("global_scale", global_scale), ("local_scale", local_scale)):
@@ -91,12 +99,14 @@ class StructuredGuide:
         self.global_scale = global_scale
         self.local_scale = local_scale
         self.conditional = bool(conditional)
+        self.conditional_scale = bool(conditional_scale) and self.conditional
         self.init_scale = float(init_scale)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(global_scale={self.global_scale!r}, "
-            f"local_scale={self.local_scale!r}, conditional={self.conditional})"
+            f"local_scale={self.local_scale!r}, conditional={self.conditional}, "
+            f"conditional_scale={self.conditional_scale})"
         )
 
     # ----------------------------------------------------------------- parameters
@@ -120,6 +130,8 @@ class StructuredGuide:
             params["lower"] = jnp.zeros(size * (size - 1) // 2)
         if self.conditional:
             params["coupling"] = jnp.zeros((size, global_size))
+        if self.conditional_scale:
+            params["scale_coupling"] = jnp.zeros((size, global_size))
         return params
 
     # ----------------------------------------------------------------- q(z_G)
@@ -179,8 +191,16 @@ class StructuredGuide:
             mean = mean + params["coupling"] @ (z_global - global_params["loc"])
         return mean
 
-    def _local_tril(self, params, mask):
+    def _local_scale(self, params, global_params, z_global):
         s = jax.nn.softplus(params["scale"])
+        if "scale_coupling" in params:
+            shift = params["scale_coupling"] @ (z_global - global_params["loc"])
+            s = s * jnp.exp(jnp.clip(shift, -_MAX_LOG_SCALE_SHIFT, _MAX_LOG_SCALE_SHIFT))
+        return s
+
+    def _local_factor(self, params, global_params, z_global, mask):
+        """``(L, s)`` of ``q(z_L | z_G)`` (``L`` ``None`` for a diagonal factor)."""
+        s = self._local_scale(params, global_params, z_global)
         if "lower" not in params:
             return None, s
         return _unit_lower(params["lower"], s.shape[0], mask) * s[None, :], s
@@ -192,7 +212,7 @@ class StructuredGuide:
         influencing real ones.
         """
         mean = self._local_mean(params, global_params, z_global)
-        L, s = self._local_tril(params, mask)
+        L, s = self._local_factor(params, global_params, z_global, mask)
         if L is None:
             return mean + s * eps
         return mean + L @ eps
@@ -200,7 +220,7 @@ class StructuredGuide:
     def log_prob_local(self, params, global_params, z_global, z, mask) -> Array:
         """``log q(z_L | z_G)`` summed over unmasked entries."""
         mean = self._local_mean(params, global_params, z_global)
-        L, s = self._local_tril(params, mask)
+        L, s = self._local_factor(params, global_params, z_global, mask)
         if L is None:
             eps = (z - mean) / s
         else:
