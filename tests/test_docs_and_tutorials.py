@@ -53,9 +53,24 @@ def test_cli_help_and_small_demo(tmp_path):
     args = ["--rounds", "30", "--avg-rounds", "3", "--local-steps", "2", "--ep-rounds", "2", "--ep-draws", "20",
             "--pvi-rounds", "2", "--pvi-steps", "20", "--nuts-warmup", "20", "--nuts-samples", "20",
             "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "o.json")]
-    run = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", *args], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", *args, "--all-methods"], capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "beta0" in run.stdout and (tmp_path / "p.png").exists()
     out = json.loads((tmp_path / "o.json").read_text())
     assert set(out["max_abs_z"]) == {"sfvi", "sfvi_avg", "ep", "pvi"} and "closest to NUTS" in run.stdout
+    assert out["left_out"] == [] and "Left out" not in run.stdout
     assert out["communication"]["ep"]["rounds"] == 2 and out["communication"]["pvi"]["rounds"] == 2
+
+
+def test_the_default_demo_runs_ep_and_names_what_it_leaves_out_with_the_reason(capsys):
+    """Issue 26: the demo shows a method only where it is right on this model; SFVI, SFVI-Avg and
+    PVI (Gaussian VI, biased for omega on the GLMM even centralised) are named with the reason."""
+    from numpyro_fed.demo import run_demo
+
+    out = run_demo(ep_rounds=2, ep_draws=20, nuts_warmup=20, nuts_samples=20, plot="")
+    printed = capsys.readouterr().out
+    assert set(out["max_abs_z"]) == {"ep"} and out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
+    assert "Left out by default: SFVI, SFVI-Avg, PVI" in printed and "AutoMultivariateNormal" in printed
+    with pytest.raises(ValueError, match="methods=\\['nuts'\\]"):
+        run_demo(methods=("nuts",), plot="")

@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -6,6 +7,8 @@ from jax import random
 
 import numpyro_fed as nf
 from numpyro_fed.models import normal_hierarchical
+
+from .test_privacy import contains
 
 
 def test_barycenter_diagonal_closed_form_matches_bures():
@@ -103,3 +106,27 @@ def test_partial_participation_counts_and_frozen_clients(clients):
 def test_participation_rejected_for_sfvi():
     with pytest.raises(ValueError, match="participation < 1 is for method='sfvi_avg'"):
         nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(), optax.adam(0.1), participation=0.5)
+
+
+def test_kept_optimizer_state_stays_on_the_client_and_changes_the_steps(clients):
+    """``keep_optimizer_state=True`` (issue 26 item 7): each client carries its Adam state for
+    the global parameters into the next round (a reset state gives Adam's first steps of
+    every round, about lr x sign). The state is the client's own: it is in its state, not in
+    any message, and the fit still reaches the exact posterior of mu."""
+    guide = nf.StructuredGuide(normal_hierarchical)
+    runs = {}
+    for keep in (False, True):
+        svi = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25,
+                              num_particles=2, keep_optimizer_state=keep)
+        runs[keep] = (svi, svi.run(random.PRNGKey(0), 60, clients, progress_bar=False, record_transcript=True))
+    svi, kept = runs[True]
+    counts = [np.asarray(c.global_opt_state[0].count) for c in kept.client_states.values()]
+    assert all(int(c) == 60 * 25 for c in counts)  # one Adam count over every round, not 25
+    assert runs[False][1].client_states["0"].global_opt_state == ()
+    for c in kept.client_states.values():  # the moments never travel
+        moments = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(c.global_opt_state)])
+        assert not any(contains(entry.value, moments) for entry in kept.transcript.entries)
+    assert not np.allclose(kept.params["guide"]["loc"], runs[False][1].params["guide"]["loc"])
+    mu = svi.sample_posterior(random.PRNGKey(1), kept, 20000)["mu"]
+    truth, sd = exact_mu(np.stack([clients[c]["y"] for c in clients.names], 0).reshape(-1, 2))
+    assert abs(float(mu.mean()) - truth) < 0.25 * sd

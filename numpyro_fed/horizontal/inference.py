@@ -83,6 +83,9 @@ class FederatedSVI(PrivateFit, FederatedInference):
             backend (Flower) each client computes its own term of ``log w`` per draw on its
             node and sends those 1000 scalars, as the ELBO's terms travel.
         local_steps: m for ``"sfvi_avg"``.
+        keep_optimizer_state: for ``"sfvi_avg"``: each client keeps its optimiser state
+            for the global parameters across rounds (on the client; default ``False``: reset
+            every round, as FedAvg).
         participation: fraction of clients asked per round for ``"sfvi_avg"``.
         dp: ``"sgd"``: DP federated SVI (paper 002's "global VI" baseline; the model marks
             its protected rows with :class:`~numpyro_fed.dp_noise`): each round every
@@ -126,6 +129,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         check_fit: bool = True,
         local_steps: int = 10,
         participation: float = 1.0,
+        keep_optimizer_state: bool = False,
         dp: Optional[str] = None,
         dp_sampling_rate: Optional[float] = None,
         trusted_aggregator: bool = False,
@@ -160,6 +164,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self.last_fit_check: Optional[FitDiagnostic] = None  # the last run's fit check (check_fit)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.participation = float(participation)
+        self.keep_optimizer_state = bool(keep_optimizer_state)
         self.client_mapping = client_mapping
         self.row_plate = row_plate
         self.model_kwargs = dict(model_kwargs or {})
@@ -197,7 +202,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             algorithm = sfvi_avg(
                 objective, self.optim, J, clients.total_rows,
                 local_steps=self.local_steps, participation=self.participation,
-                num_particles=self.num_particles,
+                num_particles=self.num_particles, keep_optimizer_state=self.keep_optimizer_state,
             )
         return Setup(clients, algorithm, plan, objective, {})
 

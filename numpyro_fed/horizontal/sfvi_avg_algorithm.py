@@ -47,6 +47,7 @@ class SFVIAvgServerState(NamedTuple):
 class SFVIAvgClientState(NamedTuple):
     local_params: PyTree
     opt_state: PyTree
+    global_opt_state: PyTree = ()  # the client's optimiser state for the global parameters (kept across rounds)
 
 
 class SFVIAvgBroadcast(NamedTuple):
@@ -68,13 +69,18 @@ def sfvi_avg(
     local_steps: int = 10,
     participation: float = 1.0,
     num_particles: int = 1,
+    keep_optimizer_state: bool = False,
 ) -> FederatedAlgorithm:
     """Build SFVI-Avg(m).
 
     Args:
         objective: server and client ELBO terms.
-        optim: optax optimiser for the clients' local steps (its state for the global
-            parameters is reset every round, as in FedAvg).
+        optim: optax optimiser for the clients' local steps.
+        keep_optimizer_state: each client keeps its optimiser state for the global
+            parameters from one round to the next (it stays on the client); ``False``
+            resets it every round, as FedAvg does, so an adaptive optimiser's first steps
+            of every round (Adam: about ``lr x sign(gradient)``) move every global
+            coordinate whatever its gradient's size.
         num_clients: J.
         total_rows: N, the number of rows over all clients.
         local_steps: m, local optimisation steps per round.
@@ -104,7 +110,8 @@ def sfvi_avg(
 
     def init_client(rng_key, data):
         params = objective.init_local(data)
-        return SFVIAvgClientState(params, optim.init(params))
+        kept = optim.init(objective.init_global()) if keep_optimizer_state else ()
+        return SFVIAvgClientState(params, optim.init(params), kept)
 
     def client_step(rng_key, state, broadcast, data):
         message = broadcast.shared
@@ -135,9 +142,11 @@ def sfvi_avg(
             return (g, l, g_opt, l_opt), None
 
         g0 = message.global_params
-        carry = (g0, state.local_params, optim.init(g0), state.opt_state)
-        (g, l, _, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, local_steps))
-        return SFVIAvgClientState(l, l_opt), SFVIAvgClientMessage(g, elbo)
+        g_opt0 = state.global_opt_state if keep_optimizer_state else optim.init(g0)
+        carry = (g0, state.local_params, g_opt0, state.opt_state)
+        (g, l, g_opt, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, local_steps))
+        kept = g_opt if keep_optimizer_state else ()
+        return SFVIAvgClientState(l, l_opt, kept), SFVIAvgClientMessage(g, elbo)
 
     def server_step(rng_key, state, messages, view):
         answered = view.answered.astype(jnp.float32)
