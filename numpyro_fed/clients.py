@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Mapping, NamedTuple, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Sequence, Tuple, Union
 
 import jax
 import numpy as np
@@ -141,7 +141,7 @@ class Clients(Mapping[str, Dict[str, np.ndarray]]):
         self.group_values: Dict[str, Dict[str, np.ndarray]] = {c: {} for c in clean}
 
     @classmethod
-    def split(cls, group_ids, *, groups=None, **arrays) -> "Clients":
+    def split(cls, group_ids: Any, *, groups: Union[str, Sequence[str], None] = None, **arrays: Any) -> "Clients":
         """Split pooled arrays into clients by a group vector.
 
         Rows with the same value of ``group_ids`` go to the same client, named

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +86,7 @@ def _count(ids) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def group_plate(name: str, ids, size: Optional[int] = None, dim: Optional[int] = None):
+def group_plate(name: str, ids: Any, size: Optional[int] = None, dim: Optional[int] = None) -> Iterator[jax.Array]:
     """A plate over the groups of a client's rows (e.g. wards of a hospital).
 
     Args:
@@ -139,9 +139,14 @@ def group_sizes(model, clients, kwargs) -> Tuple[Dict[str, int], Dict[str, str]]
     plates)."""
     sizes: Dict[str, int] = {}
     args_of: Dict[str, str] = {}
+    first = clients.names[0]
+    found = {first: _probe(model, clients[first], kwargs)}
+    if not found[first]:  # a model without group plates is traced once, not once per client
+        return sizes, args_of
     for client in clients.names:
         args = clients[client]
-        for plate, ids in _probe(model, args, kwargs).items():
+        probed = found[client] if client in found else _probe(model, args, kwargs)
+        for plate, ids in probed.items():
             ids = np.asarray(ids)
             matches = [k for k, v in args.items() if np.shape(v) == ids.shape and np.array_equal(v, ids)]
             if not matches:

@@ -109,7 +109,9 @@ def test_dp_set_up_errors_name_the_fix(clients):
     with pytest.raises(ValueError, match="wrap the observed site"):
         nf.PVI(linear_model, dp="update_perturbation").init(jax.random.PRNGKey(0), clients)
     with pytest.raises(ValueError, match="needs update='optax'"):
-        nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=5)
+        nf.PVI(marked(clip=1.0, noise_multiplier=1.0), update="conjugate", dp="optimisation", dp_batch_size=5)
+    # the default update='auto' chooses the local ELBO under DP-SGD (issue 26 item 4)
+    assert nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=5).update_used == "optax"
     optim = dict(update="optax", optim=optax.adam(0.05))
     with pytest.raises(ValueError, match="exceeds client '0''s 20 rows"):
         nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=21, **optim).init(

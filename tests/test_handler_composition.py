@@ -145,9 +145,11 @@ def test_eight_schools_non_centred_matches_nuts(nuts_reference):
 
 def test_eight_schools_centred_is_flagged(nuts_reference):
     """The centred funnel is outside any Gaussian family: the fit is far from NUTS, and the
-    PSIS check says so."""
+    PSIS check says so, naming tau. (With the conditional-scale guide, issue 26, q follows the
+    funnel's width better and k fell just below 0.7 on this seed: the check then warns
+    ``biased`` at tau, a subclass of ``UnreliableFitWarning``, instead of ``unreliable``.)"""
     svi = nf.FederatedSVI(centred, nf.StructuredGuide(centred), optax.adam(5e-3))
-    with pytest.warns(nf.UnreliableFitWarning, match=r"Pareto k = .* funnel"):
+    with pytest.warns(nf.UnreliableFitWarning, match=r"Pareto k = [\s\S]*(tau|funnel)"):
         result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
     tau = np.asarray(svi.sample_posterior(random.PRNGKey(2), result, 4000)["tau"])
     assert abs(tau.mean() - nuts_reference["tau"].mean()) > 0.3 * nuts_reference["tau"].std()  # wrong: flagged
