@@ -12,10 +12,13 @@ Pure and jit-compatible given the client's shapes.
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Callable, Dict, Mapping, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
@@ -25,7 +28,9 @@ from ..groups import trim_groups
 from ..backends.mapping import pad_client
 from ..horizontal.inference import check_positive_int
 from . import gaussian as G
-from .check import INNER_STEPS, WARM_STEPS, _laplace_proposal
+from ..warnings import ModelComparisonWarning
+from .check import INNER_STEPS, WARM_STEPS, _laplace_proposal, local_integral_k, locals_are_gaussian
+from .tilted import PARETO_K_LIMIT
 
 __all__ = ["PointwiseLikelihood", "conditional_local_draws", "observed_terms"]
 
@@ -70,6 +75,11 @@ _ENUMERATED = (
     "log_likelihood group"
 )
 _NOT_CLIENT = "client {name!r} is not one of the fitted clients {names}"
+_LAPLACE_LOCALS = (
+    "{cls}: client '{client}''s local latents given the global sites are not close to Gaussian on its rows "
+    "(Pareto k = {k:.2f} > 0.7 for its Laplace approximation of p(v | theta, y_j) at q's mean), so its local "
+    "draws, and the pointwise log-likelihood and LOO terms at them, are approximate there"
+)
 
 
 class PointwiseLikelihood:
@@ -99,10 +109,13 @@ class PointwiseLikelihood:
         """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of
         every latent site (e.g. EP's ``local_posterior`` draws)."""
         setup = self._fitted()
-        args = setup.inputs[client]
+        args = {k: jnp.asarray(v) for k, v in setup.inputs[client].items()}
         num = jnp.shape(next(iter(draws.values())))[0]
-        fn = jax.jit(jax.vmap(lambda values, k: observed_terms(self.model, args, self.model_kwargs, values, k)))
-        return fn(draws, random.split(rng_key, num))
+        if "pointwise_at" not in setup.cache:  # compiled once per set-up (and shape)
+            model, kwargs = self.model, self.model_kwargs
+            setup.cache["pointwise_at"] = jax.jit(jax.vmap(
+                lambda values, k, a: observed_terms(model, a, kwargs, values, k), in_axes=(0, 0, None)))
+        return setup.cache["pointwise_at"](draws, random.split(rng_key, num), args)
 
     def _client_pass(self, rng_key, result, num_samples, client):
         from .inference import latent_supports  # (inference imports this module)
@@ -146,5 +159,19 @@ class PointwiseLikelihood:
             setup.cache[key] = jax.jit(run)
         index = names.index(client)
         local_key, obs_key = random.split(random.fold_in(random.fold_in(rng_key, 0x10C), index))
+        if local.size:  # the client checks its Laplace conditional on its own rows, at q's mean
+            check = ("pointwise_check", shapes)
+            if check not in setup.cache:
+                joint = self._joint(structure, local)
+                def proposal_k(q_, data_, k):  # 0 where v | theta is Gaussian (Laplace exact; equal weights)
+                    mean = G.to_moments(q_)[0]
+                    exact = locals_are_gaussian(joint, d, local.size, mean, data_, random.PRNGKey(5))
+                    return jnp.where(exact, 0.0, local_integral_k(joint, d, local.size, mean, data_, k))
+
+                setup.cache[check] = jax.jit(proposal_k)
+            k_hat = float(setup.cache[check](q, data, random.fold_in(local_key, 1)))
+            if k_hat > PARETO_K_LIMIT or not np.isfinite(k_hat):
+                warnings.warn(_LAPLACE_LOCALS.format(cls=type(self).__name__, client=client, k=k_hat),
+                              ModelComparisonWarning, stacklevel=3)
         values, log_lik, predictive = setup.cache[key](q, u, data, local_key, obs_key)
         return trim_groups(values, local, args), log_lik, predictive  # its own groups only
