@@ -151,7 +151,7 @@ def group_sizes(model, clients, kwargs) -> Tuple[Dict[str, int], Dict[str, str]]
             matches = [k for k, v in args.items() if np.shape(v) == ids.shape and np.array_equal(v, ids)]
             if not matches:
                 raise ValueError(_NOT_AN_ARG.format(name=plate, client=client))
-            arg = args_of.setdefault(plate, matches[0] if plate not in args_of else args_of[plate])
+            arg = args_of.setdefault(plate, matches[0])
             if arg not in matches:
                 raise ValueError(_NOT_AN_ARG.format(name=plate, client=client))
             detail = _bad_codes(ids)

@@ -135,10 +135,12 @@ class PointwiseLikelihood:
         u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_samples, d)))
         args = setup.inputs[client]
         data = pad_client(args, int(setup.inputs.num_rows[client]))
-        tr = trace_model(self.model, data.args, self.model_kwargs)  # this client's shapes
-        local, supports = structure.local_layout(tr), latent_supports(tr)
         layout = structure.global_latent
         shapes = tuple((k, jnp.shape(v)) for k, v in sorted(data.args.items()))
+        if ("layout", shapes) not in setup.cache:  # traced once per client shape, not per call
+            tr = trace_model(self.model, data.args, self.model_kwargs)
+            setup.cache[("layout", shapes)] = (structure.local_layout(tr), latent_supports(tr))
+        local, supports = setup.cache[("layout", shapes)]
         key = ("pointwise", shapes)
         if key not in setup.cache:  # compiled once per client shape
             joint = self._joint(structure, local)
