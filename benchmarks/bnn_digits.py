@@ -30,7 +30,7 @@ diagonal barycenter, one round of ``--s1-steps`` local steps and 50 rounds of
 larger (5 x 10^4); ours are scaled down to the smaller data.
 
 Usage: python benchmarks/bnn_digits.py [--partitions 5] [--rounds 5000] [--avg-rounds 20]
-    [--local-steps 250] [--s1-steps 5000] [--only table1 table_s1] [--out PATH]
+    [--local-steps 250] [--s1-steps 5000] [--only table1 table_s1] [--methods NAME ...] [--out PATH]
 """
 
 import argparse
@@ -162,6 +162,8 @@ def table1_partition(data, J, seed, args):
                                             ("sfvi_avg", "sfvi_avg", args.avg_rounds, args.local_steps),
                                             ("sfvi_avg_frequent", "sfvi_avg", args.frequent_rounds,
                                              args.local_steps * args.avg_rounds // args.frequent_rounds)):
+            if args.methods and name not in args.methods:
+                continue
             svi, res, fit = federated_fit(model, method, clients, rounds, args.lr, steps, seed)
             sc = personal_test_accuracy(svi, res, data, test, seed)
             out[f"{mname}/{name}"] = dict(fit, **sc, rounds=rounds,
@@ -169,6 +171,8 @@ def table1_partition(data, J, seed, args):
             print(f"  J={J} seed={seed} {mname}/{name}: {100 * sc['accuracy']:.1f} % (not the dominant digit "
                   f"{100 * sc['minority_accuracy']:.1f} %; {fit['seconds']:.0f} s, Pareto k {fit['pareto_k']:.1f})",
                   flush=True)
+    if args.methods:
+        return out
     # each silo alone: the same network, its own weights, fitted to its own images only
     t0 = time.perf_counter()
     xs, ys = stack_silos(data, train, "train")
@@ -204,12 +208,16 @@ def table_s1_partition(data, J, seed, args):
     for name, method, rounds, steps in (("sfvi_avg_1", "sfvi_avg", 1, args.s1_steps),
                                         ("sfvi_avg_50", "sfvi_avg", 50, avg_steps),
                                         ("sfvi", "sfvi", args.s1_steps, 1)):
+        if args.methods and name not in args.methods:
+            continue
         svi, res, fit = federated_fit(multinomial_regression, method, clients, rounds, args.lr, steps, seed)
         draws = svi.sample_posterior(jax.random.PRNGKey(seed + 1), res, NUM_DRAWS)
         out[name] = dict(fit, train=accuracy(bnn_predict(draws, data["x_train"][keep]), data["y_train"][keep]),
                          test=accuracy(bnn_predict(draws, data["x_test"]), data["y_test"]), rounds=rounds,
                          local_steps=steps if method == "sfvi_avg" else None,
                          sigma_w=float(svi.get_params(res.state)["theta"]["sigma_w"]))
+    if args.methods:
+        return out
     t0 = time.perf_counter()
     xs, ys = stack_silos(data, silo, "train")
     guide, params = svi_fits(multinomial_regression, xs, ys, args.s1_steps, args.lr, seed)
@@ -234,6 +242,16 @@ def summarise(runs, keys):
             for m in methods}
 
 
+def _merged(table, J, runs, args):
+    """With ``--methods``, the re-run fits replace theirs in the stored partitions."""
+    if not args.methods:
+        return runs
+    old = table.get(str(J), {}).get("runs")
+    if old is None or len(old) != len(runs):
+        raise SystemExit(f"--methods needs a stored table for J={J} with {len(runs)} partitions in {args.out}")
+    return [dict(o, **n) for o, n in zip(old, runs)]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--partitions", type=int, default=5)
@@ -248,9 +266,13 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--only", nargs="+", default=["table1", "table_s1"], choices=["table1", "table_s1"])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bnn_digits.json"))
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="re-run only these fits (e.g. sfvi_avg sfvi_avg_frequent sfvi_avg_1 sfvi_avg_50) "
+                             "and merge them into the partitions of an existing --out (implies --update)")
     parser.add_argument("--update", action="store_true",
                         help="merge into an existing --out (keep the silo counts this run does not redo)")
     args = parser.parse_args(argv)
+    args.update = args.update or bool(args.methods)
     data = load_digits()
     result = {"data": "scikit-learn digits (8x8, 1797 images; stand-in for MNIST), 1347 train / 450 test",
               "settings": vars(args), "paper_table1_mnist": PAPER_TABLE1, "paper_table_s1_mnist": PAPER_TABLE_S1}
@@ -264,12 +286,14 @@ def main(argv=None):
         result.setdefault("table1", {})
         for J in args.silos:
             runs = [table1_partition(data, J, seed, args) for seed in range(args.partitions)]
+            runs = _merged(result["table1"], J, runs, args)
             result["table1"][str(J)] = {"summary": summarise(runs, ("accuracy", "minority_accuracy", "silo_sd",
                                                                      "seconds", "mb_up", "pareto_k")), "runs": runs}
     if "table_s1" in args.only:
         result.setdefault("table_s1", {})
         for J in args.s1_silos:
             runs = [table_s1_partition(data, J, seed, args) for seed in range(args.partitions)]
+            runs = _merged(result["table_s1"], J, runs, args)
             result["table_s1"][str(J)] = {"summary": summarise(runs, ("train", "test", "seconds", "sigma_w")),
                                           "runs": runs}
     result["seconds"] = result.get("seconds", 0.0) + time.perf_counter() - t0 if args.update else \

@@ -164,12 +164,19 @@ def fit_diagnostic(log_w: np.ndarray, draws: Optional[Dict[str, np.ndarray]] = N
     u_moments = ()
     if draws and unconstrained_sites:
         transformed = {f"{k} (unconstrained)": np.asarray(v) for k, v in unconstrained_sites.items()
-                       if k in draws and not np.allclose(np.asarray(v), np.asarray(draws[k]))}
+                       if k in draws and not _same(v, draws[k])}
         if transformed:
             u_moments, u_biased = moment_report(transformed, w, ess)
             biased = biased + u_biased
     keep = None if unconstrained is None else np.asarray(unconstrained)
     return FitDiagnostic(k, ess, float(np.mean(log_w)), log_w, moments, biased, keep, u_moments)
+
+
+def _same(a, b) -> bool:
+    """Are a site's unconstrained draws its user-space draws (a real-line site)? A simplex or
+    a correlation matrix has fewer unconstrained coordinates than user-space ones."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and np.allclose(a, b)
 
 
 def state_fingerprint(server_state) -> str:

@@ -98,3 +98,40 @@ def test_a_prior_without_a_mode_is_refused_naming_only_that_site():
     clients = nf.Clients.split(np.arange(N) % 3, x=X, y=Y)
     with pytest.raises(ValueError, match=r"global site\(s\) b has no mode"):
         nf.EP(model).run(jax.random.PRNGKey(0), 1, clients, progress_bar=False)
+
+
+def _bernoulli_categorical():
+    rng = np.random.default_rng(0)
+    n = 60
+    yb = (rng.uniform(size=n) < 0.3).astype(np.float32)
+    yc = rng.choice(3, size=n, p=[0.5, 0.3, 0.2])
+
+    def model(yb, yc):
+        p = numpyro.sample("p", dist.Beta(2.0, 2.0))
+        w = numpyro.sample("w", dist.Dirichlet(np.full(3, 1.5, np.float32)))
+        with numpyro.plate("rows", yb.shape[0]):
+            numpyro.sample("b", dist.Bernoulli(p), obs=yb)
+            numpyro.sample("c", dist.Categorical(w), obs=yc)
+
+    a, b = 2.0 + yb.sum(), 2.0 + n - yb.sum()
+    alpha = 1.5 + np.bincount(yc, minlength=3)
+    truth = {"p": (np.array([a / (a + b)]), np.array([np.sqrt(a * b / (a + b) ** 2 / (a + b + 1))])),
+             "w": (alpha / alpha.sum(), np.sqrt(alpha * (alpha.sum() - alpha) / alpha.sum() ** 2 / (alpha.sum() + 1)))}
+    return model, nf.Clients.split(np.arange(n) % 3, yb=yb, yc=yc), truth
+
+
+@pytest.mark.parametrize("cls", ["PVI", "EP"])
+def test_beta_and_dirichlet_priors_match_the_analytic_posterior(cls):
+    """Beta and Dirichlet priors (a simplex has one unconstrained coordinate fewer than its
+    user-space ones) under the defaults of PVI and EP: the conjugate posteriors Beta and
+    Dirichlet, 0.3 sd in mean and 20 % in sd per coordinate, in user space."""
+    model, clients, truth = _bernoulli_categorical()
+    inference = nf.PVI(model) if cls == "PVI" else nf.EP(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nf.UnreliableFitWarning)
+        result = inference.run(jax.random.PRNGKey(1), 10 if cls == "PVI" else 8, clients, progress_bar=False)
+    draws = inference.sample_posterior(jax.random.PRNGKey(2), result, 4000)
+    for site, (mean, sd) in truth.items():
+        v = np.asarray(draws[site]).reshape(4000, -1)
+        z, ratio = (v.mean(0) - mean) / sd, v.std(0) / sd
+        assert np.all(np.abs(z) < 0.3) and np.all(np.abs(ratio - 1) < 0.2), (site, z, ratio)

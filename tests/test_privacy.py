@@ -55,8 +55,10 @@ def test_transcript_carries_only_global_quantities(clients, method):
     t = result.transcript
     sent_by_clients = [e for e in t.entries if e.receiver == "server"]
     assert sent_by_clients, "clients sent nothing?"
-    # 1. names: only global parameters / gradients and the scalar ELBO term
-    allowed = ("global_grad", "global_params", "elbo")
+    # 1. names: only global parameters / gradients, the scalar ELBO term and, for SFVI-Avg,
+    # the optimiser's moments of the global parameters' gradients (optimizer_state="average")
+    # and the client's row count N_j (the weight of its answer, as in FedAvg)
+    allowed = ("global_grad", "global_params", "elbo") + (("opt_state", "rows") if method == "sfvi_avg" else ())
     assert all(e.name.startswith(allowed) for e in sent_by_clients), {e.name for e in sent_by_clients}
     # 2. shapes: nothing that scales with a client's rows
     n_global = svi._setup_cache.extra.global_size

@@ -108,25 +108,64 @@ def test_participation_rejected_for_sfvi():
         nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(), optax.adam(0.1), participation=0.5)
 
 
-def test_kept_optimizer_state_stays_on_the_client_and_changes_the_steps(clients):
-    """``keep_optimizer_state=True`` (issue 26 item 7): each client carries its Adam state for
-    the global parameters into the next round (a reset state gives Adam's first steps of
-    every round, about lr x sign). The state is the client's own: it is in its state, not in
-    any message, and the fit still reaches the exact posterior of mu."""
+def test_unequal_silos_reach_the_exact_posterior(clients):
+    """Silos of 2, 4, 6 and 12 groups: each client's local objective weighs its own terms by
+    N / N_j (paper 001, Alg. 2), so the server averages with weights N_j / N; then the average
+    of the local objectives is the full ELBO and q(mu) reaches the exact posterior (0.25 sd).
+    A plain 1/J average over-weights the small silos."""
+    rng = np.random.default_rng(3)
+    sizes = [2, 4, 6, 12]
+    y = (rng.normal(size=(24, 2)) + np.repeat([3.0, 1.0, 0.0, -1.0], sizes)[:, None]).astype(np.float32)
+    unequal = nf.Clients.split(np.repeat(np.arange(4), sizes), y=y)
+    svi = nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(normal_hierarchical), optax.adam(0.02),
+                          method="sfvi_avg", local_steps=25, num_particles=2)
+    result = svi.run(random.PRNGKey(0), 80, unequal, progress_bar=False)
+    mu = svi.sample_posterior(random.PRNGKey(1), result, 20000)["mu"]
+    truth, sd = exact_mu(y)
+    assert abs(float(mu.mean()) - truth) < 0.25 * sd, (float(mu.mean()), truth, sd)
+
+
+NU_LOC = "opt_state[0].nu['guide']['loc']"
+
+
+@pytest.mark.parametrize("mode", ["average", "keep", "reset"])
+def test_optimizer_state_modes(clients, mode):
+    """``optimizer_state`` (issue 26 item 7). ``"average"`` (the default): the clients' Adam
+    states for the global parameters travel up, the server keeps their weighted average and
+    sends it down, so every client starts from the same state and Adam's count runs over
+    every round. ``"keep"``: each client's own state, never in a message. ``"reset"``: fresh
+    every round. Every mode still reaches the exact posterior of mu on this model."""
     guide = nf.StructuredGuide(normal_hierarchical)
-    runs = {}
-    for keep in (False, True):
-        svi = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25,
-                              num_particles=2, keep_optimizer_state=keep)
-        runs[keep] = (svi, svi.run(random.PRNGKey(0), 60, clients, progress_bar=False, record_transcript=True))
-    svi, kept = runs[True]
-    counts = [np.asarray(c.global_opt_state[0].count) for c in kept.client_states.values()]
-    assert all(int(c) == 60 * 25 for c in counts)  # one Adam count over every round, not 25
-    assert runs[False][1].client_states["0"].global_opt_state == ()
-    for c in kept.client_states.values():  # the moments never travel
-        moments = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(c.global_opt_state)])
-        assert not any(contains(entry.value, moments) for entry in kept.transcript.entries)
-    assert not np.allclose(kept.params["guide"]["loc"], runs[False][1].params["guide"]["loc"])
-    mu = svi.sample_posterior(random.PRNGKey(1), kept, 20000)["mu"]
+    kw = {} if mode == "average" else {"optimizer_state": mode}
+    svi = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25,
+                          num_particles=2, **kw)
+    result = svi.run(random.PRNGKey(0), 60, clients, progress_bar=False, record_transcript=True, keep_values=True)
+    server = result.state.server
+    up = [e for e in result.transcript.entries if e.receiver == "server"]
+    if mode == "average":
+        assert int(server.opt_state[0].count) == 60 * 25  # one shared count over every round
+        assert all(c.global_opt_state == () for c in result.client_states.values())
+        last = max(e.round for e in up)
+        nu = [e.value for e in up if e.round == last and e.name == NU_LOC]
+        assert len(nu) == 4  # every client sent its state; equal silos: the plain mean
+        np.testing.assert_allclose(np.asarray(server.opt_state[0].nu["guide"]["loc"]), np.mean(nu, 0), rtol=1e-5)
+        down = [e for e in result.transcript.entries if e.sender == "server" and e.name == "shared." + NU_LOC]
+        assert len(down) == 60 * 4
+    else:
+        assert server.opt_state == ()
+        assert not any("opt_state" in e.name for e in result.transcript.entries)
+    if mode == "keep":
+        counts = [int(c.global_opt_state[0].count) for c in result.client_states.values()]
+        assert counts == [60 * 25] * 4
+        for c in result.client_states.values():  # the client's own moments never travel
+            moments = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(c.global_opt_state)])
+            assert not any(contains(entry.value, moments) for entry in result.transcript.entries)
+    mu = svi.sample_posterior(random.PRNGKey(1), result, 20000)["mu"]
     truth, sd = exact_mu(np.stack([clients[c]["y"] for c in clients.names], 0).reshape(-1, 2))
     assert abs(float(mu.mean()) - truth) < 0.25 * sd
+
+
+def test_optimizer_state_is_checked():
+    with pytest.raises(ValueError, match=r"optimizer_state='shared': choose one of \('average', 'reset', 'keep'\)"):
+        nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(), optax.adam(0.1), method="sfvi_avg",
+                        optimizer_state="shared")

@@ -23,7 +23,7 @@ from .objective import FederatedObjective
 from ..dp.plan import PrivateFit, check_sgd_options
 from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
-from .sfvi_avg_algorithm import sfvi_avg
+from .sfvi_avg_algorithm import OPTIMIZER_STATES, sfvi_avg
 from ..groups import trim_groups
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
                          importance_resample, state_fingerprint)
@@ -83,9 +83,14 @@ class FederatedSVI(PrivateFit, FederatedInference):
             backend (Flower) each client computes its own term of ``log w`` per draw on its
             node and sends those 1000 scalars, as the ELBO's terms travel.
         local_steps: m for ``"sfvi_avg"``.
-        keep_optimizer_state: for ``"sfvi_avg"``: each client keeps its optimiser state
-            for the global parameters across rounds (on the client; default ``False``: reset
-            every round, as FedAvg).
+        optimizer_state: for ``"sfvi_avg"``: where each client's optimiser state for the
+            global parameters starts its local steps. ``"average"`` (default): the server
+            averages the clients' states and sends the average with the parameters, so an
+            adaptive optimiser steps along the averaged gradient; ``"reset"``: fresh every
+            round (FedAvg's convention); ``"keep"``: the client's own, from its last round.
+            ``"reset"`` and ``"keep"`` make Adam's averaged step a vote of the clients'
+            normalised steps, which collapsed paper 001's hierarchical BNN (see
+            :mod:`~numpyro_fed.horizontal.sfvi_avg_algorithm`).
         participation: fraction of clients asked per round for ``"sfvi_avg"``.
         dp: ``"sgd"``: DP federated SVI (paper 002's "global VI" baseline; the model marks
             its protected rows with :class:`~numpyro_fed.dp_noise`): each round every
@@ -129,7 +134,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         check_fit: bool = True,
         local_steps: int = 10,
         participation: float = 1.0,
-        keep_optimizer_state: bool = False,
+        optimizer_state: str = "average",
         dp: Optional[str] = None,
         dp_sampling_rate: Optional[float] = None,
         trusted_aggregator: bool = False,
@@ -164,7 +169,9 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self.last_fit_check: Optional[FitDiagnostic] = None  # the last run's fit check (check_fit)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.participation = float(participation)
-        self.keep_optimizer_state = bool(keep_optimizer_state)
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")
+        self.optimizer_state = optimizer_state
         self.client_mapping = client_mapping
         self.row_plate = row_plate
         self.model_kwargs = dict(model_kwargs or {})
@@ -202,7 +209,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             algorithm = sfvi_avg(
                 objective, self.optim, J, clients.total_rows,
                 local_steps=self.local_steps, participation=self.participation,
-                num_particles=self.num_particles, keep_optimizer_state=self.keep_optimizer_state,
+                num_particles=self.num_particles, optimizer_state=self.optimizer_state,
             )
         return Setup(clients, algorithm, plan, objective, {})
 

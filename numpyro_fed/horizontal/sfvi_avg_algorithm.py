@@ -9,9 +9,26 @@ local stochastic-gradient VI on
     \\log p(z_G) - \\log q(z_G) + \\frac{N}{N_j}\\big[\\log p(z_{L_j}, y_j \\mid z_G)
         - \\log q(z_{L_j} \\mid z_G)\\big]
 
-and returns its updated ``(eta_G^{(j)}, theta^{(j)})``. The whole local objective is the
-client's computation on its own rows (the server never runs the model). The server averages ``theta`` and
-sets ``q(z_G)`` to the 2-Wasserstein barycenter of the clients' ``q^{(j)}(z_G)``.
+and returns its updated ``(eta_G^{(j)}, theta^{(j)})`` with its row count ``N_j``. The whole
+local objective is the client's computation on its own rows (the server never runs the model).
+The server averages ``theta`` and sets ``q(z_G)`` to the 2-Wasserstein barycenter of the
+clients' ``q^{(j)}(z_G)``, both with weights ``N_j / N`` (FedAvg's): the local objectives'
+``N / N_j`` factors then cancel and the weighted average of the local objectives is the full
+ELBO. The paper writes ``1/J``, its silos being of equal size; with unequal silos ``1/J``
+over-weights the small ones (``tests/test_sfvi_avg.py::test_unequal_silos_reach_the_exact_posterior``:
+mu 3.1 posterior sds off under ``1/J``).
+
+**The optimiser state for the global parameters** (``optimizer_state``). An adaptive
+optimiser (Adam) normalises each coordinate's step by its own gradient history. If every
+client keeps a private state (or starts a fresh one each round, FedAvg's convention), the
+averaged step is an average of per-client *normalised* steps: a vote on the sign, not the sum
+of the gradients, so a shared scalar that most clients want up moves up even when the sum of
+their gradients says down. On paper 001's hierarchical BNN that vote inflated the between-silo
+scale to 0.48-0.67 (SFVI: 0.03) and every silo fell back to its dominant digit, even with one
+local step per round (``benchmarks/sfvi_avg_explanations.py``). With ``"average"`` (the
+default) the server averages the clients' optimiser states with the same weights as the
+parameters and broadcasts the average, so every client starts its local steps from one shared
+state: with one local step this is SFVI with Adam on the averaged gradient.
 
 **A missing answer** (dropout): the server averages over the clients that answered; a
 round in which nobody answered leaves the parameters as they were.
@@ -35,29 +52,35 @@ from .sfvi_algorithm import SFVIInfo
 if TYPE_CHECKING:  # pragma: no cover
     from .objective import FederatedObjective
 
-__all__ = ["SFVIAvgBroadcast", "SFVIAvgClientMessage", "SFVIAvgClientState", "SFVIAvgServerState", "sfvi_avg"]
+OPTIMIZER_STATES = ("average", "reset", "keep")
+
+__all__ = ["OPTIMIZER_STATES", "SFVIAvgBroadcast", "SFVIAvgClientMessage", "SFVIAvgClientState", "SFVIAvgServerState", "sfvi_avg"]
 
 
 class SFVIAvgServerState(NamedTuple):
     global_params: PyTree
     total_rows: Array
     step: Array
+    opt_state: PyTree = ()  # the averaged optimiser state for the global parameters ("average"), else ()
 
 
 class SFVIAvgClientState(NamedTuple):
     local_params: PyTree
     opt_state: PyTree
-    global_opt_state: PyTree = ()  # the client's optimiser state for the global parameters (kept across rounds)
+    global_opt_state: PyTree = ()  # the client's own optimiser state for the global parameters ("keep"), else ()
 
 
 class SFVIAvgBroadcast(NamedTuple):
     global_params: PyTree
     total_rows: Array
+    opt_state: PyTree = ()  # the averaged optimiser state for the global parameters ("average"), else ()
 
 
 class SFVIAvgClientMessage(NamedTuple):
     global_params: PyTree  # the client's eta_G^(j), theta^(j) after its local steps
     elbo: Array  # client ELBO term at the broadcast parameters (one draw)
+    rows: Array  # N_j, the weight of its answer in the average (FedAvg's)
+    opt_state: PyTree = ()  # its optimiser state for the global parameters after its steps ("average"), else ()
 
 
 def sfvi_avg(
@@ -69,18 +92,20 @@ def sfvi_avg(
     local_steps: int = 10,
     participation: float = 1.0,
     num_particles: int = 1,
-    keep_optimizer_state: bool = False,
+    optimizer_state: str = "average",
 ) -> FederatedAlgorithm:
     """Build SFVI-Avg(m).
 
     Args:
         objective: server and client ELBO terms.
         optim: optax optimiser for the clients' local steps.
-        keep_optimizer_state: each client keeps its optimiser state for the global
-            parameters from one round to the next (it stays on the client); ``False``
-            resets it every round, as FedAvg does, so an adaptive optimiser's first steps
-            of every round (Adam: about ``lr x sign(gradient)``) move every global
-            coordinate whatever its gradient's size.
+        optimizer_state: where a client's local steps on the global parameters start their
+            optimiser state: ``"average"`` (default) from the server's average of the
+            clients' states after the last round (sent with the parameters; the states are
+            the optimiser's moments of the global parameters' gradients); ``"reset"`` a
+            fresh state every round (FedAvg's convention); ``"keep"`` the client's own state
+            from its last round (it never leaves the client). See the module docstring for
+            why ``"reset"`` and ``"keep"`` bias an adaptive optimiser.
         num_clients: J.
         total_rows: N, the number of rows over all clients.
         local_steps: m, local optimisation steps per round.
@@ -90,6 +115,8 @@ def sfvi_avg(
     References:
         Hassan et al., paper 001, Algorithm 2.
     """
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")
     n_global = objective.global_size
     num_active = max(1, int(round(participation * num_clients)))
     diagonal = objective.guide.global_scale == "diagonal"
@@ -106,11 +133,13 @@ def sfvi_avg(
         del rng_key
         params = objective.init_global()
         n = jnp.asarray(total_rows, jnp.float32)
-        return SFVIAvgServerState(params, n, jnp.zeros((), jnp.int32)), Broadcast(SFVIAvgBroadcast(params, n))
+        shared = optim.init(params) if optimizer_state == "average" else ()
+        return (SFVIAvgServerState(params, n, jnp.zeros((), jnp.int32), shared),
+                Broadcast(SFVIAvgBroadcast(params, n, shared)))
 
     def init_client(rng_key, data):
         params = objective.init_local(data)
-        kept = optim.init(objective.init_global()) if keep_optimizer_state else ()
+        kept = optim.init(objective.init_global()) if optimizer_state == "keep" else ()
         return SFVIAvgClientState(params, optim.init(params), kept)
 
     def client_step(rng_key, state, broadcast, data):
@@ -142,16 +171,23 @@ def sfvi_avg(
             return (g, l, g_opt, l_opt), None
 
         g0 = message.global_params
-        g_opt0 = state.global_opt_state if keep_optimizer_state else optim.init(g0)
+        g_opt0 = {"keep": state.global_opt_state, "average": message.opt_state}.get(optimizer_state)
+        g_opt0 = optim.init(g0) if optimizer_state == "reset" else g_opt0
         carry = (g0, state.local_params, g_opt0, state.opt_state)
         (g, l, g_opt, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, local_steps))
-        kept = g_opt if keep_optimizer_state else ()
-        return SFVIAvgClientState(l, l_opt, kept), SFVIAvgClientMessage(g, elbo)
+        kept = g_opt if optimizer_state == "keep" else ()
+        sent = g_opt if optimizer_state == "average" else ()
+        rows = jnp.asarray(data.num_rows, jnp.float32)
+        return SFVIAvgClientState(l, l_opt, kept), SFVIAvgClientMessage(g, elbo, rows, sent)
 
     def server_step(rng_key, state, messages, view):
         answered = view.answered.astype(jnp.float32)
         anyone = jnp.sum(answered) > 0
-        w = answered / jnp.maximum(jnp.sum(answered), 1.0)
+        # weights N_j / sum N_k over the clients that answered: each local objective weighs its
+        # own terms by N / N_j, so this average of them is the full ELBO (the paper's 1/J is
+        # the equal-silo case)
+        rows = answered * messages.rows
+        w = rows / jnp.maximum(jnp.sum(rows), 1.0)
         elbo_server = objective.server_term(state.global_params, random.normal(rng_key, (n_global,)))
         elbo = elbo_server + jnp.dot(answered, messages.elbo)
         guide_params = messages.global_params["guide"]
@@ -168,11 +204,25 @@ def sfvi_avg(
             "guide": guide,
             "theta": tree_weighted_sum(w, messages.global_params["theta"]),
         }
-        params = jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), averaged, state.global_params)
-        new_state = SFVIAvgServerState(params, state.total_rows, state.step + 1)
-        return new_state, Broadcast(SFVIAvgBroadcast(params, state.total_rows)), SFVIInfo(elbo, anyone)
+        opt_state = _average_state(w, messages.opt_state) if optimizer_state == "average" else ()
+        # a round in which nobody answered leaves the parameters (and the shared state) as they were
+        params, opt_state = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(anyone, a, b), (averaged, opt_state), (state.global_params, state.opt_state))
+        new_state = SFVIAvgServerState(params, state.total_rows, state.step + 1, opt_state)
+        return new_state, Broadcast(SFVIAvgBroadcast(params, state.total_rows, opt_state)), SFVIInfo(elbo, anyone)
 
     return FederatedAlgorithm(
         init_server, init_client, select, (Exchange(client_step, server_step, "local_fit"),),
         num_selected=num_active, monitor=lambda info: -info.elbo, monitor_name="loss",
     )
+
+
+def _average_state(weights, stacked):
+    """The clients' optimiser states averaged with the parameters' weights: floating leaves
+    (moments) as a weighted mean, integer leaves (step counts, equal on every client) as
+    their maximum."""
+    def mean(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.tensordot(weights.astype(x.dtype), x, axes=1)
+        return jnp.max(x, axis=0)
+    return jax.tree_util.tree_map(mean, stacked)
