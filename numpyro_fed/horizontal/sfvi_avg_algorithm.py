@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 OPTIMIZER_STATES = ("average", "reset", "keep")
 
-__all__ = ["OPTIMIZER_STATES", "SFVIAvgBroadcast", "SFVIAvgClientMessage", "SFVIAvgClientState", "SFVIAvgServerState", "sfvi_avg"]
+__all__ = ["OPTIMIZER_STATES", "SFVIAvgBroadcast", "SFVIAvgClientMessage", "SFVIAvgClientState",
+           "SFVIAvgServerState", "sfvi_avg"]
 
 
 class SFVIAvgServerState(NamedTuple):
@@ -171,8 +172,10 @@ def sfvi_avg(
             return (g, l, g_opt, l_opt), None
 
         g0 = message.global_params
-        g_opt0 = {"keep": state.global_opt_state, "average": message.opt_state}.get(optimizer_state)
-        g_opt0 = optim.init(g0) if optimizer_state == "reset" else g_opt0
+        if optimizer_state == "reset":
+            g_opt0 = optim.init(g0)
+        else:  # the client's own state ("keep") or the server's average of the clients' ("average")
+            g_opt0 = state.global_opt_state if optimizer_state == "keep" else message.opt_state
         carry = (g0, state.local_params, g_opt0, state.opt_state)
         (g, l, g_opt, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, local_steps))
         kept = g_opt if optimizer_state == "keep" else ()
