@@ -24,7 +24,7 @@ the cavity enters in natural parameters. All functions are pure, jit- and vmap-c
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ from numpyro.infer.hmc import hmc
 
 from . import gaussian as G
 from .._typing import Array
+from .blocks import block_hessian, block_logdet, block_solve, scatter_blocks
 from .gaussian import NaturalGaussian
 
 __all__ = [
@@ -165,17 +166,27 @@ def _backtrack(neg: Callable, v: Array, dv: Array) -> Array:
     return cands[jnp.argmax(ok)]  # the first acceptable (the last, no move, always is)
 
 
-def inner_mode(neg: Callable, v0: Array, steps: int) -> Array:
+def _direction(neg: Callable, v: Array, index: Optional[Array]) -> Array:
+    """The saddle-free Newton direction of ``neg`` at ``v``: dense, or block by block."""
+    g = jax.grad(neg)(v)
+    if index is None:
+        return _newton_direction(jax.hessian(neg)(v), g)
+    steps = jax.vmap(_newton_direction)(block_hessian(neg, v, index), g[index])
+    return scatter_blocks(steps, index, v.shape[0])
+
+
+def inner_mode(neg: Callable, v0: Array, steps: int, index: Optional[Array] = None) -> Array:
     """Minimise ``neg(v)`` by (saddle-free) Newton with backtracking, ``steps`` iterations
-    from ``v0``."""
+    from ``v0``; with ``index`` (:func:`~numpyro_fed.factor.blocks.local_blocks`) the Hessian
+    is block diagonal and each step costs ``K`` small factorisations."""
 
     def body(v, _):
-        return _backtrack(neg, v, _newton_direction(jax.hessian(neg)(v), jax.grad(neg)(v))), None
+        return _backtrack(neg, v, _direction(neg, v, index)), None
 
     return jax.lax.scan(body, v0, None, length=steps)[0]
 
 
-def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
+def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Array] = None) -> Callable:
     """The Laplace approximation of ``log ∫ exp f(u, v) dv`` (Tierney & Kadane, 1986;
     INLA's inner step): ``f(u, v*) - log det(-H_vv(u, v*)) / 2 + const`` with ``v*(u)`` the
     conditional mode. Exact when ``v | u`` is Gaussian (e.g. a Gaussian hierarchical model,
@@ -187,7 +198,8 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
     makes the first derivative of ``v*(u)``, and so the gradient of the value, exact at a
     converged mode. ``decrement`` is the inner Newton decrement at the final point (about 0
     when the inner mode was reached). ``volume_only``: the value is the volume term
-    ``-log det(-H_vv) / 2 + const`` alone.
+    ``-log det(-H_vv) / 2 + const`` alone. ``index``: ``H_vv`` is block diagonal in these
+    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``.
     """
     if num_local == 0:
         return lambda u, v0, steps, refine=0, volume_only=False: (
@@ -196,17 +208,24 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
     def neg_v(u):
         return lambda v: -f(jnp.concatenate([u, v]))
 
+    def hessian(neg, v):
+        if index is None:
+            h = jax.hessian(neg)(v)
+            return (h + h.T) / 2
+        return block_hessian(neg, v, index)
+
+    def solve(h, rhs):
+        return jnp.linalg.solve(h, rhs) if index is None else block_solve(h, rhs, index)
+
     def log_marginal(u, v0, steps, refine=0, volume_only=False):
-        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps))
+        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps, index))
         neg = neg_v(u)
         for _ in range(refine):
-            h = jax.hessian(neg)(v)
-            v = v - jnp.linalg.solve((h + h.T) / 2, jax.grad(neg)(v))
-        g, h = jax.grad(neg)(v), jax.hessian(neg)(v)
-        h = (h + h.T) / 2
-        sign, logdet = jnp.linalg.slogdet(h)
+            v = v - solve(hessian(neg, v), jax.grad(neg)(v))
+        g, h = jax.grad(neg)(v), hessian(neg, v)
+        sign, logdet = jnp.linalg.slogdet(h) if index is None else block_logdet(h)
         value = 0.5 * num_local * jnp.log(2 * jnp.pi) - 0.5 * logdet + (0.0 if volume_only else -neg(v))
-        decrement = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(h, jax.lax.stop_gradient(g))))
+        decrement = jnp.sqrt(jnp.abs(g @ solve(h, jax.lax.stop_gradient(g))))
         aux = (jax.lax.stop_gradient(decrement), jax.lax.stop_gradient(v))
         return jnp.where(sign > 0, value, -jnp.inf), aux
 
@@ -215,7 +234,7 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
 
 def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, rng_key: Array = None, *,
                     steps: int = 30, grad_tol: float = 1e-2, inner_steps: int = 8,
-                    num_draws: int = 1000) -> Tuple[Array, Array, FitCheck]:
+                    num_draws: int = 1000, index: Optional[Array] = None) -> Tuple[Array, Array, FitCheck]:
     """Laplace approximation of the tilted distribution's ``u``-marginal, with its check.
 
     The local latents ``v`` are integrated out first by the inner Laplace approximation of
@@ -239,7 +258,7 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     def tilted(w):
         return log_lik(w) + cavity_log_density(cavity, w[:d])
 
-    log_marginal = integrated_laplace(tilted, d, num_local)
+    log_marginal = integrated_laplace(tilted, d, num_local, index)
 
     def value(u, v):
         return log_marginal(u, v, inner_steps)[0]
@@ -263,14 +282,21 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         vol = jax.grad(lambda x: log_marginal(x, v, inner_steps, 1, volume_only=True), has_aux=True)
         grads, (decs, vs) = jax.vmap(vol)(points)
         vol_hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
-        w = jnp.concatenate([u, vs[0]])
-        g_f, h_f = jax.grad(tilted)(w), jax.hessian(tilted)(w)
-        h_f = (h_f + h_f.T) / 2
-        solve = jnp.linalg.solve(h_f[d:, d:], jnp.concatenate([h_f[d:, :d], g_f[d:, None]], 1))
-        # at the inner mode g_f[d:] = 0; the correction keeps the gradient first-order right
+        v_star = vs[0]
+        f_uv = lambda a, b: tilted(jnp.concatenate([a, b]))  # noqa: E731
+        g_u, g_v = jax.grad(f_uv, argnums=(0, 1))(u, v_star)
+        h_uu = jax.hessian(f_uv, argnums=0)(u, v_star)
+        h_vu = jax.jacfwd(jax.grad(f_uv, argnums=1), argnums=0)(u, v_star)  # (n, d): d forward passes
+        rhs = jnp.concatenate([h_vu, g_v[:, None]], 1)
+        if index is None:
+            h_vv = jax.hessian(f_uv, argnums=1)(u, v_star)
+            solve = jnp.linalg.solve((h_vv + h_vv.T) / 2, rhs)
+        else:  # block diagonal: b Hessian-vector products and K small solves
+            solve = block_solve(block_hessian(lambda b: f_uv(u, b), v_star, index), rhs, index)
+        # at the inner mode g_v = 0; the correction keeps the gradient first-order right
         # near it (it is the gradient after one more Newton step in v)
-        grad = g_f[:d] - h_f[:d, d:] @ solve[:, d] + grads[0]
-        hess = h_f[:d, :d] - h_f[:d, d:] @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
+        grad = g_u - h_vu.T @ solve[:, d] + grads[0]
+        hess = (h_uu + h_uu.T) / 2 - h_vu.T @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
         return grad, (hess + hess.T) / 2, decs[0], vs[0]
 
     def converged(g, h, dec, tol):
