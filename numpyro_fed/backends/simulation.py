@@ -130,11 +130,14 @@ class SimulationBackend:
 
     # ------------------------------------------------------------------ compile
     def _compiled(self, algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
+        # the compiled program depends on the plan only through the number of clients and
+        # the mapping (the data are arguments): new Clients of the same shape reuse it
+        shape = (len(plan.names), plan.mapping)
         for alg, pl, compiled in self._cache:
-            if alg is algorithm and pl is plan:
+            if _same_algorithm(alg, algorithm) and pl == shape:
                 return compiled
         compiled = _compile(algorithm, plan)
-        self._cache = self._cache[-3:] + [(algorithm, plan, compiled)]
+        self._cache = self._cache[-3:] + [(algorithm, shape, compiled)]
         return compiled
 
     def init(self, algorithm: FederatedAlgorithm, plan: ClientPlan, rng_key: jax.Array) -> RunState:
@@ -367,6 +370,12 @@ def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, 
                                       exchange=str(e))
         if secure:
             transcript.record(rnd, "aggregator", "server", _aggregate(hidden, secure), exchange=str(e))
+
+
+def _same_algorithm(a: FederatedAlgorithm, b: FederatedAlgorithm) -> bool:
+    """The same functions and settings (a set-up may rename a copy of the algorithm)."""
+    return a is b or (len(a) == len(b) and all(x is y or (isinstance(x, (str, int)) and x == y)
+                                               for x, y in zip(a, b)))
 
 
 def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:

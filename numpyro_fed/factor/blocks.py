@@ -26,19 +26,31 @@ import numpy as np
 from .._structure import SiteLayout
 from .._typing import Array
 
-__all__ = ["BLOCK_TOL", "block_hessian", "block_logdet", "block_solve", "blocks_hold", "local_blocks",
-           "scatter_blocks"]
+__all__ = ["BLOCK_TOL", "QUADRATURE_NODES", "block_hessian", "block_logdet", "block_solve", "blocks_hold",
+           "local_blocks", "quadrature_correction", "scatter_blocks"]
 
 BLOCK_TOL = 1e-4  # relative disagreement of an exact Hessian-vector product with the block product
+# Gauss-Hermite nodes per dimension of a block (a product grid; blocks of more than three
+# coordinates keep the Laplace term alone). 15 for one dimension: on the six-cities GLMM
+# (random intercepts of four binary rows) 9 nodes leave beta0 0.2 NUTS sds off, 15 and 25
+# agree to 0.01 sd.
+QUADRATURE_NODES = {1: 15, 2: 7, 3: 4}
+PATH_NODES = 4  # Gauss-Legendre nodes of the path integral that gives each block's value
 
 
 def local_blocks(layout: SiteLayout) -> Optional[np.ndarray]:
     """``(K, b)`` integer array: the flat coordinates of block ``k`` (index ``k`` along a
     plate every local site is in; the plate with the most entries if several), or ``None``
     when the layout proposes no blocks (a local site outside every shared plate, or a plate
-    of one entry)."""
-    if not layout.names or not layout.plate_axes:
+    of one entry). A client with at most three local coordinates and no such plate (a
+    group's own effect) is one block of all of them: trivially block diagonal, and its
+    integral gets the quadrature correction."""
+    if not layout.names:
         return None
+    total = int(sum(int(np.prod(shape)) for shape in layout.shapes))
+    single = np.arange(total)[None, :] if 0 < total <= max(QUADRATURE_NODES) else None
+    if not layout.plate_axes:
+        return single
     shared = set.intersection(*({p for p, _ in axes} for axes in layout.plate_axes))
     best = None
     for plate in shared:
@@ -47,7 +59,7 @@ def local_blocks(layout: SiteLayout) -> Optional[np.ndarray]:
         if len(sizes) == 1 and (best is None or sizes.copy().pop() > best[0]):
             best = (sizes.pop(), axes)
     if best is None or best[0] < 2:
-        return None
+        return single
     K, axes = best
     parts, offset = [], 0
     for shape, axis in zip(layout.shapes, axes):
@@ -96,3 +108,44 @@ def blocks_hold(f: Callable, v: Array, index: Array, probe: Array) -> Array:
     product = scatter_blocks(jnp.einsum("kij,kj->ki", h, probe[index]), index, v.shape[0])
     scale = 1.0 + jnp.max(jnp.abs(exact))
     return jnp.all(jnp.isfinite(exact)) & (jnp.max(jnp.abs(exact - product)) <= BLOCK_TOL * scale)
+
+
+def _quadrature_rule(b: int):
+    """Product Gauss-Hermite rule for ``N(0, I_b)``: nodes ``(Q^b, b)`` and log weights summing to 1."""
+    z, w = np.polynomial.hermite_e.hermegauss(QUADRATURE_NODES[b])
+    w = w / w.sum()
+    grid = np.stack(np.meshgrid(*[z] * b, indexing="ij"), -1).reshape(-1, b)
+    log_w = np.sum(np.log(np.stack(np.meshgrid(*[w] * b, indexing="ij"), -1).reshape(-1, b)), 1)
+    return grid, log_w
+
+
+def quadrature_correction(grad: Callable, v: Array, h: Array, index: Array) -> Array:
+    """``sum_k log(∫ exp f_k / Laplace_k)``: what adaptive Gauss-Hermite quadrature adds to the
+    Laplace approximation of ``log ∫ exp f(v) dv`` for a block-separable ``f = sum_k f_k(v_k)``
+    (Liu & Pierce, 1994; lme4's ``nAGQ``), 0 where every ``f_k`` is quadratic.
+
+    ``v``: the mode; ``h``: ``(K, b, b)`` blocks of ``-f``'s Hessian there; ``grad``: ``f``'s
+    gradient. Node ``z_q`` of block ``k`` sits at ``v_k + L_k^-T z_q`` (``h_k = L_k L_k^T``).
+    The model is one scalar function, so block ``k``'s own value ``f_k(v_k + δ_k) - f_k(v_k)``
+    is the path integral ``∫_0^1 ∇_k f(v + t δ) · δ_k dt`` (Gauss-Legendre, :data:`PATH_NODES`
+    nodes): every block moves at once and, the gradient of block ``k`` depending on ``v_k``
+    only, one gradient gives all ``K`` values. Cost: ``Q^b x PATH_NODES`` gradients, whatever
+    ``K``. Blocks of more than three coordinates: 0 (the Laplace term alone)."""
+    b = index.shape[1]
+    if b not in QUADRATURE_NODES:
+        return jnp.zeros((), v.dtype)
+    nodes, log_p = _quadrature_rule(b)
+    t, w = np.polynomial.legendre.leggauss(PATH_NODES)
+    t, w = jnp.asarray((t + 1) / 2, v.dtype), jnp.asarray(w / 2, v.dtype)
+    chol = jnp.linalg.cholesky(h)  # (K, b, b)
+
+    def block_values(z):  # f_k(v_k + δ_k) - f_k(v_k) for every k, δ_k = L_k^-T z
+        step = jax.vmap(lambda c: jax.scipy.linalg.solve_triangular(c.T, z, lower=False))(chol)  # (K, b)
+        delta = scatter_blocks(step, index, v.shape[0])
+        slopes = jax.vmap(lambda s: grad(v + s * delta))(t)  # (PATH_NODES, n)
+        return jnp.sum((w @ slopes)[index] * step, axis=1)
+
+    nodes = jnp.asarray(nodes, v.dtype)
+    values = jax.lax.map(block_values, nodes)  # (Q^b, K)
+    terms = values + 0.5 * jnp.sum(nodes**2, 1)[:, None] + jnp.asarray(log_p, v.dtype)[:, None]
+    return jnp.sum(jax.scipy.special.logsumexp(terms, axis=0))
