@@ -145,6 +145,7 @@ class SiteLayout(NamedTuple):
     size: int
     unravel: Callable
     group_axes: Tuple[Tuple[Tuple[str, int, str], ...], ...] = ()  # per site: (group plate, axis, codes arg)
+    plate_axes: Tuple[Tuple[Tuple[str, int], ...], ...] = ()  # per site: (plate, negative axis) of its plates
 
     def ravel(self, values: Mapping[str, jax.Array]) -> jax.Array:
         if not self.names:
@@ -177,13 +178,15 @@ def make_layout(entries) -> SiteLayout:
     shapes = tuple(tuple(e[1]) for e in entries)
     axes = tuple(e[2] for e in entries)
     groups = tuple(e[3] if len(e) > 3 else () for e in entries)
+    plates = tuple(e[4] if len(e) > 4 else () for e in entries)
     _, unravel = ravel_pytree({n: jnp.zeros(s) for n, s in zip(names, shapes)})
     size = int(sum(int(np.prod(s)) for s in shapes))
 
     def unravel_ordered(flat):
         return unravel(flat) if names else {}
 
-    return SiteLayout(names, shapes, axes, size, unravel_ordered, groups if any(groups) else ())
+    return SiteLayout(names, shapes, axes, size, unravel_ordered, groups if any(groups) else (),
+                      plates if any(plates) else ())
 
 
 def _finite_point(msg):
@@ -231,6 +234,12 @@ def _row_axis(site, u, row_plate) -> Optional[int]:
     return None
 
 
+def _plate_axes(site, u) -> Tuple[Tuple[str, int], ...]:
+    """``(plate name, negative axis of u)`` for each plate a sample site is in."""
+    event_ndim_u = jnp.ndim(u) - len(site["fn"].batch_shape)
+    return tuple((f.name, f.dim - event_ndim_u) for f in site["cond_indep_stack"] if f.size > 1)
+
+
 def is_latent(site) -> bool:
     return site["type"] == "sample" and not site["is_observed"]
 
@@ -257,7 +266,7 @@ class ModelStructure(NamedTuple):
         for name in self.local_latent_names:
             u = _unconstrained(tr[name])
             entries.append((name, jnp.shape(u), _row_axis(tr[name], u, self.row_plate),
-                            group_axes(tr[name], u, self.group_plates)))
+                            group_axes(tr[name], u, self.group_plates), _plate_axes(tr[name], u)))
         return make_layout(entries)
 
     def local_param_init(self, tr) -> Dict[str, jax.Array]:

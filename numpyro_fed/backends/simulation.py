@@ -130,11 +130,14 @@ class SimulationBackend:
 
     # ------------------------------------------------------------------ compile
     def _compiled(self, algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
+        # the compiled program depends on the plan only through the number of clients and
+        # the mapping (the data are arguments): new Clients of the same shape reuse it
+        shape = (len(plan.names), plan.mapping)
         for alg, pl, compiled in self._cache:
-            if alg is algorithm and pl is plan:
+            if _same_algorithm(alg, algorithm) and pl == shape:
                 return compiled
         compiled = _compile(algorithm, plan)
-        self._cache = self._cache[-3:] + [(algorithm, plan, compiled)]
+        self._cache = self._cache[-3:] + [(algorithm, shape, compiled)]
         return compiled
 
     def init(self, algorithm: FederatedAlgorithm, plan: ClientPlan, rng_key: jax.Array) -> RunState:
@@ -369,6 +372,12 @@ def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, 
             transcript.record(rnd, "aggregator", "server", _aggregate(hidden, secure), exchange=str(e))
 
 
+def _same_algorithm(a: FederatedAlgorithm, b: FederatedAlgorithm) -> bool:
+    """The same functions and settings (a set-up may rename a copy of the algorithm)."""
+    return a is b or (len(a) == len(b) and all(x is y or (isinstance(x, (str, int)) and x == y)
+                                               for x, y in zip(a, b)))
+
+
 def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
     J = len(plan.names)
     vmapped = plan.mapping == "vmap"
@@ -485,15 +494,10 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
 
     round_fn = jax.jit(guarded, static_argnums=5)
 
-    @partial(jax.jit, static_argnums=5)
-    def scan(state, failure, data, server_data, avail, num_rounds):
-        """``num_rounds`` rounds in one ``lax.while_loop`` that stops after the first
-        non-finite round (the returned state includes it: the caller replays the finite
-        rounds, which is deterministic, rather than every round paying for a rollback);
-        per-round outputs go to preallocated buffers. (A ``lax.cond`` around each round to
-        skip the rest cost ~40% of a round on CPU.)"""
+    @partial(jax.jit, static_argnums=6)
+    def scan_rounds(state, failure, data, server_data, avail, num_rounds, capacity):
         shapes = jax.eval_shape(lambda s: one_round(s, data, server_data, avail)[1], state)
-        buffers = jax.tree_util.tree_map(lambda x: jnp.zeros((num_rounds,) + x.shape, x.dtype), shapes)
+        buffers = jax.tree_util.tree_map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), shapes)
 
         def going(carry):
             i, _, failure, _ = carry
@@ -511,5 +515,18 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
 
         _, state, failure, outs = jax.lax.while_loop(going, body, (jnp.zeros((), jnp.int32), state, failure, buffers))
         return state, failure, outs
+
+    def scan(state, failure, data, server_data, avail, num_rounds):
+        """``num_rounds`` rounds in one ``lax.while_loop`` that stops after the first
+        non-finite round (the returned state includes it: the caller replays the finite
+        rounds, which is deterministic, rather than every round paying for a rollback);
+        per-round outputs go to preallocated buffers. (A ``lax.cond`` around each round to
+        skip the rest cost ~40% of a round on CPU.) The round count is a traced argument and
+        the buffers' length the next power of two (at least 16), so runs of different
+        lengths share one compilation per bucket instead of compiling once per length."""
+        capacity = max(16, 1 << (int(num_rounds) - 1).bit_length())
+        state, failure, outs = scan_rounds(state, failure, data, server_data, avail,
+                                           jnp.asarray(num_rounds, jnp.int32), capacity)
+        return state, failure, jax.tree_util.tree_map(lambda x: x[:num_rounds], outs)
 
     return _Compiled(jax.jit(init), round_fn, scan, {})

@@ -29,6 +29,7 @@ from jax import random
 
 from . import gaussian as G
 from .gaussian import NaturalGaussian
+from .blocks import block_hessian, quadrature_correction
 from .tilted import inner_mode, integrated_laplace, pareto_k
 
 __all__ = ["client_log_likelihoods", "local_integral_k", "locals_are_gaussian", "log_weight_estimator"]
@@ -76,15 +77,26 @@ def locals_are_gaussian(log_joint: Callable, num_global: int, num_local: int, me
     return change <= GAUSSIAN_TOL
 
 
-def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int, mean, u, data, rng_key=None):
+def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int, mean, u, data, rng_key=None,
+                           index=None):
     """One client's ``log p(y_j | u)`` at each row of ``u`` (``(S, d)``): its own term.
     Integrated Laplace (exact for a Gaussian ``v | u``), or with ``rng_key`` importance
     sampling with the Laplace proposal (:data:`LOCAL_DRAWS` draws per row of ``u``, from
-    the client's own key)."""
-    marginal = integrated_laplace(partial(log_joint, data=data), num_global, num_local)
+    the client's own key), or with ``index`` (the local latents' blocks,
+    :mod:`~numpyro_fed.factor.blocks`) block Laplace with adaptive Gauss-Hermite quadrature
+    per block (:func:`~numpyro_fed.factor.blocks.quadrature_correction`): deterministic, and
+    linear in the number of local latents."""
+    marginal = integrated_laplace(partial(log_joint, data=data), num_global, num_local, index)
     v0 = jnp.zeros(num_local, u.dtype)
     if num_local:
         v0 = marginal(mean, v0, INNER_STEPS)[1][1]
+    if index is not None and num_local:
+        def quadrature(x):
+            value, (_, v) = marginal(x, v0, WARM_STEPS)
+            f_v = lambda z: log_joint(jnp.concatenate([x, z]), data)  # noqa: E731
+            return value + quadrature_correction(jax.grad(f_v), v, -block_hessian(f_v, v, index), index)
+
+        return jax.lax.map(quadrature, u, batch_size=min(u.shape[0], 100))
     if rng_key is None or not num_local:
         return jax.vmap(lambda x: marginal(x, v0, WARM_STEPS)[0])(u)
 
@@ -97,11 +109,11 @@ def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int,
 
 
 def log_weight_estimator(log_prior: Callable, log_joint: Callable, num_local: int, mapping: str,
-                         num_draws: int, sampled: bool = False) -> Callable:
+                         num_draws: int, sampled: bool = False, index=None) -> Callable:
     """``(q, data, rng_key, client_keys) -> (log_w, u)``: the check's ``num_draws`` draws
     ``u ~ q`` and their ``log p(u, y) - log q(u)`` (up to a constant), every client's term
     summed; ``sampled``: the clients integrate their local latents by importance sampling,
-    each from its own key in ``client_keys``. ``log_prior`` is the model's own prior of the
+    each from its own key in ``client_keys``; ``index``: by block quadrature instead. ``log_prior`` is the model's own prior of the
     global sites (not the Gaussian factor the fit uses), so the check's target is the
     model's posterior even where the fit approximates the prior."""
 
@@ -111,7 +123,7 @@ def log_weight_estimator(log_prior: Callable, log_joint: Callable, num_local: in
         mean, _ = G.to_moments(q)
 
         def term(x, key):
-            return client_log_likelihoods(log_joint, d, num_local, mean, u, x, key if sampled else None)
+            return client_log_likelihoods(log_joint, d, num_local, mean, u, x, key if sampled else None, index)
 
         if mapping == "vmap":
             values = jnp.sum(jax.vmap(term)(data, client_keys), axis=0)

@@ -25,10 +25,12 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import random
 
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
+from .blocks import blocks_hold
 from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
 from .updates import factor_protocol
 
@@ -39,15 +41,17 @@ def tilted_moments(
     method: str, *, laplace_steps: int = 50, num_warmup: int = 500, num_samples: int = 500,
     optim: Any = None, vi_steps: int = 2000, num_particles: int = 8, diagonal: bool = False,
 ) -> Callable:
-    """``(rng_key, log_lik, cavity, w0, d) -> (mean, cov, FitCheck)`` for ``method`` in
-    ``"laplace"``, ``"nuts"``, ``"vi"``."""
+    """``(rng_key, log_lik, cavity, w0, d, index=None) -> (mean, cov, FitCheck)`` for
+    ``method`` in ``"laplace"``, ``"nuts"``, ``"vi"`` (``index``: the local latents' blocks,
+    used by ``"laplace"``)."""
     if method == "laplace":
-        return lambda key, f, cav, w0, d: laplace_moments(f, cav, w0, d, key, steps=laplace_steps)
+        return lambda key, f, cav, w0, d, index=None: laplace_moments(f, cav, w0, d, key, steps=laplace_steps,
+                                                                      index=index)
     if method == "nuts":
-        return lambda key, f, cav, w0, d: nuts_moments(f, cav, w0, d, key, num_warmup=num_warmup,
-                                                               num_samples=num_samples)
+        return lambda key, f, cav, w0, d, index=None: nuts_moments(f, cav, w0, d, key, num_warmup=num_warmup,
+                                                                   num_samples=num_samples)
     if method == "vi":
-        return lambda key, f, cav, w0, d: gaussian_vi_moments(
+        return lambda key, f, cav, w0, d, index=None: gaussian_vi_moments(
             f, cav, w0, d, key, optim=optim, steps=vi_steps, num_particles=num_particles, diagonal=diagonal)
     raise ValueError(f"tilted={method!r}: choose one of {TILTED_METHODS}")
 
@@ -65,6 +69,7 @@ def ep(
     subset_size: int = 1,
     max_kl: Optional[float] = None,
     prior_site: Optional[Callable] = None,
+    blocks: Optional[Any] = None,
 ) -> FederatedAlgorithm:
     """Build federated EP's pure functions.
 
@@ -84,6 +89,11 @@ def ep(
         prior_site: the server's step for a non-Gaussian prior's residual (see
             :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
             Gaussian part.
+        blocks: ``(K, b)`` coordinates of ``v`` whose Hessian blocks are independent
+            (:func:`~numpyro_fed.factor.blocks.local_blocks`). Each client verifies the
+            structure on its own rows before each update (one exact Hessian-vector product at
+            a random point, from its own key); where it fails the update is invalid (NaN),
+            never computed on a wrong structure.
 
     References:
         Paper 004 (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
@@ -96,11 +106,22 @@ def ep(
     d = log_prior_factor.shift.shape[0]
     diagonal = log_prior_factor.diagonal
 
+    index = None if blocks is None else jnp.asarray(blocks)
+
     def local_update(rng_key, cavity, q, data, kl_weight=1.0):
         del kl_weight
         start, _ = G.to_moments(q)  # q is always proper; the cavity need not be
         w0 = jnp.concatenate([start, jnp.zeros(num_local, start.dtype)])
-        mean, cov, check = moments(rng_key, partial(client_log_lik, data=data), cavity, w0, d)
+        f = partial(client_log_lik, data=data)
+        if index is None:
+            mean, cov, check = moments(rng_key, f, cavity, w0, d)
+            return moments_to_factor(mean, cov, diagonal), check
+        k_point, k_probe, rng_key = random.split(rng_key, 3)
+        v = random.normal(k_point, (num_local,), start.dtype)
+        hold = blocks_hold(lambda x: f(jnp.concatenate([start, x])), v, index,
+                           random.normal(k_probe, (num_local,), start.dtype))
+        mean, cov, check = moments(rng_key, f, cavity, w0, d, index)
+        mean = jnp.where(hold, mean, jnp.nan)  # coupled locals: an invalid update, never a wrong one
         return moments_to_factor(mean, cov, diagonal), check
 
     return factor_protocol(

@@ -29,6 +29,7 @@ from ..handlers import GLOBAL, LOCAL, site_role
 from ..horizontal.inference import check_positive_int
 from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
+from .blocks import QUADRATURE_NODES
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample,
                          state_fingerprint)
@@ -292,6 +293,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         terms, plan = setup.extra.terms, setup.plan
         if not terms.num_local:
             return "exact"
+        if self._check_blocks() is not None:
+            return "quadrature"
         state = self._state_of(result)
         mean, _ = G.to_moments(state.server.q)
         d = mean.shape[0]
@@ -307,6 +310,12 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                 return "exact"
             k = np.array([float(jax.jit(k_of)(data, key)) for data, key in zip(plan.data, keys)])
         return "sampled" if np.all(k <= PARETO_K_LIMIT) else None
+
+    def _check_blocks(self):
+        """The local latents' blocks the clients verified during the fit (EP's block
+        Laplace), for block quadrature in the check; ``None`` where the fit used none."""
+        blocks = getattr(self, "_blocks", None)
+        return blocks if blocks is not None and blocks.shape[1] in QUADRATURE_NODES else None
 
     def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
@@ -326,10 +335,14 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             return jax.vmap(lambda k: random.fold_in(k, 0x51))(state.clients.rng_key)
         return [random.fold_in(slot.rng_key, 0x51) for slot in state.clients]
 
-    @staticmethod
-    def _local_note(setup: Setup) -> str:
+    def _local_note(self, setup: Setup) -> str:
+        if not setup.extra.terms.num_local:
+            return ""
+        if self._check_blocks() is not None:
+            return (" (local latents integrated out on each client, block by block, by Laplace with adaptive "
+                    "Gauss-Hermite quadrature)")
         return (" (local latents integrated out on each client, by Laplace with importance sampling where they are "
-                "not Gaussian given the global sites)" if setup.extra.terms.num_local else "")
+                "not Gaussian given the global sites)")
 
     def diagnose(self, result: Union[RunResult, RunState], num_draws: int = 1000, rng_key=None) -> FitDiagnostic:
         """How far ``q`` is from the posterior of the global sites, by Pareto-smoothed
@@ -352,12 +365,14 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs the simulation's client states")
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
-        sampled = self._local_integral(setup, state) == "sampled"
-        key = ("log_weights", num_draws, sampled)
+        how = self._local_integral(setup, state)
+        key = ("log_weights", num_draws, how)
         if key not in setup.cache:  # compiled once per set-up
             terms = setup.extra.terms
+            index = self._check_blocks() if how == "quadrature" else None
             setup.cache[key] = jax.jit(log_weight_estimator(terms.log_prior, terms.log_joint, terms.num_local,
-                                                            setup.plan.mapping, num_draws, sampled))
+                                                            setup.plan.mapping, num_draws, how == "sampled",
+                                                            None if index is None else jnp.asarray(index)))
         log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, self._client_check_keys(setup, state))
         per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
         return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u), per_site)
@@ -381,7 +396,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         advice = self._fit_advice()
         k = np.asarray(info.fit_k)
         stat = np.asarray(info.fit_stat)
-        by_k = [j for j in bad if k[last[j], j] > PARETO_K_LIMIT]
+        # a failure with no statistic of its own (tilted="laplace" reports only k) is k's
+        by_k = [j for j in bad if k[last[j], j] > PARETO_K_LIMIT or not np.isfinite(stat[last[j], j])]
         by_stat = [j for j in bad if j not in by_k]
         k_what, k_fix = advice["k"]
         for group, (what, stat_name, fix), values in ((by_stat, advice["stat"], stat),

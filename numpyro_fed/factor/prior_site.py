@@ -103,7 +103,7 @@ def prior_site_update(residual: Callable, d: int, diagonal: bool, num_draws: int
     def update(rng_key, cavity: NaturalGaussian, q: NaturalGaussian) -> Tuple[NaturalGaussian, jax.Array]:
         start, _ = G.to_moments(q)
         k_laplace, k_is = random.split(rng_key)
-        mode, cov, check = laplace_moments(residual, cavity, start, d, k_laplace)
+        mode, cov, check = laplace_moments(residual, cavity, start, d, k_laplace, importance=False)
         reached = jnp.all(jnp.isfinite(mode))
         mode = jnp.where(reached, mode, start)
         cov = jnp.where(reached, cov, jnp.eye(d))

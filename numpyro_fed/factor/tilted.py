@@ -24,7 +24,7 @@ the cavity enters in natural parameters. All functions are pure, jit- and vmap-c
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ from numpyro.infer.hmc import hmc
 
 from . import gaussian as G
 from .._typing import Array
+from .blocks import block_hessian, block_logdet, block_solve, quadrature_correction, scatter_blocks
 from .gaussian import NaturalGaussian
 
 __all__ = [
@@ -82,6 +83,7 @@ class FitCheck(NamedTuple):
     pareto_k: Array
 
 
+DRAW_STEPS = 4  # Newton steps to each importance draw's inner mode, from the one at the outer mode
 PARETO_K_LIMIT = 0.7  # Vehtari et al. (2024): above it importance sampling, and the fit, are unreliable
 DRIFT_LIMIT = 4.0  # local objective still improving by more than this many standard errors
 PARAMETER_DRIFT_LIMIT = 0.05  # a local fit's mean or sd still moving by more than this many sds per quarter
@@ -124,7 +126,8 @@ def pareto_k(log_weights: Array) -> Array:
 
     The generalized Pareto fit of Zhang & Stephens (2009) to the largest
     ``min(S/5, 3 sqrt(S))`` weights, with ArviZ's weakly informative prior on ``k``;
-    jit-compatible (static sizes). Non-finite log weights give ``inf``."""
+    jit-compatible (static sizes). Non-finite log weights give ``inf``; weights equal to
+    rounding (no tail) give 0."""
     s = log_weights.shape[0]
     m = int(min(s / 5, 3 * s**0.5))
     x = jnp.sort(log_weights - jnp.max(log_weights))
@@ -139,7 +142,10 @@ def pareto_k(log_weights: Array) -> Array:
     b_post = jnp.sum(b * weights) / jnp.sum(weights)
     k_post = jnp.mean(jnp.log1p(-b_post * tail))
     k_post = (m * k_post + 10 * 0.5) / (m + 10)
-    return jnp.where(jnp.all(jnp.isfinite(log_weights)), k_post, jnp.inf)
+    # weights equal to rounding (an exactly Gaussian target in float32): the exceedances tie
+    # at 0, the fit is 0/0; such weights have no tail at all
+    flat = tail[int(m / 4 + 0.5) - 1] <= 0
+    return jnp.where(jnp.all(jnp.isfinite(log_weights)), jnp.where(flat, 0.0, k_post), jnp.inf)
 
 
 def _newton_direction(h: Array, g: Array) -> Array:
@@ -165,17 +171,27 @@ def _backtrack(neg: Callable, v: Array, dv: Array) -> Array:
     return cands[jnp.argmax(ok)]  # the first acceptable (the last, no move, always is)
 
 
-def inner_mode(neg: Callable, v0: Array, steps: int) -> Array:
+def _direction(neg: Callable, v: Array, index: Optional[Array]) -> Array:
+    """The saddle-free Newton direction of ``neg`` at ``v``: dense, or block by block."""
+    g = jax.grad(neg)(v)
+    if index is None:
+        return _newton_direction(jax.hessian(neg)(v), g)
+    steps = jax.vmap(_newton_direction)(block_hessian(neg, v, index), g[index])
+    return scatter_blocks(steps, index, v.shape[0])
+
+
+def inner_mode(neg: Callable, v0: Array, steps: int, index: Optional[Array] = None) -> Array:
     """Minimise ``neg(v)`` by (saddle-free) Newton with backtracking, ``steps`` iterations
-    from ``v0``."""
+    from ``v0``; with ``index`` (:func:`~numpyro_fed.factor.blocks.local_blocks`) the Hessian
+    is block diagonal and each step costs ``K`` small factorisations."""
 
     def body(v, _):
-        return _backtrack(neg, v, _newton_direction(jax.hessian(neg)(v), jax.grad(neg)(v))), None
+        return _backtrack(neg, v, _direction(neg, v, index)), None
 
     return jax.lax.scan(body, v0, None, length=steps)[0]
 
 
-def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
+def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Array] = None) -> Callable:
     """The Laplace approximation of ``log ∫ exp f(u, v) dv`` (Tierney & Kadane, 1986;
     INLA's inner step): ``f(u, v*) - log det(-H_vv(u, v*)) / 2 + const`` with ``v*(u)`` the
     conditional mode. Exact when ``v | u`` is Gaussian (e.g. a Gaussian hierarchical model,
@@ -187,7 +203,8 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
     makes the first derivative of ``v*(u)``, and so the gradient of the value, exact at a
     converged mode. ``decrement`` is the inner Newton decrement at the final point (about 0
     when the inner mode was reached). ``volume_only``: the value is the volume term
-    ``-log det(-H_vv) / 2 + const`` alone.
+    ``-log det(-H_vv) / 2 + const`` alone. ``index``: ``H_vv`` is block diagonal in these
+    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``.
     """
     if num_local == 0:
         return lambda u, v0, steps, refine=0, volume_only=False: (
@@ -196,17 +213,24 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
     def neg_v(u):
         return lambda v: -f(jnp.concatenate([u, v]))
 
+    def hessian(neg, v):
+        if index is None:
+            h = jax.hessian(neg)(v)
+            return (h + h.T) / 2
+        return block_hessian(neg, v, index)
+
+    def solve(h, rhs):
+        return jnp.linalg.solve(h, rhs) if index is None else block_solve(h, rhs, index)
+
     def log_marginal(u, v0, steps, refine=0, volume_only=False):
-        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps))
+        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps, index))
         neg = neg_v(u)
         for _ in range(refine):
-            h = jax.hessian(neg)(v)
-            v = v - jnp.linalg.solve((h + h.T) / 2, jax.grad(neg)(v))
-        g, h = jax.grad(neg)(v), jax.hessian(neg)(v)
-        h = (h + h.T) / 2
-        sign, logdet = jnp.linalg.slogdet(h)
+            v = v - solve(hessian(neg, v), jax.grad(neg)(v))
+        g, h = jax.grad(neg)(v), hessian(neg, v)
+        sign, logdet = jnp.linalg.slogdet(h) if index is None else block_logdet(h)
         value = 0.5 * num_local * jnp.log(2 * jnp.pi) - 0.5 * logdet + (0.0 if volume_only else -neg(v))
-        decrement = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(h, jax.lax.stop_gradient(g))))
+        decrement = jnp.sqrt(jnp.abs(g @ solve(h, jax.lax.stop_gradient(g))))
         aux = (jax.lax.stop_gradient(decrement), jax.lax.stop_gradient(v))
         return jnp.where(sign > 0, value, -jnp.inf), aux
 
@@ -215,7 +239,8 @@ def integrated_laplace(f: Callable, d: int, num_local: int) -> Callable:
 
 def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: int, rng_key: Array = None, *,
                     steps: int = 30, grad_tol: float = 1e-2, inner_steps: int = 8,
-                    num_draws: int = 1000) -> Tuple[Array, Array, FitCheck]:
+                    num_draws: int = 1000, index: Optional[Array] = None,
+                    importance: bool = True) -> Tuple[Array, Array, FitCheck]:
     """Laplace approximation of the tilted distribution's ``u``-marginal, with its check.
 
     The local latents ``v`` are integrated out first by the inner Laplace approximation of
@@ -229,20 +254,36 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     The result is NaN (an invalid update) unless a mode was reached: the outer and inner
     Newton decrements ``sqrt(g^T H^-1 g)`` (in standard deviations) below ``grad_tol``.
 
-    The check: ``num_draws`` draws from the Gaussian, importance-weighted against the
-    (integrated) tilted density; the Pareto ``k`` of the weights above
-    :data:`PARETO_K_LIMIT` means the Gaussian misses the tilted mass (skew, a boundary,
-    heavy tails): ``FitCheck(ok=False, pareto_k=k)``.
+    The check and the correction: ``num_draws`` draws from the Gaussian (whitened to its
+    exact moments), importance-weighted against the integrated tilted density, with the local
+    latents' blocks (``index``) integrated by adaptive Gauss-Hermite quadrature
+    (:func:`~numpyro_fed.factor.blocks.quadrature_correction`) rather than Laplace alone. With
+    ``importance`` (the default) the weighted mean and covariance are returned: Laplace is
+    biased where the local latents' conditional is skewed (random intercepts of a few binary
+    rows: on the six-cities GLMM, beta0 1.2 NUTS sds off; corrected, 0.1). The Pareto ``k``
+    of the weights above :data:`PARETO_K_LIMIT` means the Gaussian misses the tilted mass
+    (skew, a boundary, heavy tails): the Laplace moments are returned with
+    ``FitCheck(ok=False, pareto_k=k)``.
     """
     rng_key = random.PRNGKey(0) if rng_key is None else rng_key
     num_local = w0.shape[0] - d
     def tilted(w):
         return log_lik(w) + cavity_log_density(cavity, w[:d])
 
-    log_marginal = integrated_laplace(tilted, d, num_local)
+    log_marginal = integrated_laplace(tilted, d, num_local, index)
 
     def value(u, v):
         return log_marginal(u, v, inner_steps)[0]
+
+    def corrected(u, v):
+        """The integrated tilted density with the blocks' quadrature correction (Laplace
+        alone without blocks or with blocks of more than three coordinates)."""
+        laplace, (_, v_star) = log_marginal(u, v, DRAW_STEPS)
+        if index is None or num_local == 0:
+            return laplace
+        f_v = lambda x: tilted(jnp.concatenate([u, x]))  # noqa: E731
+        h = -block_hessian(f_v, v_star, index)
+        return laplace + quadrature_correction(jax.grad(f_v), v_star, h, index)
 
     def derivatives(u, v):
         """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``.
@@ -263,14 +304,21 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         vol = jax.grad(lambda x: log_marginal(x, v, inner_steps, 1, volume_only=True), has_aux=True)
         grads, (decs, vs) = jax.vmap(vol)(points)
         vol_hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
-        w = jnp.concatenate([u, vs[0]])
-        g_f, h_f = jax.grad(tilted)(w), jax.hessian(tilted)(w)
-        h_f = (h_f + h_f.T) / 2
-        solve = jnp.linalg.solve(h_f[d:, d:], jnp.concatenate([h_f[d:, :d], g_f[d:, None]], 1))
-        # at the inner mode g_f[d:] = 0; the correction keeps the gradient first-order right
+        v_star = vs[0]
+        f_uv = lambda a, b: tilted(jnp.concatenate([a, b]))  # noqa: E731
+        g_u, g_v = jax.grad(f_uv, argnums=(0, 1))(u, v_star)
+        h_uu = jax.hessian(f_uv, argnums=0)(u, v_star)
+        h_vu = jax.jacfwd(jax.grad(f_uv, argnums=1), argnums=0)(u, v_star)  # (n, d): d forward passes
+        rhs = jnp.concatenate([h_vu, g_v[:, None]], 1)
+        if index is None:
+            h_vv = jax.hessian(f_uv, argnums=1)(u, v_star)
+            solve = jnp.linalg.solve((h_vv + h_vv.T) / 2, rhs)
+        else:  # block diagonal: b Hessian-vector products and K small solves
+            solve = block_solve(block_hessian(lambda b: f_uv(u, b), v_star, index), rhs, index)
+        # at the inner mode g_v = 0; the correction keeps the gradient first-order right
         # near it (it is the gradient after one more Newton step in v)
-        grad = g_f[:d] - h_f[:d, d:] @ solve[:, d] + grads[0]
-        hess = h_f[:d, :d] - h_f[:d, d:] @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
+        grad = g_u - h_vu.T @ solve[:, d] + grads[0]
+        hess = (h_uu + h_uu.T) / 2 - h_vu.T @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
         return grad, (hess + hess.T) / 2, decs[0], vs[0]
 
     def converged(g, h, dec, tol):
@@ -298,13 +346,33 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     # a mode not reached is no Laplace approximation: NaN, which the protocol sends as an
     # invalid (zero) update
     reached = converged(g, h, dec, grad_tol) & jnp.all(jnp.linalg.eigvalsh(cov) > 0)
-    # the sampled check: does the Gaussian hold the tilted mass?
+    # the sampled check (does the Gaussian hold the tilted mass?) and the importance correction
     chol = jnp.linalg.cholesky(cov)
-    eps = random.normal(rng_key, (num_draws, d))
-    log_w = jax.vmap(lambda u: value(u, v_mode))(mode + eps @ chol.T) + 0.5 * jnp.sum(eps**2, 1)  # up to a constant
+    eps = _matched_normal(rng_key, num_draws, d, w0.dtype)
+    draws = mode + eps @ chol.T
+    log_target = (lambda u: corrected(u, v_mode)) if importance else (lambda u: log_marginal(u, v_mode, DRAW_STEPS)[0])
+    log_w = jax.lax.map(log_target, draws, batch_size=min(num_draws, 100)) + 0.5 * jnp.sum(eps**2, 1)
     k = jnp.where(reached, pareto_k(log_w), jnp.nan)
+    if importance:  # the importance-weighted moments replace the Laplace ones where k allows
+        w = jax.nn.softmax(jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf))
+        mean_is = w @ draws
+        r = draws - mean_is
+        cov_is = (r * w[:, None]).T @ r
+        use = (k <= PARETO_K_LIMIT) & jnp.all(jnp.isfinite(mean_is))
+        mode = jnp.where(use, mean_is, mode)
+        cov = jnp.where(use, (cov_is + cov_is.T) / 2, cov)
     mode = jnp.where(reached, mode, jnp.nan)
     return mode, cov, FitCheck(reached & (k <= PARETO_K_LIMIT), jnp.full((), jnp.nan, k.dtype), k)
+
+
+def _matched_normal(rng_key: Array, num: int, d: int, dtype) -> Array:
+    """``num`` standard normal draws in ``d`` dimensions, shifted and whitened so that their
+    sample mean is 0 and their sample covariance the identity: importance moments of an
+    exactly Gaussian target are then exact (not Monte Carlo estimates)."""
+    eps = random.normal(rng_key, (num, d), dtype)
+    eps = eps - jnp.mean(eps, 0)
+    root = jnp.linalg.cholesky(eps.T @ eps / num)
+    return jax.scipy.linalg.solve_triangular(root, eps.T, lower=True).T
 
 
 def _nuts_chain(log_density: Callable, w0: Array, rng_key: Array, num_warmup: int, num_samples: int):

@@ -158,10 +158,18 @@ class HM1(FederatedInference):
         data = {"x": jnp.asarray(np.stack(xs), f), "y": jnp.asarray(np.stack(ys), f),
                 "mask": jnp.asarray(np.stack(masks), f)}
         plan = ClientPlan(clients.names, data, "vmap", None, np.array([clients.num_rows[n] for n in clients.names]))
-        algorithm = hm1(len(clients), d, lr=self.lr, shrinkage=self.shrinkage, alpha=self.alpha,
-                        local_steps=self.local_steps, batch_size=self.batch_size, gradient=self.gradient,
-                        noise_scaled=self.noise_scaled, omega_df=self.omega_df, subset_size=self.subset_size,
-                        truth=self._truth)
+        # one algorithm (so one compilation) per number of clients, dimension and truth: new
+        # Clients of the same shape reuse it (the data are the compiled program's arguments)
+        config = tuple(repr(getattr(self, a)) for a in ("lr", "shrinkage", "alpha", "local_steps", "batch_size",
+                                                        "gradient", "noise_scaled", "omega_df", "subset_size"))
+        key = (len(clients), d, config, None if self._truth is None else (self._truth.shape, self._truth.tobytes()))
+        algorithms = self.__dict__.setdefault("_algorithms", {})
+        if key not in algorithms:
+            algorithms[key] = hm1(len(clients), d, lr=self.lr, shrinkage=self.shrinkage, alpha=self.alpha,
+                                  local_steps=self.local_steps, batch_size=self.batch_size, gradient=self.gradient,
+                                  noise_scaled=self.noise_scaled, omega_df=self.omega_df,
+                                  subset_size=self.subset_size, truth=self._truth)
+        algorithm = algorithms[key]
         return Setup(clients, algorithm, plan, d, {})
 
     def _check_result(self, setup: Setup, result: RunResult) -> None:
