@@ -96,7 +96,7 @@ def timed(fn):
 
 def run_case(name, sweeps, seed=0):
     label, model, pooled, data, clients, sites = CASES[name]()
-    rounds = sweeps * clients.num_clients
+    rounds = sweeps * len(clients)
     ep = nf.EP(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -117,7 +117,7 @@ def run_case(name, sweeps, seed=0):
     z = {k: float((ep_draws[k].mean() - ref[k].mean()) / ref[k].std()) for k in ref}
     sd_ratio = {k: float(ep_draws[k].std() / ref[k].std()) for k in ref}
     check = ep.last_fit_check
-    row = dict(case=label, clients=clients.num_clients, rows=int(clients.total_rows), rounds=rounds,
+    row = dict(case=label, clients=len(clients), rows=int(clients.total_rows), rounds=rounds,
                ep_seconds_cold=ep_cold, ep_seconds_warm=ep_warm, nuts_seconds_cold=nuts_cold,
                nuts_seconds_warm=nuts_warm, ratio_cold=ep_cold / nuts_cold, ratio_warm=ep_warm / nuts_warm,
                z=z, sd_ratio=sd_ratio, max_abs_z=max(abs(v) for v in z.values()),
