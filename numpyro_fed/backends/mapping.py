@@ -13,16 +13,17 @@ on it (see :mod:`numpyro_fed.checkpoint`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._structure import ModelStructure, trace_model
+from .._structure import ModelStructure, SiteLayout, trace_model
 from ..clients import ClientData, Clients
 
-__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "pad_client", "plan_clients", "stack_clients"]
+__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "pad_client", "plan_clients", "shape_key",
+           "stack_clients", "traced_args"]
 
 CLIENT_MAPPINGS = ("auto", "vmap", "loop")
 
@@ -155,3 +156,16 @@ def client_item(plan: ClientPlan, stacked, index: int):
     if plan.mapping == "vmap":
         return jax.tree_util.tree_map(lambda x: x[index], stacked)
     return stacked[index]
+
+
+def traced_args(args: Mapping[str, Any]):
+    """A client's data split into the arrays a compiled function takes as arguments and the
+    other values (Python scalars, strings) it is specialised on."""
+    arrays = {k: v for k, v in args.items() if isinstance(v, (np.ndarray, jax.Array)) and np.ndim(v) > 0}
+    return arrays, {k: v for k, v in args.items() if k not in arrays}
+
+
+def shape_key(layout: SiteLayout, arrays: Mapping[str, Any], fixed: Mapping[str, Any]) -> tuple:
+    """What a compiled per-client function depends on besides its arguments' values."""
+    shapes = tuple(sorted((k, np.shape(v), str(np.asarray(v).dtype)) for k, v in arrays.items()))
+    return (layout.names, layout.shapes, shapes, tuple(sorted((k, repr(v)) for k, v in fixed.items())))

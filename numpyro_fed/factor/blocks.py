@@ -119,13 +119,13 @@ def _quadrature_rule(b: int):
     return grid, log_w
 
 
-def quadrature_correction(grad: Callable, v: Array, h: Array, index: Array) -> Array:
+def quadrature_correction(f: Callable, v: Array, index: Array) -> Array:
     """``sum_k log(∫ exp f_k / Laplace_k)``: what adaptive Gauss-Hermite quadrature adds to the
     Laplace approximation of ``log ∫ exp f(v) dv`` for a block-separable ``f = sum_k f_k(v_k)``
     (Liu & Pierce, 1994; lme4's ``nAGQ``), 0 where every ``f_k`` is quadratic.
 
-    ``v``: the mode; ``h``: ``(K, b, b)`` blocks of ``-f``'s Hessian there; ``grad``: ``f``'s
-    gradient. Node ``z_q`` of block ``k`` sits at ``v_k + L_k^-T z_q`` (``h_k = L_k L_k^T``).
+    ``v``: the mode of ``f``; ``-f``'s Hessian blocks there (:func:`block_hessian`) place the
+    nodes. Node ``z_q`` of block ``k`` sits at ``v_k + L_k^-T z_q`` (``h_k = L_k L_k^T``).
     The model is one scalar function, so block ``k``'s own value ``f_k(v_k + δ_k) - f_k(v_k)``
     is the path integral ``∫_0^1 ∇_k f(v + t δ) · δ_k dt`` (Gauss-Legendre, :data:`PATH_NODES`
     nodes): every block moves at once and, the gradient of block ``k`` depending on ``v_k``
@@ -137,7 +137,8 @@ def quadrature_correction(grad: Callable, v: Array, h: Array, index: Array) -> A
     nodes, log_p = _quadrature_rule(b)
     t, w = np.polynomial.legendre.leggauss(PATH_NODES)
     t, w = jnp.asarray((t + 1) / 2, v.dtype), jnp.asarray(w / 2, v.dtype)
-    chol = jnp.linalg.cholesky(h)  # (K, b, b)
+    grad = jax.grad(f)
+    chol = jnp.linalg.cholesky(-block_hessian(f, v, index))  # (K, b, b)
 
     def block_values(z):  # f_k(v_k + δ_k) - f_k(v_k) for every k, δ_k = L_k^-T z
         step = jax.vmap(lambda c: jax.scipy.linalg.solve_triangular(c.T, z, lower=False))(chol)  # (K, b)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,8 @@ import optax
 from jax import random
 
 from .._structure import (analyse_model, constrain_params, deterministic_of_globals, global_deterministic_sites,
-                          SiteLayout, trace_model, with_improper_values)
-from ..backends.mapping import client_data, client_item, plan_clients
+                          trace_model, with_improper_values)
+from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args
 from ..clients import Clients
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
@@ -470,8 +470,8 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 draws.update(setup.cache["deterministic"](draws, params))
             return draws
         _, local, z_g, z_real, real_layout, args = self._client_latents(setup, state, client, k_l, z_g)
-        arrays, fixed = _traced_args(args)
-        key = ("client_draws", _shape_key(real_layout, arrays, fixed))
+        arrays, fixed = traced_args(args)
+        key = ("client_draws", shape_key(real_layout, arrays, fixed))
         if key not in setup.cache:  # compiled once per client shape and set-up (not once per client)
             setup.cache[key] = jax.jit(jax.vmap(
                 lambda g_, l_, zg, zl, a: obj.constrained_sample(g_, l_, zg, zl, {**a, **fixed}, real_layout),
@@ -529,8 +529,8 @@ class FederatedSVI(PrivateFit, FederatedInference):
         z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)
         g, local, z_g, z_real, real_layout, args = self._client_latents(setup, state, client, k_l, z_g)
         keys = random.split(random.fold_in(k_l, 1), num_samples)
-        arrays, fixed = _traced_args(args)
-        key = ("observed_sites", _shape_key(real_layout, arrays, fixed))
+        arrays, fixed = traced_args(args)
+        key = ("observed_sites", shape_key(real_layout, arrays, fixed))
         if key not in setup.cache:  # compiled once per client shape and set-up (not once per client)
             setup.cache[key] = jax.jit(jax.vmap(
                 lambda g_, l_, zg, zl, k, a: obj.observed_sites(g_, l_, zg, zl, {**a, **fixed}, real_layout, k),
@@ -541,19 +541,6 @@ class FederatedSVI(PrivateFit, FederatedInference):
         """Values of a client's observed sites (the client's own data)."""
         tr = trace_model(self.model, clients[client], self.model_kwargs)
         return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
-
-
-def _traced_args(args: Mapping[str, Any]):
-    """A client's data split into the arrays a compiled function takes as arguments and the
-    other values (Python scalars, strings) it is specialised on."""
-    arrays = {k: v for k, v in args.items() if isinstance(v, (np.ndarray, jax.Array)) and np.ndim(v) > 0}
-    return arrays, {k: v for k, v in args.items() if k not in arrays}
-
-
-def _shape_key(layout: SiteLayout, arrays: Mapping[str, Any], fixed: Mapping[str, Any]) -> tuple:
-    """What a compiled per-client function depends on besides its arguments' values."""
-    shapes = tuple(sorted((k, np.shape(v), str(np.asarray(v).dtype)) for k, v in arrays.items()))
-    return (layout.names, layout.shapes, shapes, tuple(sorted((k, repr(v)) for k, v in fixed.items())))
 
 
 def _log_weight_estimator(setup: Setup, num_draws: int):
