@@ -17,9 +17,10 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
-from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
+
+from .references import nuts_reference
 
 N = 40
 _rng = np.random.default_rng(0)
@@ -44,9 +45,7 @@ def _regression(scale_prior, slope_prior=None):
 
 
 def _nuts(model):
-    mc = MCMC(NUTS(model), num_warmup=1000, num_samples=4000, progress_bar=False)
-    mc.run(jax.random.PRNGKey(0), X, Y)
-    return {k: np.asarray(v) for k, v in mc.get_samples().items()}
+    return nuts_reference("any_prior", model, X, Y, num_warmup=1000, num_samples=4000, seed=0)
 
 
 def _fit(cls, model):

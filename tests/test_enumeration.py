@@ -14,10 +14,12 @@ from jax import random
 from jax.flatten_util import ravel_pytree
 from jax.scipy.special import logsumexp
 from numpyro.distributions.transforms import biject_to
-from numpyro.infer import MCMC, NUTS, TraceEnum_ELBO
+from numpyro.infer import TraceEnum_ELBO
 
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data, client_item
+
+from .references import nuts_reference
 
 ITEMS = 5
 
@@ -177,9 +179,8 @@ def test_enumerated_posterior_matches_nuts_on_the_marginalised_model(case):
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.03))
     res = svi.run(random.PRNGKey(0), 2000, clients, progress_bar=False)
     fed = _relabel(svi.sample_posterior(random.PRNGKey(1), res, 4000), key)
-    mcmc = MCMC(NUTS(marginal), num_warmup=400, num_samples=1500, progress_bar=False)
-    mcmc.run(random.PRNGKey(2), jnp.asarray(y))
-    ref = _relabel(mcmc.get_samples(), key)
+    ref = _relabel(nuts_reference(f"enumeration_{case}", marginal, jnp.asarray(y), num_warmup=400,
+                                  num_samples=1500, seed=2), key)
     if case == "mixture":  # a deterministic site of the globals: in the draws, as mu[1] - mu[0]
         gap = np.asarray(fed.pop("gap"))
         mu = np.asarray(svi.sample_posterior(random.PRNGKey(1), res, 4000)["mu"])
@@ -244,9 +245,8 @@ def test_ep_sums_out_enumerated_sites():
     ep = nf.EP(logistic_mixture, schedule="synchronous", damping=0.5)
     fed = _relabel(ep.sample_posterior(random.PRNGKey(1), ep.run(random.PRNGKey(0), 8, clients), 4000), "mu",
                    flip=("a",))
-    mcmc = MCMC(NUTS(logistic_mixture), num_warmup=400, num_samples=1500, progress_bar=False)
-    mcmc.run(random.PRNGKey(2), jnp.asarray(y), marginal=True)
-    ref = _relabel(mcmc.get_samples(), "mu", flip=("a",))
+    ref = _relabel(nuts_reference("enumeration_logistic_mixture", logistic_mixture, jnp.asarray(y), marginal=True,
+                                  num_warmup=400, num_samples=1500, seed=2), "mu", flip=("a",))
     for name in ref:
         a, b = np.asarray(fed[name]).reshape(4000, -1), np.asarray(ref[name]).reshape(1500, -1)
         assert np.max(np.abs((a.mean(0) - b.mean(0)) / b.std(0))) < 0.5, name

@@ -12,6 +12,7 @@ from jax import random
 
 import numpyro_fed as nf
 
+from .references import nuts_reference
 from .test_privacy import contains
 from .test_pvi import D, linear_model, make_linear
 
@@ -209,8 +210,6 @@ def test_ep_on_hm2_matches_pooled_nuts():
     hyperparameters log tau are skewed when few devices inform them (with the old joint-mode
     Laplace: 0.31-0.39 NUTS sds; at K = 100: under 0.19), hence the wider tolerance on them
     than on mu."""
-    from numpyro.infer import MCMC, NUTS
-
     from numpyro_fed.models import hm2_regression
 
     k, n, noise = 12, 40, 0.5
@@ -230,9 +229,7 @@ def test_ep_on_hm2_matches_pooled_nuts():
             th = numpyro.sample("theta", dist.Normal(m, jnp.sqrt(tau)).to_event(1))
             numpyro.sample("y", dist.Normal(jnp.einsum("knd,kd->kn", x, th), noise).to_event(1), obs=y)
 
-    mcmc = MCMC(NUTS(pooled), num_warmup=500, num_samples=2000, progress_bar=False)
-    mcmc.run(random.PRNGKey(1), x, y)
-    s = mcmc.get_samples()
+    s = nuts_reference("hm2_pooled", pooled, x, y, num_warmup=500, num_samples=2000, seed=1)
     u = np.concatenate([np.asarray(s["mu"]), np.log(np.asarray(s["tau"]))], 1)
     z = (np.asarray(res.mean) - u.mean(0)) / u.std(0)
     ratio = np.sqrt(np.diag(np.asarray(res.cov))) / u.std(0)

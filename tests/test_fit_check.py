@@ -10,10 +10,11 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
-from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.fit_check import PARETO_K_LIMIT, fit_diagnostic
+
+from .references import nuts_reference
 
 Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
 SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
@@ -45,9 +46,7 @@ def eight_schools_pooled(y, sigma):
 @pytest.fixture(scope="module")
 def schools():
     clients = nf.Clients({f"school{j}": dict(y=Y[j:j + 1], sigma=SIGMA[j:j + 1]) for j in range(8)})
-    mcmc = MCMC(NUTS(eight_schools_pooled), num_warmup=1000, num_samples=4000, progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(1), y=Y, sigma=SIGMA)
-    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    ref = nuts_reference("eight_schools", eight_schools_pooled, y=Y, sigma=SIGMA, seed=1)
     svi = nf.FederatedSVI(eight_schools, nf.MeanFieldGuide(eight_schools), optax.adam(0.02))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -155,9 +154,7 @@ def test_ep_user_space_bias_is_checked_and_corrected():
     (each school's term by Laplace on its own client) names tau, and the corrected draws
     are within tolerance."""
     clients = nf.Clients({f"school{j}": dict(y=Y[j:j + 1], sigma=SIGMA[j:j + 1]) for j in range(8)})
-    mcmc = MCMC(NUTS(eight_schools_lognormal_pooled), num_warmup=1000, num_samples=4000, progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(1), y=Y, sigma=SIGMA)
-    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    ref = nuts_reference("eight_schools_lognormal", eight_schools_lognormal_pooled, y=Y, sigma=SIGMA, seed=1)
     ep = nf.EP(eight_schools_lognormal)
     with pytest.warns(nf.BiasedFitWarning, match=r"EP: .*tau \(q mean"):
         result = ep.run(jax.random.PRNGKey(0), 10, clients)
@@ -214,9 +211,8 @@ def glm():
     X = rng.normal(size=(300, 2)).astype(np.float32)
     mean = np.exp(0.5 + X @ np.array([0.4, -0.3]))
     y = rng.negative_binomial(3.0, 3.0 / (3.0 + mean)).astype(np.float32)
-    mcmc = MCMC(NUTS(negative_binomial_glm), num_warmup=500, num_samples=2000, progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(1), X, y)
-    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    ref = nuts_reference("negative_binomial_glm", negative_binomial_glm, X, y, num_warmup=500, num_samples=2000,
+                         seed=1)
     return nf.Clients.split(rng.integers(0, 4, 300), X=X, y=y), ref
 
 
@@ -361,9 +357,7 @@ def test_ep_check_with_non_gaussian_local_latents_samples_them_and_sees_the_bias
     draws are within tolerance of NUTS."""
     n = np.full(18, 45.0, np.float32)
     clients = nf.Clients({f"player{j}": dict(h=HITS[j:j + 1], n=n[j:j + 1]) for j in range(18)})
-    mcmc = MCMC(NUTS(baseball_pooled), num_warmup=1000, num_samples=4000, progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(1), HITS, n)
-    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    ref = nuts_reference("baseball", baseball_pooled, HITS, n, seed=1)
     ep = nf.EP(baseball, local_blocks=blocks)
     how = "quadrature" if blocks else "importance sampling"
     with pytest.warns(nf.BiasedFitWarning, match=rf"tau \(q mean.*{how}"):

@@ -14,20 +14,21 @@ import numpy as np
 import optax
 import pytest
 from jax import random
-from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.datasets import load_six_cities, six_cities_silos
 from numpyro_fed.models import logistic_glmm
+
+from .references import nuts_reference
 
 
 @pytest.fixture(scope="module")
 def six_cities():
     data = load_six_cities()
     clients = nf.Clients.split(six_cities_silos(0), **data)
-    mcmc = MCMC(NUTS(logistic_glmm), num_warmup=1000, num_samples=2000, progress_bar=False)
-    mcmc.run(random.PRNGKey(1), **{k: jnp.asarray(v) for k, v in data.items()})
-    return clients, mcmc.get_samples()
+    ref = nuts_reference("six_cities_glmm", logistic_glmm, num_samples=2000, seed=1, sites=("beta", "omega"),
+                         **{k: jnp.asarray(v) for k, v in data.items()})
+    return clients, ref
 
 
 def z_scores(draws, ref):

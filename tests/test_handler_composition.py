@@ -11,10 +11,11 @@ import optax
 import pytest
 from jax import random
 from numpyro import handlers
-from numpyro.infer import MCMC, NUTS
 from numpyro.infer.reparam import LocScaleReparam
 
 import numpyro_fed as nf
+
+from . import references
 
 Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
 SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
@@ -116,9 +117,8 @@ def test_scale_and_mask_reach_the_client_terms():
 def nuts_reference():
     # NUTS on the non-centred form (the centred funnel biases NUTS too)
     model = handlers.reparam(unmarked, config={"theta": LocScaleReparam(0)})
-    mc = MCMC(NUTS(model, target_accept_prob=0.9), num_warmup=1000, num_samples=4000, progress_bar=False)
-    mc.run(random.PRNGKey(0), y=Y, sigma=SIGMA)
-    return {k: np.asarray(v) for k, v in mc.get_samples().items()}
+    return references.nuts_reference("eight_schools_noncentred", model, y=Y, sigma=SIGMA,
+                                     nuts_kwargs=dict(target_accept_prob=0.9))
 
 
 def test_eight_schools_non_centred_matches_nuts(nuts_reference):

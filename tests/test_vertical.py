@@ -7,10 +7,11 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 from numpyro.diagnostics import effective_sample_size
-from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
+
+from .references import nuts_reference
 
 SIGMA = 1.0
 PRIOR_SD = 2.0
@@ -86,9 +87,8 @@ def closed_form(data, noise_var):
 
 
 def nuts_theta(model, data, seed=0):
-    mcmc = MCMC(NUTS(model, dense_mass=True), num_warmup=500, num_samples=1500, progress_bar=False)
-    mcmc.run(random.PRNGKey(seed), **data)
-    s = mcmc.get_samples()
+    s = nuts_reference("vertical_theta", model, num_warmup=500, num_samples=1500, seed=seed, sites=("ba", "bb"),
+                       nuts_kwargs=dict(dense_mass=True), **data)
     return np.concatenate([np.asarray(s["ba"]), np.asarray(s["bb"])], axis=1)
 
 

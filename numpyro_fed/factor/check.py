@@ -6,8 +6,11 @@ draw, ``log p(y_j | u)``, over its own rows: exact for models whose local sites 
 discrete (summed out), and with continuous local latents the integrated Laplace
 approximation of ``log ∫ p(y_j, v | u) dv``, warm-started at the conditional mode at
 ``q``'s mean. That is exact when ``v | u`` is Gaussian (a Gaussian hierarchical model,
-centred or not), which :func:`locals_are_gaussian` checks on each client. Otherwise the
-client corrects it by importance sampling with the Laplace Gaussian as proposal
+centred or not), which :func:`locals_are_gaussian` checks on each client. Where the local
+latents form blocks of at most three coordinates (proposed from the layout, verified by
+each client on its own rows), each block is integrated by adaptive Gauss-Hermite
+quadrature (``index`` of :func:`client_log_likelihoods`), for any fitting algorithm.
+Otherwise the client corrects it by importance sampling with the Laplace Gaussian as proposal
 (:data:`LOCAL_DRAWS` draws per global draw), after checking on its own rows that this
 proposal is good enough (:func:`local_integral_k`: Pareto k of the weights at ``q``'s mean
 at most 0.7). Where it is not (the demo's logistic GLMM, 300 random intercepts of four

@@ -29,7 +29,8 @@ from ..handlers import GLOBAL, LOCAL, site_role
 from ..horizontal.inference import check_positive_int
 from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
 from .tilted import PARETO_K_LIMIT
-from .blocks import QUADRATURE_NODES
+from .blocks import QUADRATURE_NODES, blocks_hold
+from .blocks import local_blocks as propose_blocks
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
 from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample,
                          state_fingerprint)
@@ -293,9 +294,9 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         terms, plan = setup.extra.terms, setup.plan
         if not terms.num_local:
             return "exact"
-        if self._check_blocks() is not None:
-            return "quadrature"
         state = self._state_of(result)
+        if self._blocks_verified(setup, state):
+            return "quadrature"
         mean, _ = G.to_moments(state.server.q)
         d = mean.shape[0]
         gaussian = partial(locals_are_gaussian, terms.log_joint, d, terms.num_local, mean)
@@ -312,10 +313,40 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         return "sampled" if np.all(k <= PARETO_K_LIMIT) else None
 
     def _check_blocks(self):
-        """The local latents' blocks the clients verified during the fit (EP's block
-        Laplace), for block quadrature in the check; ``None`` where the fit used none."""
+        """The local latents' blocks for block quadrature in the check: the fit's own (EP's
+        block Laplace), else those the layout proposes (:func:`~numpyro_fed.factor.blocks.local_blocks`,
+        for every algorithm and tilted method); ``None`` where there are none, a block has
+        more than three coordinates, or EP was given ``local_blocks=False``."""
         blocks = getattr(self, "_blocks", None)
+        if not getattr(self, "local_blocks", True):  # the user's word that the locals are coupled
+            return None
+        if blocks is None:
+            blocks = propose_blocks(self._fitted().extra.terms.local)
         return blocks if blocks is not None and blocks.shape[1] in QUADRATURE_NODES else None
+
+    def _blocks_verified(self, setup: Setup, state: RunState) -> bool:
+        """Whether every client finds the proposed blocks true of its own rows (one exact
+        Hessian-vector product at ``q``'s mean and a random point of the local latents, from
+        the client's own key; :func:`~numpyro_fed.factor.blocks.blocks_hold`). Cached per set-up."""
+        blocks = self._check_blocks()
+        if blocks is None:
+            return False
+        if ("blocks_hold",) not in setup.cache:
+            terms, plan = setup.extra.terms, setup.plan
+            mean, _ = G.to_moments(state.server.q)
+            index = jnp.asarray(blocks)
+
+            def hold(data, key):
+                point, probe = random.normal(key, (2, terms.num_local), mean.dtype)
+                return blocks_hold(lambda v: terms.log_joint(jnp.concatenate([mean, v]), data), point, index, probe)
+
+            keys = self._client_check_keys(setup, state)
+            if plan.mapping == "vmap":
+                ok = bool(jnp.all(jax.jit(jax.vmap(hold))(plan.data, keys)))
+            else:
+                ok = all(bool(jax.jit(hold)(data, key)) for data, key in zip(plan.data, keys))
+            setup.cache[("blocks_hold",)] = ok
+        return setup.cache[("blocks_hold",)]
 
     def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
@@ -338,7 +369,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
     def _local_note(self, setup: Setup) -> str:
         if not setup.extra.terms.num_local:
             return ""
-        if self._check_blocks() is not None:
+        if setup.cache.get(("blocks_hold",), False):
             return (" (local latents integrated out on each client, block by block, by Laplace with adaptive "
                     "Gauss-Hermite quadrature)")
         return (" (local latents integrated out on each client, by Laplace with importance sampling where they are "
