@@ -134,3 +134,16 @@ def test_beta_and_dirichlet_priors_match_the_analytic_posterior(cls):
         v = np.asarray(draws[site]).reshape(4000, -1)
         z, ratio = (v.mean(0) - mean) / sd, v.std(0) / sd
         assert np.all(np.abs(z) < 0.3) and np.all(np.abs(ratio - 1) < 0.2), (site, z, ratio)
+
+
+def test_a_non_gaussian_prior_runs_in_float64():
+    """Under ``jax.enable_x64`` with float64 data, EP's default (Laplace) run with a prior site
+    keeps one dtype: the prior's Gaussian part was built in float32 and the round loop refused
+    the float64 state it came back as ("the input carry ... has type float32 ... float64")."""
+    model = _regression(dist.Gamma(2.0, 2.0))
+    with jax.enable_x64(True):
+        clients = nf.Clients.split(np.arange(N) % 3, x=X.astype(np.float64), y=Y.astype(np.float64))
+        inference = nf.EP(model, check_fit=False)
+        result = inference.run(jax.random.PRNGKey(1), 3, clients, progress_bar=False)
+        assert result.mean.dtype == np.float64 and np.all(np.isfinite(np.asarray(result.mean)))
+        assert np.all(np.asarray(result.info.damping) > 0)  # every round applied its update

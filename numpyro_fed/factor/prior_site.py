@@ -88,7 +88,8 @@ def split_prior(log_prior: Callable, d: int, layout, cls: str) -> PriorSplit:
         names = _site_names(layout, mask)
         raise ValueError(_NO_MODE.format(cls=cls, sites=names, steps=_MODE_STEPS,
                                          them="it" if "," not in names else "them"))
-    base = NaturalGaussian(jnp.asarray(precision @ u, jnp.float32), jnp.asarray(precision, jnp.float32))
+    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)  # float32 unless the user enabled x64
+    base = NaturalGaussian(jnp.asarray(precision @ u, dtype), jnp.asarray(precision, dtype))
 
     def residual(x):
         return log_prior(x) - (base.shift @ x - 0.5 * x @ base.precision @ x)
