@@ -8,6 +8,7 @@ family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horiz
 :mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL).
 """
 
+from . import _xla  # first: it sets XLA's CPU flags before anything below computes (see its docstring)
 from . import algorithms, checkpoint, dp, models, warnings
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
