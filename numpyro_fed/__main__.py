@@ -25,8 +25,11 @@ def main(argv=None) -> int:
     demo.add_argument("--avg-rounds", type=int, default=100, help="SFVI-Avg rounds (default 100)")
     demo.add_argument("--local-steps", type=int, default=20, help="SFVI-Avg local steps per round")
     demo.add_argument("--ep-rounds", type=int, default=6, help="EP rounds (sequential, default 6)")
+    demo.add_argument("--ep-tilted", choices=("laplace", "nuts"), default="laplace",
+                      help="EP's tilted method (default laplace, EP's own default: block Laplace, "
+                      "importance-corrected)")
     demo.add_argument("--ep-draws", type=int, default=300,
-                      help="NUTS warm-up steps and draws of each EP tilted fit (default 300)")
+                      help="with --ep-tilted nuts: NUTS warm-up steps and draws of each EP tilted fit (default 300)")
     demo.add_argument("--pvi-rounds", type=int, default=4, help="PVI rounds (sequential, default 4)")
     demo.add_argument("--pvi-steps", type=int, default=1000, help="PVI local optimiser steps (default 1000)")
     demo.add_argument("--nuts-warmup", type=int, default=500)
@@ -80,7 +83,8 @@ def main(argv=None) -> int:
 
         out = run_demo(
             rounds=args.rounds, avg_rounds=args.avg_rounds, local_steps=args.local_steps,
-            ep_rounds=args.ep_rounds, ep_draws=args.ep_draws, pvi_rounds=args.pvi_rounds, pvi_steps=args.pvi_steps,
+            ep_rounds=args.ep_rounds, ep_tilted=args.ep_tilted, ep_draws=args.ep_draws, pvi_rounds=args.pvi_rounds,
+            pvi_steps=args.pvi_steps,
             nuts_warmup=args.nuts_warmup, nuts_samples=args.nuts_samples, seed=args.seed, plot=args.plot,
             methods=("sfvi", "sfvi_avg", "ep", "pvi") if args.all_methods else ("ep",),
         )

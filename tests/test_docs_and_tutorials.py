@@ -72,5 +72,8 @@ def test_the_default_demo_runs_ep_and_names_what_it_leaves_out_with_the_reason(c
     printed = capsys.readouterr().out
     assert set(out["max_abs_z"]) == {"ep"} and out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
     assert "Left out by default: SFVI, SFVI-Avg, PVI" in printed and "AutoMultivariateNormal" in printed
+    # issue 27: the demo's EP runs at its defaults (block Laplace, importance-corrected), so q is checked
+    assert not out["checks"]["ep"].startswith("not run"), out["checks"]
+    assert "block Laplace, importance-corrected" in printed
     with pytest.raises(ValueError, match="methods=\\['nuts'\\]"):
         run_demo(methods=("nuts",), plot="")

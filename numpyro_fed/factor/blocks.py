@@ -139,9 +139,12 @@ def quadrature_correction(f: Callable, v: Array, index: Array) -> Array:
     t, w = jnp.asarray((t + 1) / 2, v.dtype), jnp.asarray(w / 2, v.dtype)
     grad = jax.grad(f)
     chol = jnp.linalg.cholesky(-block_hessian(f, v, index))  # (K, b, b)
+    # L_k^-1 once (K small triangular solves), not one batch of solves per node
+    eye = jnp.eye(b, dtype=v.dtype)
+    inv = jax.vmap(lambda c: jax.scipy.linalg.solve_triangular(c, eye, lower=True))(chol)
 
     def block_values(z):  # f_k(v_k + δ_k) - f_k(v_k) for every k, δ_k = L_k^-T z
-        step = jax.vmap(lambda c: jax.scipy.linalg.solve_triangular(c.T, z, lower=False))(chol)  # (K, b)
+        step = jnp.einsum("kji,j->ki", inv, z)  # (K, b)
         delta = scatter_blocks(step, index, v.shape[0])
         slopes = jax.vmap(lambda s: grad(v + s * delta))(t)  # (PATH_NODES, n)
         return jnp.sum((w @ slopes)[index] * step, axis=1)

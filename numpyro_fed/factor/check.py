@@ -33,15 +33,16 @@ from jax import random
 from . import gaussian as G
 from .gaussian import NaturalGaussian
 from .blocks import quadrature_correction
-from .tilted import inner_mode, integrated_laplace, pareto_k
+from .tilted import conditional_slope, inner_mode, integrated_laplace, pareto_k
 
 __all__ = ["client_log_likelihoods", "local_integral_k", "locals_are_gaussian", "log_weight_estimator"]
 
 INNER_STEPS = 30  # Newton steps to the conditional mode at q's mean (the warm start)
-WARM_STEPS = 4  # Newton steps from the warm start at each draw (one is exact for a Gaussian v | u)
+WARM_STEPS = 4  # Newton steps per draw from the first-order prediction of its mode (one: exact for Gaussian v | u)
 GAUSSIAN_TOL = 1e-4  # relative change of the local Hessian between two points of a Gaussian v | u
 LOCAL_DRAWS = 64  # importance draws of the local latents per global draw (non-Gaussian v | u)
 PROPOSAL_DRAWS = 1000  # draws of the client's check of its Laplace proposal at q's mean
+IS_BATCH = 25  # global draws whose local importance draws are evaluated at once
 
 
 def _laplace_proposal(log_joint, num_global, num_local, u, data, v0, steps):
@@ -89,25 +90,34 @@ def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int,
     :mod:`~numpyro_fed.factor.blocks`) block Laplace with adaptive Gauss-Hermite quadrature
     per block (:func:`~numpyro_fed.factor.blocks.quadrature_correction`): deterministic, and
     linear in the number of local latents."""
-    marginal = integrated_laplace(partial(log_joint, data=data), num_global, num_local, index)
-    v0 = jnp.zeros(num_local, u.dtype)
-    if num_local:
-        v0 = marginal(mean, v0, INNER_STEPS)[1][1]
-    if index is not None and num_local:
+    own = partial(log_joint, data=data)
+    marginal = integrated_laplace(own, num_global, num_local, index)
+    if not num_local:
+        return jax.vmap(lambda x: marginal(x, jnp.zeros(0, u.dtype), WARM_STEPS)[0])(u)
+    v0 = marginal(mean, jnp.zeros(num_local, u.dtype), INNER_STEPS)[1][1]
+    slope = conditional_slope(own, mean, v0, index)
+
+    def start(x):  # the conditional mode's first-order prediction at x
+        return v0 + slope @ (x - mean)
+
+    if index is not None:
         def quadrature(x):
-            value, (_, v) = marginal(x, v0, WARM_STEPS)
+            value, (_, v) = marginal(x, start(x), WARM_STEPS)
             return value + quadrature_correction(lambda z: log_joint(jnp.concatenate([x, z]), data), v, index)
 
         return jax.lax.map(quadrature, u, batch_size=min(u.shape[0], 100))
-    if rng_key is None or not num_local:
-        return jax.vmap(lambda x: marginal(x, v0, WARM_STEPS)[0])(u)
+    if rng_key is None:
+        return jax.vmap(lambda x: marginal(x, start(x), WARM_STEPS)[0])(u)
 
-    def one(x, key):
-        v, chol = _laplace_proposal(log_joint, num_global, num_local, x, data, v0, WARM_STEPS)
+    def one(args):
+        x, key = args
+        v, chol = _laplace_proposal(log_joint, num_global, num_local, x, data, start(x), WARM_STEPS)
         eps = random.normal(key, (LOCAL_DRAWS, num_local), x.dtype)
         return _importance_log_lik(log_joint, x, data, v, chol, eps)[0]
 
-    return jax.vmap(one)(u, random.split(rng_key, u.shape[0]))
+    # in batches: every global draw's LOCAL_DRAWS evaluations at once (times the clients under
+    # vmap) was an array of gigabytes, whose copies took most of the check's time
+    return jax.lax.map(one, (u, random.split(rng_key, u.shape[0])), batch_size=min(u.shape[0], IS_BATCH))
 
 
 def log_weight_estimator(log_prior: Callable, log_joint: Callable, num_local: int, mapping: str,

@@ -18,7 +18,7 @@ from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .ep_algorithm import ep, tilted_moments
 from .inference import _K_ADVICE, FactorInference, latent_supports
-from .tilted import TILTED_METHODS, cavity_log_density, nuts_draws
+from .tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
 __all__ = ["DEFAULT_MAX_KL", "EP"]
@@ -187,6 +187,12 @@ class EP(FactorInference):
                     "funnel of a centred hierarchical model)", "share of divergent draws",
                     "Reparameterise (numpyro.infer.reparam.LocScaleReparam on the local site), or use "
                     "tilted='laplace', which integrates Gaussian local latents out exactly.")
+        elif self.tilted == "laplace":
+            stat = ("the importance step's draws did not reach their inner modes (the local latents' conditional "
+                    f"mode given the global sites, {DRAW_STEPS} Newton steps from its first-order prediction)",
+                    f"total variation those draws could move the importance weights by, over its limit {DRAW_TV}",
+                    "The local latents' conditional is far from Gaussian or ill-conditioned there: use tilted='nuts' "
+                    "(or tilted='vi') for this model.")
         else:
             stat = ("the local Gaussian VI fit had not converged (its objective was still falling)",
                     "drift over the last quarter, in standard errors",
