@@ -138,14 +138,17 @@ def main():
     parser.add_argument("--sweeps", type=int, default=3)
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
-    rows = []
+    path = pathlib.Path(args.out)
+    # rows of cases not run now are kept, each with the command and date that measured it
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
     for name in args.only:
-        rows.append(run_case(name, args.sweeps))
-        out = dict(command=" ".join(sys.argv), machine=f"{platform.processor() or platform.machine()}, "
-                   f"{os.cpu_count()} cores", jax=jax.__version__, nuts=dict(warmup=NUTS_WARMUP, samples=NUTS_SAMPLES),
-                   sweeps=args.sweeps, rows=rows)
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
+        row = run_case(name, args.sweeps)
+        row.update(command=" ".join(sys.argv), measured=time.strftime("%Y-%m-%d"))
+        rows = [r for r in rows if r["case"] != row["case"]] + [row]
+        out = dict(machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", jax=jax.__version__,
+                   nuts=dict(warmup=NUTS_WARMUP, samples=NUTS_SAMPLES), sweeps=args.sweeps, rows=rows)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
