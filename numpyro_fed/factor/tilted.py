@@ -308,7 +308,8 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         return laplace + quadrature_correction(lambda x: tilted(jnp.concatenate([u, x])), v_star, index), dec
 
     def derivatives(u, v):
-        """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``.
+        """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``,
+        and the inner mode's slope ``dv*/du`` there (:func:`conditional_slope`).
 
         Its two terms are differentiated apart. ``f(u, v*(u))``: the gradient is ``f_u`` and
         the Hessian the Schur complement ``H_uu - H_uv H_vv^-1 H_vu`` (implicit function
@@ -320,7 +321,7 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         ``u`` for Gaussian ``v | u``, so there the Hessian is exact to rounding."""
         if num_local == 0:  # no inner problem: the exact Hessian is cheap
             g, h = jax.grad(value)(u, v), jax.hessian(value)(u, v)
-            return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v
+            return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v, jnp.zeros((0, d), u.dtype)
         h = 1e-3 * (1.0 + jnp.abs(u))
         points = jnp.concatenate([u[None], u + jnp.diag(h), u - jnp.diag(h)])
         vol = jax.grad(lambda x: log_marginal(x, v, inner_steps, 1, volume_only=True), has_aux=True)
@@ -331,7 +332,8 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         # near it (it is the gradient after one more Newton step in v)
         grad = g_u - h_vu.T @ solve[:, d] + grads[0]
         hess = (h_uu + h_uu.T) / 2 - h_vu.T @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
-        return grad, (hess + hess.T) / 2, decs[0], vs[0]
+        # -solve[:, :d] is dv*/du at (u, v*), conditional_slope's value: the draws' warm start
+        return grad, (hess + hess.T) / 2, decs[0], vs[0], -solve[:, :d]
 
     def joint_terms(u, v_star):
         """``f_u``, ``H_uu``, ``H_vu`` and ``H_vv^-1 [H_vu, f_v]`` at ``(u, v*)`` (dense, or by
@@ -353,21 +355,21 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         return (newton < tol) & (dec < tol)
 
     def cond(carry):  # to 1/100 of the tolerance (quadratic convergence), or until stuck
-        i, _, _, g, h, dec, moved = carry
+        i, _, _, g, h, dec, _, moved = carry
         return (i == 0) | ((i <= steps) & moved & ~converged(g, h, dec, grad_tol / 100))
 
     def body(carry):  # Newton ascent with backtracking, then measure at the new point
-        i, u, v, g, h, dec, _ = carry
+        i, u, v, g, h, dec, _, _ = carry
         new = _backtrack(lambda x: -value(x, v), u, -_newton_direction(-h, g))
         moved = (i == 0) | jnp.any(new != u)
         u = jnp.where(i == 0, u, new)
-        g, h, dec, v = derivatives(u, v)
-        return i + 1, u, v, g, h, dec, moved
+        g, h, dec, v, slope = derivatives(u, v)
+        return i + 1, u, v, g, h, dec, slope, moved
 
     zero = jnp.zeros((), w0.dtype)
     start = (jnp.zeros((), jnp.int32), w0[:d], w0[d:], jnp.zeros(d, w0.dtype), -jnp.eye(d, dtype=w0.dtype), zero,
-             jnp.asarray(True))
-    _, mode, v_mode, g, h, dec, _ = jax.lax.while_loop(cond, body, start)
+             jnp.zeros((num_local, d), w0.dtype), jnp.asarray(True))
+    _, mode, v_mode, g, h, dec, slope, _ = jax.lax.while_loop(cond, body, start)
     cov = jnp.linalg.inv(-h)
     cov = (cov + cov.T) / 2
     # a mode not reached is no Laplace approximation: NaN, which the protocol sends as an
@@ -378,8 +380,8 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     eps = _matched_normal(rng_key, num_draws, d, w0.dtype)
     draws = mode + eps @ chol.T
     # each draw's inner mode starts from its first-order prediction v*(mode) + dv*/du (u - mode),
-    # dv*/du = -H_vv^-1 H_vu (implicit function theorem), so a few Newton steps reach it
-    slope = conditional_slope(tilted, mode, v_mode, index) if num_local else jnp.zeros((0, d), w0.dtype)
+    # dv*/du = -H_vv^-1 H_vu (implicit function theorem, from the last Newton iterate's
+    # derivatives), so a few Newton steps reach it
 
     def start(u):
         return v_mode + slope @ (u - mode)
