@@ -11,6 +11,7 @@ local latent sites) and hands the algorithm to the backend.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
@@ -300,32 +301,28 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         gaussian, k_of = self._local_integral_checks(setup)
         keys = self._client_check_keys(setup, state)
         if plan.mapping == "vmap":
-            if bool(jnp.all(gaussian(plan.data, mean, random.PRNGKey(5)))):
+            if bool(jnp.all(gaussian(mean, plan.data, random.PRNGKey(5)))):
                 return "exact"
-            k = np.asarray(k_of(plan.data, mean, keys))
+            k = np.asarray(k_of(mean, plan.data, keys))
         else:
-            if all(bool(gaussian(data, mean, random.PRNGKey(5))) for data in plan.data):
+            if all(bool(gaussian(mean, data, random.PRNGKey(5))) for data in plan.data):
                 return "exact"
-            k = np.array([float(k_of(data, mean, key)) for data, key in zip(plan.data, keys)])
+            k = np.array([float(k_of(mean, data, key)) for data, key in zip(plan.data, keys)])
         return "sampled" if np.all(k <= PARETO_K_LIMIT) else None
 
     @staticmethod
     def _local_integral_checks(setup: Setup):
-        """The clients' checks of :meth:`_local_integral`, ``(data, mean, key)``, compiled once
+        """The clients' checks of :meth:`_local_integral`, ``(mean, data, key)``, compiled once
         per set-up (``q``'s mean is an argument, not a constant, so a new ``q`` reuses them)."""
         if ("local_integral",) not in setup.cache:
             terms, vmapped = setup.extra.terms, setup.plan.mapping == "vmap"
             d, n = terms.prior.shift.shape[0], terms.num_local
 
-            def gaussian(data, mean, key):
-                return locals_are_gaussian(terms.log_joint, d, n, mean, data, key)
-
-            def k_of(data, mean, key):
-                return local_integral_k(terms.log_joint, d, n, mean, data, key)
-
+            gaussian = partial(locals_are_gaussian, terms.log_joint, d, n)  # (mean, data, key)
+            k_of = partial(local_integral_k, terms.log_joint, d, n)
             setup.cache[("local_integral",)] = (
-                jax.jit(jax.vmap(gaussian, in_axes=(0, None, None)) if vmapped else gaussian),
-                jax.jit(jax.vmap(k_of, in_axes=(0, None, 0)) if vmapped else k_of))
+                jax.jit(jax.vmap(gaussian, in_axes=(None, 0, None)) if vmapped else gaussian),
+                jax.jit(jax.vmap(k_of, in_axes=(None, 0, 0)) if vmapped else k_of))
         return setup.cache[("local_integral",)]
 
     def _check_blocks(self):
