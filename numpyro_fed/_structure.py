@@ -33,6 +33,7 @@ from numpyro.primitives import Messenger
 
 from .groups import check_group_sites, group_axes, group_mask
 from .handlers import FEDERATION_KEY, GLOBAL, LOCAL, site_role
+from ._trace import or_finite_point, trace_model, unconstrained_shape
 
 __all__ = [
     "ModelStructure",
@@ -187,33 +188,6 @@ def make_layout(entries) -> SiteLayout:
 
     return SiteLayout(names, shapes, axes, size, unravel_ordered, groups if any(groups) else (),
                       plates if any(plates) else ())
-
-
-def _finite_point(msg):
-    """A continuous latent site's value drawn uniformly in (-1, 1) in unconstrained space, as
-    NumPyro's ``init_to_uniform`` does (``None`` for other sites: they keep their draw)."""
-    if (msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None
-            or msg["fn"].support.is_discrete or msg["kwargs"].get("rng_key") is None):
-        return None  # (a value set by an inner handler, e.g. improper_values, is kept)
-    transform, shape = _unconstrained_shape(msg)
-    return transform(jax.random.uniform(msg["kwargs"]["rng_key"], shape, minval=-1.0, maxval=1.0))
-
-
-def _unconstrained_shape(msg):
-    """``(biject_to(support), the unconstrained shape)`` of a sample site's value."""
-    fn = msg["fn"]
-    shape = tuple(msg["kwargs"].get("sample_shape", ())) + tuple(fn.batch_shape) + tuple(fn.event_shape)
-    transform = biject_to(fn.support)
-    return transform, transform.inverse_shape(shape)
-
-
-def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
-    """Trace ``model(**args, **kwargs)`` for its structure: continuous latent sites at a
-    point drawn uniformly in (-1, 1) of unconstrained space, not from their prior (a draw
-    from a heavy prior such as ``InverseGamma(0.001, 0.001)`` can be infinite and make the
-    likelihood invalid); discrete sites drawn from their prior with a fixed seed."""
-    return trace(substitute(seed(model, rng_seed), substitute_fn=_finite_point)).get_trace(
-        **dict(args), **dict(kwargs))
 
 
 def _unconstrained(site) -> jax.Array:
@@ -414,7 +388,7 @@ class improper_values(Messenger):
             return
         base = _base_distribution(msg["fn"])
         if isinstance(base, dist.ImproperUniform):
-            transform, shape = _unconstrained_shape(msg)
+            transform, shape = unconstrained_shape(msg)
             msg["value"] = transform(jnp.zeros(shape))
 
 
@@ -456,8 +430,8 @@ def log_joint(
     """Sum of the log densities (and Jacobians) of the sites selected by ``count``.
 
     Args:
-        latent: unconstrained values of latent sites (others are drawn from the prior
-            with a fixed seed and must not be counted).
+        latent: unconstrained values of latent sites (the others, which must not be
+            counted, are set to a finite point, never drawn from their prior).
         params: constrained values of ``numpyro.param`` sites.
         count: weight of a trace site's term (``False``/0: not counted); latent sites
             counted get their log-abs-det-Jacobian added.
@@ -479,7 +453,8 @@ def log_joint(
         return None
 
     masker = _RowMask(seed(model, 0), row_plate, row_mask)
-    tr = trace(substitute(masker, substitute_fn=substitute_fn)).get_trace(**dict(args), **dict(kwargs))
+    tr = trace(substitute(masker, substitute_fn=or_finite_point(substitute_fn))).get_trace(
+        **dict(args), **dict(kwargs))
     enumerated = [n for n, site in tr.items() if _is_enumerated(site)]
     if enumerated and _uncounted(count(tr[enumerated[0]])):
         # the enumerated values are then not summed over: nothing counted may depend on them
@@ -568,7 +543,7 @@ def _enumerated_log_joint(model, args, kwargs, substitute_fn, count, row_plate, 
     nesting = max([-f.dim for site in tr.values() if site["type"] == "sample" for f in site["cond_indep_stack"]
                    if f.dim is not None] + [0])
     masked = _RowMask(seed(model, 0), row_plate, row_mask)
-    inner = _Reweigh(substitute(masked, substitute_fn=substitute_fn), relative)
+    inner = _Reweigh(substitute(masked, substitute_fn=or_finite_point(substitute_fn)), relative)
     value, _ = enum_log_density(enum(inner, first_available_dim=-nesting - 1), tuple(), {**dict(args), **dict(kwargs)},
                                 {})
     # the Jacobians of the substituted continuous sites
@@ -634,7 +609,8 @@ def global_deterministic_sites(model, kwargs: Mapping, clients, global_names, gl
             return discrete(msg)
         return sub
 
-    runs = [deterministic_values(trace(substitute(seed(model, s), substitute_fn=moved(0.1 * s, s - 1))).get_trace(
+    runs = [deterministic_values(trace(substitute(
+        seed(model, s), substitute_fn=or_finite_point(moved(0.1 * s, s - 1)))).get_trace(
         **dict(clients[c]), **dict(kwargs))) for c, s in ((names[0], 1), (names[-1], 2))]
     observed_plates = {f.name for site in base.values() if site["type"] == "sample" and site["is_observed"]
                        for f in site["cond_indep_stack"]}
@@ -654,7 +630,8 @@ def deterministic_of_globals(model, kwargs: Mapping, args: Mapping, names) -> Ca
 
     def values(globals_, params=None):
         data = {**dict(globals_), **dict(params or {})}
-        tr = trace(substitute(seed(model, 0), data=data)).get_trace(**dict(args), **dict(kwargs))
+        tr = trace(substitute(substitute(seed(model, 0), data=data), substitute_fn=or_finite_point(None))).get_trace(
+            **dict(args), **dict(kwargs))
         return {n: tr[n]["value"] for n in names}
 
     return values

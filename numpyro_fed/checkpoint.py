@@ -11,6 +11,13 @@ Format: one NumPy ``.npz`` archive (no pickled objects) with
 - ``clients/<name>/<path>``: every leaf of each client's state, its own PRNG key included
   (``rng_key``), per client name, whatever the client mapping.
 
+A typed PRNG key (``jax.random.key``) is stored as its key data, and ``meta`` names it
+(``"typed_keys": {leaf: implementation}``); loading wraps it back. The file is written to a
+temporary name beside ``path`` and renamed, so a crash never leaves half a checkpoint, and a
+run checks the destination (and writes its starting state there) before its first round.
+A file that is damaged, truncated or not a checkpoint raises :class:`CheckpointError` naming
+it and what is wrong.
+
 Loading fills the leaves into a template state built for the same model, algorithm and
 clients (an inference object's ``load`` does this), so array shapes and dtypes are checked
 against the set-up and nothing is unpickled. A checkpoint holds every client's private
@@ -22,7 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Sequence
+import zipfile
+from typing import Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -30,80 +38,171 @@ import numpy as np
 
 from .protocol import RunState
 
-__all__ = ["load", "save"]
+__all__ = ["CheckpointError", "check_destination", "conform", "load", "save"]
 
 FORMAT = "numpyro_fed.run_state"
 VERSION = 1
+_HEAD = ("round", "server_key", "env_key")  # the run state's own leaves, stored under these names
 _CLIENTS = (
-    "the checkpoint at {path} was saved with clients {saved}; this run has {now} "
-    "(missing from this run: {missing}; not in the checkpoint: {added}). Resume with the same clients"
+    "{source} was saved with clients {saved}; this run has {now} "
+    "(missing from this run: {missing}; not in {short}: {added}). Resume with the same clients"
+)
+_COUNT = (
+    "{source} holds the states of {count} client(s); this run has {want} ({now}). Resume with the same clients"
 )
 _LEAF = (
-    "the checkpoint at {path} does not fit this set-up: {name} is {got} there but {want} here "
+    "{source} does not fit this set-up: {name} is {got} there but {want} here "
     "(a different model, guide, algorithm setting or client data shape)"
 )
 
 
-def _leaves(prefix: str, tree) -> Dict[str, np.ndarray]:
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read: damaged, truncated, or not a checkpoint."""
+
+
+def _is_typed_key(leaf) -> bool:
+    return jnp.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key)
+
+
+def _one(name: str, leaf, typed: Dict[str, str], to_numpy: bool):
+    if _is_typed_key(leaf):
+        typed[name] = str(jax.random.key_impl(leaf))
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(leaf) if to_numpy else leaf
+
+
+def _leaves(prefix: str, tree, typed: Dict[str, str], to_numpy: bool = True) -> Dict[str, np.ndarray]:
+    """Every leaf of ``tree`` by its path; typed keys as their key data, named in ``typed``."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {prefix + jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
+    return {prefix + jax.tree_util.keystr(p): _one(prefix + jax.tree_util.keystr(p), leaf, typed, to_numpy)
+            for p, leaf in flat}
+
+
+def _num_clients(clients) -> int:
+    if type(clients) is tuple:  # loop mapping
+        return len(clients)
+    leaves = jax.tree_util.tree_leaves(clients)
+    return int(leaves[0].shape[0]) if leaves else 0
 
 
 def _per_client(clients, names: Sequence[str]):
     if type(clients) is tuple:  # loop mapping
         return dict(zip(names, clients))
-    return {n: jax.tree_util.tree_map(lambda x, j=j: x[j], clients) for j, n in enumerate(names)}
+    return {n: jax.tree_util.tree_map(lambda x, j=j: _item(x, j), clients) for j, n in enumerate(names)}
+
+
+def _item(x, j: int):
+    """Client ``j``'s entry of a stacked leaf (of its shape, for a template's shape struct)."""
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[j]
+
+
+def _arrays(state: RunState, names: Sequence[str], to_numpy: bool = True) -> Tuple[Dict, Dict[str, str]]:
+    typed: Dict[str, str] = {}
+    arrays = {k: _one(k, getattr(state, k), typed, to_numpy) for k in _HEAD}
+    arrays.update(_leaves("server/", state.server, typed, to_numpy))
+    arrays.update(_leaves("broadcast/", state.broadcast, typed, to_numpy))
+    for name, slot in _per_client(state.clients, names).items():
+        arrays.update(_leaves(f"clients/{name}/", slot, typed, to_numpy))
+    return arrays, typed
+
+
+def check_destination(path: str) -> None:
+    """Refuse, before any round runs, a checkpoint path that cannot be written."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"checkpoint={path!r} is a folder; give the path of a file (e.g. {path}/run.npz)")
+    if not os.path.isdir(folder):
+        raise ValueError(f"checkpoint={path!r}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"checkpoint={path!r}: the folder {folder} is not writable")
 
 
 def save(path: str, state: RunState, names: Sequence[str], family: str = "") -> None:
-    """Write ``state`` (clients named ``names``) to ``path`` (a ``.npz`` file)."""
-    arrays = {"round": np.asarray(state.round), "server_key": np.asarray(state.server_key),
-              "env_key": np.asarray(state.env_key)}
-    arrays.update(_leaves("server/", state.server))
-    arrays.update(_leaves("broadcast/", state.broadcast))
-    for name, slot in _per_client(state.clients, names).items():
-        arrays.update(_leaves(f"clients/{name}/", slot))
+    """Write ``state`` (clients named ``names``) to ``path`` (a ``.npz`` file), atomically."""
+    arrays, typed = _arrays(state, names)
     meta = {"format": FORMAT, "version": VERSION, "round": int(state.round), "clients": list(names),
-            "family": family}
+            "family": family, "typed_keys": typed}
     arrays["meta"] = np.asarray(json.dumps(meta))
-    tmp = f"{path}.tmp.npz"
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
+    tmp = f"{os.fspath(path)}.tmp.npz"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _damaged(path, what: str) -> CheckpointError:
+    return CheckpointError(f"the checkpoint at {path} cannot be read: {what}. It is damaged or truncated (e.g. "
+                           f"copied while being written), or not a numpyro_fed checkpoint; use another copy")
+
+
+def _read(path: str, everything: bool) -> Tuple[dict, Dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of the file at ``path`` (arrays only when ``everything``)."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if "meta" not in archive.files:
+                raise _damaged(path, f"it has no 'meta' entry (entries: {sorted(archive.files)[:5]})")
+            meta = json.loads(str(archive["meta"]))
+            stored = {k: archive[k] for k in archive.files} if everything else {}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint at {path}") from None
+    except CheckpointError:
+        raise
+    except zipfile.BadZipFile as err:
+        raise _damaged(path, f"not a complete .npz (zip) archive ({err})") from err
+    except ValueError as err:  # numpy: a file that is not an .npz (its pickle advice) or a bad entry
+        raise _damaged(path, "not an .npz archive of arrays" if "pickle" in str(err) else str(err)) from err
+    except (OSError, EOFError, KeyError) as err:
+        raise _damaged(path, f"{type(err).__name__}: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _damaged(path, f"its 'meta' entry is not a {FORMAT} header")
+    return meta, stored
 
 
 def read_meta(path: str) -> dict:
-    with np.load(path, allow_pickle=False) as archive:
-        meta = json.loads(str(archive["meta"]))
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a numpyro_fed run-state checkpoint")
-    return meta
+    """The header of the checkpoint at ``path`` (:class:`CheckpointError` when unreadable)."""
+    return _read(path, everything=False)[0]
 
 
-def load(path: str, template: RunState, names: Sequence[str]) -> RunState:
-    """Read a state saved by :func:`save` into the structure of ``template``."""
-    meta = read_meta(path)
-    saved = list(meta["clients"])
-    if saved != list(names):
+def _check_clients(source: str, short: str, saved: Optional[Sequence[str]], count: int, names: Sequence[str]):
+    if saved is not None and list(saved) != list(names):
         missing = [n for n in saved if n not in names]
         added = [n for n in names if n not in saved]
-        raise ValueError(_CLIENTS.format(path=path, saved=saved, now=list(names), missing=missing, added=added))
-    with np.load(path, allow_pickle=False) as archive:
-        stored = {k: archive[k] for k in archive.files}
+        raise ValueError(_CLIENTS.format(source=source, short=short, saved=list(saved), now=list(names),
+                                         missing=missing, added=added))
+    if count != len(names):
+        raise ValueError(_COUNT.format(source=source, count=count, want=len(names), now=list(names)))
+
+
+def _fill(source: str, stored: Dict, typed: Dict[str, str], template: RunState, names: Sequence[str]) -> RunState:
+    """``stored`` (arrays by name, as :func:`_arrays` names them) in the structure of
+    ``template``, every leaf's shape and dtype checked."""
+
+    def leaf_value(name, leaf):
+        if name not in stored:
+            raise ValueError(_LEAF.format(source=source, name=name, got="absent", want=f"{leaf.shape} {leaf.dtype}"))
+        value = stored[name]
+        if _is_typed_key(leaf):
+            if name not in typed:
+                raise ValueError(_LEAF.format(source=source, name=name, got=f"raw key data {value.shape}",
+                                              want=f"a typed key {leaf.shape} {leaf.dtype}"))
+            value = jax.random.wrap_key_data(jnp.asarray(value), impl=typed[name])
+        elif name in typed:
+            raise ValueError(_LEAF.format(source=source, name=name, got=f"a typed key ({typed[name]})",
+                                          want=f"raw key data {leaf.shape} {leaf.dtype}: resume with the same "
+                                               f"kind of key (jax.random.key or jax.random.PRNGKey)"))
+        if value.shape != leaf.shape or value.dtype != leaf.dtype:
+            raise ValueError(_LEAF.format(source=source, name=name, got=f"{value.shape} {value.dtype}",
+                                          want=f"{leaf.shape} {leaf.dtype}"))
+        return jnp.asarray(value)
 
     def fill(prefix, tree):
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = []
-        for p, leaf in flat:
-            name = prefix + jax.tree_util.keystr(p)
-            if name not in stored:
-                raise ValueError(_LEAF.format(path=path, name=name, got="absent", want=f"{leaf.shape} {leaf.dtype}"))
-            value = stored[name]
-            if value.shape != leaf.shape or value.dtype != leaf.dtype:
-                raise ValueError(_LEAF.format(path=path, name=name, got=f"{value.shape} {value.dtype}",
-                                              want=f"{leaf.shape} {leaf.dtype}"))
-            leaves.append(jnp.asarray(value))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        return jax.tree_util.tree_unflatten(
+            treedef, [leaf_value(prefix + jax.tree_util.keystr(p), leaf) for p, leaf in flat])
 
     per_client = _per_client(template.clients, names)
     slots = [fill(f"clients/{n}/", per_client[n]) for n in names]
@@ -111,7 +210,30 @@ def load(path: str, template: RunState, names: Sequence[str]) -> RunState:
         clients = tuple(slots)
     else:
         clients = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *slots)
-    return RunState(
-        jnp.asarray(stored["round"]), fill("server/", template.server), jnp.asarray(stored["server_key"]),
-        fill("broadcast/", template.broadcast), clients, jnp.asarray(stored["env_key"]),
-    )
+    head = {k: leaf_value(k, getattr(template, k)) for k in _HEAD}
+    return RunState(head["round"], fill("server/", template.server), head["server_key"],
+                    fill("broadcast/", template.broadcast), clients, head["env_key"])
+
+
+def load(path: str, template: RunState, names: Sequence[str]) -> RunState:
+    """Read a state saved by :func:`save` into the structure of ``template``."""
+    meta, stored = _read(path, everything=True)
+    source = f"the checkpoint at {path}"
+    _check_clients(source, "the checkpoint", meta.get("clients"), len(meta.get("clients", ())), names)
+    return _fill(source, stored, dict(meta.get("typed_keys", {})), template, names)
+
+
+def conform(state: RunState, template: RunState, names: Sequence[str], saved: Optional[Sequence[str]] = None,
+            source: str = "init_state") -> RunState:
+    """``state`` checked against ``template`` (a run's own initial state or its shapes) as
+    :func:`load` checks a file: the same clients (``saved``: the names ``state`` was run
+    with, when known), every leaf's shape and dtype; laid out as ``template`` lays out
+    clients."""
+    _check_clients(source, source, saved, _num_clients(state.clients), names)
+    same = jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(template) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(template)))
+    if same:
+        return state
+    stored, typed = _arrays(state, names, to_numpy=False)
+    return _fill(source, stored, typed, template, names)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
+import numpy as np
 
 from . import checkpoint as ckpt
 from .backends.mapping import ClientPlan
@@ -116,7 +117,7 @@ class FederatedInference:
         return self._setup_cache
 
     # ------------------------------------------------------------------ results
-    def _state_of(self, result) -> RunState:
+    def _state_of(self, result, check_shapes: bool = True) -> RunState:
         """The run state of ``result`` (a :class:`RunResult` or :class:`RunState`), refused with
         an error naming both when it is another family's (or another fit's: its server state
         has another structure than this object's runs give)."""
@@ -131,7 +132,7 @@ class FederatedInference:
             state = result
         else:
             raise TypeError(f"{cls} needs a RunResult or RunState from its own run/init; got {type(result).__name__}")
-        want = self._fitted().cache.get("server_shapes")
+        want = self._fitted().cache.get("server_shapes") if check_shapes else None
         if want is not None and _shapes(state.server) != want:
             raise ValueError(f"{cls} was given a state whose server part does not match this {cls}'s fit (another "
                              f"family's, or a fit of another model or data): pass the result of this object's own "
@@ -151,7 +152,11 @@ class FederatedInference:
     def _update(self, state: RunState, inputs):
         setup = self._setup(inputs)
         state = self._state_of(state)
+        self._before_round(setup, state)
         return self._backend.step(setup.algorithm, setup.plan, state)
+
+    def _before_round(self, setup: Setup, state: RunState) -> None:
+        """Refuse a round before it runs (the private families check the privacy budget)."""
 
     def _run(
         self,
@@ -170,9 +175,10 @@ class FederatedInference:
         on_nonfinite: str = "raise",
         callbacks: Sequence[Callable] = (),
     ) -> RunResult:
+        _check_backend(backend, self)
         setup = self._setup(inputs)
         if init_state is not None:
-            init_state = self._state_of(init_state)
+            init_state = self._conform(setup, init_state)
         backend = self._backend if backend is None else backend
         result = backend.run(
             setup.algorithm, setup.plan, num_rounds, rng_key, init_state=init_state, progress_bar=progress_bar,
@@ -180,6 +186,7 @@ class FederatedInference:
             checkpoint_every=checkpoint_every, callbacks=callbacks, availability=availability,
             on_nonfinite=on_nonfinite,
         )
+        _check_someone_answered(result, type(self).__name__)
         states = result.client_states
         result = result._replace(
             params=self._params(setup, result.state),
@@ -205,5 +212,52 @@ class FederatedInference:
         meta = ckpt.read_meta(path)
         if meta.get("family") not in ("", self.method):
             raise ValueError(f"the checkpoint at {path} is of a {meta['family']} run, not {self.method}")
-        template = self._backend.init(setup.algorithm, setup.plan, jax.random.PRNGKey(0))
+        template = self._template(setup, meta.get("typed_keys", {}).get("server_key"))
         return ckpt.load(path, template, setup.plan.names)
+
+    def _template(self, setup: Setup, key_impl: Optional[str] = None):
+        """The shapes and dtypes of this set-up's run state (nothing is computed); its keys
+        typed (``jax.random.key`` with ``key_impl``) or raw."""
+        key = jax.random.PRNGKey(0) if key_impl is None else jax.random.key(0, impl=key_impl)
+        return jax.eval_shape(lambda k: self._backend.init(setup.algorithm, setup.plan, k), key)
+
+    def _conform(self, setup: Setup, init_state) -> RunState:
+        """``init_state`` (a RunResult or RunState) checked as :meth:`load` checks a file:
+        this family's, the same clients, every leaf's shape and dtype."""
+        saved = list(init_state.client_states) if isinstance(init_state, RunResult) and \
+            init_state.client_states is not None else None
+        state = self._state_of(init_state, check_shapes=False)  # conform checks every leaf
+        typed = jax.numpy.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
+        template = self._template(setup, str(jax.random.key_impl(state.server_key)) if typed else None)
+        return ckpt.conform(state, template, setup.plan.names, saved)
+
+
+_BACKEND_STRING = (
+    "{cls}.run(backend={value!r}): backend= takes a backend object (e.g. numpyro_fed.flower.FlowerBackend inside "
+    "a ServerApp), not a string. How the simulation maps its clients is set on the inference object: "
+    "{cls}(..., client_mapping={mapping!r})"
+)
+
+
+def _check_backend(backend, inference) -> None:
+    """Refuse the old spelling ``backend="vmap"`` (and anything that is not a backend)."""
+    if backend is None:
+        return
+    cls = type(inference).__name__
+    if isinstance(backend, str):
+        mapping = backend if backend in ("vmap", "loop", "auto") else "auto"
+        raise ValueError(_BACKEND_STRING.format(cls=cls, value=backend, mapping=mapping))
+    if not callable(getattr(backend, "run", None)):
+        raise TypeError(f"{cls}.run(backend=...): a {type(backend).__name__} is not a backend (it has no run method); "
+                        f"leave backend= out to simulate, or pass numpyro_fed.flower.FlowerBackend")
+
+
+def _check_someone_answered(result: RunResult, cls: str) -> None:
+    """A run in which no client ever answered has fitted nothing: raise, for every family."""
+    answered = result.rounds_answered
+    if answered is None or np.size(answered) == 0 or np.any(np.asarray(answered) > 0):
+        return
+    raise ValueError(
+        f"{cls}.run: no client answered in any of the {np.size(answered)} round(s) (every client was unavailable, "
+        f"dropped out or timed out), so the result would be the initial state, not a fit. Check availability= "
+        f"(or, in a deployment, that the nodes are up and reachable) and run again")

@@ -186,6 +186,19 @@ class ClientStates(Mapping):
     def __repr__(self) -> str:
         return f"ClientStates({list(self._names)})"
 
+    def __reduce__(self):
+        """Pickled with every client's state read (the reader function stays behind)."""
+        return ClientStates, (self._names, _Listed(tuple(self[n] for n in self._names)))
+
+
+class _Listed(NamedTuple):
+    """``j -> values[j]``: the reader of a pickled :class:`ClientStates`."""
+
+    values: tuple
+
+    def __call__(self, j: int) -> Any:
+        return self.values[j]
+
 
 class RunResult(NamedTuple):
     """What every inference object's ``run`` returns.

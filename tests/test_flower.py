@@ -245,3 +245,23 @@ def test_a_sealed_part_opens_only_with_the_aggregators_key_and_its_own_round():
     tampered[-1] ^= 1
     with pytest.raises(InvalidTag):
         open_sealed(private, bytes(tampered), associated_data(7, 1, 0, 2))
+
+
+def test_a_site_whose_set_up_fails_stops_the_run_naming_it_and_sends_no_text():
+    """Issue 28, items 11-12: node 2 is misconfigured (its ``numpyro-fed-seed`` is not a
+    number), so its set-up fails. The run stops before round 1 naming the client, its node
+    and the category; the client's own exception text (which names the bad value) stays in
+    the node's log and never reaches the server's result."""
+    from numpyro_fed.flower.launcher import FederationError
+
+    configs = [{"partition-id": i, "numpyro-fed-seed": 0} for i in range(3)]
+    configs[2]["numpyro-fed-seed"] = "not-a-seed-7781"
+    with LocalFederation(configs, app_files=APP_FILES) as fed:
+        with pytest.raises(FederationError) as failed:
+            fed.run("flower_tasks:sfvi", 2, seed=0, timeout=400)
+        result_file = sorted(Path(fed.workdir).glob("run*.pkl"))[-1].read_bytes()
+    message = str(failed.value)
+    assert "set-up failed on 1 of 3 client(s): client '2' (node " in message
+    assert "numpyro_fed client: its set-up failed (ValueError); the reason is in the node's own log" in message
+    assert "on_setup_failure='absent'" in message
+    assert b"not-a-seed-7781" not in result_file and "not-a-seed-7781" not in message

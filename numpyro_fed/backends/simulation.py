@@ -50,6 +50,7 @@ from .mapping import ClientPlan, client_item
 __all__ = ["NonFiniteError", "SimulationBackend"]
 
 GUARDS = ("raise", "warn")
+CHECKPOINTS_PER_RUN = 10  # a checkpoint= run without checkpoint_every saves this many times (and at the start)
 _NONFINITE = (
     "round {round}: non-finite values ({what}); the run stopped there and error.state holds the last "
     "finite state. Lower the learning rate or damping, check the data and priors, or pass "
@@ -183,8 +184,10 @@ class SimulationBackend:
             init_state: resume from a :class:`~numpyro_fed.protocol.RunState`.
             progress_bar: a tqdm bar with the family's figure.
             record_transcript: log every message; ``keep_values`` keeps the arrays.
-            checkpoint: a path: the run state is saved there every ``checkpoint_every``
-                rounds and at the end (see :mod:`numpyro_fed.checkpoint`).
+            checkpoint: a path: the run state is saved there (atomically) before the first
+                round, every ``checkpoint_every`` rounds (default: ten times per run) and at
+                the end (see :mod:`numpyro_fed.checkpoint`); a folder that does not exist is
+                refused before any round runs.
             callbacks: ``callback(round, state, info)`` after each round.
             availability: who answers when asked (:mod:`numpyro_fed.availability`):
                 ``None`` (everyone), a probability (or one per client) per round, or a
@@ -207,11 +210,16 @@ class SimulationBackend:
         if checkpoint_every is not None and checkpoint is None:
             raise ValueError("checkpoint_every= needs checkpoint=, the path to save the run state to")
         num_rounds = int(num_rounds)
+        if checkpoint is not None:
+            ckpt.check_destination(checkpoint)
+            checkpoint_every = checkpoint_every or max(1, -(-num_rounds // CHECKPOINTS_PER_RUN))
         compiled = self._compiled(algorithm, plan)
         if init_state is None:
             if rng_key is None:
                 raise ValueError("run needs rng_key= (or init_state= to resume)")
             init_state = compiled.init(rng_key, plan.data)
+        if checkpoint is not None:  # the starting state: the path and the state's format are proven before round 1
+            ckpt.save(checkpoint, init_state, plan.names, algorithm.name)
         start = int(init_state.round)
         check_schedule(availability, start + num_rounds)
         J = len(plan.names)

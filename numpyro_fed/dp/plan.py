@@ -20,6 +20,7 @@ import numpy as np
 from .._structure import trace_model
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DPSpec, dp_sites
+from .batch import batch_size
 from .mechanisms import DPSGD, update_perturbation
 from ..warnings import UncheckedFitWarning
 
@@ -51,6 +52,12 @@ _RESUME_CALIBRATED = (
     "a noise calibrated to dp_noise(epsilon=...) covers one run of the planned rounds; to resume, give "
     "dp_noise(noise_multiplier=...) (the calibrated sigma/C is in privacy_report(result)) and account the "
     "rounds together"
+)
+_BUDGET_SPENT = (
+    "{cls}.update: the noise was calibrated to epsilon={eps:g}, delta={delta:g} for {rounds} round(s) ({planned} "
+    "release(s) per client), and client(s) {clients} have made them all: another round would release past that "
+    "claim. Plan a longer run (run(key, num_rounds, clients) calibrates for num_rounds), or give "
+    "dp_noise(noise_multiplier=...) and account every round with privacy_report"
 )
 _WITHHELD = (
     "{cls}: under DP, clients keep their own fit diagnostics (they depend on their data); client(s) {clients} "
@@ -162,7 +169,7 @@ def plan_privacy(inference, clients) -> Privacy:
     J = len(clients)
     if dp == "sgd":  # DP federated SVI: one DP-SGD gradient per client and round
         q = inference.dp_sampling_rate
-        sizes = {n: int(min(max(round(q * rows[n]), 1), rows[n])) for n in clients.names}
+        sizes = {n: batch_size(q, rows[n]) for n in clients.names}  # the clients' own b_j, to the row
         rates = {n: sizes[n] / rows[n] for n in clients.names}
         steps = 1
         label = f"DP-SGD gradients (federated SVI, sampling rate {q:g})"
@@ -230,6 +237,18 @@ def privacy_report(privacy: Privacy, names, result) -> PrivacyReport:
     return report(entries)
 
 
+def ledgers(clients) -> np.ndarray:
+    """Every client's ``releases`` (its privacy ledger), read in one pass (per-client
+    states stacked under ``vmap``, a tuple under the loop mapping)."""
+    if type(clients) is tuple:
+        return np.asarray([int(slot.state.releases) for slot in clients])
+    return np.asarray(clients.state.releases).reshape(-1)
+
+
+def _few(names):
+    return list(names) if len(names) <= 10 else list(names[:10]) + [f"... ({len(names)} in all)"]
+
+
 def warn_withheld(cls: str, result, category: Any = None) -> None:
     """Warn with what the clients' own ledgers recorded (the simulation gathers them)."""
     if result.state.clients is None:  # a network backend: each ledger stays on its client
@@ -239,14 +258,14 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
                       f"simulation",
                       category or UncheckedFitWarning, stacklevel=4)
         return
-    bad, zeroed, failed = [], 0, 0
-    for name in result.client_states:
-        w = np.asarray(result.client_states[name].withheld)
-        if w.sum() > 0:
-            bad.append(name)
-            zeroed, failed = zeroed + int(w[0]), failed + int(w[1])
+    clients = result.state.clients  # every client's ledger in one pass (not one read per client)
+    withheld = np.stack([np.asarray(slot.state.withheld) for slot in clients]) if type(clients) is tuple else \
+        np.asarray(clients.state.withheld).reshape(-1, 2)
+    names = list(result.client_states)
+    bad = [names[j] for j in np.flatnonzero(withheld.sum(axis=1) > 0)]
+    zeroed, failed = (int(x) for x in withheld.sum(axis=0))
     if bad:
-        warnings.warn(_WITHHELD.format(cls=cls, clients=bad, zeroed=zeroed, failed=failed),
+        warnings.warn(_WITHHELD.format(cls=cls, clients=_few(bad), zeroed=zeroed, failed=failed),
                       category or UncheckedFitWarning, stacklevel=4)
 
 
@@ -272,6 +291,22 @@ class PrivateFit:
             raise ValueError(_RESUME_CALIBRATED)
         if self._dp_rounds != int(num_rounds):
             self._dp_rounds, self._setup_cache = int(num_rounds), None
+
+    def _before_round(self, setup, state) -> None:
+        """No release past the claim: after a run calibrated to ``epsilon`` for its planned
+        rounds, a client whose own ledger has reached the planned releases must not be
+        asked again (``update`` refuses; a new ``run`` plans again)."""
+        super()._before_round(setup, state)
+        if self._privacy is None or self._dp_rounds is None or self._privacy.spec.epsilon is None:
+            return
+        names = setup.plan.names
+        planned = planned_releases(getattr(self, "schedule", "synchronous"), self._dp_rounds, len(names))
+        ledger = ledgers(state.clients)
+        spent = [n for n, r in zip(names, ledger) if r >= planned]
+        if spent:
+            spec = self._privacy.spec
+            raise ValueError(_BUDGET_SPENT.format(cls=type(self).__name__, eps=spec.epsilon, delta=spec.delta,
+                                                  rounds=self._dp_rounds, planned=planned, clients=_few(spent)))
 
     def _calibrating(self, clients) -> bool:
         specs = dp_specs(self.model, clients, self.model_kwargs)

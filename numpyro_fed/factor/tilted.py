@@ -201,7 +201,6 @@ def conditional_slope(f: Callable, u: Array, v: Array, index: Optional[Array] = 
     over ``v``): how the local latents' conditional mode moves with the global sites (implicit
     function theorem), ``(n, d)``; by blocks with ``index``. ``v*(u') ~ v + slope (u' - u)``
     starts a Newton search at ``u'`` within a step or two of its mode."""
-    d = u.shape[0]
     h_vu = jax.jacfwd(jax.grad(lambda a, b: f(jnp.concatenate([a, b])), argnums=1), argnums=0)(u, v)
     if index is None:
         h_vv = jax.hessian(lambda b: f(jnp.concatenate([u, b])))(v)

@@ -54,7 +54,8 @@ def _server_main(grid, context) -> None:
                     fh.write(f"{rnd} {time.perf_counter() - started:.3f} {' '.join(answered)}\n")
 
         backend = FlowerBackend(grid, reply_timeout=float(cfg.get("reply-timeout", 60.0)),
-                                first_timeout=float(cfg.get("first-timeout", 600.0)), progress=progress)
+                                first_timeout=float(cfg.get("first-timeout", 600.0)), progress=progress,
+                                on_setup_failure=str(cfg.get("on-setup-failure", "raise")))
         num_rounds = int(cfg["num-rounds"])
         template = backend.connect(task, int(cfg["num-clients"]))
         server_data = task.load_server() if task.load_server is not None else None

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
 import warnings
 from typing import Any, Dict, NamedTuple
 
@@ -231,27 +233,67 @@ def _ledger(message, context):
     return _reply(message, arrays=to_record(ledger))
 
 
+#: what a client that failed tells the server: Flower's error code and a fixed category per
+#: stage. Its exception text (which can hold a data value or a file path) stays in the node's
+#: own log (stderr of its ClientApp process).
+FAILURE_CODE = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION (tested to agree)
+FAILED = {
+    "hello": "loading its data failed",
+    "setup": "its set-up failed",
+    "ledger": "reading its privacy ledger failed",
+    "exchange": "its step failed",
+    "aggregate": "the secure sum failed",
+    "client_value": "its fit-check term failed",
+    "unknown": "it received a message it does not know",
+}
+
+
+def failure_reason(stage: str, error: BaseException) -> str:
+    """The data-free text the server gets: the stage, and the exception's class when it is
+    one of Python's own (a user-defined class name is left out too)."""
+    kind = type(error).__name__ if type(error).__module__ == "builtins" else "an exception"
+    return (f"numpyro_fed client: {FAILED.get(stage, FAILED['unknown'])} ({kind}); the reason is in the node's own "
+            f"log, not sent")
+
+
+def _error_reply(message, reason: str):
+    from flwr.app import Message
+    from flwr.app.error import Error
+
+    return Message(error=Error(code=FAILURE_CODE, reason=reason), reply_to=message)
+
+
+def _guarded(stage: str, handler, message, context, reply=_error_reply):
+    """``handler(message, context)``; on an exception, the full text goes to the node's log
+    and the server gets :func:`failure_reason` only."""
+    try:
+        return handler(message, context)
+    except Exception as error:  # noqa: BLE001 - every failure is reported, by category
+        print(f"numpyro_fed client: {stage} failed:", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        return reply(message, failure_reason(stage, error))
+
+
+def _unknown(message, context):
+    raise ValueError(f"numpyro_fed ClientApp: unknown message kind {str(message.content['nf']['kind'])!r}")
+
+
 def make_client_app():
     """The ClientApp every node runs (``clientapp = "numpyro_fed.flower.app:client"``)."""
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
+    queries = {"hello": _hello, "setup": _setup, "ledger": _ledger}
+    trains = {"aggregate": _aggregate, "client_value": _client_value}
 
     @app.query()
     def query(message, context):
         kind = str(message.content["nf"]["kind"])
-        handler = {"hello": _hello, "setup": _setup, "ledger": _ledger}.get(kind)
-        if handler is None:
-            raise ValueError(f"numpyro_fed ClientApp: unknown query {kind!r}")
-        return handler(message, context)
+        return _guarded(kind if kind in queries else "unknown", queries.get(kind, _unknown), message, context)
 
     @app.train()
     def train(message, context):
         kind = str(message.content["nf"]["kind"])
-        if kind == "aggregate":
-            return _aggregate(message, context)
-        if kind == "client_value":
-            return _client_value(message, context)
-        return _exchange(message, context)
+        return _guarded(kind if kind in trains else "exchange", trains.get(kind, _exchange), message, context)
 
     return app

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from .._validation import check_callable, check_positive_number
 from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
 from ..transcript import Communication, Transcript, message_bytes
 from .sealed import OVERHEAD, ROLE_KEY
@@ -45,6 +46,15 @@ _UNSUPPORTED = ("FlowerBackend.run does not support {what} yet (it is supported 
                 "run without it")
 
 
+def server_side_reason(code: int, reason) -> str:
+    """What the server keeps of a client's error reply: numpyro_fed's own data-free category
+    (:func:`numpyro_fed.flower.client.failure_reason`), or only Flower's error code for any
+    other text (Flower's own replies for a crashed ClientApp carry its exception text)."""
+    text = str(reason or "")
+    known = text.startswith("numpyro_fed client: ") and text.endswith("the reason is in the node's own log, not sent")
+    return text if known and "\n" not in text else f"Flower error code {int(code)} (the reason is in the node's log)"
+
+
 class FlowerBackend:
     """Runs an algorithm's rounds over a Flower ``Grid`` (inside a ServerApp's ``main``).
 
@@ -55,6 +65,9 @@ class FlowerBackend:
         poll: seconds between two pulls of the replies.
         progress: a callable ``(round, answered names)`` after each round (e.g. to write
             a progress file).
+        on_setup_failure: ``"raise"`` (default): a client whose set-up fails stops the run,
+            naming it, its node and the reason's category; ``"absent"``: the run goes on
+            without it, which is warned and recorded as absent from every round.
 
     Set ``collect_ledgers = True`` for a differentially private run (numpyro_fed's
     ServerApp does): after the last round each client sends its privacy ledger (its
@@ -64,10 +77,21 @@ class FlowerBackend:
     """
 
     def __init__(self, grid: Any, *, reply_timeout: float = 60.0, first_timeout: float = 600.0, poll: float = 0.05,
-                 progress: Optional[Callable] = None) -> None:
+                 progress: Optional[Callable] = None, on_setup_failure: str = "raise") -> None:
+        if grid is None or not callable(getattr(grid, "push_messages", None)):
+            raise TypeError(f"FlowerBackend(grid=...): expected the ServerApp's flwr Grid, got a {type(grid).__name__}")
         self.grid = grid
-        self.reply_timeout, self.first_timeout, self.poll = float(reply_timeout), float(first_timeout), float(poll)
-        self.progress = progress
+        self.reply_timeout = check_positive_number("FlowerBackend", "reply_timeout", reply_timeout)
+        self.first_timeout = check_positive_number("FlowerBackend", "first_timeout", first_timeout)
+        self.poll = check_positive_number("FlowerBackend", "poll", poll)
+        if self.poll >= self.reply_timeout:
+            raise ValueError(f"FlowerBackend(poll={poll!r}, reply_timeout={reply_timeout!r}): poll must be shorter "
+                             f"than reply_timeout (every exchange would time out after one pull)")
+        self.progress = check_callable("FlowerBackend", "progress", progress)
+        if on_setup_failure not in ("raise", "absent"):
+            raise ValueError(f"FlowerBackend(on_setup_failure={on_setup_failure!r}): choose 'raise' (default: a site "
+                             f"whose set-up fails stops the run) or 'absent' (fit without it, reported)")
+        self.on_setup_failure = on_setup_failure
         self.template: Optional[Template] = None
         self.nodes: List[int] = []
         self.missing: List[tuple] = []  # (round, exchange, [client names]) that did not answer
@@ -96,7 +120,7 @@ class FlowerBackend:
                 if node is None:
                     continue
                 if reply.has_error():
-                    self.errors[self._name(node)] = str(reply.error.reason)
+                    self.errors[self._name(node)] = server_side_reason(reply.error.code, reply.error.reason)
                 else:
                     replies[node] = reply
             if waiting:
@@ -152,6 +176,22 @@ class FlowerBackend:
         self.timings["connect"] = time.perf_counter() - t0
         return self.template
 
+    def _check_setup(self, names: Sequence[str], alive: Sequence[bool]) -> None:
+        """A site whose set-up failed stops the run, naming it, its node and the reason;
+        with ``on_setup_failure="absent"`` it is reported absent from every round instead."""
+        failed = [n for n, ok in zip(names, alive) if not ok]
+        if not failed:
+            return
+        why = "; ".join(f"client {n!r} (node {self.nodes[names.index(n)]}): "
+                        f"{self.errors.get(n, 'no answer within first_timeout')}" for n in failed)
+        if self.on_setup_failure == "raise" or len(failed) == len(names):
+            raise RuntimeError(f"set-up failed on {len(failed)} of {len(names)} client(s): {why}. Fix that node "
+                               f"(its log has the full reason) and run again, or pass on_setup_failure='absent' "
+                               f"(run config 'on-setup-failure') to fit without it")
+        self.missing.append((0, "setup", failed))
+        warnings.warn(f"client(s) {failed} failed their set-up and are absent from every round of this run "
+                      f"(on_setup_failure='absent'): {why}", MissingClientsWarning, stacklevel=3)
+
     # ------------------------------------------------------------------ run
     def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, progress_bar: bool = False,
             record_transcript: bool = False, keep_values: bool = False, checkpoint=None, checkpoint_every=None,
@@ -193,10 +233,7 @@ class FlowerBackend:
                                                  "aggregator_key": self.aggregator_key})}) for j in range(J)]
         ready = self._send(self.nodes, setup, "query", self.first_timeout)
         alive = [n in ready for n in self.nodes]
-        if not any(alive):
-            raise RuntimeError(f"no client finished its set-up: {self.errors}")
-        if not all(alive):
-            self.missing.append((0, "setup", [names[j] for j in range(J) if not alive[j]]))
+        self._check_setup(names, alive)
         self.timings["setup"] = time.perf_counter() - t0
 
         k_server, _, k_env = random.split(rng_key, 3)  # the clients' keys are their own

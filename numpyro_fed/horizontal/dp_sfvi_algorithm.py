@@ -32,6 +32,7 @@ from jax import random
 
 from .._steps import tree_weighted_sum
 from .._typing import Array, PyTree
+from ..dp.batch import traced_batch_size
 from ..dp.mechanisms import fixed_size_subset, perturbed_sum
 from ..protocol import Exchange, FederatedAlgorithm, all_clients
 from .sfvi_algorithm import SFVIInfo, sfvi_server
@@ -71,7 +72,8 @@ def dp_sfvi(
         num_clients: J (= M, the clients whose noise adds up under a trusted aggregator).
         clip: ``C``.
         noise_multiplier: ``sigma / C`` of the released sum.
-        sampling_rate: ``q``; client j uses ``b_j = round(q n_j)`` rows (at least 1).
+        sampling_rate: ``q``; client j uses ``b_j = round(q n_j)`` rows (at least 1; in
+            integer arithmetic, :mod:`numpyro_fed.dp.batch`, as the privacy plan counts them).
         max_batch: the largest ``b_j`` (static: the subsets are drawn at this size and
             masked to ``b_j``).
         trusted_aggregator: secure summation of the gradients (see above).
@@ -88,7 +90,7 @@ def dp_sfvi(
     def client_step(rng_key, state, broadcast, data):
         message = broadcast.shared
         k_rows, k_noise = random.split(rng_key)
-        size = jnp.clip(jnp.round(sampling_rate * data.num_rows), 1, max_batch)
+        size = jnp.minimum(traced_batch_size(sampling_rate, data.num_rows), max_batch)  # = the plan's b_j
         rows = jax.tree_util.tree_map(lambda x: x[fixed_size_subset(k_rows, data.row_mask, max_batch)], data.args)
         use = (jnp.arange(max_batch) < size).astype(data.row_mask.dtype)
         empty = jnp.zeros((0,), message.eps_global.dtype)
@@ -106,7 +108,8 @@ def dp_sfvi(
         per_row = jax.tree_util.tree_map(lambda x: x * use.reshape((-1,) + (1,) * (x.ndim - 1)), per_row)
         noised = perturbed_sum(per_row, clip, noise_std, k_noise)
         prior = jax.grad(lambda g: term(g, data, prior_share, 0.0))(message.global_params)  # data-free
-        grad = jax.tree_util.tree_map(lambda a, p: a / sampling_rate + p, noised, prior)
+        scale = data.num_rows / size.astype(data.row_mask.dtype)  # n_j / b_j: the sum over all rows, unbiased
+        grad = jax.tree_util.tree_map(lambda a, p: a * scale + p, noised, prior)
         return DPSFVIClientState(state.local_params, state.releases + 1), {"global_grad": grad}
 
     def server_step(rng_key, state, messages, view):

@@ -1,0 +1,122 @@
+"""The model's evaluations at set-up: at a finite point of each latent site, never a prior draw.
+
+Set-up traces the user's model to read its structure (sites, shapes, plates, roles). Doing
+that at a draw from the prior fails on valid models: a draw from a wide prior such as
+``LogNormal(0, 100)`` or ``InverseGamma(0.001, 0.001)`` can be infinite, and a likelihood built
+on it is then refused by NumPyro's validation ("invalid scale parameter"). So every continuous
+latent site is set, as NumPyro's ``init_to_uniform`` does, to a point drawn uniformly in
+(-1, 1) of its unconstrained space; when the model still cannot be evaluated there, a few
+other points are tried (as NumPyro's initialisation retries), and then the error names the
+site. A ``numpyro.param`` whose initial value is not finite, or outside its constraint, is
+refused at once, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, substitute, trace
+from numpyro.primitives import Messenger
+
+__all__ = ["INIT_TRIES", "finite_point", "or_finite_point", "trace_model", "unconstrained_shape"]
+
+INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
+_INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
+
+
+def finite_point(msg):
+    """A continuous latent site's value drawn uniformly in (-1, 1) in unconstrained space, as
+    NumPyro's ``init_to_uniform`` does (``None`` for other sites: they keep their draw)."""
+    if (msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None
+            or msg["fn"].support.is_discrete or msg["kwargs"].get("rng_key") is None):
+        return None  # (a value set by an inner handler, e.g. improper_values, is kept)
+    transform, shape = unconstrained_shape(msg)
+    return transform(jax.random.uniform(msg["kwargs"]["rng_key"], shape, minval=-1.0, maxval=1.0))
+
+
+def or_finite_point(substitute_fn: Optional[Callable]) -> Callable:
+    """``substitute_fn``, and :func:`finite_point` for the continuous latent sites it leaves
+    alone (so no site of the model is drawn from its prior)."""
+
+    def fn(msg):
+        value = None if substitute_fn is None else substitute_fn(msg)
+        return finite_point(msg) if value is None else value
+
+    return fn
+
+
+def unconstrained_shape(msg):
+    """``(biject_to(support), the unconstrained shape)`` of a sample site's value."""
+    fn = msg["fn"]
+    shape = tuple(msg["kwargs"].get("sample_shape", ())) + tuple(fn.batch_shape) + tuple(fn.event_shape)
+    transform = biject_to(fn.support)
+    return transform, transform.inverse_shape(shape)
+
+
+class InvalidInitialValue(ValueError):
+    """A ``numpyro.param`` of the model starts at a value that is not finite or not allowed."""
+
+
+class _Checked(Messenger):
+    """Remember the last site the model reached; refuse a param whose initial value is not
+    finite or outside its constraint (concrete values only: under ``jit`` nothing is checked)."""
+
+    def __init__(self, fn):
+        self.last: Optional[str] = None
+        super().__init__(fn)
+
+    def postprocess_message(self, msg):
+        if msg["type"] not in ("sample", "param"):
+            return
+        self.last = msg["name"]
+        value = msg["value"]
+        if msg["type"] != "param" or isinstance(value, jax.core.Tracer):
+            return
+        if not np.all(np.isfinite(np.asarray(value))):
+            raise InvalidInitialValue(
+                f"param site {msg['name']!r} starts at a value that is not finite ({_shown(value)}): give "
+                f"numpyro.param({msg['name']!r}, ...) a finite initial value")
+        constraint = msg["kwargs"].get("constraint")
+        if constraint is not None and not np.all(np.asarray(constraint(jnp.asarray(value)))):
+            raise InvalidInitialValue(
+                f"param site {msg['name']!r} starts at {_shown(value)}, outside its constraint {constraint}: "
+                f"give numpyro.param({msg['name']!r}, ...) an initial value inside it")
+
+
+def _shown(value) -> str:
+    flat = np.asarray(value).reshape(-1)
+    return np.array2string(flat[:5], precision=4) + (" ..." if flat.size > 5 else "")
+
+
+def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
+    """Trace ``model(**args, **kwargs)`` for its structure: continuous latent sites at a
+    point drawn uniformly in (-1, 1) of unconstrained space, not from their prior (a draw
+    from a heavy prior such as ``InverseGamma(0.001, 0.001)`` can be infinite and make the
+    likelihood invalid); discrete sites drawn from their prior with a fixed seed.
+
+    Raises:
+        ValueError: naming the param site whose initial value is not finite or outside its
+            constraint, or, when a distribution of the model refuses its parameters at
+            :data:`INIT_TRIES` such points, the last site the model reached before it.
+    """
+    error, site = None, None
+    for attempt in range(INIT_TRIES):
+        checked = _Checked(substitute(seed(model, rng_seed + attempt), substitute_fn=finite_point))
+        try:
+            return trace(checked).get_trace(**dict(args), **dict(kwargs))
+        except InvalidInitialValue:
+            raise
+        except ValueError as err:
+            if _INVALID not in str(err):
+                raise
+            error, site = err, checked.last
+    where = "before its first site" if site is None else f"just after site {site!r}"
+    raise ValueError(
+        f"set-up could not evaluate the model: at {INIT_TRIES} points (each latent site drawn uniformly in (-1, 1) "
+        f"of its unconstrained space, as NumPyro's init_to_uniform) a distribution refused its parameters "
+        f"{where}: {error} Check the parameters computed after that site (a param's value, a "
+        f"transformation of a latent site, or the data)") from error

@@ -1,0 +1,374 @@
+"""Faults a user meets (issue 28, items 1-7): checkpoints written as the run goes and checked
+first, damaged files named, resumes validated like loads, results that pickle, set-up that
+never evaluates the model at a prior draw, runs nobody answered, and arguments refused at
+construction."""
+
+import json
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+from numpyro.distributions import constraints
+
+import numpyro_fed as nf
+from numpyro_fed.checkpoint import CheckpointError
+from numpyro_fed.flower.server import FlowerBackend
+
+from .families import FAMILIES, horizontal_data, linear, run
+
+
+def _sfvi():
+    return nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.05))
+
+
+# ---------------------------------------------------------------- 1. checkpoints as the run goes
+@pytest.mark.parametrize("where", ["missing_folder", "a_folder"])
+def test_a_checkpoint_destination_that_cannot_be_written_is_refused_before_round_one(tmp_path, where):
+    path = tmp_path / "no_such_folder" / "run.npz" if where == "missing_folder" else tmp_path
+    rounds = []
+    with pytest.raises(ValueError, match="does not exist; create it first" if where == "missing_folder"
+                       else "is a folder; give the path of a file"):
+        _sfvi().run(random.PRNGKey(0), 3, horizontal_data(), progress_bar=False, checkpoint=str(path),
+                    callbacks=[lambda r, s, i: rounds.append(r)])
+    assert rounds == []  # nothing ran, so nothing was lost
+
+
+def test_a_checkpoint_is_written_as_the_run_goes(tmp_path):
+    path = str(tmp_path / "run.npz")
+    seen = []
+
+    def read(r, state, info):  # called after round r, before that round's save
+        with np.load(path) as archive:
+            seen.append(json.loads(str(archive["meta"]))["round"])
+
+    _sfvi().run(random.PRNGKey(0), 6, horizontal_data(), progress_bar=False, checkpoint=path, callbacks=[read])
+    assert seen == [0, 1, 2, 3, 4, 5]  # the start (round 0) before round 1, then every round (6 rounds < 10)
+    assert [f for f in os.listdir(tmp_path) if f != "run.npz"] == []  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    inference, clients = _sfvi(), horizontal_data()
+    path = str(tmp_path / "run.npz")
+    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False, checkpoint=path)
+
+    def broken(f, **arrays):
+        f.write(b"PK\x03\x04 half an archive")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", broken)
+    with pytest.raises(OSError, match="disk full"):
+        inference.save(path, res)
+    monkeypatch.undo()
+    loaded = inference.load(path, clients)
+    np.testing.assert_array_equal(loaded.server.global_params["guide"]["loc"], res.params["guide"]["loc"])
+    assert os.listdir(tmp_path) == ["run.npz"]
+
+
+def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
+    clients = horizontal_data()
+    path = str(tmp_path / "typed.npz")
+    first = _sfvi()
+    first.run(random.key(0), 3, clients, progress_bar=False, checkpoint=path)
+    with np.load(path) as archive:
+        meta = json.loads(str(archive["meta"]))
+    assert meta["typed_keys"]["server_key"] == meta["typed_keys"]["clients/0/.rng_key"] == "threefry2x32"
+    again = _sfvi()
+    state = again.load(path, clients)
+    assert jnp.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
+    resumed = again.run(None, 3, clients, progress_bar=False, init_state=state)
+    whole = _sfvi().run(random.key(0), 6, clients, progress_bar=False)
+    np.testing.assert_array_equal(resumed.params["guide"]["loc"], whole.params["guide"]["loc"])
+    with pytest.raises(ValueError, match="resume with the same kind of key"):  # a raw-key template
+        nf.checkpoint.load(path, again._template(again._fitted()), again._fitted().plan.names)
+
+
+# ---------------------------------------------------------------- 2. a damaged checkpoint says so
+def test_a_damaged_checkpoint_names_the_file_and_what_is_wrong(tmp_path):
+    inference, clients = _sfvi(), horizontal_data()
+    good = str(tmp_path / "good.npz")
+    inference.run(random.PRNGKey(0), 2, clients, progress_bar=False, checkpoint=good)
+    blob = open(good, "rb").read()
+    cases = {
+        "truncated.npz": (blob[: len(blob) // 2], "not a complete .npz"),
+        "text.npz": (b"round,loss\n1,2.0\n", "not an .npz archive of arrays"),
+    }
+    for name, (content, what) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(CheckpointError, match=rf"checkpoint at {path} cannot be read: {what}.*damaged"):
+            inference.load(str(path), clients)
+    other = tmp_path / "other.npz"
+    np.savez(other, x=np.zeros(3))
+    with pytest.raises(CheckpointError, match="it has no 'meta' entry"):
+        inference.load(str(other), clients)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        inference.load(str(tmp_path / "absent.npz"), clients)
+
+
+# ---------------------------------------------------------------- 3. init_state validated like load
+def test_init_state_is_checked_like_a_checkpoint(tmp_path):
+    inference, clients = FAMILIES["sfvi"]()
+    res = run(inference, clients, random.PRNGKey(0), 2)
+    more = horizontal_data(sizes=(12, 9, 7, 5))
+    path = str(tmp_path / "s.npz")
+    inference.save(path, res)
+    with pytest.raises(ValueError, match=r"missing from this run: \[\]; not in the checkpoint: \['3'\]"):
+        inference.load(path, more)
+    with pytest.raises(ValueError, match=r"init_state was saved with clients \['0', '1', '2'\]; this run has "
+                                         r"\['0', '1', '2', '3'\] \(missing from this run: \[\]; not in "
+                                         r"init_state: \['3'\]\)"):
+        inference.run(None, 2, more, progress_bar=False, init_state=res)
+    with pytest.raises(ValueError, match=r"init_state holds the states of 3 client\(s\); this run has 4"):
+        inference.run(None, 2, more, progress_bar=False, init_state=res.state)
+
+    def wider(x, y):  # another model: a guide of other shapes
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+    other = nf.FederatedSVI(wider, nf.StructuredGuide(wider), optax.adam(0.05))
+    other.run(random.PRNGKey(0), 1, clients, progress_bar=False)
+    with pytest.raises(ValueError, match=r"init_state does not fit this set-up: clients/0/\.state\..* is \(12, 2\) "
+                                         r"float32 there but \(0, 3\) float32 here \(a different model"):
+        other.run(None, 2, clients, progress_bar=False, init_state=res.state)
+
+
+def test_init_state_from_the_other_client_mapping_resumes_exactly():
+    clients = horizontal_data(sizes=(8, 8, 8))
+    vmap = _sfvi()
+    loop = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.05), client_mapping="loop")
+    a = vmap.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+    b = loop.run(None, 3, clients, progress_bar=False, init_state=a.state)
+    c = vmap.run(random.PRNGKey(0), 6, clients, progress_bar=False)
+    np.testing.assert_allclose(b.params["guide"]["loc"], c.params["guide"]["loc"], rtol=1e-5)
+
+
+# ---------------------------------------------------------------- 4. RunResult pickles
+@pytest.mark.parametrize("family", ["sfvi", "pvi"])
+def test_a_run_result_pickles_with_its_client_states(family):
+    inference, clients = FAMILIES[family]()
+    res = run(inference, clients, random.PRNGKey(0), 2)
+    back = pickle.loads(pickle.dumps(res))
+    assert list(back.client_states) == list(res.client_states) and back.fitted_by == res.fitted_by
+    for name in res.client_states:
+        for x, y in zip(jax.tree_util.tree_leaves(res.client_states[name]),
+                        jax.tree_util.tree_leaves(back.client_states[name])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(back.trace), np.asarray(res.trace))
+
+
+# ---------------------------------------------------------------- 5. set-up never at a prior draw
+def _wide_local_scale(x, y):  # valid: NumPyro's own SVI runs it
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with nf.local_site():
+        tau = numpyro.sample("tau", dist.LogNormal(0.0, 100.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, tau), obs=y)
+
+
+FAMILY_OF = {
+    "sfvi": lambda m: nf.FederatedSVI(m, nf.StructuredGuide(m), optax.adam(0.05)),
+    "pvi": lambda m: nf.PVI(m),
+    "ep": lambda m: nf.EP(m),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_OF))
+def test_a_wide_prior_sets_up_under_numpyro_validation(family):
+    with numpyro.validation_enabled(True):
+        state = FAMILY_OF[family](_wide_local_scale).init(random.PRNGKey(0), horizontal_data())
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(state.server))
+
+
+def _nan_param(x, y):
+    s = numpyro.param("s", jnp.nan, constraint=constraints.positive)
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+
+def _negative_param(x, y):
+    s = numpyro.param("s", -1.0, constraint=constraints.positive)
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+
+def _always_invalid(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, -jnp.abs(w[0]) - 1.0), obs=y)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_OF))
+def test_an_invalid_initial_value_names_its_site(family):
+    clients = horizontal_data()
+    with numpyro.validation_enabled(True):
+        with pytest.raises(ValueError, match=r"param site 's' starts at a value that is not finite \(\[nan\]\)"):
+            FAMILY_OF[family](_nan_param).init(random.PRNGKey(0), clients)
+        with pytest.raises(ValueError, match=r"param site 's' starts at \[-1\.\], outside its constraint"):
+            FAMILY_OF[family](_negative_param).init(random.PRNGKey(0), clients)
+        with pytest.raises(ValueError, match=r"could not evaluate the model: at 10 points .* just after site 'w': "
+                                             r"Normal distribution got invalid scale parameter"):
+            FAMILY_OF[family](_always_invalid).init(random.PRNGKey(0), clients)
+
+
+# ---------------------------------------------------------------- 6. nobody ever answers
+@pytest.mark.parametrize("family", ["sfvi", "sfvi_avg", "pvi", "ep"])
+def test_a_run_nobody_answered_raises(family):
+    inference, clients = FAMILIES[family]()
+    nobody = np.zeros((3, len(clients.names)), bool)
+    with pytest.raises(ValueError, match=r"no client answered in any of the 3 round\(s\)"):
+        run(inference, clients, random.PRNGKey(0), 3, availability=nobody)
+
+
+def test_a_run_some_clients_answered_still_returns():
+    inference, clients = FAMILIES["sfvi"]()
+    some = np.zeros((3, len(clients.names)), bool)
+    some[1, 0] = True
+    res = run(inference, clients, random.PRNGKey(0), 3, availability=some)
+    assert list(np.asarray(res.rounds_answered)) == [0, 1, 0]
+
+
+# ---------------------------------------------------------------- 7. old spellings, bad arguments
+@pytest.mark.parametrize("value", ["vmap", "loop"])
+def test_the_old_backend_spelling_points_to_client_mapping(value):
+    with pytest.raises(ValueError, match=rf"backend= takes a backend object .* FederatedSVI\(\.\.\., "
+                                         rf"client_mapping='{value}'\)"):
+        _sfvi().run(random.PRNGKey(0), 2, horizontal_data(), progress_bar=False, backend=value)
+    with pytest.raises(TypeError, match="is not a backend"):
+        nf.PVI(linear).run(random.PRNGKey(0), 2, horizontal_data(), progress_bar=False, backend=object())
+
+
+class _Grid:
+    def push_messages(self, messages):
+        return []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(reply_timeout=-1), r"reply_timeout=-1\): must be a finite number of seconds > 0"),
+    (dict(first_timeout=float("nan")), r"first_timeout=nan\)"),
+    (dict(poll=0), r"poll=0\)"),
+    (dict(reply_timeout=True), r"reply_timeout=True\)"),
+    (dict(poll=5.0, reply_timeout=1.0), "poll must be shorter than reply_timeout"),
+])
+def test_flower_backend_refuses_out_of_range_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlowerBackend(_Grid(), **kwargs)
+    with pytest.raises(TypeError, match="expected the ServerApp's flwr Grid"):
+        FlowerBackend(None)
+    with pytest.raises(TypeError, match="progress=...\\): expected a callable"):
+        FlowerBackend(_Grid(), progress="progress.txt")
+
+
+# ---------------------------------------------------------------- 8. no epsilon past the claim
+def _calibrated(family):
+    marked = nf.dp_noise(linear, clip=2.0, delta=1e-3, epsilon=4.0)
+    if family == "pvi":
+        return nf.PVI(marked, damping=0.5, dp="update_perturbation")
+    return nf.FederatedSVI(marked, nf.MeanFieldGuide(linear), optax.adam(0.05), dp="sgd", dp_sampling_rate=0.5,
+                           trusted_aggregator=True)
+
+
+@pytest.mark.parametrize("family", ["pvi", "svi"])
+def test_update_after_a_calibrated_run_refuses_to_release_past_the_claim(family):
+    inference, clients = _calibrated(family), horizontal_data()
+    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    before = inference.privacy_report(res)
+    with pytest.raises(ValueError, match=r"calibrated to epsilon=4, delta=0.001 for 2 round\(s\) \(2 release\(s\) "
+                                         r"per client\), and client\(s\) \['0', '1', '2'\] have made them all"):
+        inference.update(res.state, clients)
+    assert inference.privacy_report(res).epsilon == before.epsilon <= 4.0 + 1e-6
+    longer = inference.run(random.PRNGKey(0), 3, clients, progress_bar=False)  # a new plan: calibrated for 3
+    assert inference.privacy_report(longer).epsilon <= 4.0 + 1e-6
+
+
+def test_update_within_the_planned_rounds_still_releases():
+    inference, clients = _calibrated("pvi"), horizontal_data()
+    res = inference.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+    first = inference.init(random.PRNGKey(1), clients)
+    state, _ = inference.update(first, clients)  # 1 of the 3 planned releases
+    assert list(nf.dp.plan.ledgers(state.clients)) == [1, 1, 1]
+    assert res.communication.rounds == 3
+
+
+# ---------------------------------------------------------------- 9. the withheld diagnostics in one pass
+def test_withheld_diagnostics_are_read_without_a_per_client_state_read(monkeypatch):
+    inference, clients = _calibrated("pvi"), horizontal_data()
+    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    reads = []
+    original = nf.protocol.ClientStates.__getitem__
+    monkeypatch.setattr(nf.protocol.ClientStates, "__getitem__", lambda self, n: reads.append(n) or original(self, n))
+    nf.dp.plan.warn_withheld("PVI", res)
+    assert reads == []
+
+
+# ---------------------------------------------------------------- 9. the rows a client uses = the rows charged
+def test_the_dp_batch_a_client_draws_is_the_one_the_accountant_charges():
+    from numpyro_fed.dp.batch import batch_size, traced_batch_size
+
+    rates = [0.01, 0.05, 0.1, 0.15, 0.2, 0.25, 1 / 3, 0.35, 0.45, 0.5, 0.55, 0.7, 0.85, 0.95, 1.0]
+    rows = np.arange(1, 400)
+    for q in rates:
+        on_client = np.asarray(jax.jit(jax.vmap(lambda n: traced_batch_size(q, n)))(jnp.asarray(rows, jnp.float32)))
+        in_plan = np.asarray([batch_size(q, int(n)) for n in rows])
+        np.testing.assert_array_equal(on_client, in_plan, err_msg=f"q={q}")
+        assert np.all((np.abs(in_plan - q * rows) <= 0.5 + 1e-9) | (in_plan == 1)) and np.all(in_plan >= 1)
+        if q in (0.25, 0.5, 1.0):  # exact in binary: Python's own round of q * n
+            np.testing.assert_array_equal(in_plan, [max(1, round(q * int(n))) for n in rows])
+    # 3/20 * 190 = 28.5: a half goes to the even neighbour, on both sides (float32 said 29, float64 28)
+    assert batch_size(0.15, 190) == int(traced_batch_size(0.15, 190)) == 28
+    assert batch_size(0.15, 170) == int(traced_batch_size(0.15, 170)) == 26  # 25.5 -> 26
+    big = 2**30 + 3  # 0.5 * big = 536870913.5 -> 536870914 (even), int32 without overflow
+    assert batch_size(0.5, big) == int(traced_batch_size(0.5, big)) == 2**29 + 2
+
+
+def test_the_privacy_plan_charges_the_rows_the_clients_use():
+    marked = nf.dp_noise(linear, clip=2.0, delta=1e-3, noise_multiplier=1.0)
+    clients = horizontal_data(sizes=(190, 47, 13))
+    svi = nf.FederatedSVI(marked, nf.MeanFieldGuide(linear), optax.adam(0.05), dp="sgd", dp_sampling_rate=0.15)
+    res = svi.run(random.PRNGKey(0), 1, clients, progress_bar=False)
+    charged = {c.client: c.sampling_rate for c in svi.privacy_report(res).clients}
+    assert charged == {"0": 28 / 190, "1": 7 / 47, "2": 2 / 13}
+
+
+# ---------------------------------------------------------------- 12. no client text reaches the server
+def test_a_failing_client_sends_a_fixed_category_and_keeps_its_text(capsys):
+    pytest.importorskip("flwr")
+    from flwr.common.constant import ErrorCode
+
+    from numpyro_fed.flower import client as node
+    from numpyro_fed.flower.server import server_side_reason
+
+    assert node.FAILURE_CODE == int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+    secret = "row 17 has income 81234.5 in /srv/hospital_a/patients.csv"
+
+    def setup(message, context):
+        raise ValueError(secret)
+
+    class Custom(Exception):
+        pass
+
+    def custom(message, context):
+        raise Custom(secret)
+
+    sent = []
+    node._guarded("setup", setup, "msg", "ctx", reply=lambda m, reason: sent.append(reason) or "reply")
+    node._guarded("exchange", custom, "msg", "ctx", reply=lambda m, reason: sent.append(reason) or "reply")
+    assert sent == ["numpyro_fed client: its set-up failed (ValueError); the reason is in the node's own log, "
+                    "not sent",
+                    "numpyro_fed client: its step failed (an exception); the reason is in the node's own log, not sent"]
+    assert all("81234" not in r and "/srv" not in r and "Custom" not in r for r in sent)
+    assert secret in capsys.readouterr().err  # the node's own log has it
+    # the server keeps a category, and only Flower's code for any other text
+    assert server_side_reason(2, sent[0]) == sent[0]
+    assert server_side_reason(2, f"<class 'ValueError'>:<'{secret}'>") == \
+        "Flower error code 2 (the reason is in the node's log)"
