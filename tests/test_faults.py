@@ -331,13 +331,25 @@ def test_the_dp_batch_a_client_draws_is_the_one_the_accountant_charges():
     assert batch_size(0.5, big) == int(traced_batch_size(0.5, big)) == 2**29 + 2
 
 
-def test_the_privacy_plan_charges_the_rows_the_clients_use():
+def test_the_privacy_plan_charges_the_rows_the_clients_use(monkeypatch):
+    from numpyro_fed.horizontal import dp_sfvi_algorithm
+
+    used = []
+    own = dp_sfvi_algorithm.traced_batch_size
+
+    def recorded(q, n):  # the rows each client's compiled step actually draws, read at run time
+        b = own(q, n)
+        jax.debug.callback(lambda v: used.append(np.asarray(v).tolist()), b)
+        return b
+
+    monkeypatch.setattr(dp_sfvi_algorithm, "traced_batch_size", recorded)
     marked = nf.dp_noise(linear, clip=2.0, delta=1e-3, noise_multiplier=1.0)
     clients = horizontal_data(sizes=(190, 47, 13))
     svi = nf.FederatedSVI(marked, nf.MeanFieldGuide(linear), optax.adam(0.05), dp="sgd", dp_sampling_rate=0.15)
     res = svi.run(random.PRNGKey(0), 1, clients, progress_bar=False)
     charged = {c.client: c.sampling_rate for c in svi.privacy_report(res).clients}
     assert charged == {"0": 28 / 190, "1": 7 / 47, "2": 2 / 13}
+    assert sorted(used) == [2, 7, 28]  # (one call per client) float32 round(0.15 * 190) drew 29, the plan charged 28
 
 
 # ---------------------------------------------------------------- 12. no client text reaches the server
