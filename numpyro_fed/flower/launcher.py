@@ -182,10 +182,13 @@ class LocalFederation:
         (self.app / "nf_app_marker.py").write_text("# the apps live in numpyro_fed.flower.app\n")
         for name, text in (app_files or {}).items():
             (self.app / name).write_text(text)
+        self.bin = Path(sys.executable).parent
+        # Flower starts flower-superexec and flwr-clientapp by name: this Python's own first, never
+        # another install's (a SuperExec of another Flower version is refused by the SuperLink)
         self.env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
                         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", FLWR_HOME=str(self.home),
-                        PYTHONPATH=os.pathsep.join([str(self.app)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        self.bin = Path(sys.executable).parent
+                        PYTHONPATH=os.pathsep.join([str(self.app)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+                        PATH=os.pathsep.join([str(self.bin), os.environ.get("PATH", "")]))
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, args: Sequence[str], log: str) -> subprocess.Popen:
