@@ -244,6 +244,7 @@ FAILED = {
     "exchange": "its step failed",
     "aggregate": "the secure sum failed",
     "client_value": "its fit-check term failed",
+    "task": "its executor could not run the task",
     "unknown": "it received a message it does not know",
 }
 

@@ -42,6 +42,8 @@ def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0) -> None:
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime import run_clientapp as rc
 
+    from .client import failure_reason
+
     def connect(component, *extra):
         return RuntimeHttpClient.from_server_address(
             server_address=runtime_api, insecure=True, root_certificates=None,
@@ -72,9 +74,9 @@ def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0) -> None:
                 apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
             reply = apps[fab.hash_str](message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
-        except Exception as ex:  # reported to the server as the reply's error, as run_clientapp does
-            details = f"{type(ex)}:<'{ex}'>"
-            print(f"numpyro_fed executor: task failed: {details}", file=sys.stderr, flush=True)
+        except Exception as ex:  # reported as the reply's error, as run_clientapp does, but data-free
+            print(f"numpyro_fed executor: task failed: {type(ex)}:<'{ex}'>", file=sys.stderr, flush=True)
+            details = failure_reason("task", ex)  # the text (a data value, a path) stays in this log
             if message is not None:
                 reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
         finally:
