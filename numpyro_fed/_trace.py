@@ -81,7 +81,11 @@ class _Checked(Messenger):
                 f"param site {msg['name']!r} starts at a value that is not finite ({_shown(value)}): give "
                 f"numpyro.param({msg['name']!r}, ...) a finite initial value")
         constraint = msg["kwargs"].get("constraint")
-        if constraint is not None and not np.all(np.asarray(constraint(jnp.asarray(value)))):
+        if constraint is None:
+            return
+        with jax.ensure_compile_time_eval():  # a concrete check even while a caller traces (jit)
+            inside = np.all(np.asarray(constraint(jnp.asarray(value))))
+        if not inside:
             raise InvalidInitialValue(
                 f"param site {msg['name']!r} starts at {_shown(value)}, outside its constraint {constraint}: "
                 f"give numpyro.param({msg['name']!r}, ...) an initial value inside it")
