@@ -237,12 +237,17 @@ def privacy_report(privacy: Privacy, names, result) -> PrivacyReport:
     return report(entries)
 
 
-def ledgers(clients) -> np.ndarray:
-    """Every client's ``releases`` (its privacy ledger), read in one pass (per-client
+def ledger_field(clients, field: str) -> np.ndarray:
+    """One field of every client's ledger, ``(J, ...)``, read in one pass (per-client
     states stacked under ``vmap``, a tuple under the loop mapping)."""
     if type(clients) is tuple:
-        return np.asarray([int(slot.state.releases) for slot in clients])
-    return np.asarray(clients.state.releases).reshape(-1)
+        return np.stack([np.asarray(getattr(slot.state, field)) for slot in clients])
+    return np.asarray(getattr(clients.state, field))
+
+
+def ledgers(clients) -> np.ndarray:
+    """Every client's ``releases`` (its privacy ledger), ``(J,)``."""
+    return ledger_field(clients, "releases").reshape(-1)
 
 
 def _few(names):
@@ -258,9 +263,7 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
                       f"simulation",
                       category or UncheckedFitWarning, stacklevel=4)
         return
-    clients = result.state.clients  # every client's ledger in one pass (not one read per client)
-    withheld = np.stack([np.asarray(slot.state.withheld) for slot in clients]) if type(clients) is tuple else \
-        np.asarray(clients.state.withheld).reshape(-1, 2)
+    withheld = ledger_field(result.state.clients, "withheld").reshape(-1, 2)  # one pass, not one read per client
     names = list(result.client_states)
     bad = [names[j] for j in np.flatnonzero(withheld.sum(axis=1) > 0)]
     zeroed, failed = (int(x) for x in withheld.sum(axis=0))
