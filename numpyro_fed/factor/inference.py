@@ -67,6 +67,11 @@ _UNCHECKED_FIT = (
     "{cls}: {what} on client(s) {clients}, in their latest applied update (round(s) {rounds}; worst {stat_name} = "
     "{stat:.3g}). Those updates are in q, so q may be wrong. {fix}"
 )
+_REJECTED = (
+    "{cls}: the server rejected the valid update(s) of round(s) {rounds} (from client(s) {clients}): even with its "
+    "damping halved max_halvings={halvings} times, applying it would have left q improper{kl}; q did not move in "
+    "those rounds. {fix}"
+)
 _NEVER_APPLIED = (
     "{cls} applied no update in {rounds} round(s): q is still the prior, not a posterior. {why}Use damping < 1, "
     "more local steps, or check the model and data"
@@ -244,8 +249,35 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
             warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
                                               hint=self._fit_advice()["invalid"]), InvalidUpdateWarning, stacklevel=4)
+        self._warn_rejected(setup, result, start)
         self._check_local_fits(setup, result, start)
         return self._check_q(setup, result)
+
+    def _max_kl(self, dim: int) -> Optional[float]:
+        """The trust region (nats) the server applies to a ``dim``-dimensional ``q``; ``None``: none."""
+        value = getattr(self, "max_kl", None)
+        return None if value == "auto" else value
+
+    def _warn_rejected(self, setup: Setup, result: RunResult, start: int) -> None:
+        """Warn of rounds whose valid updates the server's safeguard (positive definiteness, the
+        trust region ``max_kl``) refused outright, naming them and their clients."""
+        valid = np.asarray(result.info.valid)
+        rejected = (valid.sum(axis=-1) > 0) & (np.asarray(result.info.damping) == 0)
+        if not rejected.any():
+            return
+        max_kl = self._max_kl(setup.extra.terms.prior.shift.shape[0])
+        names = setup.plan.names
+        clients = sorted({names[j] for r in np.flatnonzero(rejected) for j in np.flatnonzero(valid[r])}, key=str)
+        fix = ("Under dp='update_perturbation' a rejected round is one client's noise outweighing its change: more "
+               "rows per shard (fewer num_shards), a larger epsilon, or trusted_aggregator=True lower the noise. "
+               if getattr(self, "dp", None) == "update_perturbation" else "")
+        fix += "Use damping < 1, or raise max_kl or max_halvings." if max_kl is not None else \
+            "Use damping < 1, or raise max_halvings."
+        warnings.warn(_REJECTED.format(cls=type(self).__name__, rounds=_shown([int(start + r + 1) for r in
+                                                                                 np.flatnonzero(rejected)]),
+                                       clients=clients, halvings=self.max_halvings,
+                                       kl=f" or moved it by more than max_kl={max_kl:g} nats" if max_kl else "",
+                                       fix=fix), InvalidUpdateWarning, stacklevel=5)
 
     def _check_q(self, setup: Setup, result: RunResult) -> RunResult:
         """The fit check of the final ``q`` against the full posterior (:meth:`diagnose`), and its warning."""

@@ -179,6 +179,7 @@ def pvi(
     schedule: str = "synchronous",
     damping: float = 1.0,
     max_halvings: int = 10,
+    max_kl: Optional[float] = None,
     subset_size: int = 1,
     optim: Any = None,
     local_steps: int = 100,
@@ -205,6 +206,9 @@ def pvi(
             (all), ``"subset"`` (``subset_size`` chosen uniformly per round).
         damping: ``delta`` in ``(0, 1]``.
         max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
+        max_kl: optional trust region: also halve ``delta`` while the round would move ``q``
+            by more than ``max_kl`` nats (see
+            :func:`~numpyro_fed.factor.updates.factor_protocol`).
         variant: ``"plain"`` (Alg. 1); ``"local_averaging"`` (paper 002 Alg. 2: each client
             splits its rows into ``num_shards`` shards, fits each against the cavity with
             the KL weighted by ``1/N``, eq. 4.1, and averages the natural parameters,
@@ -266,7 +270,7 @@ def pvi(
         raise ValueError("dp_sgd= is the local optimisation of update='optax', variant='plain', without perturb=")
     return factor_protocol(
         log_prior_factor, local_posterior, num_clients, schedule=schedule, damping=damping,
-        max_halvings=max_halvings, subset_size=subset_size, variant=variant, num_shards=num_shards,
+        max_halvings=max_halvings, max_kl=max_kl, subset_size=subset_size, variant=variant, num_shards=num_shards,
         perturb=perturb, private_fit=dp_sgd is not None, trusted_aggregator=trusted_aggregator,
         prior_site=prior_site,
     )

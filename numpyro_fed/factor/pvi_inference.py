@@ -35,6 +35,11 @@ _OPTIM = "update='optax' needs optim=, an optax GradientTransformation such as o
 _UPDATES = ("auto", "conjugate", "optax")
 DEFAULT_LEARNING_RATE = 0.05  # the local ELBO's Adam step when update='auto' chooses 'optax' and optim= is unset
 _QUADRATIC_TOL = 1e-4
+# max_kl="auto" under update perturbation without a trusted aggregator: nats per dimension of q. Chosen on the
+# paper-002 stand-in (benchmarks/dp_adult.py, d = 8): 1/8 per dimension halved the damage, 1/16 ended every
+# divergence of local averaging and virtual clients on both unbalanced splits (5 seeds) and never binds on the
+# balanced split (identical figures); the noise's own KL grows with the dimension, hence per dimension.
+DP_MAX_KL_PER_DIM = 1.0 / 16
 
 
 def _default_optim():
@@ -82,6 +87,14 @@ class PVI(PrivateFit, FactorInference):
             and round).
         num_particles: Monte Carlo draws per local ELBO estimate.
         max_halvings: PD safeguard (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
+        max_kl: trust region: also halve ``delta`` while a round would move ``q`` by more than
+            ``max_kl`` nats (``KL(q_new || q)``, computed by the server from the released update
+            alone, so it costs no privacy), and reject the round after ``max_halvings``. ``"auto"``
+            (default): ``d / 16`` nats for a ``d``-dimensional ``q`` under
+            ``dp="update_perturbation"`` without a trusted aggregator and with a sequential or
+            subset schedule, where one client's noised update can throw ``q`` far off (a small
+            client's noise is large against its signal); none otherwise (a synchronous first
+            round moves ``q`` from the prior in one step). ``None``: no trust region.
         variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (paper 002 Alg. 2) or
             ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.algorithms.pvi`.
         num_shards: shards per client for the two variants (every client needs at least
@@ -142,6 +155,7 @@ class PVI(PrivateFit, FactorInference):
         max_local_steps: Optional[int] = None,
         num_particles: int = 8,
         max_halvings: int = 10,
+        max_kl: "Optional[float] | str" = "auto",
         variant: str = "plain",
         num_shards: int = 1,
         dp: Optional[str] = None,
@@ -177,6 +191,27 @@ class PVI(PrivateFit, FactorInference):
         self.dp_batch_size = None if dp_batch_size is None else int(dp_batch_size)
         self.trusted_aggregator = bool(trusted_aggregator)
         self._dp_rounds: Optional[int] = None  # the rounds a calibration to epsilon= plans for
+        self.max_kl = self._trust_region(max_kl)
+
+    def _trust_region(self, max_kl) -> "Optional[float] | str":
+        """``max_kl``: ``"auto"`` stays ``"auto"`` until the dimension is known (:meth:`_max_kl`)."""
+        if max_kl is None or max_kl == "auto":
+            return max_kl
+        if isinstance(max_kl, str) or not max_kl > 0:
+            raise ValueError(f"max_kl={max_kl!r}: must be positive, 'auto' or None")
+        return float(max_kl)
+
+    def _max_kl(self, dim: int) -> Optional[float]:
+        """The trust region a fit of ``dim`` global dimensions uses: ``"auto"`` is
+        :data:`DP_MAX_KL_PER_DIM` nats per dimension when each client's noised update is applied on its
+        own, in turn (``dp="update_perturbation"`` without a trusted aggregator, ``schedule="sequential"``
+        or ``"subset"``), none otherwise. (A synchronous first round moves ``q`` from the prior in one
+        step, which so small a region would split over many rounds; it was not measured there.)"""
+        if self.max_kl != "auto":
+            return self.max_kl
+        if self.dp == "update_perturbation" and not self.trusted_aggregator and self.schedule != "synchronous":
+            return DP_MAX_KL_PER_DIM * dim
+        return None
 
     def _local_budget(self, max_local_steps: Optional[int]) -> int:
         """``max_local_steps``: 4 x ``local_steps`` by default; ``local_steps`` under DP, where
@@ -219,7 +254,7 @@ class PVI(PrivateFit, FactorInference):
     def _algorithm(self, terms, plan, num_clients: int):
         d = terms.prior.shift.shape[0]
         common = dict(schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
-                      subset_size=self.subset_size, prior_site=self._prior_site(terms))
+                      max_kl=self._max_kl(d), subset_size=self.subset_size, prior_site=self._prior_site(terms))
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             self._use("optax")
             moments = tilted_moments("vi", optim=self.optim, vi_steps=self.local_steps,
@@ -234,7 +269,8 @@ class PVI(PrivateFit, FactorInference):
             local_steps=self.local_steps, max_local_steps=self.max_local_steps, num_particles=self.num_particles,
             variant=self.variant,
             num_shards=self.num_shards, perturb=private.perturb if private else None,
-            dp_sgd=private.dp_sgd if private else None, trusted_aggregator=self.trusted_aggregator, **common,
+            dp_sgd=private.dp_sgd if private else None, trusted_aggregator=self.trusted_aggregator,
+            **common,
         )
 
     def _use(self, update: str) -> str:

@@ -7,6 +7,8 @@
 - :mod:`numpyro_fed.flower.app`: the ``ServerApp`` and ``ClientApp``;
 - :mod:`numpyro_fed.flower.executor`: a long-running ClientApp executor that keeps a
   client's compiled JAX functions alive across rounds;
+- :mod:`numpyro_fed.flower.submit`: ``python -m numpyro_fed flower-run``, which submits a
+  run, follows it to its end and exits non-zero when it failed;
 - :class:`LocalFederation`: a SuperLink and N SuperNodes on 127.0.0.1 (tests, the demo).
 
 See ``docs/flower.md``.

@@ -20,8 +20,10 @@ The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds
 inference object on the template, and runs it with ``backend=FlowerBackend(grid)``; the
 result (server parameters, trace, per-round diagnostics, communication, the transcript
 recorded at the server, the rounds that lacked clients, per-round wall times) goes to
-``out`` as a pickle, or an ``{"error": ...}`` when the run failed (``flwr run`` exits 0
-either way).
+``out`` as a pickle, or an ``{"error": ..., "traceback": ...}`` when the run failed; the
+ServerApp then re-raises the exception, so Flower records the run as ``finished:failed``
+(``flwr run`` itself exits 0 either way: ``python -m numpyro_fed flower-run`` follows the
+run and exits non-zero, :mod:`numpyro_fed.flower.submit`).
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ def _server_main(grid, context) -> None:
         result["fit_check"] = getattr(inference, "last_fit_check", None)  # SFVI: checked with the clients' terms
         if backend.collect_ledgers:  # from the ledgers the clients sent after the last round
             result["privacy_report"] = inference.privacy_report(run)
-    except Exception as ex:  # the result file says what failed (flwr run exits 0 regardless)
+    except Exception as ex:  # the result file says what failed; re-raised, so Flower marks the run failed
         result.update(error=f"{type(ex).__name__}: {ex}", traceback=traceback.format_exc())
+        raise
     finally:
         result["seconds"] = time.perf_counter() - started
         if out:  # written whole, then renamed: a reader never sees half a file

@@ -10,6 +10,17 @@ of Flower's ``run_clientapp`` (pull the message and ``context``, load the Client
 it, push the reply and the new ``context``). The client's state still round-trips through
 ``context.state``; what the process keeps is its compiled code.
 
+**Authentication.** The executor pulls the node's messages and ``context`` (its client's
+key and state), so the SuperNode must hand tasks to its own executor only. Start the
+SuperNode with ``--superexec-auth-secret-file FILE`` and the executor with the same file
+(``auth_secret_file`` / ``--superexec-auth-secret-file``): the executor signs its
+``AcquireTask`` requests with an HMAC key derived from the secret (Flower's
+``SuperExecAuthHttpInterceptor``), the SuperNode refuses unsigned ones, and each task's
+further requests carry the per-task token that only the signed ``AcquireTask`` returned.
+Over a network link, also give the SuperNode ``--appio-ssl-certfile/--appio-ssl-keyfile/
+--appio-ssl-ca-certfile`` and the executor ``root_certificates`` (``--root-certificates``):
+the link is then TLS.
+
 One change to Flower's body: the message's objects are pulled with a short retry
 (``poll``). The SuperNode hands out a task as soon as the message is registered, before it
 has fetched the message's objects from the SuperLink; Flower's default retry waits 1 s, then
@@ -22,13 +33,44 @@ import os
 import signal
 import sys
 import time
+from typing import Optional
 
-__all__ = ["serve"]
+__all__ = ["ACQUIRE_METHODS", "serve"]
+
+ACQUIRE_METHODS = frozenset({"/flwr.proto.Runtime/AcquireTask"})  # what Flower's SuperExec signs (flwr 1.41/1.42)
 
 
-def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0) -> None:
+def _load_secret(path: Optional[str]) -> Optional[bytes]:
+    """The SuperExec auth secret (exact bytes, as the SuperNode reads it), or ``None``."""
+    if path is None:
+        return None
+    from flwr.supercore.auth import load_superexec_auth_secret
+
+    return load_superexec_auth_secret(path)
+
+
+def _read_certificates(path: str) -> bytes:
+    try:
+        return open(os.path.expanduser(path), "rb").read()
+    except OSError as err:
+        raise ValueError(f"root certificates {path!r} cannot be read: {err}") from err
+
+
+def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0, *, auth_secret_file: Optional[str] = None,
+          root_certificates: Optional[str] = None) -> None:
     """Serve ClientApp tasks of the SuperNode whose runtime API is at ``runtime_api`` until
-    killed (or until ``parent_pid``, when given, is gone)."""
+    killed (or until ``parent_pid``, when given, is gone).
+
+    Args:
+        runtime_api: the SuperNode's runtime API, ``HOST:PORT``.
+        poll: seconds between two polls for a task (and the objects' retry).
+        parent_pid: stop when this process (the SuperNode) is gone.
+        auth_secret_file: the file the SuperNode's ``--superexec-auth-secret-file`` names:
+            ``AcquireTask`` is signed with it (see the module doc).
+        root_certificates: a PEM file of the CA that signed the SuperNode's runtime-API
+            certificate: the link is TLS (``None``: plain, for loopback only).
+    """
+    secret = _load_secret(auth_secret_file)
     from flwr.app import Message
     from flwr.app.error import Error
     from flwr.cli.install import install_from_fab
@@ -37,27 +79,32 @@ def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0) -> None:
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.interceptors import (RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor,
+                                             SuperExecAuthHttpInterceptor)
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime import run_clientapp as rc
 
     from .client import failure_reason
 
+    certificates = None if root_certificates is None else _read_certificates(root_certificates)
+
     def connect(component, *extra):
         return RuntimeHttpClient.from_server_address(
-            server_address=runtime_api, insecure=True, root_certificates=None,
+            server_address=runtime_api, insecure=certificates is None, root_certificates=certificates,
             interceptors=[RuntimeVersionHttpInterceptor(component_name=component), *extra],
             retry_invoker=make_simple_http_retry_invoker())
 
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-    acquire = connect("SuperExec")
+    signed = [] if secret is None else [SuperExecAuthHttpInterceptor(master_secret=secret,
+                                                                      protected_methods=ACQUIRE_METHODS)]
+    acquire = connect("SuperExec", *signed)
     apps = {}
     while True:
         if parent_pid and not _alive(parent_pid):
             return
-        res = acquire.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP],
-                                                     agentapp_fab_hashes=[]))
+        res = _acquire(acquire, AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP],
+                                                   agentapp_fab_hashes=[]), runtime_api)
         if not (res.HasField("task") and res.token):
             time.sleep(poll)
             continue
@@ -85,6 +132,21 @@ def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0) -> None:
             rc.push_task_output(client=client, context=context, sub_status=status, details=details)
             heartbeat.stop()
             client.close()
+
+
+def _acquire(acquire, request, runtime_api: str):
+    """``AcquireTask``; a SuperNode that refuses this executor (HTTP 401/403) stops it, saying why."""
+    import httpx
+
+    try:
+        return acquire.AcquireTask(request)
+    except httpx.HTTPStatusError as err:
+        if err.response.status_code in (401, 403):
+            raise SystemExit(
+                f"numpyro_fed executor: the SuperNode at {runtime_api} refused this executor "
+                f"({err.response.status_code}): start it with the secret file the SuperNode was given "
+                f"(--superexec-auth-secret-file)") from None
+        raise
 
 
 def _pull_task_input(client, poll: float):

@@ -151,8 +151,9 @@ class LocalFederation:
         app_files: extra files for the Flower app folder ``{name: text}`` (e.g. a module
             that defines the task).
         executor: run each SuperNode with ``--isolation process`` and a long-running
-            executor (default); ``False``: Flower's default, a fresh ClientApp process per
-            message.
+            executor (default), the two sharing a fresh SuperExec auth secret (a 0600 file in
+            ``workdir``), so that no other process can take the node's tasks; ``False``:
+            Flower's default, a fresh ClientApp process per message.
         start_timeout: seconds to wait for each process to come up.
         aggregator: also start one SuperNode as the trusted aggregator (node config
             ``numpyro-fed-role = "aggregator"``, after the others) for algorithms with
@@ -176,6 +177,7 @@ class LocalFederation:
         self.procs: List[subprocess.Popen] = []
         self.started_pids: List[int] = []  # every process started, for checks that none is left
         self.nodes: List[List[subprocess.Popen]] = []  # per SuperNode: [supernode, executor]
+        self.runtime_apis: Dict[int, str] = {}  # per SuperNode: its runtime API (HOST:PORT), for its executor
         self._runs = 0
         self.app.mkdir(parents=True, exist_ok=True)
         (self.app / "pyproject.toml").write_text(_PYPROJECT)
@@ -220,15 +222,29 @@ class LocalFederation:
                 "--host", "127.0.0.1", "--port", str(port)]
         if config:
             args += ["--node-config", config]
+        secret = None
         if self.executor:
-            args += ["--isolation", "process"]
+            secret = self._secret(i)
+            args += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
         node = self._spawn(args, f"supernode{i}.log")
         _wait_port(port, self.start_timeout, node, f"SuperNode {i}", self.workdir / f"supernode{i}.log")
+        self.runtime_apis[i] = f"127.0.0.1:{port}"
         procs = [node]
         if self.executor:
             procs.append(self._spawn([sys.executable, "-m", "numpyro_fed", "flower-client", "--runtime-api",
-                                      f"127.0.0.1:{port}", "--parent-pid", str(node.pid)], f"executor{i}.log"))
+                                      f"127.0.0.1:{port}", "--parent-pid", str(node.pid),
+                                      "--superexec-auth-secret-file", str(secret)], f"executor{i}.log"))
         return procs
+
+    def _secret(self, i: int) -> Path:
+        """A fresh SuperExec auth secret for node ``i``: 32 bytes from ``os.urandom``, in a file only
+        this user can read, shared by the SuperNode and its executor alone."""
+        path = self.workdir / "secrets" / f"superexec{i}.key"
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(os.urandom(32))
+        return path
 
     def kill_node(self, i: int) -> None:
         """Kill SuperNode ``i`` (and its executor) at once, as a crash would (SIGKILL)."""
@@ -286,7 +302,8 @@ class LocalFederation:
 
     def wait(self, handle, timeout: float = 600.0) -> Dict[str, Any]:
         """The result of a submitted run (raises :class:`FederationError` when it failed:
-        ``flwr run`` exits 0 even then, so the result file decides)."""
+        ``flwr run`` exits 0 even then, so the result file decides; ``python -m numpyro_fed
+        flower-run`` is the command-line equivalent)."""
         proc, out, log = handle
         deadline = time.monotonic() + timeout
         while proc.poll() is None and not out.exists() and time.monotonic() < deadline:

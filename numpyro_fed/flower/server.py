@@ -154,10 +154,13 @@ class FlowerBackend:
         self.aggregator = aggregators[0] if aggregators else None
         self.aggregator_key = str(replies[self.aggregator].content["nf"]["key"]) if aggregators else ""
         info = {n: r.content["nf"] for n, r in replies.items() if str(r.content["nf"]["name"])}
+        failed = {n: self.errors.get(self._name(n), "no answer within first_timeout") for n in nodes if n not in replies}
         nodes = [n for n in nodes if n in info]  # nodes whose load_client returned None take no part
         if len(nodes) != num_clients:
-            raise RuntimeError(f"{len(nodes)} node(s) answered the hello with data for this task, not "
-                               f"{num_clients} (errors: {self.errors})")
+            why = "; ".join(f"{self._name(n)}: {reason}" for n, reason in failed.items())
+            raise RuntimeError(f"{len(nodes)} node(s) answered the hello with data for this task, not {num_clients}"
+                               + (f". The hello failed on {why}. Fix that node (its log has the full reason) and "
+                                  f"run again" if failed else ""))
         order = sorted(nodes, key=lambda n: (int(info[n]["order"]), str(info[n]["name"])))
         names = [str(info[n]["name"]) for n in order]
         if len(set(names)) != len(names):
