@@ -118,10 +118,11 @@ def check_destination(path: str) -> None:
         raise ValueError(f"checkpoint={path!r}: the folder {folder} is not writable")
 
 
-def save(path: str, state: RunState, names: Sequence[str], family: str = "") -> None:
-    """Write ``state`` (clients named ``names``) to ``path`` (a ``.npz`` file), atomically."""
+def save(path: str, state: RunState, names: Sequence[str], family: str = "", extra: Optional[dict] = None) -> None:
+    """Write ``state`` (clients named ``names``) to ``path`` (a ``.npz`` file), atomically;
+    ``extra``: further JSON entries of ``meta`` (e.g. a Flower run's id and sites)."""
     arrays, typed = _arrays(state, names)
-    meta = {"format": FORMAT, "version": VERSION, "round": int(state.round), "clients": list(names),
+    meta = {**(extra or {}), "format": FORMAT, "version": VERSION, "round": int(state.round), "clients": list(names),
             "family": family, "typed_keys": typed}
     arrays["meta"] = np.asarray(json.dumps(meta))
     tmp = f"{os.fspath(path)}.tmp.npz"

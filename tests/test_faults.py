@@ -269,6 +269,82 @@ def test_flower_backend_refuses_out_of_range_arguments(kwargs, match):
         FlowerBackend(_Grid(), progress="progress.txt")
 
 
+# ---------------------------------------------------------------- 15. resuming over Flower: what is refused
+def test_a_flower_resume_refuses_a_checkpoint_that_is_not_this_federations(tmp_path):
+    from numpyro_fed.flower.server import SERVER_CHECKPOINT
+
+    with pytest.raises(FileNotFoundError, match="resume_from='.*nothing.npz'\\): no checkpoint there"):
+        FlowerBackend(_Grid(), resume_from=str(tmp_path / "nothing.npz"))
+    inference, clients = _sfvi(), horizontal_data()
+    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    simulated = str(tmp_path / "simulated.npz")
+    inference.save(simulated, res)
+    setup = inference._setup_cache
+    backend = FlowerBackend(_Grid(), resume_from=simulated)
+    with pytest.raises(ValueError, match="is not a Flower server checkpoint \\(family 'sfvi'\\)"):
+        backend._resumed(setup.algorithm, setup.plan.names, random.PRNGKey(0))
+    from numpyro_fed import checkpoint
+
+    state = res.state._replace(clients=())
+    flower = str(tmp_path / "flower.npz")
+    checkpoint.save(flower, state, [], family=SERVER_CHECKPOINT, extra={"run_id": 7, "sites": ["a", "b", "c"]})
+    with pytest.raises(ValueError, match=r"written with sites \['a', 'b', 'c'\]; this run has \['0', '1', '2'\]"):
+        FlowerBackend(_Grid(), resume_from=flower)._resumed(setup.algorithm, setup.plan.names, random.PRNGKey(0))
+    checkpoint.save(flower, state, [], family=SERVER_CHECKPOINT, extra={"run_id": 7, "sites": ["0", "1", "2"]})
+    back, run_id = FlowerBackend(_Grid(), resume_from=flower)._resumed(setup.algorithm, setup.plan.names,
+                                                                     random.PRNGKey(0))
+    assert run_id == 7 and int(back.round) == 2
+    for a, b in zip(jax.tree_util.tree_leaves(back.server), jax.tree_util.tree_leaves(res.state.server)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _DeadNodeGrid:
+    """A Flower grid in which node 3 is listed (its heartbeat has not expired) but dead."""
+
+    def __init__(self):
+        self.pushed, self.pulls = {}, 0
+
+    def get_node_ids(self):
+        return [1, 2, 3]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = f"m{len(self.pushed)}"
+            m.metadata.__dict__["_message_id"] = mid  # as the SuperLink assigns it
+            self.pushed[mid] = m
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        self.pulls += 1
+        if self.pulls > 2000:  # about 100 s of polling: it waited for the dead node
+            raise AssertionError("the hello waited for a dead node")
+        shapes = json.dumps({"X": [[4, 3], "float32"], "y": [[4], "float32"]})
+        return [Message(content=RecordDict({"nf": ConfigRecord({"name": f"site{self.pushed[i].metadata.dst_node_id}",
+                                                                "shapes": shapes, "order": 0})}),
+                        reply_to=self.pushed[i]) for i in ids if self.pushed[i].metadata.dst_node_id != 3]
+
+
+def test_a_dead_node_still_listed_does_not_hold_up_the_hello(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from numpyro_fed.flower.demo import make_pvi
+    from numpyro_fed.flower.task import FlowerTask
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # as inside a ServerApp
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+    grid = _DeadNodeGrid()
+    backend = FlowerBackend(grid, first_timeout=1e6)  # without the early stop the hello would wait for node 3
+    template = backend.connect(FlowerTask(make_pvi, lambda config: None), 2)
+    assert template.names == ["site1", "site2"] and backend.nodes == [1, 2]
+    assert grid.pulls < 2000
+
+
 # ---------------------------------------------------------------- 8. no epsilon past the claim
 def _calibrated(family):
     marked = nf.dp_noise(linear, clip=2.0, delta=1e-3, epsilon=4.0)

@@ -34,15 +34,16 @@ RTOL, ATOL = 1e-6, 1e-6
 ROUNDS = 2
 
 
-def _federation(num_nodes, aggregator=False):
+def _federation(num_nodes, aggregator=False, tls=False):
     # numpyro-fed-seed: each node derives its key from run seed 0 as the simulation does
     return LocalFederation([{"partition-id": i, "numpyro-fed-seed": 0} for i in range(num_nodes)],
-                           app_files=APP_FILES, aggregator=aggregator)
+                           app_files=APP_FILES, aggregator=aggregator, tls=tls)
 
 
 @pytest.fixture(scope="module")
 def federation():
-    with _federation(3, aggregator=True) as fed:  # runs without secure_sum leave the aggregator out
+    # runs without secure_sum leave the aggregator out; every executor link is TLS (issue 28, item 13)
+    with _federation(3, aggregator=True, tls=True) as fed:
         pids = [p.pid for p in fed.procs]
         yield fed
     for pid in pids:  # every process it started is gone, and none of theirs is left
@@ -166,12 +167,17 @@ def test_the_executor_link_hands_tasks_only_to_the_holder_of_the_nodes_secret(fe
     secret = (federation.workdir / "secrets" / "superexec0.key").read_bytes()
     assert len(secret) == 32 and (os.stat(federation.workdir / "secrets" / "superexec0.key").st_mode & 0o077) == 0
     request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP], agentapp_fab_hashes=[])
-    for key, refused in ((None, True), (b"another secret", True), (secret, False)):
+    ca = federation.certificates["ca"].read_bytes()  # the link is TLS: a plain-HTTP client gets no answer
+
+    def client_with(key, tls=True):
         signer = [] if key is None else [SuperExecAuthHttpInterceptor(master_secret=key,
                                                                       protected_methods=ACQUIRE_METHODS)]
-        client = RuntimeHttpClient.from_server_address(
-            server_address=federation.runtime_apis[0], insecure=True, root_certificates=None,
+        return RuntimeHttpClient.from_server_address(
+            server_address=federation.runtime_apis[0], insecure=not tls, root_certificates=ca if tls else None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec"), *signer])
+
+    for key, refused in ((None, True), (b"another secret", True), (secret, False)):
+        client = client_with(key)
         try:
             if refused:
                 with pytest.raises(httpx.HTTPStatusError, match="401 Unauthorized"):
@@ -180,6 +186,12 @@ def test_the_executor_link_hands_tasks_only_to_the_holder_of_the_nodes_secret(fe
                 assert not client.AcquireTask(request).HasField("task")
         finally:
             client.close()
+    plain = client_with(secret, tls=False)
+    try:
+        with pytest.raises(httpx.HTTPError):  # even with the secret: the server speaks TLS only
+            plain.AcquireTask(request)
+    finally:
+        plain.close()
 
 
 def test_a_killed_supernode_drops_out_and_is_reported():
@@ -211,6 +223,75 @@ def test_a_killed_supernode_drops_out_and_is_reported():
     assert sorted({e.sender for e in check}) == ["0", "1"]
     assert flower["communication"]["bytes_up"] == result.communication.bytes_up + sum(e.nbytes for e in check)
     assert any("UncheckedFitWarning" in w and "did not answer" in w for w in flower["warnings"])
+
+
+def _schedule(flower, rounds, names):
+    """The (rounds, J) table of who answered, read from the result's ``missing`` list."""
+    table = np.ones((rounds, len(names)), bool)
+    for r, kind, lacked in flower["missing"]:
+        if kind == "round":
+            for n in lacked:
+                table[r - 1, names.index(n)] = False
+    return table
+
+
+def test_a_restarted_supernode_rejoins_under_its_site_name_with_its_stored_state(tmp_path):
+    """Issue 28, item 15: SuperNode 2 is killed (SIGKILL) after round 2 of 6 and started again
+    with the same node config; Flower gives it a new node id. Before a later round the server
+    finds it, it answers the hello with site '2', gets the site's set-up as a ``rejoin`` and
+    takes its state from the node's own storage (``numpyro-fed-state-dir``, the checkpoint
+    format). The site answers again from then on, and the run equals the simulation in which
+    '2' was unavailable exactly in the rounds it missed (its state untouched meanwhile)."""
+    rounds = 6
+    configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
+               for i in range(3)]
+    with LocalFederation(configs, app_files=APP_FILES) as fed:
+        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=8.0, keep_values=True)
+        deadline = time.monotonic() + 400
+        while fed.progress(handle) < 2 and time.monotonic() < deadline and handle[0].poll() is None:
+            time.sleep(0.1)
+        assert fed.progress(handle) == 2
+        fed.kill_node(2)
+        fed.restart_node(2)
+        flower = fed.wait(handle, timeout=600)
+    assert [(name, old != new) for _, name, old, new in flower["rejoined"]] == [("2", True)]
+    back = flower["rejoined"][0][0]
+    assert 4 <= back <= rounds  # it missed round 3 at least, then answered again
+    names = flower["clients"]
+    schedule = _schedule(flower, rounds, names)
+    assert not schedule[2, 2] and schedule[back - 1:, 2].all() and schedule[:, :2].all()
+    assert any("client '2' rejoined before round" in w for w in flower["warnings"])
+    assert sorted(p.name for p in (tmp_path / "site2").iterdir()) == [f"run-{p.name.split('-')[1]}-2.npz"
+                                                                       for p in (tmp_path / "site2").iterdir()]
+    inference, inputs, result, keys = _simulate("pvi", rounds, availability=schedule)
+    _assert_same(flower, result)  # the rejoined client went on from its stored state, not a fresh one
+
+
+def test_a_flower_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path):
+    """Issue 28, item 15: a Flower run with ``checkpoint=`` writes the server's part (its state,
+    broadcast, keys and round, with the run id and sites) each round, and each site keeps its
+    state per round on its node. A new run with ``resume=`` that checkpoint goes on from it:
+    2 rounds, then 2 resumed rounds, equal the simulation's 4 rounds in one run."""
+    configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
+               for i in range(3)]
+    server_ckpt = tmp_path / "server.npz"
+    with LocalFederation(configs, app_files=APP_FILES) as fed:
+        first = fed.run("flower_tasks:pvi", 2, seed=0, checkpoint=str(server_ckpt))
+        resumed = fed.run("flower_tasks:pvi", 2, seed=5, resume=str(server_ckpt),  # the checkpoint's keys win
+                          checkpoint=str(tmp_path / "again.npz"))
+    from numpyro_fed.checkpoint import read_meta
+
+    meta, again = read_meta(str(server_ckpt)), read_meta(str(tmp_path / "again.npz"))
+    assert meta["family"] == "flower.server" and meta["sites"] == first["clients"] and meta["round"] == 2
+    assert again["round"] == 4 and again["run_id"] != meta["run_id"]
+    stored = sorted(p.name.split("-round-")[1] for p in (tmp_path / "site0").glob("*-round-*"))
+    assert stored  # per-round states on the node, pruned to those a resume could need
+    _, _, result, _ = _simulate("pvi", 4)
+    got, want = jax.tree_util.tree_leaves(resumed["server_state"]), jax.tree_util.tree_leaves(result.state.server)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.concatenate([first["trace"], resumed["trace"]]), np.asarray(result.trace),
+                               rtol=RTOL, atol=ATOL)
 
 
 def test_flower_demo_command_matches_the_simulation_and_leaves_no_process(tmp_path):

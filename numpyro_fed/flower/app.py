@@ -14,6 +14,9 @@ A Flower app's ``pyproject.toml`` names them::
     reply-timeout = 60.0                 # seconds per exchange (first round: first-timeout)
     first-timeout = 600.0
     out = ""                             # where the ServerApp writes its result ("": nowhere)
+    checkpoint = ""                      # the server's checkpoint file ("": none); the clients keep
+    checkpoint-every = 0                 #   theirs on their nodes (numpyro-fed-state-dir); 0: 10 per run
+    resume = ""                          # a server checkpoint to resume from ("": a new fit)
     keep-values = false                  # keep the transcript's arrays in the result (audits)
 
 The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds the task's
@@ -57,7 +60,9 @@ def _server_main(grid, context) -> None:
 
         backend = FlowerBackend(grid, reply_timeout=float(cfg.get("reply-timeout", 60.0)),
                                 first_timeout=float(cfg.get("first-timeout", 600.0)), progress=progress,
-                                on_setup_failure=str(cfg.get("on-setup-failure", "raise")))
+                                on_setup_failure=str(cfg.get("on-setup-failure", "raise")),
+                                resume_from=str(cfg["resume"]) if str(cfg.get("resume", "")) else None,
+                                run_id=int(context.run_id))
         num_rounds = int(cfg["num-rounds"])
         template = backend.connect(task, int(cfg["num-clients"]))
         server_data = task.load_server() if task.load_server is not None else None
@@ -67,13 +72,15 @@ def _server_main(grid, context) -> None:
             warnings.simplefilter("always")
             run = call_run(inference, inputs, jax.random.PRNGKey(int(cfg.get("seed", 0))), num_rounds,
                            progress_bar=False, record_transcript=True, keep_values=bool(cfg.get("keep-values", False)),
-                           backend=backend, **task.run_options)
+                           backend=backend, checkpoint=str(cfg["checkpoint"]) if str(cfg.get("checkpoint", "")) else None,
+                           checkpoint_every=int(cfg["checkpoint-every"]) if int(cfg.get("checkpoint-every", 0)) else None,
+                           **task.run_options)
         to_np = (lambda t: jax.tree_util.tree_map(np.asarray, t))
         result.update(
             params=to_np(run.params), trace=np.asarray(run.trace), info=to_np(run.info),
             server_state=to_np(run.state.server), communication=run.communication._asdict(),
             transcript=run.transcript, rounds_answered=np.asarray(run.rounds_answered), clients=template.names,
-            missing=backend.missing, timings=backend.timings, errors=backend.errors, round_seconds=backend.round_seconds,
+            missing=backend.missing, rejoined=backend.rejoined, timings=backend.timings, errors=backend.errors, round_seconds=backend.round_seconds,
             warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
         )
         result["fit_check"] = getattr(inference, "last_fit_check", None)  # SFVI: checked with the clients' terms

@@ -7,8 +7,18 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
 - ``query`` / ``setup``: the template (every party's shapes), this client's index and the
   planned rounds; the client builds the algorithm, draws its own PRNG key from local
   entropy (``os.urandom``) and initialises its state;
+- ``query`` / ``rejoin``: as ``setup``, to a node that joined during the run under a site
+  name the server knows (a restarted SuperNode gets a new node id): the client rebuilds the
+  algorithm and takes its state from the node's own storage instead of initialising;
 - ``train`` / ``exchange``: one exchange's broadcast; the client runs the algorithm's
   ``client_step`` and answers its message.
+
+**Node-side storage.** With ``numpyro-fed-state-dir = "PATH"`` in the node config, the client
+writes its state (its key and the algorithm's state) after set-up and after every exchange
+to ``PATH/run-<run id>-<site name>.npz``, in the checkpoint format
+(:mod:`numpyro_fed.checkpoint`: one client, no server state), atomically. A restarted node
+then rejoins the run where it left off. The folder is the site's own (its data's privacy
+applies: the state holds the client's key); nothing of it is sent.
 
 The client's state (its key and the algorithm's state) lives in the node's
 ``context.state``, never in Python globals. What a process keeps between messages is only
@@ -42,6 +52,8 @@ __all__ = ["client_key", "make_client_app"]
 #: node_config key for reproducing the simulation's client keys (tests and studies only:
 #: with it the client's key derives from this seed as in ``SimulationBackend.init``)
 SEED_KEY = "numpyro-fed-seed"
+#: node_config key: the folder where the client keeps its state between messages (rejoin)
+STATE_DIR_KEY = "numpyro-fed-state-dir"
 _SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))  # the simulation's secure sum (backends.simulation._aggregate)
 
 
@@ -138,17 +150,133 @@ def _hello(message, context):
     return _reply(message, {"name": str(name), "shapes": json.dumps(shapes_of(arrays)), "order": int(order)})
 
 
-def _setup(message, context):
+def _set_up(message, context) -> None:
     from flwr.app import ConfigRecord
 
     cfg = message.content["nf"]
     text = json.dumps({"template": str(cfg["template"]), "index": int(cfg["index"]),
-                       "num_rounds": int(cfg["num_rounds"]), "aggregator_key": str(cfg.get("aggregator_key", ""))})
+                       "num_rounds": int(cfg["num_rounds"]), "aggregator_key": str(cfg.get("aggregator_key", "")),
+                       "checkpoint_every": int(cfg.get("checkpoint_every", 0))})
+    if int(cfg.get("checkpoint_every", 0)) and STATE_DIR_KEY not in context.node_config:
+        raise ValueError(f"the server checkpoints this run (checkpoint=), and this node keeps no state to resume "
+                         f"from: give it {STATE_DIR_KEY} = \"FOLDER\" in its node config")
     context.state["nf.setup"] = ConfigRecord({"text": text})
+
+
+def _setup(message, context):
+    _set_up(message, context)
     built = _built(context)
-    J = len(parse_template(str(cfg["template"])).clients)
+    J = len(parse_template(str(message.content["nf"]["template"])).clients)
     k_init, own = random.split(client_key(context.node_config, built.index, J))
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
+    context.state["nf.slot"] = to_record(slot)
+    _store(context, built, slot)
+    _store_round(context, built, slot, 0)
+    return _reply(message, {"ok": True})
+
+
+def _stored_path(context, name: str):
+    folder = context.node_config.get(STATE_DIR_KEY)
+    if folder is None:
+        return None
+    return os.path.join(os.path.expanduser(str(folder)), f"run-{int(context.run_id)}-{name}.npz")
+
+
+def _store(context, built: _Built, slot: ClientSlot) -> None:
+    """The client's state to the node's own storage (when configured), in the checkpoint format."""
+    path = _stored_path(context, built.name)
+    if path is None:
+        return
+    from .. import checkpoint
+    from ..protocol import RunState
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    zero = np.zeros((2,), np.uint32)
+    checkpoint.save(path, RunState(np.int32(0), (), zero, (), (slot,), zero), [built.name], family="flower.node")
+
+
+def _restore(context, built: _Built) -> ClientSlot:
+    """The state :func:`_store` kept for this run and site (raises when there is none)."""
+    path = _stored_path(context, built.name)
+    if path is None:
+        raise ValueError(f"client {built.name!r} cannot rejoin: its node keeps no state ({STATE_DIR_KEY} is not in "
+                         f"its node config)")
+    return _load_slot(context, built, path)
+
+
+def _round_path(context, run_id: int, name: str, rnd: int):
+    return os.path.join(os.path.expanduser(str(context.node_config[STATE_DIR_KEY])),
+                        f"run-{int(run_id)}-{name}-round-{int(rnd)}.npz")
+
+
+def _round_files(context, run_id: int, name: str) -> Dict[int, str]:
+    """This site's per-round states of run ``run_id`` on this node: ``{round: path}``."""
+    folder = os.path.expanduser(str(context.node_config[STATE_DIR_KEY]))
+    prefix, found = f"run-{int(run_id)}-{name}-round-", {}
+    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
+        if entry.startswith(prefix) and entry.endswith(".npz") and entry[len(prefix):-4].isdigit():
+            found[int(entry[len(prefix):-4])] = os.path.join(folder, entry)
+    return found
+
+
+def _store_round(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
+    """With server checkpoints every ``k`` rounds: the client's state after round ``rnd`` (a
+    resume from the server's checkpoint at round ``c`` takes the latest at or before ``c``). Files
+    no resume can need are removed: those before the latest at or before ``rnd - k``."""
+    every = int(json.loads(str(context.state["nf.setup"]["text"])).get("checkpoint_every", 0))
+    if not every:
+        return
+    from .. import checkpoint
+    from ..protocol import RunState
+
+    zero = np.zeros((2,), np.uint32)
+    checkpoint.save(_round_path(context, context.run_id, built.name, rnd),
+                    RunState(np.int32(rnd), (), zero, (), (slot,), zero), [built.name], family="flower.node")
+    files = _round_files(context, context.run_id, built.name)
+    older = [r for r in files if r <= rnd - every]
+    if older:
+        for r in [r for r in files if r < max(older)]:
+            os.remove(files[r])
+
+
+def _load_slot(context, built: _Built, path: str) -> ClientSlot:
+    from .. import checkpoint
+    from ..protocol import RunState
+
+    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
+    zero = jax.ShapeDtypeStruct((2,), np.uint32)
+    template = RunState(jax.ShapeDtypeStruct((), np.int32), (), zero, (), (like,), zero)
+    return checkpoint.load(path, template, [built.name]).clients[0]
+
+
+def _resume(message, context):
+    """A run resumed from the server's checkpoint at round ``c`` of run ``from_run``: rebuild,
+    then take this site's state after the latest round at or before ``c`` it completed then
+    (its state did not change in rounds it missed)."""
+    _set_up(message, context)
+    built = _built(context)
+    if STATE_DIR_KEY not in context.node_config:
+        raise ValueError(f"client {built.name!r} cannot resume: its node keeps no state ({STATE_DIR_KEY})")
+    cfg = message.content["nf"]
+    at = int(cfg["round"])
+    files = _round_files(context, int(cfg["from_run"]), built.name)
+    usable = [r for r in files if r <= at]
+    if not usable:
+        raise ValueError(f"client {built.name!r} cannot resume run {int(cfg['from_run'])} at round {at}: no state of "
+                         f"a round at or before it on this node (stored rounds: {sorted(files)})")
+    slot = _load_slot(context, built, files[max(usable)])
+    context.state["nf.slot"] = to_record(slot)
+    _store(context, built, slot)
+    _store_round(context, built, slot, at)
+    return _reply(message, {"ok": True})
+
+
+def _rejoin(message, context):
+    """A restarted node, under a site name the server knows: rebuild, then take the state the node
+    stored (never a fresh one: that would silently restart the client's fit)."""
+    _set_up(message, context)
+    built = _built(context)
+    slot = _restore(context, built)
     context.state["nf.slot"] = to_record(slot)
     return _reply(message, {"ok": True})
 
@@ -165,6 +293,9 @@ def _exchange(message, context):
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
     slot, out = built.steps[e](slot, broadcast, built.data)
     context.state["nf.slot"] = to_record(slot)
+    _store(context, built, slot)
+    if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done
+        _store_round(context, built, slot, int(message.content["nf"]["round"]) + 1)
     secure = built.algorithm.exchanges[e].secure_sum
     if secure:  # sealed for the trusted aggregator; the server only relays it
         if not built.aggregator_key:
@@ -240,6 +371,8 @@ FAILURE_CODE = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION (
 FAILED = {
     "hello": "loading its data failed",
     "setup": "its set-up failed",
+    "rejoin": "its rejoin failed (no state stored on its node for this run, or it does not fit)",
+    "resume": "its resume failed (no state stored on its node for that run and round, or it does not fit)",
     "ledger": "reading its privacy ledger failed",
     "exchange": "its step failed",
     "aggregate": "the secure sum failed",
@@ -284,7 +417,7 @@ def make_client_app():
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
-    queries = {"hello": _hello, "setup": _setup, "ledger": _ledger}
+    queries = {"hello": _hello, "setup": _setup, "rejoin": _rejoin, "resume": _resume, "ledger": _ledger}
     trains = {"aggregate": _aggregate, "client_value": _client_value}
 
     @app.query()

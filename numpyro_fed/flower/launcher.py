@@ -56,6 +56,9 @@ reply-timeout = 60.0
 first-timeout = 600.0
 out = ""
 keep-values = false
+checkpoint = ""
+checkpoint-every = 0
+resume = ""
 """
 
 
@@ -132,6 +135,41 @@ def _exists(pid: int) -> bool:
         return False
 
 
+def _loopback_certificates(folder: Path) -> Dict[str, Path]:
+    """A throw-away CA and a certificate for 127.0.0.1 signed by it (ECDSA P-256, valid one day),
+    for TLS on loopback links in tests and demos: ``{"ca", "cert", "key"}`` PEM files (the key 0600)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "numpyro_fed LocalFederation CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": folder / "ca.pem", "cert": folder / "node.pem", "key": folder / "node.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption()))
+    return paths
+
+
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -158,11 +196,14 @@ class LocalFederation:
         aggregator: also start one SuperNode as the trusted aggregator (node config
             ``numpyro-fed-role = "aggregator"``, after the others) for algorithms with
             ``secure_sum`` exchanges (``trusted_aggregator=True``).
+        tls: serve each SuperNode's runtime API (its executor link) over TLS, with a
+            throw-away CA and a certificate for 127.0.0.1 made for this federation; the
+            executors verify it (``--root-certificates``).
     """
 
     def __init__(self, node_configs: Sequence[Mapping[str, Any]], *, workdir: Optional[str] = None,
                  app_files: Optional[Mapping[str, str]] = None, executor: bool = True,
-                 start_timeout: float = 60.0, aggregator: bool = False) -> None:
+                 start_timeout: float = 60.0, aggregator: bool = False, tls: bool = False) -> None:
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="nf-flower-")
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.node_configs = [dict(c) for c in node_configs]
@@ -171,6 +212,10 @@ class LocalFederation:
 
             self.node_configs.append({ROLE_KEY: "aggregator"})
         self.executor = bool(executor)
+        self.tls = bool(tls)
+        if self.tls and not self.executor:
+            raise ValueError("LocalFederation(tls=True) secures the executor link: it needs executor=True")
+        self.certificates: Optional[Dict[str, Path]] = None  # with tls=True: the CA and the nodes' certificate
         self.start_timeout = float(start_timeout)
         self.home = self.workdir / "flwr-home"
         self.app = self.workdir / "app"
@@ -226,6 +271,13 @@ class LocalFederation:
         if self.executor:
             secret = self._secret(i)
             args += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
+        executor_tls = []
+        if self.tls:
+            if self.certificates is None:
+                self.certificates = _loopback_certificates(self.workdir / "certificates")
+            c = self.certificates
+            args += ["--ssl-certfile", str(c["cert"]), "--ssl-keyfile", str(c["key"]), "--ssl-ca-certfile", str(c["ca"])]
+            executor_tls = ["--root-certificates", str(c["ca"])]
         node = self._spawn(args, f"supernode{i}.log")
         _wait_port(port, self.start_timeout, node, f"SuperNode {i}", self.workdir / f"supernode{i}.log")
         self.runtime_apis[i] = f"127.0.0.1:{port}"
@@ -233,7 +285,8 @@ class LocalFederation:
         if self.executor:
             procs.append(self._spawn([sys.executable, "-m", "numpyro_fed", "flower-client", "--runtime-api",
                                       f"127.0.0.1:{port}", "--parent-pid", str(node.pid),
-                                      "--superexec-auth-secret-file", str(secret)], f"executor{i}.log"))
+                                      "--superexec-auth-secret-file", str(secret), *executor_tls],
+                                     f"executor{i}.log"))
         return procs
 
     def _secret(self, i: int) -> Path:
@@ -255,6 +308,14 @@ class LocalFederation:
                 except ProcessLookupError:
                     pass
             proc.wait()
+
+    def restart_node(self, i: int) -> None:
+        """Start SuperNode ``i`` again (after :meth:`kill_node`), with its node config: Flower gives
+        it a new node id; with ``numpyro-fed-state-dir`` in its config its site rejoins a run
+        under its name, with the state it stored (:mod:`numpyro_fed.flower.client`)."""
+        if any(proc.poll() is None for proc in self.nodes[i]):
+            raise FederationError(f"SuperNode {i} is still running: kill_node({i}) first")
+        self.nodes[i] = self._start_node(i)
 
     def close(self) -> None:
         """Stop every process this federation started (children before parents)."""

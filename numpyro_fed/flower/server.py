@@ -22,6 +22,7 @@ simulation a dropped client's state is rolled back): the next round it continues
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -42,6 +43,7 @@ from .wire import Template, WireStructures, describe, from_record, to_record, wi
 __all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
 
 
+SERVER_CHECKPOINT = "flower.server"  # the family of a Flower run's server checkpoint
 _UNSUPPORTED = ("FlowerBackend.run does not support {what} yet (it is supported by the simulation backend); "
                 "run without it")
 
@@ -77,7 +79,8 @@ class FlowerBackend:
     """
 
     def __init__(self, grid: Any, *, reply_timeout: float = 60.0, first_timeout: float = 600.0, poll: float = 0.05,
-                 progress: Optional[Callable] = None, on_setup_failure: str = "raise") -> None:
+                 progress: Optional[Callable] = None, on_setup_failure: str = "raise",
+                 resume_from: Optional[str] = None, run_id: int = 0) -> None:
         if grid is None or not callable(getattr(grid, "push_messages", None)):
             raise TypeError(f"FlowerBackend(grid=...): expected the ServerApp's flwr Grid, got a {type(grid).__name__}")
         self.grid = grid
@@ -92,6 +95,10 @@ class FlowerBackend:
             raise ValueError(f"FlowerBackend(on_setup_failure={on_setup_failure!r}): choose 'raise' (default: a site "
                              f"whose set-up fails stops the run) or 'absent' (fit without it, reported)")
         self.on_setup_failure = on_setup_failure
+        if resume_from is not None and not os.path.isfile(resume_from):
+            raise FileNotFoundError(f"FlowerBackend(resume_from={resume_from!r}): no checkpoint there")
+        self.resume_from = resume_from  # a server checkpoint (checkpoint= of an earlier Flower run)
+        self.run_id = int(run_id)  # this Flower run's id (the ServerApp's context.run_id): in checkpoints
         self.template: Optional[Template] = None
         self.nodes: List[int] = []
         self.missing: List[tuple] = []  # (round, exchange, [client names]) that did not answer
@@ -101,10 +108,14 @@ class FlowerBackend:
         self.collect_ledgers = False  # ask each client for its privacy ledger after the last round (DP runs)
         self.aggregator: Optional[int] = None  # the trusted aggregator's node (numpyro-fed-role = "aggregator")
         self.aggregator_key = ""  # its public key (hex), relayed to the clients at set-up
+        self.rejoined: List[tuple] = []  # (round, client name, old node, new node): sites that came back
+        self._seen: set = set()  # nodes asked for their name already (ours, the aggregator, strangers)
 
     # ------------------------------------------------------------------ messaging
-    def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float):
-        """Push one message per node; pull until all answered or ``timeout``. Returns
+    def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
+              enough: Optional[Callable] = None, grace: float = 2.0):
+        """Push one message per node; pull until all answered or ``timeout`` (or, with
+        ``enough``, ``grace`` seconds after ``enough(replies)`` first holds). Returns
         ``{node id: reply}`` of the nodes that answered without an error."""
         from flwr.app import Message
 
@@ -123,6 +134,8 @@ class FlowerBackend:
                     self.errors[self._name(node)] = server_side_reason(reply.error.code, reply.error.reason)
                 else:
                     replies[node] = reply
+            if enough is not None and enough(replies):
+                deadline, enough = min(deadline, time.monotonic() + grace), None
             if waiting:
                 time.sleep(self.poll)
         return replies
@@ -147,7 +160,10 @@ class FlowerBackend:
         if len(nodes) < num_clients:
             raise TimeoutError(f"only {len(nodes)} of {num_clients} SuperNodes connected within {timeout:.0f} s")
         hello = [RecordDict({"nf": ConfigRecord({"kind": "hello"})}) for _ in nodes]
-        replies = self._send(nodes, hello, "query", self.first_timeout)
+        # a node that died lingers in Flower's list until its heartbeat expires: once num_clients sites
+        # have answered, the others get a short grace (e.g. for the aggregator), not first_timeout
+        named = (lambda got: sum(bool(str(r.content["nf"]["name"])) for r in got.values()) >= num_clients)
+        replies = self._send(nodes, hello, "query", self.first_timeout, enough=named)
         aggregators = [n for n, r in replies.items() if str(r.content["nf"].get("role", "")) == "aggregator"]
         if len(aggregators) > 1:
             raise RuntimeError(f"{len(aggregators)} nodes say they are the trusted aggregator; start one")
@@ -208,9 +224,11 @@ class FlowerBackend:
 
         del progress_bar
         for what, value in (("availability= (dropout is real over Flower)", availability),
-                            ("init_state= (resuming)", init_state), ("checkpoint=", checkpoint)):
+                            ("init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on "
+                             "their nodes)", init_state)):
             if value is not None:
                 raise ValueError(_UNSUPPORTED.format(what=what))
+        every = self._checkpoint_every(checkpoint, checkpoint_every, num_rounds)
         if on_nonfinite not in GUARDS:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
         if self.template is None:
@@ -231,9 +249,12 @@ class FlowerBackend:
 
         # set-up: every client builds the same algorithm from the template and keys itself
         text = describe(self.template)
-        setup = [RecordDict({"nf": ConfigRecord({"kind": "setup", "template": text, "index": j,
-                                                 "num_rounds": int(num_rounds),
-                                                 "aggregator_key": self.aggregator_key})}) for j in range(J)]
+        resumed = self._resumed(algorithm, names, rng_key) if self.resume_from is not None else None
+        kind = {"kind": "setup"} if resumed is None else {"kind": "resume", "from_run": resumed[1],
+                                                            "round": int(resumed[0].round)}
+        setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j, "num_rounds": int(num_rounds),
+                                                 "aggregator_key": self.aggregator_key,
+                                                 "checkpoint_every": int(every)})}) for j in range(J)]
         ready = self._send(self.nodes, setup, "query", self.first_timeout)
         alive = [n in ready for n in self.nodes]
         self._check_setup(names, alive)
@@ -241,7 +262,11 @@ class FlowerBackend:
 
         k_server, _, k_env = random.split(rng_key, 3)  # the clients' keys are their own
         k_init, server_key = random.split(k_server)
-        server, broadcast = jax.jit(algorithm.init_server)(k_init)
+        if resumed is None:
+            server, broadcast = jax.jit(algorithm.init_server)(k_init)
+        else:
+            server, server_key, broadcast = resumed[0].server, resumed[0].server_key, resumed[0].broadcast
+        start = 0 if resumed is None else int(resumed[0].round)
         select = jax.jit(algorithm.select)
         # the secure_sum fields arrive summed by the trusted aggregator
         steps = [jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges]
@@ -249,10 +274,16 @@ class FlowerBackend:
         monitor = algorithm.monitor or (lambda info: jnp.zeros(()))
         infos, figures, asked_log, answered_log = [], [], [], []
         up = down = msgs_up = msgs_down = 0
-        state = RunState(jnp.zeros((), jnp.int32), server, server_key, broadcast, None, k_env)
-        for r in range(int(num_rounds)):
+        state = RunState(jnp.asarray(start, jnp.int32), server, server_key, broadcast, None, k_env)
+        if every:
+            self._save(checkpoint, state, names)
+        lost = [not a for a in alive]  # did not answer the last time asked: may come back on a new node
+        self._seen = set(self.nodes) | {self.aggregator}
+        for r in range(start, start + int(num_rounds)):
             t0 = time.perf_counter()
-            timeout = self.first_timeout if r == 0 else self.reply_timeout
+            if r > start and any(lost):
+                self._take_back(r, setup, alive, lost)
+            timeout = self.first_timeout if r == start else self.reply_timeout
             server_key, k_select, *k_ex = random.split(state.server_key, 2 + len(algorithm.exchanges))
             asked = np.asarray(select(k_select, server)) & np.asarray(alive)
             answered = asked.copy()
@@ -303,6 +334,9 @@ class FlowerBackend:
                 server, broadcast, info = steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
                                                                                    plan.server_data))
                 round_infos.append(info)
+            for j in range(J):
+                if asked[j]:
+                    lost[j] = not answered[j]
             lacked = [names[j] for j in range(J) if asked[j] and not answered[j]]
             if lacked:
                 self.missing.append((r + 1, "round", lacked))
@@ -324,6 +358,8 @@ class FlowerBackend:
             asked_log.append(asked)
             answered_log.append(answered.copy())
             self.round_seconds.append(time.perf_counter() - t0)
+            if every and (int(state.round) % every == 0 or r == start + int(num_rounds) - 1):
+                self._save(checkpoint, state, names)
             for callback in callbacks:
                 callback(int(state.round), state, info)
             if self.progress is not None:
@@ -343,6 +379,84 @@ class FlowerBackend:
             transcript=transcript,
             rounds_answered=np.asarray([a.sum() for a in answered_log]),
         )
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_every(self, checkpoint, every, num_rounds: int) -> int:
+        """Rounds between two server checkpoints (0: none); the destination checked first."""
+        if checkpoint is None:
+            if every is not None:
+                raise ValueError("checkpoint_every= needs checkpoint= (the server's checkpoint file)")
+            return 0
+        from .. import checkpoint as ckpt
+        from ..backends.simulation import CHECKPOINTS_PER_RUN
+
+        ckpt.check_destination(checkpoint)
+        if every is None:
+            return max(1, -(-int(num_rounds) // CHECKPOINTS_PER_RUN))
+        if int(every) != every or every < 1:
+            raise ValueError(f"checkpoint_every={every!r}: a positive integer")
+        return int(every)
+
+    def _save(self, path: str, state: RunState, names: Sequence[str]) -> None:
+        """The server's part of a checkpoint: its state, its broadcast and keys, the round, and (in
+        ``meta``) this Flower run's id and its sites. Each client keeps its own part on its node
+        (``numpyro-fed-state-dir``), one file per round it completed."""
+        from .. import checkpoint as ckpt
+
+        ckpt.save(path, state._replace(clients=()), [], family=SERVER_CHECKPOINT,
+                  extra={"run_id": int(self.run_id), "sites": list(names)})
+
+    def _resumed(self, algorithm, names: Sequence[str], rng_key) -> tuple:
+        """``(state, run id)`` of the server checkpoint at :attr:`resume_from`, checked against this
+        run's sites and algorithm (every leaf's shape and dtype)."""
+        from .. import checkpoint as ckpt
+
+        meta = ckpt.read_meta(self.resume_from)
+        if meta.get("family") != SERVER_CHECKPOINT:
+            raise ValueError(f"the checkpoint at {self.resume_from} is not a Flower server checkpoint (family "
+                             f"{meta.get('family')!r}); write one with checkpoint= in a Flower run")
+        if list(meta.get("sites", ())) != list(names):
+            raise ValueError(f"the checkpoint at {self.resume_from} was written with sites {meta.get('sites')}; this "
+                             f"run has {list(names)}. Resume with the same sites")
+        key_impl = meta.get("typed_keys", {}).get("server_key")
+        key = jax.random.PRNGKey(0) if key_impl is None else jax.random.key(0, impl=key_impl)
+
+        def init(k):
+            server, broadcast = algorithm.init_server(k)
+            return RunState(jnp.zeros((), jnp.int32), server, k, broadcast, (), k)
+
+        state = ckpt.load(self.resume_from, jax.eval_shape(init, key), [])
+        return state, int(meta["run_id"])
+
+    def _take_back(self, r: int, setup: Sequence, alive: List[bool], lost: List[bool]) -> None:
+        """Before round ``r + 1``: a node that joined since (a restarted SuperNode has a new node id)
+        and answers the hello with the name of a site that stopped answering is that site again. It
+        is sent the site's set-up as a ``rejoin`` (its state comes from its node's own storage), and
+        from then on asked in its place; the old node id is dropped. Recorded in :attr:`rejoined`."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        new = [int(n) for n in self.grid.get_node_ids() if int(n) not in self._seen]
+        if not new:
+            return
+        names = self.template.names
+        hello = [RecordDict({"nf": ConfigRecord({"kind": "hello"})}) for _ in new]
+        replies = self._send(new, hello, "query", self.reply_timeout)
+        for node in new:
+            reply = replies.get(node)
+            if reply is None:  # not ready, or failed: asked again before the next round
+                continue
+            self._seen.add(node)
+            name = str(reply.content["nf"]["name"])
+            if name not in names or not lost[names.index(name)]:
+                continue  # another task's node, or a duplicate of a site that still answers: left out
+            j = names.index(name)
+            content = RecordDict({"nf": ConfigRecord({**dict(setup[j]["nf"].items()), "kind": "rejoin"})})
+            if node in self._send([node], [content], "query", self.first_timeout):
+                old, self.nodes[j] = self.nodes[j], node
+                alive[j], lost[j] = True, False
+                self.rejoined.append((r + 1, name, old, node))
+            else:
+                self.errors[name] = self.errors.pop(f"node {node}", "no answer to its rejoin")
 
     def client_values(self, name: str, payloads: Dict[int, Any], like: Any, transcript=None,
                       rnd: int = 0) -> Dict[int, Any]:
@@ -426,9 +540,11 @@ class FlowerBackend:
                 by_client.setdefault(name, []).append(rnd)
         parts = [f"client {n!r} missed round(s) {rs}" + (f" (its error: {self.errors[n]})" if n in self.errors else "")
                  for n, rs in by_client.items()]
+        back = "".join(f"; client {n!r} rejoined before round {rnd} on a new node (its state from its node's "
+                       f"storage)" for rnd, n, _, _ in self.rejoined)
         warnings.warn("the fit continued without some clients (the dropout policy: a client that does not "
                       "answer within the reply timeout is left out of that round's server step): "
-                      + "; ".join(parts) + " (round 0 is the set-up)", MissingClientsWarning, stacklevel=3)
+                      + "; ".join(parts) + back + " (round 0 is the set-up)", MissingClientsWarning, stacklevel=3)
 
 
 class ClientLedger(NamedTuple):
