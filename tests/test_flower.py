@@ -194,6 +194,17 @@ def test_the_executor_link_hands_tasks_only_to_the_holder_of_the_nodes_secret(fe
         plain.close()
 
 
+def _pvi_killing_node_2_after_round_2(fed, rounds):
+    """Submit a PVI run (reply timeout 8 s) and kill SuperNode 2 (SIGKILL) once round 2 is done."""
+    handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=8.0, keep_values=True)
+    deadline = time.monotonic() + 400
+    while fed.progress(handle) < 2 and time.monotonic() < deadline and handle[0].poll() is None:
+        time.sleep(0.1)
+    assert fed.progress(handle) == 2
+    fed.kill_node(2)
+    return handle
+
+
 def test_a_killed_supernode_drops_out_and_is_reported():
     """Item 3: SuperNode 2 is killed (SIGKILL) after round 2 of 5; the fit continues with the
     other two (the dropout policy: a client that does not answer within the reply timeout
@@ -202,12 +213,7 @@ def test_a_killed_supernode_drops_out_and_is_reported():
     for PVI: rounds 1-2 ran with every client). The transcript audit (item 2) holds."""
     rounds = 5
     with _federation(3) as fed:
-        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=8.0, keep_values=True)
-        deadline = time.monotonic() + 400
-        while fed.progress(handle) < 2 and time.monotonic() < deadline and handle[0].poll() is None:
-            time.sleep(0.1)
-        assert fed.progress(handle) == 2
-        fed.kill_node(2)
+        handle = _pvi_killing_node_2_after_round_2(fed, rounds)
         flower = fed.wait(handle, timeout=400)
     lacked = [(r, names) for r, kind, names in flower["missing"] if kind == "round"]
     assert [r for r, _ in lacked] == [3, 4, 5] and all(names == ["2"] for _, names in lacked)
@@ -246,12 +252,7 @@ def test_a_restarted_supernode_rejoins_under_its_site_name_with_its_stored_state
     configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
                for i in range(3)]
     with LocalFederation(configs, app_files=APP_FILES) as fed:
-        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=8.0, keep_values=True)
-        deadline = time.monotonic() + 400
-        while fed.progress(handle) < 2 and time.monotonic() < deadline and handle[0].poll() is None:
-            time.sleep(0.1)
-        assert fed.progress(handle) == 2
-        fed.kill_node(2)
+        handle = _pvi_killing_node_2_after_round_2(fed, rounds)
         fed.restart_node(2)
         flower = fed.wait(handle, timeout=600)
     assert [(name, old != new) for _, name, old, new in flower["rejoined"]] == [("2", True)]
