@@ -1,0 +1,155 @@
+"""Issue 29's design counts of the package, by reading its source (nothing is imported but the
+package's ``__all__``): ``python tools/design_counts.py [--json]``.
+
+- functions (and methods) over 80 lines;
+- imports of a private name (``_x``) from another numpyro_fed module;
+- import cycles between numpyro_fed modules (function-local imports included);
+- validation written inline instead of one shared check: raises whose message says "positive
+  integer", ``hasattr(x, "init") and hasattr(x, "update")`` optimiser checks, and
+  ``isinstance(x, Clients)`` checks, each counted where it stands;
+- the public names, ``len(numpyro_fed.__all__)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Set
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "numpyro_fed"
+LONG = 80
+
+
+def _modules() -> Dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def counts() -> dict:
+    modules = _modules()
+    long_functions: List[str] = []
+    private_imports: List[str] = []
+    graph: Dict[str, Set[str]] = {m: set() for m in modules}
+    inline: Dict[str, List[str]] = {"positive integer": [], "optax optimiser": [], "isinstance Clients": []}
+    for name, path in modules.items():
+        text = path.read_text()
+        tree = ast.parse(text)
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(name, node, is_package)
+                if not target.startswith("numpyro_fed"):
+                    continue
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    graph[name].add(full if full in modules else target)
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and target != name:
+                        private_imports.append(f"{path.relative_to(ROOT)}:{node.lineno} {alias.name} from {target}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("numpyro_fed"):
+                        graph[name].add(alias.name)
+            elif isinstance(node, ast.Raise) and node.exc is not None:
+                if "positive integer" in ast.unparse(node.exc):
+                    inline["positive integer"].append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.BoolOp):
+                src = ast.unparse(node)
+                if re.search(r"hasattr\(\w+, 'init'\)", src) and re.search(r"hasattr\(\w+, 'update'\)", src):
+                    inline["optax optimiser"].append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                if "Clients" in ast.unparse(node.args[1]):
+                    inline["isinstance Clients"].append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    inline = {what: sorted(set(where)) for what, where in inline.items()}  # nested expressions: once per place
+    graph = {m: {t for t in targets if t in modules and t != m} for m, targets in graph.items()}
+    cycles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    sys.path.insert(0, str(ROOT))
+    import numpyro_fed
+
+    return {
+        "functions_over_80_lines": long_functions,
+        "private_imports_across_modules": private_imports,
+        "import_cycles": cycles,
+        "inline_validation": inline,
+        "public_names": len(numpyro_fed.__all__),
+    }
+
+
+def _strongly_connected(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Tarjan's algorithm, iterative."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    out.append(component)
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the full lists as JSON")
+    args = parser.parse_args()
+    found = counts()
+    if args.json:
+        print(json.dumps(found, indent=1))
+        return
+    print(f"functions over {LONG} lines: {len(found['functions_over_80_lines'])}")
+    print(f"private imports across modules: {len(found['private_imports_across_modules'])}")
+    print(f"import cycles: {len(found['import_cycles'])} {found['import_cycles']}")
+    for what, where in found["inline_validation"].items():
+        print(f"inline validation, {what}: {len(where)}")
+    print(f"public names (numpyro_fed.__all__): {found['public_names']}")
+
+
+if __name__ == "__main__":
+    main()
