@@ -187,12 +187,18 @@ def _store(context, built: _Built, slot: ClientSlot) -> None:
     path = _stored_path(context, built.name)
     if path is None:
         return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _save_slot(path, built.name, slot, 0)
+
+
+def _save_slot(path: str, name: str, slot: ClientSlot, rnd: int) -> None:
+    """One client's slot in the checkpoint format (no server part), atomically: the one writer of
+    a node's stored states (:func:`_load_slot` reads them)."""
     from .. import checkpoint
     from ..protocol import RunState
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     zero = np.zeros((2,), np.uint32)
-    checkpoint.save(path, RunState(np.int32(0), (), zero, (), (slot,), zero), [built.name], family="flower.node")
+    checkpoint.save(path, RunState(np.int32(rnd), (), zero, (), (slot,), zero), [name], family="flower.node")
 
 
 def _restore(context, built: _Built) -> ClientSlot:
@@ -226,12 +232,7 @@ def _store_round(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
     every = int(json.loads(str(context.state["nf.setup"]["text"])).get("checkpoint_every", 0))
     if not every:
         return
-    from .. import checkpoint
-    from ..protocol import RunState
-
-    zero = np.zeros((2,), np.uint32)
-    checkpoint.save(_round_path(context, context.run_id, built.name, rnd),
-                    RunState(np.int32(rnd), (), zero, (), (slot,), zero), [built.name], family="flower.node")
+    _save_slot(_round_path(context, context.run_id, built.name, rnd), built.name, slot, rnd)
     files = _round_files(context, context.run_id, built.name)
     older = [r for r in files if r <= rnd - every]
     if older:
