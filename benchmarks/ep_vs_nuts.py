@@ -42,7 +42,8 @@ from numpyro_fed.models import hm2_regression, logistic_glmm
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "posteriordb"))
-from hm2_ep import pooled_model as hm2_pooled, simulate as hm2_simulate  # noqa: E402
+from hm2_ep import pooled_model as hm2_pooled  # noqa: E402
+from hm2_ep import simulate as hm2_simulate  # noqa: E402
 from pdb_models import radon, seeds  # noqa: E402
 
 OUT = HERE / "results" / "ep_vs_nuts.json"

@@ -65,7 +65,9 @@ def pooled(make, num_clients):
     model, clients = make(num_clients)
     if make is hm2:
         return hm2(1)
-    everything = {k: np.concatenate([np.asarray(clients[n][k]) for n in clients.names]) for k in clients[clients.names[0]]}
+    everything = {
+        k: np.concatenate([np.asarray(clients[n][k]) for n in clients.names]) for k in clients[clients.names[0]]
+    }
     return model, nf.Clients.split(np.zeros(len(next(iter(everything.values()))), int), **everything)
 
 
@@ -109,14 +111,26 @@ def main():
                 t = round_seconds(METHODS[name], model, clients, args.rounds, args.repeats)
                 row["round_seconds"][str(j)] = t
                 row["ratio_to_pooled"][str(j)] = t / base
-                print(f"{case} {name:>3} J={j:4d}: round {t * 1e3:9.1f} ms ({t / base:5.2f} x the pooled fit's "
-                      f"{base * 1e3:.1f} ms)", flush=True)
+                print(
+                    f"{case} {name:>3} J={j:4d}: round {t * 1e3:9.1f} ms ({t / base:5.2f} x the pooled fit's "
+                    f"{base * 1e3:.1f} ms)",
+                    flush=True,
+                )
             rows.append(row)
-            out = dict(benchmark="hierarchical_round_time", command=" ".join(sys.argv), rounds_timed=args.rounds,
-                       baseline="the same method on the pooled data as one client (HM2: one device), same process",
-                       results=rows, machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
-                                                  jax=jax.__version__, numpyro=numpyro.__version__,
-                                                  xla_flags=os.environ.get("XLA_FLAGS", "")))
+            out = dict(
+                benchmark="hierarchical_round_time",
+                command=" ".join(sys.argv),
+                rounds_timed=args.rounds,
+                baseline="the same method on the pooled data as one client (HM2: one device), same process",
+                results=rows,
+                machine=dict(
+                    platform=platform.platform(),
+                    cpus=os.cpu_count(),
+                    jax=jax.__version__,
+                    numpyro=numpyro.__version__,
+                    xla_flags=os.environ.get("XLA_FLAGS", ""),
+                ),
+            )
             pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
 

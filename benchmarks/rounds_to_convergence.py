@@ -106,7 +106,9 @@ def run_sfvi(clients, max_rounds, ref):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rounds_to_convergence.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "rounds_to_convergence.json")
+    )
     args = parser.parse_args()
     out = {"design": __doc__.splitlines()[2:5], "machine": platform.platform(), "results": {}}
     for j in args.clients:
@@ -116,8 +118,12 @@ def main():
         w = np.asarray(mcmc.get_samples()["w"])
         ref = (w.mean(0), w.std(0))
         row = {
-            "pvi": run_factor(nf.PVI(model, update="optax", optim=optax.adam(0.01), local_steps=300, num_particles=16,
-                                     damping=0.5), clients, 30, ref),
+            "pvi": run_factor(
+                nf.PVI(model, update="optax", optim=optax.adam(0.01), local_steps=300, num_particles=16, damping=0.5),
+                clients,
+                30,
+                ref,
+            ),
             "ep": run_factor(nf.EP(model, schedule="synchronous", damping=0.5), clients, 30, ref),
             "sfvi": run_sfvi(clients, 1000, ref),
         }

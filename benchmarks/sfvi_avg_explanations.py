@@ -21,16 +21,20 @@ under ``"reset"``, ``"keep"`` and ``"average"``. Writes
 that are not the silo's dominant digit, the posterior median of ``w1_scale``, seconds.
 About 9 minutes on 2 cores.
 """
-import pathlib
 import json
+import pathlib
 import sys
 import time
 import warnings
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import numpy as np, jax, optax
-import numpyro_fed as nf
 import bnn_digits as B
-from numpyro_fed.datasets import load_digits, heterogeneous_split
+import jax
+import numpy as np
+import optax
+
+import numpyro_fed as nf
+from numpyro_fed.datasets import heterogeneous_split, load_digits
 from numpyro_fed.models import hierarchical_bnn
 
 
@@ -50,7 +54,9 @@ def main():
         kw = dict(method=method, local_steps=steps)
         if method == "sfvi_avg":
             kw["optimizer_state"] = state
-        svi = nf.FederatedSVI(hierarchical_bnn, nf.MeanFieldGuide(hierarchical_bnn, init_scale=0.01), optax.adam(0.01), **kw)
+        svi = nf.FederatedSVI(
+            hierarchical_bnn, nf.MeanFieldGuide(hierarchical_bnn, init_scale=0.01), optax.adam(0.01), **kw
+        )
         t = time.time()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -58,8 +64,9 @@ def main():
         sc = B.personal_test_accuracy(svi, res, data, test, 0)
         d = svi.sample_posterior(jax.random.PRNGKey(3), res, 200)
         sig = float(np.median(np.asarray(d["w1_scale"])))
-        out[name] = dict(sc, sigma_median=sig, seconds=time.time() - t, rounds=rounds, local_steps=steps,
-                         optimizer_state=state)
+        out[name] = dict(
+            sc, sigma_median=sig, seconds=time.time() - t, rounds=rounds, local_steps=steps, optimizer_state=state
+        )
         print(name, json.dumps(out[name]), flush=True)
     out_path = pathlib.Path(__file__).parent / "results" / "sfvi_avg_explanations.json"
     out_path.write_text(json.dumps({"command": "python benchmarks/sfvi_avg_explanations.py", "fits": out}, indent=1))

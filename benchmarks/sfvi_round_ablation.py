@@ -27,9 +27,10 @@ import optax
 from jax import random
 
 sys.path.insert(0, os.path.dirname(__file__))
+from sfvi_round_time import centralised_step_time, model, time_it  # noqa: E402
+
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.protocol import Broadcast, ServerView  # noqa: E402
-from sfvi_round_time import centralised_step_time, model, time_it  # noqa: E402
 
 
 def bare_loop(ex, plan, num_clients, rounds, split_keys):

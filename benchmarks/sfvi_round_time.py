@@ -95,8 +95,13 @@ def main():
         centralised_step_seconds=base,
         baseline="numpyro.infer.SVI + AutoNormal on pooled data, lax.scan",
         results=rows,
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__, numpyro=numpyro.__version__,
-                     xla_flags=os.environ.get("XLA_FLAGS", "")),
+        machine=dict(
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            jax=jax.__version__,
+            numpyro=numpyro.__version__,
+            xla_flags=os.environ.get("XLA_FLAGS", ""),
+        ),
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:

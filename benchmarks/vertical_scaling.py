@@ -98,7 +98,10 @@ def main():
             r = measure(n, aux, args.batch, args.steps)
             results.append(r)
             print(json.dumps(r), flush=True)
-    base = {aux: next(r for r in results if r["aux"] == aux and r["rows"] == min(args.rows)) for aux in ("amortized", "meanfield")}
+    base = {
+        aux: next(r for r in results if r["aux"] == aux and r["rows"] == min(args.rows))
+        for aux in ("amortized", "meanfield")
+    }
     for r in results:
         b = base[r["aux"]]
         r["time_ratio_vs_smallest_n"] = r["step_seconds"] / b["step_seconds"]
@@ -109,16 +112,23 @@ def main():
         "batch_size": args.batch,
         "steps_timed": args.steps,
         "results": results,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                    "device": str(jax.devices()[0])},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "jax": jax.__version__,
+            "device": str(jax.devices()[0]),
+        },
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     for r in results:
-        print(f"{r['aux']:>9} n={r['rows']:>8}: {1e3 * r['step_seconds']:.3f} ms/step "
-              f"(x{r['time_ratio_vs_smallest_n']:.2f}), temp {r['step_temp_bytes'] / 1e3:.1f} kB "
-              f"(x{r['temp_memory_ratio_vs_smallest_n']:.2f}), params+opt {r['step_argument_bytes_excluding_data'] / 1e3:.1f} kB")
+        print(
+            f"{r['aux']:>9} n={r['rows']:>8}: {1e3 * r['step_seconds']:.3f} ms/step "
+            f"(x{r['time_ratio_vs_smallest_n']:.2f}), temp {r['step_temp_bytes'] / 1e3:.1f} kB "
+            f"(x{r['temp_memory_ratio_vs_smallest_n']:.2f}), "
+            f"params+opt {r['step_argument_bytes_excluding_data'] / 1e3:.1f} kB"
+        )
 
 
 if __name__ == "__main__":

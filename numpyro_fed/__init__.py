@@ -8,7 +8,9 @@ family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horiz
 :mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL).
 """
 
-from . import _xla  # first: it sets XLA's CPU flags before anything below computes (see its docstring)
+from . import _xla  # noqa: F401  first: it sets XLA's CPU flags before anything below computes (see its docstring)
+
+# isort: split
 from . import algorithms, checkpoint, dp, models, warnings
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
@@ -41,7 +43,6 @@ from .transcript import (
     message_to_ndarrays,
 )
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
-
 from .warnings import (
     ArvizGroupWarning,
     BiasedFitWarning,

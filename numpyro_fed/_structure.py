@@ -18,22 +18,22 @@ the global sites are read from a client's trace at set-up.
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 import numpyro.distributions as dist
+from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
+from ._trace import or_finite_point, trace_model, unconstrained_shape
 from .groups import check_group_sites, group_axes, group_mask
 from .handlers import FEDERATION_KEY, GLOBAL, LOCAL, site_role
-from ._trace import or_finite_point, trace_model, unconstrained_shape
 
 __all__ = [
     "ModelStructure",
@@ -216,6 +216,11 @@ def _plate_axes(site, u) -> Tuple[Tuple[str, int], ...]:
 
 def is_latent(site) -> bool:
     return site["type"] == "sample" and not site["is_observed"]
+
+
+def latent_supports(tr) -> Dict[str, Any]:
+    """``{site: support}`` of the latent sites of a trace."""
+    return {n: s["fn"].support for n, s in tr.items() if is_latent(s)}
 
 
 class ModelStructure(NamedTuple):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
-
 import warnings
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import numpy as np
 from jax import random
 
+from ._validation import check_positive_int
 from .warnings import ArvizGroupWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,9 +99,7 @@ def to_arviz(
     from .factor.inference import FactorInference
     from .vertical.inference import VerticalInference
 
-    if int(num_chains) != num_chains or num_chains < 1:
-        raise ValueError(f"num_chains={num_chains}: must be a positive integer")
-    total = int(num_chains) * int(num_samples)
+    total = check_positive_int("num_chains", num_chains) * int(num_samples)
 
     def chains(x):
         x = np.asarray(x)

@@ -16,8 +16,8 @@ from .clients import Clients
 from .datasets import load_six_cities, six_cities_silos
 from .factor import EP, PVI
 from .horizontal import FederatedSVI, StructuredGuide
-from .warnings import FitWarning
 from .models import logistic_glmm
+from .warnings import FitWarning
 
 __all__ = ["run_demo"]
 

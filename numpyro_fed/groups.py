@@ -35,7 +35,7 @@ import numpy as np
 import numpyro
 from numpyro.primitives import Messenger
 
-__all__ = ["group_plate", "group_sizes", "sized_model"]
+__all__ = ["group_plate", "group_sizes", "size_group_plates", "sized_model"]
 
 _SIZES: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_group_sizes", default=None)
 _PROBE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_group_probe", default=None)
@@ -122,7 +122,7 @@ def group_plate(name: str, ids: Any, size: Optional[int] = None, dim: Optional[i
 
 def _probe(model, args, kwargs) -> Dict[str, np.ndarray]:
     """The group plates of ``model`` on ``args`` and the codes each was given."""
-    from ._structure import trace_model
+    from ._trace import trace_model
 
     found: Dict[str, np.ndarray] = {}
     token = _PROBE.set(found)
@@ -193,6 +193,12 @@ def sized_model(model, clients, kwargs):
     sized.__wrapped_model__ = base
     sized.group_sizes, sized.group_args = dict(sizes), dict(args_of)
     return sized
+
+
+def size_group_plates(inference, clients) -> None:
+    """``inference.model`` sized for ``clients`` (an inference object's ``_size_group_plates``
+    for the families whose clients hold rows)."""
+    inference.model = sized_model(inference.model, clients, inference.model_kwargs)
 
 
 def group_axes(site, u, plates: Mapping[str, str]) -> Tuple[Tuple[str, int, str], ...]:

@@ -103,13 +103,8 @@ class FederatedInference:
         return self._setup_cache
 
     def _size_group_plates(self, inputs) -> None:
-        """Size the model's group plates (:func:`numpyro_fed.group_plate`) for these clients:
-        ``self.model`` becomes the sized model (the user's model when it has none)."""
-        from .clients import Clients
-        from .groups import sized_model
-
-        if isinstance(inputs, Clients) and hasattr(self, "model"):
-            self.model = sized_model(self.model, inputs, getattr(self, "model_kwargs", None) or {})
+        """Size the model's group plates (:func:`numpyro_fed.group_plate`) for these inputs; the
+        families whose model is split by rows set this to :func:`numpyro_fed.groups.size_group_plates`."""
 
     def _fitted(self) -> Setup:
         if self._setup_cache is None:
@@ -190,7 +185,9 @@ class FederatedInference:
         states = result.client_states
         result = result._replace(
             params=self._params(setup, result.state),
-            client_states=ClientStates(setup.plan.names, lambda j: self._client_view(setup, states[setup.plan.names[j]])),
+            client_states=ClientStates(
+                setup.plan.names, lambda j: self._client_view(setup, states[setup.plan.names[j]])
+            ),
             fitted_by=type(self).__name__,
         )
         self._remember_shapes(setup, result.state)
@@ -224,8 +221,11 @@ class FederatedInference:
     def _conform(self, setup: Setup, init_state) -> RunState:
         """``init_state`` (a RunResult or RunState) checked as :meth:`load` checks a file:
         this family's, the same clients, every leaf's shape and dtype."""
-        saved = list(init_state.client_states) if isinstance(init_state, RunResult) and \
-            init_state.client_states is not None else None
+        saved = (
+            list(init_state.client_states)
+            if isinstance(init_state, RunResult) and init_state.client_states is not None
+            else None
+        )
         state = self._state_of(init_state, check_shapes=False)  # conform checks every leaf
         typed = jax.numpy.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
         template = self._template(setup, str(jax.random.key_impl(state.server_key)) if typed else None)
@@ -248,8 +248,10 @@ def _check_backend(backend, inference) -> None:
         mapping = backend if backend in ("vmap", "loop", "auto") else "auto"
         raise ValueError(_BACKEND_STRING.format(cls=cls, value=backend, mapping=mapping))
     if not callable(getattr(backend, "run", None)):
-        raise TypeError(f"{cls}.run(backend=...): a {type(backend).__name__} is not a backend (it has no run method); "
-                        f"leave backend= out to simulate, or pass numpyro_fed.flower.FlowerBackend")
+        raise TypeError(
+            f"{cls}.run(backend=...): a {type(backend).__name__} is not a backend (it has no run method); "
+            f"leave backend= out to simulate, or pass numpyro_fed.flower.FlowerBackend"
+        )
 
 
 def _check_someone_answered(result: RunResult, cls: str) -> None:
@@ -260,4 +262,5 @@ def _check_someone_answered(result: RunResult, cls: str) -> None:
     raise ValueError(
         f"{cls}.run: no client answered in any of the {np.size(answered)} round(s) (every client was unavailable, "
         f"dropped out or timed out), so the result would be the initial state, not a fit. Check availability= "
-        f"(or, in a deployment, that the nodes are up and reachable) and run again")
+        f"(or, in a deployment, that the nodes are up and reachable) and run again"
+    )

@@ -26,6 +26,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# A pytest plugin (jaxtyping's) imports JAX before this file runs, so JAX has already read its
+# configuration from the environment: hand it the cache settings directly (for this process;
+# the workers and subprocesses read them from the environment).
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")))
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_leaks():

@@ -11,8 +11,8 @@ tests compare against the same truth as before, only not recomputed.
 """
 
 import hashlib
-import os
 import inspect
+import os
 import pathlib
 import types
 

@@ -54,14 +54,18 @@ def test_clients_copy_their_arrays():
         c["a"]["y"][1] = 5.0
 
 
-@pytest.mark.parametrize("value, kind", [(np.array(["a", "b"]), "<U1"), (np.array([1.0, None], dtype=object), "object")])
+@pytest.mark.parametrize(
+    "value, kind", [(np.array(["a", "b"]), "<U1"), (np.array([1.0, None], dtype=object), "object")]
+)
 def test_non_numeric_arguments_name_client_and_argument(value, kind):
     with pytest.raises(TypeError, match=f"argument 'g' of client 'b' has dtype {kind}"):
         nf.Clients({"a": dict(y=np.zeros(2), g=np.zeros(2)), "b": dict(y=np.zeros(2), g=value)})
 
 
 def test_every_argument_of_every_client_is_checked_for_nan():
-    data = {"a": dict(x=np.zeros((2, 2)), y=np.zeros(2)), "b": dict(x=np.array([[0.0, np.inf], [1.0, 1.0]]),
-                                                                     y=np.zeros(2))}
+    data = {
+        "a": dict(x=np.zeros((2, 2)), y=np.zeros(2)),
+        "b": dict(x=np.array([[0.0, np.inf], [1.0, 1.0]]), y=np.zeros(2)),
+    }
     with pytest.raises(ValueError, match="argument 'x' of client 'b' holds 1 non-finite"):
         nf.Clients(data)

@@ -21,7 +21,9 @@ def test_tutorial_executes(tmp_path, name):
     nb = nbformat.read(ROOT / "tutorials" / name, as_version=4)
     os.environ["NF_TUTORIAL_FAST"] = "1"
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
     finally:
         os.environ.pop("NF_TUTORIAL_FAST", None)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
@@ -32,7 +34,10 @@ def test_docs_build_strict(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -50,11 +55,33 @@ def test_readme_example_runs():
 def test_cli_help_and_small_demo(tmp_path):
     out = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--rounds" in out.stdout
-    args = ["--rounds", "30", "--avg-rounds", "3", "--local-steps", "2", "--ep-rounds", "2", "--ep-draws", "20",
-            "--pvi-rounds", "2", "--pvi-steps", "20", "--nuts-warmup", "20", "--nuts-samples", "20",
-            "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "o.json")]
-    run = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", *args, "--all-methods"], capture_output=True,
-                         text=True)
+    args = [
+        "--rounds",
+        "30",
+        "--avg-rounds",
+        "3",
+        "--local-steps",
+        "2",
+        "--ep-rounds",
+        "2",
+        "--ep-draws",
+        "20",
+        "--pvi-rounds",
+        "2",
+        "--pvi-steps",
+        "20",
+        "--nuts-warmup",
+        "20",
+        "--nuts-samples",
+        "20",
+        "--plot",
+        str(tmp_path / "p.png"),
+        "--json",
+        str(tmp_path / "o.json"),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "numpyro_fed", "demo", *args, "--all-methods"], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "beta0" in run.stdout and (tmp_path / "p.png").exists()
     out = json.loads((tmp_path / "o.json").read_text())

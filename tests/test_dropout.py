@@ -25,7 +25,7 @@ from .test_sfvi_avg import exact_mu
 P = 0.7
 
 
-def test_sfvi_avg_with_dropout_reaches_the_posterior(normal_clients):
+def test_sfvi_avg_with_dropout_reaches_the_posterior(normal_clients):  # noqa: F811 (the fixture)
     """As test_sfvi_avg_approaches_sfvi (0.25 sd of the exact mu), 120 rounds instead of 60."""
     guide = nf.StructuredGuide(normal_hierarchical)
     avg = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25,

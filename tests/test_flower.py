@@ -19,7 +19,7 @@ from jax import random
 pytest.importorskip("flwr")
 
 from numpyro_fed.flower import LocalFederation  # noqa: E402
-from numpyro_fed.flower.launcher import _descendants, _exists  # noqa: E402
+from numpyro_fed.flower.launcher import descendants, pid_exists  # noqa: E402
 from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
 
 from .families import DP_FAMILIES, FAMILIES, run  # noqa: E402
@@ -47,7 +47,7 @@ def federation():
         pids = [p.pid for p in fed.procs]
         yield fed
     for pid in pids:  # every process it started is gone, and none of theirs is left
-        assert not _exists(pid) and _descendants(pid) == []
+        assert not pid_exists(pid) and descendants(pid) == []
 
 
 ALL = {**FAMILIES, **DP_FAMILIES}
@@ -156,11 +156,11 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
 def test_the_executor_link_hands_tasks_only_to_the_holder_of_the_nodes_secret(federation):
     # item 13: the node's runtime API gives a task (its messages, its context: the client's key and state) only
     # to an AcquireTask signed with the node's own SuperExec secret; LocalFederation gives each node a fresh one
+    import httpx
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
-    import httpx
 
     from numpyro_fed.flower.executor import ACQUIRE_METHODS
 
@@ -309,7 +309,7 @@ def test_flower_demo_command_matches_the_simulation_and_leaves_no_process(tmp_pa
     figures = json.loads(out.read_text())
     assert "Flower vs simulation" in run.stdout and figures["left_running"] == []
     assert len(figures["pids"]) >= 7  # a SuperLink, 3 SuperNodes, 3 executors, flwr run, ...
-    assert not any(_exists(pid) for pid in figures["pids"])
+    assert not any(pid_exists(pid) for pid in figures["pids"])
     assert figures["max_abs_difference"] <= 1e-6
     np.testing.assert_allclose(figures["flower_mean"], figures["exact_mean"], atol=1e-4)  # conjugate: exact
 

@@ -129,7 +129,8 @@ def test_padded_groups_add_nothing_to_the_density(wards):
 
 def test_group_plate_errors_name_the_plate_and_client(wards):
     clients, *_ = wards
-    gappy = nf.Clients({"a": dict(ward=np.array([0, 2, 2]), y=np.zeros(3)), "b": dict(ward=np.array([0]), y=np.ones(1))})
+    gappy = nf.Clients({"a": dict(ward=np.array([0, 2, 2]), y=np.zeros(3)),
+                        "b": dict(ward=np.array([0]), y=np.ones(1))})
     with pytest.raises(ValueError, match=r"group_plate\('wards'\) on client 'a'.*codes \[1\] used by no row"):
         nf.EP(wards_model).init(random.PRNGKey(0), gappy)
 
@@ -155,4 +156,5 @@ def test_group_plate_errors_name_the_plate_and_client(wards):
         nf.PVI(global_effects).init(random.PRNGKey(0), clients)
     with pytest.raises(ValueError, match=r"group_plate\('wards'\): the group codes are traced.*pass size="):
         jax.jit(lambda w, y: log_density(wards_model, (), dict(ward=w, y=y), {"mu": 0.0, "a": np.zeros(3)})[0])(
-            clients["1"]["ward"], clients["1"]["y"])
+            clients["1"]["ward"], clients["1"]["y"]
+        )

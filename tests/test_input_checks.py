@@ -36,7 +36,9 @@ def test_unmarked_per_row_site_is_caught_on_any_client(sizes):
 
     clients = nf.Clients({"a": dict(y=np.zeros(sizes[0])), "b": dict(y=np.zeros(sizes[1]))})
     for inference in (nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1)), nf.EP(model)):
-        with pytest.raises(ValueError, match=r"latent site 'b' sits in plate 'rows'.* nf.local_site\(model, sites=\['b'\]\)"):
+        with pytest.raises(
+            ValueError, match=r"latent site 'b' sits in plate 'rows'.* nf.local_site\(model, sites=\['b'\]\)"
+        ):
             inference.init(random.PRNGKey(0), clients)
     # an explicit global_site is the way to say one value really is shared
     marked = nf.global_site(model, sites=["b"])
@@ -136,11 +138,15 @@ def test_discrete_sites_get_a_clear_error():
     clients = nf.Clients({"a": dict(y=np.zeros(3)), "b": dict(y=np.ones(3))})
     with pytest.raises(ValueError, match=r"global latent site 'k' is discrete .* Marginalise it out"):
         nf.FederatedSVI(global_discrete, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
-    with pytest.raises(ValueError, match=r"local latent site 'z' is discrete .* not enumerated.*"
-                                         r"infer=\{'enumerate': 'parallel'\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"local latent site 'z' is discrete .* not enumerated.*"
+        r"infer=\{'enumerate': 'parallel'\}",
+    ):
         nf.FederatedSVI(local_discrete, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
-    sequential = numpyro.handlers.infer_config(local_discrete, lambda site: {"enumerate": "sequential"}
-                                               if site["name"] == "z" else {})
+    sequential = numpyro.handlers.infer_config(
+        local_discrete, lambda site: {"enumerate": "sequential"} if site["name"] == "z" else {}
+    )
     with pytest.raises(ValueError, match=r"'z' has infer\['enumerate'\] = 'sequential'; only 'parallel'"):
         nf.FederatedSVI(sequential, nf.StructuredGuide(), optax.adam(0.1)).init(random.PRNGKey(0), clients)
 

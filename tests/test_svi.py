@@ -172,7 +172,8 @@ def test_global_site_that_depends_on_rows_names_the_fix(unequal):
             numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    with pytest.raises(ValueError, match=r"site 'b' sits in plate 'rows'.* Mark it local with nf.local_site\(model, sites=\['b'\]\)"):
+    match = r"site 'b' sits in plate 'rows'.* Mark it local with nf.local_site\(model, sites=\['b'\]\)"
+    with pytest.raises(ValueError, match=match):
         svi.init(random.PRNGKey(0), unequal)
 
 

@@ -5,7 +5,6 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from jax import random
 from numpyro.diagnostics import effective_sample_size
 from numpyro.infer.util import log_density
 
@@ -156,11 +155,20 @@ def test_true_model_is_untouched(data):
         (dict(rho=-1.0), "rho must be > 0"),
         (dict(form="power", response_access="server"), "form='power' needs the response on every client"),
         (dict(form="exact"), "form='exact'"),
-        (dict(clients={"a": SPEC["a"], "b": dict(SPEC["b"], sites=["ba"])}), "site 'ba' is owned by clients 'a' and 'b'"),
-        (dict(clients={"a": SPEC["a"], "b": dict(SPEC["b"], contribution="ga")}), "contribution 'ga' is owned by clients"),
+        (
+            dict(clients={"a": SPEC["a"], "b": dict(SPEC["b"], sites=["ba"])}),
+            "site 'ba' is owned by clients 'a' and 'b'",
+        ),
+        (
+            dict(clients={"a": SPEC["a"], "b": dict(SPEC["b"], contribution="ga")}),
+            "contribution 'ga' is owned by clients",
+        ),
         (dict(clients={"a": SPEC["a"], "b": dict(SPEC["b"], data=["xa"])}), "data argument 'xa' is owned by clients"),
         (dict(clients={"a": SPEC["a"], "b": dict(data=["xb"])}), "client 'b' needs a mapping"),
-        (dict(row_ids={"a": np.arange(5), "b": np.array([0, 1, 2, 4, 3])}), "row ids of client 'b' differ .* position 3"),
+        (
+            dict(row_ids={"a": np.arange(5), "b": np.array([0, 1, 2, 4, 3])}),
+            "row ids of client 'b' differ .* position 3",
+        ),
     ],
 )
 def test_construction_errors(kwargs, match):

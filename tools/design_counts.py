@@ -4,9 +4,10 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
 - functions (and methods) over 80 lines;
 - imports of a private name (``_x``) from another numpyro_fed module;
 - import cycles between numpyro_fed modules (function-local imports included);
-- validation written inline instead of one shared check: raises whose message says "positive
-  integer", ``hasattr(x, "init") and hasattr(x, "update")`` optimiser checks, and
-  ``isinstance(x, Clients)`` checks, each counted where it stands;
+- validation written inline instead of one shared check (``numpyro_fed/_validation.py``, not
+  counted): raises whose message says "positive integer" and ``int(x) != x`` comparisons,
+  ``hasattr(x, "init") and hasattr(x, "update")`` optimiser checks, and ``isinstance(x, Clients)``
+  checks, each counted where it stands;
 - the public names, ``len(numpyro_fed.__all__)``.
 """
 
@@ -51,6 +52,7 @@ def counts() -> dict:
     graph: Dict[str, Set[str]] = {m: set() for m in modules}
     inline: Dict[str, List[str]] = {"positive integer": [], "optax optimiser": [], "isinstance Clients": []}
     for name, path in modules.items():
+        shared = path == PACKAGE / "_validation.py"  # the one home of the shared checks
         text = path.read_text()
         tree = ast.parse(text)
         is_package = path.name == "__init__.py"
@@ -72,6 +74,10 @@ def counts() -> dict:
                 for alias in node.names:
                     if alias.name.startswith("numpyro_fed"):
                         graph[name].add(alias.name)
+            elif shared:
+                continue
+            elif isinstance(node, ast.Compare) and re.fullmatch(r"int\((\w+)\) != \1", ast.unparse(node)):
+                inline["positive integer"].append(f"{path.relative_to(ROOT)}:{node.lineno}")
             elif isinstance(node, ast.Raise) and node.exc is not None:
                 if "positive integer" in ast.unparse(node.exc):
                     inline["positive integer"].append(f"{path.relative_to(ROOT)}:{node.lineno}")

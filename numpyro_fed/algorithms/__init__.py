@@ -7,7 +7,14 @@ one). Each lives with its family (:mod:`numpyro_fed.horizontal`, :mod:`numpyro_f
 from ..factor.ep_algorithm import ep, tilted_moments
 from ..factor.pvi_algorithm import pvi
 from ..factor.updates import FactorClientState, FactorInfo, FactorServerState, factor_protocol
-from ..horizontal.sfvi_algorithm import SFVIBroadcast, SFVIClientMessage, SFVIClientState, SFVIInfo, SFVIServerState, sfvi
+from ..horizontal.sfvi_algorithm import (
+    SFVIBroadcast,
+    SFVIClientMessage,
+    SFVIClientState,
+    SFVIInfo,
+    SFVIServerState,
+    sfvi,
+)
 from ..horizontal.sfvi_avg_algorithm import (
     SFVIAvgBroadcast,
     SFVIAvgClientMessage,

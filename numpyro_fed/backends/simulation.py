@@ -5,7 +5,7 @@
 byte counts, progress bar, checkpoints and guards. It never contains algorithm code.
 
 One round (jit-compiled; without a progress bar, transcript, callbacks or checkpoints all
-rounds run in one ``lax.scan``):
+rounds run in one ``lax.while_loop``):
 
 1. the server splits its own key and asks ``select``'s clients;
 2. nature draws who of them answers (``availability``);
@@ -32,6 +32,7 @@ import numpy as np
 from jax import random
 
 from .. import checkpoint as ckpt
+from .._validation import check_positive_int
 from ..availability import as_availability, check_schedule
 from ..protocol import (
     Broadcast,
@@ -83,7 +84,7 @@ class _Failure(NamedTuple):
     server: jax.Array
 
 
-def _finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
     """Are all entries of the tree's floating leaves finite (see :func:`_finite_rows`)?"""
     total = jnp.zeros(())
     for leaf in jax.tree_util.tree_leaves(tree):
@@ -203,10 +204,9 @@ class SimulationBackend:
         if on_nonfinite not in GUARDS:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
         avail = None if availability is None else as_availability(availability, len(plan.names))
-        if int(num_rounds) != num_rounds or num_rounds < 1:
-            raise ValueError(f"num_rounds={num_rounds}: must be a positive integer")
-        if checkpoint_every is not None and (int(checkpoint_every) != checkpoint_every or checkpoint_every < 1):
-            raise ValueError(f"checkpoint_every={checkpoint_every}: must be a positive integer")
+        check_positive_int("num_rounds", num_rounds)
+        if checkpoint_every is not None:
+            check_positive_int("checkpoint_every", checkpoint_every)
         if checkpoint_every is not None and checkpoint is None:
             raise ValueError("checkpoint_every= needs checkpoint=, the path to save the run state to")
         num_rounds = int(num_rounds)
@@ -229,9 +229,20 @@ class SimulationBackend:
         stepwise = progress_bar or record_transcript or bool(callbacks)
         outputs: List[RoundOutput] = []
         if stepwise:
-            state, failure, outputs = self._loop(algorithm, compiled, plan, avail, state, failure, num_rounds, progress_bar,
-                                                 transcript, callbacks, checkpoint,
-                                                 checkpoint_every)
+            state, failure, outputs = self._loop(
+                algorithm,
+                compiled,
+                plan,
+                avail,
+                state,
+                failure,
+                num_rounds,
+                progress_bar,
+                transcript,
+                callbacks,
+                checkpoint,
+                checkpoint_every,
+            )
         else:
             chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
             done = 0
@@ -241,8 +252,11 @@ class SimulationBackend:
                 state, failure, outs = compiled.scan(state, failure, plan.data, plan.server_data, avail, n)
                 if bool(failure.failed):  # replay the chunk's finite rounds: the last finite state
                     good = int(failure.round) - 1 - int(chunk_start.round)
-                    state = chunk_start if good == 0 else compiled.scan(
-                        chunk_start, _no_failure(J), plan.data, plan.server_data, avail, good)[0]
+                    state = (
+                        chunk_start
+                        if good == 0
+                        else compiled.scan(chunk_start, _no_failure(J), plan.data, plan.server_data, avail, good)[0]
+                    )
                 outputs.append(outs)
                 done += n
                 if checkpoint is not None:
@@ -251,8 +265,9 @@ class SimulationBackend:
         if bool(failure.failed):
             _check(failure, plan, state, on_nonfinite)  # raises unless on_nonfinite="warn"
             if int(failure.round) - 1 == start:
-                raise NonFiniteError("no round finished with finite values; nothing to return",
-                                     int(failure.round), [], state)
+                raise NonFiniteError(
+                    "no round finished with finite values; nothing to return", int(failure.round), [], state
+                )
         stacked = outputs[0] if not stepwise else jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs)
         if bool(failure.failed):
             stacked = jax.tree_util.tree_map(lambda x: x[: int(failure.round) - 1 - start], stacked)
@@ -271,8 +286,21 @@ class SimulationBackend:
             rounds_answered=np.asarray(jnp.sum(stacked.answered, axis=-1)),
         )
 
-    def _loop(self, algorithm, compiled, plan, avail, state, failure, num_rounds, progress_bar, transcript, callbacks,
-              checkpoint, checkpoint_every):
+    def _loop(
+        self,
+        algorithm,
+        compiled,
+        plan,
+        avail,
+        state,
+        failure,
+        num_rounds,
+        progress_bar,
+        transcript,
+        callbacks,
+        checkpoint,
+        checkpoint_every,
+    ):
         figure_name = algorithm.monitor_name
         iterator = range(num_rounds)
         bar = None
@@ -284,8 +312,9 @@ class SimulationBackend:
         outputs: List[RoundOutput] = []
         for i in iterator:
             before = state
-            state, failure, out, traffic = compiled.round(state, failure, plan.data, plan.server_data, avail,
-                                                          transcript is not None)
+            state, failure, out, traffic = compiled.round(
+                state, failure, plan.data, plan.server_data, avail, transcript is not None
+            )
             if bool(failure.failed):
                 state = before
                 break
@@ -298,8 +327,11 @@ class SimulationBackend:
                 ckpt.save(checkpoint, state, plan.names, algorithm.name)
             if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
                 window = jnp.stack([o.figure for o in outputs[last:]])
-                bar.set_postfix_str("{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(
-                    figure_name, float(outputs[-1].figure), last + 1, i + 1, float(jnp.mean(window))))
+                bar.set_postfix_str(
+                    "{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(
+                        figure_name, float(outputs[-1].figure), last + 1, i + 1, float(jnp.mean(window))
+                    )
+                )
                 last = i + 1
         if bar is not None:
             bar.close()
@@ -308,10 +340,12 @@ class SimulationBackend:
     def _communication(self, compiled, algorithm, plan, state, outs) -> Communication:
         if "down" not in compiled.sizes:  # per exchange, bytes per client each way (traced once)
             _, _, _, traffic = jax.eval_shape(
-                lambda s: compiled.round(s, _no_failure(len(plan.names)), plan.data, plan.server_data, None,
-                                         True), state)
-            compiled.sizes["down"] = [message_bytes(b.shared) + message_bytes(_row_struct(b.per_client))
-                                      for b, _ in traffic]
+                lambda s: compiled.round(s, _no_failure(len(plan.names)), plan.data, plan.server_data, None, True),
+                state,
+            )
+            compiled.sizes["down"] = [
+                message_bytes(b.shared) + message_bytes(_row_struct(b.per_client)) for b, _ in traffic
+            ]
             compiled.sizes["up"] = [message_bytes(_row_struct(m)) for _, m in traffic]
         asked = np.asarray(outs.asked).sum(axis=-1).astype(np.int64)
         answered = np.asarray(outs.answered).sum(axis=-1).astype(np.int64)
@@ -319,8 +353,9 @@ class SimulationBackend:
         n_ex = len(algorithm.exchanges)
         bytes_down = int(np.sum(asked * down[0] + answered * sum(down[1:])))
         bytes_up = int(np.sum(answered * sum(up)))
-        return Communication(len(asked), bytes_up, bytes_down, int(np.sum(answered)) * n_ex,
-                             int(np.sum(asked + answered * (n_ex - 1))))
+        return Communication(
+            len(asked), bytes_up, bytes_down, int(np.sum(answered)) * n_ex, int(np.sum(asked + answered * (n_ex - 1)))
+        )
 
 
 def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: str) -> None:
@@ -348,13 +383,15 @@ def _no_failure(num_clients: int) -> _Failure:
     return _Failure(jnp.zeros((), bool), jnp.zeros((), jnp.int32), jnp.zeros(num_clients, bool), jnp.zeros((), bool))
 
 
-def _aggregate(messages, secure_sum: Tuple[str, ...]):
+def aggregate_messages(messages, secure_sum: Tuple[str, ...]):
     """The messages as the server receives them: the ``secure_sum`` fields summed over the
     clients (the rows of clients that did not answer are zeros) by the trusted aggregator."""
     if not secure_sum:
         return messages
-    return {k: jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), v) if k in secure_sum else v
-            for k, v in messages.items()}
+    return {
+        k: jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), v) if k in secure_sum else v
+        for k, v in messages.items()
+    }
 
 
 def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, exchanges) -> None:
@@ -371,19 +408,20 @@ def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, 
         for j, name in enumerate(names):
             if answered[j]:
                 if not secure or direct:
-                    transcript.record(rnd, name, "server", jax.tree_util.tree_map(lambda x: x[j], direct),
-                                      exchange=str(e))
+                    transcript.record(
+                        rnd, name, "server", jax.tree_util.tree_map(lambda x: x[j], direct), exchange=str(e)
+                    )
                 if secure:
-                    transcript.record(rnd, name, "aggregator", jax.tree_util.tree_map(lambda x: x[j], hidden),
-                                      exchange=str(e))
+                    transcript.record(
+                        rnd, name, "aggregator", jax.tree_util.tree_map(lambda x: x[j], hidden), exchange=str(e)
+                    )
         if secure:
-            transcript.record(rnd, "aggregator", "server", _aggregate(hidden, secure), exchange=str(e))
+            transcript.record(rnd, "aggregator", "server", aggregate_messages(hidden, secure), exchange=str(e))
 
 
 def _same_algorithm(a: FederatedAlgorithm, b: FederatedAlgorithm) -> bool:
     """The same functions and settings (a set-up may rename a copy of the algorithm)."""
-    return a is b or (len(a) == len(b) and all(x is y or (isinstance(x, (str, int)) and x == y)
-                                               for x, y in zip(a, b)))
+    return a is b or (len(a) == len(b) and all(x is y or (isinstance(x, (str, int)) and x == y) for x, y in zip(a, b)))
 
 
 def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
@@ -428,8 +466,9 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
             sub = Broadcast(broadcast.shared, take(broadcast.per_client))
             new_sub, msgs = jax.vmap(fn, in_axes=axes)(take(slots), sub, take(data))
             new = jax.tree_util.tree_map(lambda full, part: full.at[idx].set(part), slots, new_sub)
-            msgs = jax.tree_util.tree_map(lambda part: jnp.zeros((J,) + part.shape[1:], part.dtype).at[idx].set(part),
-                                          msgs)
+            msgs = jax.tree_util.tree_map(
+                lambda part: jnp.zeros((J,) + part.shape[1:], part.dtype).at[idx].set(part), msgs
+            )
             return new, msgs
         new, msgs = [], []
         for j in range(J):
@@ -450,8 +489,10 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
     def keep(answered, new, old):
         if vmapped:
             return _pick(answered, new, old)
-        return tuple(jax.tree_util.tree_map(lambda a, b, j=j: jnp.where(answered[j], a, b), n, o)
-                     for j, (n, o) in enumerate(zip(new, old)))
+        return tuple(
+            jax.tree_util.tree_map(lambda a, b, j=j: jnp.where(answered[j], a, b), n, o)
+            for j, (n, o) in enumerate(zip(new, old))
+        )
 
     def one_round(state: RunState, data, server_data, avail):
         server_key, k_select, *k_exchanges = random.split(state.server_key, 2 + len(algorithm.exchanges))
@@ -471,9 +512,10 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
                 messages = _pick(answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
                 slots = keep(answered, new, slots)
             traffic.append((broadcast, messages))
-            server, broadcast, info = exchange.server_step(key, server, _aggregate(messages, exchange.secure_sum),
-                                                           view)
-            sent_ok = sent_ok & _finite(broadcast)
+            server, broadcast, info = exchange.server_step(
+                key, server, aggregate_messages(messages, exchange.secure_sum), view
+            )
+            sent_ok = sent_ok & all_finite(broadcast)
             infos.append(info)
         info = round_info(tuple(infos))
         figure = monitor(info)
@@ -482,8 +524,9 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
         # the clients' messages scanned one by one to name them (full states are not scanned
         # each round: a non-finite state shows in its owner's next message).
         server_ok = sent_ok & jnp.isfinite(figure)
-        client_ok = jax.lax.cond(server_ok, lambda m: jnp.ones(J, bool), lambda m: _finite_rows(m, J),
-                                 tuple(m for _, m in traffic))
+        client_ok = jax.lax.cond(
+            server_ok, lambda m: jnp.ones(J, bool), lambda m: _finite_rows(m, J), tuple(m for _, m in traffic)
+        )
         new_state = RunState(state.round + 1, server, server_key, broadcast, slots, env_key)
         return new_state, RoundOutput(info, figure, asked, answered, client_ok, server_ok), traffic
 
@@ -495,9 +538,12 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
     def guarded(state, failure: _Failure, data, server_data, avail, with_traffic):
         new, out, traffic = one_round(state, data, server_data, avail)
         bad = ~failure.failed & ~(jnp.all(out.client_ok) & out.server_ok)
-        failure = _Failure(failure.failed | bad, jnp.where(bad, state.round + 1, failure.round),
-                           jnp.where(bad, ~out.client_ok, failure.clients), jnp.where(bad, ~out.server_ok,
-                                                                                      failure.server))
+        failure = _Failure(
+            failure.failed | bad,
+            jnp.where(bad, state.round + 1, failure.round),
+            jnp.where(bad, ~out.client_ok, failure.clients),
+            jnp.where(bad, ~out.server_ok, failure.server),
+        )
         return new, failure, out, (traffic if with_traffic else None)
 
     round_fn = jax.jit(guarded, static_argnums=5)
@@ -515,9 +561,12 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
             i, state, failure, buffers = carry
             new, out, _ = one_round(state, data, server_data, avail)
             bad = ~(jnp.all(out.client_ok) & out.server_ok)
-            failure = _Failure(bad, jnp.where(bad, state.round + 1, failure.round),
-                               jnp.where(bad, ~out.client_ok, failure.clients),
-                               jnp.where(bad, ~out.server_ok, failure.server))
+            failure = _Failure(
+                bad,
+                jnp.where(bad, state.round + 1, failure.round),
+                jnp.where(bad, ~out.client_ok, failure.clients),
+                jnp.where(bad, ~out.server_ok, failure.server),
+            )
             buffers = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), buffers, out)
             return i + 1, new, failure, buffers
 
@@ -533,8 +582,9 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
         the buffers' length the next power of two (at least 16), so runs of different
         lengths share one compilation per bucket instead of compiling once per length."""
         capacity = max(16, 1 << (int(num_rounds) - 1).bit_length())
-        state, failure, outs = scan_rounds(state, failure, data, server_data, avail,
-                                           jnp.asarray(num_rounds, jnp.int32), capacity)
+        state, failure, outs = scan_rounds(
+            state, failure, data, server_data, avail, jnp.asarray(num_rounds, jnp.int32), capacity
+        )
         return state, failure, jax.tree_util.tree_map(lambda x: x[:num_rounds], outs)
 
     return _Compiled(jax.jit(init), round_fn, scan, {})

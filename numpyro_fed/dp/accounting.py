@@ -28,6 +28,8 @@ from typing import NamedTuple, Sequence, Tuple
 import dp_accounting
 from dp_accounting import pld
 
+from .._validation import check_positive_int
+
 __all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_noise_multiplier", "epsilon", "epsilon_composed"]
 
 #: PLD discretisation for reported epsilons (dp-accounting's default).
@@ -42,8 +44,7 @@ def _check(noise_multiplier: float, delta: float, compositions: int, sampling_ra
         raise ValueError(f"noise_multiplier={noise_multiplier!r}: must be a finite number >= 0 (sigma / clip)")
     if not 0 < delta < 1:
         raise ValueError(f"delta={delta!r}: must lie in (0, 1)")
-    if int(compositions) != compositions or compositions < 0:
-        raise ValueError(f"compositions={compositions!r}: must be an integer >= 0")
+    check_positive_int("compositions", compositions, minimum=0)
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate={sampling_rate!r}: must lie in (0, 1] (subset size / rows)")
 

@@ -24,8 +24,16 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 
-__all__ = ["DPSGD", "add_gradient", "clip_per_example", "dp_sgd_transform", "fixed_size_subset", "perturbed_factor_sum", "perturbed_sum",
-           "update_perturbation"]
+__all__ = [
+    "DPSGD",
+    "add_gradient",
+    "clip_per_example",
+    "dp_sgd_transform",
+    "fixed_size_subset",
+    "perturbed_factor_sum",
+    "perturbed_sum",
+    "update_perturbation",
+]
 
 
 def clip_per_example(tree, clip: float) -> Tuple[object, jax.Array]:
@@ -47,8 +55,7 @@ def perturbed_sum(tree, clip: float, noise_std, key: jax.Array):
     clipped, _ = clip_per_example(tree, clip)
     leaves, treedef = jax.tree_util.tree_flatten(clipped)
     keys = jax.random.split(key, len(leaves))
-    noised = [jnp.sum(x, axis=0) + noise_std * jax.random.normal(k, x.shape[1:], x.dtype)
-              for x, k in zip(leaves, keys)]
+    noised = [jnp.sum(x, axis=0) + noise_std * jax.random.normal(k, x.shape[1:], x.dtype) for x, k in zip(leaves, keys)]
     return jax.tree_util.tree_unflatten(treedef, noised)
 
 

@@ -18,11 +18,12 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 import numpy as np
 
 from .._structure import trace_model
+from .._validation import check_positive_int
+from ..warnings import UncheckedFitWarning
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DPSpec, dp_sites
 from .batch import batch_size
 from .mechanisms import DPSGD, update_perturbation
-from ..warnings import UncheckedFitWarning
 
 __all__ = ["MECHANISMS", "Privacy", "PrivateFit", "check_dp_options", "check_sgd_options", "dp_specs",
            "plan_privacy", "privacy_report", "refuse_dp"]
@@ -111,9 +112,8 @@ def check_dp_options(inference, dp, batch_size, trusted) -> Optional[str]:
         if inference.variant != "plain":
             raise ValueError("dp='optimisation' is DP-SGD on a client's whole local ELBO (variant='plain'); "
                              "local averaging and virtual clients are private with dp='update_perturbation'")
-        if batch_size is None or int(batch_size) != batch_size or batch_size < 1:
-            raise ValueError(f"dp='optimisation' needs dp_batch_size=, a positive integer (the fixed number of rows "
-                             f"in every DP-SGD step); got {batch_size!r}")
+        check_positive_int("dp_batch_size", batch_size,
+                           what=" (dp='optimisation' needs it: the fixed number of rows in every DP-SGD step)")
         if trusted:
             raise ValueError("dp='optimisation' gains nothing from a trusted aggregator (each gradient depends on one "
                              "client's data only; paper 002 §4.1); use dp='update_perturbation' with "

@@ -3,7 +3,8 @@
 Pure cores: :func:`~numpyro_fed.factor.pvi_algorithm.pvi`,
 :func:`~numpyro_fed.factor.ep_algorithm.ep` over the shared
 :func:`~numpyro_fed.factor.updates.factor_protocol`; class layers :class:`PVI`,
-:class:`BCM` (one PVI round: the Bayesian committee machine) and :class:`EP`; Gaussian natural-parameter algebra in :mod:`~numpyro_fed.factor.gaussian`.
+:class:`BCM` (one PVI round: the Bayesian committee machine) and :class:`EP`; Gaussian
+natural-parameter algebra in :mod:`~numpyro_fed.factor.gaussian`.
 """
 
 from . import gaussian

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import random
 
 from . import gaussian as G
-from .gaussian import NaturalGaussian
 from .blocks import quadrature_correction
+from .gaussian import NaturalGaussian
 from .tilted import conditional_slope, inner_mode, integrated_laplace, pareto_k
 
 __all__ = ["client_log_likelihoods", "local_integral_k", "locals_are_gaussian", "log_weight_estimator"]
@@ -45,7 +45,7 @@ PROPOSAL_DRAWS = 1000  # draws of the client's check of its Laplace proposal at 
 IS_BATCH = 25  # global draws whose local importance draws are evaluated at once
 
 
-def _laplace_proposal(log_joint, num_global, num_local, u, data, v0, steps):
+def laplace_proposal(log_joint, num_global, num_local, u, data, v0, steps):
     """The conditional mode ``v*(u)`` and the Cholesky factor of ``-H_vv`` there."""
     neg = lambda v: -log_joint(jnp.concatenate([u, v]), data)  # noqa: E731
     v = inner_mode(neg, v0, steps)
@@ -66,7 +66,7 @@ def local_integral_k(log_joint: Callable, num_global: int, num_local: int, mean,
     """The client's check that its Laplace proposal holds ``p(v | u, y_j)`` at ``u = mean``:
     the Pareto k of :data:`PROPOSAL_DRAWS` importance weights (at most 0.7: the importance-
     sampled ``log p(y_j | u)`` of the fit check can be trusted)."""
-    v, chol = _laplace_proposal(log_joint, num_global, num_local, mean, data, jnp.zeros(num_local, mean.dtype),
+    v, chol = laplace_proposal(log_joint, num_global, num_local, mean, data, jnp.zeros(num_local, mean.dtype),
                                 INNER_STEPS)
     eps = random.normal(rng_key, (PROPOSAL_DRAWS, num_local), mean.dtype)
     return pareto_k(_importance_log_lik(log_joint, mean, data, v, chol, eps)[1])
@@ -111,7 +111,7 @@ def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int,
 
     def one(args):
         x, key = args
-        v, chol = _laplace_proposal(log_joint, num_global, num_local, x, data, start(x), WARM_STEPS)
+        v, chol = laplace_proposal(log_joint, num_global, num_local, x, data, start(x), WARM_STEPS)
         eps = random.normal(key, (LOCAL_DRAWS, num_local), x.dtype)
         return _importance_log_lik(log_joint, x, data, v, chol, eps)[0]
 
@@ -125,7 +125,8 @@ def log_weight_estimator(log_prior: Callable, log_joint: Callable, num_local: in
     """``(q, data, rng_key, client_keys) -> (log_w, u)``: the check's ``num_draws`` draws
     ``u ~ q`` and their ``log p(u, y) - log q(u)`` (up to a constant), every client's term
     summed; ``sampled``: the clients integrate their local latents by importance sampling,
-    each from its own key in ``client_keys``; ``index``: by block quadrature instead. ``log_prior`` is the model's own prior of the
+    each from its own key in ``client_keys``; ``index``: by block quadrature instead.
+    ``log_prior`` is the model's own prior of the
     global sites (not the Gaussian factor the fit uses), so the check's target is the
     model's posterior even where the fit approximates the prior."""
 

@@ -29,8 +29,8 @@ from jax import random
 
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
-from .gaussian import NaturalGaussian
 from .blocks import blocks_hold
+from .gaussian import NaturalGaussian
 from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
 from .updates import factor_protocol
 

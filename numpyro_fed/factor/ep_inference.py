@@ -9,15 +9,15 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from ..groups import trim_groups
-from .._structure import trace_model
+from .._structure import latent_supports, trace_model
+from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import client_item, pad_client
-from ..horizontal.inference import check_positive_int
+from ..groups import trim_groups
 from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .ep_algorithm import ep, tilted_moments
-from .inference import _K_ADVICE, FactorInference, latent_supports
+from .inference import K_ADVICE, FactorInference
 from .tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
@@ -25,7 +25,6 @@ __all__ = ["DEFAULT_MAX_KL", "EP"]
 
 DEFAULT_MAX_KL = 20.0  # nats: the trust region of parallel EP (max_kl="auto"); see EP
 
-_OPTIM = "tilted='vi' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
 _CLIENT = "client {name!r} is not one of the fitted clients {names}; for a new client use EP.adapt"
 
 
@@ -150,12 +149,11 @@ class EP(FactorInference):
                          model_kwargs=model_kwargs, check_fit=check_fit)
         if tilted not in TILTED_METHODS:
             raise ValueError(f"tilted={tilted!r}: choose one of {TILTED_METHODS}")
-        if tilted == "vi" and not (hasattr(optim, "init") and hasattr(optim, "update")):
-            raise ValueError(_OPTIM)
+        if tilted == "vi":
+            check_optimizer(optim, needed_by="tilted='vi'")
         for name, value in (("laplace_steps", laplace_steps), ("num_warmup", num_warmup),
                             ("num_samples", num_samples), ("vi_steps", vi_steps), ("num_particles", num_particles)):
-            if int(value) != value or value < 1:
-                raise ValueError(f"{name}={value}: must be a positive integer")
+            check_positive_int(name, value)
         if max_kl == "auto":
             parallel = schedule == "synchronous" or (schedule == "subset" and subset_size > 1)
             max_kl = DEFAULT_MAX_KL if parallel else None
@@ -181,7 +179,7 @@ class EP(FactorInference):
                  "weights above 0.7: skew, heavy tails or a mode at a boundary)",
                  "Use tilted='nuts' (or tilted='vi') for this model.")
         else:
-            k = _K_ADVICE
+            k = K_ADVICE
         if self.tilted == "nuts":
             stat = ("NUTS had divergent transitions in the tilted distribution (a geometry it cannot follow, e.g. the "
                     "funnel of a centred hierarchical model)", "share of divergent draws",

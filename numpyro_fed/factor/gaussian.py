@@ -110,7 +110,9 @@ def log_prob(nat: NaturalGaussian, u: Array) -> Array:
     d = mean.shape[0]
     r = u - mean
     if nat.diagonal:
-        return -0.5 * jnp.sum(r**2 * nat.precision) - 0.5 * d * jnp.log(2 * jnp.pi) + 0.5 * jnp.sum(jnp.log(nat.precision))
+        return (
+            -0.5 * jnp.sum(r**2 * nat.precision) - 0.5 * d * jnp.log(2 * jnp.pi) + 0.5 * jnp.sum(jnp.log(nat.precision))
+        )
     _, logdet = jnp.linalg.slogdet(nat.precision)
     return -0.5 * r @ nat.precision @ r - 0.5 * d * jnp.log(2 * jnp.pi) + 0.5 * logdet
 

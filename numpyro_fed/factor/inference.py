@@ -20,31 +20,47 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import (SiteLayout, analyse_model, deterministic_of_globals, global_deterministic_sites,
-                          is_latent, log_joint, trace_model, with_improper_values)
+from .._structure import (
+    SiteLayout,
+    analyse_model,
+    deterministic_of_globals,
+    global_deterministic_sites,
+    is_latent,
+    latent_supports,
+    log_joint,
+    trace_model,
+    with_improper_values,
+)
+from .._validation import check_clients, check_positive_int
 from ..backends.mapping import client_data, plan_clients
-from ..dp.plan import PrivateFit, refuse_dp
 from ..clients import Clients
+from ..dp.plan import PrivateFit, refuse_dp
+from ..fit_check import (
+    MEAN_MARGIN,
+    SD_MARGIN,
+    FitDiagnostic,
+    describe_biased,
+    fit_diagnostic,
+    importance_resample,
+    state_fingerprint,
+)
+from ..groups import size_group_plates
 from ..handlers import GLOBAL, LOCAL, site_role
-from ..horizontal.inference import check_positive_int
+from ..inference import FederatedInference, Setup, with_exchange_traffic
+from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
-from .tilted import PARETO_K_LIMIT
+from . import gaussian as G
 from .blocks import QUADRATURE_NODES, blocks_hold
 from .blocks import local_blocks as propose_blocks
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
-from ..fit_check import (MEAN_MARGIN, SD_MARGIN, FitDiagnostic, describe_biased, fit_diagnostic, importance_resample,
-                         state_fingerprint)
-from ..inference import FederatedInference, Setup, with_exchange_traffic
 from .network_check import NetworkFitCheck
 from .pointwise import PointwiseLikelihood
-from ..protocol import RunResult, RunState
-from . import gaussian as G
 from .prior_site import prior_site_update, split_prior
+from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
 __all__ = ["FactorInference", "ModelTerms", "latent_supports"]
 
-_CLIENTS = "{cls}.run/init need an nf.Clients object (e.g. nf.Clients.split(groups, x=x, y=y)); got {kind}"
 _PARAMS = "{cls} approximates latent sites only; numpyro.param sites {names} have no prior. Give them one"
 _PRIOR_FIX = (
     "{cls} keeps q = p * prod_j t_j in one Gaussian family, so every global site needs a "
@@ -57,7 +73,7 @@ _ALL_INVALID = (
     "that failed or is not a proper Gaussian), from client(s) {clients}; q did not move. {hint}Use damping < 1, "
     "more local steps, or another tilted/update method"
 )
-_K_ADVICE = (
+K_ADVICE = (
     "the fitted Gaussian does not hold the tilted distribution's mass (Pareto k of its importance weights above "
     "0.7: skew, heavy tails, a boundary, or a funnel that a Gaussian over the global and local sites cannot follow)",
     "Reparameterise the local sites (numpyro.infer.reparam.LocScaleReparam), or use nf.EP(tilted='laplace'), "
@@ -100,6 +116,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
     """Base of :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.EP` (not used directly)."""
 
     method = "factor"
+    _size_group_plates = size_group_plates
 
     def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
                  model_kwargs, check_fit: bool = True) -> None:
@@ -141,7 +158,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         """What a failed local-fit check means for this method: ``stat`` (``what``,
         ``stat_name``, ``fix``: the convergence/divergence check), ``k`` (``what``, ``fix``:
         the Pareto-k check) and ``invalid`` (why a fit can come back invalid)."""
-        return {"stat": ("the local fit failed its check", "statistic", ""), "k": _K_ADVICE, "invalid": ""}
+        return {"stat": ("the local fit failed its check", "statistic", ""), "k": K_ADVICE, "invalid": ""}
 
     # ------------------------------------------------------------------ set-up
     def _terms(self, clients: Clients, plan, structure) -> ModelTerms:
@@ -202,8 +219,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         return log_joint_local
 
     def _validate_inputs(self, clients) -> None:
-        if not isinstance(clients, Clients):
-            raise TypeError(_CLIENTS.format(cls=type(self).__name__, kind=type(clients).__name__))
+        check_clients(clients, f"{type(self).__name__}.run/init")
 
     def _build(self, clients: Clients) -> Setup:
         cls = type(self).__name__
@@ -497,7 +513,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         return self._update(state, clients)
 
     def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
-        """``num_rounds`` rounds on the simulation backend (one ``lax.scan`` unless a
+        """``num_rounds`` rounds on the simulation backend (one ``lax.while_loop`` unless a
         progress bar, transcript, callbacks or checkpoints are asked for).
 
         Args:
@@ -625,6 +641,3 @@ def _shown(rounds):
     return rounds if len(rounds) <= 10 else rounds[:10] + ["..."]
 
 
-def latent_supports(tr) -> Dict[str, Any]:
-    """``{site: support}`` of the latent sites of a trace."""
-    return {n: s["fn"].support for n, s in tr.items() if is_latent(s)}

@@ -13,7 +13,6 @@ Pure and jit-compatible given the client's shapes.
 from __future__ import annotations
 
 import warnings
-
 from typing import Callable, Dict, Mapping, Tuple
 
 import jax
@@ -23,13 +22,13 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
-from .._structure import trace_model
-from ..groups import trim_groups
+from .._structure import latent_supports, trace_model
+from .._validation import check_positive_int
 from ..backends.mapping import pad_client
-from ..horizontal.inference import check_positive_int
-from . import gaussian as G
+from ..groups import trim_groups
 from ..warnings import ModelComparisonWarning
-from .check import INNER_STEPS, WARM_STEPS, _laplace_proposal, local_integral_k, locals_are_gaussian
+from . import gaussian as G
+from .check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
 from .tilted import PARETO_K_LIMIT
 
 __all__ = ["PointwiseLikelihood", "conditional_local_draws", "observed_terms"]
@@ -40,10 +39,10 @@ def conditional_local_draws(log_joint: Callable, num_global: int, num_local: int
     Laplace approximation of ``p(v | u_s, y_j)``, warm-started at the conditional mode at
     ``q``'s ``mean``. ``(S, num_local)``."""
     v0 = jnp.zeros(num_local, u.dtype)
-    v0 = _laplace_proposal(log_joint, num_global, num_local, mean, data, v0, INNER_STEPS)[0]
+    v0 = laplace_proposal(log_joint, num_global, num_local, mean, data, v0, INNER_STEPS)[0]
 
     def one(x, key):
-        v, chol = _laplace_proposal(log_joint, num_global, num_local, x, data, v0, WARM_STEPS)
+        v, chol = laplace_proposal(log_joint, num_global, num_local, x, data, v0, WARM_STEPS)
         eps = random.normal(key, (num_local,), x.dtype)
         return v + jax.scipy.linalg.solve_triangular(chol.T, eps, lower=False)
 
@@ -118,7 +117,6 @@ class PointwiseLikelihood:
         return setup.cache["pointwise_at"](draws, random.split(rng_key, num), args)
 
     def _client_pass(self, rng_key, result, num_samples, client):
-        from .inference import latent_supports  # (inference imports this module)
 
         setup = self._fitted()
         state = self._state_of(result)

@@ -9,13 +9,13 @@ import jax
 from jax import random
 
 from .._structure import trace_model
+from .._validation import check_optimizer, check_positive_int
 from ..clients import Clients
-from ..horizontal.inference import check_positive_int
+from ..dp.plan import PrivateFit, check_dp_options, warn_withheld
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
-from .inference import _K_ADVICE, FactorInference
+from .inference import K_ADVICE, FactorInference
 from .pvi_algorithm import pvi
-from ..dp.plan import PrivateFit, check_dp_options, warn_withheld
 from .updates import VARIANTS
 
 __all__ = ["BCM", "PVI"]
@@ -31,7 +31,6 @@ _SHARD_PLATE = (
     "variant= splits each client's rows into shards, which needs the plate that indexes rows; "
     "plates of the client's row count: {found}. Pass row_plate="
 )
-_OPTIM = "update='optax' needs optim=, an optax GradientTransformation such as optax.adam(1e-2)"
 _UPDATES = ("auto", "conjugate", "optax")
 DEFAULT_LEARNING_RATE = 0.05  # the local ELBO's Adam step when update='auto' chooses 'optax' and optim= is unset
 _QUADRATIC_TOL = 1e-4
@@ -83,7 +82,8 @@ class PVI(PrivateFit, FactorInference):
         max_local_steps: with ``update="optax"`` (global sites only, no DP), a local fit whose
             objective or parameters still move over the last quarter of its steps runs
             another ``local_steps``, up to this many in all (default ``4 * local_steps``;
-            under ``dp=`` no extension, as every step is accounted); one still moving then is reported (``UnreliableFitWarning`` naming the client
+            under ``dp=`` no extension, as every step is accounted); one still moving then is
+            reported (``UnreliableFitWarning`` naming the client
             and round).
         num_particles: Monte Carlo draws per local ELBO estimate.
         max_halvings: PD safeguard (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
@@ -166,19 +166,28 @@ class PVI(PrivateFit, FactorInference):
         model_kwargs: Optional[dict] = None,
         check_fit: bool = True,
     ) -> None:
-        super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
-                         max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
-                         model_kwargs=model_kwargs, check_fit=check_fit)
+        super().__init__(
+            model,
+            family=family,
+            schedule=schedule,
+            damping=damping,
+            subset_size=subset_size,
+            max_halvings=max_halvings,
+            client_mapping=client_mapping,
+            row_plate=row_plate,
+            model_kwargs=model_kwargs,
+            check_fit=check_fit,
+        )
         if update not in _UPDATES:
             raise ValueError(f"update={update!r}: choose one of {_UPDATES}")
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r}: choose one of {VARIANTS}")
-        if int(num_shards) != num_shards or num_shards < 1 or (variant == "plain" and num_shards != 1):
-            raise ValueError(f"num_shards={num_shards}: a positive integer, and 1 unless variant= splits the data")
+        if check_positive_int("num_shards", num_shards) != 1 and variant == "plain":
+            raise ValueError(f"num_shards={num_shards}: must be 1 unless variant= splits the data")
         if update == "auto" and dp == "optimisation":  # DP-SGD runs inside the local optimisation
             update, optim = "optax", _default_optim() if optim is None else optim
-        if (update == "optax" or optim is not None) and not (hasattr(optim, "init") and hasattr(optim, "update")):
-            raise ValueError(_OPTIM)
+        if update == "optax" or optim is not None:
+            check_optimizer(optim, needed_by="update='optax'")
         self.update_kind = update
         #: the update the fit uses: ``update`` as given, or what ``"auto"`` chose (set when built)
         self.update_used: Optional[str] = None if update == "auto" else update
@@ -222,8 +231,10 @@ class PVI(PrivateFit, FactorInference):
         if value < self.local_steps:
             raise ValueError(f"max_local_steps={max_local_steps}: must be at least local_steps={self.local_steps}")
         if self.dp is not None and value != self.local_steps:
-            raise ValueError(f"max_local_steps={max_local_steps}: under dp={self.dp!r} every local step is accounted, "
-                             f"so a local fit is never extended; leave max_local_steps unset")
+            raise ValueError(
+                f"max_local_steps={max_local_steps}: under dp={self.dp!r} every local step is accounted, "
+                f"so a local fit is never extended; leave max_local_steps unset"
+            )
         return value
 
     def _check_structure(self, structure) -> None:
@@ -231,8 +242,10 @@ class PVI(PrivateFit, FactorInference):
             return
         names = list(structure.local_latent_names)
         if self.dp is not None:
-            raise ValueError(f"dp={self.dp!r} protects models with global latent sites only; {names} are local "
-                             "(their fit would need a private mechanism of its own)")
+            raise ValueError(
+                f"dp={self.dp!r} protects models with global latent sites only; {names} are local "
+                "(their fit would need a private mechanism of its own)"
+            )
         if self.update_kind == "conjugate":
             raise ValueError(_LOCAL_CONJ.format(names=names))
         if self.variant != "plain":
@@ -244,32 +257,56 @@ class PVI(PrivateFit, FactorInference):
         return structure._replace(row_plate=self._shard_plate(clients, structure.row_plate))
 
     def _fit_advice(self) -> Dict[str, Any]:
-        return {"stat": ("the local optimisation had not converged (the local ELBO still rising or q's mean or sd "
-                         "still moving over the last quarter of the steps)",
-                         "convergence statistic (objective and parameter drift over their limits; above 1 fails)",
-                         f"Raise local_steps (now {self.local_steps}) or max_local_steps (now "
-                         f"{self.max_local_steps}), or change the optimiser's learning rate."),
-                "k": _K_ADVICE, "invalid": ""}
+        return {
+            "stat": (
+                "the local optimisation had not converged (the local ELBO still rising or q's mean or sd "
+                "still moving over the last quarter of the steps)",
+                "convergence statistic (objective and parameter drift over their limits; above 1 fails)",
+                f"Raise local_steps (now {self.local_steps}) or max_local_steps (now "
+                f"{self.max_local_steps}), or change the optimiser's learning rate.",
+            ),
+            "k": K_ADVICE,
+            "invalid": "",
+        }
 
     def _algorithm(self, terms, plan, num_clients: int):
         d = terms.prior.shift.shape[0]
-        common = dict(schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
-                      max_kl=self._max_kl(d), subset_size=self.subset_size, prior_site=self._prior_site(terms))
+        common = dict(
+            schedule=self.schedule,
+            damping=self.damping,
+            max_halvings=self.max_halvings,
+            max_kl=self._max_kl(d),
+            subset_size=self.subset_size,
+            prior_site=self._prior_site(terms),
+        )
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             self._use("optax")
-            moments = tilted_moments("vi", optim=self.optim, vi_steps=self.local_steps,
-                                     num_particles=self.num_particles, diagonal=self.family == "diagonal")
+            moments = tilted_moments(
+                "vi",
+                optim=self.optim,
+                vi_steps=self.local_steps,
+                num_particles=self.num_particles,
+                diagonal=self.family == "diagonal",
+            )
             return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
         update = self._choose_update(terms, plan, d)
         private = self._privacy
         if getattr(self, "prior", "same") == "split":
             common["split_prior"] = True
         return pvi(
-            terms.prior, terms.log_lik, num_clients, update=update, optim=self.optim,
-            local_steps=self.local_steps, max_local_steps=self.max_local_steps, num_particles=self.num_particles,
+            terms.prior,
+            terms.log_lik,
+            num_clients,
+            update=update,
+            optim=self.optim,
+            local_steps=self.local_steps,
+            max_local_steps=self.max_local_steps,
+            num_particles=self.num_particles,
             variant=self.variant,
-            num_shards=self.num_shards, perturb=private.perturb if private else None,
-            dp_sgd=private.dp_sgd if private else None, trusted_aggregator=self.trusted_aggregator,
+            num_shards=self.num_shards,
+            perturb=private.perturb if private else None,
+            dp_sgd=private.dp_sgd if private else None,
+            trusted_aggregator=self.trusted_aggregator,
             **common,
         )
 
@@ -298,8 +335,9 @@ class PVI(PrivateFit, FactorInference):
             quadratic = all(float(c) <= _QUADRATIC_TOL for c in changes)
             return self._use("conjugate" if quadratic else "optax")
         for name, c in zip(plan.names, changes):
-            G.check_quadratic(c, what=f"client '{name}''s log-likelihood", sites=terms.sites, fix=_CONJ_FIX,
-                              tol=_QUADRATIC_TOL)
+            G.check_quadratic(
+                c, what=f"client '{name}''s log-likelihood", sites=terms.sites, fix=_CONJ_FIX, tol=_QUADRATIC_TOL
+            )
         return self._use("conjugate")
 
     # ------------------------------------------------------------------ privacy
@@ -360,8 +398,9 @@ class BCM(PVI):
             raise ValueError(f"prior={prior!r}: choose 'same' or 'split'")
         for fixed in ("schedule", "damping", "subset_size", "variant", "num_shards"):
             if fixed in kwargs:
-                raise ValueError(f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not "
-                                 f"apply")
+                raise ValueError(
+                    f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not apply"
+                )
         self.prior = prior
         super().__init__(model, schedule="synchronous", damping=1.0, **kwargs)
 

@@ -32,8 +32,8 @@ import optax
 from jax import random
 from numpyro.infer.hmc import hmc
 
-from . import gaussian as G
 from .._typing import Array
+from . import gaussian as G
 from .blocks import block_hessian, block_logdet, block_solve, quadrature_correction, scatter_blocks
 from .gaussian import NaturalGaussian
 
@@ -474,7 +474,8 @@ def gaussian_vi_moments(
 
     The objective ``E_q[log_lik] + E_q[log cavity(u)] + H[q]`` has its last two terms in
     closed form; the first is a reparameterised Monte Carlo estimate with
-    ``num_particles`` draws. ``q`` starts at mean ``w0`` and scale ``init_scale``; the returned moments average the iterates of the second half
+    ``num_particles`` draws. ``q`` starts at mean ``w0`` and scale ``init_scale``; the returned
+    moments average the iterates of the second half
     of the ``steps``.
 
     The checks: the objective must have stopped falling and the parameters stopped moving

@@ -38,7 +38,6 @@ import traceback
 import warnings
 
 
-
 def _server_main(grid, context) -> None:
     cfg = context.run_config
     out = str(cfg.get("out", ""))
@@ -70,17 +69,34 @@ def _server_main(grid, context) -> None:
         backend.collect_ledgers = getattr(inference, "_privacy", None) is not None  # privacy_report's input
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run = call_run(inference, inputs, jax.random.PRNGKey(int(cfg.get("seed", 0))), num_rounds,
-                           progress_bar=False, record_transcript=True, keep_values=bool(cfg.get("keep-values", False)),
-                           backend=backend, checkpoint=str(cfg["checkpoint"]) if str(cfg.get("checkpoint", "")) else None,
-                           checkpoint_every=int(cfg["checkpoint-every"]) if int(cfg.get("checkpoint-every", 0)) else None,
-                           **task.run_options)
-        to_np = (lambda t: jax.tree_util.tree_map(np.asarray, t))
+            run = call_run(
+                inference,
+                inputs,
+                jax.random.PRNGKey(int(cfg.get("seed", 0))),
+                num_rounds,
+                progress_bar=False,
+                record_transcript=True,
+                keep_values=bool(cfg.get("keep-values", False)),
+                backend=backend,
+                checkpoint=str(cfg["checkpoint"]) if str(cfg.get("checkpoint", "")) else None,
+                checkpoint_every=int(cfg["checkpoint-every"]) if int(cfg.get("checkpoint-every", 0)) else None,
+                **task.run_options,
+            )
+        to_np = lambda t: jax.tree_util.tree_map(np.asarray, t)
         result.update(
-            params=to_np(run.params), trace=np.asarray(run.trace), info=to_np(run.info),
-            server_state=to_np(run.state.server), communication=run.communication._asdict(),
-            transcript=run.transcript, rounds_answered=np.asarray(run.rounds_answered), clients=template.names,
-            missing=backend.missing, rejoined=backend.rejoined, timings=backend.timings, errors=backend.errors, round_seconds=backend.round_seconds,
+            params=to_np(run.params),
+            trace=np.asarray(run.trace),
+            info=to_np(run.info),
+            server_state=to_np(run.state.server),
+            communication=run.communication._asdict(),
+            transcript=run.transcript,
+            rounds_answered=np.asarray(run.rounds_answered),
+            clients=template.names,
+            missing=backend.missing,
+            rejoined=backend.rejoined,
+            timings=backend.timings,
+            errors=backend.errors,
+            round_seconds=backend.round_seconds,
             warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
         )
         result["fit_check"] = getattr(inference, "last_fit_check", None)  # SFVI: checked with the clients' terms

@@ -41,10 +41,10 @@ import numpy as np
 from jax import random
 
 from ..protocol import ClientSlot
-from .task import build, load_task
 from ..transcript import message_to_bytes
-from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
 from ..warnings import UncheckedFitWarning
+from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
+from .task import build, load_task
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
 __all__ = ["client_key", "make_client_app"]
@@ -54,7 +54,8 @@ __all__ = ["client_key", "make_client_app"]
 SEED_KEY = "numpyro-fed-seed"
 #: node_config key: the folder where the client keeps its state between messages (rejoin)
 STATE_DIR_KEY = "numpyro-fed-state-dir"
-_SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))  # the simulation's secure sum (backends.simulation._aggregate)
+# the simulation's secure sum (backends.simulation.aggregate_messages)
+_SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))
 
 
 class _Built(NamedTuple):
@@ -109,16 +110,20 @@ def _built(context) -> _Built:
         needs = getattr(data[j], "args", None)  # vertical: the arguments this party's steps read
         missing = sorted(set(needs or ()) - set(own[1]))
         if missing:  # zeros would stand in for them: a silently wrong posterior
-            raise ValueError(f"party {own[0]!r} needs arguments {missing}, which its load_client did not return (with "
-                             f"response_access='shared' every party holds the response too): return them from load_client")
+            raise ValueError(
+                f"party {own[0]!r} needs arguments {missing}, which its load_client did not return (with "
+                f"response_access='shared' every party holds the response too): return them from load_client"
+            )
         structures = wire_structures(s.algorithm, data, s.plan.server_data)
         steps = tuple(_step(e) for e in s.algorithm.exchanges)
         _BUILT.clear()  # one run at a time per process
         agg = bytes.fromhex(spec.get("aggregator_key", ""))
         pinned = context.node_config.get(PIN_KEY)
         if agg and pinned is not None and bytes.fromhex(str(pinned)) != agg:
-            raise ValueError(f"client {own[0]!r}: the server relayed an aggregator key other than the one pinned in "
-                             f"this node's config ({PIN_KEY}); refusing to seal for it")
+            raise ValueError(
+                f"client {own[0]!r}: the server relayed an aggregator key other than the one pinned in "
+                f"this node's config ({PIN_KEY}); refusing to seal for it"
+            )
         _BUILT[key] = _Built(j, str(own[0]), agg, inference, s, s.algorithm, data[j], structures, steps)
     return _BUILT[key]
 
@@ -154,12 +159,20 @@ def _set_up(message, context) -> None:
     from flwr.app import ConfigRecord
 
     cfg = message.content["nf"]
-    text = json.dumps({"template": str(cfg["template"]), "index": int(cfg["index"]),
-                       "num_rounds": int(cfg["num_rounds"]), "aggregator_key": str(cfg.get("aggregator_key", "")),
-                       "checkpoint_every": int(cfg.get("checkpoint_every", 0))})
+    text = json.dumps(
+        {
+            "template": str(cfg["template"]),
+            "index": int(cfg["index"]),
+            "num_rounds": int(cfg["num_rounds"]),
+            "aggregator_key": str(cfg.get("aggregator_key", "")),
+            "checkpoint_every": int(cfg.get("checkpoint_every", 0)),
+        }
+    )
     if int(cfg.get("checkpoint_every", 0)) and STATE_DIR_KEY not in context.node_config:
-        raise ValueError(f"the server checkpoints this run (checkpoint=), and this node keeps no state to resume "
-                         f"from: give it {STATE_DIR_KEY} = \"FOLDER\" in its node config")
+        raise ValueError(
+            f"the server checkpoints this run (checkpoint=), and this node keeps no state to resume "
+            f'from: give it {STATE_DIR_KEY} = "FOLDER" in its node config'
+        )
     context.state["nf.setup"] = ConfigRecord({"text": text})
 
 
@@ -205,14 +218,16 @@ def _restore(context, built: _Built) -> ClientSlot:
     """The state :func:`_store` kept for this run and site (raises when there is none)."""
     path = _stored_path(context, built.name)
     if path is None:
-        raise ValueError(f"client {built.name!r} cannot rejoin: its node keeps no state ({STATE_DIR_KEY} is not in "
-                         f"its node config)")
+        raise ValueError(
+            f"client {built.name!r} cannot rejoin: its node keeps no state ({STATE_DIR_KEY} is not in its node config)"
+        )
     return _load_slot(context, built, path)
 
 
 def _round_path(context, run_id: int, name: str, rnd: int):
-    return os.path.join(os.path.expanduser(str(context.node_config[STATE_DIR_KEY])),
-                        f"run-{int(run_id)}-{name}-round-{int(rnd)}.npz")
+    return os.path.join(
+        os.path.expanduser(str(context.node_config[STATE_DIR_KEY])), f"run-{int(run_id)}-{name}-round-{int(rnd)}.npz"
+    )
 
 
 def _round_files(context, run_id: int, name: str) -> Dict[int, str]:
@@ -220,8 +235,8 @@ def _round_files(context, run_id: int, name: str) -> Dict[int, str]:
     folder = os.path.expanduser(str(context.node_config[STATE_DIR_KEY]))
     prefix, found = f"run-{int(run_id)}-{name}-round-", {}
     for entry in os.listdir(folder) if os.path.isdir(folder) else ():
-        if entry.startswith(prefix) and entry.endswith(".npz") and entry[len(prefix):-4].isdigit():
-            found[int(entry[len(prefix):-4])] = os.path.join(folder, entry)
+        if entry.startswith(prefix) and entry.endswith(".npz") and entry[len(prefix) : -4].isdigit():
+            found[int(entry[len(prefix) : -4])] = os.path.join(folder, entry)
     return found
 
 
@@ -263,8 +278,10 @@ def _resume(message, context):
     files = _round_files(context, int(cfg["from_run"]), built.name)
     usable = [r for r in files if r <= at]
     if not usable:
-        raise ValueError(f"client {built.name!r} cannot resume run {int(cfg['from_run'])} at round {at}: no state of "
-                         f"a round at or before it on this node (stored rounds: {sorted(files)})")
+        raise ValueError(
+            f"client {built.name!r} cannot resume run {int(cfg['from_run'])} at round {at}: no state of "
+            f"a round at or before it on this node (stored rounds: {sorted(files)})"
+        )
     slot = _load_slot(context, built, files[max(usable)])
     context.state["nf.slot"] = to_record(slot)
     _store(context, built, slot)
@@ -303,8 +320,10 @@ def _exchange(message, context):
             raise ValueError("this exchange goes through a trusted aggregator, and the set-up named none")
         hidden = message_to_bytes({k: v for k, v in out.items() if k in secure})
         aad = associated_data(context.run_id, int(message.content["nf"]["round"]), e, built.index)
-        out = {"direct": {k: v for k, v in out.items() if k not in secure},
-               "sealed": np.frombuffer(seal(built.aggregator_key, hidden, aad), np.uint8)}
+        out = {
+            "direct": {k: v for k, v in out.items() if k not in secure},
+            "sealed": np.frombuffer(seal(built.aggregator_key, hidden, aad), np.uint8),
+        }
     return _reply(message, arrays=to_record(out))
 
 
@@ -332,16 +351,20 @@ def _aggregate(message, context):
     indices = [int(j) for j in cfg["indices"]]
     last = [int(x) for x in own["last"]]
     if (rnd, e) <= tuple(last):
-        raise ValueError(f"aggregator: round {rnd} exchange {e} after round {last[0]} exchange {last[1]}: refused "
-                         f"(a replayed or reordered request)")
+        raise ValueError(
+            f"aggregator: round {rnd} exchange {e} after round {last[0]} exchange {last[1]}: refused "
+            f"(a replayed or reordered request)"
+        )
     if len(set(indices)) != len(indices) or not all(0 <= j < J for j in indices):
         raise ValueError(f"aggregator: invalid client indices {indices} for {J} clients")
     blobs = [record.numpy().tobytes() for record in message.content["sealed"].values()]
     if len(blobs) != len(indices):
         raise ValueError(f"aggregator: {len(blobs)} sealed parts for {len(indices)} client indices")
     private = bytes.fromhex(str(own["private"]))
-    parts = {j: split_leaves(open_sealed(private, blob, associated_data(context.run_id, rnd, e, j)))
-             for j, blob in zip(indices, blobs)}
+    parts = {
+        j: split_leaves(open_sealed(private, blob, associated_data(context.run_id, rnd, e, j)))
+        for j, blob in zip(indices, blobs)
+    }
     first = parts[indices[0]]
     rows = [parts.get(j, [np.zeros_like(x) for x in first]) for j in range(J)]
     summed = [np.asarray(_SUM(np.stack(xs))) for xs in zip(*rows)]
@@ -358,10 +381,13 @@ def _ledger(message, context):
     ledger = {"releases": np.asarray(state.releases, np.int32)} if hasattr(state, "releases") else {}
     withheld = np.asarray(getattr(state, "withheld", np.zeros(2)))
     if withheld.sum() > 0:
-        warnings.warn(f"numpyro_fed client {built.name!r}: it withheld fit diagnostics under DP (they stay on this "
-                      f"node): {int(withheld[0])} zeroed shard(s), {int(withheld[1])} failed local fit(s); the "
-                      f"posterior may be unreliable: check the fit (more local steps, a smaller learning rate)",
-                      UncheckedFitWarning, stacklevel=2)
+        warnings.warn(
+            f"numpyro_fed client {built.name!r}: it withheld fit diagnostics under DP (they stay on this "
+            f"node): {int(withheld[0])} zeroed shard(s), {int(withheld[1])} failed local fit(s); the "
+            f"posterior may be unreliable: check the fit (more local steps, a smaller learning rate)",
+            UncheckedFitWarning,
+            stacklevel=2,
+        )
     return _reply(message, arrays=to_record(ledger))
 
 
@@ -387,8 +413,10 @@ def failure_reason(stage: str, error: BaseException) -> str:
     """The data-free text the server gets: the stage, and the exception's class when it is
     one of Python's own (a user-defined class name is left out too)."""
     kind = type(error).__name__ if type(error).__module__ == "builtins" else "an exception"
-    return (f"numpyro_fed client: {FAILED.get(stage, FAILED['unknown'])} ({kind}); the reason is in the node's own "
-            f"log, not sent")
+    return (
+        f"numpyro_fed client: {FAILED.get(stage, FAILED['unknown'])} ({kind}); the reason is in the node's own "
+        f"log, not sent"
+    )
 
 
 def _error_reply(message, reason: str):

@@ -90,7 +90,7 @@ def run_flower_demo(clients: int = 3, rounds: int = 4, seed: int = 0) -> Dict[st
 
     import numpyro_fed as nf
 
-    from .launcher import LocalFederation, _descendants, _exists
+    from .launcher import LocalFederation, descendants, pid_exists
 
     if clients < 1:
         raise ValueError(f"--clients {clients}: need at least one client")
@@ -103,9 +103,9 @@ def run_flower_demo(clients: int = 3, rounds: int = 4, seed: int = 0) -> Dict[st
         started = time.perf_counter() - t0
         print(f"  up in {started:.1f} s; running PVI for {rounds} rounds over Flower ...", flush=True)
         flower = fed.run("numpyro_fed.flower.demo:task", rounds, seed=seed)
-        pids = fed.started_pids + sorted({p for pid in fed.started_pids for p in _descendants(pid)})
+        pids = fed.started_pids + sorted({p for pid in fed.started_pids for p in descendants(pid)})
     total = time.perf_counter() - t0
-    left = [pid for pid in pids if _exists(pid)]
+    left = [pid for pid in pids if pid_exists(pid)]
     data = nf.Clients({f"client{i}": client_data(i, clients) for i in range(clients)})
     sim = make_pvi()
     sim.client_mapping = "loop"

@@ -91,7 +91,7 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-def _descendants(pid: int) -> List[int]:
+def descendants(pid: int) -> List[int]:
     """Every descendant of ``pid`` (by parent process id, read from /proc)."""
     children: Dict[int, List[int]] = {}
     for entry in os.listdir("/proc"):
@@ -112,7 +112,7 @@ def _descendants(pid: int) -> List[int]:
 
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """Stop ``proc`` and every descendant of it: SIGTERM, then SIGKILL after ``grace``."""
-    pids = _descendants(proc.pid)[::-1] + [proc.pid]
+    pids = descendants(proc.pid)[::-1] + [proc.pid]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -120,14 +120,14 @@ def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (proc.poll() is None or any(_exists(p) for p in pids[:-1])):
+        while time.monotonic() < deadline and (proc.poll() is None or any(pid_exists(p) for p in pids[:-1])):
             time.sleep(0.05)
-        if proc.poll() is not None and not any(_exists(p) for p in pids[:-1]):
+        if proc.poll() is not None and not any(pid_exists(p) for p in pids[:-1]):
             break
     proc.wait()
 
 
-def _exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -252,9 +252,12 @@ class LocalFederation:
         self.port = _free_port()
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
-        link = self._spawn([str(self.bin / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                            "--port", str(self.port)], "superlink.log")
+            f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        link = self._spawn(
+            [str(self.bin / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port)],
+            "superlink.log",
+        )
         _wait_port(self.port, self.start_timeout, link, "the SuperLink", self.workdir / "superlink.log")
         for i in range(len(self.node_configs)):
             self.nodes.append(self._start_node(i))
@@ -263,8 +266,16 @@ class LocalFederation:
     def _start_node(self, i: int) -> List[subprocess.Popen]:
         port = _free_port()
         config = " ".join(f"{k}={_toml(v)}" for k, v in self.node_configs[i].items())
-        args = [str(self.bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                "--host", "127.0.0.1", "--port", str(port)]
+        args = [
+            str(self.bin / "flower-supernode"),
+            "--insecure",
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         if config:
             args += ["--node-config", config]
         secret = None
@@ -276,17 +287,38 @@ class LocalFederation:
             if self.certificates is None:
                 self.certificates = _loopback_certificates(self.workdir / "certificates")
             c = self.certificates
-            args += ["--ssl-certfile", str(c["cert"]), "--ssl-keyfile", str(c["key"]), "--ssl-ca-certfile", str(c["ca"])]
+            args += [
+                "--ssl-certfile",
+                str(c["cert"]),
+                "--ssl-keyfile",
+                str(c["key"]),
+                "--ssl-ca-certfile",
+                str(c["ca"]),
+            ]
             executor_tls = ["--root-certificates", str(c["ca"])]
         node = self._spawn(args, f"supernode{i}.log")
         _wait_port(port, self.start_timeout, node, f"SuperNode {i}", self.workdir / f"supernode{i}.log")
         self.runtime_apis[i] = f"127.0.0.1:{port}"
         procs = [node]
         if self.executor:
-            procs.append(self._spawn([sys.executable, "-m", "numpyro_fed", "flower-client", "--runtime-api",
-                                      f"127.0.0.1:{port}", "--parent-pid", str(node.pid),
-                                      "--superexec-auth-secret-file", str(secret), *executor_tls],
-                                     f"executor{i}.log"))
+            procs.append(
+                self._spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "numpyro_fed",
+                        "flower-client",
+                        "--runtime-api",
+                        f"127.0.0.1:{port}",
+                        "--parent-pid",
+                        str(node.pid),
+                        "--superexec-auth-secret-file",
+                        str(secret),
+                        *executor_tls,
+                    ],
+                    f"executor{i}.log",
+                )
+            )
         return procs
 
     def _secret(self, i: int) -> Path:
@@ -302,7 +334,7 @@ class LocalFederation:
     def kill_node(self, i: int) -> None:
         """Kill SuperNode ``i`` (and its executor) at once, as a crash would (SIGKILL)."""
         for proc in self.nodes[i]:
-            for pid in _descendants(proc.pid)[::-1] + [proc.pid]:
+            for pid in descendants(proc.pid)[::-1] + [proc.pid]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -335,23 +367,43 @@ class LocalFederation:
         self.close()
 
     # ------------------------------------------------------------------ runs
-    def submit(self, task: str, num_rounds: int, *, seed: int = 0, reply_timeout: float = 60.0,
-               first_timeout: float = 600.0, keep_values: bool = False, num_clients: Optional[int] = None,
-               app_dir: Optional[str] = None, **config: Any):
+    def submit(
+        self,
+        task: str,
+        num_rounds: int,
+        *,
+        seed: int = 0,
+        reply_timeout: float = 60.0,
+        first_timeout: float = 600.0,
+        keep_values: bool = False,
+        num_clients: Optional[int] = None,
+        app_dir: Optional[str] = None,
+        **config: Any,
+    ):
         """Start a run (``flwr run``) in the background; returns a handle for :meth:`wait`.
         ``app_dir``: another Flower app folder (default: numpyro_fed's apps); ``config``:
         further entries of its run config."""
         self._runs += 1
         out = self.workdir / f"run{self._runs}.pkl"
-        values = {"task": task, "num-clients": int(num_clients or len(self.node_configs)),
-                  "num-rounds": int(num_rounds), "seed": int(seed), "reply-timeout": float(reply_timeout),
-                  "first-timeout": float(first_timeout), "out": str(out), "keep-values": bool(keep_values), **config}
+        values = {
+            "task": task,
+            "num-clients": int(num_clients or len(self.node_configs)),
+            "num-rounds": int(num_rounds),
+            "seed": int(seed),
+            "reply-timeout": float(reply_timeout),
+            "first-timeout": float(first_timeout),
+            "out": str(out),
+            "keep-values": bool(keep_values),
+            **config,
+        }
         if app_dir is not None:  # another app: only the entries it shares with ours
             values = {k: values[k] for k in ("num-clients", "num-rounds", "out")} | dict(config)
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in values.items())
         log = f"flwr-run{self._runs}.log"
-        proc = self._spawn([str(self.bin / "flwr"), "run", str(app_dir or self.app), "local", "--stream",
-                            "--run-config", overrides], log)
+        proc = self._spawn(
+            [str(self.bin / "flwr"), "run", str(app_dir or self.app), "local", "--stream", "--run-config", overrides],
+            log,
+        )
         return proc, out, self.workdir / log
 
     def progress(self, handle) -> int:

@@ -143,6 +143,6 @@ def wire_structures(algorithm: FederatedAlgorithm, data: Sequence[Any], server_d
 
 
 def _server_step(exchange, key, server, messages, view):
-    from ..backends.simulation import _aggregate
+    from ..backends.simulation import aggregate_messages
 
-    return exchange.server_step(key, server, _aggregate(messages, exchange.secure_sum), view)
+    return exchange.server_step(key, server, aggregate_messages(messages, exchange.secure_sum), view)

@@ -12,31 +12,41 @@ import numpy as np
 import optax
 from jax import random
 
-from .._structure import (analyse_model, constrain_params, deterministic_of_globals, global_deterministic_sites,
-                          trace_model, with_improper_values)
+from .._structure import (
+    analyse_model,
+    constrain_params,
+    deterministic_of_globals,
+    global_deterministic_sites,
+    trace_model,
+    with_improper_values,
+)
+from .._validation import check_clients, check_optimizer, check_positive_int
 from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args
 from ..clients import Clients
+from ..dp.plan import PrivateFit, check_sgd_options
+from ..fit_check import (
+    MEAN_MARGIN,
+    PARETO_K_LIMIT,
+    SD_MARGIN,
+    FitDiagnostic,
+    describe_biased,
+    fit_diagnostic,
+    importance_resample,
+    state_fingerprint,
+)
+from ..groups import size_group_plates, trim_groups
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
+from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
+from .dp_sfvi_algorithm import dp_sfvi
 from .guides import StructuredGuide
 from .objective import FederatedObjective
-from ..dp.plan import PrivateFit, check_sgd_options
-from .dp_sfvi_algorithm import dp_sfvi
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import OPTIMIZER_STATES, sfvi_avg
-from ..groups import trim_groups
-from ..fit_check import (MEAN_MARGIN, SD_MARGIN, PARETO_K_LIMIT, FitDiagnostic, describe_biased, fit_diagnostic,
-                         importance_resample, state_fingerprint)
-from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
 
 __all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
 
 METHODS = ("sfvi", "sfvi_avg")
-_OPTIM = (
-    "optim must be an optax GradientTransformation such as optax.adam(1e-2); got {kind}. "
-    "NumPyro optimisers (numpyro.optim.Adam) are not accepted: use the optax equivalent"
-)
-_CLIENTS = "clients must be an nf.Clients; got {kind}. Build one with nf.Clients({{...}}) or nf.Clients.split(...)"
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
 _UNRELIABLE = (
     "{cls}: the fitted approximation is unreliable: Pareto k = {k:.2f} > {limit} for the importance "
@@ -49,17 +59,11 @@ _UNRELIABLE = (
 _BIASED = (
     "{cls}: Pareto k = {k:.2f} is below {limit}, but q's moments disagree with the importance-weighted moments "
     "of the same {n} draws (means more than {mean_margin} weighted sds apart or sds more than {sd_margin:.0%}) "
-    "at {sites}: q is biased there (a Gaussian too narrow for a hierarchical scale, a skewed marginal, or too few rounds). Use "
+    "at {sites}: q is biased there (a Gaussian too narrow for a hierarchical scale, a skewed marginal, "
+    "or too few rounds). Use "
     "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, "
     "fit longer or with a richer guide, or check against NUTS; check_fit=False silences this"
 )
-
-
-def check_positive_int(name: str, value) -> int:
-    """``value`` as an int, or a ValueError naming the argument."""
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name}={value}: must be a positive integer")
-    return int(value)
 
 
 class FederatedSVI(PrivateFit, FederatedInference):
@@ -145,11 +149,8 @@ class FederatedSVI(PrivateFit, FederatedInference):
         if not callable(model):
             raise TypeError(f"model must be a callable NumPyro model; got {type(model).__name__}")
         if not isinstance(guide, StructuredGuide):
-            raise TypeError(
-                f"guide must be an nf.StructuredGuide or nf.MeanFieldGuide; got {type(guide).__name__}"
-            )
-        if not (hasattr(optim, "init") and hasattr(optim, "update")) or hasattr(optim, "get_params"):
-            raise TypeError(_OPTIM.format(kind=type(optim).__name__))
+            raise TypeError(f"guide must be an nf.StructuredGuide or nf.MeanFieldGuide; got {type(guide).__name__}")
+        check_optimizer(optim)
         if method not in METHODS:
             raise ValueError(f"method={method!r}: choose one of {METHODS}")
         if not (0.0 < participation <= 1.0):
@@ -182,9 +183,10 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self._init_inference()
 
     # ------------------------------------------------------------------ set-up
+    _size_group_plates = size_group_plates
+
     def _validate_inputs(self, clients) -> None:
-        if not isinstance(clients, Clients):
-            raise TypeError(_CLIENTS.format(kind=type(clients).__name__))
+        check_clients(clients, type(self).__name__)
 
     def _build(self, clients: Clients) -> Setup:
         structure = analyse_model(self.model, clients, self.model_kwargs)
@@ -197,19 +199,34 @@ class FederatedSVI(PrivateFit, FederatedInference):
         if self._privacy is not None:
             local = list(structure.local_latent_names) + list(structure.local_param_names)
             if local:
-                raise ValueError(f"dp='sgd' (DP federated SVI) fits models with global sites only; {local} are "
-                                 f"local. Use nf.PVI(dp=...) or drop the local sites")
+                raise ValueError(
+                    f"dp='sgd' (DP federated SVI) fits models with global sites only; {local} are "
+                    f"local. Use nf.PVI(dp=...) or drop the local sites"
+                )
             p = self._privacy
-            algorithm = dp_sfvi(objective, self.optim, J, clip=p.spec.clip, noise_multiplier=p.noise_multiplier,
-                                sampling_rate=self.dp_sampling_rate, max_batch=p.dp_sgd.batch_size,
-                                trusted_aggregator=self.trusted_aggregator, num_particles=self.num_particles)
+            algorithm = dp_sfvi(
+                objective,
+                self.optim,
+                J,
+                clip=p.spec.clip,
+                noise_multiplier=p.noise_multiplier,
+                sampling_rate=self.dp_sampling_rate,
+                max_batch=p.dp_sgd.batch_size,
+                trusted_aggregator=self.trusted_aggregator,
+                num_particles=self.num_particles,
+            )
         elif self.method == "sfvi":
             algorithm = sfvi(objective, self.optim, J, num_particles=self.num_particles)
         else:
             algorithm = sfvi_avg(
-                objective, self.optim, J, clients.total_rows,
-                local_steps=self.local_steps, participation=self.participation,
-                num_particles=self.num_particles, optimizer_state=self.optimizer_state,
+                objective,
+                self.optim,
+                J,
+                clients.total_rows,
+                local_steps=self.local_steps,
+                participation=self.participation,
+                num_particles=self.num_particles,
+                optimizer_state=self.optimizer_state,
             )
         return Setup(clients, algorithm, plan, objective, {})
 
@@ -255,7 +272,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             clients: an :class:`~numpyro_fed.Clients`.
             **options: the backend's run options: ``progress_bar`` (default ``True``; a
                 tqdm bar with the running loss; without it, a transcript, callbacks or
-                checkpoints all rounds run in one ``lax.scan``), ``init_state`` (resume),
+                checkpoints all rounds run in one ``lax.while_loop``), ``init_state`` (resume),
                 ``record_transcript`` / ``keep_values``, ``availability`` (simulated
                 dropout), ``checkpoint`` / ``checkpoint_every``, ``on_nonfinite``
                 (``"raise"`` or ``"warn"``), ``callbacks`` and ``backend``. See
@@ -280,32 +297,50 @@ class FederatedSVI(PrivateFit, FederatedInference):
             result = result if traffic is None else result._replace(communication=traffic)
             if log_w is None:
                 why = "this backend cannot ask the clients" if network is None else "some clients did not answer"
-                warnings.warn(f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
-                              f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
-                              f"silence this", UncheckedFitWarning, stacklevel=4)
+                warnings.warn(
+                    f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
+                    f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
+                    f"silence this",
+                    UncheckedFitWarning,
+                    stacklevel=4,
+                )
                 return result
-            diag = fit_diagnostic(log_w, *self._check_draws(setup, result.state, _FIT_CHECK_DRAWS,
-                                                            random.PRNGKey(0x51)))
+            diag = fit_diagnostic(
+                log_w, *self._check_draws(setup, result.state, _FIT_CHECK_DRAWS, random.PRNGKey(0x51))
+            )
         else:
             diag = self.diagnose(result)
         self.last_fit_check = diag
         self._checked_state = state_fingerprint(result.state.server)
         cls = type(self).__name__
         if diag.verdict == "unreliable":
-            warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
-                                             n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=4)
+            warnings.warn(
+                _UNRELIABLE.format(
+                    cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess, n=len(diag.log_weights)
+                ),
+                UnreliableFitWarning,
+                stacklevel=4,
+            )
         elif diag.verdict == "biased":
-            warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
-                                         mean_margin=MEAN_MARGIN,
-                                         sd_margin=SD_MARGIN, sites=describe_biased(diag.biased)),
-                          BiasedFitWarning, stacklevel=4)
+            warnings.warn(
+                _BIASED.format(
+                    cls=cls,
+                    k=diag.pareto_k,
+                    limit=PARETO_K_LIMIT,
+                    n=len(diag.log_weights),
+                    mean_margin=MEAN_MARGIN,
+                    sd_margin=SD_MARGIN,
+                    sites=describe_biased(diag.biased),
+                ),
+                BiasedFitWarning,
+                stacklevel=4,
+            )
         return result
 
     def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
         otherwise computed now (simulation), so corrected draws never come from another fit."""
-        if self.last_fit_check is not None and getattr(self, "_checked_state", None) == state_fingerprint(
-                state.server):
+        if self.last_fit_check is not None and getattr(self, "_checked_state", None) == state_fingerprint(state.server):
             return self.last_fit_check
         return self.diagnose(state) if self.check_fit and state.clients is not None else None
 
@@ -323,8 +358,11 @@ class FederatedSVI(PrivateFit, FederatedInference):
         k_g, _ = random.split(rng_key)
         user, z = setup.cache["check_draws"](state.server.global_params, k_g, num_draws)
         per_site = jax.vmap(setup.extra.structure.global_latent.unravel)(z)
-        return ({k: np.asarray(v) for k, v in user.items()}, np.asarray(z),
-                {k: np.asarray(v) for k, v in per_site.items()})
+        return (
+            {k: np.asarray(v) for k, v in user.items()},
+            np.asarray(z),
+            {k: np.asarray(v) for k, v in per_site.items()},
+        )
 
     # ------------------------------------------------------------------ fit check over a network
     def _network_log_weights(self, network, setup: Setup, result: RunResult, num_draws: int = 1000):
@@ -362,10 +400,12 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self._client_value_inputs(name, setup, data)
         key = ("client_log_weights", _FIT_CHECK_DRAWS)
         if key not in setup.cache:
-            setup.cache[key] = jax.jit(partial(_client_log_weights_from_keys, setup.extra, 1.0 / len(setup.plan.names),
-                                               _FIT_CHECK_DRAWS))
-        values = setup.cache[key](payload["global_params"], payload["k_g"], payload["key"], client_state.local_params,
-                                  data)
+            setup.cache[key] = jax.jit(
+                partial(_client_log_weights_from_keys, setup.extra, 1.0 / len(setup.plan.names), _FIT_CHECK_DRAWS)
+            )
+        values = setup.cache[key](
+            payload["global_params"], payload["k_g"], payload["key"], client_state.local_params, data
+        )
         return {"values": values}
 
     def load(self, path: str, clients: Clients) -> RunState:
@@ -407,8 +447,10 @@ class FederatedSVI(PrivateFit, FederatedInference):
         num_draws = check_positive_int("num_draws", num_draws)
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
         if state.clients is None:
-            raise ValueError(f"{type(self).__name__}.diagnose needs every client's state; over a network backend "
-                             f"the run itself checks the fit (see last_fit_check)")
+            raise ValueError(
+                f"{type(self).__name__}.diagnose needs every client's state; over a network backend "
+                f"the run itself checks the fit (see last_fit_check)"
+            )
         log_w = np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64)
         return fit_diagnostic(log_w, *self._check_draws(setup, state, num_draws, rng_key))
 
@@ -449,9 +491,11 @@ class FederatedSVI(PrivateFit, FederatedInference):
         k_g, k_l = random.split(rng_key)
         if corrected:
             if client is not None:
-                raise ValueError(f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
-                                 f"draws only (a client's local draws are not reweighted); drop client= or "
-                                 f"corrected=True")
+                raise ValueError(
+                    f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
+                    f"draws only (a client's local draws are not reweighted); drop client= or "
+                    f"corrected=True"
+                )
             z_g = importance_resample(k_g, self._check_of(state), num_samples, type(self).__name__)
         else:
             eps_g = random.normal(k_g, (num_samples, obj.global_size))
@@ -459,8 +503,13 @@ class FederatedSVI(PrivateFit, FederatedInference):
         if client is None:
             if "server_draws" not in setup.cache:  # compiled once per set-up
                 setup.cache["server_draws"] = jax.jit(jax.vmap(obj.structure.constrain_global))
-                names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs,
-                                                   obj.structure.global_latent.names, obj.global_constraints)
+                names = global_deterministic_sites(
+                    self.model,
+                    self.model_kwargs,
+                    setup.inputs,
+                    obj.structure.global_latent.names,
+                    obj.global_constraints,
+                )
                 first = setup.inputs[setup.inputs.names[0]]
                 fn = deterministic_of_globals(self.model, self.model_kwargs, first, names)
                 setup.cache["deterministic"] = jax.jit(jax.vmap(fn, in_axes=(0, None))) if names else None
@@ -473,9 +522,12 @@ class FederatedSVI(PrivateFit, FederatedInference):
         arrays, fixed = traced_args(args)
         key = ("client_draws", shape_key(real_layout, arrays, fixed))
         if key not in setup.cache:  # compiled once per client shape and set-up (not once per client)
-            setup.cache[key] = jax.jit(jax.vmap(
-                lambda g_, l_, zg, zl, a: obj.constrained_sample(g_, l_, zg, zl, {**a, **fixed}, real_layout),
-                in_axes=(None, None, 0, 0, None)))
+            setup.cache[key] = jax.jit(
+                jax.vmap(
+                    lambda g_, l_, zg, zl, a: obj.constrained_sample(g_, l_, zg, zl, {**a, **fixed}, real_layout),
+                    in_axes=(None, None, 0, 0, None),
+                )
+            )
         return trim_groups(setup.cache[key](g, local, z_g, z_real, arrays), real_layout, args)  # its own groups only
 
     def _client_latents(self, setup: Setup, state: RunState, client: str, rng_key, z_g):
@@ -532,9 +584,12 @@ class FederatedSVI(PrivateFit, FederatedInference):
         arrays, fixed = traced_args(args)
         key = ("observed_sites", shape_key(real_layout, arrays, fixed))
         if key not in setup.cache:  # compiled once per client shape and set-up (not once per client)
-            setup.cache[key] = jax.jit(jax.vmap(
-                lambda g_, l_, zg, zl, k, a: obj.observed_sites(g_, l_, zg, zl, {**a, **fixed}, real_layout, k),
-                in_axes=(None, None, 0, 0, 0, None)))
+            setup.cache[key] = jax.jit(
+                jax.vmap(
+                    lambda g_, l_, zg, zl, k, a: obj.observed_sites(g_, l_, zg, zl, {**a, **fixed}, real_layout, k),
+                    in_axes=(None, None, 0, 0, 0, None),
+                )
+            )
         return setup.cache[key](g, local, z_g, z_real, keys, arrays)
 
     def observed(self, clients: Clients, client: str) -> Dict[str, jax.Array]:
@@ -565,8 +620,9 @@ def _log_weight_estimator(setup: Setup, num_draws: int):
         if plan.mapping == "vmap":
             values = jnp.sum(jax.vmap(client_value)(keys, state.clients.state.local_params, data), axis=0)
         else:
-            values = sum(client_value(keys[j], s.state.local_params, d)
-                         for j, (s, d) in enumerate(zip(state.clients, data)))
+            values = sum(
+                client_value(keys[j], s.state.local_params, d) for j, (s, d) in enumerate(zip(state.clients, data))
+            )
         return jax.vmap(lambda e: obj.server_term(g, e))(eps_g) + values
 
     return estimate
@@ -584,5 +640,3 @@ def _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d):
 def _client_log_weights_from_keys(obj, share, num_draws, g, k_g, key, local_params, d):
     eps_g = random.normal(k_g, (num_draws, obj.global_size))
     return _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d)
-
-

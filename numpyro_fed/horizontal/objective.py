@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
@@ -35,9 +34,9 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .guides import StructuredGuide
 from ..clients import ClientData
 from ..handlers import GLOBAL, LOCAL, site_role
+from .guides import StructuredGuide
 
 __all__ = ["ClientData", "FederatedObjective"]
 

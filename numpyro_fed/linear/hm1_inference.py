@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._validation import check_clients, check_positive_int
 from ..backends.mapping import ClientPlan
 from ..clients import Clients
-from ..horizontal.inference import check_positive_int
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
 from ..warnings import UnconvergedWarning
@@ -127,8 +127,7 @@ class HM1(FederatedInference):
         self._init_inference()
 
     def _validate_inputs(self, clients) -> None:
-        if not isinstance(clients, Clients):
-            raise TypeError(f"HM1.run needs an nf.Clients object; got {type(clients).__name__}")
+        check_clients(clients, "HM1.run/init")
 
     def _build(self, clients: Clients) -> Setup:
         n_max = max(clients.num_rows.values())
@@ -200,7 +199,7 @@ class HM1(FederatedInference):
 
     def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, *, truth: Optional[jax.Array] = None,
             **options: Any) -> RunResult:
-        """``num_rounds`` communication rounds (one jit-compiled ``lax.scan`` by default).
+        """``num_rounds`` communication rounds (one jit-compiled ``lax.while_loop`` by default).
 
         Args:
             truth: ``(K, d)`` true parameters of a simulation: ``info.distance`` records

@@ -1,8 +1,8 @@
 """Ready-made federated models."""
 
-from .neural import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
 from .glmm import logistic_glmm, normal_hierarchical
 from .linear import hm2_regression, inclusion, variable_selection
+from .neural import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
 from .split_nn import predict_split_nn, split_nn, split_nn_model
 
 __all__ = [

@@ -55,7 +55,8 @@ def split_nn_model(
         bayesian_last_layer: ``w_j ~ N(0, I)`` (hierarchical Bayes) or a point estimate.
 
     Returns:
-        The pair (model, spec): the model is called as ``model(y=..., **covariates)``; spec is the ``clients=`` mapping for :func:`~numpyro_fed.vertical_split`.
+        The pair (model, spec): the model is called as ``model(y=..., **covariates)``; spec is
+        the ``clients=`` mapping for :func:`~numpyro_fed.vertical_split`.
     """
     inputs = dict(inputs)
     width = int(hidden[-1]) if hidden else None
@@ -99,7 +100,12 @@ def split_nn(inputs: Mapping[str, str], rho: float, hidden: Sequence[int] = (8, 
 
 
 def predict_split_nn(
-    model: Callable, params: Mapping, rng_key, xs: Mapping[str, jax.Array], *, rho: float = 0.0,
+    model: Callable,
+    params: Mapping,
+    rng_key,
+    xs: Mapping[str, jax.Array],
+    *,
+    rho: float = 0.0,
     weights: Optional[Mapping[str, jax.Array]] = None,
 ) -> jax.Array:
     """Predictive ``P(y = 1 | x)`` for new rows.
@@ -128,4 +134,3 @@ def predict_split_nn(
     keys = jax.random.split(rng_key, num)
     draws: Dict[str, jax.Array] = dict(weights)
     return jnp.mean(jax.vmap(lambda v, k: prob(v, k))(draws, keys), axis=0)
-

@@ -39,7 +39,7 @@ __all__ = ["CHECK_DRAWS", "check_function", "constrain_draws", "gaussian_draws",
 CHECK_DRAWS = 1000
 """Draws of the vertical fit check (each client sends ``CHECK_DRAWS x (n + 1)`` floats)."""
 
-_CHUNK = 50  # draws evaluated at once (memory: n x _CHUNK per party)
+CHECK_CHUNK = 50  # draws evaluated at once (memory: n x CHECK_CHUNK per party)
 
 
 def gaussian_draws(rng_key, loc: jax.Array, scale_tril: jax.Array, num: int) -> Tuple[jax.Array, jax.Array]:
@@ -64,14 +64,14 @@ def true_log_joint(obj: VerticalObjective, points: Mapping[str, Mapping], views:
         def client(v, c=c):
             return obj.true_client_term(c, v, views[c], points[c])
 
-        lp, g[c] = jax.lax.map(client, u[c], batch_size=_CHUNK)
+        lp, g[c] = jax.lax.map(client, u[c], batch_size=CHECK_CHUNK)
         total = total + lp
 
     def server(args):
         v, gg = args
         return obj.true_server_term(v, gg, views[SERVER], points[SERVER])
 
-    return total + jax.lax.map(server, (u[SERVER], g), batch_size=_CHUNK)
+    return total + jax.lax.map(server, (u[SERVER], g), batch_size=CHECK_CHUNK)
 
 
 def vertical_fit_check(obj: VerticalObjective, log_p: jax.Array, log_q: jax.Array,

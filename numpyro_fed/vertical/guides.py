@@ -30,6 +30,7 @@ from jax import random
 from jax.example_libraries import stax
 
 from .._typing import Array
+from .._validation import check_positive_int
 from ..horizontal.guides import SCALES, softplus_inverse, std_normal_logpdf
 
 __all__ = ["AmortizedAux", "GaussianFactor", "MeanFieldAux", "VerticalGuide"]
@@ -128,9 +129,8 @@ class AmortizedAux:
     ) -> None:
         if not init_scale > 0:
             raise ValueError(f"init_scale={init_scale}: must be > 0")
-        if not all(int(h) == h and h > 0 for h in hidden):
-            raise ValueError(f"hidden={hidden}: widths must be positive integers")
-        self.hidden = tuple(int(h) for h in hidden)
+        self.hidden = tuple(check_positive_int("hidden", h, what=f" (a layer width, in hidden={hidden})")
+                            for h in hidden)
         self.init_scale = float(init_scale)
         self.use_response = use_response
         self.response_transform = response_transform or (lambda y: y)

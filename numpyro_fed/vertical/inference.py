@@ -11,11 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import ClientPlan
-from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..dp.plan import refuse_dp
-from ..fit_check import (MEAN_MARGIN, PARETO_K_LIMIT, SD_MARGIN, FitDiagnostic, describe_biased, importance_resample,
-                         state_fingerprint)
+from ..fit_check import (
+    MEAN_MARGIN,
+    PARETO_K_LIMIT,
+    SD_MARGIN,
+    FitDiagnostic,
+    describe_biased,
+    importance_resample,
+    state_fingerprint,
+)
+from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
 from .check import CHECK_DRAWS, check_function, constrain_draws, split_flat, vertical_fit_check
@@ -26,8 +34,7 @@ from .protocol import PartyData, vertical_protocol
 __all__ = ["VerticalInference", "validate_party_data"]
 
 _NO_DATA = "{cls} needs the model's data as keyword arguments, e.g. .run(key, 1000, x_a=..., x_b=..., y=...)"
-_BATCH = "batch_size={b}: must be a positive integer no larger than the {n} rows (or None for all rows)"
-_OPTIM = "optim must be an optax GradientTransformation such as optax.adam(1e-2); got {kind}"
+_BATCH = " no larger than the {n} rows (or None for all rows)"
 _DTYPE = (
     "argument '{arg}' of {party} has dtype {dtype}; vertical data must be numeric arrays (convert "
     "categories to codes or one-hot columns first)"
@@ -111,9 +118,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
     loss_name: str = "loss"
 
     def _init_runner(self, optim, batch_size, model_kwargs) -> None:
-        if not (hasattr(optim, "init") and hasattr(optim, "update")) or hasattr(optim, "get_params"):
-            raise TypeError(_OPTIM.format(kind=type(optim).__name__))
-        self.optim = optim
+        self.optim = check_optimizer(optim)
         self.batch_size = batch_size
         self.model_kwargs = dict(model_kwargs or {})
         self.last_fit_check: Optional[FitDiagnostic] = None
@@ -138,8 +143,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         ``rng_key`` draws every party's values from it."""
         setup = self._fitted()
         state = self._state_of(result)
-        if isinstance(num_draws, bool) or int(num_draws) != num_draws or num_draws < 2:
-            raise ValueError(f"num_draws={num_draws}: must be an integer >= 2")
+        check_positive_int("num_draws", num_draws, minimum=2)
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs every party's state (a simulation run)")
         own_keys = rng_key is None  # the default draws are the network check's: each client from its own key
@@ -204,8 +208,8 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
 
     def _check_batch(self, obj: VerticalObjective) -> None:
         b = self.batch_size
-        if b is not None and (isinstance(b, bool) or int(b) != b or not 1 <= b <= obj.num_rows):
-            raise ValueError(_BATCH.format(b=b, n=obj.num_rows))
+        if b is not None and check_positive_int("batch_size", b, what=_BATCH.format(n=obj.num_rows)) > obj.num_rows:
+            raise ValueError(f"batch_size={b!r}: must be{_BATCH.format(n=obj.num_rows)}")
 
     def _validate_inputs(self, data) -> None:
         if not data:
@@ -256,7 +260,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
 
         The run options are the backend's (see
         :meth:`numpyro_fed.backends.SimulationBackend.run`): ``progress_bar`` (without it,
-        a transcript, callbacks or checkpoints every iteration runs in one ``lax.scan``),
+        a transcript, callbacks or checkpoints every iteration runs in one ``lax.while_loop``),
         ``init_state``, ``record_transcript`` / ``keep_values``, ``availability``
         (simulated dropout: a round missing a party is skipped), ``checkpoint`` /
         ``checkpoint_every``, ``on_nonfinite``, ``callbacks``, ``backend``.

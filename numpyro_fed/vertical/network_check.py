@@ -31,7 +31,7 @@ import numpy as np
 from jax import random
 
 from ..fit_check import FitDiagnostic, SiteMoments, fit_diagnostic, moment_report, smoothed_weights
-from .check import _CHUNK, CHECK_DRAWS
+from .check import CHECK_CHUNK, CHECK_DRAWS
 from .objective import SERVER, VerticalObjective
 
 __all__ = ["CHECK_KEY", "VerticalNetworkCheck", "party_check_key"]
@@ -110,7 +110,7 @@ class VerticalNetworkCheck:
             cache = ("network_terms", party)
             if cache not in setup.cache:
                 def terms(u, point, own):
-                    return jax.lax.map(lambda v: obj.true_client_term(party, v, own, point), u, batch_size=_CHUNK)
+                    return jax.lax.map(lambda v: obj.true_client_term(party, v, own, point), u, batch_size=CHECK_CHUNK)
 
                 setup.cache[cache] = jax.jit(terms)
             lp, g = setup.cache[cache](u, point, data.args)
@@ -158,7 +158,7 @@ class VerticalNetworkCheck:
         view = obj.party_args(SERVER, setup.cache["data"], jnp.arange(obj.num_rows))
         g = {c: jnp.asarray(got[j]["g"]) for j, c in enumerate(obj.clients)}
         server = jax.jit(lambda u, g: jax.lax.map(lambda a: obj.true_server_term(a[0], a[1], view, point0), (u, g),
-                                                  batch_size=_CHUNK))(u0, g)
+                                                  batch_size=CHECK_CHUNK))(u0, g)
         log_w = np.asarray(server - log_q0, np.float64) + sum(np.asarray(got[j]["lp"], np.float64) for j in range(J))
         user = {k: np.asarray(v) for k, v in jax.vmap(lambda x: obj.constrain(SERVER, x))(u0).items()}
         per_site = {k: np.asarray(v) for k, v in jax.vmap(obj.layouts[SERVER].unravel)(u0).items()}

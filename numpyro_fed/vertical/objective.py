@@ -33,8 +33,8 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
 from .._structure import SiteLayout, make_layout, with_improper_values
-from .handler import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
 from .guides import VerticalGuide
+from .handler import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
 
 __all__ = ["SERVER", "VerticalObjective"]
 

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from .objective import SERVER, VerticalObjective
 from .._steps import ascent
+from .objective import SERVER, VerticalObjective
 
 if TYPE_CHECKING:  # pragma: no cover
     import optax
@@ -68,7 +68,9 @@ class VerticalSFVI(NamedTuple):
     elbo: Callable  # (rng_key, server_state, client_states, data_views) -> ELBO estimate, no update
 
 
-def vertical_sfvi(objective: VerticalObjective, optim: "optax.GradientTransformation", batch_size: Optional[int] = None) -> VerticalSFVI:
+def vertical_sfvi(
+    objective: VerticalObjective, optim: "optax.GradientTransformation", batch_size: Optional[int] = None
+) -> VerticalSFVI:
     """Build vertical SFVI for ``objective`` (augmented -> Alg. 1, power -> Alg. 2).
 
     Args:
@@ -118,7 +120,15 @@ def vertical_sfvi(objective: VerticalObjective, optim: "optax.GradientTransforma
         eps, tau = noise
         u, log_q = guide.theta.sample(params["theta"], eps)
         value, z = obj.client_term(
-            client, u, params["aux"], tau, own, sched["rows"], others=others, server_u=server_u, terms=terms,
+            client,
+            u,
+            params["aux"],
+            tau,
+            own,
+            sched["rows"],
+            others=others,
+            server_u=server_u,
+            terms=terms,
             points=params["point"],
         )
         return value - (log_q if "local" in terms else 0.0), z
@@ -204,12 +214,23 @@ def vertical_sfvi(objective: VerticalObjective, optim: "optax.GradientTransforma
         total = _server_value(server.params, eps0, {}, sched, views[SERVER])
         for c in clients:
             others = {k: v for k, v in z.items() if k != c}
-            total = total + _client_value(
-                c, states[c].params, noise[c], sched, views[c], others, u0, ("local", "likelihood")
-            )[0]
+            total = (
+                total
+                + _client_value(c, states[c].params, noise[c], sched, views[c], others, u0, ("local", "likelihood"))[0]
+            )
         return total
 
     return VerticalSFVI(
-        init_server, init_client, schedule, server_noise, client_noise, client_forward,
-        server_step, relay, client_likelihood, server_aggregate, client_step, elbo,
+        init_server,
+        init_client,
+        schedule,
+        server_noise,
+        client_noise,
+        client_forward,
+        server_step,
+        relay,
+        client_likelihood,
+        server_aggregate,
+        client_step,
+        elbo,
     )

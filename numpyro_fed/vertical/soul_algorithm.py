@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from .objective import SERVER, VerticalObjective
 from .._steps import ascent
+from .objective import SERVER, VerticalObjective
 
 if TYPE_CHECKING:  # pragma: no cover
     import optax
@@ -213,7 +213,8 @@ def vertical_soul(
         target = _server_target(own, sched["rows"])
         # without server sites the target is deterministic: one evaluation suffices
         steps = noise if d0 else noise[:1]
-        chain, value, (g_z, g_points) = _langevin(target, state.chain, (z, state.params["point"]), steps, gammas[SERVER])
+        chain, value, (g_z, g_points) = _langevin(target, state.chain, (z, state.params["point"]), steps,
+                                                  gammas[SERVER])
         params, opt_state = ascent(optim, {"point": g_points}, state.opt_state, state.params)
         replies = {c: {"grad_z": g_z[c]} for c in clients}
         return SOULServerState(chain, params, opt_state), replies, value
@@ -302,6 +303,16 @@ def vertical_soul(
         return {SERVER: draws0, **draws}
 
     return VerticalSOULAlgorithm(
-        init_server, init_client, schedule, server_noise, client_noise, client_forward, server_step, relay,
-        client_likelihood, server_aggregate, client_step, posterior_chain,
+        init_server,
+        init_client,
+        schedule,
+        server_noise,
+        client_noise,
+        client_forward,
+        server_step,
+        relay,
+        client_likelihood,
+        server_aggregate,
+        client_step,
+        posterior_chain,
     )

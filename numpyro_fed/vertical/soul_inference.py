@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
+from .._validation import check_positive_int
 from ..protocol import RunResult
-from .inference import VerticalInference
 from .check import gaussian_draws
+from .inference import VerticalInference
 from .objective import SERVER, VerticalObjective
 from .soul_algorithm import PointGuide, vertical_soul
 
@@ -22,7 +23,6 @@ _STEP_PARTY = (
     "step_size names {bad}, which are not parties of this model; the parties are {parties}"
 )
 _STEP_MISSING = "step_size has no entry for {missing}; give every party with sites a Langevin step"
-_LANGEVIN = "num_langevin={value!r}: must be a positive integer (Langevin steps per communication)"
 _NOT_FITTED = "sample_posterior needs a fitted VerticalSOUL: call run() or init() first"
 
 
@@ -110,11 +110,9 @@ class VerticalSOUL(VerticalInference):
         for value in steps:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(_STEP.format(value=step_size))
-        if isinstance(num_langevin, bool) or int(num_langevin) != num_langevin or num_langevin < 1:
-            raise ValueError(_LANGEVIN.format(value=num_langevin))
+        self.num_langevin = check_positive_int("num_langevin", num_langevin, what=" (Langevin steps per communication)")
         self.model = model
         self.step_size = step_size
-        self.num_langevin = int(num_langevin)
         self.init_radius = float(init_radius)
         self.check_fit = bool(check_fit)
         self._init_runner(optim, batch_size, model_kwargs)
@@ -180,10 +178,8 @@ class VerticalSOUL(VerticalInference):
         if self._setup_cache is None:
             raise ValueError(_NOT_FITTED)
         for name, value in (("num_samples", num_samples), ("thinning", thinning)):
-            if int(value) != value or value < 1:
-                raise ValueError(f"{name}={value!r}: must be a positive integer")
-        if int(num_warmup) != num_warmup or num_warmup < 0:
-            raise ValueError(f"num_warmup={num_warmup!r}: must be a non-negative integer")
+            check_positive_int(name, value)
+        check_positive_int("num_warmup", num_warmup, minimum=0)
         setup = self._setup_cache
         state = self._state_of(result)
         if corrected:

@@ -10,14 +10,15 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
+from .._validation import check_positive_int
+from ..inference import Setup
 from ..protocol import RunResult, RunState
+from ..warnings import UnreliableFitWarning
 from .guides import VerticalGuide
 from .inference import VerticalInference
-from ..inference import Setup
-from ..warnings import UnreliableFitWarning
+from .network_check import party_check_key
 from .objective import SERVER, VerticalObjective
 from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
-from .network_check import party_check_key
 from .sfvi_algorithm import vertical_sfvi
 
 __all__ = ["VerticalSVI"]
@@ -207,8 +208,7 @@ class VerticalSVI(VerticalInference):
         model's posterior (needs the check's Pareto k <= 0.7; a ValueError says why not).
         """
         state = self._state_of(result)
-        if int(num_samples) != num_samples or num_samples < 1:
-            raise ValueError(f"num_samples={num_samples}: must be a positive integer")
+        check_positive_int("num_samples", num_samples)
         if corrected:
             return self._corrected_draws(rng_key, state, int(num_samples))
         setup = self._fitted()
