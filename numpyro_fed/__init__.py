@@ -11,7 +11,8 @@ family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horiz
 from . import _xla  # noqa: F401  first: it sets XLA's CPU flags before anything below computes (see its docstring)
 
 # isort: split
-from . import algorithms, checkpoint, dp, models, warnings
+from . import algorithms, checkpoint, dp, models, protocol, transcript, warnings
+from ._deprecations import module_attribute as _deprecated
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
 from .clients import Clients
@@ -20,28 +21,10 @@ from .dp import PrivacyReport, dp_noise
 from .factor import BCM, EP, PVI, gaussian
 from .groups import group_plate
 from .handlers import global_site, local_site
-from .horizontal import (
-    ClientData,
-    FederatedObjective,
-    FederatedSVI,
-    FitDiagnostic,
-    MeanFieldGuide,
-    StructuredGuide,
-    UnreliableFitWarning,
-    diagonal_gaussian_barycenter,
-    gaussian_barycenter,
-)
+from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredGuide, UnreliableFitWarning
 from .linear import HM1, UnconvergedWarning
-from .protocol import Broadcast, ClientSlot, Exchange, FederatedAlgorithm, RunResult, RunState, ServerView
-from .transcript import (
-    Communication,
-    Transcript,
-    message_bytes,
-    message_from_bytes,
-    message_from_ndarrays,
-    message_to_bytes,
-    message_to_ndarrays,
-)
+from .protocol import RunResult, RunState
+from .transcript import Communication, Transcript
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 from .warnings import (
     ArvizGroupWarning,
@@ -57,31 +40,19 @@ from .warnings import (
 
 __version__ = "0.1.0"
 
-# Earlier names of the shared result and state types, kept for existing code.
-FederatedSVIState = PVIState = VerticalSVIState = RunState
-PVIRunResult = HM1Result = VerticalRunResult = RunResult
-
 __all__ = [
     "AmortizedAux",
-    "BCM",
     "ArvizGroupWarning",
+    "BCM",
     "BiasedFitWarning",
-    "Broadcast",
-    "ClientData",
-    "ClientSlot",
     "Clients",
     "Communication",
     "EP",
-    "Exchange",
-    "FederatedAlgorithm",
-    "FederatedObjective",
     "FederatedSVI",
-    "FederatedSVIState",
     "FederatedWarning",
     "FitDiagnostic",
     "FitWarning",
     "HM1",
-    "HM1Result",
     "InvalidUpdateWarning",
     "MeanFieldAux",
     "MeanFieldGuide",
@@ -90,12 +61,9 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteWarning",
     "PVI",
-    "PVIRunResult",
-    "PVIState",
     "PrivacyReport",
     "RunResult",
     "RunState",
-    "ServerView",
     "SimulationBackend",
     "StructuredGuide",
     "Transcript",
@@ -103,29 +71,27 @@ __all__ = [
     "UnconvergedWarning",
     "UnreliableFitWarning",
     "VerticalGuide",
-    "VerticalRunResult",
     "VerticalSOUL",
     "VerticalSVI",
-    "VerticalSVIState",
     "algorithms",
     "checkpoint",
-    "diagonal_gaussian_barycenter",
     "dp",
     "dp_noise",
     "federated_compare",
     "federated_loo",
     "gaussian",
-    "gaussian_barycenter",
     "global_site",
-    "local_site",
     "group_plate",
-    "message_bytes",
-    "message_from_bytes",
-    "message_from_ndarrays",
-    "message_to_bytes",
-    "message_to_ndarrays",
+    "local_site",
     "models",
+    "protocol",
     "to_arviz",
+    "transcript",
     "vertical_split",
     "warnings",
 ]
+
+
+def __getattr__(name: str):
+    """Deprecated spellings (one table: :mod:`numpyro_fed._deprecations`) warn and resolve."""
+    return _deprecated(name)

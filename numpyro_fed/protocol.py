@@ -236,9 +236,12 @@ class RunResult(NamedTuple):
         return self.trace
 
     def __getattr__(self, name: str):
-        """Entries of ``params`` read as attributes too (``result.mean`` is
-        ``result.params["mean"]`` for PVI and EP, ``result.theta`` for HM1)."""
+        """Deprecated: entries of ``params`` read as attributes (``result.mean`` for
+        ``result.params["mean"]``) warn (see :mod:`numpyro_fed._deprecations`)."""
         params = tuple.__getitem__(self, 0)
         if not name.startswith("_") and isinstance(params, dict) and name in params:
+            from ._deprecations import warn_params_attribute
+
+            warn_params_attribute(name)
             return params[name]
         raise AttributeError(f"RunResult has no attribute {name!r} (params holds {sorted(params or {})})")

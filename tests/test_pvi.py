@@ -47,8 +47,8 @@ def test_one_pass_gives_the_exact_posterior(linear, schedule, damping, rounds):
     undamped synchronous round equals the exact posterior."""
     clients, mean, cov, _ = linear
     res = nf.PVI(linear_model, schedule=schedule, damping=damping).run(random.PRNGKey(0), rounds, clients)
-    np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(res.cov, cov, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
     assert res.communication.messages_up == rounds * (1 if schedule == "sequential" else 3)
 
 
@@ -60,8 +60,8 @@ def test_local_averaging_and_virtual_clients_are_exact_for_a_conjugate_model(lin
     Wrong shard masks (overlapping or missing rows) would change the result."""
     clients, mean, cov, _ = linear
     res = nf.PVI(linear_model, schedule=schedule, variant=variant, num_shards=4).run(random.PRNGKey(0), rounds, clients)
-    np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(res.cov, cov, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
     if variant == "virtual":  # each client keeps one factor per shard; they sum to its likelihood
         factors = res.state.clients.state.factor
         assert factors.precision.shape == (3, 4, D, D)
@@ -71,10 +71,10 @@ def test_damped_synchronous_pvi_converges_to_the_exact_posterior(linear):
     clients, mean, cov, _ = linear
     pvi_ = nf.PVI(linear_model, schedule="synchronous", damping=0.5)
     first = pvi_.run(random.PRNGKey(0), 1, clients)
-    assert np.abs(first.cov - cov).max() > 0.3 * np.abs(cov).max()  # one damped round is not there yet
+    assert np.abs(first.params["cov"] - cov).max() > 0.3 * np.abs(cov).max()  # one damped round is not there yet
     res = pvi_.run(random.PRNGKey(0), 30, clients)
-    np.testing.assert_allclose(res.mean, mean, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(res.cov, cov, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-3, atol=1e-7)
     assert np.all(np.asarray(res.info.damping) == 0.5)
 
 
@@ -83,8 +83,8 @@ def test_mean_field_fixed_point_is_the_global_mean_field_optimum(linear):
     diag(P); diagonal PVI reaches it."""
     clients, mean, _, precision = linear
     res = nf.PVI(linear_model, family="diagonal", schedule="sequential").run(random.PRNGKey(0), 60, clients)
-    np.testing.assert_allclose(res.mean, mean, rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(res.cov, 1 / np.diag(precision), rtol=1e-4)
+    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(res.params["cov"], 1 / np.diag(precision), rtol=1e-4)
 
 
 def test_optax_local_updates_approach_the_exact_posterior(linear):
@@ -92,8 +92,8 @@ def test_optax_local_updates_approach_the_exact_posterior(linear):
     res = nf.PVI(linear_model, update="optax", optim=optax.adam(0.01), local_steps=300, num_particles=16,
                  schedule="sequential").run(random.PRNGKey(0), 6, clients)
     sd = np.sqrt(np.diag(cov))
-    assert np.max(np.abs(res.mean - mean) / sd) < 0.3
-    assert np.max(np.abs(np.sqrt(np.diag(res.cov)) / sd - 1)) < 0.15
+    assert np.max(np.abs(res.params["mean"] - mean) / sd) < 0.3
+    assert np.max(np.abs(np.sqrt(np.diag(res.params["cov"])) / sd - 1)) < 0.15
     assert int(np.sum(res.info.invalid)) == 0
     draws = nf.PVI(linear_model).sample_posterior
     with pytest.raises(ValueError, match="fitted PVI"):
@@ -117,7 +117,7 @@ def test_positive_definiteness_safeguard():
                 "fit_stat": jnp.zeros(1),
                 "fit_k": jnp.zeros(1),
             },
-            nf.ServerView(jnp.ones(1, bool)),
+            nf.protocol.ServerView(jnp.ones(1, bool)),
         )
         assert float(info.damping) == want and bool(G.is_positive_definite(message.shared["q"]))
     alg = pvi(prior, lambda u, data: 0.0, 1, max_halvings=0)
@@ -133,7 +133,7 @@ def test_positive_definiteness_safeguard():
             "fit_stat": jnp.zeros(1),
             "fit_k": jnp.zeros(1),
         },
-        nf.ServerView(jnp.ones(1, bool)),
+        nf.protocol.ServerView(jnp.ones(1, bool)),
     )
     assert float(info.damping) == 0.0  # rejected: q unchanged
     np.testing.assert_array_equal(message.shared["q"].precision, jnp.eye(2))
@@ -157,7 +157,7 @@ def test_trust_region_halves_damping_for_a_far_move():
         alg = factor_protocol(prior, None, 1, max_kl=max_kl)
         state, _ = alg.init_server(random.PRNGKey(0))
         _, message, info = alg.exchanges[0].server_step(
-            random.PRNGKey(1), state, msgs, nf.ServerView(jnp.ones(1, bool))
+            random.PRNGKey(1), state, msgs, nf.protocol.ServerView(jnp.ones(1, bool))
         )
         assert float(info.damping) == want
         assert float(G.kl_divergence(message.shared["q"], prior)) <= (max_kl or np.inf)
@@ -250,7 +250,7 @@ def test_default_update_is_chosen_per_model(linear):
     exact = nf.PVI(linear_model)
     res = exact.run(random.PRNGKey(0), 1, clients)
     assert exact.update_used == "conjugate"
-    np.testing.assert_allclose(res.mean, mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
 
     def logistic(x, y):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
@@ -268,7 +268,7 @@ def test_default_update_is_chosen_per_model(linear):
         pvi_ = nf.PVI(model, local_steps=300, schedule="sequential")
         res = pvi_.run(random.PRNGKey(1), 3, clients)
         assert pvi_.update_used == "optax", model.__name__
-        assert np.all(np.isfinite(np.asarray(res.mean)))
+        assert np.all(np.isfinite(np.asarray(res.params["mean"])))
     # the local-latent model is Gaussian: its exact marginal of w is the reference
     xs = [np.asarray(clients[n]["x"]) for n in clients.names]
     ys = [np.asarray(clients[n]["y"]) for n in clients.names]
@@ -282,7 +282,7 @@ def test_default_update_is_chosen_per_model(linear):
     exact_cov = np.linalg.inv(precision)
     exact_mean = exact_cov @ shift
     sd = np.sqrt(np.diag(exact_cov))
-    assert np.max(np.abs((np.asarray(res.mean) - exact_mean) / sd)) < 0.3
+    assert np.max(np.abs((np.asarray(res.params["mean"]) - exact_mean) / sd)) < 0.3
 
 
 def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
@@ -300,7 +300,7 @@ def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
     assert set(draws) == {"s", "w"}
     assert draws["s"].shape == (200,) and bool(jnp.all(draws["s"] > 0))
     assert abs(float(jnp.median(draws["s"])) - SIGMA) < 0.2
-    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.mean))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.params["mean"]))
 
 
 def _global_vi_logistic(x, y, steps=5000):
@@ -372,12 +372,12 @@ def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, 
         schedule,
         variant,
         "|mean - global VI| / sd =",
-        np.abs(res.mean - mean) / sd,
+        np.abs(res.params["mean"] - mean) / sd,
         "sd ratio =",
-        np.sqrt(np.diag(res.cov)) / sd,
+        np.sqrt(np.diag(res.params["cov"])) / sd,
     )
-    assert np.max(np.abs(res.mean - mean) / sd) < 0.25
-    np.testing.assert_allclose(np.sqrt(np.diag(res.cov)), sd, rtol=0.05)
+    assert np.max(np.abs(res.params["mean"] - mean) / sd) < 0.25
+    np.testing.assert_allclose(np.sqrt(np.diag(res.params["cov"])), sd, rtol=0.05)
 
 
 def test_deterministic_sites_of_the_globals_are_in_the_draws(linear):

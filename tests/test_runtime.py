@@ -187,9 +187,9 @@ def test_byte_counts_are_the_serialised_sizes():
     t = res.transcript
     assert t.bytes_up == res.communication.bytes_up and t.bytes_down == res.communication.bytes_down
     for e in t.entries[:10]:
-        assert e.nbytes == len(nf.message_to_bytes(e.value))
+        assert e.nbytes == len(nf.transcript.message_to_bytes(e.value))
     message = {"a": np.arange(3.0, dtype=np.float32), "b": np.ones((2, 2), np.int32)}
-    blob = nf.message_to_bytes(message)
-    assert len(blob) == nf.message_bytes(message)
-    back = nf.message_from_bytes(message, blob)
+    blob = nf.transcript.message_to_bytes(message)
+    assert len(blob) == nf.transcript.message_bytes(message)
+    back = nf.transcript.message_from_bytes(message, blob)
     np.testing.assert_array_equal(back["b"], message["b"])

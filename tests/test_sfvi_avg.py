@@ -17,8 +17,8 @@ def test_barycenter_diagonal_closed_form_matches_bures():
     sds = jnp.asarray(rng.uniform(0.5, 2.0, size=(3, 2)), jnp.float32)
     covs = jnp.stack([jnp.diag(s**2) for s in sds])
     w = jnp.array([0.2, 0.3, 0.5])
-    m1, c1 = nf.gaussian_barycenter(w, means, covs, diagonal=True)
-    m2, c2 = nf.gaussian_barycenter(w, means, covs, diagonal=False)
+    m1, c1 = nf.horizontal.gaussian_barycenter(w, means, covs, diagonal=True)
+    m2, c2 = nf.horizontal.gaussian_barycenter(w, means, covs, diagonal=False)
     np.testing.assert_allclose(m1, w @ means, rtol=1e-6)
     np.testing.assert_allclose(jnp.sqrt(jnp.diag(c1)), w @ sds, rtol=1e-6)
     np.testing.assert_allclose(c2, c1, rtol=1e-3, atol=1e-4)
@@ -29,7 +29,7 @@ def test_bures_barycenter_fixed_point():
     A = rng.normal(size=(3, 3, 3))
     covs = jnp.asarray(np.einsum("kij,klj->kil", A, A) + np.eye(3), jnp.float32)
     w = jnp.ones(3) / 3
-    _, S = nf.gaussian_barycenter(w, jnp.zeros((3, 3)), covs)
+    _, S = nf.horizontal.gaussian_barycenter(w, jnp.zeros((3, 3)), covs)
     vals, vecs = np.linalg.eigh(np.asarray(S, np.float64))
     root = vecs @ np.diag(np.sqrt(vals)) @ vecs.T
 
@@ -43,7 +43,7 @@ def test_bures_barycenter_fixed_point():
 
 def test_identical_clients_barycenter_is_identity():
     covs = jnp.stack([jnp.array([[2.0, 0.5], [0.5, 1.0]])] * 4)
-    m, c = nf.gaussian_barycenter(jnp.ones(4), jnp.ones((4, 2)), covs)
+    m, c = nf.horizontal.gaussian_barycenter(jnp.ones(4), jnp.ones((4, 2)), covs)
     np.testing.assert_allclose(c, covs[0], rtol=1e-3)
 
 

@@ -1,0 +1,76 @@
+"""Every deprecated spelling of the public API, in one table (as Optax's ``_deprecations``).
+
+Each entry maps an old name to ``(where it lives now, the release that removes it)``. Reading an
+old name works and warns once per call site with a :class:`DeprecationWarning` naming the new
+spelling; nothing else in the package keeps an alias.
+
+Example:
+    >>> import warnings
+    >>> import numpyro_fed as nf
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     cls = nf.Exchange
+    >>> cls is nf.protocol.Exchange, caught[0].category.__name__
+    (True, 'DeprecationWarning')
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Dict, Tuple
+
+__all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RUN_RESULT_ATTRIBUTES", "module_attribute", "warn_params_attribute"]
+
+REMOVED_IN = "0.3.0"
+
+#: ``numpyro_fed.<old>`` -> ``"module:name"`` where it lives now. The first six are earlier names
+#: of the shared result and state types; the rest are wire and protocol types, which belong in
+#: their subpackages rather than in the package's top level.
+MODULE_ATTRIBUTES: Dict[str, str] = {
+    "FederatedSVIState": "numpyro_fed.protocol:RunState",
+    "PVIState": "numpyro_fed.protocol:RunState",
+    "VerticalSVIState": "numpyro_fed.protocol:RunState",
+    "PVIRunResult": "numpyro_fed.protocol:RunResult",
+    "HM1Result": "numpyro_fed.protocol:RunResult",
+    "VerticalRunResult": "numpyro_fed.protocol:RunResult",
+    "Broadcast": "numpyro_fed.protocol:Broadcast",
+    "ClientSlot": "numpyro_fed.protocol:ClientSlot",
+    "Exchange": "numpyro_fed.protocol:Exchange",
+    "FederatedAlgorithm": "numpyro_fed.protocol:FederatedAlgorithm",
+    "ServerView": "numpyro_fed.protocol:ServerView",
+    "message_bytes": "numpyro_fed.transcript:message_bytes",
+    "message_from_bytes": "numpyro_fed.transcript:message_from_bytes",
+    "message_from_ndarrays": "numpyro_fed.transcript:message_from_ndarrays",
+    "message_to_bytes": "numpyro_fed.transcript:message_to_bytes",
+    "message_to_ndarrays": "numpyro_fed.transcript:message_to_ndarrays",
+    "ClientData": "numpyro_fed.horizontal:ClientData",
+    "FederatedObjective": "numpyro_fed.horizontal:FederatedObjective",
+    "gaussian_barycenter": "numpyro_fed.horizontal:gaussian_barycenter",
+    "diagonal_gaussian_barycenter": "numpyro_fed.horizontal:diagonal_gaussian_barycenter",
+}
+
+#: ``RunResult.<name>`` for an entry of ``params`` (``result.mean`` for ``result.params["mean"]``).
+RUN_RESULT_ATTRIBUTES = "result.params[{name!r}]"
+
+
+def _spelling(target: str) -> Tuple[str, str]:
+    module, name = target.split(":")
+    return module, name
+
+
+def module_attribute(name: str) -> Any:
+    """The object an old top-level name stands for, with a DeprecationWarning; AttributeError
+    for a name that is neither public nor deprecated."""
+    if name not in MODULE_ATTRIBUTES:
+        raise AttributeError(f"module 'numpyro_fed' has no attribute {name!r}")
+    module, new = _spelling(MODULE_ATTRIBUTES[name])
+    warnings.warn(f"numpyro_fed.{name} is deprecated and goes in {REMOVED_IN}: use {module}.{new}",
+                  DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(module), new)
+
+
+def warn_params_attribute(name: str) -> None:
+    """``RunResult.<name>`` read an entry of ``params``: warn, naming the spelling to use."""
+    warnings.warn(f"RunResult.{name} is deprecated and goes in {REMOVED_IN}: use "
+                  f"{RUN_RESULT_ATTRIBUTES.format(name=name)}", DeprecationWarning, stacklevel=3)
