@@ -1,4 +1,8 @@
-"""Command line: ``python -m numpyro_fed demo``."""
+"""Command line: ``python -m numpyro_fed demo | flower-demo | flower-client | flower-run``.
+
+One function per sub-command adds its arguments (``_add_*``) and one runs it (``_run_*``);
+:func:`main` only parses and dispatches.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,7 @@ import json
 import sys
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m numpyro_fed", description="numpyro_fed: federated Bayesian inference for NumPyro"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="six-cities logistic GLMM federated over two silos with EP (--all-methods: SFVI, SFVI-Avg and PVI "
@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     demo.add_argument("--json", default="", help="also write the figures to this JSON file")
     demo.add_argument("--all-methods", action="store_true",
                       help="also run SFVI, SFVI-Avg and PVI (Gaussian VI: biased for omega on this model, and warn)")
+
+
+def _add_flower_demo(sub) -> None:
     fdemo = sub.add_parser(
         "flower-demo",
         help="a whole Flower federation on this machine: PVI over N SuperNodes, next to the simulation",
@@ -51,6 +54,9 @@ def main(argv=None) -> int:
     fdemo.add_argument("--rounds", type=int, default=4)
     fdemo.add_argument("--seed", type=int, default=0)
     fdemo.add_argument("--json", default="", help="also write the figures to this JSON file")
+
+
+def _add_flower_client(sub) -> None:
     fclient = sub.add_parser(
         "flower-client",
         help="a long-running ClientApp executor for a SuperNode started with --isolation process",
@@ -64,6 +70,9 @@ def main(argv=None) -> int:
                          "sign task requests with it")
     fclient.add_argument("--root-certificates", default=None,
                          help="PEM file of the CA of the SuperNode's runtime-API certificate (the link is then TLS)")
+
+
+def _add_flower_run(sub) -> None:
     frun = sub.add_parser(
         "flower-run",
         help="submit a Flower run (flwr run), follow it to its end and exit non-zero when it failed",
@@ -76,45 +85,71 @@ def main(argv=None) -> int:
     frun.add_argument("--run-config", default=None, help="run config overrides, as flwr run takes them")
     frun.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the run (default 3600)")
     frun.add_argument("--poll", type=float, default=1.0, help="seconds between two status reads")
-    args = parser.parse_args(argv)
-    if args.command == "flower-run":
-        from .flower.submit import run_and_report
 
-        code, _ = run_and_report(args.app, args.superlink, args.run_config, args.timeout, args.poll)
-        return code
-    if args.command == "flower-client":
-        from .flower.executor import serve
 
-        serve(args.runtime_api, args.poll, args.parent_pid, auth_secret_file=args.superexec_auth_secret_file,
-              root_certificates=args.root_certificates)
-        return 0
-    if args.command == "flower-demo":
-        import signal
+def _write_json(path: str, out) -> None:
+    if path:
+        with open(path, "w") as fh:
+            json.dump(out, fh, indent=2)
 
-        from .flower.demo import run_flower_demo
 
-        # a SIGTERM unwinds like Ctrl-C, so the federation still stops every process it started
-        signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+def _run_demo(args) -> int:
+    from .demo import run_demo
 
-        out = run_flower_demo(clients=args.clients, rounds=args.rounds, seed=args.seed)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(out, fh, indent=2)
-        return 0
-    if args.command == "demo":
-        from .demo import run_demo
-
-        out = run_demo(
-            rounds=args.rounds, avg_rounds=args.avg_rounds, local_steps=args.local_steps,
-            ep_rounds=args.ep_rounds, ep_tilted=args.ep_tilted, ep_draws=args.ep_draws, pvi_rounds=args.pvi_rounds,
-            pvi_steps=args.pvi_steps,
-            nuts_warmup=args.nuts_warmup, nuts_samples=args.nuts_samples, seed=args.seed, plot=args.plot,
-            methods=("sfvi", "sfvi_avg", "ep", "pvi") if args.all_methods else ("ep",),
-        )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(out, fh, indent=2)
+    out = run_demo(
+        rounds=args.rounds, avg_rounds=args.avg_rounds, local_steps=args.local_steps,
+        ep_rounds=args.ep_rounds, ep_tilted=args.ep_tilted, ep_draws=args.ep_draws, pvi_rounds=args.pvi_rounds,
+        pvi_steps=args.pvi_steps,
+        nuts_warmup=args.nuts_warmup, nuts_samples=args.nuts_samples, seed=args.seed, plot=args.plot,
+        methods=("sfvi", "sfvi_avg", "ep", "pvi") if args.all_methods else ("ep",),
+    )
+    _write_json(args.json, out)
     return 0
+
+
+def _run_flower_demo(args) -> int:
+    import signal
+
+    from .flower.demo import run_flower_demo
+
+    # a SIGTERM unwinds like Ctrl-C, so the federation still stops every process it started
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    _write_json(args.json, run_flower_demo(clients=args.clients, rounds=args.rounds, seed=args.seed))
+    return 0
+
+
+def _run_flower_client(args) -> int:
+    from .flower.executor import serve
+
+    serve(args.runtime_api, args.poll, args.parent_pid, auth_secret_file=args.superexec_auth_secret_file,
+          root_certificates=args.root_certificates)
+    return 0
+
+
+def _run_flower_run(args) -> int:
+    from .flower.submit import run_and_report
+
+    code, _ = run_and_report(args.app, args.superlink, args.run_config, args.timeout, args.poll)
+    return code
+
+
+COMMANDS = {
+    "demo": (_add_demo, _run_demo),
+    "flower-demo": (_add_flower_demo, _run_flower_demo),
+    "flower-client": (_add_flower_client, _run_flower_client),
+    "flower-run": (_add_flower_run, _run_flower_run),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m numpyro_fed", description="numpyro_fed: federated Bayesian inference for NumPyro"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    args = parser.parse_args(argv)
+    return COMMANDS[args.command][1](args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import importlib
 import warnings
 from typing import Any, Dict, Tuple
 
-__all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RUN_RESULT_ATTRIBUTES", "module_attribute", "warn_params_attribute"]
+__all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES", "module_attribute",
+           "renamed_keyword", "warn_params_attribute"]
 
 REMOVED_IN = "0.3.0"
 
@@ -68,6 +69,20 @@ def module_attribute(name: str) -> Any:
     warnings.warn(f"numpyro_fed.{name} is deprecated and goes in {REMOVED_IN}: use {module}.{new}",
                   DeprecationWarning, stacklevel=3)
     return getattr(importlib.import_module(module), new)
+
+
+#: ``keyword argument -> its new name``, for every method that took it
+RENAMED_KEYWORDS: Dict[str, str] = {"num_steps": "num_rounds"}
+
+
+def renamed_keyword(where: str, old: str, value: Any, new: str, new_value: Any) -> Any:
+    """The value of a keyword argument passed under its old name, with a DeprecationWarning
+    (a TypeError when the new name was given too)."""
+    if new_value is not None:
+        raise TypeError(f"{where}() got both {old}= and {new}=; {old}= is the deprecated name of {new}=")
+    warnings.warn(f"{where}({old}=...) is deprecated and goes in {REMOVED_IN}: use {new}=", DeprecationWarning,
+                  stacklevel=4)
+    return value
 
 
 def warn_params_attribute(name: str) -> None:

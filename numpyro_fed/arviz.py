@@ -98,51 +98,58 @@ def to_arviz(
 
     from .factor.inference import FactorInference
     from .vertical.inference import VerticalInference
-
-    total = check_positive_int("num_chains", num_chains) * int(num_samples)
-
-    def chains(x):
-        x = np.asarray(x)
-        return x.reshape((int(num_chains), int(num_samples)) + x.shape[1:])
-
-    if corrected and client is not None:
-        raise ValueError("corrected=True resamples the global sites' draws of a FederatedSVI, PVI or EP fit (every "
-                         "party's sites of a vertical fit) by the fit check's weights: drop client= (a client's local "
-                         "draws are not reweighted)")
+    total, chains = _chains(num_chains, num_samples, corrected, client)
     if isinstance(svi, FactorInference):
         return _factor_to_arviz(svi, result, rng_key, total, client, clients, chains, corrected)
-    vertical = isinstance(svi, VerticalInference)
-    groups, note = {}, _NO_VERTICAL if vertical else None
-    if vertical:  # every party's sites; data stay with their owners
-        draws = svi.sample_posterior(rng_key, result, total, **({"corrected": True} if corrected else {}))
+    extra = {"corrected": True} if corrected else {}
+    if isinstance(svi, VerticalInference):  # every party's sites; data stay with their owners
+        draws = svi.sample_posterior(rng_key, result, total, **extra)
         client = clients = None
+        groups, note, stat = {}, _NO_VERTICAL, svi.loss_name
     else:
-        extra = {"corrected": True} if corrected else {}
         draws = svi.sample_posterior(rng_key, result, total, client=client, **extra)
         groups, note = _pointwise_groups(svi, result, rng_key, total, client, clients, chains, corrected)
-    posterior = {k: chains(v) for k, v in draws.items()}
-    stat = svi.loss_name if vertical else "elbo"
-    sample_stats = {stat: -np.asarray(result.losses)[None, None, :]}
+        stat = "elbo"
     observed = None
     if client is not None and clients is not None:
         observed = {k: np.asarray(v) for k, v in _observed(svi, clients, client).items()}
     return az.from_dict(
-        posterior=posterior,
-        sample_stats=sample_stats,
+        posterior={k: chains(v) for k, v in draws.items()},
+        sample_stats={stat: -np.asarray(result.losses)[None, None, :]},
         observed_data=observed,
         **groups,
         dims={stat: ["round"]},
-        attrs={
-            "inference_library": "numpyro_fed",
-            "method": svi.method,
-            "rounds": int(result.communication.rounds),
-            "bytes_up": int(result.communication.bytes_up),
-            "bytes_down": int(result.communication.bytes_down),
-            "draws": "psis-corrected" if corrected else "q",
-            "fit_check": _verdict(svi),
-            "log_likelihood": note or "included",
-        },
+        attrs=_attrs(svi, result, corrected, note or "included"),
     )
+
+
+def _chains(num_chains, num_samples, corrected: bool, client: Optional[str]):
+    """The draws to take and the function laying them out as ``(num_chains, num_samples, ...)``."""
+    num_chains = check_positive_int("num_chains", num_chains)
+    if corrected and client is not None:
+        raise ValueError("corrected=True resamples the global sites' draws of a FederatedSVI, PVI or EP fit (every "
+                         "party's sites of a vertical fit) by the fit check's weights: drop client= (a client's local "
+                         "draws are not reweighted)")
+
+    def chains(x):
+        x = np.asarray(x)
+        return x.reshape((num_chains, int(num_samples)) + x.shape[1:])
+
+    return num_chains * int(num_samples), chains
+
+
+def _attrs(svi, result: "RunResult", corrected: bool, log_likelihood: str) -> dict:
+    """What an InferenceData of a numpyro_fed fit says about the fit (``attrs``)."""
+    return {
+        "inference_library": "numpyro_fed",
+        "method": svi.method,
+        "rounds": int(result.communication.rounds),
+        "bytes_up": int(result.communication.bytes_up),
+        "bytes_down": int(result.communication.bytes_down),
+        "draws": "psis-corrected" if corrected else "q",
+        "fit_check": _verdict(svi),
+        "log_likelihood": log_likelihood,
+    }
 
 
 def _verdict(svi) -> str:
@@ -174,16 +181,7 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, clients, c
         observed_data=observed,
         **groups,
         dims={"damping": ["round"]},
-        attrs={
-            "inference_library": "numpyro_fed",
-            "method": inference.method,
-            "rounds": int(result.communication.rounds),
-            "bytes_up": int(result.communication.bytes_up),
-            "bytes_down": int(result.communication.bytes_down),
-            "draws": "psis-corrected" if corrected else "q",
-            "fit_check": _verdict(inference),
-            "log_likelihood": note or "included",
-        },
+        attrs=_attrs(inference, result, corrected, note or "included"),
     )
 
 

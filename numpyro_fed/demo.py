@@ -77,17 +77,35 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
     warnings).
     """
     say = (lambda *a: None) if quiet else print
-    data = load_six_cities()
-    clients = Clients.split(six_cities_silos(seed), **data)
-    say(f"six-cities wheeze data: {clients.total_rows} children in silos {clients.num_rows}")
-    key = random.PRNGKey(seed)
-
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         raise ValueError(f"methods={list(methods)}: choose one or more of {list(METHODS)}")
+    data = load_six_cities()
+    clients = Clients.split(six_cities_silos(seed), **data)
+    say(f"six-cities wheeze data: {clients.total_rows} children in silos {clients.num_rows}")
+    every = _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps)
+    fits = {name: every[name] for name in METHODS if name in methods}
+    left_out = [METHODS[name][0] for name in METHODS if name not in methods]
+    num_rounds = {"sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds}
+    draws, comm, flagged, checks = _fit_all(fits, num_rounds, clients, seed)
+    if "sfvi_avg" in comm:
+        comm["sfvi_avg"]["local_steps"] = local_steps
+    d_nuts, comm["nuts"] = _nuts(data, nuts_warmup, nuts_samples, seed)
+    summary, closest = _report(say, fits, draws, d_nuts, comm, flagged, checks, ep_tilted, left_out)
+    if plot:
+        _plot(plot, draws, d_nuts)
+        say(f"\nplot saved to {plot}")
+    say("\nfit check: the fitted q against the full posterior, each silo computing its own term (Pareto k and\n"
+        "q's moments against the importance-weighted ones); see docs/concepts.md for what it cannot see.")
+    return {"summary": summary, "communication": comm, "max_abs_z": closest, "warnings": flagged, "checks": checks,
+            "left_out": left_out}
+
+
+def _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps) -> dict:
+    """Every method the demo can run, configured as the demo runs it."""
     guide = StructuredGuide(logistic_glmm)
     sched = optax.exponential_decay(0.05, rounds, 0.05)
-    every = {
+    return {
         "sfvi": FederatedSVI(logistic_glmm, guide, optax.adam(sched), num_particles=4),
         "sfvi_avg": FederatedSVI(logistic_glmm, guide, optax.adam(0.02), method="sfvi_avg",
                                  local_steps=local_steps, num_particles=2),
@@ -96,26 +114,32 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
         "pvi": PVI(logistic_glmm, update="optax", optim=optax.adam(0.02), local_steps=pvi_steps, num_particles=4,
                    schedule="sequential"),
     }
-    fits = {name: every[name] for name in METHODS if name in methods}
-    left_out = [METHODS[name][0] for name in METHODS if name not in methods]
-    num_rounds = {"sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds}
+
+
+def _fit_all(fits, num_rounds, clients, seed):
+    """Run each method; its posterior draws, communication and time, warnings and fit-check verdict."""
+    key = random.PRNGKey(seed)
     draws, comm, flagged, checks = {}, {}, {}, {}
     for name, method in fits.items():
         res, seconds, flagged[name] = _timed(lambda: method.run(key, num_rounds[name], clients, progress_bar=False))
         checks[name] = _verdict(method)
         draws[name] = _flatten(method.sample_posterior(random.PRNGKey(seed + 1), res, 4000))
         comm[name] = dict(res.communication._asdict(), seconds=seconds)
-    if "sfvi_avg" in comm:
-        comm["sfvi_avg"]["local_steps"] = local_steps
+    return draws, comm, flagged, checks
 
+
+def _nuts(data, num_warmup, num_samples, seed):
+    """NUTS on the pooled data: its draws and time."""
     from numpyro.infer import MCMC, NUTS
 
     t0 = time.perf_counter()
-    mcmc = MCMC(NUTS(logistic_glmm), num_warmup=nuts_warmup, num_samples=nuts_samples, progress_bar=False)
+    mcmc = MCMC(NUTS(logistic_glmm), num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
     mcmc.run(random.PRNGKey(seed + 2), **{k: jnp.asarray(v) for k, v in data.items()})
-    comm["nuts"] = dict(seconds=time.perf_counter() - t0)
-    d_nuts = _flatten(mcmc.get_samples())
+    return _flatten(mcmc.get_samples()), dict(seconds=time.perf_counter() - t0)
 
+
+def _report(say, fits, draws, d_nuts, comm, flagged, checks, ep_tilted, left_out):
+    """Print the comparison with NUTS; the summary and each method's largest |z|."""
     say("\nposterior mean (sd) of each method; z = (mean - NUTS mean) / NUTS sd")
     head = " | ".join(f"{METHODS[m][0]:>16} {'z':>5}" for m in fits)
     say(f"{'param':>6} | {head} | {'NUTS (pooled)':>16}")
@@ -146,13 +170,7 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
     for name, messages in flagged.items():
         for message in messages:
             say(f"\n{METHODS[name][0]} warned: {message}")
-    if plot:
-        _plot(plot, draws, d_nuts)
-        say(f"\nplot saved to {plot}")
-    say("\nfit check: the fitted q against the full posterior, each silo computing its own term (Pareto k and\n"
-        "q's moments against the importance-weighted ones); see docs/concepts.md for what it cannot see.")
-    return {"summary": summary, "communication": comm, "max_abs_z": closest, "warnings": flagged, "checks": checks,
-            "left_out": left_out}
+    return summary, closest
 
 
 def _verdict(method) -> str:

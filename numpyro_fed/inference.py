@@ -59,20 +59,99 @@ def _same_inputs(a, b) -> bool:
     return a is b
 
 
+#: the backend's run options, taken by every ``run`` (see :meth:`FederatedInference.run`)
+RUN_OPTIONS = ("progress_bar", "init_state", "record_transcript", "keep_values", "availability", "checkpoint",
+               "checkpoint_every", "on_nonfinite", "callbacks", "backend")
+
+
 class FederatedInference:
     """Base class of the inference objects (not used directly).
 
-    Subclasses implement ``_build(inputs) -> Setup`` and may override ``_params``,
-    ``_client_view`` and ``_check_result``.
+    It implements the public contract once, as NumPyro's ``SVI.run`` drives ``SVI.update``:
+    ``init``, ``update``, ``run``, ``save`` and ``load``. The inputs are the clients
+    (horizontal families: ``Clients``, passed positionally) or the model's data as keyword
+    arguments (vertical families); ``_inputs`` turns what was passed into them. Subclasses
+    implement ``_build(inputs) -> Setup`` and may override ``_inputs``, ``_before_run``,
+    ``_params``, ``_client_view`` and ``_check_result``.
     """
 
     method = "federated"
+    #: ``run``'s default for ``progress_bar``
+    progress_bar = True
 
     def _init_inference(self) -> None:
         self._setup_cache: Optional[Setup] = None
         self._backend = SimulationBackend()
 
+    # ------------------------------------------------------------------ public contract
+    def init(self, rng_key: jax.Array, clients=None, **data) -> RunState:
+        """The run state before round 1: the server's state and every client's (each
+        initialises its own parameters and keeps its own PRNG key)."""
+        return self._init(rng_key, self._inputs(clients, data))
+
+    def update(self, state: RunState, clients=None, **data):
+        """One communication round (jit-compiled). Returns ``(state, figure)``: the family's
+        per-round figure, the one ``run`` records in ``RunResult.trace`` (``-ELBO`` for the SVI
+        families, ``KL(q_new || q)`` for PVI and EP, the change in ``Theta`` for HM1)."""
+        inputs = self._inputs(clients, data)
+        state, info = self._update(state, inputs)
+        return state, self._fitted().algorithm.monitor(info)
+
+    def run(self, rng_key: jax.Array, num_rounds: Optional[int] = None, clients=None, **kwargs: Any) -> RunResult:
+        """Run ``num_rounds`` communication rounds (on the simulation backend unless
+        ``backend=`` names another).
+
+        Args:
+            rng_key: the run's key; the server's and every client's own key derive from it.
+            num_rounds: communication rounds (every family; ``num_steps=`` is its deprecated
+                name for the vertical families).
+            clients: an :class:`~numpyro_fed.Clients` (horizontal families); the vertical
+                families take the model's data as keyword arguments instead.
+            **kwargs: the backend's run options (:data:`RUN_OPTIONS`): ``progress_bar``
+                (default: the class's ``progress_bar``; a tqdm bar with the running figure;
+                without it, a transcript, callbacks or checkpoints all rounds run in one
+                ``lax.while_loop``), ``init_state`` (resume), ``record_transcript`` /
+                ``keep_values``, ``availability`` (simulated dropout), ``checkpoint`` /
+                ``checkpoint_every``, ``on_nonfinite`` (``"raise"`` or ``"warn"``),
+                ``callbacks`` and ``backend`` (see
+                :meth:`numpyro_fed.backends.SimulationBackend.run`); for the vertical
+                families, the model's data too.
+
+        Returns:
+            a :class:`~numpyro_fed.RunResult`: ``params`` (the family's, see its class),
+            ``trace`` the per-round figure (also ``losses``), ``client_states`` each client's
+            final state (gathered by the simulation).
+        """
+        if "num_steps" in kwargs:
+            from ._deprecations import renamed_keyword
+
+            num_rounds = renamed_keyword(type(self).__name__ + ".run", "num_steps", kwargs.pop("num_steps"),
+                                         "num_rounds", num_rounds)
+        if num_rounds is None:
+            raise TypeError(f"{type(self).__name__}.run() needs num_rounds, the number of communication rounds")
+        options = {k: kwargs.pop(k) for k in RUN_OPTIONS if k in kwargs}
+        options.setdefault("progress_bar", self.progress_bar)
+        inputs = self._inputs(clients, kwargs)
+        self._before_run(num_rounds, inputs, options)
+        return self._run(rng_key, num_rounds, inputs, **options)
+
+    def load(self, path: str, clients=None, **data) -> RunState:
+        """A run state saved by :meth:`save`, for the same clients (or vertical data): pass it
+        as ``init_state=``."""
+        return self._load(path, self._inputs(clients, data))
+
     # ------------------------------------------------------------------ hooks
+    def _inputs(self, clients, data: dict):
+        """What ``init``/``update``/``run``/``load`` were given, as this family's inputs: the
+        clients (horizontal families; the vertical ones override this to take ``data``)."""
+        if data:
+            raise TypeError(f"{type(self).__name__}: unexpected keyword arguments {sorted(data)} (the run options "
+                            f"are {list(RUN_OPTIONS)}; the data go in as the Clients)")
+        return clients
+
+    def _before_run(self, num_rounds: int, inputs, options: dict) -> None:
+        """Prepare a run before its set-up (the private families plan their noise here)."""
+
     def _validate_inputs(self, inputs) -> None:
         """Raise a clear error for inputs of the wrong kind."""
 

@@ -285,8 +285,8 @@ class PrivateFit:
         if self.dp is not None or has_dp_sites(self.model, clients, self.model_kwargs):
             self._privacy = plan_privacy(self, clients)
 
-    def _prepare_private_run(self, num_rounds: int, clients, options) -> None:
-        """A noise calibrated to ``epsilon=`` plans for this run's rounds (a new plan
+    def _before_run(self, num_rounds: int, clients, options) -> None:
+        """(``run``'s hook) A noise calibrated to ``epsilon=`` plans for this run's rounds (a new plan
         rebuilds the set-up); resuming a calibrated run is refused."""
         if self.dp is None or not self._calibrating(clients):
             return

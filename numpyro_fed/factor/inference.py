@@ -504,38 +504,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                           UnreliableFitWarning, stacklevel=5)
 
     # ------------------------------------------------------------------ API
-    def init(self, rng_key: jax.Array, clients: Clients) -> RunState:
-        """``q`` starts at the prior and every ``t_j`` at 1."""
-        return self._init(rng_key, clients)
-
-    def update(self, state: RunState, clients: Clients) -> tuple:
-        """One round (jit-compiled). Returns ``(state, info)``."""
-        return self._update(state, clients)
-
-    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
-        """``num_rounds`` rounds on the simulation backend (one ``lax.while_loop`` unless a
-        progress bar, transcript, callbacks or checkpoints are asked for).
-
-        Args:
-            **options: the backend's run options (``progress_bar`` defaults to ``False``
-                here), see :meth:`numpyro_fed.backends.SimulationBackend.run`.
-
-        Returns:
-            a :class:`~numpyro_fed.RunResult` with ``params = {"mean", "cov"}`` of ``q``
-            over the flat unconstrained global sites (``cov`` a variance vector for
-            ``family="diagonal"``), ``trace`` = ``KL(q_new || q)`` per round and ``info``
-            the damping applied (0: nothing applied), halvings and invalid updates.
-
-        Raises:
-            ValueError: when no update was ever applied (``q`` would be the prior); a
-            warning names rounds in which every update that arrived was invalid.
-        """
-        options.setdefault("progress_bar", False)
-        return self._run(rng_key, num_rounds, clients, **options)
-
-    def load(self, path: str, clients: Clients) -> RunState:
-        """A run state saved by :meth:`save`, for ``clients`` (pass as ``init_state=``)."""
-        return self._load(path, clients)
+    progress_bar = False  # run()'s default: a fit of a few rounds
 
     def _supports(self, args=None) -> Dict[str, Any]:
         """Latent sites' supports, from a trace on ``args`` (default: the first client's

@@ -345,13 +345,6 @@ class PVI(PrivateFit, FactorInference):
         self._plan_privacy(clients)
         return super()._build(clients)
 
-    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any):
-        """As :meth:`FactorInference.run <numpyro_fed.factor.inference.FactorInference.run>`;
-        with ``dp=``, noise calibrated to a ``dp_noise(epsilon=...)`` target plans for
-        ``num_rounds`` rounds (see :meth:`privacy_report` for what the fit spent)."""
-        self._prepare_private_run(num_rounds, clients, options)
-        return super().run(rng_key, num_rounds, clients, **options)
-
     def _check_result(self, setup, result):
         result = super()._check_result(setup, result)
         if self._privacy is not None:
@@ -404,8 +397,8 @@ class BCM(PVI):
         self.prior = prior
         super().__init__(model, schedule="synchronous", damping=1.0, **kwargs)
 
-    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any):
+    def _before_run(self, num_rounds: int, clients, options: dict) -> None:
         """The one round: ``num_rounds`` must be 1 (the argument keeps the call uniform)."""
         if num_rounds != 1 or options.get("init_state") is not None:
             raise ValueError("BCM is one round from the prior: num_rounds=1 and no init_state")
-        return super().run(rng_key, 1, clients, **options)
+        super()._before_run(num_rounds, clients, options)

@@ -60,8 +60,7 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
     if hasattr(inference, "client_mapping"):
         inference.client_mapping = "loop"
     inputs = inputs_from_template(template, own, server)
-    if hasattr(inference, "_prepare_private_run"):
-        inference._prepare_private_run(num_rounds, inputs, {})
+    inference._before_run(num_rounds, inputs, {})  # the private families plan their noise for the run
     return inference, inputs, inference._setup(inputs)
 
 

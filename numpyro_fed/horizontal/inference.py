@@ -235,16 +235,6 @@ class FederatedSVI(PrivateFit, FederatedInference):
         return {"guide": g["guide"], "theta": constrain_params(g["theta"], setup.extra.global_constraints)}
 
     # ------------------------------------------------------------------ SVI API
-    def init(self, rng_key, clients: Clients) -> RunState:
-        """Initial states: the server's, and every client's (each initialises its own
-        parameters and keeps its own PRNG key)."""
-        return self._init(rng_key, clients)
-
-    def update(self, state: RunState, clients: Clients):
-        """One communication round (jit-compiled). Returns ``(state, loss)`` with ``loss = -ELBO``."""
-        state, info = self._update(state, clients)
-        return state, -info.elbo
-
     def get_params(self, state: RunState) -> Dict:
         """The server-held parameters: the guide's (``"guide"``, in its own unconstrained
         parametrisation) and the global ``numpyro.param`` sites (``"theta"``, constrained,
@@ -262,29 +252,6 @@ class FederatedSVI(PrivateFit, FederatedInference):
         local = client_item(setup.plan, state.clients, j).state.local_params
         constraints = setup.extra.client_layout(setup.inputs[client])[1]
         return constrain_params(local["theta"], constraints)
-
-    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, **options: Any) -> RunResult:
-        """Run ``num_rounds`` communication rounds on the simulation backend.
-
-        Args:
-            rng_key: the run's key; the server's and every client's own key derive from it.
-            num_rounds: communication rounds.
-            clients: an :class:`~numpyro_fed.Clients`.
-            **options: the backend's run options: ``progress_bar`` (default ``True``; a
-                tqdm bar with the running loss; without it, a transcript, callbacks or
-                checkpoints all rounds run in one ``lax.while_loop``), ``init_state`` (resume),
-                ``record_transcript`` / ``keep_values``, ``availability`` (simulated
-                dropout), ``checkpoint`` / ``checkpoint_every``, ``on_nonfinite``
-                (``"raise"`` or ``"warn"``), ``callbacks`` and ``backend``. See
-                :meth:`numpyro_fed.backends.SimulationBackend.run`.
-
-        Returns:
-            a :class:`~numpyro_fed.RunResult`: ``params`` are the server's, ``trace`` the
-            per-round ``-ELBO`` (also ``losses``), ``client_states`` each client's
-            local parameters.
-        """
-        self._prepare_private_run(num_rounds, clients, options)
-        return self._run(rng_key, num_rounds, clients, **options)
 
     def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
         self.last_fit_check = None
@@ -407,10 +374,6 @@ class FederatedSVI(PrivateFit, FederatedInference):
             payload["global_params"], payload["k_g"], payload["key"], client_state.local_params, data
         )
         return {"values": values}
-
-    def load(self, path: str, clients: Clients) -> RunState:
-        """A run state saved by :meth:`save`, for ``clients`` (pass as ``init_state=``)."""
-        return self._load(path, clients)
 
     def evaluate(self, state: RunState, clients: Clients, num_particles: int = 16, rng_key=None):
         """Negative ELBO estimate at ``state``: a server term plus every client's term (jit-compiled)."""

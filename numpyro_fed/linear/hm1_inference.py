@@ -193,9 +193,7 @@ class HM1(FederatedInference):
         if not same:
             self._truth, self._setup_cache = truth, None  # the algorithm tracks another truth
 
-    def init(self, rng_key: jax.Array, clients: Clients) -> RunState:
-        """``Theta`` starts at small random values (``N(0, 0.01^2)``, the server's key) and ``Omega`` at ``I``."""
-        return self._init(rng_key, clients)
+    progress_bar = False  # run()'s default
 
     def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, *, truth: Optional[jax.Array] = None,
             **options: Any) -> RunResult:
@@ -212,12 +210,7 @@ class HM1(FederatedInference):
             per round.
         """
         self._with_truth(truth)
-        options.setdefault("progress_bar", False)
-        return self._run(rng_key, num_rounds, clients, **options)
-
-    def load(self, path: str, clients: Clients) -> RunState:
-        """A run state saved by :meth:`save`, for ``clients`` (pass as ``init_state=``)."""
-        return self._load(path, clients)
+        return super().run(rng_key, num_rounds, clients, **options)
 
     @staticmethod
     def predict(result: RunResult, x: jax.Array, client_index: int) -> jax.Array:

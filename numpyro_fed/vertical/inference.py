@@ -239,47 +239,16 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
     def objective(self) -> VerticalObjective:
         return self._fitted().extra[0]
 
-    def init(self, rng_key, **data) -> RunState:
-        """Every party initialises its own parameters and keeps its own key."""
-        return self._init(rng_key, data)
-
-    def update(self, state: RunState, **data):
-        """One iteration (jit-compiled). Returns ``(state, loss)``."""
-        state, info = self._update(state, data)
-        return state, -info.value
+    def _inputs(self, clients, data: dict):
+        """The model's data, passed as keyword arguments (a vertical federation has no Clients)."""
+        if clients is not None:
+            raise TypeError(f"{type(self).__name__} takes the model's data as keyword arguments (e.g. "
+                            f"run(rng_key, num_rounds, x=x, y=y)), not a {type(clients).__name__}")
+        return data
 
     def get_params(self, state: RunState) -> Dict[str, Any]:
         """``{party: parameters}`` gathered from every party's state."""
         return self._params(self._fitted(), state)
-
-    def run(self, rng_key, num_steps: int, *, progress_bar: bool = True, init_state: Optional[RunState] = None,
-            record_transcript: bool = False, keep_values: bool = False, availability: Any = None,
-            checkpoint: Optional[str] = None, checkpoint_every: Optional[int] = None, on_nonfinite: str = "raise",
-            callbacks=(), backend: Any = None, **data) -> RunResult:
-        """Run ``num_steps`` iterations; the model's data go in as keyword arguments.
-
-        The run options are the backend's (see
-        :meth:`numpyro_fed.backends.SimulationBackend.run`): ``progress_bar`` (without it,
-        a transcript, callbacks or checkpoints every iteration runs in one ``lax.while_loop``),
-        ``init_state``, ``record_transcript`` / ``keep_values``, ``availability``
-        (simulated dropout: a round missing a party is skipped), ``checkpoint`` /
-        ``checkpoint_every``, ``on_nonfinite``, ``callbacks``, ``backend``.
-
-        Returns:
-            a :class:`~numpyro_fed.RunResult` with ``params = {party: its parameters}``
-            (in a deployment each party keeps its own; the simulation gathers them) and
-            ``trace`` the per-iteration loss: ``-ELBO`` (SFVI) or ``-log p(theta, z, y)``
-            averaged over the iteration's Langevin draws (SOUL), summed from the
-            parties' scalar terms.
-        """
-        return self._run(rng_key, num_steps, data, progress_bar=progress_bar, init_state=init_state,
-                         record_transcript=record_transcript, keep_values=keep_values, availability=availability,
-                         checkpoint=checkpoint, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
-                         callbacks=callbacks, backend=backend)
-
-    def load(self, path: str, **data) -> RunState:
-        """A run state saved by :meth:`save`, for the same data (pass as ``init_state=``)."""
-        return self._load(path, data)
 
     @staticmethod
     def _party_states(setup: Setup, state: RunState) -> Dict[str, Any]:
