@@ -17,21 +17,24 @@ ModelFn = Callable[..., Any]
 
 
 class ClientStepFn(Protocol):
-    """``(rng_key, client_state, server_message, data) -> (client_state, client_message)``."""
+    """An :class:`~numpyro_fed.protocol.Exchange`'s client step:
+    ``(rng_key, client_state, broadcast, data) -> (client_state, message)``; ``broadcast`` is a
+    :class:`~numpyro_fed.protocol.Broadcast` (its ``per_client`` part already this client's row)."""
 
     def __call__(
-        self, rng_key: Array, state: PyTree, message: ServerMessage, data: PyTree
+        self, rng_key: Array, state: PyTree, broadcast: PyTree, data: PyTree
     ) -> Tuple[PyTree, ClientMessage]: ...
 
 
 class ServerStepFn(Protocol):
-    """``(rng_key, server_state, client_messages, data) -> (server_state, server_message, info)``.
+    """An :class:`~numpyro_fed.protocol.Exchange`'s server step:
+    ``(rng_key, server_state, messages, view) -> (server_state, broadcast, info)``.
 
-    ``client_messages`` is the stack (leading axis = client) of every client's message and
-    ``data`` is the server's own view of the round: here the boolean ``active`` vector of
-    the clients that took part.
+    ``messages`` stacks every client's message (leading axis = client; the rows of clients that
+    did not answer are zeros, and ``secure_sum`` fields arrive summed); ``view`` is the
+    :class:`~numpyro_fed.protocol.ServerView`: who answered, and the server's own data.
     """
 
     def __call__(
-        self, rng_key: Array, state: PyTree, messages: ClientMessage, data: PyTree
-    ) -> Tuple[PyTree, ServerMessage, PyTree]: ...
+        self, rng_key: Array, state: PyTree, messages: ClientMessage, view: PyTree
+    ) -> Tuple[PyTree, PyTree, PyTree]: ...

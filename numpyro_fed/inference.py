@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from . import checkpoint as ckpt
+from .backends.base import Backend, NetworkBackend
 from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
 from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
@@ -270,7 +271,7 @@ class FederatedInference:
             fitted_by=type(self).__name__,
         )
         self._remember_shapes(setup, result.state)
-        self._network = backend if hasattr(backend, "client_values") else None  # a network backend's clients
+        self._network = backend if isinstance(backend, NetworkBackend) else None  # a network backend's clients
         try:
             result = self._check_result(setup, result) or result
         finally:
@@ -326,7 +327,7 @@ def _check_backend(backend, inference) -> None:
     if isinstance(backend, str):
         mapping = backend if backend in ("vmap", "loop", "auto") else "auto"
         raise ValueError(_BACKEND_STRING.format(cls=cls, value=backend, mapping=mapping))
-    if not callable(getattr(backend, "run", None)):
+    if not isinstance(backend, Backend):
         raise TypeError(
             f"{cls}.run(backend=...): a {type(backend).__name__} is not a backend (it has no run method); "
             f"leave backend= out to simulate, or pass numpyro_fed.flower.FlowerBackend"

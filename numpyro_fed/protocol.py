@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional,
 
 import jax
 
-from ._typing import Array, PyTree
+from ._typing import Array, ClientStepFn, PyTree, ServerStepFn
 from .transcript import Communication, Transcript
 
 __all__ = [
@@ -84,8 +84,8 @@ class Exchange(NamedTuple):
     ``"aggregator"`` and the sum as sent by ``"aggregator"`` to ``"server"``.
     """
 
-    client_step: Callable
-    server_step: Callable
+    client_step: ClientStepFn
+    server_step: ServerStepFn
     name: str = "exchange"
     secure_sum: Tuple[str, ...] = ()
 
