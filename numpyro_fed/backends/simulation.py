@@ -201,18 +201,8 @@ class SimulationBackend:
             ``client_states`` holds each client's algorithm state by name.
         """
         plan = clients
-        if on_nonfinite not in GUARDS:
-            raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
-        avail = None if availability is None else as_availability(availability, len(plan.names))
-        check_positive_int("num_rounds", num_rounds)
-        if checkpoint_every is not None:
-            check_positive_int("checkpoint_every", checkpoint_every)
-        if checkpoint_every is not None and checkpoint is None:
-            raise ValueError("checkpoint_every= needs checkpoint=, the path to save the run state to")
-        num_rounds = int(num_rounds)
-        if checkpoint is not None:
-            ckpt.check_destination(checkpoint)
-            checkpoint_every = checkpoint_every or max(1, -(-num_rounds // CHECKPOINTS_PER_RUN))
+        avail, num_rounds, checkpoint_every = _checked_options(plan, num_rounds, availability, checkpoint,
+                                                               checkpoint_every, on_nonfinite)
         compiled = self._compiled(algorithm, plan)
         if init_state is None:
             if rng_key is None:
@@ -222,66 +212,32 @@ class SimulationBackend:
             ckpt.save(checkpoint, init_state, plan.names, algorithm.name)
         start = int(init_state.round)
         check_schedule(availability, start + num_rounds)
-        J = len(plan.names)
-        failure = _no_failure(J)
-        state = init_state
         transcript = Transcript(keep_values) if record_transcript else None
         stepwise = progress_bar or record_transcript or bool(callbacks)
-        outputs: List[RoundOutput] = []
         if stepwise:
-            state, failure, outputs = self._loop(
-                algorithm,
-                compiled,
-                plan,
-                avail,
-                state,
-                failure,
-                num_rounds,
-                progress_bar,
-                transcript,
-                callbacks,
-                checkpoint,
-                checkpoint_every,
-            )
+            state, failure, outputs = self._loop(algorithm, compiled, plan, avail, init_state,
+                                                 _no_failure(len(plan.names)), num_rounds, progress_bar, transcript,
+                                                 callbacks, checkpoint, checkpoint_every)
+            stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs) if outputs else None
         else:
-            chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
-            done = 0
-            while done < num_rounds and not bool(failure.failed):
-                n = min(chunk, num_rounds - done)
-                chunk_start = state
-                state, failure, outs = compiled.scan(state, failure, plan.data, plan.server_data, avail, n)
-                if bool(failure.failed):  # replay the chunk's finite rounds: the last finite state
-                    good = int(failure.round) - 1 - int(chunk_start.round)
-                    state = (
-                        chunk_start
-                        if good == 0
-                        else compiled.scan(chunk_start, _no_failure(J), plan.data, plan.server_data, avail, good)[0]
-                    )
-                outputs.append(outs)
-                done += n
-                if checkpoint is not None:
-                    ckpt.save(checkpoint, state, plan.names, algorithm.name)
-            outputs = [jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)] if outputs else []
+            state, failure, stacked = _run_in_chunks(algorithm, compiled, plan, avail, init_state, num_rounds,
+                                                     checkpoint, checkpoint_every)
         if bool(failure.failed):
             _check(failure, plan, state, on_nonfinite)  # raises unless on_nonfinite="warn"
             if int(failure.round) - 1 == start:
                 raise NonFiniteError(
                     "no round finished with finite values; nothing to return", int(failure.round), [], state
                 )
-        stacked = outputs[0] if not stepwise else jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs)
-        if bool(failure.failed):
             stacked = jax.tree_util.tree_map(lambda x: x[: int(failure.round) - 1 - start], stacked)
         if checkpoint is not None and stepwise:
             ckpt.save(checkpoint, state, plan.names, algorithm.name)
-        comm = self._communication(compiled, algorithm, plan, init_state, stacked)
-        client_states = ClientStates(plan.names, lambda j: client_item(plan, state.clients, j).state)
         return RunResult(
             params=state.server,
             state=state,
             trace=stacked.figure,
             info=stacked.info,
-            communication=comm,
-            client_states=client_states,
+            communication=self._communication(compiled, algorithm, plan, init_state, stacked),
+            client_states=ClientStates(plan.names, lambda j: client_item(plan, state.clients, j).state),
             transcript=transcript,
             rounds_answered=np.asarray(jnp.sum(stacked.answered, axis=-1)),
         )
@@ -358,6 +314,49 @@ class SimulationBackend:
         )
 
 
+def _checked_options(plan: ClientPlan, num_rounds, availability, checkpoint, checkpoint_every, on_nonfinite):
+    """``run``'s options checked: the availability, ``num_rounds`` as an int and the checkpoint
+    interval (default: :data:`CHECKPOINTS_PER_RUN` saves per run; the destination is checked)."""
+    if on_nonfinite not in GUARDS:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
+    avail = None if availability is None else as_availability(availability, len(plan.names))
+    num_rounds = check_positive_int("num_rounds", num_rounds)
+    if checkpoint_every is not None:
+        check_positive_int("checkpoint_every", checkpoint_every)
+        if checkpoint is None:
+            raise ValueError("checkpoint_every= needs checkpoint=, the path to save the run state to")
+    if checkpoint is not None:
+        ckpt.check_destination(checkpoint)
+        checkpoint_every = checkpoint_every or max(1, -(-num_rounds // CHECKPOINTS_PER_RUN))
+    return avail, num_rounds, checkpoint_every
+
+
+def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, state: RunState, num_rounds: int,
+                   checkpoint, checkpoint_every):
+    """The fast path: rounds in one compiled ``lax.while_loop`` per chunk (one chunk, or one per
+    checkpoint), stopping at the first non-finite round and replaying the chunk's finite rounds.
+    Returns ``(state, failure, stacked round outputs)``."""
+    J = len(plan.names)
+    failure = _no_failure(J)
+    chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
+    outputs, done = [], 0
+    while done < num_rounds and not bool(failure.failed):
+        n = min(chunk, num_rounds - done)
+        chunk_start = state
+        state, failure, outs = compiled.scan(state, failure, plan.data, plan.server_data, avail, n)
+        if bool(failure.failed):  # replay the chunk's finite rounds: the last finite state
+            good = int(failure.round) - 1 - int(chunk_start.round)
+            if good:
+                state = compiled.scan(chunk_start, _no_failure(J), plan.data, plan.server_data, avail, good)[0]
+            else:
+                state = chunk_start
+        outputs.append(outs)
+        done += n
+        if checkpoint is not None:
+            ckpt.save(checkpoint, state, plan.names, algorithm.name)
+    return state, failure, jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)
+
+
 def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: str) -> None:
     if not bool(failure.failed):
         return
@@ -424,167 +423,190 @@ def _same_algorithm(a: FederatedAlgorithm, b: FederatedAlgorithm) -> bool:
     return a is b or (len(a) == len(b) and all(x is y or (isinstance(x, (str, int)) and x == y) for x, y in zip(a, b)))
 
 
-def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
-    J = len(plan.names)
-    vmapped = plan.mapping == "vmap"
-    m = algorithm.num_selected
-    gather = vmapped and m is not None and m < J
-    round_info = algorithm.round_info or last_info
-    monitor = algorithm.monitor or (lambda info: jnp.zeros(()))
+class _Layout(NamedTuple):
+    """How the clients are mapped (static): ``J`` clients, under ``vmap`` or a loop, ``m``
+    asked per round (``None``: not static), gathered under ``vmap`` when ``m < J``."""
 
-    def init(rng_key, data):
-        k_server, k_clients, k_env = random.split(rng_key, 3)
-        k_init, server_key = random.split(k_server)
-        server, broadcast = algorithm.init_server(k_init)
+    J: int
+    vmapped: bool
+    m: Optional[int]
+    gather: bool
 
-        def one(key, d):
-            k_init_c, own = random.split(key)
-            return ClientSlot(own, algorithm.init_client(k_init_c, d))
 
-        keys = random.split(k_clients, J)
-        if vmapped:
-            slots = jax.vmap(one)(keys, data)
+def _init_run(algorithm: FederatedAlgorithm, layout: _Layout, rng_key, data) -> RunState:
+    """The run's first state: the server's state and key, every client's slot (its own key)."""
+    k_server, k_clients, k_env = random.split(rng_key, 3)
+    k_init, server_key = random.split(k_server)
+    server, broadcast = algorithm.init_server(k_init)
+
+    def one(key, d):
+        k_init_c, own = random.split(key)
+        return ClientSlot(own, algorithm.init_client(k_init_c, d))
+
+    keys = random.split(k_clients, layout.J)
+    if layout.vmapped:
+        slots = jax.vmap(one)(keys, data)
+    else:
+        slots = tuple(one(keys[j], d) for j, d in enumerate(data))
+    return RunState(jnp.zeros((), jnp.int32), server, server_key, broadcast, slots, k_env)
+
+
+def _client_fn(exchange):
+    """An exchange's client step on a client's slot: the client splits its own key."""
+    def fn(slot: ClientSlot, broadcast: Broadcast, data):
+        key, sub = random.split(slot.rng_key)
+        state, message = exchange.client_step(sub, slot.state, broadcast, data)
+        return ClientSlot(key, state), message
+
+    return fn
+
+
+def _map_clients(layout: _Layout, fn, slots, broadcast, data, asked):
+    """``fn`` on every asked client: vmapped (gathering the ``m`` asked ones when ``m < J``)
+    or in a loop (``lax.cond`` skips a client not asked). Messages are stacked over J."""
+    J, m = layout.J, layout.m
+    if layout.vmapped:
+        axes = (0, Broadcast(None, 0), 0)
+        if not layout.gather:
+            return jax.vmap(fn, in_axes=axes)(slots, broadcast, data)
+        idx = jnp.nonzero(asked, size=m, fill_value=0)[0]
+        take = partial(jax.tree_util.tree_map, lambda x: x[idx])
+        sub = Broadcast(broadcast.shared, take(broadcast.per_client))
+        new_sub, msgs = jax.vmap(fn, in_axes=axes)(take(slots), sub, take(data))
+        new = jax.tree_util.tree_map(lambda full, part: full.at[idx].set(part), slots, new_sub)
+        msgs = jax.tree_util.tree_map(lambda part: jnp.zeros((J,) + part.shape[1:], part.dtype).at[idx].set(part), msgs)
+        return new, msgs
+    new, msgs = [], []
+    for j in range(J):
+        bj = Broadcast(broadcast.shared, jax.tree_util.tree_map(lambda x: x[j], broadcast.per_client))
+        if m is not None and m >= J:
+            s, msg = fn(slots[j], bj, data[j])
         else:
-            slots = tuple(one(keys[j], d) for j, d in enumerate(data))
-        return RunState(jnp.zeros((), jnp.int32), server, server_key, broadcast, slots, k_env)
+            shape = jax.eval_shape(fn, slots[j], bj, data[j])[1]
 
-    def client_fn(exchange):
-        def fn(slot: ClientSlot, broadcast: Broadcast, data):
-            key, sub = random.split(slot.rng_key)  # the client splits its own key
-            state, message = exchange.client_step(sub, slot.state, broadcast, data)
-            return ClientSlot(key, state), message
+            def skip(operand, j=j, shape=shape):
+                return slots[j], jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shape)
 
-        return fn
+            s, msg = jax.lax.cond(asked[j], lambda operand, j=j, bj=bj: fn(slots[j], bj, data[j]), skip, None)
+        new.append(s)
+        msgs.append(msg)
+    return tuple(new), jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *msgs)
 
-    def map_clients(fn, slots, broadcast, data, asked):
-        if vmapped:
-            axes = (0, Broadcast(None, 0), 0)
-            if not gather:
-                return jax.vmap(fn, in_axes=axes)(slots, broadcast, data)
-            idx = jnp.nonzero(asked, size=m, fill_value=0)[0]
-            take = partial(jax.tree_util.tree_map, lambda x: x[idx])
-            sub = Broadcast(broadcast.shared, take(broadcast.per_client))
-            new_sub, msgs = jax.vmap(fn, in_axes=axes)(take(slots), sub, take(data))
-            new = jax.tree_util.tree_map(lambda full, part: full.at[idx].set(part), slots, new_sub)
-            msgs = jax.tree_util.tree_map(
-                lambda part: jnp.zeros((J,) + part.shape[1:], part.dtype).at[idx].set(part), msgs
-            )
-            return new, msgs
-        new, msgs = [], []
-        for j in range(J):
-            bj = Broadcast(broadcast.shared, jax.tree_util.tree_map(lambda x: x[j], broadcast.per_client))
-            if m is not None and m >= J:
-                s, msg = fn(slots[j], bj, data[j])
-            else:
-                shape = jax.eval_shape(fn, slots[j], bj, data[j])[1]
 
-                def skip(operand, j=j, shape=shape):
-                    return slots[j], jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shape)
+def _keep(layout: _Layout, answered, new, old):
+    """The new slots of the clients that answered, the old ones of the others."""
+    if layout.vmapped:
+        return _pick(answered, new, old)
+    return tuple(
+        jax.tree_util.tree_map(lambda a, b, j=j: jnp.where(answered[j], a, b), n, o)
+        for j, (n, o) in enumerate(zip(new, old))
+    )
 
-                s, msg = jax.lax.cond(asked[j], lambda operand, j=j, bj=bj: fn(slots[j], bj, data[j]), skip, None)
-            new.append(s)
-            msgs.append(msg)
-        return tuple(new), jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *msgs)
 
-    def keep(answered, new, old):
-        if vmapped:
-            return _pick(answered, new, old)
-        return tuple(
-            jax.tree_util.tree_map(lambda a, b, j=j: jnp.where(answered[j], a, b), n, o)
-            for j, (n, o) in enumerate(zip(new, old))
-        )
+def _one_round(algorithm: FederatedAlgorithm, layout: _Layout, state: RunState, data, server_data, avail):
+    """One round: select, who answers, each exchange (clients, then the server on the
+    aggregate), and the guard's flags. Returns ``(state, RoundOutput, traffic)``."""
+    J, m = layout.J, layout.m
+    server_key, k_select, *k_exchanges = random.split(state.server_key, 2 + len(algorithm.exchanges))
+    env_key, k_available = random.split(state.env_key)
+    asked = algorithm.select(k_select, state.server)
+    answered = asked if avail is None else asked & avail.draw(k_available, state.round)
+    everyone = avail is None and m is not None and m >= J  # static
+    view = ServerView(answered, server_data)
+    server, broadcast, slots = state.server, state.broadcast, state.clients
+    infos, traffic = [], []
+    sent_ok = jnp.ones((), bool)
+    for exchange, key in zip(algorithm.exchanges, k_exchanges):
+        new, messages = _map_clients(layout, _client_fn(exchange), slots, broadcast, data, asked)
+        if everyone:  # every client is asked and answers: nothing to mask
+            slots = new
+        else:
+            messages = _pick(answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
+            slots = _keep(layout, answered, new, slots)
+        traffic.append((broadcast, messages))
+        server, broadcast, info = exchange.server_step(key, server, aggregate_messages(messages, exchange.secure_sum),
+                                                       view)
+        sent_ok = sent_ok & all_finite(broadcast)
+        infos.append(info)
+    info = (algorithm.round_info or last_info)(tuple(infos))
+    figure = algorithm.monitor(info) if algorithm.monitor is not None else jnp.zeros(())
+    # Guard: what the server sends on (its parameters) and the figure must be finite; a
+    # client's non-finite message reaches them through the aggregate, and only then are
+    # the clients' messages scanned one by one to name them (full states are not scanned
+    # each round: a non-finite state shows in its owner's next message).
+    server_ok = sent_ok & jnp.isfinite(figure)
+    client_ok = jax.lax.cond(
+        server_ok, lambda m: jnp.ones(J, bool), lambda m: _finite_rows(m, J), tuple(m for _, m in traffic)
+    )
+    new_state = RunState(state.round + 1, server, server_key, broadcast, slots, env_key)
+    return new_state, RoundOutput(info, figure, asked, answered, client_ok, server_ok), traffic
 
-    def one_round(state: RunState, data, server_data, avail):
-        server_key, k_select, *k_exchanges = random.split(state.server_key, 2 + len(algorithm.exchanges))
-        env_key, k_available = random.split(state.env_key)
-        asked = algorithm.select(k_select, state.server)
-        answered = asked if avail is None else asked & avail.draw(k_available, state.round)
-        everyone = avail is None and m is not None and m >= J  # static
-        view = ServerView(answered, server_data)
-        server, broadcast, slots = state.server, state.broadcast, state.clients
-        infos, traffic = [], []
-        sent_ok = jnp.ones((), bool)
-        for exchange, key in zip(algorithm.exchanges, k_exchanges):
-            new, messages = map_clients(client_fn(exchange), slots, broadcast, data, asked)
-            if everyone:  # every client is asked and answers: nothing to mask
-                slots = new
-            else:
-                messages = _pick(answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
-                slots = keep(answered, new, slots)
-            traffic.append((broadcast, messages))
-            server, broadcast, info = exchange.server_step(
-                key, server, aggregate_messages(messages, exchange.secure_sum), view
-            )
-            sent_ok = sent_ok & all_finite(broadcast)
-            infos.append(info)
-        info = round_info(tuple(infos))
-        figure = monitor(info)
-        # Guard: what the server sends on (its parameters) and the figure must be finite; a
-        # client's non-finite message reaches them through the aggregate, and only then are
-        # the clients' messages scanned one by one to name them (full states are not scanned
-        # each round: a non-finite state shows in its owner's next message).
-        server_ok = sent_ok & jnp.isfinite(figure)
-        client_ok = jax.lax.cond(
-            server_ok, lambda m: jnp.ones(J, bool), lambda m: _finite_rows(m, J), tuple(m for _, m in traffic)
-        )
-        new_state = RunState(state.round + 1, server, server_key, broadcast, slots, env_key)
-        return new_state, RoundOutput(info, figure, asked, answered, client_ok, server_ok), traffic
 
+def _failure_after(failure: _Failure, state: RunState, out: RoundOutput, first_only: bool) -> _Failure:
+    """The failure record after a round: a round whose messages or broadcast are non-finite
+    fails (``first_only``: the first failing round is kept)."""
+    bad = ~(jnp.all(out.client_ok) & out.server_ok)
+    if first_only:
+        bad = bad & ~failure.failed
+    return _Failure(
+        failure.failed | bad if first_only else bad,
+        jnp.where(bad, state.round + 1, failure.round),
+        jnp.where(bad, ~out.client_ok, failure.clients),
+        jnp.where(bad, ~out.server_ok, failure.server),
+    )
+
+
+def _guarded(one_round, state, failure: _Failure, data, server_data, avail, with_traffic):
+    """One round with the guard's record (the per-round path)."""
+    new, out, traffic = one_round(state, data, server_data, avail)
+    return new, _failure_after(failure, state, out, True), out, (traffic if with_traffic else None)
+
+
+def _scan_rounds(one_round, state, failure, data, server_data, avail, num_rounds, capacity):
+    """Up to ``num_rounds`` rounds in one ``lax.while_loop`` stopping after the first failing
+    round, the outputs in ``capacity`` preallocated rows."""
+    shapes = jax.eval_shape(lambda s: one_round(s, data, server_data, avail)[1], state)
+    buffers = jax.tree_util.tree_map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), shapes)
+
+    def going(carry):
+        i, _, failure, _ = carry
+        return (i < num_rounds) & ~failure.failed
+
+    def body(carry):
+        i, state, failure, buffers = carry
+        new, out, _ = one_round(state, data, server_data, avail)
+        failure = _failure_after(failure, state, out, False)
+        buffers = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), buffers, out)
+        return i + 1, new, failure, buffers
+
+    _, state, failure, outs = jax.lax.while_loop(going, body, (jnp.zeros((), jnp.int32), state, failure, buffers))
+    return state, failure, outs
+
+
+def _scan(scan_rounds, state, failure, data, server_data, avail, num_rounds):
+    """``num_rounds`` rounds in one ``lax.while_loop`` that stops after the first
+    non-finite round (the returned state includes it: the caller replays the finite
+    rounds, which is deterministic, rather than every round paying for a rollback);
+    per-round outputs go to preallocated buffers. (A ``lax.cond`` around each round to
+    skip the rest cost ~40% of a round on CPU.) The round count is a traced argument and
+    the buffers' length the next power of two (at least 16), so runs of different
+    lengths share one compilation per bucket instead of compiling once per length."""
+    capacity = max(16, 1 << (int(num_rounds) - 1).bit_length())
+    state, failure, outs = scan_rounds(state, failure, data, server_data, avail, jnp.asarray(num_rounds, jnp.int32),
+                                       capacity)
+    return state, failure, jax.tree_util.tree_map(lambda x: x[:num_rounds], outs)
+
+
+def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
+    """Bind the module's round functions to ``algorithm`` and the plan's client layout, and
+    jit-compile them."""
+    J, m = len(plan.names), algorithm.num_selected
+    vmapped = plan.mapping == "vmap"
+    layout = _Layout(J, vmapped, m, vmapped and m is not None and m < J)
     # jit-wrapped so that its trace is cached: the scan's shape probe, the scan body, the
     # per-round path and the traffic probe all reuse one trace of the clients' steps
     # (tracing a model-heavy local update can take seconds)
-    one_round = jax.jit(one_round)
-
-    def guarded(state, failure: _Failure, data, server_data, avail, with_traffic):
-        new, out, traffic = one_round(state, data, server_data, avail)
-        bad = ~failure.failed & ~(jnp.all(out.client_ok) & out.server_ok)
-        failure = _Failure(
-            failure.failed | bad,
-            jnp.where(bad, state.round + 1, failure.round),
-            jnp.where(bad, ~out.client_ok, failure.clients),
-            jnp.where(bad, ~out.server_ok, failure.server),
-        )
-        return new, failure, out, (traffic if with_traffic else None)
-
-    round_fn = jax.jit(guarded, static_argnums=5)
-
-    @partial(jax.jit, static_argnums=6)
-    def scan_rounds(state, failure, data, server_data, avail, num_rounds, capacity):
-        shapes = jax.eval_shape(lambda s: one_round(s, data, server_data, avail)[1], state)
-        buffers = jax.tree_util.tree_map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), shapes)
-
-        def going(carry):
-            i, _, failure, _ = carry
-            return (i < num_rounds) & ~failure.failed
-
-        def body(carry):
-            i, state, failure, buffers = carry
-            new, out, _ = one_round(state, data, server_data, avail)
-            bad = ~(jnp.all(out.client_ok) & out.server_ok)
-            failure = _Failure(
-                bad,
-                jnp.where(bad, state.round + 1, failure.round),
-                jnp.where(bad, ~out.client_ok, failure.clients),
-                jnp.where(bad, ~out.server_ok, failure.server),
-            )
-            buffers = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), buffers, out)
-            return i + 1, new, failure, buffers
-
-        _, state, failure, outs = jax.lax.while_loop(going, body, (jnp.zeros((), jnp.int32), state, failure, buffers))
-        return state, failure, outs
-
-    def scan(state, failure, data, server_data, avail, num_rounds):
-        """``num_rounds`` rounds in one ``lax.while_loop`` that stops after the first
-        non-finite round (the returned state includes it: the caller replays the finite
-        rounds, which is deterministic, rather than every round paying for a rollback);
-        per-round outputs go to preallocated buffers. (A ``lax.cond`` around each round to
-        skip the rest cost ~40% of a round on CPU.) The round count is a traced argument and
-        the buffers' length the next power of two (at least 16), so runs of different
-        lengths share one compilation per bucket instead of compiling once per length."""
-        capacity = max(16, 1 << (int(num_rounds) - 1).bit_length())
-        state, failure, outs = scan_rounds(
-            state, failure, data, server_data, avail, jnp.asarray(num_rounds, jnp.int32), capacity
-        )
-        return state, failure, jax.tree_util.tree_map(lambda x: x[:num_rounds], outs)
-
-    return _Compiled(jax.jit(init), round_fn, scan, {})
+    one_round = jax.jit(partial(_one_round, algorithm, layout))
+    round_fn = jax.jit(partial(_guarded, one_round), static_argnums=5)
+    scan_rounds = jax.jit(partial(_scan_rounds, one_round), static_argnums=6)
+    return _Compiled(jax.jit(partial(_init_run, algorithm, layout)), round_fn, partial(_scan, scan_rounds), {})
