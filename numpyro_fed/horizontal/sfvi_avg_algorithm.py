@@ -36,6 +36,7 @@ round in which nobody answered leaves the parameters as they were.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -118,106 +119,131 @@ def sfvi_avg(
     """
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")
-    n_global = objective.global_size
-    num_active = max(1, int(round(participation * num_clients)))
-    diagonal = objective.guide.global_scale == "diagonal"
-    prior_share = 1.0 / num_clients
-
-    def select(rng_key, state):
-        del state
-        if num_active == num_clients:
-            return jnp.ones(num_clients, bool)
-        chosen = random.permutation(rng_key, num_clients)[:num_active]
-        return jnp.zeros(num_clients, bool).at[chosen].set(True)
-
-    def init_server(rng_key):
-        del rng_key
-        params = objective.init_global()
-        n = jnp.asarray(total_rows, jnp.float32)
-        shared = optim.init(params) if optimizer_state == "average" else ()
-        return (SFVIAvgServerState(params, n, jnp.zeros((), jnp.int32), shared),
-                Broadcast(SFVIAvgBroadcast(params, n, shared)))
-
-    def init_client(rng_key, data):
-        params = objective.init_local(data)
-        kept = optim.init(objective.init_global()) if optimizer_state == "keep" else ()
-        return SFVIAvgClientState(params, optim.init(params), kept)
-
-    def client_step(rng_key, state, broadcast, data):
-        message = broadcast.shared
-        n_local = objective.local_size(data)
-        weight = message.total_rows / data.num_rows
-
-        def local_objective(g, l, key):
-            kg, kl = random.split(key)
-            eg = random.normal(kg, (num_particles, n_global))
-            el = random.normal(kl, (num_particles, n_local))
-            both = jax.vmap(
-                lambda a, b: objective.server_term(g, a) + objective.client_term(g, l, a, b, data, 1.0, weight)
-            )(eg, el)
-            return jnp.mean(both)
-
-        k0, k1, k2 = random.split(rng_key, 3)
-        elbo = objective.client_term(
-            message.global_params, state.local_params,
-            random.normal(k0, (n_global,)), random.normal(k1, (n_local,)), data, prior_share,
-        )
-        grad_fn = jax.grad(local_objective, argnums=(0, 1))
-
-        def body(carry, key):
-            g, l, g_opt, l_opt = carry
-            g_grad, l_grad = grad_fn(g, l, key)
-            g, g_opt = ascent(optim, g_grad, g_opt, g)
-            l, l_opt = ascent(optim, l_grad, l_opt, l)
-            return (g, l, g_opt, l_opt), None
-
-        g0 = message.global_params
-        if optimizer_state == "reset":
-            g_opt0 = optim.init(g0)
-        else:  # the client's own state ("keep") or the server's average of the clients' ("average")
-            g_opt0 = state.global_opt_state if optimizer_state == "keep" else message.opt_state
-        carry = (g0, state.local_params, g_opt0, state.opt_state)
-        (g, l, g_opt, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, local_steps))
-        kept = g_opt if optimizer_state == "keep" else ()
-        sent = g_opt if optimizer_state == "average" else ()
-        rows = jnp.asarray(data.num_rows, jnp.float32)
-        return SFVIAvgClientState(l, l_opt, kept), SFVIAvgClientMessage(g, elbo, rows, sent)
-
-    def server_step(rng_key, state, messages, view):
-        answered = view.answered.astype(jnp.float32)
-        anyone = jnp.sum(answered) > 0
-        # weights N_j / sum N_k over the clients that answered: each local objective weighs its
-        # own terms by N / N_j, so this average of them is the full ELBO (the paper's 1/J is
-        # the equal-silo case)
-        rows = answered * messages.rows
-        w = rows / jnp.maximum(jnp.sum(rows), 1.0)
-        elbo_server = objective.server_term(state.global_params, random.normal(rng_key, (n_global,)))
-        elbo = elbo_server + jnp.dot(answered, messages.elbo)
-        guide_params = messages.global_params["guide"]
-        # rows of clients that did not answer are zeros (weight 0): give them a harmless unit scale
-        if diagonal:  # closed form on the sds, O(J n_G): no n_G x n_G covariance is formed
-            means, sds = jax.vmap(objective.guide.global_mean_sd)(guide_params)
-            sds = jnp.where(view.answered[:, None], sds, 1.0)
-            guide = objective.guide.global_from_mean_sd(*diagonal_gaussian_barycenter(w, means, sds))
-        else:
-            means, covs = jax.vmap(objective.guide.global_moments)(guide_params)
-            covs = jnp.where(view.answered[:, None, None], covs, jnp.eye(covs.shape[-1]))
-            guide = objective.guide.global_from_moments(*gaussian_barycenter(w, means, covs))
-        averaged = {
-            "guide": guide,
-            "theta": tree_weighted_sum(w, messages.global_params["theta"]),
-        }
-        opt_state = _average_state(w, messages.opt_state) if optimizer_state == "average" else ()
-        # a round in which nobody answered leaves the parameters (and the shared state) as they were
-        params, opt_state = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(anyone, a, b), (averaged, opt_state), (state.global_params, state.opt_state))
-        new_state = SFVIAvgServerState(params, state.total_rows, state.step + 1, opt_state)
-        return new_state, Broadcast(SFVIAvgBroadcast(params, state.total_rows, opt_state)), SFVIInfo(elbo, anyone)
-
+    config = SFVIAvgConfig(num_clients, max(1, int(round(participation * num_clients))), total_rows, local_steps,
+                           num_particles, optimizer_state)
+    bind = partial(partial, objective=objective, optim=optim, config=config)
     return FederatedAlgorithm(
-        init_server, init_client, select, (Exchange(client_step, server_step, "local_fit"),),
-        num_selected=num_active, monitor=lambda info: -info.elbo, monitor_name="loss",
+        bind(init_server), bind(init_client), bind(select),
+        (Exchange(bind(client_step), bind(server_step), "local_fit"),),
+        num_selected=config.num_active, monitor=lambda info: -info.elbo, monitor_name="loss",
     )
+
+
+class SFVIAvgConfig(NamedTuple):
+    """SFVI-Avg's static settings (see :func:`sfvi_avg`); ``num_active`` clients are asked per round."""
+
+    num_clients: int
+    num_active: int
+    total_rows: int
+    local_steps: int
+    num_particles: int
+    optimizer_state: str
+
+
+def select(rng_key, state, *, objective, optim, config: SFVIAvgConfig):
+    """``num_active`` clients drawn without replacement from the server's key (all when every one is asked)."""
+    del state
+    if config.num_active == config.num_clients:
+        return jnp.ones(config.num_clients, bool)
+    chosen = random.permutation(rng_key, config.num_clients)[: config.num_active]
+    return jnp.zeros(config.num_clients, bool).at[chosen].set(True)
+
+
+def init_server(rng_key, *, objective, optim, config: SFVIAvgConfig):
+    """The global parameters, N and (``optimizer_state="average"``) the shared optimiser state."""
+    del rng_key
+    params = objective.init_global()
+    n = jnp.asarray(config.total_rows, jnp.float32)
+    shared = optim.init(params) if config.optimizer_state == "average" else ()
+    return (SFVIAvgServerState(params, n, jnp.zeros((), jnp.int32), shared),
+            Broadcast(SFVIAvgBroadcast(params, n, shared)))
+
+
+def init_client(rng_key, data, *, objective, optim, config: SFVIAvgConfig):
+    """A client's local parameters, their optimiser state and (``"keep"``) its own global one."""
+    params = objective.init_local(data)
+    kept = optim.init(objective.init_global()) if config.optimizer_state == "keep" else ()
+    return SFVIAvgClientState(params, optim.init(params), kept)
+
+
+def client_step(rng_key, state, broadcast, data, *, objective, optim, config: SFVIAvgConfig):
+    """``local_steps`` optax steps on the client's local objective (its own terms weighed by
+    ``N / N_j``, the prior in full), from the broadcast global parameters; sends the resulting
+    global parameters, its ELBO term at the broadcast ones, its row count and (``"average"``)
+    its optimiser state for the global parameters."""
+    message = broadcast.shared
+    n_global, n_local = objective.global_size, objective.local_size(data)
+    weight = message.total_rows / data.num_rows
+
+    def local_objective(g, l, key):
+        kg, kl = random.split(key)
+        eg = random.normal(kg, (config.num_particles, n_global))
+        el = random.normal(kl, (config.num_particles, n_local))
+        both = jax.vmap(
+            lambda a, b: objective.server_term(g, a) + objective.client_term(g, l, a, b, data, 1.0, weight)
+        )(eg, el)
+        return jnp.mean(both)
+
+    k0, k1, k2 = random.split(rng_key, 3)
+    elbo = objective.client_term(
+        message.global_params, state.local_params,
+        random.normal(k0, (n_global,)), random.normal(k1, (n_local,)), data, 1.0 / config.num_clients,
+    )
+    grad_fn = jax.grad(local_objective, argnums=(0, 1))
+
+    def body(carry, key):
+        g, l, g_opt, l_opt = carry
+        g_grad, l_grad = grad_fn(g, l, key)
+        g, g_opt = ascent(optim, g_grad, g_opt, g)
+        l, l_opt = ascent(optim, l_grad, l_opt, l)
+        return (g, l, g_opt, l_opt), None
+
+    g0 = message.global_params
+    if config.optimizer_state == "reset":
+        g_opt0 = optim.init(g0)
+    else:  # the client's own state ("keep") or the server's average of the clients' ("average")
+        g_opt0 = state.global_opt_state if config.optimizer_state == "keep" else message.opt_state
+    carry = (g0, state.local_params, g_opt0, state.opt_state)
+    (g, l, g_opt, l_opt), _ = jax.lax.scan(body, carry, random.split(k2, config.local_steps))
+    kept = g_opt if config.optimizer_state == "keep" else ()
+    sent = g_opt if config.optimizer_state == "average" else ()
+    rows = jnp.asarray(data.num_rows, jnp.float32)
+    return SFVIAvgClientState(l, l_opt, kept), SFVIAvgClientMessage(g, elbo, rows, sent)
+
+
+def server_step(rng_key, state, messages, view, *, objective, optim, config: SFVIAvgConfig):
+    """The answered clients' global parameters averaged with weights ``N_j / sum N_k``: the
+    guide's Gaussian by its (diagonal) barycenter, ``theta`` linearly, the optimiser states
+    (``"average"``) linearly; a round nobody answered changes nothing."""
+    answered = view.answered.astype(jnp.float32)
+    anyone = jnp.sum(answered) > 0
+    # weights N_j / sum N_k over the clients that answered: each local objective weighs its
+    # own terms by N / N_j, so this average of them is the full ELBO (the paper's 1/J is
+    # the equal-silo case)
+    rows = answered * messages.rows
+    w = rows / jnp.maximum(jnp.sum(rows), 1.0)
+    elbo_server = objective.server_term(state.global_params, random.normal(rng_key, (objective.global_size,)))
+    elbo = elbo_server + jnp.dot(answered, messages.elbo)
+    guide_params = messages.global_params["guide"]
+    # rows of clients that did not answer are zeros (weight 0): give them a harmless unit scale
+    if objective.guide.global_scale == "diagonal":  # closed form on the sds, O(J n_G): no n_G x n_G covariance
+        means, sds = jax.vmap(objective.guide.global_mean_sd)(guide_params)
+        sds = jnp.where(view.answered[:, None], sds, 1.0)
+        guide = objective.guide.global_from_mean_sd(*diagonal_gaussian_barycenter(w, means, sds))
+    else:
+        means, covs = jax.vmap(objective.guide.global_moments)(guide_params)
+        covs = jnp.where(view.answered[:, None, None], covs, jnp.eye(covs.shape[-1]))
+        guide = objective.guide.global_from_moments(*gaussian_barycenter(w, means, covs))
+    averaged = {
+        "guide": guide,
+        "theta": tree_weighted_sum(w, messages.global_params["theta"]),
+    }
+    opt_state = _average_state(w, messages.opt_state) if config.optimizer_state == "average" else ()
+    # a round in which nobody answered leaves the parameters (and the shared state) as they were
+    params, opt_state = jax.tree_util.tree_map(
+        lambda a, b: jnp.where(anyone, a, b), (averaged, opt_state), (state.global_params, state.opt_state))
+    new_state = SFVIAvgServerState(params, state.total_rows, state.step + 1, opt_state)
+    return new_state, Broadcast(SFVIAvgBroadcast(params, state.total_rows, opt_state)), SFVIInfo(elbo, anyone)
 
 
 def _average_state(weights, stacked):
