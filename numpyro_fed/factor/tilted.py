@@ -24,6 +24,7 @@ the cavity enters in natural parameters. All functions are pure, jit- and vmap-c
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
@@ -289,94 +290,128 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     """
     rng_key = random.PRNGKey(0) if rng_key is None else rng_key
     num_local = w0.shape[0] - d
+
     def tilted(w):
         return log_lik(w) + cavity_log_density(cavity, w[:d])
 
     log_marginal = integrated_laplace(tilted, d, num_local, index)
+    problem = _TiltedProblem(tilted, log_marginal, d, num_local, index, inner_steps)
+    mode, v_mode, g, h, dec, slope = _outer_mode(problem, w0, steps, grad_tol)
+    cov = jnp.linalg.inv(-h)
+    cov = (cov + cov.T) / 2
+    # a mode not reached is no Laplace approximation: NaN, which the protocol sends as an
+    # invalid (zero) update
+    reached = _converged(g, h, dec, grad_tol) & jnp.all(jnp.linalg.eigvalsh(cov) > 0)
+    return _sampled_check(problem, rng_key, mode, cov, v_mode, slope, reached, num_draws, importance, w0.dtype)
 
-    def value(u, v):
-        return log_marginal(u, v, inner_steps)[0]
 
-    def corrected(u, v):
-        """The integrated tilted density with the blocks' quadrature correction (Laplace
-        alone without blocks or with blocks of more than three coordinates, or without
-        ``importance``), and the inner Newton decrement where its inner mode was taken."""
-        laplace, (dec, v_star) = log_marginal(u, v, DRAW_STEPS)
-        if not importance or index is None or num_local == 0:
-            return laplace, dec
-        return laplace + quadrature_correction(lambda x: tilted(jnp.concatenate([u, x])), v_star, index), dec
+class _TiltedProblem(NamedTuple):
+    """The tilted density of :func:`laplace_moments` and how its local latents are integrated."""
 
-    def derivatives(u, v):
-        """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``,
-        and the inner mode's slope ``dv*/du`` there (:func:`conditional_slope`).
+    tilted: Callable  # log tilted density of the flat (u, v)
+    log_marginal: Callable  # integrated_laplace(tilted, ...)
+    d: int
+    num_local: int
+    index: Optional[Array]
+    inner_steps: int
 
-        Its two terms are differentiated apart. ``f(u, v*(u))``: the gradient is ``f_u`` and
-        the Hessian the Schur complement ``H_uu - H_uv H_vv^-1 H_vu`` (implicit function
-        theorem), exact from second derivatives of the model. The volume term
-        ``-log det(-H_vv(u, v*(u))) / 2``: exact gradient (one refining Newton step makes
-        ``v*``'s derivative exact), Hessian by central differences of it (one batch of
-        ``2d + 1``; an exact one would differentiate the model to fourth order and take
-        minutes to compile). The differences see only the volume term, which is constant in
-        ``u`` for Gaussian ``v | u``, so there the Hessian is exact to rounding."""
-        if num_local == 0:  # no inner problem: the exact Hessian is cheap
-            g, h = jax.grad(value)(u, v), jax.hessian(value)(u, v)
-            return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v, jnp.zeros((0, d), u.dtype)
-        h = 1e-3 * (1.0 + jnp.abs(u))
-        points = jnp.concatenate([u[None], u + jnp.diag(h), u - jnp.diag(h)])
-        vol = jax.grad(lambda x: log_marginal(x, v, inner_steps, 1, volume_only=True), has_aux=True)
-        grads, (decs, vs) = jax.vmap(vol)(points)
-        vol_hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
-        g_u, h_uu, h_vu, solve = joint_terms(u, vs[0])
-        # at the inner mode g_v = 0; the correction keeps the gradient first-order right
-        # near it (it is the gradient after one more Newton step in v)
-        grad = g_u - h_vu.T @ solve[:, d] + grads[0]
-        hess = (h_uu + h_uu.T) / 2 - h_vu.T @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
-        # -solve[:, :d] is dv*/du at (u, v*), conditional_slope's value: the draws' warm start
-        return grad, (hess + hess.T) / 2, decs[0], vs[0], -solve[:, :d]
 
-    def joint_terms(u, v_star):
-        """``f_u``, ``H_uu``, ``H_vu`` and ``H_vv^-1 [H_vu, f_v]`` at ``(u, v*)`` (dense, or by
-        blocks: ``b`` Hessian-vector products and ``K`` small solves)."""
-        f_uv = lambda a, b: tilted(jnp.concatenate([a, b]))  # noqa: E731
-        g_u, g_v = jax.grad(f_uv, argnums=(0, 1))(u, v_star)
-        h_uu = jax.hessian(f_uv, argnums=0)(u, v_star)
-        h_vu = jax.jacfwd(jax.grad(f_uv, argnums=1), argnums=0)(u, v_star)  # (n, d): d forward passes
-        rhs = jnp.concatenate([h_vu, g_v[:, None]], 1)
-        if index is None:
-            h_vv = jax.hessian(f_uv, argnums=1)(u, v_star)
-            solve = jnp.linalg.solve((h_vv + h_vv.T) / 2, rhs)
-        else:  # block diagonal
-            solve = block_solve(block_hessian(lambda b: f_uv(u, b), v_star, index), rhs, index)
-        return g_u, h_uu, h_vu, solve
+def _value(problem: _TiltedProblem, u, v):
+    return problem.log_marginal(u, v, problem.inner_steps)[0]
 
-    def converged(g, h, dec, tol):
-        newton = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(-h, g)))
-        return (newton < tol) & (dec < tol)
 
-    def cond(carry):  # to 1/100 of the tolerance (quadratic convergence), or until stuck
+def _joint_terms(problem: _TiltedProblem, u, v_star):
+    """``f_u``, ``H_uu``, ``H_vu`` and ``H_vv^-1 [H_vu, f_v]`` at ``(u, v*)`` (dense, or by
+    blocks: ``b`` Hessian-vector products and ``K`` small solves)."""
+    f_uv = lambda a, b: problem.tilted(jnp.concatenate([a, b]))  # noqa: E731
+    g_u, g_v = jax.grad(f_uv, argnums=(0, 1))(u, v_star)
+    h_uu = jax.hessian(f_uv, argnums=0)(u, v_star)
+    h_vu = jax.jacfwd(jax.grad(f_uv, argnums=1), argnums=0)(u, v_star)  # (n, d): d forward passes
+    rhs = jnp.concatenate([h_vu, g_v[:, None]], 1)
+    if problem.index is None:
+        h_vv = jax.hessian(f_uv, argnums=1)(u, v_star)
+        solve = jnp.linalg.solve((h_vv + h_vv.T) / 2, rhs)
+    else:  # block diagonal
+        solve = block_solve(block_hessian(lambda b: f_uv(u, b), v_star, problem.index), rhs, problem.index)
+    return g_u, h_uu, h_vu, solve
+
+
+def _derivatives(problem: _TiltedProblem, u, v):
+    """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``,
+    and the inner mode's slope ``dv*/du`` there (:func:`conditional_slope`).
+
+    Its two terms are differentiated apart. ``f(u, v*(u))``: the gradient is ``f_u`` and
+    the Hessian the Schur complement ``H_uu - H_uv H_vv^-1 H_vu`` (implicit function
+    theorem), exact from second derivatives of the model. The volume term
+    ``-log det(-H_vv(u, v*(u))) / 2``: exact gradient (one refining Newton step makes
+    ``v*``'s derivative exact), Hessian by central differences of it (one batch of
+    ``2d + 1``; an exact one would differentiate the model to fourth order and take
+    minutes to compile). The differences see only the volume term, which is constant in
+    ``u`` for Gaussian ``v | u``, so there the Hessian is exact to rounding."""
+    d = problem.d
+    if problem.num_local == 0:  # no inner problem: the exact Hessian is cheap
+        g, h = jax.grad(partial(_value, problem))(u, v), jax.hessian(partial(_value, problem))(u, v)
+        return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v, jnp.zeros((0, d), u.dtype)
+    h = 1e-3 * (1.0 + jnp.abs(u))
+    points = jnp.concatenate([u[None], u + jnp.diag(h), u - jnp.diag(h)])
+    vol = jax.grad(lambda x: problem.log_marginal(x, v, problem.inner_steps, 1, volume_only=True), has_aux=True)
+    grads, (decs, vs) = jax.vmap(vol)(points)
+    vol_hess = (grads[1:d + 1] - grads[d + 1:]) / (2 * h[:, None])
+    g_u, h_uu, h_vu, solve = _joint_terms(problem, u, vs[0])
+    # at the inner mode g_v = 0; the correction keeps the gradient first-order right
+    # near it (it is the gradient after one more Newton step in v)
+    grad = g_u - h_vu.T @ solve[:, d] + grads[0]
+    hess = (h_uu + h_uu.T) / 2 - h_vu.T @ solve[:, :d] + (vol_hess + vol_hess.T) / 2
+    # -solve[:, :d] is dv*/du at (u, v*), conditional_slope's value: the draws' warm start
+    return grad, (hess + hess.T) / 2, decs[0], vs[0], -solve[:, :d]
+
+
+def _converged(g, h, dec, tol):
+    newton = jnp.sqrt(jnp.abs(g @ jnp.linalg.solve(-h, g)))
+    return (newton < tol) & (dec < tol)
+
+
+def _outer_mode(problem: _TiltedProblem, w0, steps: int, grad_tol: float):
+    """Newton ascent with backtracking on the integrated density from ``w0[:d]``, to 1/100 of
+    ``grad_tol`` (quadratic convergence) or until stuck; ``(mode, v_mode, g, h, dec, slope)``."""
+    d, num_local = problem.d, problem.num_local
+
+    def cond(carry):
         i, _, _, g, h, dec, _, moved = carry
-        return (i == 0) | ((i <= steps) & moved & ~converged(g, h, dec, grad_tol / 100))
+        return (i == 0) | ((i <= steps) & moved & ~_converged(g, h, dec, grad_tol / 100))
 
     def body(carry):  # Newton ascent with backtracking, then measure at the new point
         i, u, v, g, h, dec, _, _ = carry
-        new = _backtrack(lambda x: -value(x, v), u, -_newton_direction(-h, g))
+        new = _backtrack(lambda x: -_value(problem, x, v), u, -_newton_direction(-h, g))
         moved = (i == 0) | jnp.any(new != u)
         u = jnp.where(i == 0, u, new)
-        g, h, dec, v, slope = derivatives(u, v)
+        g, h, dec, v, slope = _derivatives(problem, u, v)
         return i + 1, u, v, g, h, dec, slope, moved
 
     zero = jnp.zeros((), w0.dtype)
     start = (jnp.zeros((), jnp.int32), w0[:d], w0[d:], jnp.zeros(d, w0.dtype), -jnp.eye(d, dtype=w0.dtype), zero,
              jnp.zeros((num_local, d), w0.dtype), jnp.asarray(True))
     _, mode, v_mode, g, h, dec, slope, _ = jax.lax.while_loop(cond, body, start)
-    cov = jnp.linalg.inv(-h)
-    cov = (cov + cov.T) / 2
-    # a mode not reached is no Laplace approximation: NaN, which the protocol sends as an
-    # invalid (zero) update
-    reached = converged(g, h, dec, grad_tol) & jnp.all(jnp.linalg.eigvalsh(cov) > 0)
-    # the sampled check (does the Gaussian hold the tilted mass?) and the importance correction
+    return mode, v_mode, g, h, dec, slope
+
+
+def _sampled_check(problem: _TiltedProblem, rng_key, mode, cov, v_mode, slope, reached, num_draws: int,
+                   importance: bool, dtype):
+    """The sampled check (does the Gaussian hold the tilted mass?) and the importance
+    correction of :func:`laplace_moments`: ``(mean, cov, FitCheck)``."""
+    d, index, num_local, tilted = problem.d, problem.index, problem.num_local, problem.tilted
+
+    def corrected(u, v):
+        """The integrated tilted density with the blocks' quadrature correction (Laplace
+        alone without blocks or with blocks of more than three coordinates, or without
+        ``importance``), and the inner Newton decrement where its inner mode was taken."""
+        laplace, (dec, v_star) = problem.log_marginal(u, v, DRAW_STEPS)
+        if not importance or index is None or num_local == 0:
+            return laplace, dec
+        return laplace + quadrature_correction(lambda x: tilted(jnp.concatenate([u, x])), v_star, index), dec
+
     chol = jnp.linalg.cholesky(cov)
-    eps = _matched_normal(rng_key, num_draws, d, w0.dtype)
+    eps = _matched_normal(rng_key, num_draws, d, dtype)
     draws = mode + eps @ chol.T
     # each draw's inner mode starts from its first-order prediction v*(mode) + dv*/du (u - mode),
     # dv*/du = -H_vv^-1 H_vu (implicit function theorem, from the last Newton iterate's

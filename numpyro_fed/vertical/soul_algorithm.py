@@ -40,6 +40,7 @@ stochastic-gradient Langevin steps).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -153,166 +154,201 @@ def vertical_soul(
         Hassan, Sutton, Mira, Mengersen (paper 000), Appendix A; De Bortoli, Durmus,
         Pereyra, Vidal (2021), Statistics and Computing 31.
     """
-    obj = objective
-    n = obj.num_rows
-    b = n if batch_size is None else int(batch_size)
-    clients = obj.clients
-    power = obj.form == "power"
-    d0 = obj.layouts[SERVER].size
-    m = int(num_langevin)
-    gammas = {p: float(step_size[p] if isinstance(step_size, Mapping) else step_size) for p in (SERVER,) + clients}
-
-    def init_server(rng_key) -> SOULServerState:
-        chain = random.uniform(rng_key, (d0,), minval=-init_radius, maxval=init_radius)
-        params = {"point": dict(obj.point_init[SERVER])}
-        return SOULServerState(chain, params, optim.init(params))
-
-    def init_client(rng_key, client: str) -> SOULClientState:
-        chain = random.uniform(rng_key, (obj.layouts[client].size,), minval=-init_radius, maxval=init_radius)
-        params = {"z": jnp.zeros(n), "point": dict(obj.point_init[client])}
-        pending = {"grad": jax.tree_util.tree_map(jnp.zeros_like, params), "value": jnp.zeros(())}
-        return SOULClientState(chain, params, optim.init(params), pending)
-
-    def schedule(rng_key) -> Dict[str, jax.Array]:
-        if batch_size is None:
-            return {"rows": jnp.arange(n)}
-        return {"rows": random.randint(rng_key, (b,), 0, n)}
-
-    def server_noise(rng_key) -> jax.Array:
-        return random.normal(rng_key, (m, d0))
-
-    def client_noise(rng_key, client: str) -> jax.Array:
-        return random.normal(rng_key, (m, obj.layouts[client].size))
-
-    def client_forward(client, state: SOULClientState, noise, sched, own) -> Dict[str, jax.Array]:
-        del client, noise, own
-        return {"z": state.params["z"][sched["rows"]]}
-
-    def _client_target(client, own, rows, terms, server_u=None):
-        def target(u, rest, server_u=server_u):
-            params, others = rest
-            return obj.client_term(
-                client, u, {"z": params["z"]}, None, own, rows, others=others, server_u=server_u, terms=terms,
-                points=params["point"],
-            )[0]
-
-        return target
-
-    def _server_prior(u0, own, rows):
-        return obj.server_term(u0, {}, own, rows)  # power form: log p(theta_0) only
-
-    def _server_target(own, rows):
-        def target(u, rest):
-            z, points = rest
-            return obj.server_term(u, z, own, rows, points)
-
-        return target
-
-    def server_step(state: SOULServerState, noise, z_messages, sched, own):
-        z = {c: z_messages[c]["z"] for c in clients}
-        target = _server_target(own, sched["rows"])
-        # without server sites the target is deterministic: one evaluation suffices
-        steps = noise if d0 else noise[:1]
-        chain, value, (g_z, g_points) = _langevin(target, state.chain, (z, state.params["point"]), steps,
-                                                  gammas[SERVER])
-        params, opt_state = ascent(optim, {"point": g_points}, state.opt_state, state.params)
-        replies = {c: {"grad_z": g_z[c]} for c in clients}
-        return SOULServerState(chain, params, opt_state), replies, value
-
-    def relay(state: SOULServerState, noise, z_messages) -> Dict[str, jax.Array]:
-        del noise
-        message = {"z": jnp.stack([z_messages[c]["z"] for c in clients])}
-        if d0:
-            message["theta"] = state.chain
-        return message
-
-    def _others(client, relayed):
-        return {c: relayed["z"][k] for k, c in enumerate(clients) if c != client}
-
-    def client_likelihood(client, state: SOULClientState, noise, relayed, sched, own):
-        server_u = relayed.get("theta")
-        target = _client_target(client, own, sched["rows"], ("local", "likelihood"), server_u)
-        rest = (state.params, _others(client, relayed))
-        chain, value, (g_params, g_others) = _langevin(target, state.chain, rest, noise, gammas[client])
-        message = {"grad_z": jnp.stack([g_others[c] for c in clients if c != client])}
-        if d0:  # d/dtheta_0 of the client's copy at its last draw, for the server's block step
-            message["grad_theta"] = jax.grad(lambda s0: target(chain, rest, s0))(server_u)
-        return state._replace(chain=chain, pending={"grad": g_params, "value": value}), message
-
-    def _server_block_step(u0, grad_clients, xi, own, rows):
-        value, g = jax.value_and_grad(_server_prior)(u0, own, rows)
-        gamma = gammas[SERVER]
-        return u0 + gamma * (g + grad_clients) + jnp.sqrt(2.0 * gamma) * xi, value
-
-    def server_aggregate(state: SOULServerState, noise, lik_messages, sched, own):
-        totals = {c: jnp.zeros(b) for c in clients}
-        for sender in clients:
-            for i, c in enumerate(k for k in clients if k != sender):
-                totals[c] = totals[c] + lik_messages[sender]["grad_z"][i]
-        value = jnp.zeros(())
-        if d0:
-            grad_u = sum(lik_messages[c]["grad_theta"] for c in clients)
-            chain, value = _server_block_step(state.chain, grad_u, noise[0], own, sched["rows"])
-            state = state._replace(chain=chain)
-        return state, {c: {"grad_z": totals[c]} for c in clients}, value
-
-    def client_step(client, state: SOULClientState, noise, reply, sched, own, relayed=None):
-        if power:
-            chain, grads, value = state.chain, state.pending["grad"], state.pending["value"]
-        else:
-            target = _client_target(client, own, sched["rows"], ("local",))
-            chain, value, (grads, _) = _langevin(target, state.chain, (state.params, {}), noise, gammas[client])
-        grads = {**grads, "z": grads["z"].at[sched["rows"]].add(reply["grad_z"])}
-        params, opt_state = ascent(optim, grads, state.opt_state, state.params)
-        return SOULClientState(chain, params, opt_state, state.pending), value
-
-    def posterior_chain(server: SOULServerState, states, noise, z_all, views):
-        """Langevin draws of every party's ``theta`` with ``z`` held at ``z_all`` (all rows).
-
-        ``noise``: ``{party: (K, d_party)}``. Returns ``{party: (K, d_party)}`` draws. In the
-        augmented form the chains are independent; in the power form with server sites
-        each step is a client step given ``theta_0`` then a server step (one exchange).
-        """
-        rows = jnp.arange(n)
-        terms = ("local", "likelihood") if power else ("local",)
-
-        def step(carry, xi):
-            u0, us = carry
-            new_us = {}
-            grad_u = jnp.zeros(d0)
-            for c in clients:
-                others = {k: z_all[k] for k in clients if k != c} if power else {}
-                target = _client_target(c, views[c], rows, terms, u0 if power and d0 else None)
-                rest = ({**states[c].params, "z": z_all[c]}, others)
-                g = jax.grad(target)(us[c], rest)
-                new_us[c] = us[c] + gammas[c] * g + jnp.sqrt(2.0 * gammas[c]) * xi[c]
-                if power and d0:
-                    grad_u = grad_u + jax.grad(lambda s0, c=c, t=target, r=rest: t(new_us[c], r, s0))(u0)
-            if not d0:
-                new_u0 = u0
-            elif power:
-                new_u0 = _server_block_step(u0, grad_u, xi[SERVER], views[SERVER], rows)[0]
-            else:
-                target = _server_target(views[SERVER], rows)
-                g = jax.grad(target)(u0, (z_all, server.params["point"]))
-                new_u0 = u0 + gammas[SERVER] * g + jnp.sqrt(2.0 * gammas[SERVER]) * xi[SERVER]
-            return (new_u0, new_us), (u0, us)
-
-        init = (server.chain, {c: states[c].chain for c in clients})
-        _, (draws0, draws) = jax.lax.scan(step, init, noise)
-        return {SERVER: draws0, **draws}
-
+    gammas = {p: float(step_size[p] if isinstance(step_size, Mapping) else step_size)
+              for p in (SERVER,) + objective.clients}
+    config = SOULConfig(batch_size, int(num_langevin), init_radius, gammas)
+    bind = partial(partial, obj=objective, optim=optim, config=config)
     return VerticalSOULAlgorithm(
-        init_server,
-        init_client,
-        schedule,
-        server_noise,
-        client_noise,
-        client_forward,
-        server_step,
-        relay,
-        client_likelihood,
-        server_aggregate,
-        client_step,
-        posterior_chain,
+        bind(init_server), bind(init_client), bind(schedule), bind(server_noise), bind(client_noise),
+        bind(client_forward), bind(server_step), bind(relay), bind(client_likelihood), bind(server_aggregate),
+        bind(client_step), bind(posterior_chain),
     )
+
+
+class SOULConfig(NamedTuple):
+    """SOUL's static settings (see :func:`vertical_soul`); ``gammas``: the ULA step of each party."""
+
+    batch_size: Optional[int]
+    num_langevin: int
+    init_radius: float
+    gammas: Dict[str, float]
+
+
+def init_server(rng_key, *, obj: VerticalObjective, optim, config: SOULConfig) -> SOULServerState:
+    """The server's chain (uniform in ``(-r, r)``), its point sites and their optimiser state."""
+    d0 = obj.layouts[SERVER].size
+    chain = random.uniform(rng_key, (d0,), minval=-config.init_radius, maxval=config.init_radius)
+    params = {"point": dict(obj.point_init[SERVER])}
+    return SOULServerState(chain, params, optim.init(params))
+
+
+def init_client(rng_key, client: str, *, obj: VerticalObjective, optim, config: SOULConfig) -> SOULClientState:
+    """A party's chain, its ``z`` (zeros) and point sites, their optimiser state, the pending slot."""
+    r = config.init_radius
+    chain = random.uniform(rng_key, (obj.layouts[client].size,), minval=-r, maxval=r)
+    params = {"z": jnp.zeros(obj.num_rows), "point": dict(obj.point_init[client])}
+    pending = {"grad": jax.tree_util.tree_map(jnp.zeros_like, params), "value": jnp.zeros(())}
+    return SOULClientState(chain, params, optim.init(params), pending)
+
+
+def schedule(rng_key, *, obj: VerticalObjective, optim, config: SOULConfig) -> Dict[str, jax.Array]:
+    """The round's rows: all, or ``batch_size`` drawn uniformly with replacement."""
+    if config.batch_size is None:
+        return {"rows": jnp.arange(obj.num_rows)}
+    return {"rows": random.randint(rng_key, (int(config.batch_size),), 0, obj.num_rows)}
+
+
+def server_noise(rng_key, *, obj: VerticalObjective, optim, config: SOULConfig) -> jax.Array:
+    return random.normal(rng_key, (config.num_langevin, obj.layouts[SERVER].size))
+
+
+def client_noise(rng_key, client: str, *, obj: VerticalObjective, optim, config: SOULConfig) -> jax.Array:
+    return random.normal(rng_key, (config.num_langevin, obj.layouts[client].size))
+
+
+def client_forward(client, state: SOULClientState, noise, sched, own, *, obj: VerticalObjective, optim,
+                   config: SOULConfig) -> Dict[str, jax.Array]:
+    """A party's point ``z_j`` on the round's rows."""
+    del client, noise, own
+    return {"z": state.params["z"][sched["rows"]]}
+
+
+def _client_target(obj, client, own, rows, terms, server_u=None):
+    def target(u, rest, server_u=server_u):
+        params, others = rest
+        return obj.client_term(
+            client, u, {"z": params["z"]}, None, own, rows, others=others, server_u=server_u, terms=terms,
+            points=params["point"],
+        )[0]
+
+    return target
+
+
+def _server_prior(obj, u0, own, rows):
+    return obj.server_term(u0, {}, own, rows)  # power form: log p(theta_0) only
+
+
+def _server_target(obj, own, rows):
+    def target(u, rest):
+        z, points = rest
+        return obj.server_term(u, z, own, rows, points)
+
+    return target
+
+
+def server_step(state: SOULServerState, noise, z_messages, sched, own, *, obj: VerticalObjective, optim,
+                config: SOULConfig):
+    """Augmented form: the server's Langevin steps and point-site step; each party's ``d/dz_j``."""
+    z = {c: z_messages[c]["z"] for c in obj.clients}
+    target = _server_target(obj, own, sched["rows"])
+    # without server sites the target is deterministic: one evaluation suffices
+    steps = noise if obj.layouts[SERVER].size else noise[:1]
+    chain, value, (g_z, g_points) = _langevin(target, state.chain, (z, state.params["point"]), steps,
+                                              config.gammas[SERVER])
+    params, opt_state = ascent(optim, {"point": g_points}, state.opt_state, state.params)
+    replies = {c: {"grad_z": g_z[c]} for c in obj.clients}
+    return SOULServerState(chain, params, opt_state), replies, value
+
+
+def relay(state: SOULServerState, noise, z_messages, *, obj: VerticalObjective, optim,
+          config: SOULConfig) -> Dict[str, jax.Array]:
+    """Power form: every party's ``z`` (and the server's chain) for every party."""
+    del noise
+    message = {"z": jnp.stack([z_messages[c]["z"] for c in obj.clients])}
+    if obj.layouts[SERVER].size:
+        message["theta"] = state.chain
+    return message
+
+
+def _others(obj, client, relayed):
+    return {c: relayed["z"][k] for k, c in enumerate(obj.clients) if c != client}
+
+
+def client_likelihood(client, state: SOULClientState, noise, relayed, sched, own, *, obj: VerticalObjective, optim,
+                      config: SOULConfig):
+    """Power form: a party's Langevin steps on its copy; gradients for the others' ``z``."""
+    server_u = relayed.get("theta")
+    target = _client_target(obj, client, own, sched["rows"], ("local", "likelihood"), server_u)
+    rest = (state.params, _others(obj, client, relayed))
+    chain, value, (g_params, g_others) = _langevin(target, state.chain, rest, noise, config.gammas[client])
+    message = {"grad_z": jnp.stack([g_others[c] for c in obj.clients if c != client])}
+    if obj.layouts[SERVER].size:  # d/dtheta_0 of the client's copy at its last draw, for the server's block step
+        message["grad_theta"] = jax.grad(lambda s0: target(chain, rest, s0))(server_u)
+    return state._replace(chain=chain, pending={"grad": g_params, "value": value}), message
+
+
+def _server_block_step(obj, config: SOULConfig, u0, grad_clients, xi, own, rows):
+    value, g = jax.value_and_grad(partial(_server_prior, obj))(u0, own, rows)
+    gamma = config.gammas[SERVER]
+    return u0 + gamma * (g + grad_clients) + jnp.sqrt(2.0 * gamma) * xi, value
+
+
+def server_aggregate(state: SOULServerState, noise, lik_messages, sched, own, *, obj: VerticalObjective, optim,
+                     config: SOULConfig):
+    """Power form: each party's ``d/dz_j`` summed over the others' copies; the server's block step."""
+    clients = obj.clients
+    b = obj.num_rows if config.batch_size is None else int(config.batch_size)
+    totals = {c: jnp.zeros(b) for c in clients}
+    for sender in clients:
+        for i, c in enumerate(k for k in clients if k != sender):
+            totals[c] = totals[c] + lik_messages[sender]["grad_z"][i]
+    value = jnp.zeros(())
+    if obj.layouts[SERVER].size:
+        grad_u = sum(lik_messages[c]["grad_theta"] for c in clients)
+        chain, value = _server_block_step(obj, config, state.chain, grad_u, noise[0], own, sched["rows"])
+        state = state._replace(chain=chain)
+    return state, {c: {"grad_z": totals[c]} for c in clients}, value
+
+
+def client_step(client, state: SOULClientState, noise, reply, sched, own, relayed=None, *, obj: VerticalObjective,
+                optim, config: SOULConfig):
+    """A party's Langevin steps (augmented form; the power form's were taken in ``client_likelihood``)
+    and its ascent step on ``z`` and point sites with the server's ``d/dz_j``."""
+    if obj.form == "power":
+        chain, grads, value = state.chain, state.pending["grad"], state.pending["value"]
+    else:
+        target = _client_target(obj, client, own, sched["rows"], ("local",))
+        chain, value, (grads, _) = _langevin(target, state.chain, (state.params, {}), noise, config.gammas[client])
+    grads = {**grads, "z": grads["z"].at[sched["rows"]].add(reply["grad_z"])}
+    params, opt_state = ascent(optim, grads, state.opt_state, state.params)
+    return SOULClientState(chain, params, opt_state, state.pending), value
+
+
+def posterior_chain(server: SOULServerState, states, noise, z_all, views, *, obj: VerticalObjective, optim,
+                    config: SOULConfig):
+    """Langevin draws of every party's ``theta`` with ``z`` held at ``z_all`` (all rows).
+
+    ``noise``: ``{party: (K, d_party)}``. Returns ``{party: (K, d_party)}`` draws. In the
+    augmented form the chains are independent; in the power form with server sites
+    each step is a client step given ``theta_0`` then a server step (one exchange).
+    """
+    clients, d0, gammas = obj.clients, obj.layouts[SERVER].size, config.gammas
+    power = obj.form == "power"
+    rows = jnp.arange(obj.num_rows)
+    terms = ("local", "likelihood") if power else ("local",)
+
+    def step(carry, xi):
+        u0, us = carry
+        new_us = {}
+        grad_u = jnp.zeros(d0)
+        for c in clients:
+            others = {k: z_all[k] for k in clients if k != c} if power else {}
+            target = _client_target(obj, c, views[c], rows, terms, u0 if power and d0 else None)
+            rest = ({**states[c].params, "z": z_all[c]}, others)
+            g = jax.grad(target)(us[c], rest)
+            new_us[c] = us[c] + gammas[c] * g + jnp.sqrt(2.0 * gammas[c]) * xi[c]
+            if power and d0:
+                grad_u = grad_u + jax.grad(lambda s0, c=c, t=target, r=rest: t(new_us[c], r, s0))(u0)
+        if not d0:
+            new_u0 = u0
+        elif power:
+            new_u0 = _server_block_step(obj, config, u0, grad_u, xi[SERVER], views[SERVER], rows)[0]
+        else:
+            target = _server_target(obj, views[SERVER], rows)
+            g = jax.grad(target)(u0, (z_all, server.params["point"]))
+            new_u0 = u0 + gammas[SERVER] * g + jnp.sqrt(2.0 * gammas[SERVER]) * xi[SERVER]
+        return (new_u0, new_us), (u0, us)
+
+    init = (server.chain, {c: states[c].chain for c in clients})
+    _, (draws0, draws) = jax.lax.scan(step, init, noise)
+    return {SERVER: draws0, **draws}
