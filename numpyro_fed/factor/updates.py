@@ -22,6 +22,7 @@ next time.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -137,190 +138,243 @@ def factor_protocol(
     """
     if trusted_aggregator and perturb is None:
         raise ValueError("trusted_aggregator=True scales the noise of update perturbation: it needs perturb=")
-    private = perturb is not None or private_fit
-    prior = log_prior_factor
-    diagonal = prior.diagonal
-    d = prior.shift.shape[0]
-    virtual = variant == "virtual"
-    shards = int(num_shards) if variant != "plain" else 1
+    config = FactorConfig(
+        log_prior_factor, local_update, num_clients, schedule, damping, max_halvings, int(subset_size), variant,
+        int(num_shards) if variant != "plain" else 1, max_kl, perturb, perturb is not None or private_fit,
+        trusted_aggregator, prior_site,
+    )
+    bind = partial(partial, config=config)
     num_selected = {"synchronous": num_clients, "sequential": 1, "subset": int(subset_size)}[schedule]
-
-    def select(rng_key, state: FactorServerState):
-        if schedule == "synchronous":
-            return jnp.ones(num_clients, bool)
-        if schedule == "sequential":
-            return jnp.arange(num_clients) == (state.round % num_clients)
-        order = random.permutation(rng_key, num_clients)
-        return jnp.zeros(num_clients, bool).at[order[:subset_size]].set(True)
-
-    def init_server(rng_key):
-        del rng_key
-        ack = jnp.zeros(num_clients, prior.shift.dtype)
-        site = G.zeros(d, diagonal) if prior_site is not None else None
-        return FactorServerState(prior, ack, jnp.zeros((), jnp.int32), site), Broadcast({"q": prior}, {"ack": ack})
-
-    def _zero_factor():
-        z = G.zeros(d, diagonal)
-        return jax.tree_util.tree_map(lambda x: jnp.zeros((shards,) + x.shape), z) if virtual else z
-
-    def init_client(rng_key, data) -> FactorClientState:
-        del rng_key, data
-        return FactorClientState(_zero_factor(), _zero_factor(), jnp.zeros((), jnp.int32), jnp.zeros(2, jnp.int32))
-
-    def shard(data, k):
-        """Client data restricted to its k-th shard: a contiguous block of its real rows."""
-        index = jnp.arange(data.row_mask.shape[0])
-        block = jnp.floor(index * shards / data.num_rows)
-        return data._replace(row_mask=data.row_mask * (block == k).astype(data.row_mask.dtype))
-
-    def _finite(nat):
-        return jnp.all(jnp.isfinite(nat.shift)) & jnp.all(jnp.isfinite(nat.precision))
-
-    def client_step(rng_key, state: FactorClientState, broadcast, data):
-        q = broadcast.shared["q"]
-        factor = current_factor(state, broadcast.per_client["ack"])  # acknowledge the last update
-        keys = random.split(rng_key, shards)
-        ks = jnp.arange(shards)
-        noise_key = random.fold_in(rng_key, shards)  # used only with perturb
-
-        zeroed = jnp.zeros((), jnp.int32)
-
-        def released(key, changes, usable):
-            """Under DP: a shard whose fit failed (or whose own cavity is improper) adds a
-            zero change, not NaN, so the release stays a noised sum of changes of norm at
-            most C and says nothing about which shard failed; the client counts them."""
-            nonlocal zeroed
-            ok = usable & jax.vmap(_finite)(changes)
-            zeroed = jnp.sum(~ok).astype(jnp.int32)
-            changes = jax.tree_util.tree_map(
-                lambda x: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), changes)
-            return perturb(key, changes)
-
-        if variant == "plain":
-            cavity = q - factor
-            fit, check = local_update(rng_key, cavity, q, data, 1.0)
-            failed_fits = (~check.ok).astype(jnp.int32)
-            pending = fit - q
-            if perturb is not None:
-                pending = released(noise_key, jax.tree_util.tree_map(lambda x: x[None], pending),
-                                   jnp.ones(1, bool))[0]
-            delta, proper = pending, G.is_positive_definite(cavity)
-        elif variant == "local_averaging":
-            cavity = q - factor
-            fits, checks = jax.vmap(lambda k, key: local_update(key, cavity, q, shard(data, k), 1.0 / shards))(ks,
-                                                                                                           keys)
-            if perturb is None:
-                pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
-            else:  # eq. 4.7: (sum of clipped changes + noise) / N
-                changes = jax.tree_util.tree_map(lambda x, q_: x - q_, fits, q)
-                pending = released(noise_key, changes, jnp.ones(shards, bool))[0].scale(1.0 / shards)
-            delta, proper = pending, G.is_positive_definite(cavity)
-            failed_fits = jnp.sum(~checks.ok)
-            check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
-        else:  # virtual clients: one factor and one cavity per shard
-
-            def one(k, key, t_k):
-                cavity = q - t_k
-                fit, check = local_update(key, cavity, q, shard(data, k), 1.0)
-                return fit - q, G.is_positive_definite(cavity), check
-
-            pending, proper, checks = jax.vmap(one)(ks, keys, factor)
-            failed_fits = jnp.sum(~checks.ok)
-            if perturb is None:
-                delta = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending)
-            else:  # eq. 4.11: each virtual factor keeps its clipped change plus its share of the noise
-                delta, pending = released(noise_key, pending, proper)
-            # whether the shards' own cavities were proper depends on their (data-
-            # dependent) factors: under DP it is not part of the release
-            proper = jnp.all(proper) if perturb is None else jnp.asarray(True)
-            check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
-        releases = state.releases + 1
-        if private:  # the fit's own check depends on the data: the client keeps it
-            withheld = state.withheld + jnp.stack([zeroed, jnp.asarray(failed_fits, jnp.int32)])
-            check = FitCheck(jnp.asarray(True), jnp.full((), jnp.nan, check.stat.dtype),
-                             jnp.full((), jnp.nan, check.stat.dtype))
-        else:
-            withheld = state.withheld
-        if trusted_aggregator:  # sent as noised; only the sum is released (see the docstring)
-            return FactorClientState(factor, pending, releases, withheld), {"delta": delta}
-        # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
-        # a proper Gaussian) is no update: the client sends zero and says so. A noised
-        # update (perturb) is judged by the server instead, whose safeguard damps the sum
-        # until q stays proper: rejecting it here would discard most noised updates early
-        # on, when q's precision is still the prior's.
-        proper_q = G.is_positive_definite(q + delta) if perturb is None else jnp.asarray(True)
-        valid = proper & _finite(delta) & proper_q
-        delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
-        pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
-        message = {"delta": delta, "valid": valid, "fit_ok": check.ok, "fit_stat": check.stat,
-                   "fit_k": check.pareto_k}
-        return FactorClientState(factor, pending, releases, withheld), message
-
-    def refine_prior_site(rng_key, q, site):
-        """The server's own site: ``t_0`` moved towards the tilted moments of the prior's
-        residual, damped and halved until ``q`` stays positive definite (rejected otherwise)."""
-        fit, ok = prior_site(rng_key, q - site, q)
-        change = fit - q
-        ok = ok & _finite(change)
-        change = jax.tree_util.tree_map(lambda x: jnp.where(ok, x, 0.0), change)
-
-        def halve(carry):
-            delta, halvings = carry
-            return delta / 2, halvings + 1
-
-        def keep_halving(carry):
-            delta, halvings = carry
-            return (~G.is_positive_definite(q + change.scale(delta))) & (halvings < max_halvings)
-
-        applied, _ = jax.lax.while_loop(keep_halving, halve, (jnp.asarray(damping, prior.shift.dtype), 0))
-        applied = jnp.where(ok & G.is_positive_definite(q + change.scale(applied)), applied, 0.0)
-        return q + change.scale(applied), site + change.scale(applied), applied
-
-    def server_step(rng_key, state: FactorServerState, messages, view):
-        answered = view.answered
-        if trusted_aggregator:  # the sum alone arrives; the server checks it below
-            nan = jnp.full(answered.shape, jnp.nan, prior.shift.dtype)
-            messages = {"delta": None, "valid": answered, "fit_ok": answered, "fit_stat": nan, "fit_k": nan,
-                        "total": messages["delta"]}
-        valid = answered & messages["valid"]
-        w = answered.astype(prior.shift.dtype)
-        total = messages["total"] if trusted_aggregator else jax.tree_util.tree_map(
-            lambda x: jnp.tensordot(w, x, axes=1), messages["delta"])
-
-        def acceptable(delta):
-            new = state.q + total.scale(delta)
-            pd = G.is_positive_definite(new)
-            if max_kl is None:
-                return pd
-            safe = jax.tree_util.tree_map(lambda a, b: jnp.where(pd, a, b), new, state.q)
-            return pd & (G.kl_divergence(safe, state.q) <= max_kl)
-
-        def halve(carry):
-            delta, halvings = carry
-            return delta / 2, halvings + 1
-
-        def keep_halving(carry):
-            delta, halvings = carry
-            return (~acceptable(delta)) & (halvings < max_halvings)
-
-        applied, halvings = jax.lax.while_loop(keep_halving, halve, (jnp.asarray(damping, prior.shift.dtype), 0))
-        applied = jnp.where(acceptable(applied) & jnp.any(valid), applied, 0.0)
-        q = state.q + total.scale(applied)
-        ack = jnp.where(answered, applied, state.ack)
-        site, prior_damping = state.prior_site, jnp.full((), jnp.nan, prior.shift.dtype)
-        if prior_site is not None:
-            q, site, prior_damping = refine_prior_site(rng_key, q, site)
-        kl = G.kl_divergence(q, state.q)
-        new = FactorServerState(q, ack, state.round + 1, site)
-        fit_ok = answered & messages["fit_ok"]
-        fit_stat = jnp.where(answered, messages["fit_stat"], jnp.nan)
-        fit_k = jnp.where(answered, messages["fit_k"], jnp.nan)
-        info = FactorInfo(applied, jnp.asarray(halvings), jnp.sum(answered & ~messages["valid"]), valid, kl, fit_ok,
-                          fit_stat, fit_k, prior_damping)
-        return new, Broadcast({"q": q}, {"ack": ack}), info
-
     secure = ("delta",) if trusted_aggregator else ()
     return FederatedAlgorithm(
-        init_server, init_client, select, (Exchange(client_step, server_step, "factor_update", secure),),
+        bind(init_server), bind(init_client), bind(select),
+        (Exchange(bind(client_step), bind(server_step), "factor_update", secure),),
         num_selected=num_selected, monitor=lambda info: info.kl, monitor_name="KL(q_new||q)",
     )
+
+
+class FactorConfig(NamedTuple):
+    """The factor protocol's static settings (see :func:`factor_protocol`): the prior factor,
+    the client's local fit, and how updates are scheduled, split, damped and privatised."""
+
+    prior: NaturalGaussian
+    local_update: Callable
+    num_clients: int
+    schedule: str
+    damping: float
+    max_halvings: int
+    subset_size: int
+    variant: str
+    shards: int
+    max_kl: Optional[float]
+    perturb: Optional[Callable]
+    private: bool
+    trusted_aggregator: bool
+    prior_site: Optional[Callable]
+
+
+def select(rng_key, state: FactorServerState, *, config: FactorConfig):
+    """Who is asked: everyone (synchronous), client ``round mod J`` (sequential), or a
+    uniform subset drawn from the server's key."""
+    J = config.num_clients
+    if config.schedule == "synchronous":
+        return jnp.ones(J, bool)
+    if config.schedule == "sequential":
+        return jnp.arange(J) == (state.round % J)
+    order = random.permutation(rng_key, J)
+    return jnp.zeros(J, bool).at[order[: config.subset_size]].set(True)
+
+
+def init_server(rng_key, *, config: FactorConfig):
+    """``q`` starts at the prior; no damping acknowledged yet; the prior's residual site at zero."""
+    del rng_key
+    prior = config.prior
+    ack = jnp.zeros(config.num_clients, prior.shift.dtype)
+    site = G.zeros(prior.shift.shape[0], prior.diagonal) if config.prior_site is not None else None
+    return FactorServerState(prior, ack, jnp.zeros((), jnp.int32), site), Broadcast({"q": prior}, {"ack": ack})
+
+
+def _zero_factor(config: FactorConfig):
+    z = G.zeros(config.prior.shift.shape[0], config.prior.diagonal)
+    return jax.tree_util.tree_map(lambda x: jnp.zeros((config.shards,) + x.shape), z) \
+        if config.variant == "virtual" else z
+
+
+def init_client(rng_key, data, *, config: FactorConfig) -> FactorClientState:
+    """Every factor ``t_j`` (one per shard for virtual clients) starts at 1 (zero natural parameters)."""
+    del rng_key, data
+    return FactorClientState(_zero_factor(config), _zero_factor(config), jnp.zeros((), jnp.int32),
+                             jnp.zeros(2, jnp.int32))
+
+
+def _shard(data, k, shards: int):
+    """Client data restricted to its k-th shard: a contiguous block of its real rows."""
+    index = jnp.arange(data.row_mask.shape[0])
+    block = jnp.floor(index * shards / data.num_rows)
+    return data._replace(row_mask=data.row_mask * (block == k).astype(data.row_mask.dtype))
+
+
+def _finite(nat):
+    return jnp.all(jnp.isfinite(nat.shift)) & jnp.all(jnp.isfinite(nat.precision))
+
+
+def _released(perturb, key, changes, usable):
+    """Under DP: a shard whose fit failed (or whose own cavity is improper) adds a zero change,
+    not NaN, so the release stays a noised sum of changes of norm at most C and says nothing
+    about which shard failed. Returns ``(perturb's release, how many shards were zeroed)``."""
+    ok = usable & jax.vmap(_finite)(changes)
+    changes = jax.tree_util.tree_map(lambda x: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), changes)
+    return perturb(key, changes), jnp.sum(~ok).astype(jnp.int32)
+
+
+def _plain_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
+    """One fit under the client's cavity ``q / t_j``: ``(delta, pending, proper, check, failed fits, zeroed)``."""
+    cavity = q - factor
+    fit, check = config.local_update(rng_key, cavity, q, data, 1.0)
+    pending, zeroed = fit - q, jnp.zeros((), jnp.int32)
+    if config.perturb is not None:
+        release, zeroed = _released(config.perturb, noise_key, jax.tree_util.tree_map(lambda x: x[None], pending),
+                                    jnp.ones(1, bool))
+        pending = release[0]
+    return pending, pending, G.is_positive_definite(cavity), check, (~check.ok).astype(jnp.int32), zeroed
+
+
+def _averaged_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
+    """Local averaging (paper 002 Alg. 2): one fit per shard under the shared cavity with the
+    KL weighted ``1 / shards``; their mean (DP: eq. 4.7, the noised sum of clipped changes / N)."""
+    shards = config.shards
+    cavity = q - factor
+    keys, ks = random.split(rng_key, shards), jnp.arange(shards)
+    fits, checks = jax.vmap(lambda k, key: config.local_update(key, cavity, q, _shard(data, k, shards),
+                                                               1.0 / shards))(ks, keys)
+    zeroed = jnp.zeros((), jnp.int32)
+    if config.perturb is None:
+        pending = jax.tree_util.tree_map(lambda x: jnp.mean(x, 0), fits) - q
+    else:  # eq. 4.7: (sum of clipped changes + noise) / N
+        changes = jax.tree_util.tree_map(lambda x, q_: x - q_, fits, q)
+        release, zeroed = _released(config.perturb, noise_key, changes, jnp.ones(shards, bool))
+        pending = release[0].scale(1.0 / shards)
+    check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
+    return pending, pending, G.is_positive_definite(cavity), check, jnp.sum(~checks.ok), zeroed
+
+
+def _virtual_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
+    """Virtual clients (paper 002 Alg. 3): one factor and one cavity per shard; the client
+    sends their changes' sum (DP: eq. 4.11, each keeps its clipped change plus its share of noise)."""
+    shards = config.shards
+    keys, ks = random.split(rng_key, shards), jnp.arange(shards)
+
+    def one(k, key, t_k):
+        cavity = q - t_k
+        fit, check = config.local_update(key, cavity, q, _shard(data, k, shards), 1.0)
+        return fit - q, G.is_positive_definite(cavity), check
+
+    pending, proper, checks = jax.vmap(one)(ks, keys, factor)
+    zeroed = jnp.zeros((), jnp.int32)
+    if config.perturb is None:
+        delta = jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), pending)
+    else:  # eq. 4.11: each virtual factor keeps its clipped change plus its share of the noise
+        (delta, pending), zeroed = _released(config.perturb, noise_key, pending, proper)
+    # whether the shards' own cavities were proper depends on their (data-
+    # dependent) factors: under DP it is not part of the release
+    proper = jnp.all(proper) if config.perturb is None else jnp.asarray(True)
+    check = FitCheck(jnp.all(checks.ok), jnp.max(checks.stat), jnp.max(checks.pareto_k))
+    return delta, pending, proper, check, jnp.sum(~checks.ok), zeroed
+
+
+_VARIANT_UPDATES = {"plain": _plain_update, "local_averaging": _averaged_update, "virtual": _virtual_update}
+
+
+def client_step(rng_key, state: FactorClientState, broadcast, data, *, config: FactorConfig):
+    """The client acknowledges its last update, fits its variant's update, and sends
+    ``delta`` with its validity and fit check (under DP: the noised change alone, the
+    diagnostics withheld and counted in its own state)."""
+    q = broadcast.shared["q"]
+    factor = current_factor(state, broadcast.per_client["ack"])  # acknowledge the last update
+    noise_key = random.fold_in(rng_key, config.shards)  # used only with perturb
+    delta, pending, proper, check, failed_fits, zeroed = _VARIANT_UPDATES[config.variant](
+        config, rng_key, noise_key, q, factor, data)
+    releases = state.releases + 1
+    if config.private:  # the fit's own check depends on the data: the client keeps it
+        withheld = state.withheld + jnp.stack([zeroed, jnp.asarray(failed_fits, jnp.int32)])
+        check = FitCheck(jnp.asarray(True), jnp.full((), jnp.nan, check.stat.dtype),
+                         jnp.full((), jnp.nan, check.stat.dtype))
+    else:
+        withheld = state.withheld
+    if config.trusted_aggregator:  # sent as noised; only the sum is released (see factor_protocol)
+        return FactorClientState(factor, pending, releases, withheld), {"delta": delta}
+    # an improper cavity has no local ELBO, and a failed local fit (not finite, or not
+    # a proper Gaussian) is no update: the client sends zero and says so. A noised
+    # update (perturb) is judged by the server instead, whose safeguard damps the sum
+    # until q stays proper: rejecting it here would discard most noised updates early
+    # on, when q's precision is still the prior's.
+    proper_q = G.is_positive_definite(q + delta) if config.perturb is None else jnp.asarray(True)
+    valid = proper & _finite(delta) & proper_q
+    delta = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), delta)
+    pending = jax.tree_util.tree_map(lambda x: jnp.where(valid, x, 0.0), pending)
+    message = {"delta": delta, "valid": valid, "fit_ok": check.ok, "fit_stat": check.stat, "fit_k": check.pareto_k}
+    return FactorClientState(factor, pending, releases, withheld), message
+
+
+def _damping(config: FactorConfig, acceptable: Callable):
+    """``damping`` halved until ``acceptable`` (at most ``max_halvings`` times): ``(delta, halvings)``."""
+    def halve(carry):
+        delta, halvings = carry
+        return delta / 2, halvings + 1
+
+    def keep_halving(carry):
+        delta, halvings = carry
+        return (~acceptable(delta)) & (halvings < config.max_halvings)
+
+    return jax.lax.while_loop(keep_halving, halve, (jnp.asarray(config.damping, config.prior.shift.dtype), 0))
+
+
+def _refine_prior_site(config: FactorConfig, rng_key, q, site):
+    """The server's own site: ``t_0`` moved towards the tilted moments of the prior's
+    residual, damped and halved until ``q`` stays positive definite (rejected otherwise)."""
+    fit, ok = config.prior_site(rng_key, q - site, q)
+    change = fit - q
+    ok = ok & _finite(change)
+    change = jax.tree_util.tree_map(lambda x: jnp.where(ok, x, 0.0), change)
+    applied, _ = _damping(config, lambda delta: G.is_positive_definite(q + change.scale(delta)))
+    applied = jnp.where(ok & G.is_positive_definite(q + change.scale(applied)), applied, 0.0)
+    return q + change.scale(applied), site + change.scale(applied), applied
+
+
+def server_step(rng_key, state: FactorServerState, messages, view, *, config: FactorConfig):
+    """The answered clients' valid updates summed, damped and halved until ``q`` stays
+    positive definite (and within ``max_kl``), then the prior's residual site (if any)."""
+    answered = view.answered
+    dtype = config.prior.shift.dtype
+    if config.trusted_aggregator:  # the sum alone arrives; the server checks it below
+        nan = jnp.full(answered.shape, jnp.nan, dtype)
+        messages = {"delta": None, "valid": answered, "fit_ok": answered, "fit_stat": nan, "fit_k": nan,
+                    "total": messages["delta"]}
+    valid = answered & messages["valid"]
+    w = answered.astype(dtype)
+    total = messages["total"] if config.trusted_aggregator else jax.tree_util.tree_map(
+        lambda x: jnp.tensordot(w, x, axes=1), messages["delta"])
+
+    def acceptable(delta):
+        new = state.q + total.scale(delta)
+        pd = G.is_positive_definite(new)
+        if config.max_kl is None:
+            return pd
+        safe = jax.tree_util.tree_map(lambda a, b: jnp.where(pd, a, b), new, state.q)
+        return pd & (G.kl_divergence(safe, state.q) <= config.max_kl)
+
+    applied, halvings = _damping(config, acceptable)
+    applied = jnp.where(acceptable(applied) & jnp.any(valid), applied, 0.0)
+    q = state.q + total.scale(applied)
+    ack = jnp.where(answered, applied, state.ack)
+    site, prior_damping = state.prior_site, jnp.full((), jnp.nan, dtype)
+    if config.prior_site is not None:
+        q, site, prior_damping = _refine_prior_site(config, rng_key, q, site)
+    kl = G.kl_divergence(q, state.q)
+    new = FactorServerState(q, ack, state.round + 1, site)
+    fit_ok = answered & messages["fit_ok"]
+    fit_stat = jnp.where(answered, messages["fit_stat"], jnp.nan)
+    fit_k = jnp.where(answered, messages["fit_k"], jnp.nan)
+    info = FactorInfo(applied, jnp.asarray(halvings), jnp.sum(answered & ~messages["valid"]), valid, kl, fit_ok,
+                      fit_stat, fit_k, prior_damping)
+    return new, Broadcast({"q": q}, {"ack": ack}), info
