@@ -29,6 +29,7 @@ from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, V
 from .warnings import (
     ArvizGroupWarning,
     BiasedFitWarning,
+    FederatedDeprecationWarning,
     FederatedWarning,
     FitWarning,
     InvalidUpdateWarning,
@@ -48,6 +49,7 @@ __all__ = [
     "Clients",
     "Communication",
     "EP",
+    "FederatedDeprecationWarning",
     "FederatedSVI",
     "FederatedWarning",
     "FitDiagnostic",

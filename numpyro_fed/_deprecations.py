@@ -1,7 +1,8 @@
 """Every deprecated spelling of the public API, in one table (as Optax's ``_deprecations``).
 
 Each entry maps an old name to ``(where it lives now, the release that removes it)``. Reading an
-old name works and warns once per call site with a :class:`DeprecationWarning` naming the new
+old name works and warns once per call site with a
+:class:`~numpyro_fed.FederatedDeprecationWarning` (a ``DeprecationWarning``) naming the new
 spelling; nothing else in the package keeps an alias.
 
 Example:
@@ -10,8 +11,8 @@ Example:
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     cls = nf.Exchange
-    >>> cls is nf.protocol.Exchange, caught[0].category.__name__
-    (True, 'DeprecationWarning')
+    >>> cls is nf.protocol.Exchange, issubclass(caught[0].category, DeprecationWarning)
+    (True, True)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import importlib
 import warnings
 from typing import Any, Dict, Tuple
+
+from .warnings import FederatedDeprecationWarning
 
 __all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES", "module_attribute",
            "renamed_keyword", "warn_params_attribute"]
@@ -67,7 +70,7 @@ def module_attribute(name: str) -> Any:
         raise AttributeError(f"module 'numpyro_fed' has no attribute {name!r}")
     module, new = _spelling(MODULE_ATTRIBUTES[name])
     warnings.warn(f"numpyro_fed.{name} is deprecated and goes in {REMOVED_IN}: use {module}.{new}",
-                  DeprecationWarning, stacklevel=3)
+                  FederatedDeprecationWarning, stacklevel=3)
     return getattr(importlib.import_module(module), new)
 
 
@@ -80,12 +83,12 @@ def renamed_keyword(where: str, old: str, value: Any, new: str, new_value: Any) 
     (a TypeError when the new name was given too)."""
     if new_value is not None:
         raise TypeError(f"{where}() got both {old}= and {new}=; {old}= is the deprecated name of {new}=")
-    warnings.warn(f"{where}({old}=...) is deprecated and goes in {REMOVED_IN}: use {new}=", DeprecationWarning,
-                  stacklevel=4)
+    warnings.warn(f"{where}({old}=...) is deprecated and goes in {REMOVED_IN}: use {new}=",
+                  FederatedDeprecationWarning, stacklevel=4)
     return value
 
 
 def warn_params_attribute(name: str) -> None:
     """``RunResult.<name>`` read an entry of ``params``: warn, naming the spelling to use."""
     warnings.warn(f"RunResult.{name} is deprecated and goes in {REMOVED_IN}: use "
-                  f"{RUN_RESULT_ATTRIBUTES.format(name=name)}", DeprecationWarning, stacklevel=3)
+                  f"{RUN_RESULT_ATTRIBUTES.format(name=name)}", FederatedDeprecationWarning, stacklevel=3)

