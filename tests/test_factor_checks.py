@@ -200,6 +200,7 @@ def test_pvi_on_eight_schools_is_right_non_centred_and_warns_centred(exact):
     assert np.sqrt(result.params["cov"][1, 1]) < 0.75 * sd[1]  # the warned fit is indeed wrong
 
 
+@pytest.mark.xla_optimised  # with most optimisations off, NUTS flags 3 of the 8 clients here, not >= 4
 def test_nuts_tilted_moments_report_divergences_on_the_centred_funnel():
     """EP with ``tilted="nuts"`` on centred eight schools: each school's tilted distribution
     over (mu, log tau, theta_j) is a funnel that NUTS cannot follow (0.5-1.5% divergent
