@@ -175,22 +175,15 @@ class FlowerBackend:
         nodes = [n for n in nodes if n in info]  # nodes whose load_client returned None take no part
         if len(nodes) != num_clients:
             why = "; ".join(f"{self._name(n)}: {reason}" for n, reason in failed.items())
-            raise RuntimeError(
-                f"{len(nodes)} node(s) answered the hello with data for this task, not {num_clients}"
-                + (
-                    f". The hello failed on {why}. Fix that node (its log has the full reason) and run again"
-                    if failed
-                    else ""
-                )
-            )
+            raise RuntimeError(f"{len(nodes)} node(s) answered the hello with data for this task, not {num_clients}"
+                               + (f". The hello failed on {why}. Fix that node (its log has the full reason) and "
+                                  f"run again" if failed else ""))
         order = sorted(nodes, key=lambda n: (int(info[n]["order"]), str(info[n]["name"])))
         names = [str(info[n]["name"]) for n in order]
         if len(set(names)) != len(names):
             raise ValueError(f"two nodes gave the same client name: {names}")
-        shapes = {
-            str(info[n]["name"]): {k: (tuple(s), dt) for k, (s, dt) in json.loads(str(info[n]["shapes"])).items()}
-            for n in order
-        }
+        shapes = {str(info[n]["name"]): {k: (tuple(s), dt) for k, (s, dt) in json.loads(str(info[n]["shapes"])).items()}
+                  for n in order}
         from .task import kind_of
 
         kind = kind_of(task.make_inference())
@@ -209,42 +202,20 @@ class FlowerBackend:
         failed = [n for n, ok in zip(names, alive) if not ok]
         if not failed:
             return
-        why = "; ".join(
-            f"client {n!r} (node {self.nodes[names.index(n)]}): {self.errors.get(n, 'no answer within first_timeout')}"
-            for n in failed
-        )
+        why = "; ".join(f"client {n!r} (node {self.nodes[names.index(n)]}): "
+                        f"{self.errors.get(n, 'no answer within first_timeout')}" for n in failed)
         if self.on_setup_failure == "raise" or len(failed) == len(names):
-            raise RuntimeError(
-                f"set-up failed on {len(failed)} of {len(names)} client(s): {why}. Fix that node "
-                f"(its log has the full reason) and run again, or pass on_setup_failure='absent' "
-                f"(run config 'on-setup-failure') to fit without it"
-            )
+            raise RuntimeError(f"set-up failed on {len(failed)} of {len(names)} client(s): {why}. Fix that node "
+                               f"(its log has the full reason) and run again, or pass on_setup_failure='absent' "
+                               f"(run config 'on-setup-failure') to fit without it")
         self.missing.append((0, "setup", failed))
-        warnings.warn(
-            f"client(s) {failed} failed their set-up and are absent from every round of this run "
-            f"(on_setup_failure='absent'): {why}",
-            MissingClientsWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"client(s) {failed} failed their set-up and are absent from every round of this run "
+                      f"(on_setup_failure='absent'): {why}", MissingClientsWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ run
-    def run(
-        self,
-        algorithm,
-        clients,
-        num_rounds: int,
-        rng_key=None,
-        *,
-        init_state=None,
-        progress_bar: bool = False,
-        record_transcript: bool = False,
-        keep_values: bool = False,
-        checkpoint=None,
-        checkpoint_every=None,
-        callbacks: Sequence[Callable] = (),
-        availability: Any = None,
-        on_nonfinite: str = "raise",
-    ) -> RunResult:
+    def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, progress_bar: bool = False,
+            record_transcript: bool = False, keep_values: bool = False, checkpoint=None, checkpoint_every=None,
+            callbacks: Sequence[Callable] = (), availability: Any = None, on_nonfinite: str = "raise") -> RunResult:
         """The simulation backend's ``run`` over the network (``clients``: the plan built
         from :meth:`connect`'s template). Dropout is real here, so ``availability`` is
         refused; so are ``init_state`` and checkpoints (not yet supported)."""
@@ -253,13 +224,9 @@ class FlowerBackend:
         from ..backends.simulation import GUARDS, NonFiniteError, all_finite
 
         del progress_bar
-        for what, value in (
-            ("availability= (dropout is real over Flower)", availability),
-            (
-                "init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on their nodes)",
-                init_state,
-            ),
-        ):
+        for what, value in (("availability= (dropout is real over Flower)", availability),
+                            ("init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on "
+                             "their nodes)", init_state)):
             if value is not None:
                 raise ValueError(_UNSUPPORTED.format(what=what))
         every = self._checkpoint_every(checkpoint, checkpoint_every, num_rounds)
@@ -271,11 +238,9 @@ class FlowerBackend:
         if names != self.template.names:
             raise ValueError(f"the plan's clients {names} are not the connected clients {self.template.names}")
         if any(ex.secure_sum for ex in algorithm.exchanges) and self.aggregator is None:
-            raise ValueError(
-                "this algorithm sends parts of its messages through a trusted aggregator (secure_sum, "
-                "e.g. trusted_aggregator=True), and no SuperNode is one: start a SuperNode with "
-                f"node_config '{ROLE_KEY}=\"aggregator\"' (LocalFederation(..., aggregator=True))"
-            )
+            raise ValueError("this algorithm sends parts of its messages through a trusted aggregator (secure_sum, "
+                             "e.g. trusted_aggregator=True), and no SuperNode is one: start a SuperNode with "
+                             f"node_config '{ROLE_KEY}=\"aggregator\"' (LocalFederation(..., aggregator=True))")
         from ..backends.mapping import client_item
 
         t0 = time.perf_counter()
@@ -286,28 +251,11 @@ class FlowerBackend:
         # set-up: every client builds the same algorithm from the template and keys itself
         text = describe(self.template)
         resumed = self._resumed(algorithm, names, rng_key) if self.resume_from is not None else None
-        kind = (
-            {"kind": "setup"}
-            if resumed is None
-            else {"kind": "resume", "from_run": resumed[1], "round": int(resumed[0].round)}
-        )
-        setup = [
-            RecordDict(
-                {
-                    "nf": ConfigRecord(
-                        {
-                            **kind,
-                            "template": text,
-                            "index": j,
-                            "num_rounds": int(num_rounds),
-                            "aggregator_key": self.aggregator_key,
-                            "checkpoint_every": int(every),
-                        }
-                    )
-                }
-            )
-            for j in range(J)
-        ]
+        kind = {"kind": "setup"} if resumed is None else {"kind": "resume", "from_run": resumed[1],
+                                                            "round": int(resumed[0].round)}
+        setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j, "num_rounds": int(num_rounds),
+                                                 "aggregator_key": self.aggregator_key,
+                                                 "checkpoint_every": int(every)})}) for j in range(J)]
         ready = self._send(self.nodes, setup, "query", self.first_timeout)
         alive = [n in ready for n in self.nodes]
         self._check_setup(names, alive)
@@ -348,17 +296,13 @@ class FlowerBackend:
                     part = jax.tree_util.tree_map(lambda x, j=j: x[j], broadcast.per_client)
                     b = Broadcast(broadcast.shared, part)
                     record = to_record(b)
-                    contents.append(
-                        RecordDict(
-                            {"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}), "broadcast": record}
-                        )
-                    )
+                    contents.append(RecordDict({"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}),
+                                                "broadcast": record}))
                     down += message_bytes(b)
                     msgs_down += 1
                     if transcript is not None:
-                        transcript.record(
-                            r, "server", names[j], from_record(structures.broadcasts[e], record), exchange=str(e)
-                        )
+                        transcript.record(r, "server", names[j], from_record(structures.broadcasts[e], record),
+                                          exchange=str(e))
                 replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
                 secure = exchange.secure_sum
                 like, direct_like, hidden_like = _wire_like(structures.messages[e], secure)
@@ -380,18 +324,16 @@ class FlowerBackend:
                         transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
                     rows.append(message)
                 zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
-                stacked = jax.tree_util.tree_map(
-                    lambda *xs: jnp.stack(xs), *[m if m is not None else zero for m in rows]
-                )
+                stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[m if m is not None else zero
+                                                                               for m in rows])
                 sent.append(stacked)
                 if secure:
                     summed = self._secure_sum(r, e, J, sealed, hidden_like, timeout)
                     if transcript is not None:
                         transcript.record(r, "aggregator", "server", summed, exchange=str(e))
                     stacked = {**stacked, **summed}
-                server, broadcast, info = steps[e](
-                    key, server, stacked, ServerView(jnp.asarray(answered), plan.server_data)
-                )
+                server, broadcast, info = steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
+                                                                                   plan.server_data))
                 round_infos.append(info)
             for j in range(J):
                 if asked[j]:
@@ -402,17 +344,11 @@ class FlowerBackend:
             info = round_info(tuple(round_infos))
             figure = monitor(info)
             if not (bool(all_finite(broadcast)) and bool(jnp.isfinite(figure))):
-                bad = [
-                    names[j]
-                    for j in range(J)
-                    if answered[j]
-                    and not all(bool(all_finite(jax.tree_util.tree_map(lambda x, j=j: x[j], m))) for m in sent)
-                ]
-                message = (
-                    f"round {r + 1}: non-finite values (messages of client(s) {bad}; the server's state, "
-                    f"broadcast or loss); the run stopped there. Lower the learning rate or damping, "
-                    f"check the data and priors"
-                )
+                bad = [names[j] for j in range(J) if answered[j] and not all(
+                    bool(all_finite(jax.tree_util.tree_map(lambda x, j=j: x[j], m))) for m in sent)]
+                message = (f"round {r + 1}: non-finite values (messages of client(s) {bad}; the server's state, "
+                           f"broadcast or loss); the run stopped there. Lower the learning rate or damping, "
+                           f"check the data and priors")
                 if on_nonfinite == "raise" or not figures:
                     raise NonFiniteError(message, r + 1, bad, state)
                 warnings.warn(message, NonFiniteWarning, stacklevel=3)
@@ -433,7 +369,7 @@ class FlowerBackend:
         for ledger in ledgers.values():  # what crossed the wire
             up, msgs_up = up + message_bytes(ledger._asdict()), msgs_up + 1
         self._warn_missing()
-        stack = lambda *xs: jnp.stack(xs)
+        stack = (lambda *xs: jnp.stack(xs))
         return RunResult(
             params=state.server,
             state=state,
@@ -466,13 +402,8 @@ class FlowerBackend:
         (``numpyro-fed-state-dir``), one file per round it completed."""
         from .. import checkpoint as ckpt
 
-        ckpt.save(
-            path,
-            state._replace(clients=()),
-            [],
-            family=SERVER_CHECKPOINT,
-            extra={"run_id": int(self.run_id), "sites": list(names)},
-        )
+        ckpt.save(path, state._replace(clients=()), [], family=SERVER_CHECKPOINT,
+                  extra={"run_id": int(self.run_id), "sites": list(names)})
 
     def _resumed(self, algorithm, names: Sequence[str], rng_key) -> tuple:
         """``(state, run id)`` of the server checkpoint at :attr:`resume_from`, checked against this
@@ -481,15 +412,11 @@ class FlowerBackend:
 
         meta = ckpt.read_meta(self.resume_from)
         if meta.get("family") != SERVER_CHECKPOINT:
-            raise ValueError(
-                f"the checkpoint at {self.resume_from} is not a Flower server checkpoint (family "
-                f"{meta.get('family')!r}); write one with checkpoint= in a Flower run"
-            )
+            raise ValueError(f"the checkpoint at {self.resume_from} is not a Flower server checkpoint (family "
+                             f"{meta.get('family')!r}); write one with checkpoint= in a Flower run")
         if list(meta.get("sites", ())) != list(names):
-            raise ValueError(
-                f"the checkpoint at {self.resume_from} was written with sites {meta.get('sites')}; this "
-                f"run has {list(names)}. Resume with the same sites"
-            )
+            raise ValueError(f"the checkpoint at {self.resume_from} was written with sites {meta.get('sites')}; this "
+                             f"run has {list(names)}. Resume with the same sites")
         key_impl = meta.get("typed_keys", {}).get("server_key")
         key = jax.random.PRNGKey(0) if key_impl is None else jax.random.key(0, impl=key_impl)
 
@@ -530,9 +457,8 @@ class FlowerBackend:
             else:
                 self.errors[name] = self.errors.pop(f"node {node}", "no answer to its rejoin")
 
-    def client_values(
-        self, name: str, payloads: Dict[int, Any], like: Any, transcript=None, rnd: int = 0
-    ) -> Dict[int, Any]:
+    def client_values(self, name: str, payloads: Dict[int, Any], like: Any, transcript=None,
+                      rnd: int = 0) -> Dict[int, Any]:
         """After a run: ask client ``j`` (for each ``j`` in ``payloads``) to compute the
         family's client-side value ``name`` from its own state and data and ``payloads[j]``
         (e.g. SFVI's fit check: one scalar per draw), and return ``{j: its reply}``
@@ -543,12 +469,8 @@ class FlowerBackend:
 
         names = self.template.names
         order = sorted(payloads)
-        contents = [
-            RecordDict(
-                {"nf": ConfigRecord({"kind": "client_value", "name": name}), "broadcast": to_record(payloads[j])}
-            )
-            for j in order
-        ]
+        contents = [RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name}),
+                                "broadcast": to_record(payloads[j])}) for j in order]
         replies = self._send([self.nodes[j] for j in order], contents, "train", self.reply_timeout)
         out = {}
         for j in order:
@@ -570,21 +492,14 @@ class FlowerBackend:
         if not sealed:
             return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), hidden_like)
         idx = sorted(sealed)
-        content = RecordDict(
-            {
-                "nf": ConfigRecord(
-                    {"kind": "aggregate", "round": rnd, "exchange": e, "num_clients": J, "indices": idx}
-                ),
-                "sealed": ArrayRecord([np.asarray(sealed[j]) for j in idx]),
-            }
-        )
+        content = RecordDict({"nf": ConfigRecord({"kind": "aggregate", "round": rnd, "exchange": e, "num_clients": J,
+                                                  "indices": idx}),
+                              "sealed": ArrayRecord([np.asarray(sealed[j]) for j in idx])})
         reply = self._send([self.aggregator], [content], "train", timeout).get(self.aggregator)
         if reply is None:
-            raise RuntimeError(
-                f"round {rnd + 1}: the trusted aggregator returned no sum (its error: "
-                f"{self.errors.get(self._name(self.aggregator), 'none: it timed out')}); the server "
-                f"step cannot run without it"
-            )
+            raise RuntimeError(f"round {rnd + 1}: the trusted aggregator returned no sum (its error: "
+                               f"{self.errors.get(self._name(self.aggregator), 'none: it timed out')}); the server "
+                               f"step cannot run without it")
         return from_record(hidden_like, reply.content["message"])
 
     def _ledgers(self, structures: WireStructures, alive, transcript, last_round: int) -> Dict[str, ClientLedger]:
@@ -610,13 +525,9 @@ class FlowerBackend:
             if transcript is not None:
                 transcript.record(last_round - 1, names[j], "server", ledgers[names[j]]._asdict(), exchange="ledger")
         if lacked:
-            warnings.warn(
-                f"client(s) {lacked} did not send their privacy ledger after the last round (errors: "
-                f"{ {n: self.errors[n] for n in lacked if n in self.errors} }): privacy_report cannot "
-                f"cover them; each ledger stays on its node",
-                MissingClientsWarning,
-                stacklevel=4,
-            )
+            warnings.warn(f"client(s) {lacked} did not send their privacy ledger after the last round (errors: "
+                          f"{ {n: self.errors[n] for n in lacked if n in self.errors} }): privacy_report cannot "
+                          f"cover them; each ledger stays on its node", MissingClientsWarning, stacklevel=4)
         return ledgers
 
     def _warn_missing(self) -> None:
@@ -626,23 +537,13 @@ class FlowerBackend:
         for rnd, _, lacked in self.missing:
             for name in lacked:
                 by_client.setdefault(name, []).append(rnd)
-        parts = [
-            f"client {n!r} missed round(s) {rs}" + (f" (its error: {self.errors[n]})" if n in self.errors else "")
-            for n, rs in by_client.items()
-        ]
-        back = "".join(
-            f"; client {n!r} rejoined before round {rnd} on a new node (its state from its node's storage)"
-            for rnd, n, _, _ in self.rejoined
-        )
-        warnings.warn(
-            "the fit continued without some clients (the dropout policy: a client that does not "
-            "answer within the reply timeout is left out of that round's server step): "
-            + "; ".join(parts)
-            + back
-            + " (round 0 is the set-up)",
-            MissingClientsWarning,
-            stacklevel=3,
-        )
+        parts = [f"client {n!r} missed round(s) {rs}" + (f" (its error: {self.errors[n]})" if n in self.errors else "")
+                 for n, rs in by_client.items()]
+        back = "".join(f"; client {n!r} rejoined before round {rnd} on a new node (its state from its node's "
+                       f"storage)" for rnd, n, _, _ in self.rejoined)
+        warnings.warn("the fit continued without some clients (the dropout policy: a client that does not "
+                      "answer within the reply timeout is left out of that round's server step): "
+                      + "; ".join(parts) + back + " (round 0 is the set-up)", MissingClientsWarning, stacklevel=3)
 
 
 class ClientLedger(NamedTuple):
@@ -655,10 +556,8 @@ class ClientLedger(NamedTuple):
 def _ledger_of(name: str, ledgers: Dict[str, ClientLedger]) -> ClientLedger:
     if name in ledgers:
         return ledgers[name]
-    raise KeyError(
-        f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
-        f"has only the privacy ledger of a DP run's clients that answered at its end"
-    )
+    raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
+                   f"has only the privacy ledger of a DP run's clients that answered at its end")
 
 
 def _wire_like(like, secure):
@@ -699,33 +598,18 @@ def _pull_replies(grid, message_ids, poll: float):
     for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
         msg_id = proto.metadata.message_id
         try:
-            contents = pull_objects(
-                [t.object_id for t in iterate_object_tree(tree)],
-                make_pull_object_fn_protobuf(runtime.PullObject, grid.node, run_id),
-                initial_backoff=poll,
-                backoff_cap=max(poll, 0.25),
-            )
+            contents = pull_objects([t.object_id for t in iterate_object_tree(tree)],
+                                    make_pull_object_fn_protobuf(runtime.PullObject, grid.node, run_id),
+                                    initial_backoff=poll, backoff_cap=max(poll, 0.25))
         except ObjectPullError as e:  # as Flower does: an error reply (this client did not answer)
-            out.append(
-                make_message(
-                    metadata=Metadata(
-                        run_id=run_id,
-                        message_id="",
-                        src_node_id=grid.node.node_id,
-                        dst_node_id=grid.node.node_id,
-                        message_type=SYSTEM_MESSAGE_TYPE,
-                        group_id="",
-                        ttl=0,
-                        reply_to_message_id=proto.metadata.reply_to_message_id,
-                        created_at=now().timestamp(),
-                    ),
-                    error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=f"reply objects unavailable: {e}"),
-                )
-            )
+            out.append(make_message(metadata=Metadata(
+                run_id=run_id, message_id="", src_node_id=grid.node.node_id, dst_node_id=grid.node.node_id,
+                message_type=SYSTEM_MESSAGE_TYPE, group_id="", ttl=0,
+                reply_to_message_id=proto.metadata.reply_to_message_id, created_at=now().timestamp()),
+                error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=f"reply objects unavailable: {e}")))
             continue
-        runtime.ConfirmMessageReceived(
-            ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id, message_object_id=msg_id)
-        )
+        runtime.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id,
+                                                                     message_object_id=msg_id))
         message = inflate_object_from_contents(msg_id, contents)
         assert isinstance(message, Message)
         message.metadata.__dict__["_message_id"] = msg_id  # as Flower sets it
