@@ -34,6 +34,7 @@ from jax import random
 from numpyro.infer.hmc import hmc
 
 from .._typing import Array
+from ..fit_check import PARETO_K_LIMIT  # Vehtari et al. (2024): above it the fit is unreliable
 from . import gaussian as G
 from .blocks import block_hessian, block_logdet, block_solve, quadrature_correction, scatter_blocks
 from .gaussian import NaturalGaussian
@@ -90,7 +91,6 @@ class FitCheck(NamedTuple):
 
 DRAW_STEPS = 2  # Newton steps to each importance draw's inner mode, from its first-order prediction
 DRAW_TV = 0.01  # how far (total variation) the draws' missed inner modes may move the importance weights
-PARETO_K_LIMIT = 0.7  # Vehtari et al. (2024): above it importance sampling, and the fit, are unreliable
 DRIFT_LIMIT = 4.0  # local objective still improving by more than this many standard errors
 PARAMETER_DRIFT_LIMIT = 0.05  # a local fit's mean or sd still moving by more than this many sds per quarter
 
