@@ -100,41 +100,25 @@ def test_optax_local_updates_approach_the_exact_posterior(linear):
         draws(random.PRNGKey(0), res, 10)
 
 
+def _one_update_at(precision, **options):
+    """PVI's server step on one client's update of natural precision ``precision * I``."""
+    prior = G.NaturalGaussian(jnp.zeros(2), jnp.eye(2))
+    alg = pvi(prior, lambda u, data: 0.0, 1, **options)
+    state, _ = alg.init_server(random.PRNGKey(0))
+    delta = G.NaturalGaussian(jnp.ones((1, 2)), precision * jnp.eye(2)[None])
+    messages = {"delta": delta, "valid": jnp.ones(1, bool), "fit_ok": jnp.ones(1, bool), "fit_stat": jnp.zeros(1),
+                "fit_k": jnp.zeros(1)}
+    _, message, info = alg.exchanges[0].server_step(random.PRNGKey(1), state, messages,
+                                                    nf.protocol.ServerView(jnp.ones(1, bool)))
+    return message, info
+
+
 def test_positive_definiteness_safeguard():
     """The server halves the damping until the precision is PD, and rejects otherwise."""
-    prior = G.NaturalGaussian(jnp.zeros(2), jnp.eye(2))
     for precision, want in ((-1.5, 0.5), (-3.0, 0.25)):
-        alg = pvi(prior, lambda u, data: 0.0, 1)
-        state, _ = alg.init_server(random.PRNGKey(0))
-        delta = G.NaturalGaussian(jnp.ones((1, 2)), precision * jnp.eye(2)[None])
-        _, message, info = alg.exchanges[0].server_step(
-            random.PRNGKey(1),
-            state,
-            {
-                "delta": delta,
-                "valid": jnp.ones(1, bool),
-                "fit_ok": jnp.ones(1, bool),
-                "fit_stat": jnp.zeros(1),
-                "fit_k": jnp.zeros(1),
-            },
-            nf.protocol.ServerView(jnp.ones(1, bool)),
-        )
+        message, info = _one_update_at(precision)
         assert float(info.damping) == want and bool(G.is_positive_definite(message.shared["q"]))
-    alg = pvi(prior, lambda u, data: 0.0, 1, max_halvings=0)
-    state, _ = alg.init_server(random.PRNGKey(0))
-    delta = G.NaturalGaussian(jnp.ones((1, 2)), -1.5 * jnp.eye(2)[None])
-    _, message, info = alg.exchanges[0].server_step(
-        random.PRNGKey(1),
-        state,
-        {
-            "delta": delta,
-            "valid": jnp.ones(1, bool),
-            "fit_ok": jnp.ones(1, bool),
-            "fit_stat": jnp.zeros(1),
-            "fit_k": jnp.zeros(1),
-        },
-        nf.protocol.ServerView(jnp.ones(1, bool)),
-    )
+    message, info = _one_update_at(-1.5, max_halvings=0)
     assert float(info.damping) == 0.0  # rejected: q unchanged
     np.testing.assert_array_equal(message.shared["q"].precision, jnp.eye(2))
 
