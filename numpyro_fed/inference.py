@@ -10,7 +10,7 @@ backend, which owns the round loop. The class layers keep set-up, ``evaluate``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, ClassVar, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -24,13 +24,19 @@ from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 __all__ = ["FederatedInference", "Setup"]
 
 
-class Setup(NamedTuple):
-    """What an inference object builds once per set of clients."""
+Extra = TypeVar("Extra")
+
+
+class Setup(NamedTuple, Generic[Extra]):
+    """What an inference object builds once per set of clients. ``extra`` is the family's own
+    part, of the type its class names in ``setup_extra`` (checked when the set-up is built):
+    ``FederatedObjective`` (SFVI, SFVI-Avg), ``FactorSetup`` (PVI, EP, BCM),
+    ``VerticalParts`` (vertical SVI, SOUL), ``int`` (HM1: the number of covariates)."""
 
     inputs: Any  # the clients (or vertical data) this set-up was built for
     algorithm: FederatedAlgorithm
     plan: ClientPlan
-    extra: Any  # family-specific: objective, structure, terms, ...
+    extra: Extra
     cache: dict  # derived values computed on demand (compiled estimators, supports, ...)
 
 
@@ -79,6 +85,8 @@ class FederatedInference:
     method = "federated"
     #: ``run``'s default for ``progress_bar``
     progress_bar = True
+    #: the type of ``Setup.extra`` that this family's ``_build`` returns
+    setup_extra: ClassVar[type] = object
 
     def _init_inference(self) -> None:
         self._setup_cache: Optional[Setup] = None
@@ -179,6 +187,9 @@ class FederatedInference:
             return cached
         self._size_group_plates(inputs)
         setup = self._build(inputs)
+        if not isinstance(setup.extra, self.setup_extra):
+            raise TypeError(f"{type(self).__name__}._build: Setup.extra is a {type(setup.extra).__name__}, not the "
+                            f"{self.setup_extra.__name__} its class declares (setup_extra)")
         self._setup_cache = setup._replace(algorithm=setup.algorithm._replace(name=self.method))
         return self._setup_cache
 

@@ -75,3 +75,25 @@ def test_vertical_num_steps_is_the_deprecated_name_of_num_rounds(data3):
         svi.run(random.PRNGKey(0), 3, nf.Clients({"a": dict(y=np.zeros(3))}))
     _, figure = svi.update(new.state, **data3)
     assert np.ndim(figure) == 0 and np.isfinite(figure)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nf.FederatedSVI(_model, nf.StructuredGuide(_model), optax.adam(0.1)),
+    lambda: nf.PVI(_model),
+    lambda: nf.EP(_model),
+], ids=["sfvi", "pvi", "ep"])
+def test_each_family_builds_the_set_up_its_class_declares(make):
+    """Item 3: ``Setup.extra`` is typed per family (``setup_extra``), and ``_build`` is held to it."""
+    assert all(cls.setup_extra is not object for cls in FAMILIES), [c.__name__ for c in FAMILIES]
+    clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
+    inference = make()
+    setup = inference._setup(clients)
+    assert type(setup.extra) is type(inference).setup_extra
+
+    class Mislabelled(type(inference)):
+        setup_extra = int
+
+    wrong = Mislabelled.__new__(Mislabelled)
+    wrong.__dict__.update(make().__dict__)
+    with pytest.raises(TypeError, match=r"Mislabelled._build: Setup.extra is a \w+, not the int its class declares"):
+        wrong._setup(clients)

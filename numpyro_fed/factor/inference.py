@@ -108,6 +108,8 @@ class ModelTerms(NamedTuple):
 
 
 class FactorSetup(NamedTuple):
+    """``Setup.extra`` of PVI, EP and BCM: the model's structure and its Gaussian terms."""
+
     structure: Any
     terms: ModelTerms
 
@@ -116,6 +118,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
     """Base of :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.EP` (not used directly)."""
 
     method = "factor"
+    setup_extra = FactorSetup  # Setup.extra
     _size_group_plates = size_group_plates
 
     def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
@@ -221,7 +224,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, f"{type(self).__name__}.run/init")
 
-    def _build(self, clients: Clients) -> Setup:
+    def _build(self, clients: Clients) -> Setup[FactorSetup]:
         cls = type(self).__name__
         if self.schedule == "subset" and self.subset_size > len(clients):
             raise ValueError(_SUBSET.format(size=self.subset_size, J=len(clients)))

@@ -219,11 +219,65 @@ class FlowerBackend:
         """The simulation backend's ``run`` over the network (``clients``: the plan built
         from :meth:`connect`'s template). Dropout is real here, so ``availability`` is
         refused; so are ``init_state`` and checkpoints (not yet supported)."""
-        from flwr.app import ConfigRecord, RecordDict
-
-        from ..backends.simulation import GUARDS, NonFiniteError, all_finite
-
         del progress_bar
+        every = self._checked_run(algorithm, clients, num_rounds, availability, init_state, checkpoint,
+                                  checkpoint_every, on_nonfinite)
+        from ..backends.mapping import client_item
+
+        plan, names, J = clients, list(clients.names), len(clients.names)
+        t0 = time.perf_counter()
+        data = [client_item(plan, plan.data, j) for j in range(J)]
+        structures = wire_structures(algorithm, data, plan.server_data)
+        transcript = Transcript(keep_values) if record_transcript else None
+        setup, resumed, alive = self._set_up(names, num_rounds, rng_key, algorithm, every)
+        self.timings["setup"] = time.perf_counter() - t0
+
+        state = _first_state(algorithm, rng_key, resumed)
+        start = int(state.round)
+        run = _RunContext(
+            algorithm=algorithm, plan=plan, names=names, structures=structures, transcript=transcript,
+            select=jax.jit(algorithm.select),
+            # the secure_sum fields arrive summed by the trusted aggregator
+            steps=[jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges],
+            round_info=algorithm.round_info or last_info,
+            monitor=algorithm.monitor or (lambda info: jnp.zeros(())),
+            traffic=_Traffic(), on_nonfinite=on_nonfinite)
+        infos, figures, answered_log = [], [], []
+        if every:
+            self._save(checkpoint, state, names)
+        lost = [not a for a in alive]  # did not answer the last time asked: may come back on a new node
+        self._seen = set(self.nodes) | {self.aggregator}
+        for r in range(start, start + int(num_rounds)):
+            t0 = time.perf_counter()
+            if r > start and any(lost):
+                self._take_back(r, setup, alive, lost)
+            timeout = self.first_timeout if r == start else self.reply_timeout
+            done = self._round(run, r, state, alive, lost, timeout, first=not figures)
+            if done is None:  # non-finite values, warned: the run stops after the last finite round
+                break
+            state, info, figure, answered = done
+            infos.append(info)
+            figures.append(figure)
+            answered_log.append(answered)
+            self.round_seconds.append(time.perf_counter() - t0)
+            if every and (int(state.round) % every == 0 or r == start + int(num_rounds) - 1):
+                self._save(checkpoint, state, names)
+            for callback in callbacks:
+                callback(int(state.round), state, info)
+            if self.progress is not None:
+                self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
+        ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
+        for ledger in ledgers.values():  # what crossed the wire
+            run.traffic.add_up(message_bytes(ledger._asdict()))
+        self._warn_missing()
+        return _result(run, state, infos, figures, answered_log, ledgers)
+
+    def _checked_run(self, algorithm, plan, num_rounds, availability, init_state, checkpoint, checkpoint_every,
+                     on_nonfinite) -> int:
+        """``run``'s options checked against this backend and its connected clients; returns the
+        rounds between two server checkpoints (0: none)."""
+        from ..backends.simulation import GUARDS
+
         for what, value in (("availability= (dropout is real over Flower)", availability),
                             ("init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on "
                              "their nodes)", init_state)):
@@ -234,152 +288,119 @@ class FlowerBackend:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
         if self.template is None:
             raise ValueError("FlowerBackend.run needs connect() first (it builds the clients' template)")
-        plan, names, J = clients, list(clients.names), len(clients.names)
+        names = list(plan.names)
         if names != self.template.names:
             raise ValueError(f"the plan's clients {names} are not the connected clients {self.template.names}")
         if any(ex.secure_sum for ex in algorithm.exchanges) and self.aggregator is None:
             raise ValueError("this algorithm sends parts of its messages through a trusted aggregator (secure_sum, "
                              "e.g. trusted_aggregator=True), and no SuperNode is one: start a SuperNode with "
                              f"node_config '{ROLE_KEY}=\"aggregator\"' (LocalFederation(..., aggregator=True))")
-        from ..backends.mapping import client_item
+        return every
 
-        t0 = time.perf_counter()
-        data = [client_item(plan, plan.data, j) for j in range(J)]
-        structures = wire_structures(algorithm, data, plan.server_data)
-        transcript = Transcript(keep_values) if record_transcript else None
+    def _set_up(self, names: Sequence[str], num_rounds: int, rng_key, algorithm, every: int) -> tuple:
+        """Every client builds the same algorithm from the template and keys itself (or, resuming,
+        loads its stored state). Returns ``(the set-up records, the resumed server checkpoint or
+        None, which clients answered)``; a client that did not stops the run or is left out
+        (``on_setup_failure``)."""
+        from flwr.app import ConfigRecord, RecordDict
 
-        # set-up: every client builds the same algorithm from the template and keys itself
         text = describe(self.template)
         resumed = self._resumed(algorithm, names, rng_key) if self.resume_from is not None else None
         kind = {"kind": "setup"} if resumed is None else {"kind": "resume", "from_run": resumed[1],
                                                             "round": int(resumed[0].round)}
         setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j, "num_rounds": int(num_rounds),
                                                  "aggregator_key": self.aggregator_key,
-                                                 "checkpoint_every": int(every)})}) for j in range(J)]
+                                                 "checkpoint_every": int(every)})}) for j in range(len(names))]
         ready = self._send(self.nodes, setup, "query", self.first_timeout)
         alive = [n in ready for n in self.nodes]
         self._check_setup(names, alive)
-        self.timings["setup"] = time.perf_counter() - t0
+        return setup, resumed, alive
 
-        k_server, _, k_env = random.split(rng_key, 3)  # the clients' keys are their own
-        k_init, server_key = random.split(k_server)
-        if resumed is None:
-            server, broadcast = jax.jit(algorithm.init_server)(k_init)
-        else:
-            server, server_key, broadcast = resumed[0].server, resumed[0].server_key, resumed[0].broadcast
-        start = 0 if resumed is None else int(resumed[0].round)
-        select = jax.jit(algorithm.select)
-        # the secure_sum fields arrive summed by the trusted aggregator
-        steps = [jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges]
-        round_info = algorithm.round_info or last_info
-        monitor = algorithm.monitor or (lambda info: jnp.zeros(()))
-        infos, figures, asked_log, answered_log = [], [], [], []
-        up = down = msgs_up = msgs_down = 0
-        state = RunState(jnp.asarray(start, jnp.int32), server, server_key, broadcast, None, k_env)
-        if every:
-            self._save(checkpoint, state, names)
-        lost = [not a for a in alive]  # did not answer the last time asked: may come back on a new node
-        self._seen = set(self.nodes) | {self.aggregator}
-        for r in range(start, start + int(num_rounds)):
-            t0 = time.perf_counter()
-            if r > start and any(lost):
-                self._take_back(r, setup, alive, lost)
-            timeout = self.first_timeout if r == start else self.reply_timeout
-            server_key, k_select, *k_ex = random.split(state.server_key, 2 + len(algorithm.exchanges))
-            asked = np.asarray(select(k_select, server)) & np.asarray(alive)
-            answered = asked.copy()
-            round_infos, sent = [], []
-            for e, (exchange, key) in enumerate(zip(algorithm.exchanges, k_ex)):
-                to = [j for j in range(J) if answered[j]]
-                contents = []
-                for j in to:
-                    part = jax.tree_util.tree_map(lambda x, j=j: x[j], broadcast.per_client)
-                    b = Broadcast(broadcast.shared, part)
-                    record = to_record(b)
-                    contents.append(RecordDict({"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}),
-                                                "broadcast": record}))
-                    down += message_bytes(b)
-                    msgs_down += 1
-                    if transcript is not None:
-                        transcript.record(r, "server", names[j], from_record(structures.broadcasts[e], record),
-                                          exchange=str(e))
-                replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
-                secure = exchange.secure_sum
-                like, direct_like, hidden_like = _wire_like(structures.messages[e], secure)
-                rows, sealed = [], {}
-                for j in range(J):
-                    reply = replies.get(self.nodes[j]) if answered[j] else None
-                    if reply is None:
-                        answered[j] = False
-                        rows.append(None)
-                        continue
-                    message = from_record(like, reply.content["message"])
-                    up += message_bytes(message)
-                    msgs_up += 1
-                    if secure:  # the direct fields, and the sealed part the server relays unread
-                        message, sealed[j] = message["direct"], message["sealed"]
-                    if transcript is not None and (message or not secure):
-                        transcript.record(r, names[j], "server", message, exchange=str(e))
-                    if transcript is not None and secure:
-                        transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
-                    rows.append(message)
-                zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
-                stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[m if m is not None else zero
-                                                                               for m in rows])
-                sent.append(stacked)
-                if secure:
-                    summed = self._secure_sum(r, e, J, sealed, hidden_like, timeout)
-                    if transcript is not None:
-                        transcript.record(r, "aggregator", "server", summed, exchange=str(e))
-                    stacked = {**stacked, **summed}
-                server, broadcast, info = steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
-                                                                                   plan.server_data))
-                round_infos.append(info)
-            for j in range(J):
-                if asked[j]:
-                    lost[j] = not answered[j]
-            lacked = [names[j] for j in range(J) if asked[j] and not answered[j]]
-            if lacked:
-                self.missing.append((r + 1, "round", lacked))
-            info = round_info(tuple(round_infos))
-            figure = monitor(info)
-            if not (bool(all_finite(broadcast)) and bool(jnp.isfinite(figure))):
-                bad = [names[j] for j in range(J) if answered[j] and not all(
-                    bool(all_finite(jax.tree_util.tree_map(lambda x, j=j: x[j], m))) for m in sent)]
-                message = (f"round {r + 1}: non-finite values (messages of client(s) {bad}; the server's state, "
-                           f"broadcast or loss); the run stopped there. Lower the learning rate or damping, "
-                           f"check the data and priors")
-                if on_nonfinite == "raise" or not figures:
-                    raise NonFiniteError(message, r + 1, bad, state)
-                warnings.warn(message, NonFiniteWarning, stacklevel=3)
-                break
-            state = RunState(state.round + 1, server, server_key, broadcast, None, state.env_key)
-            infos.append(info)
-            figures.append(figure)
-            asked_log.append(asked)
-            answered_log.append(answered.copy())
-            self.round_seconds.append(time.perf_counter() - t0)
-            if every and (int(state.round) % every == 0 or r == start + int(num_rounds) - 1):
-                self._save(checkpoint, state, names)
-            for callback in callbacks:
-                callback(int(state.round), state, info)
-            if self.progress is not None:
-                self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
-        ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
-        for ledger in ledgers.values():  # what crossed the wire
-            up, msgs_up = up + message_bytes(ledger._asdict()), msgs_up + 1
-        self._warn_missing()
-        stack = (lambda *xs: jnp.stack(xs))
-        return RunResult(
-            params=state.server,
-            state=state,
-            trace=jnp.stack(figures),
-            info=jax.tree_util.tree_map(stack, *infos),
-            communication=Communication(len(figures), up, down, msgs_up, msgs_down),
-            client_states=ClientStates(names, lambda j: _ledger_of(names[j], ledgers)),
-            transcript=transcript,
-            rounds_answered=np.asarray([a.sum() for a in answered_log]),
-        )
+    # ------------------------------------------------------------------ one round
+    def _round(self, run: "_RunContext", r: int, state: RunState, alive: List[bool], lost: List[bool],
+               timeout: float, first: bool):
+        """Round ``r``: the server selects, then each exchange goes out to the clients that
+        answered the earlier ones and its server step runs here. Updates ``lost`` and
+        :attr:`missing`. Returns ``(state, info, figure, answered)``, or None when the round
+        gave non-finite values and ``on_nonfinite`` warns (it raises :class:`NonFiniteError`
+        when it is ``"raise"`` or this is the run's first round)."""
+        from ..backends.simulation import all_finite
+
+        names, J, exchanges = run.names, len(run.names), run.algorithm.exchanges
+        server, broadcast = state.server, state.broadcast
+        server_key, k_select, *k_ex = random.split(state.server_key, 2 + len(exchanges))
+        asked = np.asarray(run.select(k_select, server)) & np.asarray(alive)
+        answered = asked.copy()
+        round_infos, sent = [], []
+        for e, (exchange, key) in enumerate(zip(exchanges, k_ex)):
+            stacked, summed = self._exchange(run, r, e, broadcast, answered, timeout)
+            sent.append(stacked)
+            if exchange.secure_sum:
+                stacked = {**stacked, **summed}
+            server, broadcast, info = run.steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
+                                                                                   run.plan.server_data))
+            round_infos.append(info)
+        for j in range(J):
+            if asked[j]:
+                lost[j] = not answered[j]
+        lacked = [names[j] for j in range(J) if asked[j] and not answered[j]]
+        if lacked:
+            self.missing.append((r + 1, "round", lacked))
+        info = run.round_info(tuple(round_infos))
+        figure = run.monitor(info)
+        if not (bool(all_finite(broadcast)) and bool(jnp.isfinite(figure))):
+            _non_finite(run, r, state, answered, sent, first)
+            return None
+        state = RunState(state.round + 1, server, server_key, broadcast, None, state.env_key)
+        return state, info, figure, answered.copy()
+
+    def _exchange(self, run: "_RunContext", r: int, e: int, broadcast: Broadcast, answered, timeout: float) -> tuple:
+        """Exchange ``e`` of round ``r`` over the wire: each client in ``answered`` gets its
+        broadcast, and ``answered`` is cleared for those whose reply did not come. Returns
+        ``(the messages stacked, zeros for a client that did not answer; the trusted aggregator's
+        sum of the secure_sum fields, or {})``."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        names, J, transcript, traffic = run.names, len(run.names), run.transcript, run.traffic
+        to = [j for j in range(J) if answered[j]]
+        contents = []
+        for j in to:
+            part = jax.tree_util.tree_map(lambda x, j=j: x[j], broadcast.per_client)
+            b = Broadcast(broadcast.shared, part)
+            record = to_record(b)
+            contents.append(RecordDict({"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}),
+                                        "broadcast": record}))
+            traffic.add_down(message_bytes(b))
+            if transcript is not None:
+                transcript.record(r, "server", names[j], from_record(run.structures.broadcasts[e], record),
+                                  exchange=str(e))
+        replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
+        secure = run.algorithm.exchanges[e].secure_sum
+        like, direct_like, hidden_like = _wire_like(run.structures.messages[e], secure)
+        rows, sealed = [], {}
+        for j in range(J):
+            reply = replies.get(self.nodes[j]) if answered[j] else None
+            if reply is None:
+                answered[j] = False
+                rows.append(None)
+                continue
+            message = from_record(like, reply.content["message"])
+            traffic.add_up(message_bytes(message))
+            if secure:  # the direct fields, and the sealed part the server relays unread
+                message, sealed[j] = message["direct"], message["sealed"]
+            if transcript is not None and (message or not secure):
+                transcript.record(r, names[j], "server", message, exchange=str(e))
+            if transcript is not None and secure:
+                transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
+            rows.append(message)
+        zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[m if m is not None else zero for m in rows])
+        summed = {}
+        if secure:
+            summed = self._secure_sum(r, e, J, sealed, hidden_like, timeout)
+            if transcript is not None:
+                transcript.record(r, "aggregator", "server", summed, exchange=str(e))
+        return stacked, summed
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_every(self, checkpoint, every, num_rounds: int) -> int:
@@ -559,6 +580,81 @@ def _ledger_of(name: str, ledgers: Dict[str, ClientLedger]) -> ClientLedger:
     raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
                    f"has only the privacy ledger of a DP run's clients that answered at its end")
 
+
+class _Traffic:
+    """Bytes and messages that crossed the wire in a run, each way (``Communication``)."""
+
+    def __init__(self) -> None:
+        self.up = self.down = self.msgs_up = self.msgs_down = 0
+
+    def add_up(self, nbytes: int) -> None:
+        self.up, self.msgs_up = self.up + nbytes, self.msgs_up + 1
+
+    def add_down(self, nbytes: int) -> None:
+        self.down, self.msgs_down = self.down + nbytes, self.msgs_down + 1
+
+
+class _RunContext(NamedTuple):
+    """What every round of one :meth:`FlowerBackend.run` shares: the algorithm and its
+    jit-compiled server side, the plan, the wire structures, the transcript and the traffic."""
+
+    algorithm: Any
+    plan: Any
+    names: List[str]
+    structures: WireStructures
+    transcript: Optional[Transcript]
+    select: Callable
+    steps: List[Callable]
+    round_info: Callable
+    monitor: Callable
+    traffic: _Traffic
+    on_nonfinite: str
+
+
+def _first_state(algorithm, rng_key, resumed) -> RunState:
+    """The server's state before the first round: a fresh ``init_server`` from the server's own
+    key (the clients' keys are their own), or the resumed checkpoint's server, key and broadcast."""
+    k_server, _, k_env = random.split(rng_key, 3)
+    k_init, server_key = random.split(k_server)
+    if resumed is None:
+        server, broadcast = jax.jit(algorithm.init_server)(k_init)
+        start = 0
+    else:
+        server, server_key, broadcast = resumed[0].server, resumed[0].server_key, resumed[0].broadcast
+        start = int(resumed[0].round)
+    return RunState(jnp.asarray(start, jnp.int32), server, server_key, broadcast, None, k_env)
+
+
+def _non_finite(run: _RunContext, r: int, state: RunState, answered, sent, first: bool) -> None:
+    """Round ``r`` gave non-finite values: raise :class:`NonFiniteError` (``on_nonfinite="raise"``,
+    or nothing finite to return yet) or warn, naming the clients whose messages were non-finite."""
+    from ..backends.simulation import NonFiniteError, all_finite
+
+    names = run.names
+    bad = [names[j] for j in range(len(names)) if answered[j] and not all(
+        bool(all_finite(jax.tree_util.tree_map(lambda x, j=j: x[j], m))) for m in sent)]
+    message = (f"round {r + 1}: non-finite values (messages of client(s) {bad}; the server's state, "
+               f"broadcast or loss); the run stopped there. Lower the learning rate or damping, "
+               f"check the data and priors")
+    if run.on_nonfinite == "raise" or first:
+        raise NonFiniteError(message, r + 1, bad, state)
+    warnings.warn(message, NonFiniteWarning, stacklevel=5)  # run's caller, as before the split
+
+
+def _result(run: _RunContext, state: RunState, infos, figures, answered_log, ledgers) -> RunResult:
+    """The run's :class:`RunResult`; ``client_states`` holds only the DP clients' ledgers."""
+    names, traffic = run.names, run.traffic
+    stack = (lambda *xs: jnp.stack(xs))
+    return RunResult(
+        params=state.server,
+        state=state,
+        trace=jnp.stack(figures),
+        info=jax.tree_util.tree_map(stack, *infos),
+        communication=Communication(len(figures), traffic.up, traffic.down, traffic.msgs_up, traffic.msgs_down),
+        client_states=ClientStates(names, lambda j: _ledger_of(names[j], ledgers)),
+        transcript=run.transcript,
+        rounds_answered=np.asarray([a.sum() for a in answered_log]),
+    )
 
 def _wire_like(like, secure):
     """``(as it travels, direct part, secure part)`` of one client's message: with

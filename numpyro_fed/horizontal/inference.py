@@ -126,6 +126,8 @@ class FederatedSVI(PrivateFit, FederatedInference):
         True
     """
 
+    setup_extra = FederatedObjective  # Setup.extra
+
     def __init__(
         self,
         model: Callable,
@@ -188,7 +190,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, type(self).__name__)
 
-    def _build(self, clients: Clients) -> Setup:
+    def _build(self, clients: Clients) -> Setup[FederatedObjective]:
         structure = analyse_model(self.model, clients, self.model_kwargs)
         plan, structure = plan_clients(
             self.model, self.model_kwargs, clients, structure, self.client_mapping, self.row_plate

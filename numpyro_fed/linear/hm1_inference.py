@@ -95,6 +95,7 @@ class HM1(FederatedInference):
     """
 
     method = "hm1"
+    setup_extra = int  # Setup.extra: the number of covariates
 
     def __init__(self, *, lr: float = 0.01, shrinkage: Optional[float] = None, alpha: float = 0.1,
                  local_steps: int = 20, batch_size: Optional[int] = 10, gradient: str = "sum",
@@ -129,7 +130,7 @@ class HM1(FederatedInference):
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, "HM1.run/init")
 
-    def _build(self, clients: Clients) -> Setup:
+    def _build(self, clients: Clients) -> Setup[int]:
         n_max = max(clients.num_rows.values())
         xs, ys, masks = [], [], []
         dims = set()
@@ -169,7 +170,7 @@ class HM1(FederatedInference):
                                   noise_scaled=self.noise_scaled, omega_df=self.omega_df,
                                   subset_size=self.subset_size, truth=self._truth)
         algorithm = algorithms[key]
-        return Setup(clients, algorithm, plan, d, {})
+        return Setup(clients, algorithm, plan, int(d), {})
 
     def _check_result(self, setup: Setup, result: RunResult) -> None:
         """Warn when ``Theta``'s last change exceeds ``convergence_tol`` of its size."""

@@ -4,7 +4,7 @@ party data, set-up and the ``init / update / run`` layer over the backend."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +104,14 @@ def validate_party_data(model, data: Mapping[str, Any]) -> Dict[str, np.ndarray]
     return clean
 
 
+class VerticalParts(NamedTuple):
+    """``Setup.extra`` of the vertical families: the rewritten model's objective and the
+    algorithm's party functions (``_build_algorithm``'s pair)."""
+
+    objective: VerticalObjective
+    algorithm: Any
+
+
 class VerticalInference(VerticalNetworkCheck, FederatedInference):
     """``init / update / run / get_params`` over a vertical algorithm (see subclasses).
 
@@ -115,6 +123,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
     batch_size: Optional[int]
     model_kwargs: dict
     method: str = "vertical"
+    setup_extra = VerticalParts  # Setup.extra
     loss_name: str = "loss"
 
     def _init_runner(self, optim, batch_size, model_kwargs) -> None:
@@ -148,7 +157,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
             raise ValueError(f"{type(self).__name__}.diagnose needs every party's state (a simulation run)")
         own_keys = rng_key is None  # the default draws are the network check's: each client from its own key
         rng_key = random.PRNGKey(CHECK_KEY) if rng_key is None else rng_key
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         key = ("fit_check", int(num_draws))
         if key not in setup.cache:  # compiled once per set-up and draw count
             setup.cache[key] = jax.jit(check_function(obj, self._check_draws_fn(setup, int(num_draws))),
@@ -202,7 +211,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         check = self.last_fit_check
         if check is None or getattr(self, "_checked_state", None) != state_fingerprint((state.server, state.clients)):
             check = self.diagnose(state)
-        obj = self._fitted().extra[0]
+        obj = self._fitted().extra.objective
         flat = importance_resample(rng_key, check, num_samples, type(self).__name__)
         return constrain_draws(obj, split_flat(obj, flat))
 
@@ -215,7 +224,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         if not data:
             raise ValueError(_NO_DATA.format(cls=type(self).__name__))
 
-    def _build(self, data: Mapping[str, Any]) -> Setup:
+    def _build(self, data: Mapping[str, Any]) -> Setup[VerticalParts]:
         arrays = {k: jnp.asarray(v) for k, v in validate_party_data(self.model, data).items()}
         refuse_dp(type(self).__name__, self.model, arrays, getattr(self, "model_kwargs", {}))
         obj, alg = self._build_algorithm(arrays)
@@ -223,7 +232,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         parties = tuple(PartyData(c, obj.party_args(c, arrays, rows)) for c in obj.clients)
         plan = ClientPlan(obj.clients, parties, "loop", obj.row_plate, np.full(len(obj.clients), obj.num_rows),
                           server_data=obj.party_args(SERVER, arrays, rows))
-        return Setup(dict(data), vertical_protocol(alg, obj), plan, (obj, alg), {"data": arrays})
+        return Setup(dict(data), vertical_protocol(alg, obj), plan, VerticalParts(obj, alg), {"data": arrays})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, Any]:
         if state.clients is None:  # a network backend: each party keeps its own parameters
@@ -237,7 +246,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
 
     @property
     def objective(self) -> VerticalObjective:
-        return self._fitted().extra[0]
+        return self._fitted().extra.objective
 
     def _inputs(self, clients, data: dict):
         """The model's data, passed as keyword arguments (a vertical federation has no Clients)."""

@@ -103,7 +103,7 @@ class VerticalNetworkCheck:
         """On client ``data.party`` after a network run: its part of the vertical fit check,
         from its own ``q``, rows and key (``rng_key``, never sent)."""
         self._client_value_inputs(name, setup, data)
-        obj: VerticalObjective = setup.extra[0]
+        obj: VerticalObjective = setup.extra.objective
         party = data.party
         u, log_q, point = self._client_draws(setup, party, client_state, rng_key, CHECK_DRAWS)
         if name == "vertical_terms":
@@ -135,7 +135,7 @@ class VerticalNetworkCheck:
         """``(check, why, exchanges)``: the fit check computed with the parties over ``network``
         (``None`` with the reason when some party did not answer) and the ``(sent, got)``
         messages of each exchange."""
-        obj: VerticalObjective = setup.extra[0]
+        obj: VerticalObjective = setup.extra.objective
         J, rnd, exchanges = len(obj.clients), int(result.communication.rounds), []
         c0 = obj.clients[0]
         g_shape = jax.eval_shape(lambda v: obj.true_client_term(c0, v, setup.plan.data[0].args)[1],

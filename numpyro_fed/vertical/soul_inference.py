@@ -138,7 +138,7 @@ class VerticalSOUL(VerticalInference):
         return self._fit_check(setup, result)
 
     def _check_draws_fn(self, setup, num_draws: int):
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         chains = self._chains_fn(setup, 2 * num_draws)
         parties = (SERVER,) + obj.clients
 
@@ -209,7 +209,7 @@ class VerticalSOUL(VerticalInference):
 
     @classmethod
     def _draws_fn(cls, setup, num_samples, thinning, num_warmup):
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         run = cls._chains_fn(setup, num_warmup + num_samples * thinning)
 
         def draws(state, arrays, rng_key):

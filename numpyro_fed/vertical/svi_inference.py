@@ -111,7 +111,7 @@ class VerticalSVI(VerticalInference):
     def _party_draw(self, setup: Setup, num_draws: int):
         """``draw(party, params, key) -> (u, log_q, point)``: ``num_draws`` draws of one
         party's sites from its own ``q`` (on its own node over a network backend)."""
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         theta = self.guide.theta
 
         def draw(party, params, key):
@@ -122,7 +122,7 @@ class VerticalSVI(VerticalInference):
         return draw
 
     def _check_draws_fn(self, setup: Setup, num_draws: int):
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         draw = self._party_draw(setup, num_draws)
 
         def fn(state, arrays, rng_key, own_keys):
@@ -142,7 +142,7 @@ class VerticalSVI(VerticalInference):
 
     def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
         self.last_rho_check = None
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         result = self._fit_check(setup, result)
         if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
             return result
@@ -160,7 +160,7 @@ class VerticalSVI(VerticalInference):
         ``z`` (each client's ``z`` at its ``q``'s mean, the z it sends). Simulation only."""
         state = self._state_of(result)
         setup = self._fitted()
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         params = self._params(setup, state)
         data, rows = setup.cache["data"], jnp.arange(obj.num_rows)
         z = {}
@@ -184,7 +184,7 @@ class VerticalSVI(VerticalInference):
         rng_key = state.server_key if rng_key is None else rng_key
         key = ("elbo", int(num_particles))
         if key not in setup.cache:  # compile once per set-up and particle count
-            obj = setup.extra[0]
+            obj = setup.extra.objective
             full = vertical_sfvi(obj, self.optim, None)
             names = setup.plan.names
 
@@ -212,7 +212,7 @@ class VerticalSVI(VerticalInference):
         if corrected:
             return self._corrected_draws(rng_key, state, int(num_samples))
         setup = self._fitted()
-        obj = setup.extra[0]
+        obj = setup.extra.objective
         params_of = self._params(setup, state)
         out = {}
         keys = random.split(rng_key, len(obj.clients) + 1)
