@@ -1,0 +1,107 @@
+"""Where the test suite's time goes: a pytest plugin that records, per test, its wall time and
+JAX's own compile events (tracing, lowering to MLIR, XLA backend compilation, persistent-cache
+hits and misses), and a summary by test file.
+
+Record (each xdist worker writes its own JSON file into ``JAX_TEST_PROFILE_DIR``, default
+``.jax_test_profile/``)::
+
+    PYTHONPATH=tools python -m pytest -q -n 2 -p jax_test_profile
+
+Summarise::
+
+    python tools/jax_test_profile.py [DIR] [--top N]
+
+Time spent in child processes (Flower's ServerApp and ClientApps, notebook kernels, the CLI)
+is in a test's wall time but not in its compile columns: the ``other`` column holds it, with
+the runs themselves and Python.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import sys
+import time
+
+DIR = os.environ.get("JAX_TEST_PROFILE_DIR", ".jax_test_profile")
+EVENTS = {"compile": "/jax/core/compile/backend_compile_duration",
+          "trace": "/jax/core/compile/jaxpr_trace_duration",
+          "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration"}
+COUNTS = {"misses": "/jax/compilation_cache/cache_misses", "hits": "/jax/compilation_cache/cache_hits"}
+
+_seconds: collections.Counter = collections.Counter()
+_counts: collections.Counter = collections.Counter()
+_tests: dict = {}
+
+
+def pytest_configure(config):
+    from jax import monitoring
+
+    monitoring.register_event_duration_secs_listener(lambda event, secs, **kw: _seconds.update({event: secs}))
+    monitoring.register_event_listener(lambda event, **kw: _counts.update({event: 1}))
+
+
+def _hookwrapper():
+    import pytest
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):  # noqa: F811
+        seconds, counts, start = dict(_seconds), dict(_counts), time.perf_counter()
+        yield
+        row = {"wall": time.perf_counter() - start}
+        row.update({k: _seconds[e] - seconds.get(e, 0.0) for k, e in EVENTS.items()})
+        row.update({k: _counts[e] - counts.get(e, 0) for k, e in COUNTS.items()})
+        _tests[item.nodeid] = row
+
+    return pytest_runtest_protocol
+
+
+pytest_runtest_protocol = _hookwrapper()
+
+
+def pytest_sessionfinish(session):
+    if not _tests:
+        return
+    os.makedirs(DIR, exist_ok=True)
+    with open(os.path.join(DIR, f"worker-{os.getpid()}.json"), "w") as fh:
+        json.dump(_tests, fh)
+
+
+def summarise(directory: str = DIR, top: int = 20) -> str:
+    rows = {}
+    for path in glob.glob(os.path.join(directory, "worker-*.json")):
+        with open(path) as fh:
+            rows.update(json.load(fh))
+    if not rows:
+        return f"no profile in {directory}: run pytest with -p jax_test_profile first"
+    for r in rows.values():
+        r["other"] = r["wall"] - r["compile"] - r["trace"] - r["lower"]
+    cols = ("wall", "compile", "trace", "lower", "other")
+    total = {c: sum(r[c] for r in rows.values()) for c in cols}
+    lines = [f"{len(rows)} tests; seconds summed over the workers: "
+             + ", ".join(f"{c} {total[c]:.0f}" for c in cols)
+             + f"; persistent-cache misses {sum(r['misses'] for r in rows.values())}, "
+               f"hits {sum(r['hits'] for r in rows.values())}", "", "by file:"]
+    files: dict = collections.defaultdict(lambda: collections.Counter())
+    for nodeid, r in rows.items():
+        f = files[nodeid.split("::")[0]]
+        f.update({c: r[c] for c in cols})
+        f["tests"] += 1
+    for name, f in sorted(files.items(), key=lambda kv: -kv[1]["wall"])[:top]:
+        lines.append(f"  {name:45s} {f['tests']:4d} tests " + " ".join(f"{c} {f[c]:7.0f}" for c in cols))
+    lines += ["", f"slowest {top} tests:"]
+    for nodeid, r in sorted(rows.items(), key=lambda kv: -kv[1]["wall"])[:top]:
+        lines.append(f"  {r['wall']:7.1f} s (compile {r['compile']:5.1f}, other {r['other']:6.1f})  {nodeid}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    n = 20
+    if "--top" in args:
+        i = args.index("--top")
+        n = int(args[i + 1])
+        del args[i:i + 2]
+    print(summarise(args[0] if args else DIR, n))
