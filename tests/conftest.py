@@ -6,9 +6,9 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 # One persistent XLA compilation cache for this test session, shared by the xdist workers
-# (they inherit the controller's environment), subprocesses and notebook kernels. Tests
-# clear JAX's in-memory caches (see below), so without it every test recompiles even
-# NumPyro's eager ops. The cache key is the compiled program itself: results are identical.
+# (they inherit the controller's environment), subprocesses and notebook kernels: each test
+# builds its own models and closures, so the in-memory caches miss where the program is the
+# same; this cache does not. The cache key is the compiled program itself: results are identical.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="numpyro_fed_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache

@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+import pytest
+
 DIR = os.environ.get("JAX_TEST_PROFILE_DIR", ".jax_test_profile")
 EVENTS = {"compile": "/jax/core/compile/backend_compile_duration",
           "trace": "/jax/core/compile/jaxpr_trace_duration",
@@ -43,22 +45,14 @@ def pytest_configure(config):
     monitoring.register_event_listener(lambda event, **kw: _counts.update({event: 1}))
 
 
-def _hookwrapper():
-    import pytest
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(item, nextitem):  # noqa: F811
-        seconds, counts, start = dict(_seconds), dict(_counts), time.perf_counter()
-        yield
-        row = {"wall": time.perf_counter() - start}
-        row.update({k: _seconds[e] - seconds.get(e, 0.0) for k, e in EVENTS.items()})
-        row.update({k: _counts[e] - counts.get(e, 0) for k, e in COUNTS.items()})
-        _tests[item.nodeid] = row
-
-    return pytest_runtest_protocol
-
-
-pytest_runtest_protocol = _hookwrapper()
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    seconds, counts, start = dict(_seconds), dict(_counts), time.perf_counter()
+    yield
+    row = {"wall": time.perf_counter() - start}
+    row.update({k: _seconds[e] - seconds.get(e, 0.0) for k, e in EVENTS.items()})
+    row.update({k: _counts[e] - counts.get(e, 0) for k, e in COUNTS.items()})
+    _tests[item.nodeid] = row
 
 
 def pytest_sessionfinish(session):
