@@ -34,11 +34,13 @@ from jax import random
 
 from .._validation import check_callable, check_positive_int, check_positive_number
 from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
-from ..transcript import Communication, Transcript, message_bytes
-from ..warnings import MissingClientsWarning, NonFiniteWarning
-from .sealed import OVERHEAD, ROLE_KEY
+from ..transcript import Transcript, message_bytes
+from ..warnings import MissingClientsWarning
+from .pull import pull_replies
+from .rounds import RunContext, Traffic, first_state, non_finite, run_result
+from .sealed import ROLE_KEY
 from .task import FlowerTask
-from .wire import Template, WireStructures, describe, from_record, to_record, wire_structures
+from .wire import Template, WireStructures, describe, from_record, to_record, wire_like, wire_structures
 
 __all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
 
@@ -126,7 +128,7 @@ class FlowerBackend:
         replies: Dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while waiting and time.monotonic() < deadline:
-            for reply in _pull_replies(self.grid, list(waiting), self.poll):
+            for reply in pull_replies(self.grid, list(waiting), self.poll):
                 node = waiting.pop(reply.metadata.reply_to_message_id, None)
                 if node is None:
                     continue
@@ -232,16 +234,16 @@ class FlowerBackend:
         setup, resumed, alive = self._set_up(names, num_rounds, rng_key, algorithm, every)
         self.timings["setup"] = time.perf_counter() - t0
 
-        state = _first_state(algorithm, rng_key, resumed)
+        state = first_state(algorithm, rng_key, resumed)
         start = int(state.round)
-        run = _RunContext(
+        run = RunContext(
             algorithm=algorithm, plan=plan, names=names, structures=structures, transcript=transcript,
             select=jax.jit(algorithm.select),
             # the secure_sum fields arrive summed by the trusted aggregator
             steps=[jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges],
             round_info=algorithm.round_info or last_info,
             monitor=algorithm.monitor or (lambda info: jnp.zeros(())),
-            traffic=_Traffic(), on_nonfinite=on_nonfinite)
+            traffic=Traffic(), on_nonfinite=on_nonfinite)
         infos, figures, answered_log = [], [], []
         if every:
             self._save(checkpoint, state, names)
@@ -270,7 +272,8 @@ class FlowerBackend:
         for ledger in ledgers.values():  # what crossed the wire
             run.traffic.add_up(message_bytes(ledger._asdict()))
         self._warn_missing()
-        return _result(run, state, infos, figures, answered_log, ledgers)
+        return run_result(run, state, infos, figures, answered_log,
+                          ClientStates(names, lambda j: _ledger_of(names[j], ledgers)))
 
     def _checked_run(self, algorithm, plan, num_rounds, availability, init_state, checkpoint, checkpoint_every,
                      on_nonfinite) -> int:
@@ -317,7 +320,7 @@ class FlowerBackend:
         return setup, resumed, alive
 
     # ------------------------------------------------------------------ one round
-    def _round(self, run: "_RunContext", r: int, state: RunState, alive: List[bool], lost: List[bool],
+    def _round(self, run: RunContext, r: int, state: RunState, alive: List[bool], lost: List[bool],
                timeout: float, first: bool):
         """Round ``r``: the server selects, then each exchange goes out to the clients that
         answered the earlier ones and its server step runs here. Updates ``lost`` and
@@ -349,12 +352,12 @@ class FlowerBackend:
         info = run.round_info(tuple(round_infos))
         figure = run.monitor(info)
         if not (bool(all_finite(broadcast)) and bool(jnp.isfinite(figure))):
-            _non_finite(run, r, state, answered, sent, first)
+            non_finite(run, r, state, answered, sent, first)
             return None
         state = RunState(state.round + 1, server, server_key, broadcast, None, state.env_key)
         return state, info, figure, answered.copy()
 
-    def _exchange(self, run: "_RunContext", r: int, e: int, broadcast: Broadcast, answered, timeout: float) -> tuple:
+    def _exchange(self, run: RunContext, r: int, e: int, broadcast: Broadcast, answered, timeout: float) -> tuple:
         """Exchange ``e`` of round ``r`` over the wire: each client in ``answered`` gets its
         broadcast, and ``answered`` is cleared for those whose reply did not come. Returns
         ``(the messages stacked, zeros for a client that did not answer; the trusted aggregator's
@@ -376,7 +379,7 @@ class FlowerBackend:
                                   exchange=str(e))
         replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
         secure = run.algorithm.exchanges[e].secure_sum
-        like, direct_like, hidden_like = _wire_like(run.structures.messages[e], secure)
+        like, direct_like, hidden_like = wire_like(run.structures.messages[e], secure)
         rows, sealed = [], {}
         for j in range(J):
             reply = replies.get(self.nodes[j]) if answered[j] else None
@@ -579,135 +582,3 @@ def _ledger_of(name: str, ledgers: Dict[str, ClientLedger]) -> ClientLedger:
         return ledgers[name]
     raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
                    f"has only the privacy ledger of a DP run's clients that answered at its end")
-
-
-class _Traffic:
-    """Bytes and messages that crossed the wire in a run, each way (``Communication``)."""
-
-    def __init__(self) -> None:
-        self.up = self.down = self.msgs_up = self.msgs_down = 0
-
-    def add_up(self, nbytes: int) -> None:
-        self.up, self.msgs_up = self.up + nbytes, self.msgs_up + 1
-
-    def add_down(self, nbytes: int) -> None:
-        self.down, self.msgs_down = self.down + nbytes, self.msgs_down + 1
-
-
-class _RunContext(NamedTuple):
-    """What every round of one :meth:`FlowerBackend.run` shares: the algorithm and its
-    jit-compiled server side, the plan, the wire structures, the transcript and the traffic."""
-
-    algorithm: Any
-    plan: Any
-    names: List[str]
-    structures: WireStructures
-    transcript: Optional[Transcript]
-    select: Callable
-    steps: List[Callable]
-    round_info: Callable
-    monitor: Callable
-    traffic: _Traffic
-    on_nonfinite: str
-
-
-def _first_state(algorithm, rng_key, resumed) -> RunState:
-    """The server's state before the first round: a fresh ``init_server`` from the server's own
-    key (the clients' keys are their own), or the resumed checkpoint's server, key and broadcast."""
-    k_server, _, k_env = random.split(rng_key, 3)
-    k_init, server_key = random.split(k_server)
-    if resumed is None:
-        server, broadcast = jax.jit(algorithm.init_server)(k_init)
-        start = 0
-    else:
-        server, server_key, broadcast = resumed[0].server, resumed[0].server_key, resumed[0].broadcast
-        start = int(resumed[0].round)
-    return RunState(jnp.asarray(start, jnp.int32), server, server_key, broadcast, None, k_env)
-
-
-def _non_finite(run: _RunContext, r: int, state: RunState, answered, sent, first: bool) -> None:
-    """Round ``r`` gave non-finite values: raise :class:`NonFiniteError` (``on_nonfinite="raise"``,
-    or nothing finite to return yet) or warn, naming the clients whose messages were non-finite."""
-    from ..backends.simulation import NonFiniteError, all_finite
-
-    names = run.names
-    bad = [names[j] for j in range(len(names)) if answered[j] and not all(
-        bool(all_finite(jax.tree_util.tree_map(lambda x, j=j: x[j], m))) for m in sent)]
-    message = (f"round {r + 1}: non-finite values (messages of client(s) {bad}; the server's state, "
-               f"broadcast or loss); the run stopped there. Lower the learning rate or damping, "
-               f"check the data and priors")
-    if run.on_nonfinite == "raise" or first:
-        raise NonFiniteError(message, r + 1, bad, state)
-    warnings.warn(message, NonFiniteWarning, stacklevel=5)  # run's caller, as before the split
-
-
-def _result(run: _RunContext, state: RunState, infos, figures, answered_log, ledgers) -> RunResult:
-    """The run's :class:`RunResult`; ``client_states`` holds only the DP clients' ledgers."""
-    names, traffic = run.names, run.traffic
-    stack = (lambda *xs: jnp.stack(xs))
-    return RunResult(
-        params=state.server,
-        state=state,
-        trace=jnp.stack(figures),
-        info=jax.tree_util.tree_map(stack, *infos),
-        communication=Communication(len(figures), traffic.up, traffic.down, traffic.msgs_up, traffic.msgs_down),
-        client_states=ClientStates(names, lambda j: _ledger_of(names[j], ledgers)),
-        transcript=run.transcript,
-        rounds_answered=np.asarray([a.sum() for a in answered_log]),
-    )
-
-def _wire_like(like, secure):
-    """``(as it travels, direct part, secure part)`` of one client's message: with
-    ``secure_sum`` fields, ``{"direct": the other fields, "sealed": the secure ones sealed}``."""
-    if not secure:
-        return like, like, None
-    direct = {k: v for k, v in like.items() if k not in secure}
-    hidden = {k: v for k, v in like.items() if k in secure}
-    sealed = jax.ShapeDtypeStruct((message_bytes(hidden) + OVERHEAD,), np.uint8)
-    return {"direct": direct, "sealed": sealed}, direct, hidden
-
-
-def _pull_replies(grid, message_ids, poll: float):
-    """``grid.pull_messages(message_ids)``, with a retry of ``poll`` seconds (capped at
-    0.25 s) for a reply whose objects the SuperLink does not hold yet. Flower's own pull
-    (flwr 1.41's ``GrpcGrid``/``HttpGrid``) waits 1 s, then 2 s, ... and blocks the replies
-    behind it meanwhile (measured here: replies of 10 SuperNodes arriving in bursts seconds
-    apart). Other grids (Flower's simulation engine) use their own ``pull_messages``."""
-    runtime = getattr(grid, "_runtime_client", None)
-    if runtime is None or not hasattr(grid, "_run") or not hasattr(grid, "node"):
-        return grid.pull_messages(message_ids)
-    from flwr.app import Message, Metadata
-    from flwr.app.error import Error
-    from flwr.app.message import make_message
-    from flwr.common.constant import ErrorCode
-    from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
-    from flwr.proto.runtime_pb2 import PullAppMessagesRequest
-    from flwr.supercore.constant import SYSTEM_MESSAGE_TYPE
-    from flwr.supercore.date import now
-    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
-    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, inflate_object_from_contents, pull_objects
-
-    run_id = grid._run.run_id
-    res = runtime.PullMessages(PullAppMessagesRequest(message_ids=message_ids))
-    out = []
-    for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
-        msg_id = proto.metadata.message_id
-        try:
-            contents = pull_objects([t.object_id for t in iterate_object_tree(tree)],
-                                    make_pull_object_fn_protobuf(runtime.PullObject, grid.node, run_id),
-                                    initial_backoff=poll, backoff_cap=max(poll, 0.25))
-        except ObjectPullError as e:  # as Flower does: an error reply (this client did not answer)
-            out.append(make_message(metadata=Metadata(
-                run_id=run_id, message_id="", src_node_id=grid.node.node_id, dst_node_id=grid.node.node_id,
-                message_type=SYSTEM_MESSAGE_TYPE, group_id="", ttl=0,
-                reply_to_message_id=proto.metadata.reply_to_message_id, created_at=now().timestamp()),
-                error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=f"reply objects unavailable: {e}")))
-            continue
-        runtime.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id,
-                                                                     message_object_id=msg_id))
-        message = inflate_object_from_contents(msg_id, contents)
-        assert isinstance(message, Message)
-        message.metadata.__dict__["_message_id"] = msg_id  # as Flower sets it
-        out.append(message)
-    return out

@@ -28,9 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..protocol import Broadcast, FederatedAlgorithm, ServerView
-from ..transcript import message_from_bytes, message_to_bytes
+from ..transcript import message_bytes, message_from_bytes, message_to_bytes
+from .sealed import OVERHEAD
 
-__all__ = ["Template", "WireStructures", "describe", "from_record", "parse_template", "to_record", "wire_structures"]
+__all__ = ["Template", "WireStructures", "describe", "from_record", "parse_template", "to_record", "wire_like",
+           "wire_structures"]
 
 
 def to_record(message: Any):
@@ -146,3 +148,14 @@ def _server_step(exchange, key, server, messages, view):
     from ..backends.simulation import aggregate_messages
 
     return exchange.server_step(key, server, aggregate_messages(messages, exchange.secure_sum), view)
+
+
+def wire_like(like, secure):
+    """``(as it travels, direct part, secure part)`` of one client's message: with
+    ``secure_sum`` fields, ``{"direct": the other fields, "sealed": the secure ones sealed}``."""
+    if not secure:
+        return like, like, None
+    direct = {k: v for k, v in like.items() if k not in secure}
+    hidden = {k: v for k, v in like.items() if k in secure}
+    sealed = jax.ShapeDtypeStruct((message_bytes(hidden) + OVERHEAD,), np.uint8)
+    return {"direct": direct, "sealed": sealed}, direct, hidden
