@@ -72,6 +72,26 @@ def _seed_and_leaks():
     assert not leaked, f"{len(leaked)} JAX tracers leaked out of the test"
 
 
+_SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def _slow_ids():
+    if not os.path.exists(_SLOW_LIST):
+        return set()
+    with open(_SLOW_LIST) as fh:
+        return {line.split("#")[0].strip() for line in fh} - {""}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``slow``: the tests listed in tests/slow_tests.txt (the slowest of a measured full run,
+    written by ``tools/jax_test_profile.py --write-slow``) and every real Flower run. README's
+    test command runs them all; ``pytest -m "not slow"`` is the quick loop while developing."""
+    slow = _slow_ids()
+    for item in items:
+        if item.nodeid in slow or item.get_closest_marker("flower") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 def _tracers():
     return [a for a in gc.get_objects() if isinstance(a, jax.core.Tracer)]
 

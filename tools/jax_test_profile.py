@@ -11,6 +11,12 @@ Summarise::
 
     python tools/jax_test_profile.py [DIR] [--top N]
 
+Write the list of tests that README's quick command leaves out (``pytest -m "not slow"``,
+tests/conftest.py reads it): the slowest tests, taken from the top until the others' summed
+wall time, shared by ``--workers`` workers, fits in ``--budget`` seconds::
+
+    python tools/jax_test_profile.py --write-slow tests/slow_tests.txt --budget 600
+
 Time spent in child processes (Flower's ServerApp and ClientApps, notebook kernels, the CLI)
 is in a test's wall time but not in its compile columns: the ``other`` column holds it, with
 the runs themselves and Python.
@@ -63,11 +69,16 @@ def pytest_sessionfinish(session):
         json.dump(_tests, fh)
 
 
-def summarise(directory: str = DIR, top: int = 20) -> str:
+def _read(directory: str) -> dict:
     rows = {}
     for path in glob.glob(os.path.join(directory, "worker-*.json")):
         with open(path) as fh:
             rows.update(json.load(fh))
+    return rows
+
+
+def summarise(directory: str = DIR, top: int = 20) -> str:
+    rows = _read(directory)
     if not rows:
         return f"no profile in {directory}: run pytest with -p jax_test_profile first"
     for r in rows.values():
@@ -91,11 +102,47 @@ def summarise(directory: str = DIR, top: int = 20) -> str:
     return "\n".join(lines)
 
 
+def slowest_until(rows: dict, budget: float, workers: int = 2) -> list:
+    """The slowest tests, from the top, until the rest's wall time over ``workers`` is <= ``budget``."""
+    order = sorted(rows, key=lambda k: -rows[k]["wall"])
+    rest = sum(r["wall"] for r in rows.values())
+    slow = []
+    for nodeid in order:
+        if rest / workers <= budget:
+            break
+        slow.append(nodeid)
+        rest -= rows[nodeid]["wall"]
+    return slow
+
+
+def write_slow(path: str, directory: str, budget: float, workers: int) -> str:
+    rows = _read(directory)
+    slow = slowest_until(rows, budget, workers)
+    kept = sum(r["wall"] for k, r in rows.items() if k not in slow)
+    with open(path, "w") as fh:
+        fh.write(f"# tests/conftest.py marks these `slow`; `pytest -m \"not slow\"` leaves them out.\n"
+                 f"# Written by `python tools/jax_test_profile.py --write-slow {path} --budget {budget:g}`\n"
+                 f"# from a full profiled run: the slowest {len(slow)} of {len(rows)} tests; the other"
+                 f" {len(rows) - len(slow)} summed {kept:.0f} s of wall over {workers} workers.\n")
+        for nodeid in sorted(slow):
+            fh.write(f"{nodeid}  # {rows[nodeid]['wall']:.0f} s\n")
+    return f"{len(slow)} slow tests written to {path}; the other {len(rows) - len(slow)} summed {kept:.0f} s"
+
+
+def _option(args, name, default, kind):
+    if name not in args:
+        return default
+    i = args.index(name)
+    value = kind(args[i + 1])
+    del args[i:i + 2]
+    return value
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    n = 20
-    if "--top" in args:
-        i = args.index("--top")
-        n = int(args[i + 1])
-        del args[i:i + 2]
-    print(summarise(args[0] if args else DIR, n))
+    n = _option(args, "--top", 20, int)
+    slow_path = _option(args, "--write-slow", None, str)
+    budget = _option(args, "--budget", 600.0, float)
+    workers = _option(args, "--workers", 2, int)
+    directory = args[0] if args else DIR
+    print(write_slow(slow_path, directory, budget, workers) if slow_path else summarise(directory, n))
