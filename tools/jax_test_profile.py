@@ -11,11 +11,11 @@ Summarise::
 
     python tools/jax_test_profile.py [DIR] [--top N]
 
-Write the list of tests that README's quick command leaves out (``pytest -m "not slow"``,
-tests/conftest.py reads it): the slowest tests, taken from the top until the others' summed
+Write the list of tests that the quick loop (``pytest -m "not slow"``, README) leaves out
+(tests/conftest.py reads it): the slowest tests, taken from the top until the others' summed
 wall time, shared by ``--workers`` workers, fits in ``--budget`` seconds::
 
-    python tools/jax_test_profile.py --write-slow tests/slow_tests.txt --budget 600
+    python tools/jax_test_profile.py --write-slow tests/slow_tests.txt --budget 480
 
 Time spent in child processes (Flower's ServerApp and ClientApps, notebook kernels, the CLI)
 is in a test's wall time but not in its compile columns: the ``other`` column holds it, with
@@ -28,7 +28,6 @@ import collections
 import glob
 import json
 import os
-import sys
 import time
 
 import pytest
@@ -117,6 +116,8 @@ def slowest_until(rows: dict, budget: float, workers: int = 2) -> list:
 
 def write_slow(path: str, directory: str, budget: float, workers: int) -> str:
     rows = _read(directory)
+    if not rows:
+        raise SystemExit(f"no profile in {directory}: run pytest with -p jax_test_profile first")
     slow = slowest_until(rows, budget, workers)
     kept = sum(r["wall"] for k, r in rows.items() if k not in slow)
     with open(path, "w") as fh:
@@ -129,20 +130,14 @@ def write_slow(path: str, directory: str, budget: float, workers: int) -> str:
     return f"{len(slow)} slow tests written to {path}; the other {len(rows) - len(slow)} summed {kept:.0f} s"
 
 
-def _option(args, name, default, kind):
-    if name not in args:
-        return default
-    i = args.index(name)
-    value = kind(args[i + 1])
-    del args[i:i + 2]
-    return value
-
-
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    n = _option(args, "--top", 20, int)
-    slow_path = _option(args, "--write-slow", None, str)
-    budget = _option(args, "--budget", 600.0, float)
-    workers = _option(args, "--workers", 2, int)
-    directory = args[0] if args else DIR
-    print(write_slow(slow_path, directory, budget, workers) if slow_path else summarise(directory, n))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Summarise a profiled test run, or write the slow-test list.")
+    parser.add_argument("directory", nargs="?", default=DIR)
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--write-slow", metavar="PATH")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds of wall for the tests left in")
+    parser.add_argument("--workers", type=int, default=2)
+    a = parser.parse_args()
+    print(write_slow(a.write_slow, a.directory, a.budget, a.workers) if a.write_slow else summarise(a.directory, a.top))
