@@ -5,7 +5,8 @@ Layout: the runtime every family shares (:mod:`~numpyro_fed.protocol`,
 :mod:`~numpyro_fed.checkpoint`, :mod:`~numpyro_fed.availability`) and one folder per
 family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horizontal`
 (SFVI, SFVI-Avg), :mod:`~numpyro_fed.factor` (PVI, EP), :mod:`~numpyro_fed.linear` (HM1),
-:mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL).
+:mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL), :mod:`~numpyro_fed.mcmc` (exact
+federated NUTS and HMC).
 """
 
 from . import _xla  # noqa: F401  first: it sets XLA's CPU flags before anything below computes (see its docstring)
@@ -23,6 +24,7 @@ from .groups import group_plate
 from .handlers import global_site, local_site
 from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredGuide, UnreliableFitWarning
 from .linear import HM1, UnconvergedWarning
+from .mcmc import FederatedHMC, FederatedNUTS
 from .protocol import RunResult, RunState
 from .transcript import Communication, Transcript
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
@@ -50,6 +52,8 @@ __all__ = [
     "Communication",
     "EP",
     "FederatedDeprecationWarning",
+    "FederatedHMC",
+    "FederatedNUTS",
     "FederatedSVI",
     "FederatedWarning",
     "FitDiagnostic",

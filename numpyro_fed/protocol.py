@@ -106,6 +106,9 @@ class FederatedAlgorithm(NamedTuple):
             ``RunResult.trace`` records (``-ELBO``, ``KL(q_new || q)``, ...).
         monitor_name: its name.
         name: the algorithm's name (recorded in checkpoints).
+        done: ``server_state -> bool``, or ``None``: an algorithm whose number of rounds is
+            not known in advance (federated MCMC) says when it has finished; the backend
+            stops after that round (``num_rounds`` is then an upper bound).
     """
 
     init_server: Callable
@@ -117,6 +120,7 @@ class FederatedAlgorithm(NamedTuple):
     monitor: Callable = None
     monitor_name: str = "loss"
     name: str = ""
+    done: Callable = None
 
 
 def all_clients(num_clients: int) -> Callable:

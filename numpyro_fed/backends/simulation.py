@@ -52,6 +52,7 @@ __all__ = ["NonFiniteError", "SimulationBackend"]
 
 GUARDS = ("raise", "warn")
 CHECKPOINTS_PER_RUN = 10  # a checkpoint= run without checkpoint_every saves this many times (and at the start)
+OPEN_ENDED_CHUNK = 4096  # rounds per compiled chunk of a run that ends when its algorithm is done
 _NONFINITE = (
     "round {round}: non-finite values ({what}); the run stopped there and error.state holds the last "
     "finite state. Lower the learning rate or damping, check the data and priors, or pass "
@@ -218,7 +219,9 @@ class SimulationBackend:
             state, failure, outputs = self._loop(algorithm, compiled, plan, avail, init_state,
                                                  _no_failure(len(plan.names)), num_rounds, progress_bar, transcript,
                                                  callbacks, checkpoint, checkpoint_every)
-            stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs) if outputs else None
+            # stacked on the host: jnp.stack of thousands of rounds compiles one concatenation of them all
+            stacked = jax.tree_util.tree_map(lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs])),
+                                             *outputs) if outputs else None
         else:
             state, failure, stacked = _run_in_chunks(algorithm, compiled, plan, avail, init_state, num_rounds,
                                                      checkpoint, checkpoint_every)
@@ -279,6 +282,8 @@ class SimulationBackend:
                 _record(transcript, int(before.round), plan.names, out, traffic, algorithm.exchanges)
             for callback in callbacks:
                 callback(int(state.round), state, out.info)
+            if _finished(algorithm, state):
+                break
             if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
                 ckpt.save(checkpoint, state, plan.names, algorithm.name)
             if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
@@ -339,8 +344,10 @@ def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, st
     J = len(plan.names)
     failure = _no_failure(J)
     chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
+    if algorithm.done is not None:  # an open-ended run (MCMC): chunks, so the output buffers stay small
+        chunk = min(chunk, OPEN_ENDED_CHUNK)
     outputs, done = [], 0
-    while done < num_rounds and not bool(failure.failed):
+    while done < num_rounds and not bool(failure.failed) and not _finished(algorithm, state):
         n = min(chunk, num_rounds - done)
         chunk_start = state
         state, failure, outs = compiled.scan(state, failure, plan.data, plan.server_data, avail, n)
@@ -355,6 +362,11 @@ def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, st
         if checkpoint is not None:
             ckpt.save(checkpoint, state, plan.names, algorithm.name)
     return state, failure, jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)
+
+
+def _finished(algorithm: FederatedAlgorithm, state: RunState) -> bool:
+    """Has an open-ended algorithm (``done`` set) finished?"""
+    return algorithm.done is not None and bool(algorithm.done(state.server))
 
 
 def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: str) -> None:
@@ -562,15 +574,17 @@ def _guarded(one_round, state, failure: _Failure, data, server_data, avail, with
     return new, _failure_after(failure, state, out, True), out, (traffic if with_traffic else None)
 
 
-def _scan_rounds(one_round, state, failure, data, server_data, avail, num_rounds, capacity):
+def _scan_rounds(one_round, done, state, failure, data, server_data, avail, num_rounds, capacity):
     """Up to ``num_rounds`` rounds in one ``lax.while_loop`` stopping after the first failing
-    round, the outputs in ``capacity`` preallocated rows."""
+    round (or once the algorithm is ``done``), the outputs in ``capacity`` preallocated rows.
+    Returns ``(state, failure, outputs, rounds run)``."""
     shapes = jax.eval_shape(lambda s: one_round(s, data, server_data, avail)[1], state)
     buffers = jax.tree_util.tree_map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), shapes)
 
     def going(carry):
-        i, _, failure, _ = carry
-        return (i < num_rounds) & ~failure.failed
+        i, state, failure, _ = carry
+        more = (i < num_rounds) & ~failure.failed
+        return more if done is None else more & ~done(state.server)
 
     def body(carry):
         i, state, failure, buffers = carry
@@ -579,8 +593,8 @@ def _scan_rounds(one_round, state, failure, data, server_data, avail, num_rounds
         buffers = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), buffers, out)
         return i + 1, new, failure, buffers
 
-    _, state, failure, outs = jax.lax.while_loop(going, body, (jnp.zeros((), jnp.int32), state, failure, buffers))
-    return state, failure, outs
+    ran, state, failure, outs = jax.lax.while_loop(going, body, (jnp.zeros((), jnp.int32), state, failure, buffers))
+    return state, failure, outs, ran
 
 
 def _scan(scan_rounds, state, failure, data, server_data, avail, num_rounds):
@@ -592,9 +606,9 @@ def _scan(scan_rounds, state, failure, data, server_data, avail, num_rounds):
     the buffers' length the next power of two (at least 16), so runs of different
     lengths share one compilation per bucket instead of compiling once per length."""
     capacity = max(16, 1 << (int(num_rounds) - 1).bit_length())
-    state, failure, outs = scan_rounds(state, failure, data, server_data, avail, jnp.asarray(num_rounds, jnp.int32),
-                                       capacity)
-    return state, failure, jax.tree_util.tree_map(lambda x: x[:num_rounds], outs)
+    state, failure, outs, ran = scan_rounds(state, failure, data, server_data, avail,
+                                            jnp.asarray(num_rounds, jnp.int32), capacity)
+    return state, failure, jax.tree_util.tree_map(lambda x: x[:int(ran)], outs)
 
 
 def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
@@ -608,5 +622,5 @@ def _compile(algorithm: FederatedAlgorithm, plan: ClientPlan) -> _Compiled:
     # (tracing a model-heavy local update can take seconds)
     one_round = jax.jit(partial(_one_round, algorithm, layout))
     round_fn = jax.jit(partial(_guarded, one_round), static_argnums=5)
-    scan_rounds = jax.jit(partial(_scan_rounds, one_round), static_argnums=6)
+    scan_rounds = jax.jit(partial(_scan_rounds, one_round, algorithm.done), static_argnums=6)
     return _Compiled(jax.jit(partial(_init_run, algorithm, layout)), round_fn, partial(_scan, scan_rounds), {})

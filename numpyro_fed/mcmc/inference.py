@@ -1,0 +1,427 @@
+"""``FederatedNUTS`` and ``FederatedHMC``: exact MCMC of the pooled posterior, mirroring
+``numpyro.infer.MCMC(NUTS(model))``.
+
+The chain is NumPyro's NUTS (or HMC) on the pooled model with a diagonal mass matrix,
+run as one leapfrog step per communication round (:mod:`~numpyro_fed.mcmc.nuts_algorithm`):
+the server holds the global sites' draws, each client its own local sites' draws, and
+nothing but the global position, gradients with respect to it and scalars crosses.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, substitute, trace
+
+from .._structure import (
+    ModelStructure,
+    analyse_model,
+    deterministic_of_globals,
+    global_deterministic_sites,
+    is_latent,
+    log_joint,
+    trace_model,
+    with_improper_values,
+)
+from .._trace import or_finite_point
+from .._validation import check_clients, check_positive_int
+from ..backends.mapping import client_data, client_item, plan_clients
+from ..clients import Clients
+from ..groups import size_group_plates, trim_groups
+from ..handlers import GLOBAL, LOCAL, site_role
+from ..inference import FederatedInference, Setup
+from ..protocol import RunResult, RunState
+from .adapt import window_table
+from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
+
+__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup"]
+
+_UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
+_PARAMS = (
+    "{cls}: the model has numpyro.param sites {names}; MCMC samples latent sites only (as NumPyro's MCMC, which "
+    "would hold them at their initial values). Make them latent sample sites with a prior, or fit them with "
+    "nf.FederatedSVI"
+)
+_ROUNDS = (
+    "{cls}.run(rng_key, clients): the number of rounds follows from num_warmup, num_samples and the trees "
+    "(one leapfrog step per round); got {got!r} where the clients go. Pass max_rounds= to cap the rounds"
+)
+_FAILED_INIT = (
+    "{cls}: chain(s) {chains} found no starting point with a finite potential energy and gradient in {tries} "
+    "uniform draws in (-2, 2) of the unconstrained space (NumPyro's init_to_uniform): check the priors and the "
+    "data (a likelihood that is -inf everywhere, an observed value outside its distribution's support)"
+)
+_UNFINISHED = (
+    "{cls}: the run stopped after {rounds} rounds (max_rounds) before every chain had its draws (iterations done "
+    "per chain: {done} of {total}); the draws are incomplete. Raise max_rounds or lower max_tree_depth"
+)
+_ENUMERATED = (
+    "{cls}: the model sums out enumerated sites {names}; the pointwise log-likelihood of such a model is not "
+    "built for MCMC draws (use nf.FederatedSVI's log_likelihood, which handles it)"
+)
+
+
+class MCMCSetup(NamedTuple):
+    """A federated MCMC set-up: the model's sites and the algorithm's configuration."""
+
+    structure: ModelStructure
+    config: MCMCConfig
+
+
+def _potential_weight(prior_share: float):
+    """A client's share of the pooled log density: its observed and local sites, and
+    ``prior_share`` of the global prior (shares sum to 1 over the clients)."""
+
+    def weight(site):
+        if site["type"] != "sample":
+            return False
+        if site["is_observed"] or site_role(site) == LOCAL:
+            return 1.0
+        if is_latent(site) and site_role(site) == GLOBAL:
+            return prior_share
+        return False
+
+    return weight
+
+
+class FederatedMCMC(FederatedInference):
+    """Base class of :class:`FederatedNUTS` and :class:`FederatedHMC` (not used directly)."""
+
+    algo = "NUTS"
+    progress_bar = False
+    setup_extra = MCMCSetup
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        num_warmup: int = 500,
+        num_samples: int = 1000,
+        num_chains: int = 1,
+        step_size: float = 1.0,
+        adapt_step_size: bool = True,
+        adapt_mass_matrix: bool = True,
+        target_accept_prob: float = 0.8,
+        max_tree_depth: int = 10,
+        trajectory_length: Optional[float] = 2 * np.pi,
+        num_steps: Optional[int] = None,
+        client_mapping: str = "auto",
+        row_plate: Optional[str] = None,
+        model_kwargs: Optional[dict] = None,
+    ) -> None:
+        if not callable(model):
+            raise TypeError(f"model must be a callable NumPyro model; got {type(model).__name__}")
+        self.model = with_improper_values(model)
+        self.num_warmup = int(num_warmup)
+        if self.num_warmup < 0:
+            raise ValueError(f"num_warmup={num_warmup}: must be 0 or more")
+        self.num_samples = check_positive_int("num_samples", num_samples)
+        self.num_chains = check_positive_int("num_chains", num_chains)
+        self.step_size = float(step_size)
+        if not self.step_size > 0:
+            raise ValueError(f"step_size={step_size}: must be positive")
+        self.adapt_step_size, self.adapt_mass_matrix = bool(adapt_step_size), bool(adapt_mass_matrix)
+        self.target_accept_prob = float(target_accept_prob)
+        if not 0.0 < self.target_accept_prob < 1.0:
+            raise ValueError(f"target_accept_prob={target_accept_prob}: must be in (0, 1)")
+        self.max_tree_depth = check_positive_int("max_tree_depth", max_tree_depth)
+        self.num_steps = None if num_steps is None else check_positive_int("num_steps", num_steps)
+        self.trajectory_length = None if self.num_steps is not None else float(trajectory_length)
+        self.client_mapping, self.row_plate = client_mapping, row_plate
+        self.model_kwargs = dict(model_kwargs or {})
+        self._init_inference()
+
+    # ------------------------------------------------------------------ run
+    def run(self, rng_key: jax.Array, clients: Optional[Clients] = None, *, max_rounds: Optional[int] = None,
+            **kwargs: Any) -> RunResult:
+        """Run ``num_warmup + num_samples`` iterations of every chain, one leapfrog step per
+        communication round, until every chain has its draws.
+
+        Args:
+            rng_key: the run's key; the server's and every client's own key derive from it.
+            clients: the :class:`~numpyro_fed.Clients`.
+            max_rounds: a cap on the rounds (default: enough for every tree at
+                ``max_tree_depth``); a run that reaches it before the draws are complete raises.
+            **kwargs: the backend's run options (``init_state``, ``record_transcript``,
+                ``availability`` (a missing answer repeats the round), ``checkpoint``,
+                ``callbacks``, ``backend``, ...; see :meth:`FederatedInference.run`).
+
+        Returns:
+            a :class:`~numpyro_fed.RunResult`: ``params`` the global draws per site (constrained,
+            ``(num_chains, num_samples, ...)``), ``trace`` the chains' mean potential energy per
+            round, ``communication`` the rounds and bytes.
+        """
+        if isinstance(clients, numbers.Number):  # run(key, num_rounds, clients), the other families' call
+            raise TypeError(_ROUNDS.format(cls=type(self).__name__, got=clients))
+        if max_rounds is None:  # every tree at full depth (HMC: 1024 steps), the set-up's retries, the last round
+            per_iteration = 2 ** self.max_tree_depth if self.algo == "NUTS" else (self.num_steps or 2 ** 10)
+            max_rounds = (self.num_warmup + self.num_samples) * per_iteration + MAX_INIT_TRIES + 2
+        return super().run(rng_key, max_rounds, clients, **kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    _size_group_plates = size_group_plates
+
+    def _validate_inputs(self, clients) -> None:
+        check_clients(clients, type(self).__name__)
+
+    def _build(self, clients: Clients) -> Setup[MCMCSetup]:
+        structure = analyse_model(self.model, clients, self.model_kwargs)
+        params = sorted(structure.global_param) + list(structure.local_param_names)
+        if params:
+            raise ValueError(_PARAMS.format(cls=type(self).__name__, names=params))
+        plan, structure = plan_clients(self.model, self.model_kwargs, clients, structure, self.client_mapping,
+                                       self.row_plate)
+        model, kwargs, weight = self.model, self.model_kwargs, _potential_weight(1.0 / len(clients))
+
+        def layout_of(data):
+            return structure.local_layout(trace_model(model, data.args, kwargs))
+
+        def potential(theta, z, data):
+            latent = {**structure.global_latent.unravel(theta), **layout_of(data).unravel(z)}
+            return -log_joint(model, data.args, kwargs, latent, {}, weight, structure.row_plate, data.row_mask)
+
+        def local_mask(data):
+            return layout_of(data).flat_mask(data.row_mask, data.args)
+
+        config = MCMCConfig(
+            potential, local_mask, structure.global_latent.size, len(clients), self.num_warmup, self.num_samples,
+            self.num_chains, self.algo, self.max_tree_depth, 1000.0, self.target_accept_prob, self.step_size,
+            self.adapt_step_size, self.adapt_mass_matrix, self.trajectory_length, self.num_steps,
+            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float))
+        return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config), {})
+
+    def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
+        return self._global_draws(setup, state.server.draws)
+
+    def _check_result(self, setup: Setup, result: RunResult) -> None:
+        phase = np.asarray(result.state.server.phase)
+        cls = type(self).__name__
+        if np.any(phase == FAILED):
+            raise ValueError(_FAILED_INIT.format(cls=cls, chains=list(np.nonzero(phase == FAILED)[0]),
+                                                tries=MAX_INIT_TRIES))
+        done = np.asarray(result.state.server.iteration)
+        if np.any(phase < DONE):
+            raise RuntimeError(_UNFINISHED.format(cls=cls, rounds=int(result.communication.rounds),
+                                                  done=done.tolist(), total=self.num_warmup + self.num_samples))
+
+    # ------------------------------------------------------------------ draws
+    def _global_draws(self, setup: Setup, z) -> Dict[str, jax.Array]:
+        """Constrained global draws, ``(chains, samples, ...)``, with the deterministic sites
+        that are functions of the global sites alone (computed on the first client's rows)."""
+        structure = setup.extra.structure
+        if "global_draws" not in setup.cache:  # compiled once per set-up
+            names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs,
+                                               structure.global_latent.names)
+            first = setup.inputs[setup.inputs.names[0]]
+            fn = deterministic_of_globals(self.model, self.model_kwargs, first, names) if names else None
+
+            def draws(z):
+                values = structure.constrain_global(z)
+                return {**values, **fn(values)} if fn is not None else values
+
+            setup.cache["global_draws"] = jax.jit(jax.vmap(jax.vmap(draws)))
+        return setup.cache["global_draws"](z)
+
+    def get_samples(self, result: Union[RunResult, RunState], group_by_chain: bool = False,
+                    client: Optional[str] = None) -> Dict[str, jax.Array]:
+        """The draws, constrained, as NumPyro's ``MCMC.get_samples``: the global sites (and the
+        deterministic sites of the global sites alone); with ``client``, that client's local
+        latent sites and the model's deterministic sites on its rows as well, read from the
+        client's own state (in a deployment, run on that client).
+
+        Returns:
+            ``{site: (num_chains * num_samples, ...)}``, or ``(num_chains, num_samples, ...)``
+            with ``group_by_chain``.
+        """
+        state = self._state_of(result)
+        setup = self._fitted()
+        draws = self._global_draws(setup, state.server.draws) if client is None else self._client_draws(
+            setup, state, client)
+        if group_by_chain:
+            return draws
+        return {k: jnp.reshape(v, (-1,) + v.shape[2:]) for k, v in draws.items()}
+
+    def sample_posterior(self, rng_key: jax.Array, result: Union[RunResult, RunState],
+                         num_samples: Optional[int] = None, client: Optional[str] = None) -> Dict[str, jax.Array]:
+        """``num_samples`` of the chains' draws (all of them when ``None``), picked without
+        replacement with ``rng_key``, as the other families' ``sample_posterior``: the global
+        sites, and with ``client`` that client's local sites at the same draws."""
+        draws = self.get_samples(result, client=client)
+        total = self.num_chains * self.num_samples
+        if num_samples is None:
+            return draws
+        num_samples = check_positive_int("num_samples", num_samples)
+        if num_samples > total:
+            raise ValueError(f"num_samples={num_samples}: the chains hold {total} draws")
+        idx = random.choice(rng_key, total, (num_samples,), replace=False)
+        return {k: v[idx] for k, v in draws.items()}
+
+    def _client_unpadded(self, setup: Setup, state: RunState, client: str):
+        """Client ``client``'s local draws ``(chains, samples, n_j)`` in the layout of its
+        real rows, the layout and its real data."""
+        if client not in setup.inputs:
+            raise KeyError(_UNKNOWN_CLIENT.format(name=client, names=list(setup.inputs.names)))
+        plan, structure = setup.plan, setup.extra.structure
+        j = plan.names.index(client)
+        data = client_data(plan, j)
+        layout = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
+        args = setup.inputs[client]
+        real = structure.local_layout(trace_model(self.model, args, self.model_kwargs))
+        n = int(plan.num_rows[j])
+        z = client_item(plan, state.clients, j).state.draws
+
+        def unpad(flat):
+            values = layout.unravel(flat)
+            for name, axis in zip(layout.names, layout.row_axes):
+                if axis is not None:
+                    values[name] = jax.lax.slice_in_dim(values[name], 0, n, axis=axis)
+            return real.ravel(values)
+
+        return jax.vmap(jax.vmap(unpad))(z), real, args
+
+    def _client_trace(self, setup: Setup, theta, z, real, args, rng_key):
+        """The model on the client's rows at one draw (unconstrained global and local values)."""
+        structure = setup.extra.structure
+        latent = {**structure.global_latent.unravel(theta), **real.unravel(z)}
+
+        def sub(msg):
+            if msg["type"] == "sample" and msg["name"] in latent:
+                return biject_to(msg["fn"].support)(latent[msg["name"]])
+            return None
+
+        return trace(substitute(seed(self.model, rng_key), substitute_fn=or_finite_point(sub))).get_trace(
+            **dict(args), **self.model_kwargs), latent
+
+    def _client_draws(self, setup: Setup, state: RunState, client: str) -> Dict[str, jax.Array]:
+        z_local, real, args = self._client_unpadded(setup, state, client)
+
+        def one(theta, z):
+            tr, latent = self._client_trace(setup, theta, z, real, args, random.PRNGKey(0))
+            values = {n: tr[n]["value"] for n in latent}
+            values.update({n: s["value"] for n, s in tr.items() if s["type"] == "deterministic"})
+            return values
+
+        draws = jax.jit(jax.vmap(jax.vmap(one)))(state.server.draws, z_local)
+        return trim_groups(draws, real, args)
+
+    def log_likelihood(self, rng_key: jax.Array, result: Union[RunResult, RunState],
+                       num_samples: Optional[int] = None, client: Optional[str] = None) -> tuple:
+        """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows at every
+        draw of the chains (``num_samples`` is not used: the draws are the chains'), the
+        client's own computation on its own data and local draws.
+
+        Returns:
+            ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
+            (num_chains * num_samples, *site batch shape)``.
+        """
+        state = self._state_of(result)
+        setup = self._fitted()
+        if setup.extra.structure.enumerated:
+            raise NotImplementedError(_ENUMERATED.format(cls=type(self).__name__,
+                                                         names=list(setup.extra.structure.enumerated)))
+        z_local, real, args = self._client_unpadded(setup, state, client)
+        theta = jnp.reshape(state.server.draws, (-1, state.server.draws.shape[-1]))
+        z_local = jnp.reshape(z_local, (-1, z_local.shape[-1]))
+        keys = random.split(rng_key, theta.shape[0])
+
+        def one(th, z, key):
+            k_trace, k_obs = random.split(key)
+            tr, _ = self._client_trace(setup, th, z, real, args, k_trace)
+            observed = [n for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]]
+            obs_keys = random.split(k_obs, max(len(observed), 1))
+            return ({n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed},
+                    {n: tr[n]["fn"].sample(k) for n, k in zip(observed, obs_keys)})
+
+        return jax.jit(jax.vmap(one))(theta, z_local, keys)
+
+    def observed(self, clients: Clients, client: str) -> Dict[str, jax.Array]:
+        """Values of a client's observed sites (the client's own data)."""
+        tr = trace_model(self.model, clients[client], self.model_kwargs)
+        return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+
+    def sample_stats(self, result: Union[RunResult, RunState]) -> Dict[str, np.ndarray]:
+        """Per chain and post-warmup iteration, as NumPyro's MCMC reports them (``diverging``,
+        ``accept_prob``, ``num_steps``, ``tree_depth``, ``energy``, ``potential_energy``,
+        ``step_size``), ``(num_chains, num_samples)``."""
+        stats = self._state_of(result).server.stats
+        return {k: np.asarray(v)[:, self.num_warmup:] for k, v in stats._asdict().items()}
+
+
+class FederatedNUTS(FederatedMCMC):
+    """Exact federated NUTS: NumPyro's iterative NUTS on the pooled posterior of the global
+    and every client's local sites, one leapfrog step per communication round.
+
+    The server holds the global position and momentum, draws the tree's directions and
+    transitions and adapts the step size (dual averaging on the summed acceptance
+    statistic) and the global block of a diagonal mass matrix; each client holds its local
+    positions and momenta, draws its momenta from its own key, adapts its own mass block
+    and keeps its local draws. Per round each client sends its potential term, its gradient
+    with respect to the global sites, its kinetic energy and its share of the U-turn dot
+    products; see :mod:`~numpyro_fed.mcmc.nuts_algorithm`. The chain equals NumPyro's
+    ``NUTS(model, dense_mass=False)`` on the pooled model given the same starting point,
+    momenta and key (``tests/test_federated_nuts.py``). Not differentially private: the
+    sequence of gradients is a function of the clients' data (``docs/federated_mcmc.md``).
+
+    Args:
+        model: a NumPyro model annotated with :func:`~numpyro_fed.global_site` /
+            :func:`~numpyro_fed.local_site`, called as ``model(**client_args, **model_kwargs)``;
+            latent sample sites only (no ``numpyro.param``).
+        num_warmup, num_samples, num_chains: as NumPyro's ``MCMC`` (chains run side by side,
+            vmapped, one leaf each per round).
+        step_size, adapt_step_size, adapt_mass_matrix, target_accept_prob, max_tree_depth: as
+            NumPyro's ``NUTS`` (the mass matrix is diagonal).
+        client_mapping, row_plate, model_kwargs: as :class:`~numpyro_fed.FederatedSVI`.
+
+    Example:
+        >>> import numpy as np, jax, numpyro, numpyro.distributions as dist
+        >>> import numpyro_fed as nf
+        >>> def model(y):
+        ...     mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        ...     with numpyro.plate("rows", y.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+        >>> clients = nf.Clients.split(np.arange(40) % 2, y=np.linspace(0.0, 2.0, 40))
+        >>> nuts = nf.FederatedNUTS(model, num_warmup=100, num_samples=200)
+        >>> result = nuts.run(jax.random.PRNGKey(0), clients)
+        >>> draws = nuts.get_samples(result)
+        >>> bool(abs(draws["mu"].mean() - 1.0) < 0.1), draws["mu"].shape
+        (True, (200,))
+    """
+
+    method = "nuts"
+    algo = "NUTS"
+
+    def __init__(self, model: Callable, *, num_warmup: int = 500, num_samples: int = 1000, num_chains: int = 1,
+                 step_size: float = 1.0, adapt_step_size: bool = True, adapt_mass_matrix: bool = True,
+                 target_accept_prob: float = 0.8, max_tree_depth: int = 10, client_mapping: str = "auto",
+                 row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
+        super().__init__(model, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
+                         step_size=step_size, adapt_step_size=adapt_step_size, adapt_mass_matrix=adapt_mass_matrix,
+                         target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth,
+                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs)
+
+
+class FederatedHMC(FederatedMCMC):
+    """Exact federated HMC with a fixed trajectory length (NumPyro's ``HMC``): every
+    iteration ``ceil(trajectory_length / step_size)`` leapfrog steps (or ``num_steps``),
+    one per round, then the server accepts or rejects from the summed energy. Arguments as
+    :class:`FederatedNUTS`, plus ``trajectory_length`` (default ``2 pi``) or ``num_steps``."""
+
+    method = "hmc"
+    algo = "HMC"
+
+    def __init__(self, model: Callable, *, num_warmup: int = 500, num_samples: int = 1000, num_chains: int = 1,
+                 step_size: float = 1.0, adapt_step_size: bool = True, adapt_mass_matrix: bool = True,
+                 target_accept_prob: float = 0.8, trajectory_length: float = 2 * np.pi,
+                 num_steps: Optional[int] = None, client_mapping: str = "auto", row_plate: Optional[str] = None,
+                 model_kwargs: Optional[dict] = None) -> None:
+        super().__init__(model, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
+                         step_size=step_size, adapt_step_size=adapt_step_size, adapt_mass_matrix=adapt_mass_matrix,
+                         target_accept_prob=target_accept_prob, trajectory_length=trajectory_length,
+                         num_steps=num_steps, client_mapping=client_mapping, row_plate=row_plate,
+                         model_kwargs=model_kwargs)

@@ -1,0 +1,186 @@
+"""Exact federated NUTS/HMC (issue 30): the chain is NumPyro's NUTS (HMC) on the pooled model,
+float for float when the starting point, the momenta and the server's key are the same."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+from numpyro.infer.hmc import hmc
+from numpyro.infer.util import initialize_model
+
+import numpyro_fed as nf
+from numpyro_fed._structure import trace_model
+
+SIZES = {"c0": 3, "c1": 5, "c2": 8}  # unequal: the vectorised clients are padded and masked
+
+
+def model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfNormal(2.0))
+    with nf.local_site():
+        a = numpyro.sample("a", dist.Normal(mu, tau))
+    with numpyro.plate("rows", y.shape[0]), nf.local_site():
+        b = numpyro.sample("b", dist.Normal(0.0, 0.5))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(a + b, 1.0), obs=y)
+
+
+def pooled_model(ys):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfNormal(2.0))
+    for j, y in enumerate(ys):
+        a = numpyro.sample(f"a{j}", dist.Normal(mu, tau))
+        with numpyro.plate(f"rows{j}", y.shape[0]):
+            b = numpyro.sample(f"b{j}", dist.Normal(0.0, 0.5))
+            numpyro.sample(f"y{j}", dist.Normal(a + b, 1.0), obs=y)
+
+
+def _data():
+    rng = np.random.default_rng(3)
+    return {name: {"y": rng.normal(1.0 + j, 1.0, n)} for j, (name, n) in enumerate(SIZES.items())}
+
+
+def _momenta(states):
+    """The distinct consecutive values of a momentum seen after each round: one per iteration."""
+    out = []
+    for r in states:
+        if not np.any(r):
+            continue
+        if not out or not np.array_equal(out[-1], r):
+            out.append(r)
+    return out
+
+
+def _unravel_client(layout, z, n):
+    values = layout.unravel(jnp.asarray(z))
+    return values["a"], values["b"][:n]
+
+
+def _federated_run(inference, clients, key):
+    """A federated run recording, round by round, the server's and each client's momentum."""
+    state0 = inference.init(key, clients)
+    seen = {"server": [], **{c: [] for c in SIZES}}
+    names = inference._setup_cache.plan.names
+
+    def grab(rnd, state, info):
+        seen["server"].append(np.asarray(state.server.block.r0[0]))
+        for j, c in enumerate(names):
+            seen[c].append(np.asarray(state.clients.state.block.r0[j, 0]))
+
+    result = inference.run(key, clients, init_state=state0, callbacks=[grab])
+    return state0, result, {k: _momenta(v) for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("algo", ["NUTS", "HMC"])
+def test_federated_chain_equals_numpyro_on_the_pooled_model(algo):
+    """Item 2: with NumPyro's key, the federated run's starting point and its momenta injected,
+    NumPyro's NUTS (HMC) on the pooled model takes the same trajectories, decisions, adaptation
+    and draws through warmup (dual averaging, a mass-matrix window) and 270 sampling iterations.
+
+    Float tolerance, not bit equality: the pooled model sums its log density in another order
+    than the clients' terms do (1e-16 apart), and warmup's dual averaging amplifies such a
+    difference about tenfold every ten iterations (measured on this model: 2e-9 relative after
+    60 warmup iterations, 2e-11 after 30; without adaptation it stays at 5e-16 over 300
+    iterations), so the warmup here is 30 iterations and the whole schedule's adaptation is
+    compared with NumPyro's on its own in ``test_adaptation_equals_numpyro_warmup_adapter``."""
+    num_warmup, num_samples = 30, 270
+    with jax.enable_x64(True):
+        data = _data()
+        clients = nf.Clients(data)
+        if algo == "NUTS":
+            fed = nf.FederatedNUTS(model, num_warmup=num_warmup, num_samples=num_samples, max_tree_depth=6)
+        else:
+            fed = nf.FederatedHMC(model, num_warmup=num_warmup, num_samples=num_samples, trajectory_length=1.5)
+        state0, result, momenta = _federated_run(fed, clients, random.PRNGKey(11))
+        setup = fed._setup_cache
+        structure = setup.extra.structure
+        names = setup.plan.names
+        layout = structure.local_layout(trace_model(fed.model, {"y": np.zeros(max(SIZES.values()))}, {}))
+        total = num_warmup + num_samples
+        assert len(momenta["server"]) == total and all(len(momenta[c]) == total for c in names)
+
+        ys = [data[c]["y"] for c in names]
+        _, potential_fn, _, _ = initialize_model(random.PRNGKey(0), pooled_model, model_args=(ys,))
+        init_kernel, sample_kernel = hmc(potential_fn=potential_fn, algo=algo)
+
+        def split(theta, zs):
+            out = dict(structure.global_latent.unravel(jnp.asarray(theta)))
+            for j, c in enumerate(names):
+                out[f"a{j}"], out[f"b{j}"] = _unravel_client(layout, zs[j], SIZES[c])
+            return out
+
+        z0 = [np.asarray(state0.clients.state.block.z[j, 0]) for j in range(len(names))]
+        kwargs = dict(max_tree_depth=6) if algo == "NUTS" else dict(trajectory_length=1.5)
+        state = init_kernel(split(state0.server.block.z[0], z0), num_warmup, rng_key=random.PRNGKey(5), **kwargs)
+        state = state._replace(rng_key=state0.server.key[0])
+        step = jax.jit(sample_kernel)
+        ref = {"pe": [], "steps": [], "accept": [], "z": []}
+        for k in range(total):
+            r = split(momenta["server"][k], [momenta[c][k] for c in names])
+            state = step(state._replace(r=r))
+            ref["pe"].append(float(state.potential_energy))
+            ref["steps"].append(int(state.num_steps))
+            ref["accept"].append(float(state.accept_prob))
+            ref["z"].append(state.z)
+
+        stats = result.state.server.stats
+        np.testing.assert_array_equal(np.asarray(stats.num_steps[0]), ref["steps"])
+        np.testing.assert_allclose(np.asarray(stats.potential_energy[0]), ref["pe"], rtol=1e-8, atol=1e-8)
+        np.testing.assert_allclose(np.asarray(stats.accept_prob[0]), ref["accept"], rtol=1e-8, atol=1e-8)
+        assert len(set(ref["steps"])) > 1  # the trajectories' lengths varied: the test is not trivial
+        draws = fed.get_samples(result)
+        np.testing.assert_allclose(np.asarray(draws["mu"]), [float(z["mu"]) for z in ref["z"][num_warmup:]],
+                                   rtol=1e-8, atol=1e-8)
+        tau = np.exp([float(z["tau"]) for z in ref["z"][num_warmup:]])
+        np.testing.assert_allclose(np.asarray(draws["tau"]), tau, rtol=1e-8)
+        for j, c in enumerate(names):
+            local = fed.get_samples(result, client=c)
+            np.testing.assert_allclose(np.asarray(local["b"]), np.stack([z[f"b{j}"] for z in ref["z"][num_warmup:]]),
+                                       rtol=1e-8, atol=1e-8)
+            np.testing.assert_allclose(np.asarray(local["a"]), [float(z[f"a{j}"]) for z in ref["z"][num_warmup:]],
+                                       rtol=1e-8, atol=1e-8)
+
+
+def test_adaptation_equals_numpyro_warmup_adapter():
+    """The warmup split by owner (the server's dual averaging and windows, each block's own
+    Welford variance) equals NumPyro's ``warmup_adapter`` over a whole 1000-iteration schedule
+    (five windows), fed the same acceptance statistics and positions."""
+    from numpyro.infer.hmc_util import IntegratorState, warmup_adapter
+
+    from numpyro_fed.mcmc.adapt import adapt_mass, adapt_step, init_mass, init_step, window_table
+
+    num_warmup, sizes = 1000, (2, 3, 4)  # the server's block and two clients'
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        z = rng.normal(size=(num_warmup, sum(sizes))) * np.linspace(0.1, 3.0, sum(sizes))
+        accept = rng.uniform(0.3, 1.0, num_warmup)
+        init, update = warmup_adapter(num_warmup, adapt_step_size=True, adapt_mass_matrix=True)
+        ref = init(IntegratorState(jnp.zeros(sum(sizes)), None, None, None), random.PRNGKey(0), 1.0)
+        table = jnp.asarray(window_table(num_warmup))
+        step = init_step(1.0, jnp.float64)
+        masses = [init_mass(n, jnp.float64) for n in sizes]
+        cuts = np.cumsum((0,) + sizes)
+        ref_update = jax.jit(lambda t, a, x, s: update(t, a, IntegratorState(x, None, None, None), s))
+
+        @jax.jit
+        def ours(t, a, x, step, masses):
+            step, welford, window_end = adapt_step(step, t, a, table, num_warmup, 0.8, True)
+            masses = [adapt_mass(m, x[lo:hi], welford, window_end, True) for m, lo, hi in zip(masses, cuts[:-1],
+                                                                                             cuts[1:])]
+            return step, masses, window_end
+
+        ends = 0
+        for t in range(num_warmup):
+            ref = ref_update(t, accept[t], jnp.asarray(z[t]), ref)
+            step, masses, window_end = ours(t, accept[t], jnp.asarray(z[t]), step, masses)
+            ends += bool(window_end)
+            np.testing.assert_allclose(float(step.step_size), float(ref.step_size), rtol=1e-12)
+            np.testing.assert_allclose(np.concatenate([m.inv_mass for m in masses]), ref.inverse_mass_matrix,
+                                       rtol=1e-12)
+            np.testing.assert_allclose(np.concatenate([m.mass_sqrt for m in masses]), ref.mass_matrix_sqrt,
+                                       rtol=1e-12)
+        assert ends == len(window_table(num_warmup)) - 2  # every middle window ended and was adopted
+        assert not np.allclose(ref.inverse_mass_matrix, 1.0)
