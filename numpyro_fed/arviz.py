@@ -43,7 +43,14 @@ def to_arviz(
 ) -> "az.InferenceData":
     """Build an ``arviz.InferenceData`` from a :class:`~numpyro_fed.FederatedSVI`,
     :class:`~numpyro_fed.VerticalSVI`, :class:`~numpyro_fed.VerticalSOUL`,
-    :class:`~numpyro_fed.PVI` or :class:`~numpyro_fed.EP` fit.
+    :class:`~numpyro_fed.PVI`, :class:`~numpyro_fed.EP`, :class:`~numpyro_fed.FederatedNUTS` or
+    :class:`~numpyro_fed.FederatedHMC` fit.
+
+    For federated NUTS/HMC the posterior holds the chains' own draws (``num_chains`` and
+    ``num_samples`` are the run's; the arguments are not used) and ``sample_stats`` NumPyro's
+    per-iteration statistics (``diverging``, ``tree_depth``, ``n_steps``, ``acceptance_rate``,
+    ``energy``, ``lp``, ``step_size``), so ``az.summary`` gives R-hat and ESS over the chains;
+    ``log_likelihood`` as for the other families (each client's own rows at the same draws).
 
     For PVI and EP the posterior holds draws of the global sites from ``q`` (with a named
     ``client``: for PVI also its local sites, drawn by the client from the Laplace
@@ -97,7 +104,10 @@ def to_arviz(
     import arviz as az
 
     from .factor.inference import FactorInference
+    from .mcmc.inference import FederatedMCMC
     from .vertical.inference import VerticalInference
+    if isinstance(svi, FederatedMCMC):
+        return _mcmc_to_arviz(svi, result, rng_key, client, clients, corrected)
     total, chains = _chains(num_chains, num_samples, corrected, client)
     if isinstance(svi, FactorInference):
         return _factor_to_arviz(svi, result, rng_key, total, client, clients, chains, corrected)
@@ -121,6 +131,39 @@ def to_arviz(
         dims={stat: ["round"]},
         attrs=_attrs(svi, result, corrected, note or "included"),
     )
+
+
+#: NumPyro's per-iteration statistics under ArviZ's names
+_MCMC_STATS = {"diverging": "diverging", "tree_depth": "tree_depth", "num_steps": "n_steps",
+               "accept_prob": "acceptance_rate", "energy": "energy", "step_size": "step_size"}
+
+
+def _mcmc_to_arviz(mcmc, result, rng_key, client, clients, corrected):
+    """A :class:`~numpyro_fed.FederatedNUTS` / ``FederatedHMC`` fit: the chains' own draws and
+    per-iteration statistics (``num_samples`` and ``num_chains`` are the run's)."""
+    import arviz as az
+
+    if corrected:
+        raise ValueError("corrected=True resamples a variational fit by its fit check's weights; MCMC draws are "
+                         "draws of the posterior itself: drop corrected=")
+    draws = mcmc.get_samples(result, group_by_chain=True, client=client)
+    stats = mcmc.sample_stats(result)
+    sample_stats = {ours: stats[theirs] for theirs, ours in _MCMC_STATS.items()}
+    sample_stats["lp"] = -stats["potential_energy"]
+    C, S = stats["diverging"].shape
+
+    def chains(x):
+        x = np.asarray(x)
+        return x.reshape((C, S) + x.shape[1:])
+
+    groups, note = _pointwise_groups(mcmc, result, rng_key, C * S, client, clients, chains, False)
+    observed = None
+    if client is not None and clients is not None:
+        observed = {k: np.asarray(v) for k, v in _observed(mcmc, clients, client).items()}
+    attrs = _attrs(mcmc, result, False, note or "included")
+    attrs.update(draws="mcmc", fit_check="not run")
+    return az.from_dict(posterior={k: np.asarray(v) for k, v in draws.items()}, sample_stats=sample_stats,
+                        observed_data=observed, **groups, attrs=attrs)
 
 
 def _chains(num_chains, num_samples, corrected: bool, client: Optional[str]):

@@ -33,8 +33,8 @@ _ONE_SITE = (
     "the model has observed sites {names}; pass var_name= to say which one's log-likelihood to score"
 )
 _NOT_SUPPORTED = (
-    "federated_loo works with nf.FederatedSVI, nf.PVI and nf.EP fits (the clients' pointwise log-likelihood "
-    "needs their local draws); got {kind}"
+    "federated_loo works with nf.FederatedSVI, nf.PVI, nf.EP, nf.FederatedNUTS and nf.FederatedHMC fits (the "
+    "clients' pointwise log-likelihood needs their local draws); got {kind}"
 )
 _NONFINITE = (
     "client '{client}': the log-likelihood of site '{site}' is not finite at {count} (draw, row) pairs, so "
@@ -130,7 +130,9 @@ def federated_loo(
         inference: a fitted :class:`~numpyro_fed.FederatedSVI`, :class:`~numpyro_fed.PVI` or
             :class:`~numpyro_fed.EP` (for these, each client draws its local latents given
             each global draw from the Laplace approximation of their conditional posterior,
-            on its own rows; see ``docs/model_comparison.md``).
+            on its own rows; see ``docs/model_comparison.md``), or
+            :class:`~numpyro_fed.FederatedNUTS` / ``FederatedHMC`` (every draw of the chains,
+            each client at its own local draws; ``num_samples`` is not used).
         result: its :class:`~numpyro_fed.RunResult`.
         rng_key: key of the posterior draws (the same global draws for every client).
         num_samples: posterior draws.
@@ -159,7 +161,9 @@ def federated_loo(
     names = inference._fitted().inputs.names
     messages, high = {}, []
     for c in names:
-        messages[c], _ = client_loo(_client_log_lik(inference, result, rng_key, num_samples, c, var_name))
+        log_lik = _client_log_lik(inference, result, rng_key, num_samples, c, var_name)
+        num_samples = log_lik.shape[0]  # an MCMC fit scores its chains' draws, whatever num_samples says
+        messages[c], _ = client_loo(log_lik)
         if messages[c].num_high_k:
             high.append(c)
     out = _combine(messages, num_samples)

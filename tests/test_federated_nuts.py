@@ -184,3 +184,85 @@ def test_adaptation_equals_numpyro_warmup_adapter():
                                        rtol=1e-12)
         assert ends == len(window_table(num_warmup)) - 2  # every middle window ended and was adopted
         assert not np.allclose(ref.inverse_mass_matrix, 1.0)
+
+
+def _pdb_models():
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "posteriordb" / "pdb_models.py"
+    spec = importlib.util.spec_from_file_location("pdb_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def reference(post):
+        db = module.DB / "reference"
+        own = db / f"{post.name}.json"
+        if own.exists():  # posteriordb's reference draws (Stan)
+            return json.loads(own.read_text())["summary"]
+        return json.loads((db / f"{post.name}.nuts.json").read_text())["summary"]  # NumPyro NUTS, 4 x 10000
+
+    return module, reference
+
+
+@pytest.mark.parametrize("name", ["eight_schools", "glmm_poisson"])
+def test_statistical_match_with_the_reference(name):
+    """Item 2, with different keys: federated NUTS's means of every global scalar are within
+    4 Monte Carlo standard errors of the reference (eight schools non-centred, 8 clients:
+    posteriordb's reference draws; the Poisson GLMM, 40 clients: NumPyro NUTS on the pooled
+    data, 4 x 10000 draws), and its sds within 4 standard errors (at least 10 %)."""
+    from numpyro.diagnostics import effective_sample_size
+
+    module, reference = _pdb_models()
+    post = getattr(module, name)()
+    ref = reference(post)
+    nuts = nf.FederatedNUTS(post.model, num_warmup=500, num_samples=1000, num_chains=2)
+    result = nuts.run(random.PRNGKey(0), post.clients)
+    draws = nuts.get_samples(result, group_by_chain=True)
+    assert nuts.sample_stats(result)["diverging"].sum() <= 2
+    for ours, theirs in post.sites.items():
+        base, _, idx = ours.partition("[")
+        x = np.asarray(draws[base])
+        x = x[..., int(idx[:-1])] if idx else x
+        ess = float(effective_sample_size(x))
+        assert ess > 300, (ours, ess)
+        r = ref[theirs]
+        z = (x.mean() - r["mean"]) / (r["sd"] / np.sqrt(ess))
+        assert abs(z) < 4, (ours, x.mean(), r["mean"], z)
+        assert abs(x.std(ddof=1) / r["sd"] - 1) < max(0.1, 4 / np.sqrt(2 * ess)), (ours, x.std(), r["sd"])
+
+
+@pytest.mark.filterwarnings("ignore:.*Pareto k:numpyro_fed.ModelComparisonWarning",
+                            "ignore:Estimated shape parameter of Pareto")  # per-row latents: LOO's hard case
+def test_results_like_numpyro_mcmc():
+    """Item 3: several (vmapped) chains; global draws, a client's local draws on its own state,
+    to_arviz with chains and NumPyro's statistics (R-hat, ESS), federated_loo from the clients'
+    pointwise terms equal to ArviZ's LOO of the pooled matrix, and the communication per draw
+    and per effective sample."""
+    import arviz as az
+
+    clients = nf.Clients(_data())
+    nuts = nf.FederatedNUTS(model, num_warmup=200, num_samples=300, num_chains=3)
+    result = nuts.run(random.PRNGKey(2), clients)
+    assert result.params["mu"].shape == (3, 300)
+    assert nuts.get_samples(result)["mu"].shape == (900,)
+    local = nuts.get_samples(result, client="c1", group_by_chain=True)
+    assert local["b"].shape == (3, 300, SIZES["c1"]) and local["a"].shape == (3, 300)
+    # the three chains started apart and agree: they sample one posterior
+    means = np.asarray(result.params["mu"]).mean(axis=1)
+    assert np.ptp(means) < 0.5, means
+    idata = nf.to_arviz(nuts, result, random.PRNGKey(3), clients=clients)
+    assert idata.posterior.sizes["chain"] == 3 and idata.posterior.sizes["draw"] == 300
+    assert {"diverging", "tree_depth", "n_steps", "acceptance_rate", "energy", "lp"} <= set(idata.sample_stats)
+    summary = az.summary(idata, var_names=["mu", "tau"])
+    assert (summary["r_hat"] < 1.05).all() and (summary["ess_bulk"] > 100).all(), summary
+    assert idata.log_likelihood["y"].shape == (3, 300, sum(SIZES.values()))
+    loo = nf.federated_loo(nuts, result, random.PRNGKey(3))
+    pooled = az.loo(idata, reff=1.0)
+    assert loo.num_rows == sum(SIZES.values()) and loo.num_samples == 900
+    np.testing.assert_allclose(loo.elpd_loo, pooled.elpd_loo, rtol=1e-6)
+    comm = nuts.communication_per_draw(result)
+    assert comm["rounds"] == result.communication.rounds and comm["draws"] == 900
+    assert comm["rounds_per_draw"] > 1 and comm["rounds_per_ess"] >= comm["rounds_per_draw"] / 2
+    assert idata.attrs["bytes_up"] == result.communication.bytes_up

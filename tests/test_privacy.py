@@ -164,3 +164,49 @@ def _slots(state, inference):
 def test_key_audit_is_not_vacuous():
     key = np.asarray(random.PRNGKey(123))
     assert contains(np.concatenate([np.zeros(3, np.uint32), key]), key)
+
+
+@pytest.mark.parametrize("algo", ["nuts", "hmc"])
+def test_privacy_audit_of_federated_mcmc(algo):
+    """Issue 30, item 4: federated NUTS/HMC sends up only each client's potential term, its
+    gradient w.r.t. the global position and scalars (kinetic energies, U-turn dot products),
+    and down only the global position, the step and the server's decisions. No client's data,
+    local position, momentum, local draw or key appears in any message or in the server's state."""
+    from .families import hierarchical, horizontal_data
+
+    short = dict(max_tree_depth=4) if algo == "nuts" else dict(num_steps=4)  # a few rounds per iteration
+    cls = nf.FederatedNUTS if algo == "nuts" else nf.FederatedHMC
+    inference, clients = cls(hierarchical, num_warmup=5, num_samples=5, **short), horizontal_data()
+    keys, positions = [], []
+
+    def grab(rnd, state, info):
+        for slot in _slots(state, inference):
+            keys.append(np.asarray(slot.rng_key))
+            block = slot.state.block
+            positions.extend(np.asarray(x) for x in (block.z, block.r0, block.pending.z, block.pending.r))
+
+    result = inference.run(random.PRNGKey(0), clients, record_transcript=True, keep_values=True, callbacks=[grab])
+    t = result.transcript
+    up = {e.name for e in t.entries if e.receiver == "server"}
+    assert up == {"pe", "grad", "kinetic", "kinetic0", "turn", "full"}, up
+    down = {e.name for e in t.entries if e.sender == "server"}
+    assert down == {"shared.theta", "shared.seq"} | {f"shared.cmd.{f}" for f in nf.mcmc.block.Command._fields} | {
+        f"shared.dec.{f}" for f in nf.mcmc.block.Decisions._fields}, down
+    d = inference._setup_cache.extra.config.global_size
+    for e in t.entries:  # nothing scales with a client's rows or local sites: (chains, d) at most
+        if e.name != "turn":  # (chains, max_tree_depth, 2) scalars
+            assert int(np.prod(e.shape)) <= d, e
+    # every value sent and every value the server holds, as two haystacks (floats and integers)
+    leaves = [np.asarray(e.value) for e in t.entries] + [np.asarray(x) for x in jax.tree_util.tree_leaves(
+        (result.state.server, result.state.server_key, result.state.broadcast))]
+    floats = np.concatenate([np.ravel(x).astype(np.float32) for x in leaves if x.dtype.kind == "f"])
+    ints = np.concatenate([np.ravel(x).astype(np.int64) for x in leaves if x.dtype.kind in "ui"])
+    secrets = [np.asarray(v) for c in clients.names for v in list(clients[c].values())
+               + [result.client_states[c].draws]]
+    assert len(positions) > 20 and any(np.size(p) >= 3 for p in positions)
+    for secret in secrets + positions:
+        assert not contains(floats, secret)
+    for key in keys:
+        assert not contains(ints, key)
+    assert contains(floats, np.asarray(result.state.server.draws))  # the audit sees what is there
+    assert t.bytes_up == result.communication.bytes_up and t.bytes_down == result.communication.bytes_down

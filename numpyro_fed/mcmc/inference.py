@@ -345,6 +345,21 @@ class FederatedMCMC(FederatedInference):
         tr = trace_model(self.model, clients[client], self.model_kwargs)
         return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
 
+    def communication_per_draw(self, result: RunResult) -> Dict[str, float]:
+        """What the run's draws cost in communication: rounds and bytes (both ways) in all,
+        per draw (over every chain) and per effective sample (the smallest bulk ESS over the
+        global scalars, NumPyro's ``effective_sample_size`` over the chains)."""
+        from numpyro.diagnostics import effective_sample_size
+
+        draws = np.asarray(self._state_of(result).server.draws)  # (chains, samples, d), unconstrained
+        ess = min(float(effective_sample_size(draws[..., i])) for i in range(draws.shape[-1]))
+        comm = result.communication
+        total_bytes = comm.bytes_up + comm.bytes_down
+        n = draws.shape[0] * draws.shape[1]
+        return {"rounds": comm.rounds, "bytes": total_bytes, "draws": n, "min_ess": ess,
+                "rounds_per_draw": comm.rounds / n, "bytes_per_draw": total_bytes / n,
+                "rounds_per_ess": comm.rounds / ess, "bytes_per_ess": total_bytes / ess}
+
     def sample_stats(self, result: Union[RunResult, RunState]) -> Dict[str, np.ndarray]:
         """Per chain and post-warmup iteration, as NumPyro's MCMC reports them (``diverging``,
         ``accept_prob``, ``num_steps``, ``tree_depth``, ``energy``, ``potential_energy``,
