@@ -266,3 +266,31 @@ def test_results_like_numpyro_mcmc():
     assert comm["rounds"] == result.communication.rounds and comm["draws"] == 900
     assert comm["rounds_per_draw"] > 1 and comm["rounds_per_ess"] >= comm["rounds_per_draw"] / 2
     assert idata.attrs["bytes_up"] == result.communication.bytes_up
+
+
+def test_clear_errors():
+    """What MCMC cannot do is refused by name: numpyro.param sites, the other families' run(key,
+    num_rounds, clients), a likelihood that is -inf everywhere (no finite starting point), and a
+    round cap reached before the draws are complete."""
+    clients = nf.Clients(_data())
+
+    def with_param(y):
+        s = numpyro.param("s", 1.0, constraint=dist.constraints.positive)
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, s), obs=y)
+
+    with pytest.raises(ValueError, match=r"numpyro.param sites \['s'\]"):
+        nf.FederatedNUTS(with_param, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
+    with pytest.raises(TypeError, match="number of rounds follows from num_warmup"):
+        nf.FederatedNUTS(model).run(random.PRNGKey(0), 100, clients)
+
+    def impossible(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Uniform(mu + 100.0, mu + 101.0), obs=y)
+
+    with pytest.raises(ValueError, match="found no starting point with a finite potential"):
+        nf.FederatedNUTS(impossible, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
+    with pytest.raises(RuntimeError, match=r"stopped after 30 rounds \(max_rounds\)"):
+        nf.FederatedNUTS(model, num_warmup=20, num_samples=20).run(random.PRNGKey(0), clients, max_rounds=30)

@@ -138,7 +138,7 @@ class FederatedMCMC(FederatedInference):
         self._init_inference()
 
     # ------------------------------------------------------------------ run
-    def run(self, rng_key: jax.Array, clients: Optional[Clients] = None, *, max_rounds: Optional[int] = None,
+    def run(self, rng_key: jax.Array, clients: Optional[Clients] = None, *extra: Any, max_rounds: Optional[int] = None,
             **kwargs: Any) -> RunResult:
         """Run ``num_warmup + num_samples`` iterations of every chain, one leapfrog step per
         communication round, until every chain has its draws.
@@ -157,7 +157,7 @@ class FederatedMCMC(FederatedInference):
             ``(num_chains, num_samples, ...)``), ``trace`` the chains' mean potential energy per
             round, ``communication`` the rounds and bytes.
         """
-        if isinstance(clients, numbers.Number):  # run(key, num_rounds, clients), the other families' call
+        if extra or isinstance(clients, numbers.Number):  # run(key, num_rounds, clients), the other families' call
             raise TypeError(_ROUNDS.format(cls=type(self).__name__, got=clients))
         if max_rounds is None:  # every tree at full depth (HMC: 1024 steps), the set-up's retries, the last round
             per_iteration = 2 ** self.max_tree_depth if self.algo == "NUTS" else (self.num_steps or 2 ** 10)
@@ -387,11 +387,18 @@ class FederatedNUTS(FederatedMCMC):
         model: a NumPyro model annotated with :func:`~numpyro_fed.global_site` /
             :func:`~numpyro_fed.local_site`, called as ``model(**client_args, **model_kwargs)``;
             latent sample sites only (no ``numpyro.param``).
-        num_warmup, num_samples, num_chains: as NumPyro's ``MCMC`` (chains run side by side,
-            vmapped, one leaf each per round).
-        step_size, adapt_step_size, adapt_mass_matrix, target_accept_prob, max_tree_depth: as
-            NumPyro's ``NUTS`` (the mass matrix is diagonal).
-        client_mapping, row_plate, model_kwargs: as :class:`~numpyro_fed.FederatedSVI`.
+        num_warmup: warmup iterations per chain (adaptation; not kept), as NumPyro's ``MCMC``.
+        num_samples: draws kept per chain.
+        num_chains: chains, run side by side (vmapped), one leaf each per round.
+        step_size: the initial step size.
+        adapt_step_size: dual averaging of the step size during warmup (the server's).
+        adapt_mass_matrix: Welford adaptation of the diagonal mass matrix during warmup (each
+            party its own block).
+        target_accept_prob: the dual averaging's target acceptance statistic.
+        max_tree_depth: the largest tree is ``2**max_tree_depth - 1`` leapfrog steps (rounds).
+        client_mapping: how the simulation maps clients (see :class:`~numpyro_fed.FederatedSVI`).
+        row_plate: the plate that indexes rows, when padding is ambiguous.
+        model_kwargs: non-data keyword arguments passed to every call of the model.
 
     Example:
         >>> import numpy as np, jax, numpyro, numpyro.distributions as dist
