@@ -87,6 +87,8 @@ class FederatedInference:
     progress_bar = True
     #: the type of ``Setup.extra`` that this family's ``_build`` returns
     setup_extra: ClassVar[type] = object
+    #: ``run`` takes no number of rounds: the algorithm says when it is done (federated MCMC)
+    open_ended: ClassVar[bool] = False
 
     def _init_inference(self) -> None:
         self._setup_cache: Optional[Setup] = None

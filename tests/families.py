@@ -119,6 +119,14 @@ def svi_dp_trusted():
                            trusted_aggregator=True), horizontal_data()
 
 
+def nuts():
+    return nf.FederatedNUTS(hierarchical, num_warmup=2, num_samples=3, max_tree_depth=2), horizontal_data()
+
+
+#: open-ended families (federated MCMC): run until done, ``num_rounds`` their cap
+MCMC_FAMILIES = {"nuts": nuts}
+
+
 #: the differentially private variants (their messages are noised; the same audits apply)
 DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averaging, pvi_dp_virtual_trusted,
                                        svi_dp_trusted)}
@@ -127,6 +135,8 @@ DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averagi
 def run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
     options.setdefault("progress_bar", False)
+    if inference.open_ended:
+        return inference.run(rng_key, inputs, max_rounds=num_rounds, **options)
     if isinstance(inputs, dict):
         return inference.run(rng_key, num_rounds, **options, **inputs)
     return inference.run(rng_key, num_rounds, inputs, **options)

@@ -22,7 +22,7 @@ from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.launcher import descendants, pid_exists  # noqa: E402
 from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
 
-from .families import DP_FAMILIES, FAMILIES, run  # noqa: E402
+from .families import DP_FAMILIES, FAMILIES, MCMC_FAMILIES, run  # noqa: E402
 from .test_privacy import _BY_DESIGN, _client_secrets, _slots, contains  # noqa: E402
 
 pytestmark = pytest.mark.flower
@@ -50,7 +50,7 @@ def federation():
         assert not pid_exists(pid) and descendants(pid) == []
 
 
-ALL = {**FAMILIES, **DP_FAMILIES}
+ALL = {**FAMILIES, **DP_FAMILIES, **MCMC_FAMILIES}
 
 
 def _simulate(family, num_rounds, **options):
@@ -378,3 +378,15 @@ def test_a_site_whose_set_up_fails_stops_the_run_naming_it_and_sends_no_text():
     assert "numpyro_fed client: its set-up failed (ValueError); the reason is in the node's own log" in message
     assert "on_setup_failure='absent'" in message
     assert b"not-a-seed-7781" not in result_file and "not-a-seed-7781" not in message
+
+
+def test_flower_runs_federated_nuts_equal_to_the_simulation(federation):
+    """Issue 30: federated NUTS over a real loopback Flower federation stops when its chains are
+    done and equals the simulation (every server leaf: global draws, statistics, tree, keys), in
+    as many rounds; the transcript at the server carries no client data value or key."""
+    inference, inputs, result, keys = _simulate("nuts", 500)
+    flower = federation.run("flower_tasks:nuts", 500, seed=0, num_clients=3, keep_values=True)
+    _assert_same(flower, result)
+    assert flower["communication"]["rounds"] == result.communication.rounds < 500
+    assert flower["missing"] == []
+    _audit("nuts", inference, inputs, result, keys, flower)

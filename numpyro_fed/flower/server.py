@@ -268,6 +268,8 @@ class FlowerBackend:
                 callback(int(state.round), state, info)
             if self.progress is not None:
                 self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
+            if algorithm.done is not None and bool(algorithm.done(state.server)):  # open-ended (MCMC): finished
+                break
         ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
         for ledger in ledgers.values():  # what crossed the wire
             run.traffic.add_up(message_bytes(ledger._asdict()))

@@ -65,7 +65,10 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
 
 
 def call_run(inference, inputs, rng_key, num_rounds, **options):
-    """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
+    """``inference.run`` whatever the family (vertical ones take their data as keywords; an
+    open-ended family, federated MCMC, runs until it is done, ``num_rounds`` its cap)."""
+    if inference.open_ended:
+        return inference.run(rng_key, inputs, max_rounds=num_rounds, **options)
     if isinstance(inputs, dict):
         return inference.run(rng_key, num_rounds, **options, **inputs)
     return inference.run(rng_key, num_rounds, inputs, **options)

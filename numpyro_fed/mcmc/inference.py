@@ -96,6 +96,7 @@ class FederatedMCMC(FederatedInference):
     algo = "NUTS"
     progress_bar = False
     setup_extra = MCMCSetup
+    open_ended = True
 
     def __init__(
         self,
