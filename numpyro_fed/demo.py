@@ -1,4 +1,5 @@
-"""The main job: SFVI, SFVI-Avg, EP and PVI on the six-cities wheeze data next to centralised NUTS."""
+"""The main job: SFVI, SFVI-Avg, EP, PVI and federated NUTS on the six-cities wheeze data next to
+centralised NUTS."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .clients import Clients
 from .datasets import load_six_cities, six_cities_silos
 from .factor import EP, PVI
 from .horizontal import FederatedSVI, StructuredGuide
+from .mcmc import FederatedNUTS
 from .models import logistic_glmm
 from .warnings import FitWarning
 
@@ -37,10 +39,12 @@ METHODS = {  # key: (label, what it is)
     "ep": ("EP", "expectation propagation; each silo integrates its local latents out (block Laplace, "
                  "importance-corrected)"),
     "pvi": ("PVI", "partitioned VI; one Gaussian over global and local sites per silo"),
+    "fed_nuts": ("fed. NUTS", "exact federated NUTS, one leapfrog step per round: the pooled posterior by "
+                          "construction, at the price of many rounds"),
 }
 
 
-DEFAULT_METHODS = ("ep",)
+DEFAULT_METHODS = ("ep", "fed_nuts")
 LEFT_OUT = (
     "Left out by default: {names}. Each fits one Gaussian over (beta, omega, b) jointly, and on this model\n"
     "every Gaussian family is biased for omega, even fitted centrally on the pooled data with NumPyro's\n"
@@ -83,10 +87,10 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
     data = load_six_cities()
     clients = Clients.split(six_cities_silos(seed), **data)
     say(f"six-cities wheeze data: {clients.total_rows} children in silos {clients.num_rows}")
-    every = _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps)
+    every = _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps, nuts_warmup, nuts_samples)
     fits = {name: every[name] for name in METHODS if name in methods}
     left_out = [METHODS[name][0] for name in METHODS if name not in methods]
-    num_rounds = {"sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds}
+    num_rounds = {"sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds, "fed_nuts": None}
     draws, comm, flagged, checks = _fit_all(fits, num_rounds, clients, seed)
     if "sfvi_avg" in comm:
         comm["sfvi_avg"]["local_steps"] = local_steps
@@ -101,7 +105,7 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
             "left_out": left_out}
 
 
-def _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps) -> dict:
+def _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps, nuts_warmup, nuts_samples) -> dict:
     """Every method the demo can run, configured as the demo runs it."""
     guide = StructuredGuide(logistic_glmm)
     sched = optax.exponential_decay(0.05, rounds, 0.05)
@@ -113,6 +117,7 @@ def _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps) -> dict:
         EP(logistic_glmm, tilted=ep_tilted, num_warmup=ep_draws, num_samples=ep_draws),
         "pvi": PVI(logistic_glmm, update="optax", optim=optax.adam(0.02), local_steps=pvi_steps, num_particles=4,
                    schedule="sequential"),
+        "fed_nuts": FederatedNUTS(logistic_glmm, num_warmup=nuts_warmup, num_samples=nuts_samples),
     }
 
 
@@ -121,10 +126,17 @@ def _fit_all(fits, num_rounds, clients, seed):
     key = random.PRNGKey(seed)
     draws, comm, flagged, checks = {}, {}, {}, {}
     for name, method in fits.items():
-        res, seconds, flagged[name] = _timed(lambda: method.run(key, num_rounds[name], clients, progress_bar=False))
+        if method.open_ended:  # federated NUTS: as many rounds as its trees have leaves; its own draws
+            res, seconds, flagged[name] = _timed(lambda: method.run(key, clients))
+            draws[name] = _flatten(method.get_samples(res))
+            comm[name] = dict(res.communication._asdict(), seconds=seconds,
+                              per_draw=method.communication_per_draw(res))
+        else:
+            res, seconds, flagged[name] = _timed(lambda: method.run(key, num_rounds[name], clients,
+                                                                    progress_bar=False))
+            draws[name] = _flatten(method.sample_posterior(random.PRNGKey(seed + 1), res, 4000))
+            comm[name] = dict(res.communication._asdict(), seconds=seconds)
         checks[name] = _verdict(method)
-        draws[name] = _flatten(method.sample_posterior(random.PRNGKey(seed + 1), res, 4000))
-        comm[name] = dict(res.communication._asdict(), seconds=seconds)
     return draws, comm, flagged, checks
 
 
@@ -159,9 +171,16 @@ def _report(say, fits, draws, d_nuts, comm, flagged, checks, ep_tilted, left_out
         say(f"  {METHODS[name][0]:>8}: {c['rounds']:5d} rounds, {c['bytes_up'] / 1e3:8.1f} kB up, "
             f"{c['bytes_down'] / 1e3:8.1f} kB down, {c['seconds']:5.1f} s, max |z| {closest[name]:.2f}"
             f", fit check: {checks[name]}{'  (warned, see below)' if flagged[name] else ''}")
+    if "fed_nuts" in comm:
+        per = comm["fed_nuts"]["per_draw"]
+        say(f"  {'':>8}  fed. NUTS: {per['rounds_per_draw']:.1f} rounds and {per['bytes_per_draw'] / 1e3:.1f} kB per "
+            f"draw, {per['rounds_per_ess']:.1f} rounds per effective sample (ESS {per['min_ess']:.0f})")
     say(f"  {'NUTS':>8}: pooled data (no federation), {comm['nuts']['seconds']:.1f} s")
     best = min(closest, key=closest.get)
     say(f"\nclosest to NUTS: {METHODS[best][0]} ({METHODS[best][1]}), max |z| {closest[best]:.2f}.")
+    if "fed_nuts" in fits:
+        say("Federated NUTS is NumPyro's NUTS on the pooled data run without pooling (tested equal given the same\n"
+            "randomness); here its keys differ, so it differs from the pooled run by Monte Carlo error only.")
     say("EP integrates each silo's random intercepts out and matches the marginal moments"
         + (" (tilted moments by block Laplace, importance-corrected on each silo)." if ep_tilted == "laplace"
            else f" (tilted moments by {ep_tilted} on each silo)."))
@@ -175,6 +194,8 @@ def _report(say, fits, draws, d_nuts, comm, flagged, checks, ep_tilted, left_out
 
 def _verdict(method) -> str:
     """The method's fit-check verdict, with Pareto k, or why it was not run."""
+    if method.open_ended:
+        return "none needed (exact MCMC; R-hat and ESS via nf.to_arviz)"
     check = getattr(method, "last_fit_check", None)
     if check is not None:
         return f"{check.verdict} (k {check.pareto_k:.2f})"
@@ -194,7 +215,7 @@ def _plot(path, draws, d_nuts):
 
     fig, axes = plt.subplots(2, 3, figsize=(11, 6.5))
     styles = {"sfvi": ("tab:blue", "-"), "sfvi_avg": ("tab:orange", "--"), "ep": ("tab:green", "-"),
-              "pvi": ("tab:red", ":")}
+              "pvi": ("tab:red", ":"), "fed_nuts": ("tab:purple", "-.")}
     for ax, p in zip(axes.flat, PARAMS):
         everything = [d_nuts[p]] + [d[p] for d in draws.values()]
         lo, hi = np.percentile(np.concatenate(everything), [0.2, 99.8])

@@ -166,6 +166,13 @@ def _pick(flag, a, b):
     return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
 
 
+def _write_row(array, index, row):
+    """``array[index] = row`` in place when ``index >= 0`` (else unchanged): one row is
+    touched, where ``jnp.where`` over the whole array would copy it every round."""
+    i = jnp.maximum(index, 0)
+    return array.at[i].set(jnp.where(index >= 0, row, array[i]))
+
+
 def _noop_decisions() -> Decisions:
     f = jnp.zeros((), bool)
     return Decisions(f, f, f, f, f, f, jnp.full((), -1, jnp.int32))
@@ -190,7 +197,7 @@ def client_chain(rng_key, block: Block, mass: MassState, draws, theta, cmd: Comm
     mask = config.local_mask(data).astype(block.z.dtype)
     block = apply_decisions(block, dec)
     mass = adapt_mass(mass, block.z, dec.welford, dec.window_end, config.adapt_mass_matrix)
-    draws = jnp.where(dec.record >= 0, draws.at[jnp.maximum(dec.record, 0)].set(block.z), draws)
+    draws = _write_row(draws, dec.record, block.z)
     k_init, k_momentum = random.split(rng_key)
     block = block._replace(z=jnp.where(cmd.redraw, _uniform(k_init, block.z.shape, block.z.dtype) * mask, block.z))
     fresh, kinetic0 = new_iteration(block, k_momentum, mass.mass_sqrt, mask, mass.inv_mass)
@@ -214,13 +221,16 @@ def client_chain(rng_key, block: Block, mass: MassState, draws, theta, cmd: Comm
 def client_step(rng_key, state: MCMCClientState, broadcast: Broadcast, data, *, config: MCMCConfig):
     """Every chain's client step; a repeated broadcast (same ``seq``) gets the stored answer."""
     b = broadcast.shared
+    seen = b.seq == state.seq
     keys = random.split(rng_key, config.num_chains)
     chain = partial(client_chain, config=config)
+    dec = b.dec._replace(record=jnp.where(seen, -1, b.dec.record))  # a repeated round records nothing again
     block, mass, draws, message = jax.vmap(chain, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(
-        keys, state.block, state.mass, state.draws, b.theta, b.cmd, b.dec, data)
-    fresh = MCMCClientState(block, mass, draws, b.seq, message)
-    seen = b.seq == state.seq
-    return _pick(seen, state, fresh), _pick(seen, state.last, message)
+        keys, state.block, state.mass, state.draws, b.theta, b.cmd, dec, data)
+    # the draws are written in place (a select over them would copy them every round)
+    new = MCMCClientState(_pick(seen, state.block, block), _pick(seen, state.mass, mass), draws,
+                          jnp.where(seen, state.seq, b.seq), _pick(seen, state.last, message))
+    return new, new.last
 
 
 def init_client(rng_key, data, *, config: MCMCConfig) -> MCMCClientState:
@@ -270,15 +280,14 @@ def _start_iteration(s: MCMCServerState, config: MCMCConfig) -> MCMCServerState:
 
 
 def _end_iteration(s: MCMCServerState, config: MCMCConfig) -> tuple:
-    """After an iteration: its statistics, the warmup adaptation and the global draw.
-    Returns ``(state, welford, window_end, record index)``."""
+    """After an iteration: the warmup adaptation. Returns ``(state, welford, window_end, record
+    index, the iteration's statistics)``; the caller writes the statistics and the draw."""
     t, tree = s.iteration, s.tree
     if config.algo == "NUTS":  # the mean over the tree's leaves (NumPyro's _nuts_next)
         accept, num_steps = tree.sum_accept / jnp.maximum(tree.num_proposals, 1), tree.num_proposals
     else:  # the last leaf's (NumPyro's _hmc_next)
         accept, num_steps = tree.sum_accept, tree.num_steps
-    stats = IterationStats(*(getattr(s.stats, f).at[t].set(v) for f, v in zip(IterationStats._fields, (
-        accept, tree.diverging, num_steps, tree.depth, tree.energy_prop, tree.pe_prop, s.eps))))
+    row = IterationStats(accept, tree.diverging, num_steps, tree.depth, tree.energy_prop, tree.pe_prop, s.eps)
     warm = t < config.num_warmup
     step, welford, window_end = adapt_step(s.step, t, accept, config.windows, config.num_warmup,
                                            config.target_accept_prob, config.adapt_step_size)
@@ -286,14 +295,13 @@ def _end_iteration(s: MCMCServerState, config: MCMCConfig) -> tuple:
     welford, window_end = welford & warm, window_end & warm
     mass = adapt_mass(s.mass, s.block.z, welford, window_end, config.adapt_mass_matrix)
     record = jnp.where(warm, -1, t - config.num_warmup).astype(jnp.int32)
-    draws = jnp.where(warm, s.draws, s.draws.at[jnp.maximum(record, 0)].set(s.block.z))
-    s = s._replace(stats=stats, step=step, mass=mass, draws=draws, pe=tree.pe_prop, iteration=t + 1)
-    return s, welford, window_end, record
+    s = s._replace(step=step, mass=mass, pe=tree.pe_prop, iteration=t + 1)
+    return s, welford, window_end, record, row
 
 
 def _after_leaf(s: MCMCServerState, totals: MCMCMessage, config: MCMCConfig):
     """The server's half of a leapfrog step, then NumPyro's decisions about the leaf.
-    Returns ``(state, decisions, iteration ended, subtree ended)``."""
+    Returns ``(state, decisions, iteration ended, subtree ended, the iteration's statistics)``."""
     cmd = s.sent.cmd
     block, own = finish_leaf(s.block, cmd, s.sent.theta, totals.grad, s.mass.inv_mass)
     energy0 = jnp.where(cmd.new_iteration, s.pe + s.kinetic0 + totals.kinetic0, s.tree.energy0)
@@ -305,10 +313,10 @@ def _after_leaf(s: MCMCServerState, totals: MCMCMessage, config: MCMCConfig):
     else:
         tree, dec, ended = hmc_decide(tree, leaf, config.max_delta_energy)
     s = s._replace(block=apply_decisions(block, dec), tree=tree)
-    done, welford, window_end, record = _end_iteration(s, config)
+    done, welford, window_end, record, row = _end_iteration(s, config)
     s = _pick(ended, done, s)
     dec = dec._replace(welford=welford & ended, window_end=window_end & ended, record=jnp.where(ended, record, -1))
-    return s, dec, ended, dec.sub_end
+    return s, dec, ended, dec.sub_end, row
 
 
 def _next_leaf(s: MCMCServerState, new_iteration, new_doubling, config: MCMCConfig):
@@ -332,10 +340,12 @@ def server_chain(rng_key, s: MCMCServerState, totals: MCMCMessage, *, config: MC
     kind = s.sent.cmd.kind
     total = config.num_warmup + config.num_samples
     noop, idle = _noop_decisions(), _command(IDLE, dtype=config.dtype)
+    stats, draws = s.stats, s.draws  # written in place at the end, never selected whole
+    s = s._replace(stats=None, draws=None)
     evaluated = kind == EVALUATE
     ok = jnp.isfinite(totals.pe) & jnp.all(jnp.isfinite(totals.grad))
     at_start = s._replace(block=s.block._replace(g=totals.grad), pe=totals.pe)
-    after_leaf, dec, ended, sub_end = _after_leaf(s, totals, config)
+    after_leaf, dec, ended, sub_end, row = _after_leaf(s, totals, config)
     finished = after_leaf.iteration >= total
     new_iteration = jnp.where(evaluated, ok, ended & ~finished)
     new_doubling = ~evaluated & sub_end & ~ended
@@ -361,7 +371,11 @@ def server_chain(rng_key, s: MCMCServerState, totals: MCMCMessage, *, config: MC
     quiet = s_next.phase >= DONE
     sent = MCMCBroadcast(jnp.where(quiet | flush, s_next.block.z, theta), _pick(quiet, idle, cmd),
                          _pick(quiet, noop, dec), s.sent.seq)
-    return s_next._replace(sent=sent)
+    write = (kind == LEAPFROG) & ended & (s.phase < DONE)
+    t = jnp.where(write, s.iteration, -1)
+    stats = jax.tree_util.tree_map(lambda a, v: _write_row(a, t, v), stats, row)
+    draws = _write_row(draws, jnp.where(write, dec.record, -1), after_leaf.block.z)
+    return s_next._replace(sent=sent, stats=stats, draws=draws)
 
 
 def server_step(rng_key, state: MCMCServerState, messages: MCMCMessage, view, *, config: MCMCConfig):
