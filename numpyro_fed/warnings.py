@@ -72,6 +72,11 @@ class InvalidUpdateWarning(UnreliableFitWarning):
     """Every update that reached the server in some round was invalid; ``q`` did not move then."""
 
 
+class MCMCDiagnosticWarning(UnreliableFitWarning):
+    """Federated MCMC's chains diverged after warmup, or disagree (split R-hat): the draws may
+    miss part of the posterior."""
+
+
 class UncheckedFitWarning(UnreliableFitWarning):
     """The fit could not be checked (a client did not answer, or kept its diagnostics under DP)."""
 

@@ -294,3 +294,32 @@ def test_clear_errors():
         nf.FederatedNUTS(impossible, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
     with pytest.raises(RuntimeError, match=r"stopped after 30 rounds \(max_rounds\)"):
         nf.FederatedNUTS(model, num_warmup=20, num_samples=20).run(random.PRNGKey(0), clients, max_rounds=30)
+
+
+def test_divergences_and_disagreeing_chains_warn():
+    """A chain that diverged after warmup, or chains that disagree, are never silent: Neal's funnel
+    at a low target acceptance diverges and warns naming the count; a bimodal posterior with chains
+    stuck in different modes warns naming the site's split R-hat."""
+
+    def funnel(y):
+        v = numpyro.sample("v", dist.Normal(0.0, 3.0))
+        with nf.local_site():
+            x = numpyro.sample("x", dist.Normal(0.0, jnp.exp(v / 2)).expand([3]).to_event(1))
+        numpyro.sample("y", dist.Normal(x.sum(), 100.0), obs=y[0])
+
+    clients = nf.Clients({"a": {"y": np.zeros(1)}, "b": {"y": np.zeros(1)}})
+    nuts = nf.FederatedNUTS(funnel, num_warmup=50, num_samples=100, target_accept_prob=0.6, max_tree_depth=5)
+    with pytest.warns(nf.warnings.MCMCDiagnosticWarning, match=r"post-warmup iterations diverged"):
+        nuts.run(random.PRNGKey(0), clients)
+
+    def bimodal(y):
+        m = numpyro.sample("m", dist.Normal(0.0, 10.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(jnp.abs(m), 0.05), obs=y)
+
+    clients = nf.Clients({"a": {"y": np.full(20, 3.0)}, "b": {"y": np.full(20, 3.0)}})
+    nuts = nf.FederatedNUTS(bimodal, num_warmup=100, num_samples=100, num_chains=4, max_tree_depth=4)
+    with pytest.warns(nf.warnings.MCMCDiagnosticWarning, match=r"split R-hat .* site 'm'"):
+        result = nuts.run(random.PRNGKey(1), clients)
+    signs = np.sign(np.asarray(result.params["m"]).mean(axis=1))
+    assert len(set(signs)) == 2  # the chains did sit in both modes

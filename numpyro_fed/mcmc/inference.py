@@ -10,6 +10,7 @@ nothing but the global position, gradients with respect to it and scalars crosse
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
@@ -37,6 +38,7 @@ from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
+from ..warnings import MCMCDiagnosticWarning
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
 
@@ -60,6 +62,16 @@ _FAILED_INIT = (
 _UNFINISHED = (
     "{cls}: the run stopped after {rounds} rounds (max_rounds) before every chain had its draws (iterations done "
     "per chain: {done} of {total}); the draws are incomplete. Raise max_rounds or lower max_tree_depth"
+)
+R_HAT_LIMIT = 1.05
+_DIVERGED = (
+    "{cls}: {count} of {total} post-warmup iterations diverged (chains {chains}): the draws may miss part of the "
+    "posterior (a funnel or sharp curvature). Raise target_accept_prob (e.g. 0.95) or reparameterise (non-centred "
+    "hierarchies); sample_stats(result)['diverging'] and nf.to_arviz show where"
+)
+_R_HAT = (
+    "{cls}: the chains disagree: split R-hat {r_hat:.3f} > {limit} for site '{site}' (unconstrained): they have "
+    "not mixed. Run more warmup and draws, or check for a multimodal posterior"
 )
 _ENUMERATED = (
     "{cls}: the model sums out enumerated sites {names}; the pointwise log-likelihood of such a model is not "
@@ -210,6 +222,28 @@ class FederatedMCMC(FederatedInference):
         if np.any(phase < DONE):
             raise RuntimeError(_UNFINISHED.format(cls=cls, rounds=int(result.communication.rounds),
                                                   done=done.tolist(), total=self.num_warmup + self.num_samples))
+        self._warn_diagnostics(setup, result)
+
+    def _warn_diagnostics(self, setup: Setup, result: RunResult) -> None:
+        """Warn, as a careful NumPyro user would check, when post-warmup iterations diverged or
+        (several chains) a global coordinate's split R-hat is above :data:`R_HAT_LIMIT`."""
+        from numpyro.diagnostics import split_gelman_rubin
+
+        cls = type(self).__name__
+        diverging = self.sample_stats(result)["diverging"]
+        if diverging.any():
+            warnings.warn(_DIVERGED.format(cls=cls, count=int(diverging.sum()), total=diverging.size,
+                                           chains=np.nonzero(diverging.any(axis=1))[0].tolist()),
+                          MCMCDiagnosticWarning, stacklevel=4)
+        draws = np.asarray(result.state.server.draws)
+        if draws.shape[0] > 1 and draws.shape[1] > 3:
+            r_hat = np.array([float(split_gelman_rubin(draws[..., i])) for i in range(draws.shape[-1])])
+            if np.nanmax(r_hat) > R_HAT_LIMIT:
+                layout = setup.extra.structure.global_latent
+                owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
+                worst = int(np.nanargmax(r_hat))
+                warnings.warn(_R_HAT.format(cls=cls, r_hat=r_hat[worst], site=owners[worst], limit=R_HAT_LIMIT),
+                              MCMCDiagnosticWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ draws
     def _global_draws(self, setup: Setup, z) -> Dict[str, jax.Array]:
