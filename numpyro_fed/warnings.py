@@ -43,6 +43,7 @@ __all__ = [
     "FederatedWarning",
     "FitWarning",
     "InvalidUpdateWarning",
+    "MCMCDiagnosticWarning",
     "MissingClientsWarning",
     "ModelComparisonWarning",
     "NonFiniteWarning",

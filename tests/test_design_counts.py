@@ -16,4 +16,5 @@ def test_the_package_keeps_its_design_counts():
     assert found["import_cycles"] == []
     assert all(where == [] for where in found["inline_validation"].values()), found["inline_validation"]
     assert found["functions_over_80_lines"] == []
-    assert found["public_names"] <= 51  # 49 after issue 29; issue 30 added FederatedNUTS and FederatedHMC
+    # 49 after issue 29; issue 30 added FederatedNUTS, FederatedHMC and MCMCDiagnosticWarning
+    assert found["public_names"] <= 52

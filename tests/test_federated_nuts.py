@@ -309,7 +309,7 @@ def test_divergences_and_disagreeing_chains_warn():
 
     clients = nf.Clients({"a": {"y": np.zeros(1)}, "b": {"y": np.zeros(1)}})
     nuts = nf.FederatedNUTS(funnel, num_warmup=50, num_samples=100, target_accept_prob=0.6, max_tree_depth=5)
-    with pytest.warns(nf.warnings.MCMCDiagnosticWarning, match=r"post-warmup iterations diverged"):
+    with pytest.warns(nf.MCMCDiagnosticWarning, match=r"post-warmup iterations diverged"):
         nuts.run(random.PRNGKey(0), clients)
 
     def bimodal(y):
@@ -319,7 +319,7 @@ def test_divergences_and_disagreeing_chains_warn():
 
     clients = nf.Clients({"a": {"y": np.full(20, 3.0)}, "b": {"y": np.full(20, 3.0)}})
     nuts = nf.FederatedNUTS(bimodal, num_warmup=100, num_samples=100, num_chains=4, max_tree_depth=4)
-    with pytest.warns(nf.warnings.MCMCDiagnosticWarning, match=r"split R-hat .* site 'm'"):
+    with pytest.warns(nf.MCMCDiagnosticWarning, match=r"split R-hat .* site 'm'"):
         result = nuts.run(random.PRNGKey(1), clients)
     signs = np.sign(np.asarray(result.params["m"]).mean(axis=1))
     assert len(set(signs)) == 2  # the chains did sit in both modes
