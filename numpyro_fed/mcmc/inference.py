@@ -342,8 +342,10 @@ class FederatedMCMC(FederatedInference):
             values.update({n: s["value"] for n, s in tr.items() if s["type"] == "deterministic"})
             return values
 
-        draws = jax.jit(jax.vmap(jax.vmap(one)))(state.server.draws, z_local)
-        return trim_groups(draws, real, args)
+        key = ("client_draws", client)
+        if key not in setup.cache:  # compiled once per client and set-up
+            setup.cache[key] = jax.jit(jax.vmap(jax.vmap(one)))
+        return trim_groups(setup.cache[key](state.server.draws, z_local), real, args)
 
     def log_likelihood(self, rng_key: jax.Array, result: Union[RunResult, RunState],
                        num_samples: Optional[int] = None, client: Optional[str] = None) -> tuple:
@@ -373,7 +375,10 @@ class FederatedMCMC(FederatedInference):
             return ({n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed},
                     {n: tr[n]["fn"].sample(k) for n, k in zip(observed, obs_keys)})
 
-        return jax.jit(jax.vmap(one))(theta, z_local, keys)
+        key = ("pointwise", client)
+        if key not in setup.cache:  # compiled once per client and set-up
+            setup.cache[key] = jax.jit(jax.vmap(one))
+        return setup.cache[key](theta, z_local, keys)
 
     def observed(self, clients: Clients, client: str) -> Dict[str, jax.Array]:
         """Values of a client's observed sites (the client's own data)."""
