@@ -10,7 +10,8 @@ import math
 from numbers import Real
 from typing import Any, Callable, Optional
 
-__all__ = ["check_callable", "check_clients", "check_optimizer", "check_positive_int", "check_positive_number"]
+__all__ = ["check_callable", "check_clients", "check_model", "check_optimizer", "check_positive_int",
+           "check_positive_number"]
 
 _OPTIMIZER = (
     "optim{why} must be an optax GradientTransformation such as optax.adam(1e-2); got {kind}. "
@@ -91,3 +92,10 @@ def check_callable(owner: str, name: str, value: Optional[Callable]) -> Optional
     if value is not None and not callable(value):
         raise TypeError(f"{owner}({name}=...): expected a callable or None, got a {type(value).__name__}")
     return value
+
+
+def check_model(model: Any) -> Callable:
+    """``model`` when it is callable (a NumPyro model), else a TypeError saying so."""
+    if not callable(model):
+        raise TypeError(f"model must be a callable NumPyro model; got {type(model).__name__}")
+    return model

@@ -20,7 +20,7 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .._validation import check_clients, check_optimizer, check_positive_int
+from .._validation import check_clients, check_model, check_optimizer, check_positive_int
 from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args
 from ..clients import Clients
 from ..dp.plan import PrivateFit, check_sgd_options
@@ -148,8 +148,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
     ) -> None:
-        if not callable(model):
-            raise TypeError(f"model must be a callable NumPyro model; got {type(model).__name__}")
+        check_model(model)
         if not isinstance(guide, StructuredGuide):
             raise TypeError(f"guide must be an nf.StructuredGuide or nf.MeanFieldGuide; got {type(guide).__name__}")
         check_optimizer(optim)

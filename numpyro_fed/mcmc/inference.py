@@ -31,7 +31,7 @@ from .._structure import (
     with_improper_values,
 )
 from .._trace import or_finite_point
-from .._validation import check_clients, check_positive_int
+from .._validation import check_clients, check_model, check_positive_int, check_positive_number
 from ..backends.mapping import client_data, client_item, plan_clients
 from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
@@ -128,17 +128,14 @@ class FederatedMCMC(FederatedInference):
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
     ) -> None:
-        if not callable(model):
-            raise TypeError(f"model must be a callable NumPyro model; got {type(model).__name__}")
+        check_model(model)
         self.model = with_improper_values(model)
         self.num_warmup = int(num_warmup)
         if self.num_warmup < 0:
             raise ValueError(f"num_warmup={num_warmup}: must be 0 or more")
         self.num_samples = check_positive_int("num_samples", num_samples)
         self.num_chains = check_positive_int("num_chains", num_chains)
-        self.step_size = float(step_size)
-        if not self.step_size > 0:
-            raise ValueError(f"step_size={step_size}: must be positive")
+        self.step_size = check_positive_number(type(self).__name__, "step_size", step_size)
         self.adapt_step_size, self.adapt_mass_matrix = bool(adapt_step_size), bool(adapt_mass_matrix)
         self.target_accept_prob = float(target_accept_prob)
         if not 0.0 < self.target_accept_prob < 1.0:
