@@ -332,11 +332,12 @@ def _next_leaf(s: MCMCServerState, new_iteration, new_doubling, config: MCMCConf
     return s._replace(block=block), theta, cmd
 
 
-def server_chain(rng_key, s: MCMCServerState, totals: MCMCMessage, *, config: MCMCConfig):
+def server_chain(rng_key, s: MCMCServerState, totals: MCMCMessage, complete, *, config: MCMCConfig):
     """One chain's server step on the clients' summed message, by what the clients just did:
     an evaluation at the starting point (start the chain, or retry elsewhere as NumPyro's
     ``init_to_uniform`` does), a leapfrog step (NumPyro's decisions, then the next leaf or
-    the final decisions), or nothing (the chain is done)."""
+    the final decisions), or nothing (the chain is done). An incomplete round (``complete``
+    false) changes nothing: the same broadcast goes out again."""
     kind = s.sent.cmd.kind
     total = config.num_warmup + config.num_samples
     noop, idle = _noop_decisions(), _command(IDLE, dtype=config.dtype)
@@ -371,11 +372,12 @@ def server_chain(rng_key, s: MCMCServerState, totals: MCMCMessage, *, config: MC
     quiet = s_next.phase >= DONE
     sent = MCMCBroadcast(jnp.where(quiet | flush, s_next.block.z, theta), _pick(quiet, idle, cmd),
                          _pick(quiet, noop, dec), s.sent.seq)
-    write = (kind == LEAPFROG) & ended & (s.phase < DONE)
+    write = complete & (kind == LEAPFROG) & ended & (s.phase < DONE)
     t = jnp.where(write, s.iteration, -1)
     stats = jax.tree_util.tree_map(lambda a, v: _write_row(a, t, v), stats, row)
     draws = _write_row(draws, jnp.where(write, dec.record, -1), after_leaf.block.z)
-    return s_next._replace(sent=sent, stats=stats, draws=draws)
+    sent = sent._replace(seq=jnp.where(complete, s.sent.seq + 1, s.sent.seq))
+    return _pick(complete, s_next._replace(sent=sent), s)._replace(stats=stats, draws=draws)
 
 
 def server_step(rng_key, state: MCMCServerState, messages: MCMCMessage, view, *, config: MCMCConfig):
@@ -383,9 +385,7 @@ def server_step(rng_key, state: MCMCServerState, messages: MCMCMessage, view, *,
     complete = jnp.all(view.answered)
     totals = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), messages)
     keys = random.split(rng_key, config.num_chains)
-    new = jax.vmap(partial(server_chain, config=config))(keys, state, totals)
-    new = new._replace(sent=new.sent._replace(seq=jnp.full_like(new.sent.seq, state.sent.seq[0] + 1)))
-    new = _pick(complete, new, state)
+    new = jax.vmap(partial(server_chain, config=config), in_axes=(0, 0, 0, None))(keys, state, totals, complete)
     info = MCMCInfo(new.iteration, new.pe, complete)
     return new, Broadcast(_shared(new.sent)), info
 
