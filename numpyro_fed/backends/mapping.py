@@ -23,7 +23,7 @@ from .._structure import ModelStructure, SiteLayout, trace_model
 from ..clients import ClientData, Clients
 
 __all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "pad_client", "plan_clients", "shape_key",
-           "stack_clients", "traced_args"]
+           "stack_clients", "traced_args", "unpadder"]
 
 CLIENT_MAPPINGS = ("auto", "vmap", "loop")
 
@@ -169,3 +169,17 @@ def shape_key(layout: SiteLayout, arrays: Mapping[str, Any], fixed: Mapping[str,
     """What a compiled per-client function depends on besides its arguments' values."""
     shapes = tuple(sorted((k, np.shape(v), str(np.asarray(v).dtype)) for k, v in arrays.items()))
     return (layout.names, layout.shapes, shapes, tuple(sorted((k, repr(v)) for k, v in fixed.items())))
+
+
+def unpadder(layout: SiteLayout, real: SiteLayout, num_rows: int):
+    """``flat -> flat``: a client's local latents laid out as padded (``layout``) cut to its
+    ``num_rows`` real rows and laid out as ``real``."""
+
+    def unpad(flat):
+        values = layout.unravel(flat)
+        for name, axis in zip(layout.names, layout.row_axes):
+            if axis is not None:
+                values[name] = jax.lax.slice_in_dim(values[name], 0, num_rows, axis=axis)
+        return real.ravel(values)
+
+    return unpad

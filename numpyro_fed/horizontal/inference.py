@@ -21,7 +21,7 @@ from .._structure import (
     with_improper_values,
 )
 from .._validation import check_clients, check_model, check_optimizer, check_positive_int
-from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args
+from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args, unpadder
 from ..clients import Clients
 from ..dp.plan import PrivateFit, check_sgd_options
 from ..fit_check import (
@@ -511,14 +511,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         args = setup.inputs[client]
         real_layout = obj.client_layout(args)[0]
 
-        def unpad(z):
-            values = layout.unravel(z)
-            for name, axis in zip(layout.names, layout.row_axes):
-                if axis is not None:
-                    values[name] = jax.lax.slice_in_dim(values[name], 0, n, axis=axis)
-            return real_layout.ravel(values)
-
-        return g, local, z_g, jax.vmap(unpad)(z_l), real_layout, args
+        return g, local, z_g, jax.vmap(unpadder(layout, real_layout, n))(z_l), real_layout, args
 
     def log_likelihood(
         self, rng_key: jax.Array, result: Union[RunResult, RunState], num_samples: int, client: str

@@ -32,7 +32,7 @@ from .._structure import (
 )
 from .._trace import or_finite_point
 from .._validation import check_clients, check_model, check_positive_int, check_positive_number
-from ..backends.mapping import client_data, client_item, plan_clients
+from ..backends.mapping import client_data, client_item, plan_clients, unpadder
 from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
@@ -308,14 +308,7 @@ class FederatedMCMC(FederatedInference):
         n = int(plan.num_rows[j])
         z = client_item(plan, state.clients, j).state.draws
 
-        def unpad(flat):
-            values = layout.unravel(flat)
-            for name, axis in zip(layout.names, layout.row_axes):
-                if axis is not None:
-                    values[name] = jax.lax.slice_in_dim(values[name], 0, n, axis=axis)
-            return real.ravel(values)
-
-        return jax.vmap(jax.vmap(unpad))(z), real, args
+        return jax.vmap(jax.vmap(unpadder(layout, real, n)))(z), real, args
 
     def _client_trace(self, setup: Setup, theta, z, real, args, rng_key):
         """The model on the client's rows at one draw (unconstrained global and local values)."""
