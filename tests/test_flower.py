@@ -34,10 +34,15 @@ RTOL, ATOL = 1e-6, 1e-6
 ROUNDS = 2
 
 
-def _federation(num_nodes, aggregator=False, tls=False):
+def _federation(num_nodes, aggregator=False, tls=False, **options):
     # numpyro-fed-seed: each node derives its key from run seed 0 as the simulation does
     return LocalFederation([{"partition-id": i, "numpyro-fed-seed": 0} for i in range(num_nodes)],
-                           app_files=APP_FILES, aggregator=aggregator, tls=tls)
+                           app_files=APP_FILES, aggregator=aggregator, tls=tls, **options)
+
+
+# Flower's own deployment path, unchanged: flower-supernode, every message through the SuperLink
+# (about 3.6 s a round); the other tests use the defaults (paced SuperNode, rounds over a stream)
+FLOWER_PATH = dict(supernode="flower", stream=False)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,12 @@ def federation():
         yield fed
     for pid in pids:  # every process it started is gone, and none of theirs is left
         assert not pid_exists(pid) and descendants(pid) == []
+
+
+def _first_missed(table, j):
+    """The first round (1-based) client ``j`` missed in a ``(rounds, J)`` answered table."""
+    missed = np.flatnonzero(~table[:, j])
+    return int(missed[0]) + 1 if missed.size else None
 
 
 ALL = {**FAMILIES, **DP_FAMILIES, **MCMC_FAMILIES}
@@ -210,9 +221,10 @@ def test_a_killed_supernode_drops_out_and_is_reported():
     other two (the dropout policy: a client that does not answer within the reply timeout
     is left out of that round's server step), the result says which rounds lacked which
     client, and it equals the simulation with client 2 unavailable from round 3 on (item 1
-    for PVI: rounds 1-2 ran with every client). The transcript audit (item 2) holds."""
+    for PVI: rounds 1-2 ran with every client). The transcript audit (item 2) holds. On
+    Flower's own deployment path (flower-supernode, every message through the SuperLink)."""
     rounds = 5
-    with _federation(3) as fed:
+    with _federation(3, **FLOWER_PATH) as fed:
         handle = _pvi_killing_node_2_after_round_2(fed, rounds)
         flower = fed.wait(handle, timeout=400)
     lacked = [(r, names) for r, kind, names in flower["missing"] if kind == "round"]
@@ -247,11 +259,12 @@ def test_a_restarted_supernode_rejoins_under_its_site_name_with_its_stored_state
     finds it, it answers the hello with site '2', gets the site's set-up as a ``rejoin`` and
     takes its state from the node's own storage (``numpyro-fed-state-dir``, the checkpoint
     format). The site answers again from then on, and the run equals the simulation in which
-    '2' was unavailable exactly in the rounds it missed (its state untouched meanwhile)."""
+    '2' was unavailable exactly in the rounds it missed (its state untouched meanwhile). On
+    Flower's own deployment path; the stream's dropout and rejoin have their own test."""
     rounds = 6
     configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
                for i in range(3)]
-    with LocalFederation(configs, app_files=APP_FILES) as fed:
+    with LocalFederation(configs, app_files=APP_FILES, **FLOWER_PATH) as fed:
         handle = _pvi_killing_node_2_after_round_2(fed, rounds)
         fed.restart_node(2)
         flower = fed.wait(handle, timeout=600)
@@ -262,10 +275,46 @@ def test_a_restarted_supernode_rejoins_under_its_site_name_with_its_stored_state
     schedule = _schedule(flower, rounds, names)
     assert not schedule[2, 2] and schedule[back - 1:, 2].all() and schedule[:, :2].all()
     assert any("client '2' rejoined before round" in w for w in flower["warnings"])
-    assert sorted(p.name for p in (tmp_path / "site2").iterdir()) == [f"run-{p.name.split('-')[1]}-2.npz"
-                                                                       for p in (tmp_path / "site2").iterdir()]
+    run_id = next((tmp_path / "site2").iterdir()).name.split("-")[1]  # the latest state and the one before it
+    assert sorted(p.name for p in (tmp_path / "site2").iterdir()) == [f"run-{run_id}-2.npz",
+                                                                       f"run-{run_id}-2.previous.npz"]
     inference, inputs, result, keys = _simulate("pvi", rounds, availability=schedule)
     _assert_same(flower, result)  # the rejoined client went on from its stored state, not a fresh one
+
+
+def test_a_client_killed_mid_stream_is_left_out_at_once_and_rejoins_over_a_new_invitation(tmp_path):
+    """Issue 30, item 5: over the run's stream (the default), SuperNode 2 is killed (SIGKILL)
+    after round 2, so its stream breaks: it is left out of the next round at once (no reply
+    timeout to wait), the others go on. Started again, it answers the hello under its site
+    name, rejoins with its stored state, is invited to the stream again and answers from
+    then on. The run equals the simulation in which '2' was unavailable exactly in the rounds
+    it missed, and the warning names them."""
+    rounds = 400  # fast rounds: enough of them for the node to be restarted while the run goes on
+    configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
+               for i in range(3)]
+    with LocalFederation(configs, app_files=APP_FILES) as fed:
+        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=30.0, keep_values=True)
+        deadline = time.monotonic() + 400
+        while fed.progress(handle) < 2 and time.monotonic() < deadline and handle[0].poll() is None:
+            time.sleep(0.05)
+        fed.kill_node(2)
+        killed_after = fed.progress(handle)
+        fed.restart_node(2)
+        flower = fed.wait(handle, timeout=600)
+    assert 2 <= killed_after < rounds
+    names = flower["clients"]
+    schedule = _schedule(flower, rounds, names)
+    missed = _first_missed(schedule, 2)
+    assert missed is not None and missed > 2 and schedule[: missed - 1, 2].all() and schedule[:, :2].all()
+    assert [(name, old != new) for _, name, old, new in flower["rejoined"]] == [("2", True)]
+    back = flower["rejoined"][0][0]
+    assert missed < back <= rounds and schedule[back - 1:, 2].all() and not schedule[missed - 1: back - 1, 2].any()
+    # the broken stream left it out at once: the rounds it missed took no reply timeout
+    assert max(flower["round_seconds"][missed - 1: back - 2] or [0.0]) < 30.0
+    assert any("client '2' rejoined before round" in w for w in flower["warnings"])
+    inference, inputs, result, keys = _simulate("pvi", rounds, availability=schedule)
+    _assert_same(flower, result)
+    _audit("pvi", inference, inputs, result, keys, flower)
 
 
 def test_a_flower_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path):

@@ -7,6 +7,10 @@
 - :mod:`numpyro_fed.flower.app`: the ``ServerApp`` and ``ClientApp``;
 - :mod:`numpyro_fed.flower.executor`: a long-running ClientApp executor that keeps a
   client's compiled JAX functions alive across rounds;
+- :mod:`numpyro_fed.flower.supernode`: ``python -m numpyro_fed flower-supernode``, Flower's
+  SuperNode with paced polls (milliseconds while busy, not Flower's fixed 3 s);
+- :mod:`numpyro_fed.flower.stream`: a run's exchanges over one stream per client, opened
+  inside a Flower task (a warm round of small messages in about a millisecond);
 - :mod:`numpyro_fed.flower.submit`: ``python -m numpyro_fed flower-run``, which submits a
   run, follows it to its end and exits non-zero when it failed;
 - :class:`LocalFederation`: a SuperLink and N SuperNodes on 127.0.0.1 (tests, the demo).

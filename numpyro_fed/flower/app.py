@@ -18,6 +18,9 @@ A Flower app's ``pyproject.toml`` names them::
     checkpoint-every = 0                 #   theirs on their nodes (numpyro-fed-state-dir); 0: 10 per run
     resume = ""                          # a server checkpoint to resume from ("": a new fit)
     keep-values = false                  # keep the transcript's arrays in the result (audits)
+    stream = ""                          # HOST:PORT: after set-up, exchanges over one stream per client
+    stream-certfile = ""                 #   (numpyro_fed.flower.stream; "": through Flower's SuperLink);
+    stream-keyfile = ""                  #   TLS for it (required off loopback)
 
 The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds the task's
 inference object on the template, and runs it with ``backend=FlowerBackend(grid)``; the
@@ -61,7 +64,10 @@ def _server_main(grid, context) -> None:
                                 first_timeout=float(cfg.get("first-timeout", 600.0)), progress=progress,
                                 on_setup_failure=str(cfg.get("on-setup-failure", "raise")),
                                 resume_from=str(cfg["resume"]) if str(cfg.get("resume", "")) else None,
-                                run_id=int(context.run_id))
+                                run_id=int(context.run_id),
+                                stream=str(cfg["stream"]) if str(cfg.get("stream", "")) else None,
+                                stream_certfile=str(cfg.get("stream-certfile", "")) or None,
+                                stream_keyfile=str(cfg.get("stream-keyfile", "")) or None)
         num_rounds = int(cfg["num-rounds"])
         template = backend.connect(task, int(cfg["num-clients"]))
         server_data = task.load_server() if task.load_server is not None else None

@@ -11,13 +11,17 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
   name the server knows (a restarted SuperNode gets a new node id): the client rebuilds the
   algorithm and takes its state from the node's own storage instead of initialising;
 - ``train`` / ``exchange``: one exchange's broadcast; the client runs the algorithm's
-  ``client_step`` and answers its message.
+  ``client_step`` and answers its message;
+- ``train`` / ``stream``: the server's invitation to its stream (address and token,
+  :mod:`numpyro_fed.flower.stream`): the client connects and answers the run's further
+  messages over it with these same handlers and ``context`` until the server closes it.
 
 **Node-side storage.** With ``numpyro-fed-state-dir = "PATH"`` in the node config, the client
-writes its state (its key and the algorithm's state) after set-up and after every exchange
-to ``PATH/run-<run id>-<site name>.npz``, in the checkpoint format
-(:mod:`numpyro_fed.checkpoint`: one client, no server state), atomically. A restarted node
-then rejoins the run where it left off. The folder is the site's own (its data's privacy
+writes its state (its key and the algorithm's state) after set-up and after every round it
+completed to ``PATH/run-<run id>-<site name>.npz`` (and keeps the one before as
+``...previous.npz``), in the checkpoint format (:mod:`numpyro_fed.checkpoint`: one client,
+no server state, with the round), atomically. A restarted node then rejoins the run after
+the last round whose reply the server received from it. The folder is the site's own (its data's privacy
 applies: the state holds the client's key); nothing of it is sent.
 
 The client's state (its key and the algorithm's state) lives in the node's
@@ -44,6 +48,7 @@ from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
 from ..warnings import UncheckedFitWarning
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
+from .stream import Frame, FrameError, FrameReply
 from .task import build, load_task
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
@@ -136,6 +141,8 @@ def _reply(message, config: Dict[str, Any] = None, arrays=None):
         content["nf"] = ConfigRecord(config)
     if arrays is not None:
         content["message"] = arrays
+    if isinstance(message, Frame):  # a request that came over the run's stream
+        return FrameReply(content=content)
     return Message(content=content, reply_to=message)
 
 
@@ -183,7 +190,7 @@ def _setup(message, context):
     k_init, own = random.split(client_key(context.node_config, built.index, J))
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
     context.state["nf.slot"] = to_record(slot)
-    _store(context, built, slot)
+    _store(context, built, slot, 0)
     _store_round(context, built, slot, 0)
     return _reply(message, {"ok": True})
 
@@ -195,13 +202,22 @@ def _stored_path(context, name: str):
     return os.path.join(os.path.expanduser(str(folder)), f"run-{int(context.run_id)}-{name}.npz")
 
 
-def _store(context, built: _Built, slot: ClientSlot) -> None:
-    """The client's state to the node's own storage (when configured), in the checkpoint format."""
+def _previous(path: str) -> str:
+    return path[: -len(".npz")] + ".previous.npz"
+
+
+def _store(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
+    """The client's state after round ``rnd`` to the node's own storage (when configured), in the
+    checkpoint format; the one it replaces is kept as the previous. (A node killed after its
+    step and before its reply arrived holds a round the server never saw: a rejoin then takes
+    the previous, :func:`_restore`.)"""
     path = _stored_path(context, built.name)
     if path is None:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _save_slot(path, built.name, slot, 0)
+    if os.path.exists(path):
+        os.replace(path, _previous(path))
+    _save_slot(path, built.name, slot, rnd)
 
 
 def _save_slot(path: str, name: str, slot: ClientSlot, rnd: int) -> None:
@@ -214,14 +230,26 @@ def _save_slot(path: str, name: str, slot: ClientSlot, rnd: int) -> None:
     checkpoint.save(path, RunState(np.int32(rnd), (), zero, (), (slot,), zero), [name], family="flower.node")
 
 
-def _restore(context, built: _Built) -> ClientSlot:
-    """The state :func:`_store` kept for this run and site (raises when there is none)."""
+def _restore(context, built: _Built, rnd: int) -> ClientSlot:
+    """The state :func:`_store` kept for this run and site after round ``rnd``, the last round
+    whose reply the server received from it: the latest one stored, or the one before it when
+    the node stopped between its step and its reply (raises when neither is of that round)."""
     path = _stored_path(context, built.name)
     if path is None:
         raise ValueError(
             f"client {built.name!r} cannot rejoin: its node keeps no state ({STATE_DIR_KEY} is not in its node config)"
         )
-    return _load_slot(context, built, path)
+    found = []
+    for candidate in (path, _previous(path)):
+        if os.path.exists(candidate):
+            stored, slot = _load_round_slot(built, candidate)
+            if stored == rnd:
+                return slot
+            found.append(stored)
+    raise ValueError(
+        f"client {built.name!r} cannot rejoin at round {rnd}: its node holds its state after round(s) {found}, "
+        f"not after the last round the server received from it"
+    )
 
 
 def _round_path(context, run_id: int, name: str, rnd: int):
@@ -255,14 +283,20 @@ def _store_round(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
             os.remove(files[r])
 
 
-def _load_slot(context, built: _Built, path: str) -> ClientSlot:
+def _load_round_slot(built: _Built, path: str) -> tuple:
+    """``(round, slot)`` of a state :func:`_save_slot` wrote."""
     from .. import checkpoint
     from ..protocol import RunState
 
     like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
     zero = jax.ShapeDtypeStruct((2,), np.uint32)
     template = RunState(jax.ShapeDtypeStruct((), np.int32), (), zero, (), (like,), zero)
-    return checkpoint.load(path, template, [built.name]).clients[0]
+    state = checkpoint.load(path, template, [built.name])
+    return int(state.round), state.clients[0]
+
+
+def _load_slot(context, built: _Built, path: str) -> ClientSlot:
+    return _load_round_slot(built, path)[1]
 
 
 def _resume(message, context):
@@ -284,17 +318,18 @@ def _resume(message, context):
         )
     slot = _load_slot(context, built, files[max(usable)])
     context.state["nf.slot"] = to_record(slot)
-    _store(context, built, slot)
+    _store(context, built, slot, at)
     _store_round(context, built, slot, at)
     return _reply(message, {"ok": True})
 
 
 def _rejoin(message, context):
     """A restarted node, under a site name the server knows: rebuild, then take the state the node
-    stored (never a fresh one: that would silently restart the client's fit)."""
+    stored after the last round the server received from it (never a fresh one: that would
+    silently restart the client's fit; never a later one: the server never saw it)."""
     _set_up(message, context)
     built = _built(context)
-    slot = _restore(context, built)
+    slot = _restore(context, built, int(message.content["nf"]["round"]))
     context.state["nf.slot"] = to_record(slot)
     return _reply(message, {"ok": True})
 
@@ -311,8 +346,8 @@ def _exchange(message, context):
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
     slot, out = built.steps[e](slot, broadcast, built.data)
     context.state["nf.slot"] = to_record(slot)
-    _store(context, built, slot)
-    if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done
+    if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done (a rejoin restarts a round)
+        _store(context, built, slot, int(message.content["nf"]["round"]) + 1)
         _store_round(context, built, slot, int(message.content["nf"]["round"]) + 1)
     secure = built.algorithm.exchanges[e].secure_sum
     if secure:  # sealed for the trusted aggregator; the server only relays it
@@ -406,6 +441,7 @@ FAILED = {
     "client_value": "its fit-check term failed",
     "task": "its executor could not run the task",
     "unknown": "it received a message it does not know",
+    "stream": "its stream to the server failed",
 }
 
 
@@ -423,6 +459,8 @@ def _error_reply(message, reason: str):
     from flwr.app import Message
     from flwr.app.error import Error
 
+    if isinstance(message, Frame):
+        return FrameReply(error=FrameError(FAILURE_CODE, reason))
     return Message(error=Error(code=FAILURE_CODE, reason=reason), reply_to=message)
 
 
@@ -441,22 +479,47 @@ def _unknown(message, context):
     raise ValueError(f"numpyro_fed ClientApp: unknown message kind {str(message.content['nf']['kind'])!r}")
 
 
+_QUERIES = {"hello": _hello, "setup": _setup, "rejoin": _rejoin, "resume": _resume, "ledger": _ledger}
+_TRAINS = {"aggregate": _aggregate, "client_value": _client_value}
+
+
+def _dispatch(message_type: str, message, context):
+    """The handler of a ``query`` or ``train`` message (a Flower ``Message`` or a stream
+    :class:`~numpyro_fed.flower.stream.Frame`), guarded."""
+    kind = str(message.content["nf"]["kind"])
+    if message_type == "query":
+        return _guarded(kind if kind in _QUERIES else "unknown", _QUERIES.get(kind, _unknown), message, context)
+    if kind == "stream" and not isinstance(message, Frame):
+        return _guarded("stream", _stream, message, context)
+    return _guarded(kind if kind in _TRAINS else "exchange", _TRAINS.get(kind, _exchange), message, context)
+
+
+def _stream(message, context):
+    """The server's invitation to its stream (:mod:`numpyro_fed.flower.stream`): connect with the
+    token it sent, serve every further request of the run over it with the same handlers and
+    ``context``, and answer when the server closes it."""
+    from .stream import CA_KEY, serve
+
+    cfg = message.content["nf"]
+    ca = context.node_config.get(CA_KEY)
+    served = serve(str(cfg["address"]), bytes.fromhex(str(cfg["token"])), context,
+                   lambda frame, ctx: _dispatch(frame.message_type, frame, ctx),
+                   ca_file=None if ca is None else str(ca))
+    return _reply(message, {"served": int(served)})
+
+
 def make_client_app():
     """The ClientApp every node runs (``clientapp = "numpyro_fed.flower.app:client"``)."""
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
-    queries = {"hello": _hello, "setup": _setup, "rejoin": _rejoin, "resume": _resume, "ledger": _ledger}
-    trains = {"aggregate": _aggregate, "client_value": _client_value}
 
     @app.query()
     def query(message, context):
-        kind = str(message.content["nf"]["kind"])
-        return _guarded(kind if kind in queries else "unknown", queries.get(kind, _unknown), message, context)
+        return _dispatch("query", message, context)
 
     @app.train()
     def train(message, context):
-        kind = str(message.content["nf"]["kind"])
-        return _guarded(kind if kind in trains else "exchange", trains.get(kind, _exchange), message, context)
+        return _dispatch("train", message, context)
 
     return app

@@ -32,8 +32,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import Optional
+
+from .pace import Pacer
 
 __all__ = ["ACQUIRE_METHODS", "serve"]
 
@@ -56,14 +57,16 @@ def _read_certificates(path: str) -> bytes:
         raise ValueError(f"root certificates {path!r} cannot be read: {err}") from err
 
 
-def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0, *, auth_secret_file: Optional[str] = None,
-          root_certificates: Optional[str] = None) -> None:
+def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_poll: float = 0.5,
+          auth_secret_file: Optional[str] = None, root_certificates: Optional[str] = None) -> None:
     """Serve ClientApp tasks of the SuperNode whose runtime API is at ``runtime_api`` until
     killed (or until ``parent_pid``, when given, is gone).
 
     Args:
         runtime_api: the SuperNode's runtime API, ``HOST:PORT``.
-        poll: seconds between two polls for a task (and the objects' retry).
+        poll: seconds of the first poll for a task after the last one (doubling while none
+            comes, :class:`~numpyro_fed.flower.pace.Pacer`), and of the objects' retry.
+        idle_poll: the longest wait between two polls for a task while idle.
         parent_pid: stop when this process (the SuperNode) is gone.
         auth_secret_file: the file the SuperNode's ``--superexec-auth-secret-file`` names:
             ``AcquireTask`` is signed with it (see the module doc).
@@ -102,6 +105,7 @@ def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0, *, auth_secr
     signed = [] if secret is None else [SuperExecAuthHttpInterceptor(master_secret=secret,
                                                                       protected_methods=ACQUIRE_METHODS)]
     acquire = connect("SuperExec", *signed)
+    pacer = Pacer(poll, idle_poll)
     apps = {}
     while True:
         if parent_pid and not _alive(parent_pid):
@@ -109,8 +113,9 @@ def serve(runtime_api: str, poll: float = 0.1, parent_pid: int = 0, *, auth_secr
         res = _acquire(acquire, AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP],
                                                    agentapp_fab_hashes=[]), runtime_api)
         if not (res.HasField("task") and res.token):
-            time.sleep(poll)
+            pacer.wait()
             continue
+        pacer.active()
         client = connect("flwr-clientapp", RuntimeTokenHttpInterceptor(res.token))
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()

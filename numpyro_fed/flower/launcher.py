@@ -59,6 +59,9 @@ keep-values = false
 checkpoint = ""
 checkpoint-every = 0
 resume = ""
+stream = ""
+stream-certfile = ""
+stream-keyfile = ""
 """
 
 
@@ -199,11 +202,30 @@ class LocalFederation:
         tls: serve each SuperNode's runtime API (its executor link) over TLS, with a
             throw-away CA and a certificate for 127.0.0.1 made for this federation; the
             executors verify it (``--root-certificates``).
+        supernode: ``"paced"`` (default): each SuperNode is Flower's own run through
+            ``python -m numpyro_fed flower-supernode`` (:mod:`numpyro_fed.flower.supernode`),
+            its polls paced: a warm round of small messages takes milliseconds, not Flower's
+            3.6 s (flwr 1.41/1.42 only); ``"flower"``: Flower's ``flower-supernode`` unchanged.
+        poll: the pacing of the paced SuperNodes and of the executors: seconds of the first
+            poll after activity, doubling while idle up to ``idle_poll``.
+        idle_poll: the longest wait between two polls while idle (seconds).
+        stream: runs of numpyro_fed's app exchange their rounds over one stream per client
+            (run config ``stream = "127.0.0.1:0"``, :mod:`numpyro_fed.flower.stream`; TLS with
+            ``tls=True``) after Flower delivered the set-up: a warm round of small messages
+            takes about a millisecond per client. ``False``: every message through Flower.
     """
 
     def __init__(self, node_configs: Sequence[Mapping[str, Any]], *, workdir: Optional[str] = None,
                  app_files: Optional[Mapping[str, str]] = None, executor: bool = True,
-                 start_timeout: float = 60.0, aggregator: bool = False, tls: bool = False) -> None:
+                 start_timeout: float = 60.0, aggregator: bool = False, tls: bool = False,
+                 supernode: str = "paced", poll: float = 0.002, idle_poll: float = 0.5, stream: bool = True) -> None:
+        if supernode not in ("paced", "flower"):
+            raise ValueError(f"LocalFederation(supernode={supernode!r}): choose 'paced' (numpyro_fed's entry point to "
+                             f"Flower's SuperNode, millisecond polls) or 'flower' (flower-supernode unchanged)")
+        if not 0 < float(poll) <= float(idle_poll):
+            raise ValueError(f"LocalFederation(poll={poll!r}, idle_poll={idle_poll!r}): need 0 < poll <= idle_poll")
+        self.supernode, self.poll, self.idle_poll = supernode, float(poll), float(idle_poll)
+        self.stream = bool(stream)
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="nf-flower-")
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.node_configs = [dict(c) for c in node_configs]
@@ -265,9 +287,20 @@ class LocalFederation:
 
     def _start_node(self, i: int) -> List[subprocess.Popen]:
         port = _free_port()
-        config = " ".join(f"{k}={_toml(v)}" for k, v in self.node_configs[i].items())
-        args = [
-            str(self.bin / "flower-supernode"),
+        if self.tls and self.certificates is None:
+            self.certificates = _loopback_certificates(self.workdir / "certificates")
+        node_config = dict(self.node_configs[i])
+        if self.tls:  # the CA of the run's stream certificate (the same throw-away CA)
+            from .stream import CA_KEY
+
+            node_config.setdefault(CA_KEY, str(self.certificates["ca"]))
+        config = " ".join(f"{k}={_toml(v)}" for k, v in node_config.items())
+        if self.supernode == "paced":
+            args = [sys.executable, "-m", "numpyro_fed", "flower-supernode", "--poll", repr(self.poll),
+                    "--idle-poll", repr(self.idle_poll), "--"]
+        else:
+            args = [str(self.bin / "flower-supernode")]
+        args += [
             "--insecure",
             "--superlink",
             f"127.0.0.1:{self.port}",
@@ -284,8 +317,6 @@ class LocalFederation:
             args += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
         executor_tls = []
         if self.tls:
-            if self.certificates is None:
-                self.certificates = _loopback_certificates(self.workdir / "certificates")
             c = self.certificates
             args += [
                 "--ssl-certfile",
@@ -312,6 +343,10 @@ class LocalFederation:
                         f"127.0.0.1:{port}",
                         "--parent-pid",
                         str(node.pid),
+                        "--poll",
+                        repr(self.poll),
+                        "--idle-poll",
+                        repr(self.idle_poll),
                         "--superexec-auth-secret-file",
                         str(secret),
                         *executor_tls,
@@ -396,6 +431,11 @@ class LocalFederation:
             "keep-values": bool(keep_values),
             **config,
         }
+        if self.stream and app_dir is None:
+            values.setdefault("stream", "127.0.0.1:0")
+            if self.tls:
+                values.setdefault("stream-certfile", str(self.certificates["cert"]))
+                values.setdefault("stream-keyfile", str(self.certificates["key"]))
         if app_dir is not None:  # another app: only the entries it shares with ours
             values = {k: values[k] for k in ("num-clients", "num-rounds", "out")} | dict(config)
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in values.items())

@@ -36,6 +36,7 @@ from .._validation import check_callable, check_positive_int, check_positive_num
 from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
 from ..transcript import Transcript, message_bytes
 from ..warnings import MissingClientsWarning
+from .pace import Pacer
 from .pull import pull_replies
 from .rounds import RunContext, Traffic, first_state, non_finite, run_result
 from .sealed import ROLE_KEY
@@ -66,12 +67,22 @@ class FlowerBackend:
         grid: the ServerApp's ``Grid``.
         reply_timeout: seconds to wait for the clients' answers to one exchange.
         first_timeout: the same for the set-up and the first round (clients compile then).
-        poll: seconds between two pulls of the replies.
+        poll: the longest wait between two pulls of the replies: the first pull after a push
+            waits 1 ms (or ``poll`` if shorter), each further one twice the last
+            (:class:`~numpyro_fed.flower.pace.Pacer`).
         progress: a callable ``(round, answered names)`` after each round (e.g. to write
             a progress file).
         on_setup_failure: ``"raise"`` (default): a client whose set-up fails stops the run,
             naming it, its node and the reason's category; ``"absent"``: the run goes on
             without it, which is warned and recorded as absent from every round.
+        stream: ``"HOST:PORT"`` (port 0: any free one): after the set-up, the run's messages go
+            over one stream per client (:mod:`numpyro_fed.flower.stream`), each opened by an
+            invitation sent through Flower, instead of through the SuperLink; ``None``
+            (default): every message through Flower. A client that does not connect counts as
+            a failed set-up; one whose stream breaks is left out until its site rejoins.
+        stream_certfile: the stream's TLS certificate (PEM; required for a non-loopback
+            ``stream``; the clients name the CA in ``numpyro-fed-stream-ca``).
+        stream_keyfile: its key (PEM).
 
     Set ``collect_ledgers = True`` for a differentially private run (numpyro_fed's
     ServerApp does): after the last round each client sends its privacy ledger (its
@@ -82,7 +93,8 @@ class FlowerBackend:
 
     def __init__(self, grid: Any, *, reply_timeout: float = 60.0, first_timeout: float = 600.0, poll: float = 0.05,
                  progress: Optional[Callable] = None, on_setup_failure: str = "raise",
-                 resume_from: Optional[str] = None, run_id: int = 0) -> None:
+                 resume_from: Optional[str] = None, run_id: int = 0, stream: Optional[str] = None,
+                 stream_certfile: Optional[str] = None, stream_keyfile: Optional[str] = None) -> None:
         if grid is None or not callable(getattr(grid, "push_messages", None)):
             raise TypeError(f"FlowerBackend(grid=...): expected the ServerApp's flwr Grid, got a {type(grid).__name__}")
         self.grid = grid
@@ -112,13 +124,46 @@ class FlowerBackend:
         self.aggregator_key = ""  # its public key (hex), relayed to the clients at set-up
         self.rejoined: List[tuple] = []  # (round, client name, old node, new node): sites that came back
         self._seen: set = set()  # nodes asked for their name already (ours, the aggregator, strangers)
+        if stream is not None:
+            from .stream import split_address
+
+            split_address(stream)  # checked now, opened by run()
+        self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
+        self.stream_tls = (stream_certfile, stream_keyfile)
+        self._stream = None  # the StreamServer while a run streams
+        self._invites: Dict[int, str] = {}  # node -> its invitation's Flower message id
 
     # ------------------------------------------------------------------ messaging
     def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
               enough: Optional[Callable] = None, grace: float = 2.0):
-        """Push one message per node; pull until all answered or ``timeout`` (or, with
-        ``enough``, ``grace`` seconds after ``enough(replies)`` first holds). Returns
-        ``{node id: reply}`` of the nodes that answered without an error."""
+        """Send one message per node (over the run's stream to a node connected to it, through
+        Flower to the others); wait until all answered or ``timeout`` (or, with ``enough``,
+        ``grace`` seconds after ``enough(replies)`` first holds). Returns ``{node id: reply}``
+        of the nodes that answered without an error."""
+        streamed = [] if self._stream is None else [i for i, n in enumerate(node_ids) if int(n) in self._stream.conns]
+        broken = set() if self._stream is None else {i for i, n in enumerate(node_ids) if int(n) in self._stream.broken}
+        for i in broken:  # left out until its site rejoins on a new node (a restarted SuperNode)
+            self.errors[self._name(int(node_ids[i]))] = "its stream to the server broke"
+        if not streamed and not broken:
+            return self._send_flower(node_ids, contents, message_type, timeout, enough, grace)
+        t0 = time.monotonic()
+        got = self._stream.exchange({int(node_ids[i]): (message_type, contents[i]) for i in streamed}, timeout) \
+            if streamed else {}
+        replies = {}
+        for node, reply in got.items():
+            if reply.has_error():
+                self.errors[self._name(node)] = server_side_reason(reply.error.code, reply.error.reason)
+            else:
+                replies[node] = reply
+        rest = [i for i in range(len(node_ids)) if i not in set(streamed) and i not in broken]
+        if rest:
+            replies.update(self._send_flower([node_ids[i] for i in rest], [contents[i] for i in rest], message_type,
+                                             max(self.poll, timeout - (time.monotonic() - t0))))
+        return replies
+
+    def _send_flower(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
+                     enough: Optional[Callable] = None, grace: float = 2.0):
+        """:meth:`_send` through Flower's SuperLink: push, then pull until done."""
         from flwr.app import Message
 
         messages = [Message(content=c, dst_node_id=int(n), message_type=message_type) for n, c in zip(node_ids,
@@ -127,6 +172,7 @@ class FlowerBackend:
         waiting = {i: int(n) for i, n in zip(ids, node_ids) if i}
         replies: Dict[int, Any] = {}
         deadline = time.monotonic() + timeout
+        pacer = Pacer(min(0.001, self.poll), self.poll)
         while waiting and time.monotonic() < deadline:
             for reply in pull_replies(self.grid, list(waiting), self.poll):
                 node = waiting.pop(reply.metadata.reply_to_message_id, None)
@@ -139,7 +185,7 @@ class FlowerBackend:
             if enough is not None and enough(replies):
                 deadline, enough = min(deadline, time.monotonic() + grace), None
             if waiting:
-                time.sleep(self.poll)
+                pacer.wait()
         return replies
 
     def _name(self, node: int) -> str:
@@ -232,50 +278,56 @@ class FlowerBackend:
         structures = wire_structures(algorithm, data, plan.server_data)
         transcript = Transcript(keep_values) if record_transcript else None
         setup, resumed, alive = self._set_up(names, num_rounds, rng_key, algorithm, every)
-        self.timings["setup"] = time.perf_counter() - t0
-
-        state = first_state(algorithm, rng_key, resumed)
-        start = int(state.round)
-        run = RunContext(
-            algorithm=algorithm, plan=plan, names=names, structures=structures, transcript=transcript,
-            select=jax.jit(algorithm.select),
-            # the secure_sum fields arrive summed by the trusted aggregator
-            steps=[jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges],
-            round_info=algorithm.round_info or last_info,
-            monitor=algorithm.monitor or (lambda info: jnp.zeros(())),
-            traffic=Traffic(), on_nonfinite=on_nonfinite)
-        infos, figures, answered_log = [], [], []
-        if every:
-            self._save(checkpoint, state, names)
-        lost = [not a for a in alive]  # did not answer the last time asked: may come back on a new node
-        self._seen = set(self.nodes) | {self.aggregator}
-        for r in range(start, start + int(num_rounds)):
-            t0 = time.perf_counter()
-            if r > start and any(lost):
-                self._take_back(r, setup, alive, lost)
-            timeout = self.first_timeout if r == start else self.reply_timeout
-            done = self._round(run, r, state, alive, lost, timeout, first=not figures)
-            if done is None:  # non-finite values, warned: the run stops after the last finite round
-                break
-            state, info, figure, answered = done
-            infos.append(info)
-            figures.append(figure)
-            answered_log.append(answered)
-            self.round_seconds.append(time.perf_counter() - t0)
-            if every and (int(state.round) % every == 0 or r == start + int(num_rounds) - 1):
+        try:
+            if self.stream is not None:
+                self._open_stream(names, alive)
+            self.timings["setup"] = time.perf_counter() - t0
+            state = first_state(algorithm, rng_key, resumed)
+            start = int(state.round)
+            run = RunContext(
+                algorithm=algorithm, plan=plan, names=names, structures=structures, transcript=transcript,
+                select=jax.jit(algorithm.select),
+                # the secure_sum fields arrive summed by the trusted aggregator
+                steps=[jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges],
+                round_info=algorithm.round_info or last_info,
+                monitor=algorithm.monitor or (lambda info: jnp.zeros(())),
+                traffic=Traffic(), on_nonfinite=on_nonfinite)
+            infos, figures, answered_log = [], [], []
+            if every:
                 self._save(checkpoint, state, names)
-            for callback in callbacks:
-                callback(int(state.round), state, info)
-            if self.progress is not None:
-                self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
-            if algorithm.done is not None and bool(algorithm.done(state.server)):  # open-ended (MCMC): finished
-                break
-        ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
-        for ledger in ledgers.values():  # what crossed the wire
-            run.traffic.add_up(message_bytes(ledger._asdict()))
-        self._warn_missing()
-        return run_result(run, state, infos, figures, answered_log,
-                          ClientStates(names, lambda j: _ledger_of(names[j], ledgers)))
+            lost = [not a for a in alive]  # did not answer the last time asked: may come back on a new node
+            self._last_round = [start] * J  # per site: the last round whose reply came (a rejoin's state)
+            self._seen = set(self.nodes) | {self.aggregator}
+            for r in range(start, start + int(num_rounds)):
+                t0 = time.perf_counter()
+                if r > start and any(lost):
+                    self._take_back(r, setup, alive, lost)
+                timeout = self.first_timeout if r == start else self.reply_timeout
+                done = self._round(run, r, state, alive, lost, timeout, first=not figures)
+                if done is None:  # non-finite values, warned: the run stops after the last finite round
+                    break
+                state, info, figure, answered = done
+                self._last_round = [r + 1 if a else last for a, last in zip(answered, self._last_round)]
+                infos.append(info)
+                figures.append(figure)
+                answered_log.append(answered)
+                self.round_seconds.append(time.perf_counter() - t0)
+                if every and (int(state.round) % every == 0 or r == start + int(num_rounds) - 1):
+                    self._save(checkpoint, state, names)
+                for callback in callbacks:
+                    callback(int(state.round), state, info)
+                if self.progress is not None:
+                    self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
+                if algorithm.done is not None and bool(algorithm.done(state.server)):  # open-ended (MCMC): finished
+                    break
+            ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
+            for ledger in ledgers.values():  # what crossed the wire
+                run.traffic.add_up(message_bytes(ledger._asdict()))
+            self._warn_missing()
+            return run_result(run, state, infos, figures, answered_log,
+                              ClientStates(names, lambda j: _ledger_of(names[j], ledgers)))
+        finally:
+            self._close_stream()
 
     def _checked_run(self, algorithm, plan, num_rounds, availability, init_state, checkpoint, checkpoint_every,
                      on_nonfinite) -> int:
@@ -320,6 +372,60 @@ class FlowerBackend:
         alive = [n in ready for n in self.nodes]
         self._check_setup(names, alive)
         return setup, resumed, alive
+
+    # ------------------------------------------------------------------ the stream
+    def _open_stream(self, names: Sequence[str], alive: List[bool]) -> None:
+        """Invite every client that answered its set-up (and the trusted aggregator) to the run's
+        stream (:mod:`numpyro_fed.flower.stream`); a client that does not connect within
+        ``first_timeout`` is a failed set-up (it stops the run, or is absent with
+        ``on_setup_failure="absent"``)."""
+        from .stream import StreamServer
+
+        self._stream = StreamServer(self.stream, *self.stream_tls)
+        self.timings["stream"] = 0.0
+        t0 = time.perf_counter()
+        nodes = [n for n, a in zip(self.nodes, alive) if a] + ([self.aggregator] if self.aggregator is not None else [])
+        connected = self._invite(nodes, self.first_timeout)
+        self.timings["stream"] = time.perf_counter() - t0
+        if self.aggregator is not None and self.aggregator not in connected:
+            raise RuntimeError(f"the trusted aggregator (node {self.aggregator}) did not connect to the run's stream "
+                               f"at {self._stream.address} within first_timeout ({self.first_timeout:.0f} s)")
+        for j, node in enumerate(self.nodes):
+            if alive[j] and node not in connected:
+                alive[j] = False
+                self.errors.setdefault(names[j], f"did not connect to the run's stream at {self._stream.address}")
+        self._check_setup(names, alive)
+
+    def _invite(self, nodes: Sequence[int], timeout: float) -> set:
+        """Send each node (through Flower) the stream's address and a fresh token; returns the
+        nodes that connected with theirs within ``timeout``."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        tokens = self._stream.tokens(nodes)
+        messages = [Message(content=RecordDict({"nf": ConfigRecord({"kind": "stream", "address": self._stream.address,
+                                                                     "token": tokens[int(n)].hex()})}),
+                            dst_node_id=int(n), message_type="train") for n in nodes]
+        for node, mid in zip(nodes, self.grid.push_messages(messages)):
+            if mid:
+                self._invites[int(node)] = mid
+        return self._stream.accept({n: t for n, t in tokens.items() if n in self._invites}, timeout)
+
+    def _close_stream(self) -> None:
+        """Close the stream; each client's task then answers its invitation, and the node takes
+        Flower messages again (the fit check after the run goes through Flower)."""
+        if self._stream is None:
+            return
+        connected = set(self._stream.conns)  # a node whose stream broke answered already, or is gone
+        self._stream.close()
+        self._stream = None
+        waiting = {mid: node for node, mid in self._invites.items() if node in connected}
+        self._invites = {}
+        deadline, pacer = time.monotonic() + self.reply_timeout, Pacer(min(0.001, self.poll), self.poll)
+        while waiting and time.monotonic() < deadline:
+            for reply in pull_replies(self.grid, list(waiting), self.poll):
+                waiting.pop(reply.metadata.reply_to_message_id, None)
+            if waiting:
+                pacer.wait()
 
     # ------------------------------------------------------------------ one round
     def _round(self, run: RunContext, r: int, state: RunState, alive: List[bool], lost: List[bool],
@@ -475,8 +581,10 @@ class FlowerBackend:
             if name not in names or not lost[names.index(name)]:
                 continue  # another task's node, or a duplicate of a site that still answers: left out
             j = names.index(name)
-            content = RecordDict({"nf": ConfigRecord({**dict(setup[j]["nf"].items()), "kind": "rejoin"})})
-            if node in self._send([node], [content], "query", self.first_timeout):
+            content = RecordDict({"nf": ConfigRecord({**dict(setup[j]["nf"].items()), "kind": "rejoin",
+                                                      "round": int(self._last_round[j])})})
+            if node in self._send([node], [content], "query", self.first_timeout) and (
+                    self._stream is None or node in self._invite([node], self.first_timeout)):
                 old, self.nodes[j] = self.nodes[j], node
                 alive[j], lost[j] = True, False
                 self.rejoined.append((r + 1, name, old, node))
