@@ -135,11 +135,16 @@ def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_po
             if message is not None:
                 reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
         finally:
-            if reply is not None and context is not None:
-                rc.push_message(client, reply, context)
-            rc.push_task_output(client=client, context=context, sub_status=status, details=details)
-            heartbeat.stop()
-            client.close()
+            try:  # a reply the node no longer takes (e.g. its run ended) loses this task, not the executor
+                if reply is not None and context is not None:
+                    rc.push_message(client, reply, context)
+                rc.push_task_output(client=client, context=context, sub_status=status, details=details)
+            except Exception as ex:  # noqa: BLE001 - logged here; the server sees a missing answer
+                print(f"numpyro_fed executor: could not hand back the task's reply: {type(ex).__name__}: {ex}",
+                      file=sys.stderr, flush=True)
+            finally:
+                heartbeat.stop()
+                client.close()
 
 
 def _acquire(acquire, request, runtime_api: str):
