@@ -35,10 +35,13 @@ import numpy as np
 import numpyro
 from numpyro.primitives import Messenger
 
-__all__ = ["group_plate", "group_sizes", "size_group_plates", "sized_model"]
+__all__ = ["group_plate", "group_sizes", "known_groups", "own_groups", "size_group_plates", "sized_model"]
 
 _SIZES: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_group_sizes", default=None)
 _PROBE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_group_probe", default=None)
+# {client: {plate: (G_j, codes argument)}} for clients whose data this party does not hold (a
+# Flower federation's template: each node measured its own codes, see :func:`known_groups`)
+_KNOWN: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_known_groups", default=None)
 
 _TRACED = (
     "group_plate('{name}'): the group codes are traced (inside jit, e.g. MCMC with jit_model_args=True), so the "
@@ -136,29 +139,59 @@ def _probe(model, args, kwargs) -> Dict[str, np.ndarray]:
 def group_sizes(model, clients, kwargs) -> Tuple[Dict[str, int], Dict[str, str]]:
     """``({plate: largest G_j}, {plate: the data argument holding its codes})`` over the
     clients, each client's codes checked to be ``0 .. G_j - 1``, all used (empty: no group
-    plates)."""
+    plates). A client whose data this party does not hold (inside :func:`known_groups`) is
+    taken at the sizes its own node measured, never probed on placeholder values."""
     sizes: Dict[str, int] = {}
     args_of: Dict[str, str] = {}
+    known = _KNOWN.get() or {}
     first = clients.names[0]
-    found = {first: _probe(model, clients[first], kwargs)}
+    found = {first: known[first] if first in known else _probe_codes(model, clients[first], kwargs, first)}
     if not found[first]:  # a model without group plates is traced once, not once per client
         return sizes, args_of
     for client in clients.names:
-        args = clients[client]
-        probed = found[client] if client in found else _probe(model, args, kwargs)
-        for plate, ids in probed.items():
-            ids = np.asarray(ids)
-            matches = [k for k, v in args.items() if np.shape(v) == ids.shape and np.array_equal(v, ids)]
-            if not matches:
+        if client in found:
+            probed = found[client]
+        else:
+            probed = known[client] if client in known else _probe_codes(model, clients[client], kwargs, client)
+        for plate, (size, candidates) in probed.items():
+            if args_of.setdefault(plate, candidates[0]) not in candidates:
                 raise ValueError(_NOT_AN_ARG.format(name=plate, client=client))
-            arg = args_of.setdefault(plate, matches[0])
-            if arg not in matches:
-                raise ValueError(_NOT_AN_ARG.format(name=plate, client=client))
-            detail = _bad_codes(ids)
-            if detail:
-                raise ValueError(_NOT_CODES.format(name=plate, client=client, detail=detail, arg=arg))
-            sizes[plate] = max(sizes.get(plate, 0), int(ids.max()) + 1)
+            sizes[plate] = max(sizes.get(plate, 0), size)
     return sizes, args_of
+
+
+def _probe_codes(model, args, kwargs, client) -> Dict[str, Tuple[int, Tuple[str, ...]]]:
+    """``{plate: (G_j, the arguments equal to its codes)}`` of one client's data, its codes checked."""
+    out: Dict[str, Tuple[int, str]] = {}
+    for plate, ids in _probe(model, args, kwargs).items():
+        ids = np.asarray(ids)
+        matches = [k for k, v in args.items() if np.shape(v) == ids.shape and np.array_equal(v, ids)]
+        if not matches:
+            raise ValueError(_NOT_AN_ARG.format(name=plate, client=client))
+        detail = _bad_codes(ids)
+        if detail:
+            raise ValueError(_NOT_CODES.format(name=plate, client=client, detail=detail, arg=matches[0]))
+        out[plate] = (int(ids.max()) + 1 if ids.size else 0, tuple(matches))
+    return out
+
+
+def own_groups(model, args, kwargs, client) -> Dict[str, Tuple[int, Tuple[str, ...]]]:
+    """``{plate: (G_j, the arguments equal to its codes)}`` of one client's own data (what its
+    node tells the server in a Flower federation's hello: counts and names, no values)."""
+    return _probe_codes(getattr(model, "__wrapped_model__", model), args, kwargs, client)
+
+
+@contextlib.contextmanager
+def known_groups(groups: Mapping[str, Mapping[str, tuple]]) -> Iterator[None]:
+    """Within the block, :func:`group_sizes` takes these clients' group plates as given
+    (``{client: {plate: (G_j, codes arguments)}}``, as :func:`own_groups` measured them)
+    instead of probing their data."""
+    token = _KNOWN.set({c: {p: (int(g), tuple(str(x) for x in a)) for p, (g, a) in v.items()}
+                        for c, v in groups.items()})
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
 
 
 def _bad_codes(ids: np.ndarray) -> str:

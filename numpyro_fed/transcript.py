@@ -75,21 +75,50 @@ def message_bytes(message: Any) -> int:
     return int(sum(leaf_bytes(leaf) for leaf in jax.tree_util.tree_leaves(message)))
 
 
-def message_to_bytes(message: Any) -> bytes:
-    """Serialise a message: each leaf by ``numpy.save``, in flattening order."""
+@functools.lru_cache(maxsize=4096)
+def _npy_header(shape: tuple, dtype: str) -> bytes:
+    """The bytes ``numpy.save`` writes before a C-ordered array's data."""
     buffer = io.BytesIO()
+    np.save(buffer, np.zeros(shape, dtype), allow_pickle=False)
+    data = buffer.getvalue()
+    return data[: len(data) - int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+
+
+def message_to_bytes(message: Any) -> bytes:
+    """Serialise a message: each leaf as ``numpy.save`` writes it (C order), in flattening
+    order. The header of each shape and dtype is made once (a round's messages repeat them)."""
+    parts = []
     for leaf in jax.tree_util.tree_leaves(message):
-        np.save(buffer, np.asarray(leaf), allow_pickle=False)
-    return buffer.getvalue()
+        arr = np.asarray(leaf, order="C")
+        if arr.dtype.hasobject:
+            raise TypeError(f"message_to_bytes: a leaf of dtype {arr.dtype} cannot travel (numeric arrays only)")
+        parts.append(_npy_header(arr.shape, arr.dtype.str))
+        parts.append(arr.tobytes())
+    return b"".join(parts)
 
 
 def message_from_bytes(like: Any, data: bytes) -> Any:
-    """Rebuild a message with the structure of ``like`` from :func:`message_to_bytes` output."""
-    treedef = jax.tree_util.tree_structure(like)
-    buffer = io.BytesIO(data)
-    leaves = [np.load(buffer, allow_pickle=False) for _ in range(treedef.num_leaves)]
-    if buffer.tell() != len(data):
-        raise ValueError(f"message_from_bytes: {len(data) - buffer.tell()} bytes left over after the message's leaves")
+    """Rebuild a message with the structure of ``like`` from :func:`message_to_bytes` output.
+
+    A leaf whose header is the one ``like`` predicts (its shape and dtype) is read straight from
+    the buffer; any other is parsed as a ``.npy`` array (``numpy.load``)."""
+    flat, treedef = jax.tree_util.tree_flatten(like)
+    data = bytes(data)
+    pos, leaves = 0, []
+    for want in flat:
+        shape, dtype = tuple(want.shape), np.dtype(want.dtype)
+        header = _npy_header(shape, dtype.str)
+        if data.startswith(header, pos):
+            count = int(np.prod(shape, dtype=np.int64))
+            start = pos + len(header)
+            leaves.append(np.frombuffer(data, dtype, count, start).reshape(shape))
+            pos = start + count * dtype.itemsize
+            continue
+        buffer = io.BytesIO(memoryview(data)[pos:])
+        leaves.append(np.load(buffer, allow_pickle=False))
+        pos += buffer.tell()
+    if pos != len(data):
+        raise ValueError(f"message_from_bytes: {len(data) - pos} bytes left over after the message's leaves")
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

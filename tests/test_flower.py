@@ -13,11 +13,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 from jax import random
 
 pytest.importorskip("flwr")
 
+import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.launcher import descendants, pid_exists  # noqa: E402
 from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
@@ -378,6 +381,86 @@ def test_a_party_keeps_its_own_arrays_over_the_templates_zeros():
     assert not mine["xb"].any() and mine["xa"].all()
     server = inputs_from_template(template, server={"y": y})
     np.testing.assert_array_equal(server["y"], y)
+
+
+def _wards(ward, sigma, y):
+    """Data enter a distribution's parameters (a known scale per row, eight schools' shape)
+    and a group plate (a ward effect per ward, ``G_j`` per client)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    with nf.group_plate("wards", ward), nf.local_site():
+        a = numpyro.sample("a", dist.Normal(mu, 1.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(a[ward], sigma), obs=y)
+
+
+@pytest.mark.parametrize("family", ["nuts", "sfvi", "pvi", "ep"])
+def test_every_party_builds_the_simulations_algorithm_from_the_template(family):
+    """The class behind eight schools failing over Flower: a party builds the algorithm with
+    placeholders for the data it does not hold, and set-up read their values. Zeros are no
+    valid scale (NumPyro validates by default) and zero group codes size every group plate
+    to one. Now the server and each client build, from the template alone (group sizes
+    measured by each node on its own codes), the algorithm the simulation builds on the
+    pooled clients: the same group sizes and every message of the same structure."""
+    import jax
+    import optax
+
+    from numpyro_fed.backends.mapping import client_item
+    from numpyro_fed.flower import FlowerTask
+    from numpyro_fed.flower.task import build, own_groups_of
+    from numpyro_fed.flower.wire import Template, describe, parse_template, shapes_of, wire_structures
+
+    rng = np.random.default_rng(0)
+    groups = {"a": 3, "b": 5, "c": 2}
+    data = {}
+    for name, G in groups.items():
+        ward = np.concatenate([np.arange(G), rng.integers(0, G, 4)]).astype(np.int32)
+        sigma = rng.uniform(0.5, 2.0, ward.size).astype(np.float32)
+        data[name] = dict(ward=ward, sigma=sigma, y=rng.normal(size=ward.size).astype(np.float32))
+    clients = nf.Clients(data)
+    make = {"nuts": lambda: nf.FederatedNUTS(_wards, num_warmup=5, num_samples=5),
+            "sfvi": lambda: nf.FederatedSVI(_wards, nf.StructuredGuide(_wards), optax.adam(0.05)),
+            "pvi": lambda: nf.PVI(_wards, update="optax", optim=optax.adam(0.05), local_steps=5),
+            "ep": lambda: nf.EP(_wards, schedule="synchronous")}[family]
+    task = FlowerTask(make, lambda cfg: None)
+    said = {n: own_groups_of(task, n, clients[n]) for n in clients.names}  # each node's hello
+    assert said == {n: {"wards": [G, ["ward"]]} for n, G in groups.items()}
+    shapes = {n: shapes_of(clients[n]) for n in clients.names}
+    template = parse_template(describe(Template("horizontal", shapes, {}, said)))
+
+    def structures(inference, setup):
+        plan = setup.plan
+        items = [client_item(plan, plan.data, i) for i in range(len(plan.names))]
+        built = wire_structures(setup.algorithm, items, plan.server_data)
+        return inference.model.group_sizes, jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), built)
+
+    reference = make()
+    reference._before_run(10, clients, {})
+    want = structures(reference, reference._setup(clients))
+    assert want[0] == {"wards": 5}
+    parties = [None] + [(n, clients[n]) for n in clients.names]  # the server, then each client
+    for own in parties:
+        inference, _, setup = build(task, template, 10, own=own)
+        assert structures(inference, setup) == want, own and own[0]
+
+
+def test_a_client_refuses_its_own_invalid_data_at_set_up_as_the_simulation_does():
+    """Validation is off only for the placeholders: a client whose own ``sigma`` holds a zero
+    fails its set-up with NumPyro's message, naming the site, as the simulation does."""
+    from numpyro_fed.flower import FlowerTask
+    from numpyro_fed.flower.task import build
+    from numpyro_fed.flower.wire import Template, shapes_of
+
+    ward = np.array([0, 1, 0], np.int32)
+    good = dict(ward=ward, sigma=np.ones(3, np.float32), y=np.zeros(3, np.float32))
+    bad = dict(good, sigma=np.array([1.0, 0.0, 1.0], np.float32))
+    template = Template("horizontal", {"a": shapes_of(good), "b": shapes_of(bad)}, {},
+                        {"a": {"wards": (2, ("ward",))}, "b": {"wards": (2, ("ward",))}})
+    task = FlowerTask(lambda: nf.FederatedNUTS(_wards, num_warmup=5, num_samples=5), lambda cfg: None)
+    build(task, template, 10, own=("a", good))
+    with pytest.raises(ValueError, match="invalid scale parameter"):
+        build(task, template, 10, own=("b", bad))
+    with pytest.raises(ValueError, match="invalid scale parameter"):
+        nf.FederatedNUTS(_wards, num_warmup=5, num_samples=5)._setup(nf.Clients({"a": good, "b": bad}))
 
 
 def test_a_sealed_part_opens_only_with_the_aggregators_key_and_its_own_round():

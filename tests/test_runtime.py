@@ -193,3 +193,32 @@ def test_byte_counts_are_the_serialised_sizes():
     assert len(blob) == nf.transcript.message_bytes(message)
     back = nf.transcript.message_from_bytes(message, blob)
     np.testing.assert_array_equal(back["b"], message["b"])
+
+
+def test_the_wire_format_is_numpy_save_per_leaf_and_reads_any_npy_leaf():
+    """``message_to_bytes`` writes exactly what ``numpy.save`` writes for each leaf (scalars,
+    booleans, empty and transposed arrays included, the last in C order), and
+    ``message_from_bytes`` reads it back with the shapes and dtypes of ``like``; a leaf whose
+    header is not the one ``like`` predicts (a Fortran-ordered ``numpy.save``, another shape) is
+    parsed as ``.npy``, and trailing bytes are refused."""
+    import io
+
+    message = {"a": np.arange(6.0).reshape(2, 3).T, "b": np.asarray(3, np.int32), "c": np.zeros((4, 0), np.float32),
+               "d": np.array([True, False]), "e": np.float64(2.5)}
+    blob = nf.transcript.message_to_bytes(message)
+    saved = io.BytesIO()
+    for leaf in jax.tree_util.tree_leaves(message):
+        np.save(saved, np.ascontiguousarray(leaf) if np.ndim(leaf) else np.asarray(leaf), allow_pickle=False)
+    assert blob == saved.getvalue() and len(blob) == nf.transcript.message_bytes(message)
+    like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), message)
+    back = nf.transcript.message_from_bytes(like, blob)
+    for k, v in message.items():
+        assert isinstance(back[k], np.ndarray) and back[k].shape == np.shape(v) and back[k].dtype == np.asarray(v).dtype
+        np.testing.assert_array_equal(back[k], v)
+    fortran = io.BytesIO()
+    for leaf in jax.tree_util.tree_leaves(message):
+        np.save(fortran, np.asarray(leaf), allow_pickle=False)  # "a" is Fortran-ordered here
+    assert fortran.getvalue() != blob
+    np.testing.assert_array_equal(nf.transcript.message_from_bytes(like, fortran.getvalue())["a"], message["a"])
+    with pytest.raises(ValueError, match="bytes left over"):
+        nf.transcript.message_from_bytes(like, blob + b"x")

@@ -85,6 +85,12 @@ class _Failure(NamedTuple):
     server: jax.Array
 
 
+def stack_rounds(*xs) -> jax.Array:
+    """One array of the per-round values ``xs``, stacked on the host: ``jnp.stack`` of thousands
+    of rounds compiles one concatenation of them all (minutes for a federated NUTS run)."""
+    return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
+
+
 def all_finite(tree) -> jax.Array:
     """Are all entries of the tree's floating leaves finite (see :func:`_finite_rows`)?"""
     total = jnp.zeros(())
@@ -219,9 +225,7 @@ class SimulationBackend:
             state, failure, outputs = self._loop(algorithm, compiled, plan, avail, init_state,
                                                  _no_failure(len(plan.names)), num_rounds, progress_bar, transcript,
                                                  callbacks, checkpoint, checkpoint_every)
-            # stacked on the host: jnp.stack of thousands of rounds compiles one concatenation of them all
-            stacked = jax.tree_util.tree_map(lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs])),
-                                             *outputs) if outputs else None
+            stacked = jax.tree_util.tree_map(stack_rounds, *outputs) if outputs else None
         else:
             state, failure, stacked = _run_in_chunks(algorithm, compiled, plan, avail, init_state, num_rounds,
                                                      checkpoint, checkpoint_every)

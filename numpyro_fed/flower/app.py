@@ -17,6 +17,8 @@ A Flower app's ``pyproject.toml`` names them::
     checkpoint = ""                      # the server's checkpoint file ("": none); the clients keep
     checkpoint-every = 0                 #   theirs on their nodes (numpyro-fed-state-dir); 0: 10 per run
     resume = ""                          # a server checkpoint to resume from ("": a new fit)
+    transcript = true                    # record every message's leaves at the server (false for
+                                         #   runs of 10^4+ rounds, e.g. federated NUTS: ~20 entries a round)
     keep-values = false                  # keep the transcript's arrays in the result (audits)
     stream = ""                          # HOST:PORT: after set-up, exchanges over one stream per client
     stream-certfile = ""                 #   (numpyro_fed.flower.stream; "": through Flower's SuperLink);
@@ -81,7 +83,7 @@ def _server_main(grid, context) -> None:
                 jax.random.PRNGKey(int(cfg.get("seed", 0))),
                 num_rounds,
                 progress_bar=False,
-                record_transcript=True,
+                record_transcript=bool(cfg.get("transcript", True)),
                 keep_values=bool(cfg.get("keep-values", False)),
                 backend=backend,
                 checkpoint=str(cfg["checkpoint"]) if str(cfg.get("checkpoint", "")) else None,

@@ -33,6 +33,7 @@ compiles once; a fresh process per message rebuilds them).
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import sys
@@ -49,7 +50,7 @@ from ..transcript import message_to_bytes
 from ..warnings import UncheckedFitWarning
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
 from .stream import Frame, FrameError, FrameReply
-from .task import build, load_task
+from .task import build, load_task, own_groups_of
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
 __all__ = ["client_key", "make_client_app"]
@@ -73,9 +74,14 @@ class _Built(NamedTuple):
     data: Any
     structures: Any
     steps: tuple
+    checkpoint_every: int  # the server's checkpoint period (0: none), from the set-up
 
 
 _BUILT: Dict[tuple, _Built] = {}  # (run id, set-up text) -> what this process rebuilt
+# While a stream task serves the run's rounds, the client's slot lives here, not in ``context.state``
+# (a NUTS client's slot holds its local draws: megabytes to re-encode every round); :func:`_stream`
+# writes it back to ``context.state`` when the stream ends, however it ends.
+_LIVE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_live_slot", default=None)
 
 
 def client_key(node_config, index: int, num_clients: int) -> jax.Array:
@@ -129,7 +135,8 @@ def _built(context) -> _Built:
                 f"client {own[0]!r}: the server relayed an aggregator key other than the one pinned in "
                 f"this node's config ({PIN_KEY}); refusing to seal for it"
             )
-        _BUILT[key] = _Built(j, str(own[0]), agg, inference, s, s.algorithm, data[j], structures, steps)
+        _BUILT[key] = _Built(j, str(own[0]), agg, inference, s, s.algorithm, data[j], structures, steps,
+                             int(spec.get("checkpoint_every", 0)))
     return _BUILT[key]
 
 
@@ -159,7 +166,9 @@ def _hello(message, context):
         return _reply(message, {"name": "", "shapes": "{}", "order": -1})
     name, arrays = loaded
     order = context.node_config.get("partition-id", -1)
-    return _reply(message, {"name": str(name), "shapes": json.dumps(shapes_of(arrays)), "order": int(order)})
+    groups = own_groups_of(task, str(name), arrays)  # counts of its own group codes, no values
+    return _reply(message, {"name": str(name), "shapes": json.dumps(shapes_of(arrays)), "order": int(order),
+                            "groups": json.dumps(groups)})
 
 
 def _set_up(message, context) -> None:
@@ -189,7 +198,7 @@ def _setup(message, context):
     J = len(parse_template(str(message.content["nf"]["template"])).clients)
     k_init, own = random.split(client_key(context.node_config, built.index, J))
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
-    context.state["nf.slot"] = to_record(slot)
+    _put_slot(context, slot)
     _store(context, built, slot, 0)
     _store_round(context, built, slot, 0)
     return _reply(message, {"ok": True})
@@ -272,7 +281,7 @@ def _store_round(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
     """With server checkpoints every ``k`` rounds: the client's state after round ``rnd`` (a
     resume from the server's checkpoint at round ``c`` takes the latest at or before ``c``). Files
     no resume can need are removed: those before the latest at or before ``rnd - k``."""
-    every = int(json.loads(str(context.state["nf.setup"]["text"])).get("checkpoint_every", 0))
+    every = built.checkpoint_every
     if not every:
         return
     _save_slot(_round_path(context, context.run_id, built.name, rnd), built.name, slot, rnd)
@@ -317,7 +326,7 @@ def _resume(message, context):
             f"a round at or before it on this node (stored rounds: {sorted(files)})"
         )
     slot = _load_slot(context, built, files[max(usable)])
-    context.state["nf.slot"] = to_record(slot)
+    _put_slot(context, slot)
     _store(context, built, slot, at)
     _store_round(context, built, slot, at)
     return _reply(message, {"ok": True})
@@ -330,13 +339,24 @@ def _rejoin(message, context):
     _set_up(message, context)
     built = _built(context)
     slot = _restore(context, built, int(message.content["nf"]["round"]))
-    context.state["nf.slot"] = to_record(slot)
+    _put_slot(context, slot)
     return _reply(message, {"ok": True})
 
 
 def _slot(built: _Built, context) -> ClientSlot:
+    live = _LIVE.get()
+    if live is not None and "slot" in live:
+        return live["slot"]
     like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
     return from_record(like, context.state["nf.slot"])
+
+
+def _put_slot(context, slot: ClientSlot) -> None:
+    live = _LIVE.get()
+    if live is not None:
+        live["slot"] = slot
+    else:
+        context.state["nf.slot"] = to_record(slot)
 
 
 def _exchange(message, context):
@@ -345,7 +365,7 @@ def _exchange(message, context):
     slot = _slot(built, context)
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
     slot, out = built.steps[e](slot, broadcast, built.data)
-    context.state["nf.slot"] = to_record(slot)
+    _put_slot(context, slot)
     if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done (a rejoin restarts a round)
         _store(context, built, slot, int(message.content["nf"]["round"]) + 1)
         _store_round(context, built, slot, int(message.content["nf"]["round"]) + 1)
@@ -502,9 +522,16 @@ def _stream(message, context):
 
     cfg = message.content["nf"]
     ca = context.node_config.get(CA_KEY)
-    served = serve(str(cfg["address"]), bytes.fromhex(str(cfg["token"])), context,
-                   lambda frame, ctx: _dispatch(frame.message_type, frame, ctx),
-                   ca_file=None if ca is None else str(ca))
+    live: Dict[str, ClientSlot] = {}
+    token = _LIVE.set(live)
+    try:
+        served = serve(str(cfg["address"]), bytes.fromhex(str(cfg["token"])), context,
+                       lambda frame, ctx: _dispatch(frame.message_type, frame, ctx),
+                       ca_file=None if ca is None else str(ca))
+    finally:
+        _LIVE.reset(token)
+        if "slot" in live:
+            context.state["nf.slot"] = to_record(live["slot"])
     return _reply(message, {"served": int(served)})
 
 

@@ -55,6 +55,7 @@ seed = 0
 reply-timeout = 60.0
 first-timeout = 600.0
 out = ""
+transcript = true
 keep-values = false
 checkpoint = ""
 checkpoint-every = 0

@@ -82,13 +82,14 @@ def non_finite(run: RunContext, r: int, state: RunState, answered, sent, first: 
 
 def run_result(run: RunContext, state: RunState, infos, figures, answered_log, client_states) -> RunResult:
     """The run's :class:`RunResult` (``client_states``: over Flower only the DP clients' ledgers)."""
+    from ..backends.simulation import stack_rounds
+
     traffic = run.traffic
-    stack = (lambda *xs: jnp.stack(xs))
     return RunResult(
         params=state.server,
         state=state,
-        trace=jnp.stack(figures),
-        info=jax.tree_util.tree_map(stack, *infos),
+        trace=stack_rounds(*figures),
+        info=jax.tree_util.tree_map(stack_rounds, *infos),
         communication=Communication(len(figures), traffic.up, traffic.down, traffic.msgs_up, traffic.msgs_down),
         client_states=client_states,
         transcript=run.transcript,

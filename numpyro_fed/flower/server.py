@@ -130,8 +130,7 @@ class FlowerBackend:
             split_address(stream)  # checked now, opened by run()
         self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
         self.stream_tls = (stream_certfile, stream_keyfile)
-        self._stream = None  # the StreamServer while a run streams
-        self._invites: Dict[int, str] = {}  # node -> its invitation's Flower message id
+        self._stream = None  # the RunStream while a run streams
 
     # ------------------------------------------------------------------ messaging
     def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
@@ -240,7 +239,9 @@ class FlowerBackend:
             from .wire import shapes_of
 
             server = shapes_of(task.load_server())
-        self.nodes, self.template = order, Template(kind, shapes, server)
+        groups = {str(info[n]["name"]): {p: (int(g), tuple(a)) for p, (g, a) in
+                                         json.loads(str(info[n].get("groups", "{}"))).items()} for n in order}
+        self.nodes, self.template = order, Template(kind, shapes, server, {c: g for c, g in groups.items() if g})
         self.timings["connect"] = time.perf_counter() - t0
         return self.template
 
@@ -376,16 +377,15 @@ class FlowerBackend:
     # ------------------------------------------------------------------ the stream
     def _open_stream(self, names: Sequence[str], alive: List[bool]) -> None:
         """Invite every client that answered its set-up (and the trusted aggregator) to the run's
-        stream (:mod:`numpyro_fed.flower.stream`); a client that does not connect within
+        stream (:mod:`numpyro_fed.flower.runstream`); a client that does not connect within
         ``first_timeout`` is a failed set-up (it stops the run, or is absent with
         ``on_setup_failure="absent"``)."""
-        from .stream import StreamServer
+        from .runstream import RunStream
 
-        self._stream = StreamServer(self.stream, *self.stream_tls)
-        self.timings["stream"] = 0.0
+        self._stream = RunStream(self.grid, self.stream, *self.stream_tls, poll=self.poll)
         t0 = time.perf_counter()
         nodes = [n for n, a in zip(self.nodes, alive) if a] + ([self.aggregator] if self.aggregator is not None else [])
-        connected = self._invite(nodes, self.first_timeout)
+        connected = self._stream.invite(nodes, self.first_timeout)
         self.timings["stream"] = time.perf_counter() - t0
         if self.aggregator is not None and self.aggregator not in connected:
             raise RuntimeError(f"the trusted aggregator (node {self.aggregator}) did not connect to the run's stream "
@@ -396,36 +396,10 @@ class FlowerBackend:
                 self.errors.setdefault(names[j], f"did not connect to the run's stream at {self._stream.address}")
         self._check_setup(names, alive)
 
-    def _invite(self, nodes: Sequence[int], timeout: float) -> set:
-        """Send each node (through Flower) the stream's address and a fresh token; returns the
-        nodes that connected with theirs within ``timeout``."""
-        from flwr.app import ConfigRecord, Message, RecordDict
-
-        tokens = self._stream.tokens(nodes)
-        messages = [Message(content=RecordDict({"nf": ConfigRecord({"kind": "stream", "address": self._stream.address,
-                                                                     "token": tokens[int(n)].hex()})}),
-                            dst_node_id=int(n), message_type="train") for n in nodes]
-        for node, mid in zip(nodes, self.grid.push_messages(messages)):
-            if mid:
-                self._invites[int(node)] = mid
-        return self._stream.accept({n: t for n, t in tokens.items() if n in self._invites}, timeout)
-
     def _close_stream(self) -> None:
-        """Close the stream; each client's task then answers its invitation, and the node takes
-        Flower messages again (the fit check after the run goes through Flower)."""
-        if self._stream is None:
-            return
-        connected = set(self._stream.conns)  # a node whose stream broke answered already, or is gone
-        self._stream.close()
-        self._stream = None
-        waiting = {mid: node for node, mid in self._invites.items() if node in connected}
-        self._invites = {}
-        deadline, pacer = time.monotonic() + self.reply_timeout, Pacer(min(0.001, self.poll), self.poll)
-        while waiting and time.monotonic() < deadline:
-            for reply in pull_replies(self.grid, list(waiting), self.poll):
-                waiting.pop(reply.metadata.reply_to_message_id, None)
-            if waiting:
-                pacer.wait()
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            stream.close(self.reply_timeout)
 
     # ------------------------------------------------------------------ one round
     def _round(self, run: RunContext, r: int, state: RunState, alive: List[bool], lost: List[bool],
@@ -472,12 +446,15 @@ class FlowerBackend:
         sum of the secure_sum fields, or {})``."""
         from flwr.app import ConfigRecord, RecordDict
 
+        from ..backends.simulation import stack_rounds
+
         names, J, transcript, traffic = run.names, len(run.names), run.transcript, run.traffic
         to = [j for j in range(J) if answered[j]]
         contents = []
+        shared, per_client = jax.tree_util.tree_map(np.asarray, (broadcast.shared, broadcast.per_client))
         for j in to:
-            part = jax.tree_util.tree_map(lambda x, j=j: x[j], broadcast.per_client)
-            b = Broadcast(broadcast.shared, part)
+            part = jax.tree_util.tree_map(lambda x, j=j: x[j], per_client)
+            b = Broadcast(shared, part)
             record = to_record(b)
             contents.append(RecordDict({"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}),
                                         "broadcast": record}))
@@ -505,7 +482,7 @@ class FlowerBackend:
                 transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
             rows.append(message)
         zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
-        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[m if m is not None else zero for m in rows])
+        stacked = jax.tree_util.tree_map(stack_rounds, *[m if m is not None else zero for m in rows])
         summed = {}
         if secure:
             summed = self._secure_sum(r, e, J, sealed, hidden_like, timeout)
@@ -584,7 +561,7 @@ class FlowerBackend:
             content = RecordDict({"nf": ConfigRecord({**dict(setup[j]["nf"].items()), "kind": "rejoin",
                                                       "round": int(self._last_round[j])})})
             if node in self._send([node], [content], "query", self.first_timeout) and (
-                    self._stream is None or node in self._invite([node], self.first_timeout)):
+                    self._stream is None or node in self._stream.invite([node], self.first_timeout)):
                 old, self.nodes[j] = self.nodes[j], node
                 alive[j], lost[j] = True, False
                 self.rejoined.append((r + 1, name, old, node))

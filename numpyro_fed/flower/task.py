@@ -53,15 +53,43 @@ def kind_of(inference) -> str:
 
 def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
     """``(inference, inputs, setup)`` as one party builds them from the template (clients
-    are laid out one by one, as the simulation's ``client_mapping="loop"`` does)."""
+    are laid out one by one, as the simulation's ``client_mapping="loop"`` does).
+
+    The data this party does not hold are placeholders (:func:`~numpyro_fed.flower.wire.inputs_from_template`):
+    their group plates are sized from the template and the set-up runs with NumPyro's
+    argument validation off, so a placeholder zero where the model wants a scale (eight
+    schools' ``sigma``) is not refused. A client first traces the model on its own data with
+    validation as the user set it, so invalid data of its own fail here as in the simulation."""
+    import numpyro
+
+    from ..groups import known_groups
     from .wire import inputs_from_template
 
     inference = task.make_inference()
     if hasattr(inference, "client_mapping"):
         inference.client_mapping = "loop"
     inputs = inputs_from_template(template, own, server)
-    inference._before_run(num_rounds, inputs, {})  # the private families plan their noise for the run
-    return inference, inputs, inference._setup(inputs)
+    model = getattr(inference, "model", None)  # (HM1 builds its own)
+    if own is not None and template.kind == "horizontal" and model is not None:
+        from .._trace import trace_model
+
+        trace_model(getattr(model, "__wrapped_model__", model), own[1], getattr(inference, "model_kwargs", {}))
+    others = {c: g for c, g in template.groups.items() if own is None or c != own[0]}
+    with known_groups(others), numpyro.validation_enabled(False):
+        inference._before_run(num_rounds, inputs, {})  # the private families plan their noise for the run
+        setup = inference._setup(inputs)
+    return inference, inputs, setup
+
+
+def own_groups_of(task: FlowerTask, name: str, arrays) -> dict:
+    """``{plate: [G_j, [codes arguments]]}`` of this node's own data (sent in its hello)."""
+    from ..groups import own_groups, size_group_plates
+
+    inference = task.make_inference()
+    if getattr(type(inference), "_size_group_plates", None) is not size_group_plates:
+        return {}  # a family that sizes no group plates (vertical ones, HM1's fixed model)
+    found = own_groups(inference.model, arrays, inference.model_kwargs, name)
+    return {p: [g, list(a)] for p, (g, a) in found.items()}
 
 
 def call_run(inference, inputs, rng_key, num_rounds, **options):

@@ -11,10 +11,16 @@ Both sides know every message's structure from the algorithm itself
 (:func:`wire_structures`), so only the arrays travel.
 
 Before the first round the server sends each client a *template* (:func:`describe`): every
-client's name and the shapes and dtypes (not the values) of its arrays, and the shapes of
-the server's own arrays (vertical federation). Both sides build the same
-:class:`~numpyro_fed.protocol.FederatedAlgorithm` from it, each with zeros in place of the
-data it does not hold.
+client's name and the shapes and dtypes (not the values) of its arrays, the size of each of
+its group plates (:func:`numpyro_fed.group_plate`: a count its node measured on its own
+codes, and the argument holding them), and the shapes of the server's own arrays (vertical
+federation). Both sides build the same :class:`~numpyro_fed.protocol.FederatedAlgorithm` from
+it, each with placeholders in place of the data it does not hold: zeros, and codes
+``0 .. G_j - 1`` for a group plate. Set-up reads only the structure of a placeholder: group
+sizes come from the template, and NumPyro's argument validation is off while set-up traces
+the model on them (zeros are no valid scale, yet a model such as eight schools takes its
+scales from the data); a client checks its own data with validation as the user set it
+(:func:`numpyro_fed.flower.task.build`).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Template(NamedTuple):
     kind: str  # "horizontal" or "vertical"
     clients: Dict[str, Dict[str, tuple]]
     server: Dict[str, tuple]
+    groups: Dict[str, Dict[str, tuple]] = {}  # {client: {plate: (G_j, codes arguments)}}
 
     @property
     def names(self) -> List[str]:
@@ -71,7 +78,7 @@ def shapes_of(arrays: Mapping[str, Any]) -> Dict[str, tuple]:
 def describe(template: Template) -> str:
     """The template as JSON (what the server sends in the set-up message)."""
     return json.dumps({"kind": template.kind, "clients": [[n, template.clients[n]] for n in template.clients],
-                       "server": template.server})
+                       "server": template.server, "groups": template.groups})
 
 
 def parse_template(text: str) -> Template:
@@ -80,11 +87,18 @@ def parse_template(text: str) -> Template:
     def arrays(d):
         return {k: (tuple(s), dt) for k, (s, dt) in d.items()}
 
-    return Template(raw["kind"], {n: arrays(a) for n, a in raw["clients"]}, arrays(raw["server"]))
+    groups = {c: {p: (int(g), tuple(a)) for p, (g, a) in v.items()} for c, v in raw.get("groups", {}).items()}
+    return Template(raw["kind"], {n: arrays(a) for n, a in raw["clients"]}, arrays(raw["server"]), groups)
 
 
-def _zeros(shapes: Mapping[str, tuple]) -> Dict[str, np.ndarray]:
-    return {k: np.zeros(s, np.dtype(dt)) for k, (s, dt) in shapes.items()}
+def _zeros(shapes: Mapping[str, tuple], groups: Mapping[str, tuple] = None) -> Dict[str, np.ndarray]:
+    """Placeholders: zeros, and for a group plate's codes argument ``0 .. G - 1`` in turn."""
+    out = {k: np.zeros(s, np.dtype(dt)) for k, (s, dt) in shapes.items()}
+    for size, args in (groups or {}).values():
+        arg = args[0]
+        if arg in out and size > 0:
+            out[arg] = (np.arange(out[arg].size) % size).reshape(out[arg].shape).astype(out[arg].dtype)
+    return out
 
 
 def inputs_from_template(template: Template, own: Optional[tuple] = None, server: Optional[Mapping] = None):
@@ -94,7 +108,7 @@ def inputs_from_template(template: Template, own: Optional[tuple] = None, server
     from ..clients import Clients
 
     if template.kind == "horizontal":
-        data = {n: _zeros(s) for n, s in template.clients.items()}
+        data = {n: _zeros(s, template.groups.get(n)) for n, s in template.clients.items()}
         if own is not None:
             data[own[0]] = dict(own[1])
         return Clients(data)
