@@ -11,8 +11,12 @@ is timed twice and the second (warm: compiled) run's time is the one used. Repor
 - ``ess_per_second_ratio``: (min bulk ESS / warm seconds) federated over pooled (target >= 0.5);
 - rounds and bytes in all, per draw and per effective sample (``communication_per_draw``);
 - ``projected_flower_hours``: rounds times the stock Flower warm round on loopback
-  (``benchmarks/results/flower_rounds.json``, 3 SuperNodes); a measured Flower time is not
-  reported (at that latency a run takes days; issue 30 item 5).
+  (``benchmarks/results/flower_rounds.json``, 3 SuperNodes): days at that latency;
+- ``flower_stream``: over the run's stream (``LocalFederation``'s default), from
+  ``benchmarks/results/federated_nuts_flower.json`` (``benchmarks/federated_nuts_flower.py``,
+  which also fills it in here): the measured warm round, the projected hours (this run's
+  rounds times it) and the measured end-to-end seconds of a whole run over Flower (or of the
+  shortened run it measured, named), and ``measured_flower_seconds`` the whole run's.
 
 Writes ``benchmarks/results/federated_nuts.json``.
 """
@@ -123,8 +127,25 @@ def bench(name, model, pooled_model, pooled_data, clients, sites, round_seconds)
         "communication": comm,
         "flower_round_seconds": round_seconds,
         "projected_flower_hours": comm["rounds"] * round_seconds / 3600.0,
-        "measured_flower_seconds": None,
+        **flower_stream(name, comm["rounds"]),
     }
+
+
+def flower_stream(name, rounds):
+    """``{"flower_stream": ..., "measured_flower_seconds": ...}`` for one posterior from
+    ``benchmarks/federated_nuts_flower.py``'s results (``None`` where it has no row)."""
+    path = HERE / "results" / "federated_nuts_flower.json"
+    rows = {r["posterior"]: r for r in json.loads(path.read_text())["results"]} if path.exists() else {}
+    row = rows.get(name)
+    if row is None or "warm_round_seconds" not in row:
+        return {"flower_stream": None, "measured_flower_seconds": None}
+    whole = bool(row.get("whole_run"))
+    return {"flower_stream": {
+        "clients_supernodes": row["clients"], "warm_round_seconds": row["warm_round_seconds"],
+        "projected_hours": rounds * row["warm_round_seconds"] / 3600.0,
+        "measured_run": "whole" if whole else f"{row['chains']} x ({row['warmup']} + {row['samples']})",
+        "measured_end_to_end_seconds": row["end_to_end_seconds"], "measured_rounds": row["rounds"]},
+        "measured_flower_seconds": row["end_to_end_seconds"] if whole else None}
 
 
 def main(argv=None):

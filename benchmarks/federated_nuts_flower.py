@@ -121,9 +121,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run the posteriors whose name contains this")
     parser.add_argument("--chains", type=int, default=4)
+    parser.add_argument("--merge-only", action="store_true",
+                        help="only copy this script's last results into federated_nuts.json")
     parser.add_argument("--iterations", type=int, nargs=2, metavar=("WARMUP", "SAMPLES"),
                         help="shorten every run to these (a smoke test; the JSON then says whole_run false)")
     args = parser.parse_args(argv)
+    if args.merge_only:
+        return merge()
     out = []
     for problem in problems():
         if args.only in problem[0] and (problem[0] in WHOLE or problem[0] in SHORT):
@@ -138,6 +142,21 @@ def main(argv=None):
             print(json.dumps({k: v for k, v in row.items() if k != "warnings"}), flush=True)
     RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": 2, "jax": jax.__version__,
                                    "results": out}, indent=1))
+    merge()
+
+
+def merge():
+    """Fill ``flower_stream`` / ``measured_flower_seconds`` of ``federated_nuts.json``'s rows from
+    this script's results (``federated_nuts.py`` reads them the same way when it runs)."""
+    from federated_nuts import flower_stream
+
+    path = HERE / "results" / "federated_nuts.json"
+    if not path.exists():
+        return
+    doc = json.loads(path.read_text())
+    for row in doc["results"]:
+        row.update(flower_stream(row["posterior"], row["communication"]["rounds"]))
+    path.write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

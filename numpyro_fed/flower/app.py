@@ -36,6 +36,7 @@ run and exits non-zero, :mod:`numpyro_fed.flower.submit`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -48,12 +49,13 @@ def _server_main(grid, context) -> None:
     out = str(cfg.get("out", ""))
     started = time.perf_counter()
     result = {"started_at": time.time()}
+    placeholders = contextlib.ExitStack()
     try:
         import jax
         import numpy as np
 
         from .server import FlowerBackend
-        from .task import build, call_run, load_task
+        from .task import build, call_run, load_task, on_placeholders
 
         task = load_task(str(cfg["task"]))
 
@@ -72,6 +74,7 @@ def _server_main(grid, context) -> None:
                                 stream_keyfile=str(cfg.get("stream-keyfile", "")) or None)
         num_rounds = int(cfg["num-rounds"])
         template = backend.connect(task, int(cfg["num-clients"]))
+        placeholders.enter_context(on_placeholders(template))  # the server holds no client's data
         server_data = task.load_server() if task.load_server is not None else None
         inference, inputs, _ = build(task, template, num_rounds, server=server_data)
         backend.collect_ledgers = getattr(inference, "_privacy", None) is not None  # privacy_report's input
@@ -114,6 +117,7 @@ def _server_main(grid, context) -> None:
         result.update(error=f"{type(ex).__name__}: {ex}", traceback=traceback.format_exc())
         raise
     finally:
+        placeholders.close()
         result["seconds"] = time.perf_counter() - started
         if out:  # written whole, then renamed: a reader never sees half a file
             result["ended_at"] = time.time()

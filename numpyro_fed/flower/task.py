@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
@@ -55,14 +56,10 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
     """``(inference, inputs, setup)`` as one party builds them from the template (clients
     are laid out one by one, as the simulation's ``client_mapping="loop"`` does).
 
-    The data this party does not hold are placeholders (:func:`~numpyro_fed.flower.wire.inputs_from_template`):
-    their group plates are sized from the template and the set-up runs with NumPyro's
-    argument validation off, so a placeholder zero where the model wants a scale (eight
-    schools' ``sigma``) is not refused. A client first traces the model on its own data with
-    validation as the user set it, so invalid data of its own fail here as in the simulation."""
-    import numpyro
-
-    from ..groups import known_groups
+    The data this party does not hold are placeholders (:func:`~numpyro_fed.flower.wire.inputs_from_template`),
+    and the set-up runs :func:`on_placeholders`. A client first traces the model on its own
+    data with validation as the user set it, so invalid data of its own fail here as in the
+    simulation."""
     from .wire import inputs_from_template
 
     inference = task.make_inference()
@@ -74,11 +71,26 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
         from .._trace import trace_model
 
         trace_model(getattr(model, "__wrapped_model__", model), own[1], getattr(inference, "model_kwargs", {}))
-    others = {c: g for c, g in template.groups.items() if own is None or c != own[0]}
-    with known_groups(others), numpyro.validation_enabled(False):
+    with on_placeholders(template, None if own is None else own[0]):
         inference._before_run(num_rounds, inputs, {})  # the private families plan their noise for the run
         setup = inference._setup(inputs)
     return inference, inputs, setup
+
+
+@contextlib.contextmanager
+def on_placeholders(template, own: Optional[str] = None):
+    """Evaluate the model where some data are placeholders: the group plates of the clients
+    this party does not hold (all but ``own``) sized from the template's counts, and NumPyro's
+    argument validation off (a placeholder zero is no valid scale, yet a model such as eight
+    schools takes its scales from the data). The ServerApp runs the whole fit in it: the server
+    holds no client's data, and a family's checks after the run evaluate the model there too."""
+    import numpyro
+
+    from ..groups import known_groups
+
+    others = {c: g for c, g in template.groups.items() if c != own}
+    with known_groups(others), numpyro.validation_enabled(False):
+        yield
 
 
 def own_groups_of(task: FlowerTask, name: str, arrays) -> dict:
