@@ -59,10 +59,17 @@ def message_leaves(message: Any):
 
 
 @functools.lru_cache(maxsize=4096)
-def _wire_bytes(shape: tuple, dtype: str) -> int:
+def _npy_header(shape: tuple, dtype: str) -> bytes:
+    """The bytes ``numpy.save`` writes before a C-ordered array's data."""
     buffer = io.BytesIO()
     np.save(buffer, np.zeros(shape, dtype), allow_pickle=False)
-    return buffer.getbuffer().nbytes
+    data = buffer.getvalue()
+    return data[: len(data) - int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+
+
+@functools.lru_cache(maxsize=4096)
+def _wire_bytes(shape: tuple, dtype: str) -> int:
+    return len(_npy_header(shape, dtype)) + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def leaf_bytes(leaf: Any) -> int:
@@ -73,15 +80,6 @@ def leaf_bytes(leaf: Any) -> int:
 def message_bytes(message: Any) -> int:
     """Exact length of :func:`message_to_bytes` for a message (arrays or shape structs)."""
     return int(sum(leaf_bytes(leaf) for leaf in jax.tree_util.tree_leaves(message)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _npy_header(shape: tuple, dtype: str) -> bytes:
-    """The bytes ``numpy.save`` writes before a C-ordered array's data."""
-    buffer = io.BytesIO()
-    np.save(buffer, np.zeros(shape, dtype), allow_pickle=False)
-    data = buffer.getvalue()
-    return data[: len(data) - int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
 
 
 def message_to_bytes(message: Any) -> bytes:
