@@ -143,8 +143,10 @@ def flower_stream(name, rounds):
     return {"flower_stream": {
         "clients_supernodes": row["clients"], "warm_round_seconds": row["warm_round_seconds"],
         "projected_hours": rounds * row["warm_round_seconds"] / 3600.0,
-        "measured_run": "whole" if whole else f"{row['chains']} x ({row['warmup']} + {row['samples']})",
-        "measured_end_to_end_seconds": row["end_to_end_seconds"], "measured_rounds": row["rounds"]},
+        "measured_run": "whole" if whole else f"{row['chains']} x ({row['warmup']} + {row['samples']})"
+        + ("" if row.get("completed", True) else f", stopped at round {row['stopped_at_round']}"),
+        "measured_end_to_end_seconds": row.get("end_to_end_seconds"),
+        "measured_rounds": row.get("rounds", row.get("stopped_at_round"))},
         "measured_flower_seconds": row["end_to_end_seconds"] if whole else None}
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -73,14 +74,14 @@ def __getattr__(name):
 '''
 
 
-def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0):
+def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0, workdir=None):
     name, model, pooled_model, pooled_data, clients, sites = problem
     whole = (warmup, samples) == (WARMUP, SAMPLES)
     J = len(clients.names)
     configs = [{"partition-id": j, "numpyro-fed-seed": seed} for j in range(J)]
     app = {"nuts_tasks.py": TASKS.format(bench=str(HERE), chains=chains, warmup=warmup, samples=samples)}
     t0 = time.perf_counter()
-    with LocalFederation(configs, app_files=app) as fed:
+    with LocalFederation(configs, app_files=app, workdir=workdir) as fed:
         started = time.perf_counter() - t0
         t1 = time.perf_counter()
         flower = fed.run(f"nuts_tasks:{name}", 2_000_000, seed=seed, timeout=6 * 3600,
@@ -125,6 +126,7 @@ def main(argv=None):
                         help="only copy this script's last results into federated_nuts.json")
     parser.add_argument("--iterations", type=int, nargs=2, metavar=("WARMUP", "SAMPLES"),
                         help="shorten every run to these (a smoke test; the JSON then says whole_run false)")
+    parser.add_argument("--workdir", default=None, help="keep the federation's folder (its logs) here")
     args = parser.parse_args(argv)
     if args.merge_only:
         return merge()
@@ -135,12 +137,15 @@ def main(argv=None):
             if args.iterations:
                 warmup, samples = args.iterations
             try:
-                row = one(problem, chains, warmup, samples)
+                row = one(problem, chains, warmup, samples, workdir=args.workdir)
             except FederationError as err:  # recorded, not hidden: e.g. a set-up the server cannot do
                 row = {"posterior": problem[0], "error": str(err).splitlines()[0]}
             out.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "warnings"}), flush=True)
-    RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": 2, "jax": jax.__version__,
+    kept = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else []  # rows not rerun stay
+    ran = {row["posterior"] for row in out}
+    out = [row for row in kept if row["posterior"] not in ran] + out
+    RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                                    "results": out}, indent=1))
     merge()
 

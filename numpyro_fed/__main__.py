@@ -87,6 +87,8 @@ def _add_flower_supernode(sub) -> None:
                        help="seconds of the first pull after a message and of each reply check (default 0.002)")
     fnode.add_argument("--idle-poll", type=float, default=0.5,
                        help="the longest wait between two pulls while idle (default 0.5; Flower's is 3)")
+    fnode.add_argument("--parent-pid", type=int, default=0,
+                       help="stop when this process is gone (default 0: run until stopped)")
     fnode.add_argument("flower_args", nargs=argparse.REMAINDER,
                        help="-- then flower-supernode's own options (e.g. --insecure --superlink HOST:PORT)")
 
@@ -149,7 +151,7 @@ def _run_flower_supernode(args) -> int:
     from .flower.supernode import run
 
     rest = args.flower_args[1:] if args.flower_args[:1] == ["--"] else args.flower_args
-    return run(rest, args.poll, args.idle_poll)
+    return run(rest, args.poll, args.idle_poll, parent_pid=args.parent_pid)
 
 
 def _run_flower_run(args) -> int:

@@ -59,8 +59,9 @@ def message_leaves(message: Any):
 
 
 @functools.lru_cache(maxsize=4096)
-def _npy_header(shape: tuple, dtype: str) -> bytes:
-    """The bytes ``numpy.save`` writes before a C-ordered array's data."""
+def npy_header(shape: tuple, dtype: str) -> bytes:
+    """The bytes ``numpy.save`` writes before a C-ordered array's data (``dtype``: NumPy's
+    ``dtype.str``, e.g. ``"<f4"``)."""
     buffer = io.BytesIO()
     np.save(buffer, np.zeros(shape, dtype), allow_pickle=False)
     data = buffer.getvalue()
@@ -69,7 +70,7 @@ def _npy_header(shape: tuple, dtype: str) -> bytes:
 
 @functools.lru_cache(maxsize=4096)
 def _wire_bytes(shape: tuple, dtype: str) -> int:
-    return len(_npy_header(shape, dtype)) + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return len(npy_header(shape, dtype)) + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def leaf_bytes(leaf: Any) -> int:
@@ -90,7 +91,7 @@ def message_to_bytes(message: Any) -> bytes:
         arr = np.asarray(leaf, order="C")
         if arr.dtype.hasobject:
             raise TypeError(f"message_to_bytes: a leaf of dtype {arr.dtype} cannot travel (numeric arrays only)")
-        parts.append(_npy_header(arr.shape, arr.dtype.str))
+        parts.append(npy_header(arr.shape, arr.dtype.str))
         parts.append(arr.tobytes())
     return b"".join(parts)
 
@@ -105,7 +106,7 @@ def message_from_bytes(like: Any, data: bytes) -> Any:
     pos, leaves = 0, []
     for want in flat:
         shape, dtype = tuple(want.shape), np.dtype(want.dtype)
-        header = _npy_header(shape, dtype.str)
+        header = npy_header(shape, dtype.str)
         if data.startswith(header, pos):
             count = int(np.prod(shape, dtype=np.int64))
             start = pos + len(header)

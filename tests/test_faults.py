@@ -317,15 +317,18 @@ class _DeadNodeGrid:
         return ids
 
     def pull_messages(self, ids):
-        from flwr.app import ConfigRecord, Message, RecordDict
-
         self.pulls += 1
         if self.pulls > 2000:  # about 100 s of polling: it waited for the dead node
             raise AssertionError("the hello waited for a dead node")
+        return self.hello_replies([i for i in ids if self.pushed[i].metadata.dst_node_id != 3])
+
+    def hello_replies(self, ids):
+        from flwr.app import ConfigRecord, Message, RecordDict
+
         shapes = json.dumps({"X": [[4, 3], "float32"], "y": [[4], "float32"]})
         return [Message(content=RecordDict({"nf": ConfigRecord({"name": f"site{self.pushed[i].metadata.dst_node_id}",
                                                                 "shapes": shapes, "order": 0})}),
-                        reply_to=self.pushed[i]) for i in ids if self.pushed[i].metadata.dst_node_id != 3]
+                        reply_to=self.pushed[i]) for i in ids]
 
 
 def test_a_dead_node_still_listed_does_not_hold_up_the_hello(monkeypatch):
@@ -343,6 +346,40 @@ def test_a_dead_node_still_listed_does_not_hold_up_the_hello(monkeypatch):
     template = backend.connect(FlowerTask(make_pvi, lambda config: None), 2)
     assert template.names == ["site1", "site2"] and backend.nodes == [1, 2]
     assert grid.pulls < 2000
+
+
+class _LateHeartbeatGrid(_DeadNodeGrid):
+    """Node 3's heartbeat came late once: Flower answers its first hello with NODE_UNAVAILABLE."""
+
+    def pull_messages(self, ids):
+        from flwr.app import Message
+        from flwr.app.error import Error
+
+        late = [i for i in ids if self.pushed[i].metadata.dst_node_id == 3 and self.asked(3) == 1]
+        return self.hello_replies([i for i in ids if i not in late]) + [
+            Message(error=Error(code=5, reason="node unavailable"), reply_to=self.pushed[i]) for i in late]
+
+    def asked(self, node):
+        return sum(m.metadata.dst_node_id == node for m in self.pushed.values())
+
+
+def test_a_node_flower_took_for_unavailable_is_asked_again_at_the_hello(monkeypatch, capsys):
+    """A loaded machine (40 SuperNodes on 2 cores) made the SuperLink take 2 nodes for gone at
+    the hello (late heartbeats: Flower's NODE_UNAVAILABLE), and the run failed. The hello and
+    the set-up are idempotent: such a node is asked again; any other failure stays final."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from numpyro_fed.flower.demo import make_pvi
+    from numpyro_fed.flower.task import FlowerTask
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    grid = _LateHeartbeatGrid()
+    backend = FlowerBackend(grid, first_timeout=60.0)
+    template = backend.connect(FlowerTask(make_pvi, lambda config: None), 3)
+    assert template.names == ["site1", "site2", "site3"] and grid.asked(3) == 2 and grid.asked(1) == 1
+    assert "took node(s) [3] for unavailable" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- 8. no epsilon past the claim

@@ -3,8 +3,11 @@ point (its patch of Flower's loop and its version pin), and the run's stream (fr
 late replies, broken connections, TLS, loopback-only plain TCP). The runs over a real loopback
 federation are in test_flower.py."""
 
+import pathlib
 import socket
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -45,8 +48,9 @@ def test_the_paced_supernode_replaces_flowers_three_sleeps_and_its_object_backof
 
     slept, pulled, pushed = [], [], []
 
-    def pull_objects(ids, pull_object_fn, initial_backoff=1.0, backoff_cap=10.0):  # Flower's signature
-        pulled.append((initial_backoff, backoff_cap))
+    def pull_objects(ids, pull_object_fn, max_time=7200, max_tries_per_object=500, initial_backoff=1.0,
+                     backoff_cap=10.0):  # Flower's signature
+        pulled.append((initial_backoff, backoff_cap, max_tries_per_object, max_time))
         return {}
 
     monkeypatch.setattr(flower_loop, "pull_objects", pull_objects)
@@ -62,7 +66,8 @@ def test_the_paced_supernode_replaces_flowers_three_sleeps_and_its_object_backof
     flower_loop._push_messages(state=None)  # a message was pulled: poll fast again
     assert pushed == [{"state": None}] and idle.delay == pytest.approx(0.002)
     flower_loop.pull_objects(["id"], pull_object_fn=None)
-    assert pulled == [(0.002, 0.25)]
+    # fast retries, for as long as Flower's own default allows (not 500 tries: 2 minutes at 0.25 s)
+    assert pulled == [(0.002, 0.25, None, 7200)]
 
 
 def test_the_paced_supernode_refuses_a_flower_it_was_not_tested_with(flower_loop, monkeypatch, capsys):
@@ -83,9 +88,22 @@ def test_the_supernode_command_passes_flowers_own_options_through(monkeypatch):
     from numpyro_fed.flower import supernode
 
     seen = {}
-    monkeypatch.setattr(supernode, "run", lambda args, poll, idle: seen.update(args=args, poll=poll, idle=idle) or 0)
-    assert cli.main(["flower-supernode", "--poll", "0.01", "--", "--insecure", "--superlink", "127.0.0.1:1"]) == 0
-    assert seen == {"args": ["--insecure", "--superlink", "127.0.0.1:1"], "poll": 0.01, "idle": 0.5}
+    def fake(args, poll, idle, parent_pid=0):
+        seen.update(args=args, poll=poll, idle=idle, parent=parent_pid)
+        return 0
+
+    monkeypatch.setattr(supernode, "run", fake)
+    assert cli.main(["flower-supernode", "--poll", "0.01", "--parent-pid", "7", "--", "--insecure", "--superlink",
+                     "127.0.0.1:1"]) == 0
+    assert seen == {"args": ["--insecure", "--superlink", "127.0.0.1:1"], "poll": 0.01, "idle": 0.5, "parent": 7}
+    # the launcher's command (no numpyro_fed import) parses the same
+    light = supernode.light_command("python", poll=0.01, parent_pid=7) + ["--insecure", "--superlink", "127.0.0.1:1"]
+    assert light[1:4] == [str(pathlib.Path(supernode.__file__).with_name("lifeline.py")), "7",
+                          "numpyro_fed.flower.supernode:cli"]
+    seen.clear()
+    monkeypatch.setattr(sys, "argv", ["cli", *light[4:]])
+    assert supernode.cli() == 0
+    assert seen == {"args": ["--insecure", "--superlink", "127.0.0.1:1"], "poll": 0.01, "idle": 0.5, "parent": 0}
     monkeypatch.undo()
     with pytest.raises(ValueError, match="need 0 < poll <= idle_poll"):
         supernode.run([], poll=1.0, idle_poll=0.1)
@@ -178,3 +196,38 @@ def test_plain_tcp_only_on_loopback_and_tls_verified_against_the_ca(tmp_path):
     acceptor.join(10.0)
     assert accepted["nodes"] == set()
     server.close()
+
+
+def test_a_started_process_stops_with_its_launcher_and_imports_no_jax(tmp_path):
+    """What LocalFederation starts (SuperLink, SuperNodes) stops once the process that started
+    it is gone, killed with no chance to clean up; and it runs without numpyro_fed's package
+    (JAX, NumPyro), at Flower's own memory cost."""
+    import os
+    import subprocess
+
+    from numpyro_fed.flower.lifeline import command
+
+    (tmp_path / "sleeper.py").write_text(
+        "import sys, time\n"
+        "def main():\n"
+        "    heavy = sorted(m for m in ('jax', 'numpyro', 'numpyro_fed.flower.client') if m in sys.modules)\n"
+        "    open(sys.argv[1], 'w').write(repr(heavy))\n"
+        "    time.sleep(120)\n")
+    seen = tmp_path / "seen"
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    child = subprocess.Popen(command(sys.executable, "sleeper:main", [str(seen)], parent_pid=launcher.pid),
+                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (seen.exists() and seen.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert seen.read_text() == "[]"
+        assert child.poll() is None  # runs while its launcher does
+        launcher.kill()
+        launcher.wait()
+        assert child.wait(timeout=30) != 0  # stopped by its lifeline, not by the sleep's end
+    finally:
+        for proc in (launcher, child):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

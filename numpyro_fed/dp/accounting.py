@@ -25,9 +25,6 @@ import functools
 import math
 from typing import NamedTuple, Sequence, Tuple
 
-import dp_accounting
-from dp_accounting import pld
-
 from .._validation import check_positive_int
 
 __all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_noise_multiplier", "epsilon", "epsilon_composed"]
@@ -49,7 +46,18 @@ def _check(noise_multiplier: float, delta: float, compositions: int, sampling_ra
         raise ValueError(f"sampling_rate={sampling_rate!r}: must lie in (0, 1] (subset size / rows)")
 
 
+def _dp():
+    """dp-accounting, imported on first use (with its scipy/mpmath stack it costs every process
+    that imports numpyro_fed about 1 s and 100 MB otherwise: a Flower executor that never
+    accounts, say)."""
+    import dp_accounting
+    import dp_accounting.pld  # noqa: F401  the PLD accountant's subpackage
+
+    return dp_accounting
+
+
 def _event(noise_multiplier: float, compositions: int, sampling_rate: float):
+    dp_accounting = _dp()
     event = dp_accounting.GaussianDpEvent(noise_multiplier)
     if sampling_rate < 1:
         event = dp_accounting.PoissonSampledDpEvent(sampling_rate, event)
@@ -57,7 +65,8 @@ def _event(noise_multiplier: float, compositions: int, sampling_rate: float):
 
 
 def _accountant(discretization: float):
-    return pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE,
+    dp_accounting = _dp()
+    return dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE,
                              value_discretization_interval=discretization)
 
 
@@ -95,7 +104,7 @@ def epsilon_composed(events: Sequence[Tuple[float, int, float]], delta: float, *
         nm, c, r = events[0]
         return epsilon(nm, delta, c, r, discretization=discretization)
     accountant = _accountant(discretization)
-    accountant.compose(dp_accounting.ComposedDpEvent([_event(nm, c, r) for nm, c, r in events]))
+    accountant.compose(_dp().ComposedDpEvent([_event(nm, c, r) for nm, c, r in events]))
     return float(accountant.get_epsilon(delta))
 
 
@@ -132,6 +141,7 @@ def _calibrate(target_epsilon: float, delta: float, compositions: int, sampling_
         lo = hi / 2.0
         while lo > 1e-3 and eps(lo) <= target_epsilon:
             hi, lo = lo, lo / 2.0
+    dp_accounting = _dp()
     return float(dp_accounting.calibrate_dp_mechanism(
         lambda: _accountant(CALIBRATION_DISCRETIZATION),
         lambda nm: _event(nm, int(compositions), float(sampling_rate)),

@@ -34,7 +34,9 @@ import signal
 import sys
 from typing import Optional
 
-from .pace import Pacer
+from .lifeline import alive as _alive
+from .lifeline import stop_with
+from .pace import Pacer, object_retries
 
 __all__ = ["ACQUIRE_METHODS", "serve"]
 
@@ -102,6 +104,8 @@ def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_po
             retry_invoker=make_simple_http_retry_invoker())
 
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    if parent_pid:  # a request to a SuperNode that is gone retries: the loop's check alone may never run
+        stop_with(parent_pid)
     signed = [] if secret is None else [SuperExecAuthHttpInterceptor(master_secret=secret,
                                                                       protected_methods=ACQUIRE_METHODS)]
     acquire = connect("SuperExec", *signed)
@@ -186,14 +190,6 @@ def _pull_task_input(client, poll: float):
     message = pull_and_inflate_object_from_tree(
         tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
         make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
-        return_type=Message, initial_backoff=poll, backoff_cap=max(poll, 0.25))
+        return_type=Message, **object_retries(poll))
     message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower sets it
     return message, context, run, fab
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True

@@ -277,8 +277,11 @@ class LocalFederation:
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
             f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        from .lifeline import command  # Flower's SuperLink, stopping should this process be killed
+
         link = self._spawn(
-            [str(self.bin / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port)],
+            command(sys.executable, "flwr.superlink.cli:flower_superlink",
+                    ["--insecure", "--host", "127.0.0.1", "--port", str(self.port)], parent_pid=os.getpid()),
             "superlink.log",
         )
         _wait_port(self.port, self.start_timeout, link, "the SuperLink", self.workdir / "superlink.log")
@@ -297,8 +300,9 @@ class LocalFederation:
             node_config.setdefault(CA_KEY, str(self.certificates["ca"]))
         config = " ".join(f"{k}={_toml(v)}" for k, v in node_config.items())
         if self.supernode == "paced":
-            args = [sys.executable, "-m", "numpyro_fed", "flower-supernode", "--poll", repr(self.poll),
-                    "--idle-poll", repr(self.idle_poll), "--"]
+            from .supernode import light_command  # without JAX: Flower's cost per node (its docstring)
+
+            args = light_command(sys.executable, self.poll, self.idle_poll, parent_pid=os.getpid())
         else:
             args = [str(self.bin / "flower-supernode")]
         args += [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -42,6 +43,8 @@ from .rounds import RunContext, Traffic, first_state, non_finite, run_result
 from .sealed import ROLE_KEY
 from .task import FlowerTask
 from .wire import Template, WireStructures, describe, from_record, to_record, wire_like, wire_structures
+
+_NODE_UNAVAILABLE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE (1.41, 1.42)
 
 __all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
 
@@ -117,6 +120,7 @@ class FlowerBackend:
         self.nodes: List[int] = []
         self.missing: List[tuple] = []  # (round, exchange, [client names]) that did not answer
         self.errors: Dict[str, str] = {}  # client name -> last error it reported
+        self._unavailable: set = set()  # nodes Flower last answered for with NODE_UNAVAILABLE (late heartbeat)
         self.round_seconds: List[float] = []
         self.timings: Dict[str, float] = {}  # seconds: connect, setup
         self.collect_ledgers = False  # ask each client for its privacy ledger after the last round (DP runs)
@@ -179,12 +183,39 @@ class FlowerBackend:
                     continue
                 if reply.has_error():
                     self.errors[self._name(node)] = server_side_reason(reply.error.code, reply.error.reason)
+                    if int(reply.error.code) == _NODE_UNAVAILABLE:
+                        self._unavailable.add(node)
                 else:
                     replies[node] = reply
             if enough is not None and enough(replies):
                 deadline, enough = min(deadline, time.monotonic() + grace), None
             if waiting:
                 pacer.wait()
+        return replies
+
+    def _query(self, node_ids: Sequence[int], contents: Sequence, timeout: float, enough: Optional[Callable] = None,
+               pause: float = 5.0, tries: int = 4):
+        """:meth:`_send` of an idempotent query (hello, set-up, resume). A node for which Flower
+        answered NODE_UNAVAILABLE (the SuperLink took it for gone: its heartbeat came late, as on
+        a loaded machine, where 2 of 40 nodes failed the hello so) is asked again after
+        ``pause`` seconds, up to ``tries`` times in all within ``timeout``; any other failure is
+        final. Rounds are never re-sent: a node may have taken the step whose reply Flower
+        replaced by the error."""
+        deadline = time.monotonic() + timeout
+        self._unavailable.clear()
+        replies = self._send(node_ids, contents, "query", timeout, enough=enough)
+        for attempt in range(1, tries):
+            again = [i for i, n in enumerate(node_ids) if n not in replies and int(n) in self._unavailable]
+            if not again or deadline - time.monotonic() <= pause:
+                break
+            print(f"numpyro_fed server: Flower took node(s) {[int(node_ids[i]) for i in again]} for unavailable; "
+                  f"asking again in {pause:.0f} s (try {attempt + 1} of {tries})", file=sys.stderr, flush=True)
+            time.sleep(pause)
+            self._unavailable.clear()
+            for i in again:
+                self.errors.pop(self._name(int(node_ids[i])), None)
+            replies.update(self._send([node_ids[i] for i in again], [contents[i] for i in again], "query",
+                                      deadline - time.monotonic(), enough=None))
         return replies
 
     def _name(self, node: int) -> str:
@@ -210,7 +241,7 @@ class FlowerBackend:
         # a node that died lingers in Flower's list until its heartbeat expires: once num_clients sites
         # have answered, the others get a short grace (e.g. for the aggregator), not first_timeout
         named = (lambda got: sum(bool(str(r.content["nf"]["name"])) for r in got.values()) >= num_clients)
-        replies = self._send(nodes, hello, "query", self.first_timeout, enough=named)
+        replies = self._query(nodes, hello, self.first_timeout, enough=named)
         aggregators = [n for n, r in replies.items() if str(r.content["nf"].get("role", "")) == "aggregator"]
         if len(aggregators) > 1:
             raise RuntimeError(f"{len(aggregators)} nodes say they are the trusted aggregator; start one")
@@ -369,7 +400,7 @@ class FlowerBackend:
         setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j, "num_rounds": int(num_rounds),
                                                  "aggregator_key": self.aggregator_key,
                                                  "checkpoint_every": int(every)})}) for j in range(len(names))]
-        ready = self._send(self.nodes, setup, "query", self.first_timeout)
+        ready = self._query(self.nodes, setup, self.first_timeout)
         alive = [n in ready for n in self.nodes]
         self._check_setup(names, alive)
         return setup, resumed, alive

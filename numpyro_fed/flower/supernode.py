@@ -21,8 +21,12 @@ three sleeps are where it expects them; use Flower's ``flower-supernode`` there.
 
 Usage::
 
-    python -m numpyro_fed flower-supernode [--poll 0.002] [--idle-poll 0.5] -- \\
+    python -m numpyro_fed flower-supernode [--poll 0.002] [--idle-poll 0.5] [--parent-pid PID] -- \\
         --insecure --superlink 127.0.0.1:9092 [any flower-supernode option ...]
+
+With ``--parent-pid`` the SuperNode stops when that process is gone. ``LocalFederation`` starts
+it with :func:`light_command`: the same, without importing numpyro_fed's package
+(:mod:`~numpyro_fed.flower.lifeline`).
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from typing import Sequence
+from typing import List, Sequence
 
-from .pace import Pacer
+from .pace import Pacer, object_retries
 
-__all__ = ["TESTED_FLWR", "FlowerVersionError", "pace_supernode", "run"]
+__all__ = ["TESTED_FLWR", "FlowerVersionError", "light_command", "pace_supernode", "run"]
 
 TESTED_FLWR = ("1.41.", "1.42.")  # flwr releases whose start_client_internal this was tested on
 _SLEEPS = ("time.sleep(3)", "time.sleep(0.5)")  # what start_client_internal must contain
@@ -97,8 +101,8 @@ def pace_supernode(poll: float = 0.002, idle_poll: float = 0.5, sleep=time.sleep
         return push(*args, **kwargs)
 
     def pull_objects(*args, **kwargs):  # a message's objects not at the SuperLink yet: retry in ms, not 1 s, 2 s...
-        kwargs.setdefault("initial_backoff", poll)
-        kwargs.setdefault("backoff_cap", max(poll, 0.25))
+        for key, value in object_retries(poll).items():
+            kwargs.setdefault(key, value)
         return pull(*args, **kwargs)
 
     module.time = _PacedTime(idle, poll, sleep)
@@ -107,9 +111,34 @@ def pace_supernode(poll: float = 0.002, idle_poll: float = 0.5, sleep=time.sleep
     return idle
 
 
-def run(flower_args: Sequence[str], poll: float = 0.002, idle_poll: float = 0.5) -> int:
-    """Run Flower's SuperNode with paced polls and ``flower_args`` (``flower-supernode``'s options).
-    Returns 2 (with the reason on stderr) when the installed Flower is not a tested one."""
+def cli() -> int:
+    """``sys.argv[1:]`` = ``[--poll P] [--idle-poll I] [--] flower-supernode options``: what
+    :func:`light_command` runs (parsed without numpyro_fed's command line, which imports it)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="numpyro_fed flower-supernode")
+    parser.add_argument("--poll", type=float, default=0.002)
+    parser.add_argument("--idle-poll", type=float, default=0.5)
+    parser.add_argument("flower_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(sys.argv[1:])
+    rest = args.flower_args[1:] if args.flower_args[:1] == ["--"] else args.flower_args
+    return run(rest, args.poll, args.idle_poll)
+
+
+def light_command(python: str, poll: float = 0.002, idle_poll: float = 0.5, parent_pid: int = 0) -> List[str]:
+    """The command that runs :func:`run` (then ``flower-supernode``'s options, to be appended)
+    as ``python -m numpyro_fed flower-supernode --poll P --idle-poll I --parent-pid PID --`` does,
+    without importing numpyro_fed's package (:func:`~numpyro_fed.flower.lifeline.command`)."""
+    from .lifeline import command
+
+    return command(python, "numpyro_fed.flower.supernode:cli",
+                   ["--poll", repr(float(poll)), "--idle-poll", repr(float(idle_poll)), "--"], parent_pid)
+
+
+def run(flower_args: Sequence[str], poll: float = 0.002, idle_poll: float = 0.5, parent_pid: int = 0) -> int:
+    """Run Flower's SuperNode with paced polls and ``flower_args`` (``flower-supernode``'s options);
+    with ``parent_pid``, until that process is gone. Returns 2 (with the reason on stderr) when
+    the installed Flower is not a tested one."""
     if not 0 < poll <= idle_poll:
         raise ValueError(f"flower-supernode: need 0 < poll <= idle_poll, got {poll} and {idle_poll}")
     try:
@@ -117,6 +146,10 @@ def run(flower_args: Sequence[str], poll: float = 0.002, idle_poll: float = 0.5)
     except FlowerVersionError as err:
         print(f"numpyro_fed flower-supernode: {err}", file=sys.stderr)
         return 2
+    if parent_pid:
+        from .lifeline import stop_with
+
+        stop_with(parent_pid)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *flower_args]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Tuple
 
 import jax.numpy as jnp
-from ott.geometry.costs import Bures
 
 from .._typing import Array
 
@@ -56,6 +55,8 @@ def gaussian_barycenter(
     if diagonal or means.shape[-1] == 1:  # in 1-D the barycenter is the closed form too
         _, sd = diagonal_gaussian_barycenter(weights, means, jnp.sqrt(jnp.diagonal(covs, axis1=-2, axis2=-1)))
         return mean, jnp.diag(sd**2)
+    from ott.geometry.costs import Bures  # on first use: ott-jax costs every import of numpyro_fed ~0.1 s
+
     d = means.shape[-1]
     xs = jnp.concatenate([means, covs.reshape(covs.shape[0], d * d)], axis=1)
     x, _ = Bures(dimension=d).barycenter(
