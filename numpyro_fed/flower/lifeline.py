@@ -8,10 +8,10 @@ it starts now watches the launcher's process id (:func:`stop_with`) and stops on
 each executor watches its SuperNode the same way.
 
 :func:`command` runs a function of Flower (or of this folder's Flower-only modules) in a new
-Python, this file as its script, without running ``numpyro_fed/__init__.py``, which imports JAX, NumPyro and optax: a
-SuperLink or a SuperNode only relays messages, and that import cost each of them about 2-4 s
-of CPU and 250-300 MB; at 40 nodes on one machine, 10 GB. This module imports only the
-standard library, so the bootstrap can import it as well.
+Python, this file as its script, without running ``numpyro_fed/__init__.py`` (which imports
+JAX, NumPyro and optax): a SuperLink or a SuperNode only relays messages, and that import cost
+each of them about 2-4 s of CPU and 250-300 MB; at 40 nodes on one machine, 10 GB. This module
+imports only the standard library, so it can run before any package is set up.
 """
 
 from __future__ import annotations
