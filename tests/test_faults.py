@@ -382,6 +382,40 @@ def test_a_node_flower_took_for_unavailable_is_asked_again_at_the_hello(monkeypa
     assert "took node(s) [3] for unavailable" in capsys.readouterr().err
 
 
+class _RetriedPushGrid(_DeadNodeGrid):
+    """Flower's runtime client retried a push-object call that timed out after its first try had
+    stored the object; the SuperLink refused the retry, and ``push_messages`` raised
+    ``ObjectPushError`` after the messages (with their ids) were all pushed."""
+
+    def push_messages(self, messages):
+        from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+        for m in messages:  # as Flower's HttpGrid: the id (the content hash) is set before any push
+            m.metadata.__dict__["_message_id"] = f"m{len(self.pushed)}"
+            self.pushed[m.metadata.message_id] = m
+        raise ObjectPushError("2cde72df", 1, "e164f317")
+
+
+def test_a_push_flower_refused_on_its_retry_still_gets_its_replies(monkeypatch, capsys):
+    """At 40 SuperNodes on 2 cores a Poisson GLMM run failed at its set-up with Flower's
+    ``ObjectPushError`` ("the push session may have expired or been replaced"): a push-object
+    call took 30 s, Flower retried it, and the SuperLink refused the retry because the first try
+    had stored the object. The messages had arrived: the server now pulls their replies, and a
+    node whose message did not arrive counts as not answering (here node 3, listed but dead)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from numpyro_fed.flower.demo import make_pvi
+    from numpyro_fed.flower.task import FlowerTask
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    backend = FlowerBackend(_RetriedPushGrid(), first_timeout=60.0)
+    template = backend.connect(FlowerTask(make_pvi, lambda config: None), 2)
+    assert template.names == ["site1", "site2"] and backend.nodes == [1, 2]
+    assert "Flower refused a retried object push" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- 8. no epsilon past the claim
 def _calibrated(family):
     marked = nf.dp_noise(linear, clip=2.0, delta=1e-3, epsilon=4.0)

@@ -320,6 +320,70 @@ def test_a_client_killed_mid_stream_is_left_out_at_once_and_rejoins_over_a_new_i
     _audit("pvi", inference, inputs, result, keys, flower)
 
 
+def _stored_slot(folder, name, like):
+    """The client state a node keeps in ``numpyro-fed-state-dir`` (its latest) for site ``name``."""
+    from numpyro_fed import checkpoint
+    from numpyro_fed.protocol import ClientSlot, RunState
+
+    (path,) = [p for p in Path(folder).iterdir() if p.name.endswith(f"-{name}.npz")]
+    shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), like)
+    zero = jax.ShapeDtypeStruct((2,), np.uint32)
+    template = RunState(jax.ShapeDtypeStruct((), np.int32), (), zero, (), (ClientSlot(zero, shape),), zero)
+    return checkpoint.load(str(path), template, [name]).clients[0]
+
+
+def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_the_factors(tmp_path):
+    """A client whose reply came after the reply timeout had computed a step the server never
+    counted. It kept that state: a PVI client then applied, at its next round, an update the
+    server had never applied, and ``q = p * prod_j t_j`` no longer held for the rest of the
+    run (a wrong posterior, with no more than the missed-round warning). Here SuperNode 2's
+    executor is paused (SIGSTOP) for three reply timeouts and resumed: its replies to the rounds
+    it was paused in arrive late. Each round's first message tells a client after which round
+    the server holds its state, and the client takes the uncounted step back (its node warns).
+    At the end the server's ``q`` is the prior times every node's own factor (read from its
+    node's storage), to float tolerance."""
+    import signal
+
+    from numpyro_fed.factor.updates import current_factor
+
+    rounds, timeout = 60, 2.0
+    configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
+               for i in range(3)]
+    with LocalFederation(configs, app_files=APP_FILES) as fed:
+        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=timeout, keep_values=True)
+        deadline = time.monotonic() + 400
+        while fed.progress(handle) < 3 and time.monotonic() < deadline and handle[0].poll() is None:
+            time.sleep(0.05)
+        executor = fed.nodes[2][1].pid
+        os.kill(executor, signal.SIGSTOP)
+        try:
+            time.sleep(3 * timeout)
+        finally:
+            os.kill(executor, signal.SIGCONT)
+        flower = fed.wait(handle, timeout=600)
+        node_log = (fed.workdir / "executor2.log").read_text()
+    names = flower["clients"]
+    schedule = _schedule(flower, rounds, names)
+    missed = _first_missed(schedule, 2)
+    assert missed is not None and schedule[:, :2].all() and schedule[-1, 2], flower["missing"]
+    assert flower["rejoined"] == []  # the same node all along: late, not gone
+    # the prior, from the simulation (the same model): q minus every client's factor there
+    inference, inputs, result, keys = _simulate("pvi", 2)
+    sim = _slots(result.state, inference)
+    ack = np.asarray(result.state.server.ack)
+    prior = result.state.server.q
+    for j, slot in enumerate(sim):
+        prior = jax.tree_util.tree_map(lambda a, b: a - b, prior, current_factor(slot.state, ack[j]))
+    q, ack = flower["server_state"].q, np.asarray(flower["server_state"].ack)
+    product = prior
+    for j, name in enumerate(names):
+        state = _stored_slot(tmp_path / f"site{j}", name, sim[j].state).state
+        product = jax.tree_util.tree_map(lambda a, b: a + b, product, current_factor(state, ack[j]))
+    for a, b in zip(jax.tree_util.tree_leaves(q), jax.tree_util.tree_leaves(product)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    assert "came after the server's timeout" in node_log  # its node says so
+
+
 def test_a_flower_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path):
     """Issue 28, item 15: a Flower run with ``checkpoint=`` writes the server's part (its state,
     broadcast, keys and round, with the run id and sites) each round, and each site keeps its

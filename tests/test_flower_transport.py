@@ -231,3 +231,30 @@ def test_a_started_process_stops_with_its_launcher_and_imports_no_jax(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_the_progress_file_is_never_read_empty_while_the_server_rewrites_it(tmp_path):
+    """LocalFederation.progress polls the ServerApp's progress file while the ServerApp
+    rewrites it every round. Rewritten in place (truncate, then write), a read between the two
+    found it empty and gave 0 rounds (a stop-48 CI failure: the killed-mid-stream test saw
+    0 rounds after round 2). Written whole and renamed, every read gives a round, and the
+    rounds read never go back."""
+    from numpyro_fed.flower.app import write_progress
+    from numpyro_fed.flower.launcher import read_progress
+
+    path = str(tmp_path / "run.pkl.progress")
+    assert read_progress(path) == 0  # before the first round
+    write_progress(path, 1, 0.0, ["0", "1"])
+    rounds = 3000
+    writer = threading.Thread(target=lambda: [write_progress(path, r, 0.01 * r, ["0", "1"])
+                                              for r in range(2, rounds + 1)])
+    writer.start()
+    seen = []
+    while writer.is_alive():
+        seen.append(read_progress(path))
+    writer.join()
+    assert min(seen) >= 1 and seen == sorted(seen)
+    assert read_progress(path) == rounds
+    (tmp_path / "bad.progress").write_text("")  # a damaged file is an error, not "no round yet"
+    with pytest.raises((IndexError, ValueError)):
+        read_progress(str(tmp_path / "bad.progress"))

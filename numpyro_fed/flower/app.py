@@ -44,6 +44,15 @@ import traceback
 import warnings
 
 
+def write_progress(path: str, rnd: int, seconds: float, answered) -> None:
+    """The run's progress line (round, seconds, the sites that answered) to ``path``, written
+    whole and then renamed, so that a reader polling it (``LocalFederation.progress``, a
+    benchmark) never finds it empty or half-written."""
+    with open(path + ".part", "w") as fh:
+        fh.write(f"{rnd} {seconds:.3f} {' '.join(answered)}\n")
+    os.replace(path + ".part", path)
+
+
 def _server_main(grid, context) -> None:
     cfg = context.run_config
     out = str(cfg.get("out", ""))
@@ -61,8 +70,7 @@ def _server_main(grid, context) -> None:
 
         def progress(rnd, answered):
             if out:
-                with open(out + ".progress", "w") as fh:
-                    fh.write(f"{rnd} {time.perf_counter() - started:.3f} {' '.join(answered)}\n")
+                write_progress(out + ".progress", rnd, time.perf_counter() - started, answered)
 
         backend = FlowerBackend(grid, reply_timeout=float(cfg.get("reply-timeout", 60.0)),
                                 first_timeout=float(cfg.get("first-timeout", 600.0)), progress=progress,

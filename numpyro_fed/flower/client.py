@@ -47,7 +47,7 @@ from jax import random
 
 from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
-from ..warnings import UncheckedFitWarning
+from ..warnings import MissingClientsWarning, UncheckedFitWarning
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
 from .stream import Frame, FrameError, FrameReply
 from .task import build, load_task, own_groups_of
@@ -199,6 +199,7 @@ def _setup(message, context):
     k_init, own = random.split(client_key(context.node_config, built.index, J))
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
     _put_slot(context, slot)
+    _put_base(context, None)
     _store(context, built, slot, 0)
     _store_round(context, built, slot, 0)
     return _reply(message, {"ok": True})
@@ -327,6 +328,7 @@ def _resume(message, context):
         )
     slot = _load_slot(context, built, files[max(usable)])
     _put_slot(context, slot)
+    _put_base(context, None)
     _store(context, built, slot, at)
     _store_round(context, built, slot, at)
     return _reply(message, {"ok": True})
@@ -340,6 +342,7 @@ def _rejoin(message, context):
     built = _built(context)
     slot = _restore(context, built, int(message.content["nf"]["round"]))
     _put_slot(context, slot)
+    _put_base(context, None)
     return _reply(message, {"ok": True})
 
 
@@ -359,11 +362,79 @@ def _put_slot(context, slot: ClientSlot) -> None:
         context.state["nf.slot"] = to_record(slot)
 
 
+def _base(built: _Built, context):
+    """``(round, slot)``: the round whose first exchange this client last stepped in, and its
+    slot just before that step (``None`` before its first step, and after a set-up, rejoin or
+    resume: their state is the one the server counts)."""
+    live = _LIVE.get()
+    if live is not None and "base" in live:
+        return live["base"]
+    began = context.state.get("nf.began")
+    if began is None or int(began["round"]) < 0:
+        return None
+    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
+    return int(began["round"]), from_record(like, context.state["nf.base"])
+
+
+def _put_base(context, base) -> None:
+    from flwr.app import ConfigRecord
+
+    live = _LIVE.get()
+    if live is not None:
+        live["base"] = base
+        return
+    context.state["nf.began"] = ConfigRecord({"round": -1 if base is None else int(base[0])})
+    if base is not None:
+        context.state["nf.base"] = to_record(base[1])
+
+
+def _counted(message, context, built: _Built) -> None:
+    """Take back a step the server did not count. The server says in ``kept`` after which round
+    it holds this client's state (the last round whose every reply it received in time). A
+    client whose reply came too late (it computed, the server had gone on without it) would
+    otherwise keep a state the server never saw: a factor family's client would then apply an
+    update the server never applied (``q = p prod_j t_j`` broken: a silently wrong posterior),
+    where the simulation leaves a client that did not answer as it was. So its slot goes back
+    to the one before that step. Its key does not: the key it used is spent (under DP, reusing
+    it would draw the same noise again), and ``releases`` (its privacy ledger) keeps counting
+    the update it sent, which did leave the node. On the node's own storage the rolled-back
+    state becomes the latest (a rejoin or resume takes it), the uncounted round's file goes."""
+    kept = message.content["nf"].get("kept")
+    base = _base(built, context)
+    if kept is None or base is None or int(kept) > base[0]:
+        return
+    began, before = base
+    current = _slot(built, context)
+    state = before.state
+    if hasattr(state, "releases"):
+        state = state._replace(releases=current.state.releases)
+    slot = ClientSlot(current.rng_key, state)
+    _put_slot(context, slot)
+    _put_base(context, None)
+    warnings.warn(
+        f"numpyro_fed client {built.name!r}: its reply in round {began + 1} came after the server's timeout, "
+        f"so the server went on without it; its state goes back to the one after round {int(kept)}, the "
+        f"one the server counts",
+        MissingClientsWarning,
+        stacklevel=2,
+    )
+    if _stored_path(context, built.name) is not None:
+        _store(context, built, slot, int(kept))
+        if built.checkpoint_every:
+            late = _round_path(context, context.run_id, built.name, began + 1)
+            if os.path.exists(late):
+                os.remove(late)
+
+
 def _exchange(message, context):
     built = _built(context)
     e = int(message.content["nf"]["exchange"])
+    if e == 0:  # a round begins: first take back a step the server did not count
+        _counted(message, context, built)
     slot = _slot(built, context)
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
+    if e == 0:
+        _put_base(context, (int(message.content["nf"]["round"]), slot))
     slot, out = built.steps[e](slot, broadcast, built.data)
     _put_slot(context, slot)
     if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done (a rejoin restarts a round)
@@ -387,6 +458,7 @@ def _client_value(message, context):
     term of ``log p - log q`` per draw, summed over its own rows), from its own state and
     data; what the family defines in ``_client_value`` is all that is sent."""
     built = _built(context)
+    _counted(message, context, built)
     name = str(message.content["nf"]["name"])
     like = built.inference._client_value_inputs(name, built.setup, built.data)
     payload = from_record(like, message.content["broadcast"])
@@ -432,6 +504,7 @@ def _ledger(message, context):
     the accounting's input; the server saw them arrive), nothing else. Fit diagnostics it
     withheld under DP stay here: it warns about them on its own node."""
     built = _built(context)
+    _counted(message, context, built)
     state = _slot(built, context).state
     ledger = {"releases": np.asarray(state.releases, np.int32)} if hasattr(state, "releases") else {}
     withheld = np.asarray(getattr(state, "withheld", np.zeros(2)))
@@ -532,6 +605,8 @@ def _stream(message, context):
         _LIVE.reset(token)
         if "slot" in live:
             context.state["nf.slot"] = to_record(live["slot"])
+        if "base" in live:
+            _put_base(context, live["base"])
     return _reply(message, {"served": int(served)})
 
 

@@ -139,16 +139,29 @@ def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_po
             if message is not None:
                 reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
         finally:
-            try:  # a reply the node no longer takes (e.g. its run ended) loses this task, not the executor
-                if reply is not None and context is not None:
-                    rc.push_message(client, reply, context)
-                rc.push_task_output(client=client, context=context, sub_status=status, details=details)
-            except Exception as ex:  # noqa: BLE001 - logged here; the server sees a missing answer
-                print(f"numpyro_fed executor: could not hand back the task's reply: {type(ex).__name__}: {ex}",
-                      file=sys.stderr, flush=True)
+            try:
+                _hand_back(rc, client, reply, context, status, details)
             finally:
                 heartbeat.stop()
                 client.close()
+
+
+def _hand_back(rc, client, reply, context, status, details) -> None:
+    """Push the task's reply, then its output (the node's ``context``: the client's state for its
+    next message). A reply the node no longer takes (e.g. its run ended) loses this task, not the
+    executor; the server sees a missing answer. The output is pushed even when the reply's push
+    failed: Flower refuses a retried push-object call whose first try had stored the object
+    (under load, :func:`numpyro_fed.flower.pull.push_messages`), and without its output the node
+    would hand the next message the context from before this one."""
+    for what, push in (("reply", lambda: reply is not None and context is not None
+                        and rc.push_message(client, reply, context)),
+                       ("output", lambda: rc.push_task_output(client=client, context=context, sub_status=status,
+                                                             details=details))):
+        try:
+            push()
+        except Exception as ex:  # noqa: BLE001 - logged here; the server sees a missing answer
+            print(f"numpyro_fed executor: could not hand back the task's {what}: {type(ex).__name__}: {ex}",
+                  file=sys.stderr, flush=True)
 
 
 def _acquire(acquire, request, runtime_api: str):

@@ -139,6 +139,15 @@ def pid_exists(pid: int) -> bool:
         return False
 
 
+def read_progress(path: str) -> int:
+    """The rounds finished so far, from a run's progress file (0 before the first; the ServerApp
+    writes it whole and renames it, ``app.write_progress``, so a read never catches it empty)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except FileNotFoundError:
+        return 0
+
+
 def _loopback_certificates(folder: Path) -> Dict[str, Path]:
     """A throw-away CA and a certificate for 127.0.0.1 signed by it (ECDSA P-256, valid one day),
     for TLS on loopback links in tests and demos: ``{"ca", "cert", "key"}`` PEM files (the key 0600)."""
@@ -453,10 +462,7 @@ class LocalFederation:
 
     def progress(self, handle) -> int:
         """Rounds the ServerApp of a submitted run has finished so far."""
-        try:
-            return int((Path(str(handle[1]) + ".progress")).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return 0
+        return read_progress(str(handle[1]) + ".progress")
 
     def wait(self, handle, timeout: float = 600.0) -> Dict[str, Any]:
         """The result of a submitted run (raises :class:`FederationError` when it failed:

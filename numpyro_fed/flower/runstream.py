@@ -15,7 +15,7 @@ import time
 from typing import Dict, Optional, Sequence
 
 from .pace import Pacer
-from .pull import pull_replies
+from .pull import pull_replies, push_messages
 from .stream import StreamServer
 
 __all__ = ["RunStream"]
@@ -58,7 +58,7 @@ class RunStream:
         messages = [Message(content=RecordDict({"nf": ConfigRecord({"kind": "stream", "address": self.address,
                                                                      "token": tokens[int(n)].hex()})}),
                             dst_node_id=int(n), message_type="train") for n in nodes]
-        for node, mid in zip(nodes, self.grid.push_messages(messages)):
+        for node, mid in zip(nodes, push_messages(self.grid, messages)):
             if mid:
                 self.invites[int(node)] = mid
         return self.server.accept({n: t for n, t in tokens.items() if n in self.invites}, timeout)

@@ -15,8 +15,11 @@ backend=FlowerBackend(grid))`` drives a real federation. A round does what
 3. the server step runs here (jit-compiled).
 
 Rounds that lacked clients are reported by name (a warning and ``backend.missing``). A
-client that computed but whose answer arrived late keeps its new state on its node (in the
-simulation a dropped client's state is rolled back): the next round it continues from it.
+client that computed but whose answer arrived late takes its step back, as the simulation
+leaves a client that did not answer as it was: each round's first message tells it after
+which round the server holds its state (``kept``), and a client that stepped in a later round
+returns to its state before that step (its key and privacy ledger stay spent, see
+``client._counted``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView,
 from ..transcript import Transcript, message_bytes
 from ..warnings import MissingClientsWarning
 from .pace import Pacer
-from .pull import pull_replies
+from .pull import pull_replies, push_messages
 from .rounds import RunContext, Traffic, first_state, non_finite, run_result
 from .sealed import ROLE_KEY
 from .task import FlowerTask
@@ -128,6 +131,7 @@ class FlowerBackend:
         self.aggregator_key = ""  # its public key (hex), relayed to the clients at set-up
         self.rejoined: List[tuple] = []  # (round, client name, old node, new node): sites that came back
         self._seen: set = set()  # nodes asked for their name already (ours, the aggregator, strangers)
+        self._last_round: Optional[List[int]] = None  # per site, during a run: the round after which it holds its state
         if stream is not None:
             from .stream import split_address
 
@@ -171,7 +175,7 @@ class FlowerBackend:
 
         messages = [Message(content=c, dst_node_id=int(n), message_type=message_type) for n, c in zip(node_ids,
                                                                                                       contents)]
-        ids = list(self.grid.push_messages(messages))
+        ids = push_messages(self.grid, messages)
         waiting = {i: int(n) for i, n in zip(ids, node_ids) if i}
         replies: Dict[int, Any] = {}
         deadline = time.monotonic() + timeout
@@ -217,6 +221,11 @@ class FlowerBackend:
             replies.update(self._send([node_ids[i] for i in again], [contents[i] for i in again], "query",
                                       deadline - time.monotonic(), enough=None))
         return replies
+
+    def _kept(self, j: int) -> Dict[str, int]:
+        """``{"kept": round}``: after which round the server holds client ``j``'s state (the last
+        round whose every reply from it came in time), for a query after the run; ``{}`` before any."""
+        return {} if self._last_round is None else {"kept": int(self._last_round[j])}
 
     def _name(self, node: int) -> str:
         if self.template is not None and node in self.nodes:
@@ -487,8 +496,10 @@ class FlowerBackend:
             part = jax.tree_util.tree_map(lambda x, j=j: x[j], per_client)
             b = Broadcast(shared, part)
             record = to_record(b)
-            contents.append(RecordDict({"nf": ConfigRecord({"kind": "exchange", "exchange": e, "round": r}),
-                                        "broadcast": record}))
+            nf = {"kind": "exchange", "exchange": e, "round": r}
+            if e == 0:  # after which round the server holds its state: a late reply's step is taken back
+                nf["kept"] = int(self._last_round[j])
+            contents.append(RecordDict({"nf": ConfigRecord(nf), "broadcast": record}))
             traffic.add_down(message_bytes(b))
             if transcript is not None:
                 transcript.record(r, "server", names[j], from_record(run.structures.broadcasts[e], record),
@@ -611,7 +622,7 @@ class FlowerBackend:
 
         names = self.template.names
         order = sorted(payloads)
-        contents = [RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name}),
+        contents = [RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name, **self._kept(j)}),
                                 "broadcast": to_record(payloads[j])}) for j in order]
         replies = self._send([self.nodes[j] for j in order], contents, "train", self.reply_timeout)
         out = {}
@@ -654,7 +665,7 @@ class FlowerBackend:
         keeps = [j for j in range(len(names)) if alive[j] and hasattr(structures.client_states[j], "releases")]
         if not keeps:
             return {}
-        query = [RecordDict({"nf": ConfigRecord({"kind": "ledger"})}) for _ in keeps]
+        query = [RecordDict({"nf": ConfigRecord({"kind": "ledger", **self._kept(j)})}) for j in keeps]
         replies = self._send([self.nodes[j] for j in keeps], query, "query", self.reply_timeout)
         ledgers, lacked = {}, []
         like = {"releases": jax.ShapeDtypeStruct((), np.int32)}
