@@ -7,19 +7,21 @@ over the run's stream: ``LocalFederation``'s defaults), ``nf.FederatedNUTS``. Pe
 - six-cities GLMM (2 SuperNodes) and eight schools non-centred (8): the whole run of
   ``benchmarks/federated_nuts.py`` (4 chains x (500 + 1000)), measured end to end;
 - Poisson GLMM (40 SuperNodes on a 2-core machine): a shortened run (1 chain x (20 + 20):
-  1,420 rounds; 1 x (60 + 60) takes 79,249, its short warm-up windows leave the step size
-  small), measured end to end, and the whole run projected: its rounds (from the simulation
-  backend's whole run with the same keys) times the measured warm round.
+  688 rounds; 1 x (60 + 60) takes tens of thousands, its short warm-up windows leave the step
+  size small), measured end to end, and the whole run projected: its rounds (from the
+  simulation backend's whole run) times the measured warm round.
 
 Reported: the end-to-end wall time (``flwr run`` submitted to result read), the ServerApp's run
-time, rounds and warm round; against the simulation backend's run with the same keys and
-settings (``numpyro-fed-seed``, ``client_mapping="loop"``) the first round whose figure differs
-by more than 1e-4 (relative) and the largest draw difference: in float32 a client step compiled
-alone and the same step compiled inside the simulation's loop differ in the last bits, and NUTS's
-decisions amplify that over thousands of rounds, so long runs part from the simulation (equality
-to float tolerance is a test, ``tests/test_flower.py``, over 500 rounds); what must hold is the
-posterior: for whole runs, max |z| against NumPyro's NUTS on the pooled data (global scalars). Writes
-``benchmarks/results/federated_nuts_flower.json``.
+time, rounds and warm round; against the simulation backend's runs with the same keys and
+settings (``numpyro-fed-seed``), once with ``client_mapping="loop"`` and once with ``"vmap"``,
+the first round whose figure differs by more than 1e-4 (relative) and the largest draw
+difference: in float32 a client step compiled alone, inside the simulation's loop, or vmapped
+can differ in the last bits, and NUTS's decisions amplify that (on the Poisson GLMM the two
+simulations part at round 71, and the Flower run equals the vmapped one), so long runs may
+part from a simulation (equality to float tolerance is a test, ``tests/test_flower.py``, over
+500 rounds); what must hold is the posterior: for whole runs, max |z| against NumPyro's NUTS
+on the pooled data (global scalars). With ``--workdir`` the Flower run's per-round figure and
+draws go to ``WORKDIR/<posterior>-flower.npz``. Writes ``benchmarks/results/federated_nuts_flower.json``.
 
     python benchmarks/federated_nuts_flower.py [--only eight] [--chains 4]
 """
@@ -88,13 +90,19 @@ def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0, workdir=None):
         flower = fed.run(f"nuts_tasks:{name}", 2_000_000, seed=seed, timeout=6 * 3600,
                          transcript=False)  # 10^4-10^5 rounds: the byte counts come from the traffic
         wall = time.perf_counter() - t1
-    sim = nf.FederatedNUTS(model, num_warmup=warmup, num_samples=samples, num_chains=chains,
-                           client_mapping="loop").run(jax.random.PRNGKey(seed), clients)  # one client a node
-    diff = max(float(np.max(np.abs(np.asarray(flower["params"][k]) - np.asarray(sim.params[k]))))
-               for k in sim.params)
-    ft, st = np.asarray(flower["trace"]), np.asarray(sim.trace)  # the per-round figure of each backend
-    n = min(len(ft), len(st))
-    apart = np.flatnonzero(np.abs(ft[:n] - st[:n]) > 1e-4 * (1.0 + np.abs(st[:n])))
+    if workdir is not None:  # the per-round figure and the draws, for a later comparison
+        np.savez(pathlib.Path(workdir) / f"{name}-flower.npz", trace=np.asarray(flower["trace"]),
+                 **{k: np.asarray(v) for k, v in flower["params"].items()})
+    compared = {}
+    for mapping in ("loop", "vmap"):  # one client a node (Flower's layout), and the default
+        sim = nf.FederatedNUTS(model, num_warmup=warmup, num_samples=samples, num_chains=chains,
+                               client_mapping=mapping).run(jax.random.PRNGKey(seed), clients)
+        diff = max(float(np.max(np.abs(np.asarray(flower["params"][k]) - np.asarray(sim.params[k]))))
+                   if np.shape(flower["params"][k]) == np.shape(sim.params[k]) else float("inf") for k in sim.params)
+        ft, st = np.asarray(flower["trace"]), np.asarray(sim.trace)  # the per-round figure of each backend
+        n = min(len(ft), len(st))
+        apart = np.flatnonzero(np.abs(ft[:n] - st[:n]) > 1e-4 * (1.0 + np.abs(st[:n])))
+        compared[mapping] = (int(sim.communication.rounds), int(apart[0]) + 1 if apart.size else None, diff)
     secs = flower["round_seconds"]
     warm = float(np.mean(secs[1:]))
     row = {"posterior": name, "clients": J, "chains": chains, "warmup": warmup, "samples": samples,
@@ -102,9 +110,12 @@ def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0, workdir=None):
            "server_run_seconds": flower["seconds"], "rounds": len(secs), "first_round_seconds": secs[0],
            "warm_round_seconds": warm, "warm_round_median": float(np.median(secs[1:])),
            "setup_seconds": flower["timings"]["setup"], "bytes_up": flower["communication"]["bytes_up"],
-           "bytes_down": flower["communication"]["bytes_down"], "simulation_rounds": int(sim.communication.rounds),
-           "first_round_apart_from_simulation": int(apart[0]) + 1 if apart.size else None,
-           "max_abs_difference_to_simulation": diff,
+           "bytes_down": flower["communication"]["bytes_down"], "simulation_rounds": compared["loop"][0],
+           "first_round_apart_from_simulation": compared["loop"][1],
+           "max_abs_difference_to_simulation": compared["loop"][2],
+           "vmap_simulation_rounds": compared["vmap"][0],
+           "first_round_apart_from_vmap_simulation": compared["vmap"][1],
+           "max_abs_difference_to_vmap_simulation": compared["vmap"][2],
            "warnings": flower["warnings"]}
     if whole:
         ref = scalars(pooled_nuts(pooled_model, pooled_data, 2), sites)

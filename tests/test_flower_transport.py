@@ -258,3 +258,44 @@ def test_the_progress_file_is_never_read_empty_while_the_server_rewrites_it(tmp_
     (tmp_path / "bad.progress").write_text("")  # a damaged file is an error, not "no round yet"
     with pytest.raises((IndexError, ValueError)):
         read_progress(str(tmp_path / "bad.progress"))
+
+
+def test_a_client_takes_back_a_step_the_server_did_not_count_and_refuses_a_state_older_than_its():
+    """The node's side of ``kept`` (``client._counted``), without a federation: a client that
+    stepped in round 4 (index 3) whose reply the server did not count (``kept`` 3) returns to
+    its slot before that step, keeping its spent key and its privacy ledger's count; a counted
+    step stays; a state older than the one the server counted is an error, not an answer."""
+    from types import SimpleNamespace
+    from typing import NamedTuple
+
+    from flwr.app import RecordDict
+
+    from numpyro_fed.flower import client as cl
+    from numpyro_fed.protocol import ClientSlot
+    from numpyro_fed.warnings import MissingClientsWarning
+
+    class State(NamedTuple):
+        x: float
+        releases: int
+
+    built = SimpleNamespace(name="2", checkpoint_every=0)
+    context = SimpleNamespace(node_config={}, state=RecordDict(), run_id=1)
+
+    def ask(kept):
+        cl._counted(SimpleNamespace(content={"nf": {"kept": kept}}), context, built)
+
+    before, after = ClientSlot("key 1", State(1.0, 4)), ClientSlot("key 2", State(2.0, 5))
+    live = {"slot": after, "base": before, "rounds": {"after": 4, "began": 3}}
+    token = cl._LIVE.set(live)
+    try:
+        ask(4)  # counted: nothing changes
+        assert live["slot"] is after and live["rounds"] == {"after": 4, "began": 3}
+        with pytest.warns(MissingClientsWarning, match="its reply in round 4 came after the server's timeout"):
+            ask(3)  # not counted: back to the state after round 3
+        assert live["slot"] == ClientSlot("key 2", State(1.0, 5)) and live["rounds"] == {"after": 3, "began": -1}
+        ask(3)  # taken back once
+        assert live["slot"] == ClientSlot("key 2", State(1.0, 5))
+        with pytest.raises(ValueError, match="holds its state after round 3, and the server counted .* round 5"):
+            ask(5)
+    finally:
+        cl._LIVE.reset(token)

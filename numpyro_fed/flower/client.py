@@ -11,7 +11,9 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
   name the server knows (a restarted SuperNode gets a new node id): the client rebuilds the
   algorithm and takes its state from the node's own storage instead of initialising;
 - ``train`` / ``exchange``: one exchange's broadcast; the client runs the algorithm's
-  ``client_step`` and answers its message;
+  ``client_step`` and answers its message. A round's first exchange also says after which
+  round the server holds this client's state (``kept``): a client whose last step's reply
+  came too late takes that step back first (:func:`_counted`);
 - ``train`` / ``stream``: the server's invitation to its stream (address and token,
   :mod:`numpyro_fed.flower.stream`): the client connects and answers the run's further
   messages over it with these same handlers and ``context`` until the server closes it.
@@ -199,7 +201,7 @@ def _setup(message, context):
     k_init, own = random.split(client_key(context.node_config, built.index, J))
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
     _put_slot(context, slot)
-    _put_base(context, None)
+    _put_rounds(context, 0, -1)
     _store(context, built, slot, 0)
     _store_round(context, built, slot, 0)
     return _reply(message, {"ok": True})
@@ -328,7 +330,7 @@ def _resume(message, context):
         )
     slot = _load_slot(context, built, files[max(usable)])
     _put_slot(context, slot)
-    _put_base(context, None)
+    _put_rounds(context, at, -1)
     _store(context, built, slot, at)
     _store_round(context, built, slot, at)
     return _reply(message, {"ok": True})
@@ -342,16 +344,17 @@ def _rejoin(message, context):
     built = _built(context)
     slot = _restore(context, built, int(message.content["nf"]["round"]))
     _put_slot(context, slot)
-    _put_base(context, None)
+    _put_rounds(context, int(message.content["nf"]["round"]), -1)
     return _reply(message, {"ok": True})
 
 
-def _slot(built: _Built, context) -> ClientSlot:
+def _slot(built: _Built, context, which: str = "slot") -> ClientSlot:
+    """The client's slot (``which="base"``: its slot before its last round's step, :func:`_rounds`)."""
     live = _LIVE.get()
-    if live is not None and "slot" in live:
-        return live["slot"]
+    if live is not None and which in live:
+        return live[which]
     like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
-    return from_record(like, context.state["nf.slot"])
+    return from_record(like, context.state[f"nf.{which}"])
 
 
 def _put_slot(context, slot: ClientSlot) -> None:
@@ -362,68 +365,80 @@ def _put_slot(context, slot: ClientSlot) -> None:
         context.state["nf.slot"] = to_record(slot)
 
 
-def _base(built: _Built, context):
-    """``(round, slot)``: the round whose first exchange this client last stepped in, and its
-    slot just before that step (``None`` before its first step, and after a set-up, rejoin or
-    resume: their state is the one the server counts)."""
+def _rounds(context) -> Dict[str, int]:
+    """``{"after": a, "began": b}``: this client's slot is its state after round ``a``, and ``b``
+    is the round whose first exchange it last stepped in (-1: none since a set-up, rejoin,
+    resume or take-back, whose state is the one the server counts)."""
     live = _LIVE.get()
-    if live is not None and "base" in live:
-        return live["base"]
-    began = context.state.get("nf.began")
-    if began is None or int(began["round"]) < 0:
-        return None
-    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
-    return int(began["round"]), from_record(like, context.state["nf.base"])
+    if live is not None and "rounds" in live:
+        return live["rounds"]
+    record = context.state.get("nf.rounds")
+    if record is None:
+        return {"after": 0, "began": -1}
+    return {"after": int(record["after"]), "began": int(record["began"])}
 
 
-def _put_base(context, base) -> None:
+def _put_rounds(context, after: int, began: int, base: ClientSlot = None) -> None:
+    """Record :func:`_rounds` (and, with ``base``, the slot before the step of round ``began``)."""
     from flwr.app import ConfigRecord
 
     live = _LIVE.get()
     if live is not None:
-        live["base"] = base
+        live["rounds"] = {"after": int(after), "began": int(began)}
+        if base is not None:
+            live["base"] = base
         return
-    context.state["nf.began"] = ConfigRecord({"round": -1 if base is None else int(base[0])})
+    context.state["nf.rounds"] = ConfigRecord({"after": int(after), "began": int(began)})
     if base is not None:
-        context.state["nf.base"] = to_record(base[1])
+        context.state["nf.base"] = to_record(base)
 
 
 def _counted(message, context, built: _Built) -> None:
-    """Take back a step the server did not count. The server says in ``kept`` after which round
-    it holds this client's state (the last round whose every reply it received in time). A
-    client whose reply came too late (it computed, the server had gone on without it) would
-    otherwise keep a state the server never saw: a factor family's client would then apply an
-    update the server never applied (``q = p prod_j t_j`` broken: a silently wrong posterior),
-    where the simulation leaves a client that did not answer as it was. So its slot goes back
-    to the one before that step. Its key does not: the key it used is spent (under DP, reusing
-    it would draw the same noise again), and ``releases`` (its privacy ledger) keeps counting
-    the update it sent, which did leave the node. On the node's own storage the rolled-back
-    state becomes the latest (a rejoin or resume takes it), the uncounted round's file goes."""
+    """Hold the state the server counts. The server says in ``kept`` after which round it holds
+    this client's state (the last round whose every reply it received in time).
+
+    - **A step it did not count is taken back.** A client whose reply came too late (it
+      computed, the server had gone on without it) would otherwise keep a state the server
+      never saw: a factor family's client would then apply an update the server never applied
+      (``q = p prod_j t_j`` broken: a silently wrong posterior), where the simulation leaves a
+      client that did not answer as it was. So its slot goes back to the one before that step.
+      Its key does not: the key it used is spent (under DP, reusing it would draw the same
+      noise again), and ``releases`` (its privacy ledger) keeps counting the update it sent,
+      which did leave the node. On the node's own storage the rolled-back state becomes the
+      latest (a rejoin or resume takes it), and the uncounted round's file goes.
+    - **A state older than the server's is refused** (an error the server sees for this
+      client): e.g. a ``context`` Flower did not take back after a stream task whose output
+      push failed would answer from the set-up's state, silently."""
     kept = message.content["nf"].get("kept")
-    base = _base(built, context)
-    if kept is None or base is None or int(kept) > base[0]:
+    if kept is None:
         return
-    began, before = base
-    current = _slot(built, context)
-    state = before.state
-    if hasattr(state, "releases"):
-        state = state._replace(releases=current.state.releases)
-    slot = ClientSlot(current.rng_key, state)
-    _put_slot(context, slot)
-    _put_base(context, None)
-    warnings.warn(
-        f"numpyro_fed client {built.name!r}: its reply in round {began + 1} came after the server's timeout, "
-        f"so the server went on without it; its state goes back to the one after round {int(kept)}, the "
-        f"one the server counts",
-        MissingClientsWarning,
-        stacklevel=2,
-    )
-    if _stored_path(context, built.name) is not None:
-        _store(context, built, slot, int(kept))
-        if built.checkpoint_every:
+    kept, rounds = int(kept), _rounds(context)
+    if 0 <= rounds["began"] and kept <= rounds["began"]:
+        began, current = rounds["began"], _slot(built, context)
+        state = _slot(built, context, "base").state
+        if hasattr(state, "releases"):
+            state = state._replace(releases=current.state.releases)
+        slot = ClientSlot(current.rng_key, state)
+        _put_slot(context, slot)
+        _put_rounds(context, kept, -1)
+        warnings.warn(
+            f"numpyro_fed client {built.name!r}: its reply in round {began + 1} came after the server's timeout, "
+            f"so the server went on without it; its state goes back to the one after round {kept}, the one "
+            f"the server counts",
+            MissingClientsWarning,
+            stacklevel=2,
+        )
+        if _stored_path(context, built.name) is not None:
+            _store(context, built, slot, kept)
             late = _round_path(context, context.run_id, built.name, began + 1)
-            if os.path.exists(late):
+            if built.checkpoint_every and os.path.exists(late):
                 os.remove(late)
+    elif kept > rounds["after"]:
+        raise ValueError(
+            f"client {built.name!r}: its node holds its state after round {rounds['after']}, and the server "
+            f"counted its replies up to round {kept}: the node lost its state (e.g. Flower did not take "
+            f"back its context after the run's stream); restart the node to rejoin from its stored state"
+        )
 
 
 def _exchange(message, context):
@@ -432,14 +447,16 @@ def _exchange(message, context):
     if e == 0:  # a round begins: first take back a step the server did not count
         _counted(message, context, built)
     slot = _slot(built, context)
+    rnd = int(message.content["nf"]["round"])
     broadcast = from_record(built.structures.broadcasts[e], message.content["broadcast"])
-    if e == 0:
-        _put_base(context, (int(message.content["nf"]["round"]), slot))
+    if e == 0:  # the slot before this round's step: what a take-back returns to
+        _put_rounds(context, _rounds(context)["after"], rnd, base=slot)
     slot, out = built.steps[e](slot, broadcast, built.data)
     _put_slot(context, slot)
     if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done (a rejoin restarts a round)
-        _store(context, built, slot, int(message.content["nf"]["round"]) + 1)
-        _store_round(context, built, slot, int(message.content["nf"]["round"]) + 1)
+        _put_rounds(context, rnd + 1, rnd)
+        _store(context, built, slot, rnd + 1)
+        _store_round(context, built, slot, rnd + 1)
     secure = built.algorithm.exchanges[e].secure_sum
     if secure:  # sealed for the trusted aggregator; the server only relays it
         if not built.aggregator_key:
@@ -605,8 +622,8 @@ def _stream(message, context):
         _LIVE.reset(token)
         if "slot" in live:
             context.state["nf.slot"] = to_record(live["slot"])
-        if "base" in live:
-            _put_base(context, live["base"])
+        if "rounds" in live:
+            _put_rounds(context, live["rounds"]["after"], live["rounds"]["began"], base=live.get("base"))
     return _reply(message, {"served": int(served)})
 
 
