@@ -22,9 +22,10 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
 writes its state (its key and the algorithm's state) after set-up and after every round it
 completed to ``PATH/run-<run id>-<site name>.npz`` (and keeps the one before as
 ``...previous.npz``), in the checkpoint format (:mod:`numpyro_fed.checkpoint`: one client,
-no server state, with the round), atomically. A restarted node then rejoins the run after
-the last round whose reply the server received from it. The folder is the site's own (its data's privacy
-applies: the state holds the client's key); nothing of it is sent.
+no server state, with the round), atomically (:mod:`numpyro_fed.flower.node_store`). A
+restarted node then rejoins the run after the last round whose reply the server received from
+it. The folder is the site's own (its data's privacy applies: the state holds the client's
+key); nothing of it is sent.
 
 The client's state (its key and the algorithm's state) lives in the node's
 ``context.state``, never in Python globals. What a process keeps between messages is only
@@ -50,6 +51,8 @@ from jax import random
 from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
 from ..warnings import MissingClientsWarning, UncheckedFitWarning
+from . import node_store as stored
+from .node_store import STATE_DIR_KEY
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
 from .stream import Frame, FrameError, FrameReply
 from .task import build, load_task, own_groups_of
@@ -60,8 +63,6 @@ __all__ = ["client_key", "make_client_app"]
 #: node_config key for reproducing the simulation's client keys (tests and studies only:
 #: with it the client's key derives from this seed as in ``SimulationBackend.init``)
 SEED_KEY = "numpyro-fed-seed"
-#: node_config key: the folder where the client keeps its state between messages (rejoin)
-STATE_DIR_KEY = "numpyro-fed-state-dir"
 # the simulation's secure sum (backends.simulation.aggregate_messages)
 _SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))
 
@@ -202,113 +203,9 @@ def _setup(message, context):
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
     _put_slot(context, slot)
     _put_rounds(context, 0, -1)
-    _store(context, built, slot, 0)
-    _store_round(context, built, slot, 0)
+    stored.store(context, built, slot, 0)
+    stored.store_round(context, built, slot, 0)
     return _reply(message, {"ok": True})
-
-
-def _stored_path(context, name: str):
-    folder = context.node_config.get(STATE_DIR_KEY)
-    if folder is None:
-        return None
-    return os.path.join(os.path.expanduser(str(folder)), f"run-{int(context.run_id)}-{name}.npz")
-
-
-def _previous(path: str) -> str:
-    return path[: -len(".npz")] + ".previous.npz"
-
-
-def _store(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
-    """The client's state after round ``rnd`` to the node's own storage (when configured), in the
-    checkpoint format; the one it replaces is kept as the previous. (A node killed after its
-    step and before its reply arrived holds a round the server never saw: a rejoin then takes
-    the previous, :func:`_restore`.)"""
-    path = _stored_path(context, built.name)
-    if path is None:
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if os.path.exists(path):
-        os.replace(path, _previous(path))
-    _save_slot(path, built.name, slot, rnd)
-
-
-def _save_slot(path: str, name: str, slot: ClientSlot, rnd: int) -> None:
-    """One client's slot in the checkpoint format (no server part), atomically: the one writer of
-    a node's stored states (:func:`_load_slot` reads them)."""
-    from .. import checkpoint
-    from ..protocol import RunState
-
-    zero = np.zeros((2,), np.uint32)
-    checkpoint.save(path, RunState(np.int32(rnd), (), zero, (), (slot,), zero), [name], family="flower.node")
-
-
-def _restore(context, built: _Built, rnd: int) -> ClientSlot:
-    """The state :func:`_store` kept for this run and site after round ``rnd``, the last round
-    whose reply the server received from it: the latest one stored, or the one before it when
-    the node stopped between its step and its reply (raises when neither is of that round)."""
-    path = _stored_path(context, built.name)
-    if path is None:
-        raise ValueError(
-            f"client {built.name!r} cannot rejoin: its node keeps no state ({STATE_DIR_KEY} is not in its node config)"
-        )
-    found = []
-    for candidate in (path, _previous(path)):
-        if os.path.exists(candidate):
-            stored, slot = _load_round_slot(built, candidate)
-            if stored == rnd:
-                return slot
-            found.append(stored)
-    raise ValueError(
-        f"client {built.name!r} cannot rejoin at round {rnd}: its node holds its state after round(s) {found}, "
-        f"not after the last round the server received from it"
-    )
-
-
-def _round_path(context, run_id: int, name: str, rnd: int):
-    return os.path.join(
-        os.path.expanduser(str(context.node_config[STATE_DIR_KEY])), f"run-{int(run_id)}-{name}-round-{int(rnd)}.npz"
-    )
-
-
-def _round_files(context, run_id: int, name: str) -> Dict[int, str]:
-    """This site's per-round states of run ``run_id`` on this node: ``{round: path}``."""
-    folder = os.path.expanduser(str(context.node_config[STATE_DIR_KEY]))
-    prefix, found = f"run-{int(run_id)}-{name}-round-", {}
-    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
-        if entry.startswith(prefix) and entry.endswith(".npz") and entry[len(prefix) : -4].isdigit():
-            found[int(entry[len(prefix) : -4])] = os.path.join(folder, entry)
-    return found
-
-
-def _store_round(context, built: _Built, slot: ClientSlot, rnd: int) -> None:
-    """With server checkpoints every ``k`` rounds: the client's state after round ``rnd`` (a
-    resume from the server's checkpoint at round ``c`` takes the latest at or before ``c``). Files
-    no resume can need are removed: those before the latest at or before ``rnd - k``."""
-    every = built.checkpoint_every
-    if not every:
-        return
-    _save_slot(_round_path(context, context.run_id, built.name, rnd), built.name, slot, rnd)
-    files = _round_files(context, context.run_id, built.name)
-    older = [r for r in files if r <= rnd - every]
-    if older:
-        for r in [r for r in files if r < max(older)]:
-            os.remove(files[r])
-
-
-def _load_round_slot(built: _Built, path: str) -> tuple:
-    """``(round, slot)`` of a state :func:`_save_slot` wrote."""
-    from .. import checkpoint
-    from ..protocol import RunState
-
-    like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
-    zero = jax.ShapeDtypeStruct((2,), np.uint32)
-    template = RunState(jax.ShapeDtypeStruct((), np.int32), (), zero, (), (like,), zero)
-    state = checkpoint.load(path, template, [built.name])
-    return int(state.round), state.clients[0]
-
-
-def _load_slot(context, built: _Built, path: str) -> ClientSlot:
-    return _load_round_slot(built, path)[1]
 
 
 def _resume(message, context):
@@ -321,18 +218,18 @@ def _resume(message, context):
         raise ValueError(f"client {built.name!r} cannot resume: its node keeps no state ({STATE_DIR_KEY})")
     cfg = message.content["nf"]
     at = int(cfg["round"])
-    files = _round_files(context, int(cfg["from_run"]), built.name)
+    files = stored.round_files(context, int(cfg["from_run"]), built.name)
     usable = [r for r in files if r <= at]
     if not usable:
         raise ValueError(
             f"client {built.name!r} cannot resume run {int(cfg['from_run'])} at round {at}: no state of "
             f"a round at or before it on this node (stored rounds: {sorted(files)})"
         )
-    slot = _load_slot(context, built, files[max(usable)])
+    slot = stored.load_slot(context, built, files[max(usable)])
     _put_slot(context, slot)
     _put_rounds(context, at, -1)
-    _store(context, built, slot, at)
-    _store_round(context, built, slot, at)
+    stored.store(context, built, slot, at)
+    stored.store_round(context, built, slot, at)
     return _reply(message, {"ok": True})
 
 
@@ -342,7 +239,7 @@ def _rejoin(message, context):
     silently restart the client's fit; never a later one: the server never saw it)."""
     _set_up(message, context)
     built = _built(context)
-    slot = _restore(context, built, int(message.content["nf"]["round"]))
+    slot = stored.restore(context, built, int(message.content["nf"]["round"]))
     _put_slot(context, slot)
     _put_rounds(context, int(message.content["nf"]["round"]), -1)
     return _reply(message, {"ok": True})
@@ -428,9 +325,9 @@ def _counted(message, context, built: _Built) -> None:
             MissingClientsWarning,
             stacklevel=2,
         )
-        if _stored_path(context, built.name) is not None:
-            _store(context, built, slot, kept)
-            late = _round_path(context, context.run_id, built.name, began + 1)
+        if stored.stored_path(context, built.name) is not None:
+            stored.store(context, built, slot, kept)
+            late = stored.round_path(context, context.run_id, built.name, began + 1)
             if built.checkpoint_every and os.path.exists(late):
                 os.remove(late)
     elif kept > rounds["after"]:
@@ -455,8 +352,8 @@ def _exchange(message, context):
     _put_slot(context, slot)
     if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done (a rejoin restarts a round)
         _put_rounds(context, rnd + 1, rnd)
-        _store(context, built, slot, rnd + 1)
-        _store_round(context, built, slot, rnd + 1)
+        stored.store(context, built, slot, rnd + 1)
+        stored.store_round(context, built, slot, rnd + 1)
     secure = built.algorithm.exchanges[e].secure_sum
     if secure:  # sealed for the trusted aggregator; the server only relays it
         if not built.aggregator_key:
