@@ -561,7 +561,7 @@ def test_a_failing_client_sends_a_fixed_category_and_keeps_its_text(capsys):
     from flwr.common.constant import ErrorCode
 
     from numpyro_fed.flower import client as node
-    from numpyro_fed.flower.server import server_side_reason
+    from numpyro_fed.flower.messaging import server_side_reason
 
     assert node.FAILURE_CODE == int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
     secret = "row 17 has income 81234.5 in /srv/hospital_a/patients.csv"
