@@ -332,7 +332,8 @@ def _stored_slot(folder, name, like):
     return checkpoint.load(str(path), template, [name]).clients[0]
 
 
-def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_the_factors(tmp_path):
+@pytest.mark.parametrize("family", ["pvi", "ep"])
+def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_the_factors(tmp_path, family):
     """A client whose reply came after the reply timeout had computed a step the server never
     counted. It kept that state: a PVI client then applied, at its next round, an update the
     server had never applied, and ``q = p * prod_j t_j`` no longer held for the rest of the
@@ -341,7 +342,7 @@ def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_
     it was paused in arrive late. Each round's first message tells a client after which round
     the server holds its state, and the client takes the uncounted step back (its node warns).
     At the end the server's ``q`` is the prior times every node's own factor (read from its
-    node's storage), to float tolerance."""
+    node's storage), to float tolerance; for PVI and for EP (the same factor protocol)."""
     import signal
 
     from numpyro_fed.factor.updates import current_factor
@@ -350,7 +351,7 @@ def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_
     configs = [{"partition-id": i, "numpyro-fed-seed": 0, "numpyro-fed-state-dir": str(tmp_path / f"site{i}")}
                for i in range(3)]
     with LocalFederation(configs, app_files=APP_FILES) as fed:
-        handle = fed.submit("flower_tasks:pvi", rounds, seed=0, reply_timeout=timeout, keep_values=True)
+        handle = fed.submit(f"flower_tasks:{family}", rounds, seed=0, reply_timeout=timeout, keep_values=True)
         deadline = time.monotonic() + 400
         while fed.progress(handle) < 3 and time.monotonic() < deadline and handle[0].poll() is None:
             time.sleep(0.05)
@@ -369,7 +370,7 @@ def test_a_reply_past_the_timeout_takes_its_step_back_so_q_stays_the_product_of_
     assert missed is not None and schedule[-1, 2], flower["missing"]
     assert flower["rejoined"] == []  # the same node all along: late, not gone
     # the prior, from the simulation (the same model): q minus every client's factor there
-    inference, inputs, result, keys = _simulate("pvi", 2)
+    inference, inputs, result, keys = _simulate(family, 2)
     sim = _slots(result.state, inference)
     ack = np.asarray(result.state.server.ack)
     prior = result.state.server.q
