@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+if __package__ == "numpyro_fed" and getattr(sys.modules.get("numpyro_fed"), "__file__", None) is None:
+    # ``python -m numpyro_fed`` from a folder that holds a folder named numpyro_fed (a clone's parent):
+    # Python put the working folder first on sys.path and took that folder for the package, so
+    # the library's own __init__ never ran. Run again without the working folder on sys.path (-P).
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "numpyro_fed", *sys.argv[1:]])
 
 
 def _add_demo(sub) -> None:
@@ -34,7 +41,7 @@ def _add_demo(sub) -> None:
     demo.add_argument("--pvi-steps", type=int, default=1000, help="PVI local optimiser steps (default 1000)")
     demo.add_argument("--nuts-warmup", type=int, default=500, help="warmup of pooled and federated NUTS")
     demo.add_argument("--nuts-samples", type=int, default=1000, help="draws of pooled and federated NUTS")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="the key of every fit (default 0)")
     demo.add_argument("--plot", default="six_cities_posterior.png", help="where to save the plot ('' for none)")
     demo.add_argument("--json", default="", help="also write the figures to this JSON file")
     demo.add_argument("--all-methods", action="store_true",
@@ -50,9 +57,11 @@ def _add_flower_demo(sub) -> None:
         "beside the simulation backend's and the exact posterior, and stop every process started. "
         "Needs pip install numpyro-fed[flower].",
     )
-    fdemo.add_argument("--clients", type=int, default=3)
-    fdemo.add_argument("--rounds", type=int, default=4)
-    fdemo.add_argument("--seed", type=int, default=0)
+    fdemo.add_argument("--clients", type=int, default=3,
+                       help="SuperNodes to start, one client's rows each (default 3)")
+    fdemo.add_argument("--rounds", type=int, default=4, help="PVI rounds (synchronous, default 4)")
+    fdemo.add_argument("--seed", type=int, default=0,
+                       help="the run's key; the simulation next to it uses the same (default 0)")
     fdemo.add_argument("--json", default="", help="also write the figures to this JSON file")
 
 
@@ -170,14 +179,31 @@ COMMANDS = {
 }
 
 
+FLOWER_COMMANDS = ("flower-demo", "flower-client", "flower-supernode", "flower-run")
+NO_FLOWER = ("python -m numpyro_fed {command}: Flower is not installed in this Python; install the flower extra: "
+             "pip install 'numpyro-fed[flower]' (from a clone: pip install -e '.[flower]')")
+
+
+def _flower_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flwr") is None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m numpyro_fed", description="numpyro_fed: federated Bayesian inference for NumPyro"
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"numpyro_fed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
     args = parser.parse_args(argv)
+    if args.command in FLOWER_COMMANDS and _flower_missing():
+        print(NO_FLOWER.format(command=args.command), file=sys.stderr)
+        return 2
     return COMMANDS[args.command][1](args)
 
 

@@ -21,7 +21,7 @@ import importlib
 import warnings
 from typing import Any, Dict, Tuple
 
-from .warnings import FederatedDeprecationWarning
+from .warnings import FederatedDeprecationWarning, find_stack_level
 
 __all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES", "module_attribute",
            "renamed_keyword", "warn_params_attribute"]
@@ -70,7 +70,7 @@ def module_attribute(name: str) -> Any:
         raise AttributeError(f"module 'numpyro_fed' has no attribute {name!r}")
     module, new = _spelling(MODULE_ATTRIBUTES[name])
     warnings.warn(f"numpyro_fed.{name} is deprecated and goes in {REMOVED_IN}: use {module}.{new}",
-                  FederatedDeprecationWarning, stacklevel=3)
+                  FederatedDeprecationWarning, stacklevel=find_stack_level())
     return getattr(importlib.import_module(module), new)
 
 
@@ -84,11 +84,12 @@ def renamed_keyword(where: str, old: str, value: Any, new: str, new_value: Any) 
     if new_value is not None:
         raise TypeError(f"{where}() got both {old}= and {new}=; {old}= is the deprecated name of {new}=")
     warnings.warn(f"{where}({old}=...) is deprecated and goes in {REMOVED_IN}: use {new}=",
-                  FederatedDeprecationWarning, stacklevel=4)
+                  FederatedDeprecationWarning, stacklevel=find_stack_level())
     return value
 
 
 def warn_params_attribute(name: str) -> None:
     """``RunResult.<name>`` read an entry of ``params``: warn, naming the spelling to use."""
     warnings.warn(f"RunResult.{name} is deprecated and goes in {REMOVED_IN}: use "
-                  f"{RUN_RESULT_ATTRIBUTES.format(name=name)}", FederatedDeprecationWarning, stacklevel=3)
+                  f"{RUN_RESULT_ATTRIBUTES.format(name=name)}", FederatedDeprecationWarning,
+                  stacklevel=find_stack_level())

@@ -10,7 +10,7 @@ import numpy as np
 from jax import random
 
 from ._validation import check_positive_int
-from .warnings import ArvizGroupWarning
+from .warnings import ArvizGroupWarning, find_stack_level
 
 if TYPE_CHECKING:  # pragma: no cover
     import arviz as az
@@ -254,7 +254,7 @@ def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, 
         note = _NEEDS_CLIENTS.format(cls=type(inference).__name__)
         if not getattr(inference, "_warned_log_likelihood", False):
             inference._warned_log_likelihood = True
-            warnings.warn(note, ArvizGroupWarning, stacklevel=4)
+            warnings.warn(note, ArvizGroupWarning, stacklevel=find_stack_level())
         return {}, note
     parts = [inference.log_likelihood(rng_key, result, num_samples, c) for c in names]
     log_lik = {k: np.concatenate([np.asarray(p[0][k]) for p in parts], axis=1) for k in parts[0][0]}

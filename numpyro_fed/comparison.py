@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import jax
 import numpy as np
 
-from .warnings import ModelComparisonWarning
+from .warnings import ModelComparisonWarning, find_stack_level
 
 __all__ = ["ClientLOO", "FederatedLOO", "client_loo", "federated_compare", "federated_loo"]
 
@@ -170,7 +170,7 @@ def federated_loo(
     if high:
         k0 = min(1 - 1 / np.log10(num_samples), 0.7)
         warnings.warn(_HIGH_K.format(model=name, count=out.num_high_k, n=out.num_rows, k0=k0, clients=high),
-                      ModelComparisonWarning, stacklevel=2)
+                      ModelComparisonWarning, stacklevel=find_stack_level())
     return out
 
 

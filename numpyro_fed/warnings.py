@@ -36,6 +36,9 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+import os
+
 __all__ = [
     "ArvizGroupWarning",
     "BiasedFitWarning",
@@ -104,3 +107,18 @@ class ArvizGroupWarning(FederatedWarning):
 
 class FederatedDeprecationWarning(FederatedWarning, DeprecationWarning):
     """An old spelling of the API was used; the message names the new one."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def find_stack_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside numpyro_fed (the
+    user's line), however deep inside the library it is raised (as NumPyro's
+    ``numpyro.util.find_stack_level``). Call it in the ``warnings.warn`` call itself."""
+    frame = inspect.currentframe()
+    level = 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return max(level, 1)

@@ -45,7 +45,7 @@ from ..protocol import (
     last_info,
 )
 from ..transcript import Communication, Transcript, message_bytes
-from ..warnings import NonFiniteWarning
+from ..warnings import NonFiniteWarning, find_stack_level
 from .mapping import ClientPlan, client_item
 
 __all__ = ["NonFiniteError", "SimulationBackend"]
@@ -384,7 +384,7 @@ def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: s
         parts.append("the server's state, broadcast or loss")
     message = _NONFINITE.format(round=int(failure.round), what="; ".join(parts) or "the loss")
     if on_nonfinite == "warn":
-        warnings.warn(message, NonFiniteWarning, stacklevel=4)
+        warnings.warn(message, NonFiniteWarning, stacklevel=find_stack_level())
         return
     raise NonFiniteError(message, int(failure.round), bad, state)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._structure import trace_model
 from .._validation import check_positive_int
-from ..warnings import UncheckedFitWarning
+from ..warnings import UncheckedFitWarning, find_stack_level
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DPSpec, dp_sites
 from .batch import batch_size
@@ -261,7 +261,7 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
                       f"node over a network backend, so the server cannot report withheld diagnostics or failed "
                       f"local fits (each client warns about its own in its node's log); check the fit there or in "
                       f"simulation",
-                      category or UncheckedFitWarning, stacklevel=4)
+                      category or UncheckedFitWarning, stacklevel=find_stack_level())
         return
     withheld = ledger_field(result.state.clients, "withheld").reshape(-1, 2)  # one pass, not one read per client
     names = list(result.client_states)
@@ -269,7 +269,7 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
     zeroed, failed = (int(x) for x in withheld.sum(axis=0))
     if bad:
         warnings.warn(_WITHHELD.format(cls=cls, clients=_few(bad), zeroed=zeroed, failed=failed),
-                      category or UncheckedFitWarning, stacklevel=4)
+                      category or UncheckedFitWarning, stacklevel=find_stack_level())
 
 
 class PrivateFit:

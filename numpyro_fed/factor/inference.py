@@ -48,7 +48,13 @@ from ..groups import size_group_plates
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
-from ..warnings import BiasedFitWarning, InvalidUpdateWarning, UncheckedFitWarning, UnreliableFitWarning
+from ..warnings import (
+    BiasedFitWarning,
+    InvalidUpdateWarning,
+    UncheckedFitWarning,
+    UnreliableFitWarning,
+    find_stack_level,
+)
 from . import gaussian as G
 from .blocks import QUADRATURE_NODES, blocks_hold
 from .blocks import local_blocks as propose_blocks
@@ -267,7 +273,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         if dead.any():
             rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
             warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
-                                              hint=self._fit_advice()["invalid"]), InvalidUpdateWarning, stacklevel=4)
+                                              hint=self._fit_advice()["invalid"]), InvalidUpdateWarning,
+                          stacklevel=find_stack_level())
         self._warn_rejected(setup, result, start)
         self._check_local_fits(setup, result, start)
         return self._check_q(setup, result)
@@ -296,7 +303,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                                                                                  np.flatnonzero(rejected)]),
                                        clients=clients, halvings=self.max_halvings,
                                        kl=f" or moved it by more than max_kl={max_kl:g} nats" if max_kl else "",
-                                       fix=fix), InvalidUpdateWarning, stacklevel=5)
+                                       fix=fix), InvalidUpdateWarning, stacklevel=find_stack_level())
 
     def _check_q(self, setup: Setup, result: RunResult) -> RunResult:
         """The fit check of the final ``q`` against the full posterior (:meth:`diagnose`), and its warning."""
@@ -315,7 +322,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             if log_w is None:
                 warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) needs every "
                               f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
-                              f"silence this", UncheckedFitWarning, stacklevel=5)
+                              f"silence this", UncheckedFitWarning, stacklevel=find_stack_level())
                 return result
             per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
             check = self.last_fit_check = fit_diagnostic(log_w, self._user_space(u), u, per_site)
@@ -327,12 +334,13 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         self._checked_state = state_fingerprint(result.state.server)
         if check.verdict == "unreliable":
             warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
-                                               local=self._local_note(setup)), UnreliableFitWarning, stacklevel=5)
+                                               local=self._local_note(setup)), UnreliableFitWarning,
+                          stacklevel=find_stack_level())
         elif check.verdict == "biased":
             warnings.warn(_Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights),
                                            mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
                                            sites=describe_biased(check.biased), local=self._local_note(setup)),
-                          BiasedFitWarning, stacklevel=5)
+                          BiasedFitWarning, stacklevel=find_stack_level())
         return result
 
     def _local_integral(self, setup: Setup, result) -> Optional[str]:
@@ -504,7 +512,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             rounds = sorted({int(start + last[j] + 1) for j in group})
             warnings.warn(_UNCHECKED_FIT.format(cls=type(self).__name__, what=what, clients=[names[j] for j in group],
                                                 rounds=_shown(rounds), stat_name=stat_name, stat=worst, fix=fix),
-                          UnreliableFitWarning, stacklevel=5)
+                          UnreliableFitWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ API
     progress_bar = False  # run()'s default: a fit of a few rounds

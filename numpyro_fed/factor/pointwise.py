@@ -26,7 +26,7 @@ from .._structure import latent_supports, trace_model
 from .._validation import check_positive_int
 from ..backends.mapping import pad_client
 from ..groups import trim_groups
-from ..warnings import ModelComparisonWarning
+from ..warnings import ModelComparisonWarning, find_stack_level
 from . import gaussian as G
 from .check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
 from .tilted import PARETO_K_LIMIT
@@ -172,6 +172,6 @@ class PointwiseLikelihood:
             k_hat = float(setup.cache[check](q, data, random.fold_in(local_key, 1)))
             if k_hat > PARETO_K_LIMIT or not np.isfinite(k_hat):
                 warnings.warn(_LAPLACE_LOCALS.format(cls=type(self).__name__, client=client, k=k_hat),
-                              ModelComparisonWarning, stacklevel=3)
+                              ModelComparisonWarning, stacklevel=find_stack_level())
         values, log_lik, predictive = setup.cache[key](q, u, data, local_key, obs_key)
         return trim_groups(values, local, args), log_lik, predictive  # its own groups only

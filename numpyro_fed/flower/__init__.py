@@ -18,8 +18,14 @@
 See ``docs/flower.md``.
 """
 
-from .launcher import FederationError, LocalFederation
-from .server import FlowerBackend, MissingClientsWarning
-from .task import FlowerTask, load_task
+import importlib.util
+
+if importlib.util.find_spec("flwr") is None:
+    raise ImportError("numpyro_fed.flower needs Flower, which is not installed in this Python; install the flower "
+                      "extra: pip install 'numpyro-fed[flower]' (from a clone: pip install -e '.[flower]')")
+
+from .launcher import FederationError, LocalFederation  # noqa: E402
+from .server import FlowerBackend, MissingClientsWarning  # noqa: E402
+from .task import FlowerTask, load_task  # noqa: E402
 
 __all__ = ["FederationError", "FlowerBackend", "FlowerTask", "LocalFederation", "MissingClientsWarning", "load_task"]

@@ -50,7 +50,7 @@ from jax import random
 
 from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
-from ..warnings import MissingClientsWarning, UncheckedFitWarning
+from ..warnings import MissingClientsWarning, UncheckedFitWarning, find_stack_level
 from . import node_store as stored
 from .node_store import STATE_DIR_KEY
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
@@ -323,7 +323,7 @@ def _counted(message, context, built: _Built) -> None:
             f"so the server went on without it; its state goes back to the one after round {kept}, the one "
             f"the server counts",
             MissingClientsWarning,
-            stacklevel=2,
+            stacklevel=find_stack_level(),
         )
         if stored.stored_path(context, built.name) is not None:
             stored.store(context, built, slot, kept)
@@ -428,7 +428,7 @@ def _ledger(message, context):
             f"node): {int(withheld[0])} zeroed shard(s), {int(withheld[1])} failed local fit(s); the "
             f"posterior may be unreliable: check the fit (more local steps, a smaller learning rate)",
             UncheckedFitWarning,
-            stacklevel=2,
+            stacklevel=find_stack_level(),
         )
     return _reply(message, arrays=to_record(ledger))
 

@@ -14,7 +14,7 @@ from jax import random
 
 from ..protocol import RunResult, RunState
 from ..transcript import Communication, Transcript
-from ..warnings import NonFiniteWarning
+from ..warnings import NonFiniteWarning, find_stack_level
 from .wire import WireStructures
 
 __all__ = ["RunContext", "Traffic", "first_state", "non_finite", "run_result"]
@@ -77,7 +77,7 @@ def non_finite(run: RunContext, r: int, state: RunState, answered, sent, first: 
                f"check the data and priors")
     if run.on_nonfinite == "raise" or first:
         raise NonFiniteError(message, r + 1, bad, state)
-    warnings.warn(message, NonFiniteWarning, stacklevel=5)  # run's caller, as before the split
+    warnings.warn(message, NonFiniteWarning, stacklevel=find_stack_level())  # run's caller, as before the split
 
 
 def run_result(run: RunContext, state: RunState, infos, figures, answered_log, client_states) -> RunResult:

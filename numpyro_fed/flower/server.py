@@ -38,7 +38,7 @@ from jax import random
 from .._validation import check_callable, check_positive_int, check_positive_number
 from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
 from ..transcript import Transcript, message_bytes
-from ..warnings import MissingClientsWarning
+from ..warnings import MissingClientsWarning, find_stack_level
 from .messaging import Messenger
 from .rounds import RunContext, Traffic, first_state, non_finite, run_result
 from .sealed import ROLE_KEY
@@ -195,7 +195,7 @@ class FlowerBackend(Messenger):
                                f"(run config 'on-setup-failure') to fit without it")
         self.missing.append((0, "setup", failed))
         warnings.warn(f"client(s) {failed} failed their set-up and are absent from every round of this run "
-                      f"(on_setup_failure='absent'): {why}", MissingClientsWarning, stacklevel=3)
+                      f"(on_setup_failure='absent'): {why}", MissingClientsWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ run
     def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, progress_bar: bool = False,
@@ -531,7 +531,8 @@ class FlowerBackend(Messenger):
         if lacked:
             warnings.warn(f"client(s) {lacked} did not send their privacy ledger after the last round (errors: "
                           f"{ {n: self.errors[n] for n in lacked if n in self.errors} }): privacy_report cannot "
-                          f"cover them; each ledger stays on its node", MissingClientsWarning, stacklevel=4)
+                          f"cover them; each ledger stays on its node", MissingClientsWarning,
+                          stacklevel=find_stack_level())
         return ledgers
 
     def _warn_missing(self) -> None:
@@ -547,7 +548,8 @@ class FlowerBackend(Messenger):
                        f"storage)" for rnd, n, _, _ in self.rejoined)
         warnings.warn("the fit continued without some clients (the dropout policy: a client that does not "
                       "answer within the reply timeout is left out of that round's server step): "
-                      + "; ".join(parts) + back + " (round 0 is the set-up)", MissingClientsWarning, stacklevel=3)
+                      + "; ".join(parts) + back + " (round 0 is the set-up)", MissingClientsWarning,
+                      stacklevel=find_stack_level())
 
 
 class ClientLedger(NamedTuple):

@@ -37,7 +37,7 @@ from ..fit_check import (
 from ..groups import size_group_plates, trim_groups
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
-from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
+from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .dp_sfvi_algorithm import dp_sfvi
 from .guides import StructuredGuide
 from .objective import FederatedObjective
@@ -270,7 +270,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                     f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
                     f"silence this",
                     UncheckedFitWarning,
-                    stacklevel=4,
+                    stacklevel=find_stack_level(),
                 )
                 return result
             diag = fit_diagnostic(
@@ -287,7 +287,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                     cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess, n=len(diag.log_weights)
                 ),
                 UnreliableFitWarning,
-                stacklevel=4,
+                stacklevel=find_stack_level(),
             )
         elif diag.verdict == "biased":
             warnings.warn(
@@ -301,7 +301,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                     sites=describe_biased(diag.biased),
                 ),
                 BiasedFitWarning,
-                stacklevel=4,
+                stacklevel=find_stack_level(),
             )
         return result
 

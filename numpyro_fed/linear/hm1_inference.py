@@ -14,7 +14,7 @@ from ..backends.mapping import ClientPlan
 from ..clients import Clients
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
-from ..warnings import UnconvergedWarning
+from ..warnings import UnconvergedWarning, find_stack_level
 from .hm1_algorithm import GRADIENTS, hm1
 
 __all__ = ["HM1", "UnconvergedWarning"]
@@ -182,7 +182,7 @@ class HM1(FederatedInference):
         rel = float(change[-1]) / max(size, 1e-12)
         if rel > self.convergence_tol:
             warnings.warn(_MOVING.format(rel=rel, round=int(result.state.server.round), tol=self.convergence_tol),
-                          UnconvergedWarning, stacklevel=4)
+                          UnconvergedWarning, stacklevel=find_stack_level())
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
         return {"theta": state.server.theta, "omega": state.server.omega}

@@ -38,7 +38,7 @@ from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import FederatedInference, Setup
 from ..protocol import RunResult, RunState
-from ..warnings import MCMCDiagnosticWarning
+from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
 
@@ -231,7 +231,7 @@ class FederatedMCMC(FederatedInference):
         if diverging.any():
             warnings.warn(_DIVERGED.format(cls=cls, count=int(diverging.sum()), total=diverging.size,
                                            chains=np.nonzero(diverging.any(axis=1))[0].tolist()),
-                          MCMCDiagnosticWarning, stacklevel=4)
+                          MCMCDiagnosticWarning, stacklevel=find_stack_level())
         draws = np.asarray(result.state.server.draws)
         if draws.shape[0] > 1 and draws.shape[1] > 3:
             r_hat = np.array([float(split_gelman_rubin(draws[..., i])) for i in range(draws.shape[-1])])
@@ -240,7 +240,7 @@ class FederatedMCMC(FederatedInference):
                 owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
                 worst = int(np.nanargmax(r_hat))
                 warnings.warn(_R_HAT.format(cls=cls, r_hat=r_hat[worst], site=owners[worst], limit=R_HAT_LIMIT),
-                              MCMCDiagnosticWarning, stacklevel=4)
+                              MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ draws
     def _global_draws(self, setup: Setup, z) -> Dict[str, jax.Array]:

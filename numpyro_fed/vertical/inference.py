@@ -25,7 +25,7 @@ from ..fit_check import (
 )
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
-from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning
+from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .check import CHECK_DRAWS, check_function, constrain_draws, split_flat, vertical_fit_check
 from .network_check import CHECK_KEY, VerticalNetworkCheck
 from .objective import SERVER, VerticalObjective
@@ -182,7 +182,7 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
                 diag, why, exchanges = self._network_check(network, setup, result)
             result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
             if diag is None:
-                warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=5)
+                warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=find_stack_level())
                 return result
             self.last_fit_check = diag
         else:
@@ -195,13 +195,14 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         cls = type(self).__name__
         if diag.verdict == "unreliable":
             warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
-                                             n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=6)
+                                             n=len(diag.log_weights)), UnreliableFitWarning,
+                          stacklevel=find_stack_level())
         elif diag.verdict == "biased":
             why, fix = _WHY[self.method]
             warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
                                          mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
                                          sites=describe_biased(diag.biased), why=why, fix=fix),
-                          BiasedFitWarning, stacklevel=6)
+                          BiasedFitWarning, stacklevel=find_stack_level())
 
     def _corrected_draws(self, rng_key, state: RunState, num_samples: int) -> Dict[str, jax.Array]:
         """Every party's sites, importance-resampled from the check of ``state`` (its own

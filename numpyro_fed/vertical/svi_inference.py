@@ -13,7 +13,7 @@ from jax import random
 from .._validation import check_positive_int
 from ..inference import Setup
 from ..protocol import RunResult, RunState
-from ..warnings import UnreliableFitWarning
+from ..warnings import UnreliableFitWarning, find_stack_level
 from .guides import VerticalGuide
 from .inference import VerticalInference
 from .network_check import party_check_key
@@ -151,7 +151,7 @@ class VerticalSVI(VerticalInference):
             warnings.warn(_RHO_TOO_LARGE.format(rho=check.rho, added=len(obj.clients) * check.rho**2,
                                                 excess=check.excess, curv=check.curvature, shift=check.shift,
                                                 rho_max=check.rho_max, limit=RHO_SHIFT_LIMIT),
-                          UnreliableFitWarning, stacklevel=4)
+                          UnreliableFitWarning, stacklevel=find_stack_level())
         return result
 
     def rho_check(self, result) -> AugmentationCheck:
