@@ -26,6 +26,7 @@ from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredG
 from .linear import HM1, UnconvergedWarning
 from .mcmc import FederatedHMC, FederatedNUTS
 from .protocol import RunResult, RunState
+from .summary import print_summary, summary
 from .transcript import Communication, Transcript
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 from .warnings import (
@@ -39,6 +40,7 @@ from .warnings import (
     MissingClientsWarning,
     ModelComparisonWarning,
     NonFiniteWarning,
+    SiteRoleWarning,
     UncheckedFitWarning,
 )
 
@@ -73,6 +75,7 @@ __all__ = [
     "RunResult",
     "RunState",
     "SimulationBackend",
+    "SiteRoleWarning",
     "StructuredGuide",
     "Transcript",
     "UncheckedFitWarning",
@@ -92,7 +95,9 @@ __all__ = [
     "group_plate",
     "local_site",
     "models",
+    "print_summary",
     "protocol",
+    "summary",
     "to_arviz",
     "transcript",
     "vertical_split",

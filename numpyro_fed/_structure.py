@@ -31,6 +31,7 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
+from ._model_checks import check_traceable, warn_client_indexed_globals
 from ._trace import or_finite_point, trace_model, unconstrained_shape
 from .groups import check_group_sites, group_axes, group_mask
 from .handlers import FEDERATION_KEY, GLOBAL, LOCAL, site_role
@@ -305,6 +306,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
     probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients)]
     for label, other in probes:
         _check_unmarked_row_sites(other, label, clients.num_rows[label])
+    check_traceable(model, clients[first], kwargs, tr, plates)
     supports = {}
     global_entries, global_param = [], {}
     local_latent, local_param, observed, enumerated = [], [], [], []
@@ -351,6 +353,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         raise ValueError(_NO_LATENT)
     if enumerated:
         _require_funsor()
+    warn_client_indexed_globals(model, clients, kwargs, tr, plates, clients.names)
     return ModelStructure(
         global_latent=make_layout(global_entries),
         global_param=global_param,

@@ -104,6 +104,13 @@ class FitDiagnostic(NamedTuple):
     draws: Optional[np.ndarray] = None
     unconstrained_moments: Tuple[SiteMoments, ...] = ()
 
+    def __repr__(self) -> str:
+        """The verdict and its figures, not the log weights or draws."""
+        off = ", ".join(m.site for m in self.biased[:5]) + (" ..." if len(self.biased) > 5 else "")
+        return (f"FitDiagnostic(verdict={self.verdict!r}, pareto_k={self.pareto_k:.3g}, "
+                f"ess={self.ess:.1f} of {len(self.log_weights)} draws, elbo={self.elbo:.4g}"
+                + (f", biased=[{off}]" if off else "") + ")")
+
     @property
     def verdict(self) -> str:
         """``"ok"``, ``"biased"`` (k below the limit, moments off) or ``"unreliable"`` (k above it)."""

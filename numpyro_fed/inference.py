@@ -146,6 +146,15 @@ class FederatedInference:
         self._before_run(num_rounds, inputs, options)
         return self._run(rng_key, num_rounds, inputs, **options)
 
+    def print_summary(self, result: RunResult, *, prob: float = 0.9, num_samples: int = 1000,
+                      rng_key: Optional[jax.Array] = None) -> None:
+        """Print the posterior of the global sites (mean, sd, median, the central ``prob``
+        interval; ESS and R-hat for MCMC) and the fit check's verdict; see
+        :func:`numpyro_fed.print_summary`."""
+        from .summary import print_summary
+
+        print_summary(self, result, prob=prob, num_samples=num_samples, rng_key=rng_key)
+
     def load(self, path: str, clients=None, **data) -> RunState:
         """A run state saved by :meth:`save`, for the same clients (or vertical data): pass it
         as ``init_state=``."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
+import numpy as np
 
 from ._typing import Array, ClientStepFn, PyTree, ServerStepFn
 from .transcript import Communication, Transcript
@@ -109,6 +110,8 @@ class FederatedAlgorithm(NamedTuple):
         done: ``server_state -> bool``, or ``None``: an algorithm whose number of rounds is
             not known in advance (federated MCMC) says when it has finished; the backend
             stops after that round (``num_rounds`` is then an upper bound).
+        describe: ``server_state -> str``, or ``None``: a few words on the run's progress
+            for the progress bar (federated MCMC: the chains' iterations).
     """
 
     init_server: Callable
@@ -121,6 +124,7 @@ class FederatedAlgorithm(NamedTuple):
     monitor_name: str = "loss"
     name: str = ""
     done: Callable = None
+    describe: Callable = None
 
 
 def all_clients(num_clients: int) -> Callable:
@@ -238,6 +242,18 @@ class RunResult(NamedTuple):
     def losses(self) -> jax.Array:
         """``trace`` under NumPyro's name."""
         return self.trace
+
+    def __repr__(self) -> str:
+        """A few lines (the arrays' shapes, not their values): print ``result.params`` or use
+        the inference object's ``print_summary(result)`` for the posterior."""
+        params = tuple.__getitem__(self, 0)
+        shapes = {k: tuple(np.shape(v)) for k, v in params.items()} if isinstance(params, dict) else type(params)
+        trace = np.asarray(self.trace) if self.trace is not None else np.zeros(0)
+        last = f", last {float(trace.reshape(-1)[-1]):.4g}" if trace.size else ""
+        c = self.communication
+        comm = (f"{c.rounds} rounds, {c.bytes_up} B up, {c.bytes_down} B down" if c is not None else "none")
+        return (f"RunResult(fitted_by={self.fitted_by!r}, params={shapes}, trace={trace.shape}{last}, "
+                f"communication: {comm})")
 
     def __getattr__(self, name: str):
         """Deprecated: entries of ``params`` read as attributes (``result.mean`` for

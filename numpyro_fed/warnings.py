@@ -19,6 +19,8 @@ Filter on :class:`FederatedWarning` to catch (or silence) all of them, or on a s
 - :class:`NonFiniteWarning`: a round produced a non-finite value (``on_nonfinite="warn"``);
 - :class:`MissingClientsWarning`: a network run went on without some clients;
 - :class:`ModelComparisonWarning`: federated PSIS-LOO found rows whose Pareto k is high;
+- :class:`SiteRoleWarning`: a site's role looks wrong for the data (an unmarked site whose
+  entries each belong to one client);
 - :class:`ArvizGroupWarning`: ``to_arviz`` left out a group (the log-likelihood without the
   clients' data);
 - :class:`FederatedDeprecationWarning` (also a ``DeprecationWarning``): an old spelling of the
@@ -50,6 +52,7 @@ __all__ = [
     "MissingClientsWarning",
     "ModelComparisonWarning",
     "NonFiniteWarning",
+    "SiteRoleWarning",
     "UncheckedFitWarning",
     "UnconvergedWarning",
     "UnreliableFitWarning",
@@ -99,6 +102,11 @@ class MissingClientsWarning(FederatedWarning, RuntimeWarning):
 
 class ModelComparisonWarning(FederatedWarning):
     """Federated PSIS-LOO found rows whose Pareto k is high: the estimate is unreliable there."""
+
+
+class SiteRoleWarning(FederatedWarning):
+    """A latent site's role (global or local) looks wrong for the clients' data: an unmarked
+    (so global) site whose plate entries each enter one client's likelihood only."""
 
 
 class ArvizGroupWarning(FederatedWarning):

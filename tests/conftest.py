@@ -39,6 +39,12 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")))
 _FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "")
+
+# Progress bars are on by default for users (as NumPyro's); tests run quietly. A test of the
+# default itself sets it back with monkeypatch.
+from numpyro_fed.inference import FederatedInference  # noqa: E402
+
+FederatedInference.progress_bar = False
 jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 
 

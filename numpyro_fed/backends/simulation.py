@@ -32,6 +32,7 @@ import numpy as np
 from jax import random
 
 from .. import checkpoint as ckpt
+from .._progress import make_bar
 from .._validation import check_positive_int
 from ..availability import as_availability, check_schedule
 from ..protocol import (
@@ -53,6 +54,7 @@ __all__ = ["NonFiniteError", "SimulationBackend"]
 GUARDS = ("raise", "warn")
 CHECKPOINTS_PER_RUN = 10  # a checkpoint= run without checkpoint_every saves this many times (and at the start)
 OPEN_ENDED_CHUNK = 4096  # rounds per compiled chunk of a run that ends when its algorithm is done
+OPEN_ENDED_BAR_CHUNK = 256  # the same with a progress bar, which moves once per chunk
 _NONFINITE = (
     "round {round}: non-finite values ({what}); the run stopped there and error.state holds the last "
     "finite state. Lower the learning rate or damping, check the data and priors, or pass "
@@ -220,7 +222,8 @@ class SimulationBackend:
         start = int(init_state.round)
         check_schedule(availability, start + num_rounds)
         transcript = Transcript(keep_values) if record_transcript else None
-        stepwise = progress_bar or record_transcript or bool(callbacks)
+        open_ended = algorithm.done is not None  # federated MCMC: its bar moves per compiled chunk
+        stepwise = (progress_bar and not open_ended) or record_transcript or bool(callbacks)
         if stepwise:
             state, failure, outputs = self._loop(algorithm, compiled, plan, avail, init_state,
                                                  _no_failure(len(plan.names)), num_rounds, progress_bar, transcript,
@@ -228,7 +231,7 @@ class SimulationBackend:
             stacked = jax.tree_util.tree_map(stack_rounds, *outputs) if outputs else None
         else:
             state, failure, stacked = _run_in_chunks(algorithm, compiled, plan, avail, init_state, num_rounds,
-                                                     checkpoint, checkpoint_every)
+                                                     checkpoint, checkpoint_every, progress_bar)
         if bool(failure.failed):
             _check(failure, plan, state, on_nonfinite)  # raises unless on_nonfinite="warn"
             if int(failure.round) - 1 == start:
@@ -268,9 +271,7 @@ class SimulationBackend:
         iterator = range(num_rounds)
         bar = None
         if progress_bar:
-            from tqdm.auto import trange
-
-            bar = iterator = trange(num_rounds)
+            bar = make_bar(num_rounds, algorithm.name or "rounds")
         refresh, last = max(1, num_rounds // 20), 0
         outputs: List[RoundOutput] = []
         for i in iterator:
@@ -290,6 +291,8 @@ class SimulationBackend:
                 break
             if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
                 ckpt.save(checkpoint, state, plan.names, algorithm.name)
+            if bar is not None:
+                bar.update(1)
             if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
                 window = jnp.stack([o.figure for o in outputs[last:]])
                 bar.set_postfix_str(
@@ -341,7 +344,7 @@ def _checked_options(plan: ClientPlan, num_rounds, availability, checkpoint, che
 
 
 def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, state: RunState, num_rounds: int,
-                   checkpoint, checkpoint_every):
+                   checkpoint, checkpoint_every, progress_bar: bool = False):
     """The fast path: rounds in one compiled ``lax.while_loop`` per chunk (one chunk, or one per
     checkpoint), stopping at the first non-finite round and replaying the chunk's finite rounds.
     Returns ``(state, failure, stacked round outputs)``."""
@@ -349,8 +352,9 @@ def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, st
     failure = _no_failure(J)
     chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
     if algorithm.done is not None:  # an open-ended run (MCMC): chunks, so the output buffers stay small
-        chunk = min(chunk, OPEN_ENDED_CHUNK)
+        chunk = min(chunk, OPEN_ENDED_BAR_CHUNK if progress_bar else OPEN_ENDED_CHUNK)
     outputs, done = [], 0
+    bar = make_bar(None, algorithm.name or "rounds") if progress_bar else None
     while done < num_rounds and not bool(failure.failed) and not _finished(algorithm, state):
         n = min(chunk, num_rounds - done)
         chunk_start = state
@@ -365,7 +369,21 @@ def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, st
         done += n
         if checkpoint is not None:
             ckpt.save(checkpoint, state, plan.names, algorithm.name)
+        if bar is not None:
+            _show_chunk(bar, algorithm, state, int(state.round) - int(chunk_start.round), outs)
+    if bar is not None:
+        bar.close()
     return state, failure, jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)
+
+
+def _show_chunk(bar, algorithm: FederatedAlgorithm, state: RunState, rounds: int, outs) -> None:
+    """Move a chunked run's bar by the chunk's rounds, with the algorithm's own words and the
+    chunk's mean figure."""
+    bar.update(rounds)
+    words = algorithm.describe(state.server) if algorithm.describe is not None else ""
+    figure = np.asarray(outs.figure)[: max(rounds, 1)]
+    mean = float(np.mean(figure[np.isfinite(figure)])) if np.isfinite(figure).any() else float("nan")
+    bar.set_postfix_str(", ".join(p for p in (words, f"{algorithm.monitor_name}: {mean:.4g}") if p))
 
 
 def _finished(algorithm: FederatedAlgorithm, state: RunState) -> bool:

@@ -515,8 +515,6 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                           UnreliableFitWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ API
-    progress_bar = False  # run()'s default: a fit of a few rounds
-
     def _supports(self, args=None) -> Dict[str, Any]:
         """Latent sites' supports, from a trace on ``args`` (default: the first client's
         data, traced once per set-up)."""

@@ -194,8 +194,6 @@ class HM1(FederatedInference):
         if not same:
             self._truth, self._setup_cache = truth, None  # the algorithm tracks another truth
 
-    progress_bar = False  # run()'s default
-
     def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, *, truth: Optional[jax.Array] = None,
             **options: Any) -> RunResult:
         """``num_rounds`` communication rounds (one jit-compiled ``lax.while_loop`` by default).
@@ -203,7 +201,7 @@ class HM1(FederatedInference):
         Args:
             truth: ``(K, d)`` true parameters of a simulation: ``info.distance`` records
                 ``||Theta - truth|| / sqrt(K)`` per round (paper 004 Figure 3).
-            **options: the backend's run options (``progress_bar`` defaults to ``False``).
+            **options: the backend's run options (``progress_bar=False`` hides the bar).
 
         Returns:
             a :class:`~numpyro_fed.RunResult` with ``params = {"theta": (K, d), "omega": (K, K)}``

@@ -106,7 +106,6 @@ class FederatedMCMC(FederatedInference):
     """Base class of :class:`FederatedNUTS` and :class:`FederatedHMC` (not used directly)."""
 
     algo = "NUTS"
-    progress_bar = False
     setup_extra = MCMCSetup
     open_ended = True
 

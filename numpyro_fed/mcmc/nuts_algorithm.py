@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import random
 
 from .._typing import Array
@@ -423,6 +424,14 @@ def chains_done(state: MCMCServerState) -> Array:
     return jnp.all(state.phase >= DONE)
 
 
+def describe(state: MCMCServerState, *, config: MCMCConfig) -> str:
+    """The bar's words: the slowest chain's iteration, warmup or sampling, and the step size."""
+    done = int(np.min(np.asarray(state.iteration)))
+    phase = "warmup" if done < config.num_warmup else "sampling"
+    eps = float(np.mean(np.asarray(state.eps)))
+    return f"{phase} {done}/{config.num_warmup + config.num_samples}, step size {eps:.3g}"
+
+
 def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
     """Federated NUTS (``config.algo == "NUTS"``) or HMC as a
     :class:`~numpyro_fed.protocol.FederatedAlgorithm`: one exchange per round, every client
@@ -437,5 +446,5 @@ def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
     return FederatedAlgorithm(
         partial(init_server, config=config), partial(init_client, config=config), all_clients(config.num_clients),
         (exchange,), num_selected=config.num_clients, monitor=lambda info: jnp.mean(info.potential_energy),
-        monitor_name="potential_energy", done=chains_done)
+        monitor_name="potential_energy", done=chains_done, describe=partial(describe, config=config))
 

@@ -1,0 +1,154 @@
+"""Checks of a model as users write it, run at set-up before any round.
+
+- :func:`check_traceable`: a federated fit compiles each client's term once, with the
+  client's data as arguments (traced values). A model that reads its data's *values* in
+  Python (``numpyro.plate("groups", int(gid.max()) + 1)``) cannot be compiled so; instead of
+  JAX's trace from deep inside a round, the user gets an error naming the plate and the fix.
+- :func:`warn_client_indexed_globals`: an unmarked latent site in a plain plate whose entries
+  each enter one client's likelihood only (a hospital's intercept indexed by a hospital code)
+  is global by the rules, so the server would learn every client's own effect. The site is
+  named with the two fixes (``local_site``, ``group_plate``). Which entries a client uses is
+  read off the gradient of its log-likelihood: an entry the client's rows never touch has an
+  exactly zero gradient.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.handlers import seed, substitute, trace
+
+from ._trace import finite_point
+from .handlers import FEDERATION_KEY
+from .warnings import SiteRoleWarning, find_stack_level
+
+__all__ = ["check_traceable", "warn_client_indexed_globals"]
+
+_CONCRETE_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+_DATA_SIZED = (
+    "the model reads the values of its data in Python{where}, which a federated fit cannot do: each client's "
+    "term is compiled once, with the client's data as arguments, so a size or a branch may depend on the data's "
+    "shapes but not on its values. For a plate over groups coded in a data column (numpyro.plate('{plate}', "
+    "int(codes.max()) + 1)), write `with nf.group_plate('{plate}', codes), nf.local_site():` — the library sizes "
+    "it for each client and the group effects stay on their client. A number that is the same for every client "
+    "goes in as a non-data keyword (model_kwargs=). (JAX: {error})"
+)
+_CLIENT_INDEXED = (
+    "site '{name}' in plate '{plate}' is global (latent sites are global unless marked), but each of its {size} "
+    "entries enters the likelihood of one client only ({example}): it looks like a per-client effect, such as a "
+    "hospital's intercept indexed by a hospital code, and as a global site the server learns every client's own "
+    "value. If each client's entries are its own, mark the site local (`with nf.local_site(): ...`), or sum over "
+    "a client's own groups with `nf.group_plate('{plate}', codes)` and `nf.local_site()`. If the values really are "
+    "shared, mark the site nf.global_site to say so (and silence this)"
+)
+
+
+def _data_plates(tr, args: Mapping, group_plates: Mapping) -> List[str]:
+    """Plates whose size is ``max + 1`` of an integer data argument (sized from data values)."""
+    counts = set()
+    for value in args.values():
+        a = np.asarray(value) if not isinstance(value, jax.core.Tracer) else None
+        if a is not None and a.size and np.issubdtype(a.dtype, np.integer):
+            counts.add(int(a.max()) + 1)
+    found = []
+    for site in tr.values():
+        for frame in site.get("cond_indep_stack", ()):
+            if frame.name not in group_plates and frame.size in counts and frame.name not in found:
+                found.append(frame.name)
+    return found
+
+
+def check_traceable(model, args: Mapping, kwargs: Mapping, tr, group_plates: Mapping) -> None:
+    """Trace ``model`` with ``args`` abstract (as a round compiles it); raise a ``ValueError``
+    naming the data-sized plate (read off the concrete trace ``tr``) when it reads data values."""
+
+    def probe(a):
+        trace(substitute(seed(model, 0), substitute_fn=finite_point)).get_trace(**a, **dict(kwargs))
+        return jnp.zeros(())
+
+    try:
+        jax.eval_shape(probe, {k: jnp.asarray(v) for k, v in args.items()})
+    except _CONCRETE_ERRORS as err:
+        plates = _data_plates(tr, args, group_plates)
+        where = f" (plate '{plates[0]}' is sized from it)" if plates else ""
+        first_line = str(err).strip().splitlines()[0]
+        raise ValueError(_DATA_SIZED.format(where=where, plate=plates[0] if plates else "groups",
+                                            error=first_line)) from None
+    except Exception:  # anything else shows in the round itself, with its own message
+        return
+
+
+def _candidates(tr, rows: int, group_plates: Mapping) -> Dict[str, Tuple[str, int, int]]:
+    """Unmarked global latent sites in a plain plate of more than one entry that is not a row
+    plate: ``{site: (plate, axis of the value, size)}``."""
+    out = {}
+    for name, site in tr.items():
+        if site["type"] != "sample" or site["is_observed"] or (site.get("infer") or {}).get(FEDERATION_KEY):
+            continue
+        if site["fn"].support.is_discrete:
+            continue
+        event_ndim = len(site["fn"].event_shape)
+        for frame in site["cond_indep_stack"]:
+            if frame.size > 1 and frame.size != rows and frame.name not in group_plates:
+                out[name] = (frame.name, frame.dim - event_ndim, frame.size)
+                break
+    return out
+
+
+def _used_entries(model, args, kwargs, values: Mapping, cands: Mapping) -> Dict[str, np.ndarray]:
+    """Per candidate site, which plate entries the client's observed sites depend on."""
+
+    def loglik(sub):
+        conditioned = substitute(substitute(seed(model, 0), substitute_fn=finite_point), data={**values, **sub})
+        model_tr = trace(conditioned).get_trace(**dict(args), **dict(kwargs))
+        total = jnp.zeros(())
+        for site in model_tr.values():
+            if site["type"] == "sample" and site["is_observed"]:
+                total = total + jnp.sum(site["fn"].log_prob(site["value"]))
+        return total
+
+    grads = jax.grad(loglik)({n: jnp.asarray(values[n]) for n in cands})
+    used = {}
+    for name, (_plate, axis, size) in cands.items():
+        g = np.abs(np.asarray(grads[name]))
+        g = np.moveaxis(g, axis, 0).reshape(size, -1)
+        used[name] = np.any(g > 0, axis=1) & np.all(np.isfinite(g), axis=1)
+    return used
+
+
+def warn_client_indexed_globals(model, clients, kwargs: Mapping, tr, group_plates: Mapping,
+                                names: Sequence[str]) -> None:
+    """Warn (``SiteRoleWarning``) for each unmarked global site whose plate entries are split
+    among the clients, each entry used by one client's rows only (see the module's docstring)."""
+    if len(names) < 2:
+        return
+    rows = clients.num_rows[names[0]]
+    cands = _candidates(tr, rows, group_plates)
+    cands = {n: c for n, c in cands.items() if all(c[2] != clients.num_rows[j] for j in names)}
+    if not cands:
+        return
+    values = {n: tr[n]["value"] for n in cands}
+    per_client = {}
+    try:
+        for client in names:
+            per_client[client] = _used_entries(model, clients[client], kwargs, values, cands)
+    except Exception:  # a model this check cannot differentiate is left to the fit's own checks
+        return
+    for name, (plate, _axis, size) in cands.items():
+        used = np.stack([per_client[c][name] for c in names])  # (clients, entries)
+        if used.sum(axis=0).max() > 1 or used.all(axis=1).any() or (used.any(axis=1).sum() < 2):
+            continue  # an entry shared by two clients, or a client using every entry: not per-client
+        example = "; ".join(f"client '{c}': {np.flatnonzero(u).tolist()}" for c, u in zip(names, used) if u.any())
+        if len(example) > 160:
+            example = example[:157] + "..."
+        warnings.warn(_CLIENT_INDEXED.format(name=name, plate=plate, size=size, example=example),
+                      SiteRoleWarning, stacklevel=find_stack_level())
