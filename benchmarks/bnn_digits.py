@@ -1,4 +1,4 @@
-"""Paper 001 §4.1 (Table 1) and S3.2 (Table S1) on scikit-learn's digits, the stand-in for MNIST.
+"""Hassan et al. (2023) §4.1 (Table 1) and S3.2 (Table S1) on scikit-learn's digits, the stand-in for MNIST.
 
 MNIST (70 000 images of 28 x 28) ships in no package, so the data are scikit-learn's bundled
 handwritten digits: 1797 images of 8 x 8 (64 pixels scaled to [0, 1]), split once into 1347
@@ -51,7 +51,7 @@ import numpyro_fed as nf
 from numpyro_fed.datasets import heterogeneous_split, load_digits
 from numpyro_fed.models import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
 
-# paper 001 Table 1 (MNIST, test accuracy %, mean (sd) over five runs) and Table S1 (train / test %)
+# Hassan et al. (2023) Table 1 (MNIST, test accuracy %, mean (sd) over five runs) and Table S1 (train / test %)
 PAPER_TABLE1 = {
     "hierarchical_bnn/sfvi_avg": {"10": [96.6, 0.68], "50": [93.6, 1.68], "rounds": 20},
     "hierarchical_bnn/sfvi": {"10": [97.5, 0.50], "50": [96.0, 1.03], "rounds": 10000},

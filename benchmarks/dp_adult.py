@@ -1,4 +1,4 @@
-"""Paper 002 §5 (Figures 1 and 3) on a bundled stand-in for UCI Adult: DP logistic regression.
+"""Heikkilä et al. (2023) §5 (Figures 1 and 3) on a bundled stand-in for UCI Adult: DP logistic regression.
 
 Data: Wooldridge's ``k401ksubs`` (9,275 households, outcome ``e401k``, 7 standardised
 covariates and an intercept; ``nf.datasets.load_k401k``), a **stand-in** for Adult (which
@@ -34,7 +34,7 @@ Usage:
         --max-kl none --out benchmarks/results/dp_adult_10_no_trust_region.json  # PVI's trust region off
 
 ``--max-kl`` sets PVI's ``max_kl`` (default ``auto``: ``d / 16`` nats under update perturbation
-without a trusted aggregator; ``none``: no trust region, the library before stop 41).
+without a trusted aggregator; ``none``: no trust region, without the trust region).
 """
 
 import argparse

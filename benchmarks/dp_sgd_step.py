@@ -1,4 +1,4 @@
-"""DP-SGD local step against the non-private step at the same batch size (issue 12, item 5).
+"""DP-SGD local step against the non-private step at the same batch size.
 
 PVI's local optimisation (``nf.PVI(update="optax")``) on Bayesian logistic regression,
 ``d = 8`` (intercept and the 7 standardised covariates of the k401ksubs stand-in, 7,420

@@ -1,4 +1,4 @@
-"""Issue 27: EP with its default settings against NumPyro NUTS on the pooled data.
+"""EP with its default settings against NumPyro NUTS on the pooled data.
 
 Wall time and accuracy, same machine, same process. EP: ``EP(model)`` (integrated Laplace on
 the local latents' blocks, the importance-corrected tilted moments, sequential schedule,
@@ -10,7 +10,7 @@ minus the NUTS mean, in NUTS sds (``z``), and the sd ratio, in user space (EP: 4
 ``sample_posterior``).
 
 Cases: the demo's six-cities logistic GLMM (two silos of 300 / 237 children, a random
-intercept per child), HM2 of paper 004 (K = 100 devices of 100 rows, ``theta_k`` and the noise
+intercept per child), HM2 of Yue et al. (2022) (K = 100 devices of 100 rows, ``theta_k`` and the noise
 scale local; the data of ``benchmarks/hm2_ep.py`` rep 0) and two hierarchical posteriors of the
 posteriordb suite (radon: 85 counties, Gaussian; seeds: 21 plates, binomial with a random
 effect).

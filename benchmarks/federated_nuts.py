@@ -1,4 +1,4 @@
-"""Federated NUTS against NumPyro's NUTS on the pooled data (issue 30): the demo's GLMM and two
+"""Federated NUTS against NumPyro's NUTS on the pooled data: the demo's GLMM and two
 posteriors of the external suite, in simulation, in one process.
 
     python benchmarks/federated_nuts.py              # all three

@@ -1,5 +1,4 @@
-"""Federated NUTS over a real loopback Flower federation, timed (issue 30: "the projected and
-measured time over Flower at the new round latency").
+"""Federated NUTS over a real loopback Flower federation, timed end to end.
 
 One SuperNode per client on 127.0.0.1 (numpyro_fed's paced SuperNode and executor, the rounds
 over the run's stream: ``LocalFederation``'s defaults), ``nf.FederatedNUTS``. Per posterior:

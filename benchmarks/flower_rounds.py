@@ -1,9 +1,9 @@
-"""PVI over Flower against Flower's own echo app (issue 13, item 4; issue 30, item 5).
+"""PVI over Flower against Flower's own echo app.
 
 On loopback, one federation per size and mode (a SuperLink and ``N`` SuperNodes on
 127.0.0.1, each SuperNode in ``--isolation process`` with numpyro_fed's long-running
 executor, which runs any ClientApp). Modes (:data:`MODES`): ``flower``, Flower's own
-``flower-supernode`` with every message through the SuperLink (before issue 30); ``paced``,
+``flower-supernode`` with every message through the SuperLink; ``paced``,
 numpyro_fed's SuperNode entry point (:mod:`numpyro_fed.flower.supernode`, millisecond polls);
 ``stream``, the same with the rounds over one stream per client
 (:mod:`numpyro_fed.flower.stream`). In each mode:

@@ -1,6 +1,6 @@
-"""Is SFVI's error on the demo's GLMM federated, or the Gaussian family's? (issue 26 item 5)
+"""Is SFVI's error on the demo's GLMM federated, or the Gaussian family's?
 
-The six-cities logistic GLMM (paper 001 S3.1; 537 children, 4 binary visits each, a random
+The six-cities logistic GLMM (Hassan et al. (2023) S3.1; 537 children, 4 binary visits each, a random
 intercept per child with sd ``exp(-omega)``), against NUTS on the pooled data
 (1000 warm-up + 2000 draws). Fits, all with Gaussian families over (beta, omega, b):
 

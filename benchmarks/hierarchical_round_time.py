@@ -1,10 +1,10 @@
-"""Issue 27: PVI and EP round time on hierarchical posteriors at J = 10 and 100 clients.
+"""PVI and EP round time on hierarchical posteriors at J = 10 and 100 clients.
 
 Two hierarchical models of ``benchmarks/ep_vs_nuts.py``, each split into J clients:
 
 - the demo's six-cities logistic GLMM (537 children, a random intercept per child: local),
   children (rows) dealt to J silos at random;
-- HM2 of paper 004 (one device per client: ``theta_k`` and its noise scale local; 100 rows per
+- HM2 of Yue et al. (2022) (one device per client: ``theta_k`` and its noise scale local; 100 rows per
   device), J = K devices (``benchmarks/hm2_ep.py``'s simulation, seed 0).
 
 Each method runs with its defaults (``EP()``: integrated Laplace with the importance step and

@@ -1,6 +1,6 @@
-"""Paper 004 Table 1: HM1 (Algorithm 1) against separate models, Cases I-IV, 30 runs.
+"""Yue et al. (2022) Table 1: HM1 (Algorithm 1) against separate models, Cases I-IV, 30 runs.
 
-Designs (paper 004 §5.1):
+Designs (Yue et al. (2022) §5.1):
 
 - Case I: K = 2, Omega = [[1, .7], [.7, 1]], d = 5, noise 0.05, N = (20, 200); RMSE on
   device 1.
@@ -154,7 +154,7 @@ def main():
         results[case]["seconds"] = time.time() - t0
         print(case, {m: round(results[case][m]["rmse_mean"]["mean"], 4) for m in rows},
               "paper", PAPER[case], f"{results[case]['seconds']:.1f}s", flush=True)
-    out = {"design": "paper 004 §5.1, Cases I-IV", "runs": args.runs, "rounds": 30, "local_steps": 20, "lr": 0.01,
+    out = {"design": "Yue et al. (2022) §5.1, Cases I-IV", "runs": args.runs, "rounds": 30, "local_steps": 20, "lr": 0.01,
            "alpha": 0.1, "batch_size": 10, "gradient": "sum", "cases": results}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

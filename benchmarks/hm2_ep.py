@@ -1,4 +1,4 @@
-"""Paper 004 §5.2 item 2: federated EP on HM2 (Example 4.1) against NUTS on the pooled data.
+"""Yue et al. (2022) §5.2 item 2: federated EP on HM2 (Example 4.1) against NUTS on the pooled data.
 
 K = 100 devices, 100 rows each, d = 4, ``theta_k ~ N(mu_true, Sigma_true)`` with
 ``mu_true = (1, 3, 0.5, 2)`` and ``Sigma_true = diag(1.17, 2.35, 2.52, 0.67)``, ``x ~ N(0, I)``,
@@ -132,7 +132,7 @@ def write(args, reps):
         "runs_with_warnings": int(sum(bool(r["warnings"]) for r in reps)),
     }
     print(summary, flush=True)
-    out = {"design": "paper 004 §5.2 item 2 (K=100, 100 rows, d=4)", "truth_phi": TRUTH.tolist(),
+    out = {"design": "Yue et al. (2022) §5.2 item 2 (K=100, 100 rows, d=4)", "truth_phi": TRUTH.tolist(),
            "rounds": args.rounds, "tilted": "laplace", "max_kl": args.used_max_kl, "reps": reps, "summary": summary}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,4 +1,4 @@
-"""The external suite (issue 25, item 6): posteriordb posteriors, split across clients, fitted
+"""The external suite: posteriordb posteriors, split across clients, fitted
 by every horizontal family with its defaults and compared with the reference.
 
     python benchmarks/posteriordb_suite.py                 # every posterior, every family

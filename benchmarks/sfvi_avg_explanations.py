@@ -1,4 +1,4 @@
-"""SFVI-Avg on paper 001's hierarchical BNN: why it collapsed, and the fix (issue 26 item 7).
+"""SFVI-Avg on Hassan et al.'s (2023) hierarchical BNN: why it collapsed, and the fix.
 
 On the digits stand-in (J = 10 heterogeneous silos, partition seed 0) SFVI-Avg with each
 client's Adam state for the global parameters reset every round (FedAvg's convention) ends at

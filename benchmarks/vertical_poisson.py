@@ -1,4 +1,4 @@
-"""Paper 000 §5.2: multilevel Poisson regression with an offset, 2 clients, rho in {1, 2}.
+"""Hassan et al. (2024) §5.2: multilevel Poisson regression with an offset, 2 clients, rho in {1, 2}.
 
 Synthetic design of the paper: N = 2000 areas; each client holds 2 standard-normal
 covariates; public population counts pop_i ~ U{250..350} (offset log pop) and a remoteness
@@ -119,7 +119,7 @@ def main():
             res = svi.run(random.PRNGKey(0), args.steps, progress_bar=False, **data)
             record(f"augmented rho={rho:g}", method, svi.sample_posterior(random.PRNGKey(1), res, 4000),
                    t0, elbo=-float(svi.evaluate(res.state, num_particles=200, **data)))
-    out = {"benchmark": "vertical_poisson (paper 000 §5.2)", "N": N, "truth": truth, "steps": args.steps,
+    out = {"benchmark": "vertical_poisson (Hassan et al. (2024) §5.2)", "N": N, "truth": truth, "steps": args.steps,
            "nuts_samples": args.samples, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

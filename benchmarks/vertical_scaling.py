@@ -1,7 +1,7 @@
-"""Vertical SFVI step time and step memory against the number of rows n (issue 3, item 6).
+"""Vertical SFVI step time and step memory against the number of rows n.
 
 Logistic regression with an intercept, 2 clients with 10 covariates each, augmented form
-(paper 000 Alg. 1, y at the server), fixed minibatch of rows. For each n in
+(Hassan et al. (2024) Alg. 1, y at the server), fixed minibatch of rows. For each n in
 10^3 ... 10^6 we time one iteration (inside ``lax.scan``) and read XLA's memory analysis
 of the compiled iteration: ``temp`` is the working memory one step allocates, and the
 step's arguments are split into the row data (which any method must store) and

@@ -15,7 +15,6 @@ def make_bar(total: Optional[int], desc: str):
     """A tqdm bar over ``total`` rounds (``None``: an open-ended run, counted)."""
     try:
         import ipywidgets  # noqa: F401
-
         from tqdm.auto import tqdm
     except ImportError:
         from tqdm import tqdm

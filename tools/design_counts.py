@@ -1,4 +1,4 @@
-"""Issue 29's design counts of the package, by reading its source (nothing is imported but the
+"""The design counts of the package, by reading its source (nothing is imported but the
 package's ``__all__``): ``python tools/design_counts.py [--json]``.
 
 - functions (and methods) over 80 lines, the docstring not counted;

@@ -1,4 +1,4 @@
-"""Differential privacy for federated fits (paper 002): the ``dp_noise`` annotation, the
+"""Differential privacy for federated fits (Heikkilä et al. (2023)): the ``dp_noise`` annotation, the
 mechanisms, and accounting with ``dp-accounting``."""
 
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon, epsilon_composed

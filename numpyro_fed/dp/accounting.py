@@ -1,14 +1,14 @@
-"""Privacy accounting with Google's ``dp-accounting`` (paper 002 §3.2, Definition 5).
+"""Privacy accounting with Google's ``dp-accounting`` (Heikkilä et al. (2023) §3.2, Definition 5).
 
 One individual is one row of a client's row plate; neighbouring data sets differ by the
-*substitution* of one row (paper 002's sample-level DP). A release of a clipped sum with
+*substitution* of one row (Heikkilä et al.'s (2023) sample-level DP). A release of a clipped sum with
 Gaussian noise of standard deviation ``sigma`` and clipping bound ``C`` has sensitivity
 ``2C`` under substitution; the privacy loss distribution accountant with
 ``NeighboringRelation.REPLACE_ONE`` and ``GaussianDpEvent(sigma / C)`` accounts for the
 ``2C`` itself.
 
 A fixed-size subset of ``b`` of a client's ``n`` rows drawn without replacement at every
-step (DP-SGD, paper 002 Definition 4) is accounted as ``PoissonSampledDpEvent(b / n, ...)``
+step (DP-SGD, Heikkilä et al. (2023) Definition 4) is accounted as ``PoissonSampledDpEvent(b / n, ...)``
 under ``REPLACE_ONE``: this gives the same bound as the paper's Fourier accountant for
 sampling without replacement under substitution. (``SampledWithoutReplacementDpEvent`` is
 supported by the RDP accountant only and, given ``sigma / C``, under-reports; it is not

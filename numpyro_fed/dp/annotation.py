@@ -3,7 +3,7 @@
 It marks observed sites (in the same family as ``global_site`` / ``local_site``: wrapper,
 decorator or context manager; the annotation lives in ``msg["infer"]["dp"]``). One
 individual is one row of the row plate, held by exactly one client; neighbouring data sets
-differ by the substitution of one row (paper 002 §3.2). The annotation says *what* is
+differ by the substitution of one row (Heikkilä et al. (2023) §3.2). The annotation says *what* is
 protected and how much; the inference object chooses the mechanism.
 """
 

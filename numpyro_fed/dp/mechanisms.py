@@ -1,11 +1,11 @@
-"""The Gaussian mechanisms of paper 002, as pure functions of a client's own key.
+"""The Gaussian mechanisms of Heikkilä et al. (2023), as pure functions of a client's own key.
 
 - :func:`dp_sgd_transform`: DP-SGD (§4.1, Theorem 6) as an optax transform, optax's own
   ``differentially_private_aggregate`` (per-example clipping over the whole gradient
   pytree, Gaussian noise on the sum, divided by the batch size) seeded with the client's
   key; chain it first: ``optax.chain(dp_sgd_transform(...), optax.adam(lr))``.
 - :func:`fixed_size_subset`: the rows of one DP-SGD step, a uniformly random subset of
-  fixed size drawn without replacement among the client's real rows (paper 002
+  fixed size drawn without replacement among the client's real rows (Heikkilä et al. (2023)
   Definition 4; not epoch shuffling).
 - :func:`perturbed_sum`: update perturbation (§4.2, Theorems 7 and 12): clip each shard's
   change in natural parameters to ``C``, add Gaussian noise to the sum.

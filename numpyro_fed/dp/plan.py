@@ -3,7 +3,7 @@ mechanism: the noise (given, or calibrated to a target epsilon for the planned r
 the client-side transform, and after the fit the per-client privacy report.
 
 The annotation says what is protected (one row of the row plate, held by one client) and
-how much; the inference object says how (paper 002 §4): ``dp="optimisation"`` (DP-SGD in
+how much; the inference object says how (Heikkilä et al. (2023) §4): ``dp="optimisation"`` (DP-SGD in
 the local optimisation, privacy paid per local step) or ``dp="update_perturbation"``
 (clip and noise each shard's change in natural parameters, privacy paid per global update;
 with ``variant="local_averaging"`` or ``"virtual"``, and optionally a trusted aggregator).
@@ -116,7 +116,7 @@ def check_dp_options(inference, dp, batch_size, trusted) -> Optional[str]:
                            what=" (dp='optimisation' needs it: the fixed number of rows in every DP-SGD step)")
         if trusted:
             raise ValueError("dp='optimisation' gains nothing from a trusted aggregator (each gradient depends on one "
-                             "client's data only; paper 002 §4.1); use dp='update_perturbation' with "
+                             "client's data only; Heikkilä et al. (2023) §4.1); use dp='update_perturbation' with "
                              "trusted_aggregator=True")
     if dp == "update_perturbation":
         if batch_size is not None:

@@ -1,4 +1,4 @@
-"""Few-round inference with Gaussian factors: PVI (paper 002) and federated EP (paper 004).
+"""Few-round inference with Gaussian factors: PVI (Heikkilä et al. (2023)) and federated EP (Yue et al. (2022)).
 
 Pure cores: :func:`~numpyro_fed.factor.pvi_algorithm.pvi`,
 :func:`~numpyro_fed.factor.ep_algorithm.ep` over the shared

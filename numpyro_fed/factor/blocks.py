@@ -1,4 +1,4 @@
-"""Block-diagonal local latents: the structure integrated Laplace exploits (issue 27 item 1).
+"""Block-diagonal local latents: the structure integrated Laplace exploits.
 
 Given the global sites, a client's local latents in a plate are usually conditionally
 independent across the plate's entries (a random intercept per child, a group effect per

@@ -1,4 +1,4 @@
-"""Federated expectation propagation (paper 004 §4.2, Algorithms 2-3).
+"""Federated expectation propagation (Yue et al. (2022) §4.2, Algorithms 2-3).
 
 The global approximation ``q(phi) = p(phi) prod_k q_k(phi)`` over the model's global
 latent sites (flat, unconstrained) has Gaussian factors in natural parameters
@@ -96,7 +96,7 @@ def ep(
             never computed on a wrong structure.
 
     References:
-        Paper 004 (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
+        Yue et al. (2022) (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
         a way of life".
     """
     moments = tilted_moments("laplace") if moments is None else moments

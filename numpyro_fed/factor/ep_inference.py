@@ -1,4 +1,4 @@
-"""``EP``: federated expectation propagation over a model's global sites (paper 004 §4.2)."""
+"""``EP``: federated expectation propagation over a model's global sites (Yue et al. (2022) §4.2)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ _CLIENT = "client {name!r} is not one of the fitted clients {names}; for a new c
 
 
 class EP(FactorInference):
-    """Federated expectation propagation (paper 004 Algorithms 2-3).
+    """Federated expectation propagation (Yue et al. (2022) Algorithms 2-3).
 
     Approximates the posterior of the model's global latent sites ``phi`` by
     ``q(phi) = p(phi) prod_k q_k(phi)``, Gaussian in unconstrained space. Each round the
@@ -115,7 +115,7 @@ class EP(FactorInference):
         0.92
 
     References:
-        Paper 004 (Algorithms 2-3, §4.2.1); Vehtari et al. (2020), "Expectation propagation
+        Yue et al. (2022) (Algorithms 2-3, §4.2.1); Vehtari et al. (2020), "Expectation propagation
         as a way of life: a framework for Bayesian inference on partitioned data".
     """
 
@@ -209,7 +209,7 @@ class EP(FactorInference):
         self, rng_key: jax.Array, result: "RunResult | RunState", client: Any = None, *,
         num_samples: int = 1000, num_warmup: int = 500,
     ) -> Dict[str, jax.Array]:
-        """Draws of ``(phi, theta_k)`` for fitted clients, each run by its client (paper 004 eq. 8).
+        """Draws of ``(phi, theta_k)`` for fitted clients, each run by its client (Yue et al. (2022) eq. 8).
 
         ``p(theta_k, phi | Y) ≈ q_-k(phi) p(Y_k | theta_k, phi) p(theta_k | phi)``, sampled
         with NUTS on the client's own data; its factor ``q_k`` never leaves it. Discard
@@ -255,7 +255,7 @@ class EP(FactorInference):
         self, rng_key: jax.Array, result: "RunResult | RunState", data: Mapping[str, Any], *,
         num_samples: int = 1000, num_warmup: int = 500,
     ) -> Dict[str, jax.Array]:
-        """Fast adaptation for a new client (paper 004 §4.2.1): ``q(phi)`` is its prior.
+        """Fast adaptation for a new client (Yue et al. (2022) §4.2.1): ``q(phi)`` is its prior.
 
         Draws ``(phi, theta_new)`` from ``q(phi) p(Y_new | theta_new, phi) p(theta_new | phi)``
         by NUTS on the new client's own data ``data`` (the model's data arguments).

@@ -1,5 +1,5 @@
 """Any prior under PVI and EP: the prior's Gaussian part exact, the rest one more factor held
-by the server (issue 26, item 1).
+by the server.
 
 PVI and EP keep ``q`` in one Gaussian family over the unconstrained global sites. A prior that
 is Gaussian there (Normal; LogNormal on a positive site) is one exact factor of ``q``. Any other

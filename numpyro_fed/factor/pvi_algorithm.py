@@ -1,4 +1,4 @@
-"""Partitioned variational inference (PVI; Ashman et al., 2022; paper 002 §3.1, Algorithm 1).
+"""Partitioned variational inference (PVI; Ashman et al., 2022; Heikkilä et al. (2023) §3.1, Algorithm 1).
 
 The global approximation over the model's global latent sites (flat, unconstrained) is
 
@@ -131,7 +131,7 @@ def _local_optax(log_lik, cavity: NaturalGaussian, q: NaturalGaussian, optim, st
 
 def _local_dp_sgd(row_log_lik, data, cavity: NaturalGaussian, q: NaturalGaussian, optim, steps, particles, rng_key,
                   dp, kl_weight=1.0):
-    """The local ELBO of :func:`_local_optax` maximised by DP-SGD (paper 002 §4.1, Theorem 6).
+    """The local ELBO of :func:`_local_optax` maximised by DP-SGD (Heikkilä et al. (2023) §4.1, Theorem 6).
 
     Every step draws a fixed-size subset of ``dp.batch_size`` of the client's real rows
     without replacement (:func:`~numpyro_fed.dp.mechanisms.fixed_size_subset`), takes each
@@ -209,31 +209,31 @@ def pvi(
         max_kl: optional trust region: also halve ``delta`` while the round would move ``q``
             by more than ``max_kl`` nats (see
             :func:`~numpyro_fed.factor.updates.factor_protocol`).
-        variant: ``"plain"`` (Alg. 1); ``"local_averaging"`` (paper 002 Alg. 2: each client
+        variant: ``"plain"`` (Alg. 1); ``"local_averaging"`` (Heikkilä et al. (2023) Alg. 2: each client
             splits its rows into ``num_shards`` shards, fits each against the cavity with
             the KL weighted by ``1/N``, eq. 4.1, and averages the natural parameters,
             eq. 4.2); ``"virtual"`` (Alg. 3: one factor per shard, updated synchronously
             against its own cavity, eq. 4.9; the client sends the sum of the changes).
         num_shards: ``N`` shards per client (contiguous blocks of its real rows).
-        perturb: update perturbation (paper 002 §4.2), see
+        perturb: update perturbation (Heikkilä et al. (2023) §4.2), see
             :func:`~numpyro_fed.factor.updates.factor_protocol`.
         max_local_steps: ``update="optax"``: an unconverged local fit (its objective or
             parameters still moving over the last quarter of ``local_steps``) runs another
             ``local_steps``, up to this many steps in all (default: ``local_steps``, no
             extension). Not under DP-SGD.
         dp_sgd: a :class:`~numpyro_fed.dp.mechanisms.DPSGD`: the local optimisation
-            (``update="optax"``, ``variant="plain"``) runs DP-SGD (paper 002 §4.1) on the
+            (``update="optax"``, ``variant="plain"``) runs DP-SGD (Heikkilä et al. (2023) §4.1) on the
             per-row log-likelihood ``client_log_lik(u, one_row_data)``.
         trusted_aggregator: see :func:`~numpyro_fed.factor.updates.factor_protocol`.
         split_prior: the first round is a Bayesian committee machine with split prior
-            (Tresp, 2000; paper 002's "BCM split" baseline): each client fits its posterior
+            (Tresp, 2000; Heikkilä et al.'s (2023) "BCM split" baseline): each client fits its posterior
             under the prior ``p^(1/J)`` and the server multiplies the fits, ``q = prod_j
             q_j``. (Without it, one synchronous round with damping 1 is "BCM same":
             ``q = prod_j q_j / p^(J-1)``, each ``q_j`` fitted under the full prior.) Only
             the first round is a BCM; :class:`~numpyro_fed.BCM` runs exactly one.
 
     References:
-        Ashman et al. (2022), "Partitioned variational inference"; paper 002 §3.1, Alg. 1.
+        Ashman et al. (2022), "Partitioned variational inference"; Heikkilä et al. (2023) §3.1, Alg. 1.
         prior_site: the server's step for a non-Gaussian prior's residual (see
             :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
             Gaussian part.

@@ -1,4 +1,4 @@
-"""``PVI``: partitioned variational inference over a model's global sites (paper 002 §3.1)."""
+"""``PVI``: partitioned variational inference over a model's global sites (Heikkilä et al. (2023) §3.1)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ _UPDATES = ("auto", "conjugate", "optax")
 DEFAULT_LEARNING_RATE = 0.05  # the local ELBO's Adam step when update='auto' chooses 'optax' and optim= is unset
 _QUADRATIC_TOL = 1e-4
 # max_kl="auto" under update perturbation without a trusted aggregator: nats per dimension of q. Chosen on the
-# paper-002 stand-in (benchmarks/dp_adult.py, d = 8): 1/8 per dimension halved the damage, 1/16 ended every
+# Heikkilä et al. (2023) stand-in (benchmarks/dp_adult.py, d = 8): 1/8 per dimension halved the damage, 1/16 ended every
 # divergence of local averaging and virtual clients on both unbalanced splits (5 seeds) and never binds on the
 # balanced split (identical figures); the noise's own KL grows with the dimension, hence per dimension.
 DP_MAX_KL_PER_DIM = 1.0 / 16
@@ -48,7 +48,7 @@ def _default_optim():
 
 
 class PVI(PrivateFit, FactorInference):
-    """Partitioned variational inference (Ashman et al., 2022; paper 002 Algorithm 1).
+    """Partitioned variational inference (Ashman et al., 2022; Heikkilä et al. (2023) Algorithm 1).
 
     Approximates the posterior of the model's global latent sites by
     ``q(theta) ∝ p(theta) prod_j t_j(theta)``, Gaussian in unconstrained space. Each round the
@@ -95,11 +95,11 @@ class PVI(PrivateFit, FactorInference):
             subset schedule, where one client's noised update can throw ``q`` far off (a small
             client's noise is large against its signal); none otherwise (a synchronous first
             round moves ``q`` from the prior in one step). ``None``: no trust region.
-        variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (paper 002 Alg. 2) or
+        variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (Heikkilä et al. (2023) Alg. 2) or
             ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.algorithms.pvi`.
         num_shards: shards per client for the two variants (every client needs at least
             that many rows).
-        dp: differential privacy (paper 002; the model marks its protected rows with
+        dp: differential privacy (Heikkilä et al. (2023); the model marks its protected rows with
             :class:`~numpyro_fed.dp_noise`, which carries the budget): ``"optimisation"``
             (DP-SGD in each local optimisation, §4.1; needs ``update="optax"``,
             ``variant="plain"`` and ``dp_batch_size``) or ``"update_perturbation"`` (each
@@ -368,14 +368,14 @@ class PVI(PrivateFit, FactorInference):
 
 class BCM(PVI):
     """Bayesian committee machine (Tresp, 2000): one round, every client fits its own
-    posterior, the server multiplies them (paper 002's minimal-communication baselines).
+    posterior, the server multiplies them (Heikkilä et al.'s (2023) minimal-communication baselines).
 
     - ``prior="same"``: each client fits ``q_j ≈ p(theta | y_j)`` under the full prior and
       ``q = prod_j q_j / p^(J-1)``;
     - ``prior="split"``: each client fits under ``p^(1/J)`` and ``q = prod_j q_j``.
 
     It is PVI's first synchronous round with damping 1 (every factor starts at 1, so the
-    cavity is the prior), with PVI's local fits, checks and DP mechanisms (paper 002 trains
+    cavity is the prior), with PVI's local fits, checks and DP mechanisms (Heikkilä et al. (2023) trains
     BCM with DP-SGD: ``dp="optimisation"``). :meth:`run` runs exactly one round.
 
     Args:

@@ -8,7 +8,7 @@ global sites, first; ``v``: its own local latent sites) is
     \\tilde p(u, v) \\propto \\mathrm{cavity}(u)\\, p(y_j, v \\mid u),
 
 and EP needs the mean and covariance of its ``u``-marginal, i.e. with the local latents
-integrated out (paper 004 eq. 4 with ``f_k(phi) = ∫ p(Y_k | theta_k, phi) p(theta_k | phi)
+integrated out (Yue et al. (2022) eq. 4 with ``f_k(phi) = ∫ p(Y_k | theta_k, phi) p(theta_k | phi)
 d theta_k``). Three estimators, chosen per run:
 
 - :func:`laplace_moments`: the mode of ``log p~`` (L-BFGS) and the inverse negative

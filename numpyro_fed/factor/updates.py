@@ -112,18 +112,18 @@ def factor_protocol(
         damping: ``delta`` in ``(0, 1]``.
         max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
         subset_size: clients per round for ``"subset"``.
-        variant: ``"plain"``, ``"local_averaging"`` or ``"virtual"`` (paper 002 Alg. 1-3;
+        variant: ``"plain"``, ``"local_averaging"`` or ``"virtual"`` (Heikkilä et al. (2023) Alg. 1-3;
             see :func:`~numpyro_fed.algorithms.pvi`).
         num_shards: shards per client for the two variants.
         max_kl: optional trust region: the damping is also halved while
             ``KL(q_new || q) > max_kl`` nats (tames parallel EP over many clients).
-        perturb: update perturbation (paper 002 §4.2): ``(rng_key, changes) -> (noised
+        perturb: update perturbation (Heikkilä et al. (2023) §4.2): ``(rng_key, changes) -> (noised
             sum, noised changes)`` over the shards' changes ``lambda*_k - lambda`` (leading
             shard axis; one shard for ``"plain"``). The client sends the noised sum (divided
             by the shards for ``"local_averaging"``), drawn from its own key; its fit
             diagnostics, which depend on its data, stay out of the message and are counted
             in its own state (``withheld``).
-        private_fit: the local fit is itself differentially private (DP-SGD, paper 002
+        private_fit: the local fit is itself differentially private (DP-SGD, Heikkilä et al. (2023)
             §4.1): its change is sent as it is, but its fit diagnostics are withheld and
             counted as with ``perturb``.
         trusted_aggregator: the changes go through a trusted aggregator
@@ -240,7 +240,7 @@ def _plain_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
 
 
 def _averaged_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
-    """Local averaging (paper 002 Alg. 2): one fit per shard under the shared cavity with the
+    """Local averaging (Heikkilä et al. (2023) Alg. 2): one fit per shard under the shared cavity with the
     KL weighted ``1 / shards``; their mean (DP: eq. 4.7, the noised sum of clipped changes / N)."""
     shards = config.shards
     cavity = q - factor
@@ -259,7 +259,7 @@ def _averaged_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
 
 
 def _virtual_update(config: FactorConfig, rng_key, noise_key, q, factor, data):
-    """Virtual clients (paper 002 Alg. 3): one factor and one cavity per shard; the client
+    """Virtual clients (Heikkilä et al. (2023) Alg. 3): one factor and one cavity per shard; the client
     sends their changes' sum (DP: eq. 4.11, each keeps its clipped change plus its share of noise)."""
     shards = config.shards
     keys, ks = random.split(rng_key, shards), jnp.arange(shards)

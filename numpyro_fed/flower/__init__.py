@@ -18,11 +18,11 @@
 See ``docs/flower.md``.
 """
 
-import importlib.util
-
-if importlib.util.find_spec("flwr") is None:
+try:
+    import flwr  # noqa: F401
+except ImportError:
     raise ImportError("numpyro_fed.flower needs Flower, which is not installed in this Python; install the flower "
-                      "extra: pip install 'numpyro-fed[flower]' (from a clone: pip install -e '.[flower]')")
+                      "extra: pip install 'numpyro-fed[flower]' (from a clone: pip install -e '.[flower]')") from None
 
 from .launcher import FederationError, LocalFederation  # noqa: E402
 from .server import FlowerBackend, MissingClientsWarning  # noqa: E402

@@ -67,7 +67,7 @@ def make_pvi_optax():
 
 
 def make_sfvi():
-    """SFVI (one gradient step per round, the clients' ELBO gradients summed; issue 30's
+    """SFVI (one gradient step per round, the clients' ELBO gradients summed;
     3000-round timing over Flower)."""
     import optax
 

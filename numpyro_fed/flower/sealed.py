@@ -9,7 +9,7 @@ HKDF-SHA256, AES-256-GCM), bound to the run, round, exchange and client index as
 data. The server relays the sealed parts of a round to the aggregator, which opens them,
 sums them and returns only the sum: the server step sees what it sees in the simulation.
 
-Threat model: the aggregator is trusted (paper 002's black-box secure summation); the
+Threat model: the aggregator is trusted (Heikkilä et al.'s (2023) black-box secure summation); the
 server is honest-but-curious (it follows the protocol and cannot read a sealed part). A
 server that swaps, replays or drops sealed parts is caught by the associated data or
 reported as a missing client. The server relays the aggregator's public key at set-up;

@@ -1,4 +1,4 @@
-"""Horizontal federation (paper 001): clients hold different rows of the same variables.
+"""Horizontal federation (Hassan et al. (2023)): clients hold different rows of the same variables.
 
 Pure cores: :func:`~numpyro_fed.horizontal.sfvi_algorithm.sfvi` and
 :func:`~numpyro_fed.horizontal.sfvi_avg_algorithm.sfvi_avg`; class layer:

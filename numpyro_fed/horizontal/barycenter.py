@@ -47,7 +47,7 @@ def gaussian_barycenter(
         (1.0, 4.0)
 
     References:
-        Hassan et al., paper 001 §3.2 (SFVI-Avg); Mallasto and Feragen (2017), Thm. 4.
+        Hassan et al., Hassan et al. (2023) §3.2 (SFVI-Avg); Mallasto and Feragen (2017), Thm. 4.
     """
     weights = jnp.asarray(weights, dtype=means.dtype)
     weights = weights / jnp.sum(weights)
@@ -71,7 +71,7 @@ def diagonal_gaussian_barycenter(weights: Array, means: Array, sds: Array) -> Tu
     """The 2-Wasserstein barycenter of ``N(means[j], diag(sds[j]^2))`` in closed form: the
     weighted means of the means and of the standard deviations (Mallasto and Feragen,
     2017). ``means`` and ``sds`` are ``(J, d)``; O(J d), no ``d x d`` matrix is formed,
-    so it serves the high-dimensional diagonal guides of paper 001 S3.2 (n_G = 7850).
+    so it serves the high-dimensional diagonal guides of Hassan et al. (2023) S3.2 (n_G = 7850).
 
     Returns:
         ``(mean, sd)``, each ``(d,)``.

@@ -1,4 +1,4 @@
-"""DP federated SVI: SFVI whose clients send DP-SGD gradients (paper 002's "global VI,
+"""DP federated SVI: SFVI whose clients send DP-SGD gradients (Heikkilä et al.'s (2023) "global VI,
 trusted aggr." baseline; Jälkö et al., 2017).
 
 Every round each client draws a fixed-size subset of its real rows without replacement,

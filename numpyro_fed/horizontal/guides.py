@@ -1,6 +1,6 @@
 """Structured Gaussian variational families for federated models.
 
-The family of paper 001 (Hassan et al., §3.1), in unconstrained space:
+The family of Hassan et al. (2023) (Hassan et al., §3.1), in unconstrained space:
 
 .. math::
 
@@ -52,7 +52,7 @@ def std_normal_logpdf(eps: Array) -> Array:
 
 
 class StructuredGuide:
-    """Conditionally structured Gaussian guide of paper 001 §3.1.
+    """Conditionally structured Gaussian guide of Hassan et al. (2023) §3.1.
 
     Args:
         model: the federated model (kept for reference and symmetry with NumPyro's

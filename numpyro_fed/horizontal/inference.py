@@ -74,10 +74,10 @@ class FederatedSVI(PrivateFit, FederatedInference):
             :func:`~numpyro_fed.local_site`, called as ``model(**client_args, **model_kwargs)``.
         guide: a :class:`~numpyro_fed.StructuredGuide` (or ``MeanFieldGuide``).
         optim: an ``optax.GradientTransformation``.
-        method: ``"sfvi"`` (paper 001 Alg. 1; exact, one gradient exchange per step) or
+        method: ``"sfvi"`` (Hassan et al. (2023) Alg. 1; exact, one gradient exchange per step) or
             ``"sfvi_avg"`` (Alg. 2; ``local_steps`` local steps, then barycenter averaging).
         num_particles: Monte Carlo draws per step.
-        stl: sticking-the-landing gradient estimator (Roeder et al., 2017; paper 001
+        stl: sticking-the-landing gradient estimator (Roeder et al., 2017; Hassan et al. (2023)
             eq. 6), the default: the variational density's own score term, whose mean is
             zero, is left out, so the gradient noise vanishes as ``q`` reaches a posterior
             inside its family. ``False`` gives the plain reparameterised estimator.
@@ -93,10 +93,10 @@ class FederatedSVI(PrivateFit, FederatedInference):
             adaptive optimiser steps along the averaged gradient; ``"reset"``: fresh every
             round (FedAvg's convention); ``"keep"``: the client's own, from its last round.
             ``"reset"`` and ``"keep"`` make Adam's averaged step a vote of the clients'
-            normalised steps, which collapsed paper 001's hierarchical BNN (see
+            normalised steps, which collapsed Hassan et al.'s (2023) hierarchical BNN (see
             :mod:`~numpyro_fed.horizontal.sfvi_avg_algorithm`).
         participation: fraction of clients asked per round for ``"sfvi_avg"``.
-        dp: ``"sgd"``: DP federated SVI (paper 002's "global VI" baseline; the model marks
+        dp: ``"sgd"``: DP federated SVI (Heikkilä et al.'s (2023) "global VI" baseline; the model marks
             its protected rows with :class:`~numpyro_fed.dp_noise`): each round every
             client sends the sum of its rows' clipped gradients on a fixed-size random
             subset, plus Gaussian noise from its own key (see

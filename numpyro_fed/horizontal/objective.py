@@ -9,7 +9,7 @@ With the guide of :class:`~numpyro_fed.StructuredGuide` and ``z_G = f(eta_G, eps
       _{\\text{client } j}\\Big],
 
 so the gradient with respect to the server's parameters is the server's own gradient
-plus each client's vector-Jacobian product (paper 001, supplement S1). All functions here
+plus each client's vector-Jacobian product (Hassan et al. (2023), supplement S1). All functions here
 are pure and jit-compatible.
 """
 

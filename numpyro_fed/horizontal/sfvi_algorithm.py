@@ -1,4 +1,4 @@
-"""Structured federated variational inference (SFVI), paper 001 Algorithm 1.
+"""Structured federated variational inference (SFVI), Hassan et al. (2023) Algorithm 1.
 
 Each round the server broadcasts ``(eta_G, theta, eps_G)``. Client ``j`` draws its own
 ``eps_Lj`` (from its own key), steps its local parameters ``eta_Lj`` and returns only the
@@ -119,7 +119,7 @@ def sfvi(
         num_particles: Monte Carlo draws per round.
 
     References:
-        Hassan et al., paper 001, Algorithm 1 and supplement S1.
+        Hassan et al., Hassan et al. (2023), Algorithm 1 and supplement S1.
     """
     prior_share = 1.0 / num_clients
     init_server, server_update = sfvi_server(objective, optim, num_particles)

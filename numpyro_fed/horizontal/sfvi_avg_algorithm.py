@@ -1,4 +1,4 @@
-"""SFVI with averaging (SFVI-Avg), paper 001 Algorithm 2.
+"""SFVI with averaging (SFVI-Avg), Hassan et al. (2023) Algorithm 2.
 
 Each round the server asks a fraction of the clients (drawn without replacement with the
 server's key) and broadcasts ``(eta_G, theta)``. Every asked client runs ``m`` steps of
@@ -23,7 +23,7 @@ optimiser (Adam) normalises each coordinate's step by its own gradient history. 
 client keeps a private state (or starts a fresh one each round, FedAvg's convention), the
 averaged step is an average of per-client *normalised* steps: a vote on the sign, not the sum
 of the gradients, so a shared scalar that most clients want up moves up even when the sum of
-their gradients says down. On paper 001's hierarchical BNN that vote inflated the between-silo
+their gradients says down. On Hassan et al.'s (2023) hierarchical BNN that vote inflated the between-silo
 scale to 0.48-0.67 (SFVI: 0.03) and every silo fell back to its dominant digit, even with one
 local step per round (``benchmarks/sfvi_avg_explanations.py``). With ``"average"`` (the
 default) the server averages the clients' optimiser states with the same weights as the
@@ -115,7 +115,7 @@ def sfvi_avg(
         num_particles: Monte Carlo draws per local step.
 
     References:
-        Hassan et al., paper 001, Algorithm 2.
+        Hassan et al., Hassan et al. (2023), Algorithm 2.
     """
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")

@@ -1,4 +1,4 @@
-"""Paper 004's linear models: HM1 (a learned device covariance, Algorithm 1)."""
+"""Yue et al.'s (2022) linear models: HM1 (a learned device covariance, Algorithm 1)."""
 
 from .hm1_inference import HM1, UnconvergedWarning
 

@@ -1,4 +1,4 @@
-"""HM1: multi-task linear regression with a learned device covariance (paper 004 §3, Alg. 1).
+"""HM1: multi-task linear regression with a learned device covariance (Yue et al. (2022) §3, Alg. 1).
 
 Device parameters ``Theta = [theta_1 ... theta_K]`` (d x K) get the structural prior
 ``Vec(Theta) ~ N(0, Omega ⊗ I)``; the MAP of ``(Theta, Omega)`` minimises
@@ -65,7 +65,7 @@ class HM1ServerState(NamedTuple):
 
 class HM1Info(NamedTuple):
     change: jax.Array  # ||Theta_new - Theta|| / sqrt(K)
-    distance: jax.Array  # ||Theta - truth|| / sqrt(K) (paper 004 Figure 3); 0 without a truth
+    distance: jax.Array  # ||Theta - truth|| / sqrt(K) (Yue et al. (2022) Figure 3); 0 without a truth
 
 
 def minibatch_weights(rng_key: jax.Array, mask: jax.Array, batch_size: Optional[int]) -> jax.Array:

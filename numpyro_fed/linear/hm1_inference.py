@@ -1,4 +1,4 @@
-"""``HM1``: paper 004's structural-covariance multi-task linear regression (§3, Algorithm 1)."""
+"""``HM1``: Yue et al.'s (2022) structural-covariance multi-task linear regression (§3, Algorithm 1)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ _DATA = (
 
 
 class HM1(FederatedInference):
-    """Multi-task linear regression with a learned device covariance ``Omega`` (paper 004 HM1).
+    """Multi-task linear regression with a learned device covariance ``Omega`` (Yue et al. (2022) HM1).
 
     The MAP of ``Theta ~ MN(0, I, Omega)``, ``Y_k ~ N(X_k theta_k, sigma_k^2 I)`` by
     Algorithm 1 (see :mod:`numpyro_fed.linear.hm1_algorithm`): devices take ``local_steps``
@@ -200,7 +200,7 @@ class HM1(FederatedInference):
 
         Args:
             truth: ``(K, d)`` true parameters of a simulation: ``info.distance`` records
-                ``||Theta - truth|| / sqrt(K)`` per round (paper 004 Figure 3).
+                ``||Theta - truth|| / sqrt(K)`` per round (Yue et al. (2022) Figure 3).
             **options: the backend's run options (``progress_bar=False`` hides the bar).
 
         Returns:

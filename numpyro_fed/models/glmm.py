@@ -1,4 +1,4 @@
-"""Hierarchical models used in the paper-001 examples and the tests."""
+"""Hierarchical models used in the Hassan et al. (2023) examples and the tests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["logistic_glmm", "normal_hierarchical"]
 
 
 def logistic_glmm(wheeze, age, smoke, centered: bool = True):
-    """Logistic mixed model of paper 001 S3.1 (six-cities wheeze data).
+    """Logistic mixed model of Hassan et al. (2023) S3.1 (six-cities wheeze data).
 
     .. math::
 

@@ -1,4 +1,4 @@
-"""Federated linear models of paper 004: HM2 (§4, Example 4.1) and its variable-selection
+"""Federated linear models of Yue et al. (2022): HM2 (§4, Example 4.1) and its variable-selection
 form (§4.3). HM1 (§3) is an algorithm on a point estimate: :mod:`numpyro_fed.hm1`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ PRIORS = ("lasso", "ridge")
 
 
 def hm2_regression(x, y, noise: Optional[float] = None):
-    """HM2 of paper 004 Example 4.1: one linear regression per device, tied by ``phi``.
+    """HM2 of Yue et al. (2022) Example 4.1: one linear regression per device, tied by ``phi``.
 
     .. math::
 
@@ -41,7 +41,7 @@ def hm2_regression(x, y, noise: Optional[float] = None):
 
 
 def variable_selection(x, y, prior: str = "lasso"):
-    """Federated penalised regression of paper 004 §4.3 (Bayesian lasso / ridge on HM2).
+    """Federated penalised regression of Yue et al. (2022) §4.3 (Bayesian lasso / ridge on HM2).
 
     .. math::
 
@@ -66,7 +66,7 @@ def variable_selection(x, y, prior: str = "lasso"):
 
 
 def inclusion(draws, level: float = 0.9) -> np.ndarray:
-    """Paper 004 §4.3's rule: include a coefficient unless its central ``level`` credible
+    """Yue et al. (2022) §4.3's rule: include a coefficient unless its central ``level`` credible
     interval covers 0. ``draws`` has the draws on axis -2 (``(..., draws, d)``)."""
     lo, hi = np.quantile(np.asarray(draws), [(1 - level) / 2, (1 + level) / 2], axis=-2)
     return (lo > 0) | (hi < 0)

@@ -1,5 +1,5 @@
-"""Bayesian neural networks for heterogeneous silos (paper 001 §4.1) and multinomial
-regression (paper 001 S3.2).
+"""Bayesian neural networks for heterogeneous silos (Hassan et al. (2023) §4.1) and multinomial
+regression (Hassan et al. (2023) S3.2).
 
 All networks are ``softmax(W2 ReLU(W1 x))`` without biases, as in the paper.
 
@@ -47,7 +47,7 @@ def _normal(name, shape):
 
 
 def hierarchical_bnn(x, y=None, hidden: int = 64, num_classes: int = 10):
-    """Paper 001 §4.1's hierarchical BNN (see the module docstring). ``x`` is (rows, d),
+    """Hassan et al. (2023) §4.1's hierarchical BNN (see the module docstring). ``x`` is (rows, d),
     ``y`` (rows,) integer labels.
 
     Fit it with SFVI, or SFVI-Avg with its default ``optimizer_state="average"``: with each
@@ -84,7 +84,7 @@ def bnn(x, y=None, hidden: int = 64, num_classes: int = 10):
 
 
 def multinomial_regression(x, y=None, num_classes: int = 10):
-    """Paper 001 S3.2: ``y ~ Categorical(softmax(W x + b))`` with ``W ~ N(0, sigma_W^2)``
+    """Hassan et al. (2023) S3.2: ``y ~ Categorical(softmax(W x + b))`` with ``W ~ N(0, sigma_W^2)``
     and ``b ~ N(0, sigma_b^2)``; ``sigma_W`` and ``sigma_b`` are learned (global
     ``numpyro.param`` sites)."""
     d = x.shape[-1]

@@ -1,4 +1,4 @@
-"""Split neural networks for vertical federation (paper 000 §5.3).
+"""Split neural networks for vertical federation (Hassan et al. (2024) §5.3).
 
 Each client j maps its covariates through its own network ``h_ij = f_phi_j(x_ij)``; the
 server's logistic likelihood sees the sum of the clients' outputs.
@@ -84,7 +84,7 @@ def split_nn_model(
 
 
 def split_nn(inputs: Mapping[str, str], rho: float, hidden: Sequence[int] = (8, 2)):
-    """The hierarchical Bayes split NN (paper 000 §5.3) as a vertical augmented model.
+    """The hierarchical Bayes split NN (Hassan et al. (2024) §5.3) as a vertical augmented model.
 
     ``y`` is the server's alone (split learning): fit it with
     ``nf.VerticalSVI(model, nf.VerticalGuide("amortized"), optax.adam(1e-3))``.

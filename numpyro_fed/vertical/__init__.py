@@ -1,4 +1,4 @@
-"""Vertical federation (paper 000): parties hold different covariates of the same rows.
+"""Vertical federation (Hassan et al. (2024)): parties hold different covariates of the same rows.
 
 The :func:`vertical_split` handler rewrites a model into its augmented-variable or
 power-likelihood form; :class:`VerticalSVI` (Algorithms 1-2) and :class:`VerticalSOUL`

@@ -1,4 +1,4 @@
-"""The fit check of the vertical families against the **true** model (issue 25, items 1 and 4).
+"""The fit check of the vertical families against the **true** model.
 
 A vertical fit approximates the augmented (or power) posterior; the user wants the true
 model's. The check draws ``S`` values of every party's sites from a Gaussian ``q`` (the

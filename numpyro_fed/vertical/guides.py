@@ -1,4 +1,4 @@
-"""Variational families for vertically federated models (paper 000, §4.1-4.2).
+"""Variational families for vertically federated models (Hassan et al. (2024), §4.1-4.2).
 
 Each party fits a Gaussian ``q(theta_j) = N(mu_j, L_j L_j^T)`` over its own sites (flat,
 unconstrained space; ``L_j = T diag(s)`` with ``T`` lower-unitriangular or the identity).
@@ -82,7 +82,7 @@ class GaussianFactor:
 
 
 class MeanFieldAux:
-    """One Gaussian per row for ``z_j`` (paper 000 eq. 10); ``2 n`` parameters per client."""
+    """One Gaussian per row for ``z_j`` (Hassan et al. (2024) eq. 10); ``2 n`` parameters per client."""
 
     amortized = False
 
@@ -106,7 +106,7 @@ class MeanFieldAux:
 
 
 class AmortizedAux:
-    """The amortized factor ``q(z_j | theta_j)`` of paper 000 §4.1 (eq. 9).
+    """The amortized factor ``q(z_j | theta_j)`` of Hassan et al. (2024) §4.1 (eq. 9).
 
     Args:
         hidden: widths of the MLP's hidden layers.
@@ -178,7 +178,7 @@ class VerticalGuide:
         ('MeanFieldAux', 'diagonal')
 
     References:
-        Hassan, Sutton, Mira, Mengersen (paper 000), §4.1-4.2.
+        Hassan, Sutton, Mira, Mengersen (Hassan et al. (2024)), §4.1-4.2.
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 In vertical federated learning every client holds different covariates of the same rows,
 and the likelihood depends on a sum of per-client contributions
 ``g_j(x_j, theta_j)``. The user writes the *true* model with each contribution as a
-``numpyro.deterministic`` site; the handler rewrites it (paper 000, §3):
+``numpyro.deterministic`` site; the handler rewrites it (Hassan et al. (2024), §3):
 
 - ``form="augmented"`` (§3.2, eq. 6): each contribution becomes an auxiliary latent
   ``z_j ~ N(g_j, rho^2)`` (site ``"z_<client>"``) and the likelihood sees ``sum_j z_j``;
@@ -120,7 +120,7 @@ class vertical_split(Messenger):
 
     References:
         Hassan, Sutton, Mira, Mengersen. Scalable vertical federated learning via data
-        augmentation and amortized inference, §3.2-3.3 (paper 000).
+        augmentation and amortized inference, §3.2-3.3 (Hassan et al. (2024)).
     """
 
     def __init__(

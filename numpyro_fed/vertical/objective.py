@@ -1,4 +1,4 @@
-"""The split ELBO of a vertically federated model (paper 000, §4.3-4.4).
+"""The split ELBO of a vertically federated model (Hassan et al. (2024), §4.3-4.4).
 
 For the augmented-variable model (eq. 6) the ELBO splits into a server term and one term
 per client,

@@ -4,7 +4,7 @@ A vertical algorithm (:func:`~numpyro_fed.vertical.sfvi_algorithm.vertical_sfvi`
 :func:`~numpyro_fed.vertical.soul_algorithm.vertical_soul`) is a NamedTuple of per-party
 pure functions; :func:`vertical_protocol` turns it into a
 :class:`~numpyro_fed.protocol.FederatedAlgorithm` whose clients are the parties. One
-round (paper 000, Algorithms 1-2 and Appendix A):
+round (Hassan et al. (2024), Algorithms 1-2 and Appendix A):
 
 1. ``forward``: the server's broadcast names the round's rows; each client draws its
    noise from its own key and sends ``z_j`` on those rows;

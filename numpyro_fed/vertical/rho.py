@@ -1,6 +1,6 @@
 """How far the augmented-variable posterior is from the true model's, and the rho that would do.
 
-In the augmented form (paper 000 §3.2) each contribution ``g_j`` is replaced by
+In the augmented form (Hassan et al. (2024) §3.2) each contribution ``g_j`` is replaced by
 ``z_j ~ N(g_j, rho^2)``, so the likelihood sees the true linear predictor plus noise of
 variance ``J rho^2``. For a Gaussian likelihood with noise sd ``sigma`` this is exact
 algebra: ``y ~ N(sum_j g_j, sigma^2 + J rho^2)``, so the noise variance the model learns is

@@ -1,4 +1,4 @@
-"""Vertical SFVI: paper 000 Algorithm 1 (augmented) and Algorithm 2 (power likelihood).
+"""Vertical SFVI: Hassan et al. (2024) Algorithm 1 (augmented) and Algorithm 2 (power likelihood).
 
 Pure functions over NamedTuple states. One iteration of Algorithm 1:
 
@@ -81,7 +81,7 @@ def vertical_sfvi(
             (an unbiased estimate with cost independent of n); ``None`` uses all rows.
 
     References:
-        Hassan, Sutton, Mira, Mengersen (paper 000), §4.3-4.4, Algorithms 1-2.
+        Hassan, Sutton, Mira, Mengersen (Hassan et al. (2024)), §4.3-4.4, Algorithms 1-2.
     """
     bind = partial(partial, obj=objective, optim=optim, batch_size=batch_size)
     return VerticalSFVI(

@@ -1,4 +1,4 @@
-"""Vertical SOUL: MAP for ``z`` with unadjusted-Langevin draws for ``theta`` (paper 000, App. A).
+"""Vertical SOUL: MAP for ``z`` with unadjusted-Langevin draws for ``theta`` (Hassan et al. (2024), App. A).
 
 Stochastic optimisation via unadjusted Langevin (De Bortoli et al., 2021) treats the
 auxiliary variables ``z`` (and any ``numpyro.param`` sites) as parameters, maximises
@@ -151,7 +151,7 @@ def vertical_soul(
         init_radius: chains start uniform in ``(-r, r)`` (unconstrained space).
 
     References:
-        Hassan, Sutton, Mira, Mengersen (paper 000), Appendix A; De Bortoli, Durmus,
+        Hassan, Sutton, Mira, Mengersen (Hassan et al. (2024)), Appendix A; De Bortoli, Durmus,
         Pereyra, Vidal (2021), Statistics and Computing 31.
     """
     gammas = {p: float(step_size[p] if isinstance(step_size, Mapping) else step_size)

@@ -1,4 +1,4 @@
-"""``VerticalSOUL``: the class layer over vertical SOUL (paper 000, Appendix A)."""
+"""``VerticalSOUL``: the class layer over vertical SOUL (Hassan et al. (2024), Appendix A)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _NOT_FITTED = "sample_posterior needs a fitted VerticalSOUL: call run() or init(
 
 class VerticalSOUL(VerticalInference):
     """Vertical SOUL: MAP estimates of the auxiliary ``z`` and unadjusted-Langevin draws of
-    ``theta`` from ``p(theta | z_hat, y)`` (paper 000, Appendix A).
+    ``theta`` from ``p(theta | z_hat, y)`` (Hassan et al. (2024), Appendix A).
 
     Runs on the same protocol as :class:`~numpyro_fed.VerticalSVI`: clients send ``z_j``
     on the round's rows, the server returns gradients with respect to ``z``. Between two
@@ -86,7 +86,7 @@ class VerticalSOUL(VerticalInference):
         True
 
     References:
-        Hassan, Sutton, Mira, Mengersen (paper 000), Appendix A; De Bortoli, Durmus,
+        Hassan, Sutton, Mira, Mengersen (Hassan et al. (2024)), Appendix A; De Bortoli, Durmus,
         Pereyra, Vidal (2021), "Efficient stochastic optimisation by unadjusted Langevin
         Monte Carlo", Statistics and Computing 31.
     """

@@ -33,7 +33,7 @@ _RHO_TOO_LARGE = (
 )
 
 class VerticalSVI(VerticalInference):
-    """Vertical federated SVI (paper 000, Algorithms 1 and 2).
+    """Vertical federated SVI (Hassan et al. (2024), Algorithms 1 and 2).
 
     ``form="augmented"`` models run Algorithm 1 (the server holds the likelihood; ``y``
     may be shared or the server's alone); ``form="power"`` models run Algorithm 2 (``y``
@@ -78,7 +78,7 @@ class VerticalSVI(VerticalInference):
         True
 
     References:
-        Hassan, Sutton, Mira, Mengersen (paper 000), §4.
+        Hassan, Sutton, Mira, Mengersen (Hassan et al. (2024)), §4.
     """
 
     method = "vertical_sfvi"
