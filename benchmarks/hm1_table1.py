@@ -154,7 +154,8 @@ def main():
         results[case]["seconds"] = time.time() - t0
         print(case, {m: round(results[case][m]["rmse_mean"]["mean"], 4) for m in rows},
               "paper", PAPER[case], f"{results[case]['seconds']:.1f}s", flush=True)
-    out = {"design": "Yue et al. (2022) §5.1, Cases I-IV", "runs": args.runs, "rounds": 30, "local_steps": 20, "lr": 0.01,
+    out = {"design": "Yue et al. (2022) §5.1, Cases I-IV",
+           "runs": args.runs, "rounds": 30, "local_steps": 20, "lr": 0.01,
            "alpha": 0.1, "batch_size": 10, "gradient": "sum", "cases": results}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -93,7 +93,8 @@ def main():
         results[case]["seconds"] = time.time() - t0
         print(case, {k: round(v["mean"], 4) for k, v in results[case].items() if k in rows}, "paper", PAPER[case],
               f"{results[case]['seconds']:.0f}s", flush=True)
-    out = {"design": "Yue et al. (2022) §5.2 Cases I-III", "prior": args.prior, "runs": args.runs, "rounds": args.rounds,
+    out = {"design": "Yue et al. (2022) §5.2 Cases I-III",
+           "prior": args.prior, "runs": args.runs, "rounds": args.rounds,
            "tilted": args.tilted, "local_posterior": "NUTS, 300 warm-up, 1000 draws", "cases": results}
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:

@@ -64,7 +64,8 @@ def main():
                              "step_size": gamma, "final_log_joint": float(-res.losses[-200:].mean()),
                              **summarise(theta_of(draws, J), ref_mean, ref_sd)})
                 print(json.dumps(rows[-1]), flush=True)
-    out = {"benchmark": "vertical_soul (Hassan et al. (2024) App. A on the §5.1 design)", "n": N, "p": P, "steps": args.steps,
+    out = {"benchmark": "vertical_soul (Hassan et al. (2024) App. A on the §5.1 design)",
+           "n": N, "p": P, "steps": args.steps,
            "langevin_steps_per_round": args.langevin, "nuts_samples": args.samples, "soul_draws": args.draws,
            "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -50,7 +50,8 @@ def test_readme_example_runs_and_does_not_warn(capsys):
 
     text = (ROOT / "README.md").read_text()
     code = re.search(r"## A first fit\n\n```python\n(.*?)```", text, re.S).group(1)
-    code = code.replace("nuts.run(jax.random.PRNGKey(0), clients)", "nuts.run(jax.random.PRNGKey(0), clients, progress_bar=False)")
+    code = code.replace("nuts.run(jax.random.PRNGKey(0), clients)",
+                        "nuts.run(jax.random.PRNGKey(0), clients, progress_bar=False)")
     assert "progress_bar=False" in code
     namespace = {}
     with warnings.catch_warnings():
