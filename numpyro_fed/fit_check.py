@@ -81,11 +81,13 @@ class SiteMoments(NamedTuple):
         return self.q_sd / max(self.weighted_sd, 1e-300)
 
 
-#: log weights that all lie within this of each other are equal weights: ``p / q`` varies by less than
-#: 0.1 % over q's draws, i.e. by float round-off of ``log p`` (a float32 log density near -70 carries
-#: ~1e-5 of it), so q is the posterior up to its constant. A generalised Pareto fit to such a tail
-#: is undefined (ArviZ returns k = inf): k is reported as -inf and the verdict is ``ok``.
+#: log weights that all lie within this of each other (or within :data:`EXACT_RELATIVE` of their
+#: magnitude, for large log densities) are equal weights: ``p / q`` varies by less than 0.1 % over
+#: q's draws, i.e. by float round-off of ``log p`` (a float32 log density near -70 carries ~1e-5 of
+#: it), so q is the posterior up to its constant. A generalised Pareto fit to such a tail is
+#: undefined (ArviZ returns k = inf): k is reported as -inf and the verdict is ``ok``.
 EXACT_SPREAD = 1e-3
+EXACT_RELATIVE = 2e-6  # about 16 float32 units in the last place of the log weights
 
 
 class FitDiagnostic(NamedTuple):
@@ -124,7 +126,7 @@ def smoothed_weights(log_w: np.ndarray) -> Tuple[np.ndarray, float]:
     import arviz as az
 
     log_w = np.asarray(log_w, np.float64)
-    if np.ptp(log_w) <= EXACT_SPREAD:  # q is the posterior up to its constant: equal weights (ArviZ says k = inf)
+    if np.ptp(log_w) <= max(EXACT_SPREAD, EXACT_RELATIVE * float(np.max(np.abs(log_w)))):  # q is the posterior up to its constant: equal weights (ArviZ says k = inf)
         return np.full(len(log_w), 1.0 / len(log_w)), float("-inf")
     smoothed, k = az.psislw(log_w)
     w = np.exp(smoothed - smoothed.max())

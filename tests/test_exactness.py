@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax import random
@@ -96,6 +97,18 @@ def rel_err(a, b):
 @example(model_name="linear_param", n=13, p=2, num_clients=3, guide_kind="full", mapping="auto", seed_=5)
 @example(model_name="logistic_local", n=17, p=3, num_clients=4, guide_kind="full_local", mapping="loop", seed_=9)
 def test_sfvi_gradient_equals_centralised(model_name, n, p, num_clients, guide_kind, mapping, seed_):
+    """Many random partitions, models and guides (Hypothesis; a long check)."""
+    _check_sfvi_gradient(model_name, n, p, num_clients, guide_kind, mapping, seed_)
+
+
+@pytest.mark.parametrize("case", [("linear_param", 13, 2, 3, "full", "auto", 5),
+                                  ("logistic_local", 17, 3, 4, "full_local", "loop", 9)])
+def test_sfvi_gradient_equals_centralised_on_two_partitions(case):
+    """The same identity on two fixed cases, one per client mapping (the quick check)."""
+    _check_sfvi_gradient(*case)
+
+
+def _check_sfvi_gradient(model_name, n, p, num_clients, guide_kind, mapping, seed_):
     model = MODELS[model_name]
     X, y = make_data(model_name, n, p, seed_)
     rng = np.random.default_rng(seed_ + 1)
