@@ -126,7 +126,8 @@ def smoothed_weights(log_w: np.ndarray) -> Tuple[np.ndarray, float]:
     import arviz as az
 
     log_w = np.asarray(log_w, np.float64)
-    if np.ptp(log_w) <= max(EXACT_SPREAD, EXACT_RELATIVE * float(np.max(np.abs(log_w)))):  # q is the posterior up to its constant: equal weights (ArviZ says k = inf)
+    # q is the posterior up to its constant: equal weights (ArviZ would say k = inf)
+    if np.ptp(log_w) <= max(EXACT_SPREAD, EXACT_RELATIVE * float(np.max(np.abs(log_w)))):
         return np.full(len(log_w), 1.0 / len(log_w)), float("-inf")
     smoothed, k = az.psislw(log_w)
     w = np.exp(smoothed - smoothed.max())
