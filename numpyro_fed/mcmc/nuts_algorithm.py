@@ -425,11 +425,16 @@ def chains_done(state: MCMCServerState) -> Array:
 
 
 def describe(state: MCMCServerState, *, config: MCMCConfig) -> str:
-    """The bar's words: the slowest chain's iteration, warmup or sampling, and the step size."""
-    done = int(np.min(np.asarray(state.iteration)))
+    """The bar's words: the slowest chain's iteration, warmup or sampling, the step size and the
+    mean acceptance probability of the iterations done."""
+    iterations = np.asarray(state.iteration)
+    done = int(np.min(iterations))
     phase = "warmup" if done < config.num_warmup else "sampling"
     eps = float(np.mean(np.asarray(state.eps)))
-    return f"{phase} {done}/{config.num_warmup + config.num_samples}, step size {eps:.3g}"
+    accept = np.asarray(state.stats.accept_prob).reshape(len(iterations), -1)
+    seen = np.arange(accept.shape[1])[None, :] < iterations[:, None]
+    rate = f", acceptance {float(np.mean(accept[seen])):.2f}" if seen.any() else ""
+    return f"{phase} {done}/{config.num_warmup + config.num_samples}, step size {eps:.3g}{rate}"
 
 
 def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
