@@ -201,7 +201,7 @@ def _report(say, fits, draws, d_nuts, comm, flagged, checks, ep_tilted, left_out
 def _verdict(method) -> str:
     """The method's fit-check verdict, with Pareto k, or why it was not run."""
     if method.open_ended:
-        return "none needed (exact MCMC; R-hat and ESS via nf.to_arviz)"
+        return "none needed (exact MCMC; ESS and R-hat: print_summary or nf.to_arviz)"
     check = getattr(method, "last_fit_check", None)
     if check is not None:
         return f"{check.verdict} (k {check.pareto_k:.2f})"
