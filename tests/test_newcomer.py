@@ -229,6 +229,7 @@ def test_an_exact_fit_is_not_called_unreliable():
 
     clients = nf.Clients({f"client{i}": client_data(i, 3) for i in range(3)})
     pvi = make_pvi()
+    pvi.client_mapping = "loop"  # as the flower demo's simulation: its round-off spreads the log weights by ~2e-5
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.UnreliableFitWarning)
         pvi.run(jax.random.PRNGKey(0), 4, clients, progress_bar=False)
