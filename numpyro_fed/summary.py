@@ -9,14 +9,10 @@ importance-sampling ESS; see :mod:`numpyro_fed.fit_check`). Every family has it 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
-
-if TYPE_CHECKING:
-    from .inference import FederatedInference
-    from .protocol import RunResult
 
 __all__ = ["print_summary", "summary"]
 
@@ -35,7 +31,7 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
     return {k: np.asarray(v)[None] for k, v in draws.items()}
 
 
-def summary(inference: "FederatedInference", result: "RunResult", *, prob: float = 0.9, num_samples: int = 1000,
+def summary(inference: Any, result: Any, *, prob: float = 0.9, num_samples: int = 1000,
             rng_key: Optional[jax.Array] = None) -> Dict[str, Dict[str, np.ndarray]]:
     """``{site: {"mean", "std", "median", "5.0%", "95.0%", ...}}`` of the fit's draws
     (NumPyro's :func:`numpyro.diagnostics.summary`; ``n_eff`` and ``r_hat`` for MCMC).
@@ -73,7 +69,7 @@ def _check_line(inference, result) -> str:
             + (f"; moments off for {', '.join(m.site for m in check.biased[:5])}" if check.biased else "") + ")")
 
 
-def print_summary(inference: "FederatedInference", result: "RunResult", *, prob: float = 0.9, num_samples: int = 1000,
+def print_summary(inference: Any, result: Any, *, prob: float = 0.9, num_samples: int = 1000,
                   rng_key: Optional[jax.Array] = None) -> None:
     """Print :func:`summary` as a table, one row per scalar, then the fit check's verdict
     (approximate families) or nothing more (MCMC: ``n_eff`` and ``r_hat`` are in the table).
