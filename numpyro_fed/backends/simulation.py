@@ -283,6 +283,8 @@ class SimulationBackend:
                 state = before
                 break
             outputs.append(out)
+            if bar is not None:
+                bar.update(1)
             if transcript is not None:
                 _record(transcript, int(before.round), plan.names, out, traffic, algorithm.exchanges)
             for callback in callbacks:
@@ -291,8 +293,6 @@ class SimulationBackend:
                 break
             if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
                 ckpt.save(checkpoint, state, plan.names, algorithm.name)
-            if bar is not None:
-                bar.update(1)
             if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
                 window = jnp.stack([o.figure for o in outputs[last:]])
                 bar.set_postfix_str(
