@@ -6,9 +6,11 @@ so a notebook without ipywidgets gets a plain bar rather than tqdm's warning.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["make_bar"]
+import numpy as np
+
+__all__ = ["make_bar", "show_chunk"]
 
 
 def make_bar(total: Optional[int], desc: str):
@@ -19,3 +21,13 @@ def make_bar(total: Optional[int], desc: str):
     except ImportError:
         from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="round", dynamic_ncols=True)
+
+
+def show_chunk(bar, algorithm: Any, server_state: Any, rounds: int, figures: Any) -> None:
+    """Move a chunked run's bar by the chunk's ``rounds``, with the algorithm's own words
+    (its ``describe``) and the mean of the chunk's per-round ``figures``."""
+    bar.update(rounds)
+    words = algorithm.describe(server_state) if algorithm.describe is not None else ""
+    figure = np.asarray(figures)[: max(rounds, 1)]
+    mean = float(np.mean(figure[np.isfinite(figure)])) if np.isfinite(figure).any() else float("nan")
+    bar.set_postfix_str(", ".join(p for p in (words, f"{algorithm.monitor_name}: {mean:.4g}") if p))

@@ -32,7 +32,7 @@ import numpy as np
 from jax import random
 
 from .. import checkpoint as ckpt
-from .._progress import make_bar
+from .._progress import make_bar, show_chunk
 from .._validation import check_positive_int
 from ..availability import as_availability, check_schedule
 from ..protocol import (
@@ -370,20 +370,10 @@ def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, st
         if checkpoint is not None:
             ckpt.save(checkpoint, state, plan.names, algorithm.name)
         if bar is not None:
-            _show_chunk(bar, algorithm, state, int(state.round) - int(chunk_start.round), outs)
+            show_chunk(bar, algorithm, state.server, int(state.round) - int(chunk_start.round), outs.figure)
     if bar is not None:
         bar.close()
     return state, failure, jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)
-
-
-def _show_chunk(bar, algorithm: FederatedAlgorithm, state: RunState, rounds: int, outs) -> None:
-    """Move a chunked run's bar by the chunk's rounds, with the algorithm's own words and the
-    chunk's mean figure."""
-    bar.update(rounds)
-    words = algorithm.describe(state.server) if algorithm.describe is not None else ""
-    figure = np.asarray(outs.figure)[: max(rounds, 1)]
-    mean = float(np.mean(figure[np.isfinite(figure)])) if np.isfinite(figure).any() else float("nan")
-    bar.set_postfix_str(", ".join(p for p in (words, f"{algorithm.monitor_name}: {mean:.4g}") if p))
 
 
 def _finished(algorithm: FederatedAlgorithm, state: RunState) -> bool:
