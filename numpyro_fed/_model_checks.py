@@ -1,5 +1,9 @@
 """Checks of a model as users write it, run at set-up before any round.
 
+- :func:`check_unmarked_row_sites`: an unmarked latent site in a plate that indexes a client's
+  rows is an error (a per-row variable would be shared by every client).
+- :func:`check_enumerable`: a discrete local site marked for enumeration must have a bounded,
+  not too large support (:data:`MAX_ENUMERATED_SUPPORT`).
 - :func:`check_traceable`: a federated fit compiles each client's term once, with the
   client's data as arguments (traced values). A model that reads its data's *values* in
   Python (``numpyro.plate("groups", int(gid.max()) + 1)``) cannot be compiled so; instead of
@@ -15,18 +19,104 @@
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpyro.distributions import constraints
 from numpyro.handlers import seed, substitute, trace
 
 from ._trace import finite_point
 from .handlers import FEDERATION_KEY
 from .warnings import SiteRoleWarning, find_stack_level
 
-__all__ = ["check_traceable", "warn_client_indexed_globals"]
+__all__ = [
+    "MAX_ENUMERATED_SUPPORT",
+    "check_enumerable",
+    "check_traceable",
+    "check_unmarked_row_sites",
+    "enumerated_support_size",
+    "warn_client_indexed_globals",
+]
+
+_UNMARKED_ROW_SITE = (
+    "latent site '{name}' sits in plate '{plate}', which also holds the observed site(s) "
+    "{observed} and has one entry per row of client '{client}' ({rows} rows): it is a "
+    "per-row variable, and unmarked latent sites are global (shared by every client). "
+    "Mark it local with nf.local_site(model, sites=['{name}']) (or mark it "
+    "nf.global_site explicitly if one value really is shared by all clients)"
+)
+MAX_ENUMERATED_SUPPORT = 1024  # values a client sums over per enumerated site (its memory grows with it)
+_UNBOUNDED_ENUM = (
+    "local latent site '{name}' is marked for enumeration but {dist} has an unbounded support ({support}): "
+    "summing it out would need infinitely many terms, so the result would be wrong. Marginalise it in the model "
+    "(e.g. a Poisson count of a Poisson observation), truncate it (a Categorical over the values that matter), or "
+    "make it continuous"
+)
+_HUGE_ENUM = (
+    "local latent site '{name}' is marked for enumeration over {size} values ({support}), more than the "
+    "{limit} a client sums over: every term of the ELBO and of the fit check would hold {size} copies of the "
+    "model. Marginalise it in the model, or use a smaller support"
+)
+
+
+def enumerated_support_size(fn) -> Optional[int]:
+    """How many values enumerating ``fn`` sums over, or ``None`` for an unbounded support.
+
+    Read off the support's bounds, without building the values (a ``Binomial(2**20)``
+    would otherwise be materialised).
+
+    Example:
+        >>> import numpyro.distributions as dist
+        >>> enumerated_support_size(dist.Binomial(10, 0.5)), enumerated_support_size(dist.Poisson(3.0))
+        (11, None)
+    """
+    if not getattr(fn, "has_enumerate_support", False):
+        return None
+    support = fn.support
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    if support is constraints.boolean:
+        return 2
+    lower, upper = getattr(support, "lower_bound", None), getattr(support, "upper_bound", None)
+    if lower is None or upper is None:
+        return None
+    return int(np.max(np.asarray(upper)) - np.min(np.asarray(lower))) + 1
+
+
+def check_enumerable(name: str, fn) -> None:
+    size = enumerated_support_size(fn)
+    if size is None:
+        base = fn
+        while hasattr(base, "base_dist"):  # name the distribution, not its Expanded/Masked wrapper
+            base = base.base_dist
+        raise ValueError(_UNBOUNDED_ENUM.format(name=name, dist=type(base).__name__, support=fn.support))
+    if size > MAX_ENUMERATED_SUPPORT:
+        raise ValueError(_HUGE_ENUM.format(name=name, size=size, support=fn.support, limit=MAX_ENUMERATED_SUPPORT))
+
+
+def _explicit_role(site) -> Optional[str]:
+    return (site.get("infer") or {}).get(FEDERATION_KEY)
+
+
+def check_unmarked_row_sites(tr, client: str, rows: int) -> None:
+    """An unmarked latent site sharing a row-sized plate with observed data is an error."""
+    observed_plates: Dict[str, list] = {}
+    for name, site in tr.items():
+        if site["type"] == "sample" and site["is_observed"]:
+            for frame in site["cond_indep_stack"]:
+                if frame.size == rows:
+                    observed_plates.setdefault(frame.name, []).append(name)
+    for name, site in tr.items():
+        if site["type"] != "sample" or site["is_observed"] or _explicit_role(site) is not None:
+            continue
+        for frame in site["cond_indep_stack"]:
+            if frame.name in observed_plates:
+                raise ValueError(_UNMARKED_ROW_SITE.format(
+                    name=name, plate=frame.name, observed=observed_plates[frame.name], client=client, rows=rows,
+                ))
+
 
 _CONCRETE_ERRORS = (
     jax.errors.ConcretizationTypeError,

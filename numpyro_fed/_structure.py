@@ -31,10 +31,10 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
-from ._model_checks import check_traceable, warn_client_indexed_globals
+from ._model_checks import check_enumerable, check_traceable, check_unmarked_row_sites, warn_client_indexed_globals
 from ._trace import or_finite_point, trace_model, unconstrained_shape
 from .groups import check_group_sites, group_axes, group_mask
-from .handlers import FEDERATION_KEY, GLOBAL, LOCAL, site_role
+from .handlers import GLOBAL, LOCAL, site_role
 
 __all__ = [
     "ModelStructure",
@@ -75,67 +75,11 @@ _ENUM_ONLY_PARALLEL = (
     "local latent site '{name}' has infer['enumerate'] = {how!r}; only 'parallel' enumeration "
     "(as in NumPyro's TraceEnum_ELBO) is supported"
 )
-_UNMARKED_ROW_SITE = (
-    "latent site '{name}' sits in plate '{plate}', which also holds the observed site(s) "
-    "{observed} and has one entry per row of client '{client}' ({rows} rows): it is a "
-    "per-row variable, and unmarked latent sites are global (shared by every client). "
-    "Mark it local with nf.local_site(model, sites=['{name}']) (or mark it "
-    "nf.global_site explicitly if one value really is shared by all clients)"
-)
 _DISCRETE_GLOBAL = (
     "global latent site '{name}' is discrete ({support}); the server's Gaussian family "
     "cannot represent it. Marginalise it out in the model, or make it a per-row local site "
     "(nf.local_site) with infer={{'enumerate': 'parallel'}} so each client sums it out"
 )
-
-
-MAX_ENUMERATED_SUPPORT = 1024  # values a client sums over per enumerated site (its memory grows with it)
-_UNBOUNDED_ENUM = (
-    "local latent site '{name}' is marked for enumeration but {dist} has an unbounded support ({support}): "
-    "summing it out would need infinitely many terms, so the result would be wrong. Marginalise it in the model "
-    "(e.g. a Poisson count of a Poisson observation), truncate it (a Categorical over the values that matter), or "
-    "make it continuous"
-)
-_HUGE_ENUM = (
-    "local latent site '{name}' is marked for enumeration over {size} values ({support}), more than the "
-    "{limit} a client sums over: every term of the ELBO and of the fit check would hold {size} copies of the "
-    "model. Marginalise it in the model, or use a smaller support"
-)
-
-
-def enumerated_support_size(fn) -> Optional[int]:
-    """How many values enumerating ``fn`` sums over, or ``None`` for an unbounded support.
-
-    Read off the support's bounds, without building the values (a ``Binomial(2**20)``
-    would otherwise be materialised).
-
-    Example:
-        >>> import numpyro.distributions as dist
-        >>> enumerated_support_size(dist.Binomial(10, 0.5)), enumerated_support_size(dist.Poisson(3.0))
-        (11, None)
-    """
-    if not getattr(fn, "has_enumerate_support", False):
-        return None
-    support = fn.support
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    if support is constraints.boolean:
-        return 2
-    lower, upper = getattr(support, "lower_bound", None), getattr(support, "upper_bound", None)
-    if lower is None or upper is None:
-        return None
-    return int(np.max(np.asarray(upper)) - np.min(np.asarray(lower))) + 1
-
-
-def _check_enumerable(name: str, fn) -> None:
-    size = enumerated_support_size(fn)
-    if size is None:
-        base = fn
-        while hasattr(base, "base_dist"):  # name the distribution, not its Expanded/Masked wrapper
-            base = base.base_dist
-        raise ValueError(_UNBOUNDED_ENUM.format(name=name, dist=type(base).__name__, support=fn.support))
-    if size > MAX_ENUMERATED_SUPPORT:
-        raise ValueError(_HUGE_ENUM.format(name=name, size=size, support=fn.support, limit=MAX_ENUMERATED_SUPPORT))
 
 
 class SiteLayout(NamedTuple):
@@ -268,28 +212,6 @@ def _shape_probes(clients):
     return probes
 
 
-def _explicit_role(site) -> Optional[str]:
-    return (site.get("infer") or {}).get(FEDERATION_KEY)
-
-
-def _check_unmarked_row_sites(tr, client: str, rows: int) -> None:
-    """An unmarked latent site sharing a row-sized plate with observed data is an error."""
-    observed_plates: Dict[str, list] = {}
-    for name, site in tr.items():
-        if site["type"] == "sample" and site["is_observed"]:
-            for frame in site["cond_indep_stack"]:
-                if frame.size == rows:
-                    observed_plates.setdefault(frame.name, []).append(name)
-    for name, site in tr.items():
-        if not is_latent(site) or _explicit_role(site) is not None:
-            continue
-        for frame in site["cond_indep_stack"]:
-            if frame.name in observed_plates:
-                raise ValueError(_UNMARKED_ROW_SITE.format(
-                    name=name, plate=frame.name, observed=observed_plates[frame.name], client=client, rows=rows,
-                ))
-
-
 def analyse_model(model, clients, kwargs) -> ModelStructure:
     """Discover the sites of ``model`` and check the annotations against every client's data.
 
@@ -305,7 +227,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
     check_group_sites(tr, plates)
     probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients)]
     for label, other in probes:
-        _check_unmarked_row_sites(other, label, clients.num_rows[label])
+        check_unmarked_row_sites(other, label, clients.num_rows[label])
     check_traceable(model, clients[first], kwargs, tr, plates)
     supports = {}
     global_entries, global_param = [], {}
@@ -324,7 +246,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
                     raise ValueError(_DISCRETE_LOCAL.format(name=name, support=site["fn"].support))
                 if how != "parallel":
                     raise ValueError(_ENUM_ONLY_PARALLEL.format(name=name, how=how))
-                _check_enumerable(name, site["fn"])
+                check_enumerable(name, site["fn"])
                 enumerated.append(name)
                 continue
             (local_latent if site["type"] == "sample" else local_param).append(name)

@@ -13,7 +13,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed._structure import MAX_ENUMERATED_SUPPORT, enumerated_support_size
+from numpyro_fed._model_checks import MAX_ENUMERATED_SUPPORT, enumerated_support_size
 
 PACKAGE = pathlib.Path(nf.__file__).parent
 
