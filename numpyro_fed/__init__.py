@@ -22,6 +22,7 @@ from .dp import PrivacyReport, dp_noise
 from .factor import BCM, EP, PVI, gaussian
 from .groups import group_plate
 from .handlers import global_site, local_site
+from .ladder import Fit, fit
 from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredGuide, UnreliableFitWarning
 from .linear import HM1, UnconvergedWarning
 from .mcmc import FederatedHMC, FederatedNUTS
@@ -59,6 +60,7 @@ __all__ = [
     "FederatedNUTS",
     "FederatedSVI",
     "FederatedWarning",
+    "Fit",
     "FitDiagnostic",
     "FitWarning",
     "HM1",
@@ -90,6 +92,7 @@ __all__ = [
     "dp_noise",
     "federated_compare",
     "federated_loo",
+    "fit",
     "gaussian",
     "global_site",
     "group_plate",

@@ -19,8 +19,19 @@ __all__ = ["print_summary", "summary"]
 MAX_SCALARS = 40  # a site with more scalars (e.g. per-row effects) is summarised by its count only
 
 
+def _is_fit(obj) -> bool:
+    from .ladder import Fit
+
+    return isinstance(obj, Fit)
+
+
 def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray]:
     """``{site: (chains, draws, ...)}``: MCMC's own chains, or one chain of the family's draws."""
+    if _is_fit(inference):  # nf.fit's answer: its accepted rung's draws
+        if inference.method == "nuts":
+            return _draws(inference.inference, inference.result, num_samples, rng_key)
+        return {k: np.asarray(v)[None] for k, v in inference.get_samples(num_samples=num_samples,
+                                                                        rng_key=rng_key).items()}
     if hasattr(inference, "get_samples"):
         return {k: np.asarray(v) for k, v in inference.get_samples(result, group_by_chain=True).items()}
     if not hasattr(inference, "sample_posterior"):
@@ -31,7 +42,7 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
     return {k: np.asarray(v)[None] for k, v in draws.items()}
 
 
-def summary(inference: Any, result: Any, *, prob: float = 0.9, num_samples: int = 1000,
+def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_samples: int = 1000,
             rng_key: Optional[jax.Array] = None) -> Dict[str, Dict[str, np.ndarray]]:
     """``{site: {"mean", "std", "median", "5.0%", "95.0%", ...}}`` of the fit's draws
     (NumPyro's :func:`numpyro.diagnostics.summary`; ``n_eff`` and ``r_hat`` for MCMC).
@@ -47,12 +58,16 @@ def summary(inference: Any, result: Any, *, prob: float = 0.9, num_samples: int 
 
     draws = _draws(inference, result, num_samples, rng_key)
     stats = numpyro_summary(draws, prob=prob, group_by_chain=True)
-    if not hasattr(inference, "get_samples"):  # iid draws of q: ESS and R-hat say nothing about the fit
+    mcmc = inference.method == "nuts" if _is_fit(inference) else hasattr(inference, "get_samples")
+    if not mcmc:  # iid draws of q: ESS and R-hat say nothing about the fit
         stats = {k: {s: v for s, v in d.items() if s not in ("n_eff", "r_hat")} for k, d in stats.items()}
     return stats
 
 
 def _check_line(inference, result) -> str:
+    if _is_fit(inference):
+        return f"{inference.method}, {inference.rounds} rounds; " + (
+            _verdict_text(inference.check) if inference.method != "nuts" else "")
     if hasattr(inference, "get_samples"):
         return ""
     diagnose = getattr(inference, "diagnose", None)
@@ -62,6 +77,10 @@ def _check_line(inference, result) -> str:
         check = diagnose(result)
     except Exception as err:  # a check that cannot run here (e.g. under DP) says why instead
         return f"fit check: not available ({str(err).splitlines()[0][:120]})"
+    return _verdict_text(check)
+
+
+def _verdict_text(check) -> str:
     k = "equal weights: q is the posterior up to round-off" if check.pareto_k == float("-inf") else (
         f"Pareto k {check.pareto_k:.2f}")
     return (f"fit check: {check.verdict} ({k}, ESS {check.ess:.0f} of "
@@ -69,7 +88,7 @@ def _check_line(inference, result) -> str:
             + (f"; moments off for {', '.join(m.site for m in check.biased[:5])}" if check.biased else "") + ")")
 
 
-def print_summary(inference: Any, result: Any, *, prob: float = 0.9, num_samples: int = 1000,
+def print_summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_samples: int = 1000,
                   rng_key: Optional[jax.Array] = None) -> None:
     """Print :func:`summary` as a table, one row per scalar, then the fit check's verdict
     (approximate families) or nothing more (MCMC: ``n_eff`` and ``r_hat`` are in the table).

@@ -9,6 +9,7 @@ natural-parameter algebra in :mod:`~numpyro_fed.factor.gaussian`.
 
 from . import gaussian
 from .ep_inference import EP
+from .laplace_inference import Laplace
 from .pvi_inference import BCM, PVI
 
-__all__ = ["BCM", "EP", "PVI", "gaussian"]
+__all__ = ["BCM", "EP", "Laplace", "PVI", "gaussian"]

@@ -111,6 +111,7 @@ class ModelTerms(NamedTuple):
     sites: str
     log_prior: Callable  # u -> the model's own log p(u) of the global sites (Jacobians included): the check's target
     residual: Optional[Callable] = None  # u -> log p(u) - log prior(u): the server's site (non-Gaussian priors)
+    layout: Optional[SiteLayout] = None  # the global sites' flat layout
 
 
 class FactorSetup(NamedTuple):
@@ -194,21 +195,27 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         log_joint_local = self._joint(structure, local)
 
         sites = ", ".join(layout.names)
-        residual = None
-        try:
-            prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=sites,
-                                       fix=_PRIOR_FIX.format(cls=cls))
-            _check_prior_is_proper(prior, layout, cls)
-        except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
-            if "flat" in str(err):
-                raise
-            prior, residual = split_prior(log_prior, d, layout, cls)
+        prior, residual = self._prior_factor(log_prior, layout)
         if self.family == "diagonal":
             if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
                 raise ValueError("family='diagonal' needs independent priors across the global sites")
             prior = G.NaturalGaussian(prior.shift, jnp.diag(prior.precision))
         # the check's target: the model's own prior (data-free, checked above), never the Gaussian factor
-        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior, residual)
+        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior, residual, layout)
+
+    def _prior_factor(self, log_prior: Callable, layout: SiteLayout):
+        """``(prior, residual)``: the prior's Gaussian factor (where ``q`` starts) and the
+        non-Gaussian rest, the server's site (``None`` for a Gaussian prior)."""
+        cls, d = type(self).__name__, layout.size
+        try:
+            prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=", ".join(layout.names),
+                                       fix=_PRIOR_FIX.format(cls=cls))
+            _check_prior_is_proper(prior, layout, cls)
+            return prior, None
+        except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
+            if "flat" in str(err):
+                raise
+            return split_prior(log_prior, d, layout, cls)
 
     def _joint(self, structure, local: SiteLayout) -> Callable:
         """``(w = [u, v], data) -> log p(y_j, v | u)`` with the local sites' Jacobians."""

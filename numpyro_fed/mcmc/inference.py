@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Any, Callable, Dict, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +144,8 @@ class FederatedMCMC(FederatedInference):
         self.trajectory_length = None if self.num_steps is not None else float(trajectory_length)
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
+        # (position, diagonal M^-1) of the global sites to start the chains from (nf.fit: a Laplace fit's)
+        self._warm_start: Tuple[Any, Any] = (None, None)
         self._init_inference()
 
     # ------------------------------------------------------------------ run
@@ -202,7 +204,7 @@ class FederatedMCMC(FederatedInference):
             potential, local_mask, structure.global_latent.size, len(clients), self.num_warmup, self.num_samples,
             self.num_chains, self.algo, self.max_tree_depth, 1000.0, self.target_accept_prob, self.step_size,
             self.adapt_step_size, self.adapt_mass_matrix, self.trajectory_length, self.num_steps,
-            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float))
+            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float), *self._warm_start)
         return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config), {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:

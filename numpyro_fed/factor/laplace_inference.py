@@ -1,0 +1,155 @@
+"""``Laplace``: the federated Laplace approximation of a model's global sites, checked.
+
+The first rung of :func:`numpyro_fed.fit`; usable on its own. The algorithm is
+:func:`~numpyro_fed.factor.laplace_algorithm.federated_laplace`; this class turns a model into
+its inputs and shares PVI's and EP's fit check, draws, ArviZ export and summaries (``q`` is
+one Gaussian over the unconstrained global sites).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro import handlers
+from numpyro.distributions.transforms import biject_to
+from numpyro.infer.initialization import init_to_median
+
+from .._structure import SiteLayout
+from .._validation import check_positive_int
+from ..protocol import RunResult
+from . import gaussian as G
+from .blocks import local_blocks as propose_blocks
+from .inference import FactorInference
+from .laplace_algorithm import MAX_HALVINGS, federated_laplace
+
+__all__ = ["Laplace", "NoModeError"]
+
+_NO_MODE = (
+    "Laplace: no posterior mode was reached in {rounds} rounds ({why}). The log posterior is flat or rising along "
+    "{sites}: with a flat (improper) prior on a site the data do not pin down the posterior is improper (give it a "
+    "proper prior, e.g. dist.Normal(0, 10)); a logistic regression whose classes a covariate separates has no "
+    "finite maximum (a proper prior fixes that too). Or the model's log density is not smooth there: use "
+    "nf.fit(..., exact=True) (federated NUTS)"
+)
+
+
+class NoModeError(ValueError):
+    """No posterior mode was reached; ``improper``: the weakest direction is one the prior leaves
+    flat (the posterior is improper there), ``sites``: the sites along it."""
+
+    def __init__(self, message: str, improper: bool, sites) -> None:
+        super().__init__(message)
+        self.improper, self.sites = improper, tuple(sites)
+
+
+class Laplace(FactorInference):
+    """The federated Laplace approximation ``q = N(mode, (-H)^-1)`` of the global sites.
+
+    Each round the server sends a point, every client returns its log-likelihood term there,
+    with gradient and Hessian (its local latents integrated out on the client by an inner
+    Laplace approximation, exact when they are conditionally Gaussian, block by block where
+    they lie in a plate), and the server takes a Newton step with backtracking (see
+    :mod:`~numpyro_fed.factor.laplace_algorithm`). Flat (improper) priors are accepted
+    wherever the posterior is proper; an improper posterior (no mode) is refused, naming the
+    sites. After ``run`` the fit is checked against the posterior as PVI's and EP's are
+    (Pareto k and moments; ``last_fit_check``) and a poor fit warns.
+
+    The search starts at the prior's median (NumPyro's ``init_to_median``; a flat prior: a
+    uniform draw in (-2, 2) of unconstrained space), so a prior far from 0 costs no rounds.
+
+    Args:
+        model: a NumPyro model; ``local_site`` latents never leave their client.
+        tol: stop when the Newton decrement (the distance to the mode in posterior sds) is
+            below this.
+        inner_steps: Newton steps per round of each client's inner mode (warm-started).
+        local_blocks: use the local latents' block structure (as :class:`~numpyro_fed.EP`).
+        client_mapping, row_plate, model_kwargs, check_fit: as :class:`~numpyro_fed.EP`.
+
+    Examples:
+        >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
+        >>> import numpyro_fed as nf
+        >>> def model(x, y):
+        ...     b = numpyro.sample("b", dist.Normal(250.0, 100.0))
+        ...     with numpyro.plate("rows", y.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(b + x, 1.0), obs=y)
+        >>> x = np.zeros(40); y = np.full(40, 260.0)
+        >>> clients = nf.Clients.split(np.repeat([0, 1], 20), x=x, y=y)
+        >>> laplace = nf.factor.Laplace(model)
+        >>> res = laplace.run(jax.random.PRNGKey(0), clients)
+        >>> print(f"{float(res.params['mean'][0]):.2f}")  # 260 / (1 + 1 / (40 * 100**2)), about 260
+        260.00
+    """
+
+    method = "laplace"
+    open_ended = True
+
+    def __init__(self, model: Callable, *, tol: float = 1e-2, inner_steps: int = 8, local_blocks: bool = True,
+                 client_mapping: str = "auto", row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
+                 check_fit: bool = True) -> None:
+        super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
+                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
+                         check_fit=check_fit)
+        if not tol > 0:
+            raise ValueError(f"tol={tol}: must be positive")
+        self.tol, self.inner_steps = float(tol), check_positive_int("inner_steps", inner_steps)
+        self.local_blocks = bool(local_blocks)
+        self._blocks = None
+
+    def run(self, rng_key: jax.Array, clients=None, *, max_rounds: int = 100, **kwargs) -> RunResult:
+        """Newton rounds until the mode is reached (at most ``max_rounds``), then the fit check.
+
+        Returns:
+            a :class:`~numpyro_fed.RunResult`: ``params`` ``{"mean", "cov"}`` of ``q`` over the
+            flat unconstrained global sites.
+        """
+        return super().run(rng_key, check_positive_int("max_rounds", max_rounds), clients, **kwargs)
+
+    # ------------------------------------------------------------------ hooks
+    def _prior_factor(self, log_prior: Callable, layout: SiteLayout):
+        # no prior factor: the server evaluates the prior itself each round (flat priors welcome)
+        d = layout.size
+        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        return G.NaturalGaussian(jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), None
+
+    def _algorithm(self, terms, plan, num_clients: int):
+        from ..backends.mapping import client_data
+
+        self._blocks = propose_blocks(terms.local) if self.local_blocks else None
+        start = prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout)
+        return federated_laplace(terms.log_prior, terms.log_joint, num_clients, start, num_local=terms.num_local,
+                                 blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol)
+
+    def _check_result(self, setup, result: RunResult) -> RunResult:
+        s = result.state.server
+        if not bool(s.converged):
+            layout = setup.extra.structure.global_latent
+            lam, vec = np.linalg.eigh(-np.asarray(s.hess, np.float64))
+            weak = vec[:, int(np.argmin(lam))] ** 2
+            owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
+            sites = sorted({owners[i] for i in np.flatnonzero(weak > 0.1)} or {owners[int(np.argmax(weak))]})
+            why = (f"the step was halved {MAX_HALVINGS} times without the log posterior rising" if bool(s.stuck)
+                   else f"the last Newton decrement was {float(s.decrement):.3g} posterior sds, above tol={self.tol}")
+            # the prior's own curvature along those sites: none (a flat prior) makes the posterior improper
+            prior_hess = np.asarray(jax.hessian(setup.extra.terms.log_prior)(s.u), np.float64)
+            flat = [owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)]
+            improper = bool(set(sites) & set(flat))
+            raise NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites)
+        return self._check_q(setup, result)
+
+
+def prior_median(model: Callable, args, kwargs, layout: SiteLayout) -> jax.Array:
+    """The global sites' prior medians (NumPyro's ``init_to_median``; a flat prior falls back to
+    a uniform draw in (-2, 2) of unconstrained space), flat and unconstrained."""
+    init = init_to_median(num_samples=15)
+    seeded = handlers.seed(model, rng_seed=0)
+    tr = handlers.trace(handlers.substitute(seeded, substitute_fn=init)).get_trace(**args, **kwargs)
+    values = {}
+    for name in layout.names:
+        site = tr[name]
+        values[name] = biject_to(site["fn"].support).inv(site["value"])
+    start = np.asarray(layout.ravel(values), np.float64)
+    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+    return jnp.asarray(np.where(np.isfinite(start), start, 0.0), dtype)

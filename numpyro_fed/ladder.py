@@ -1,0 +1,244 @@
+"""``nf.fit``: one call that returns the posterior of a federated model, checked.
+
+A ladder, the cheapest right answer first, every rung checked against the posterior:
+
+1. **Laplace** (:class:`~numpyro_fed.factor.Laplace`): Newton rounds on the global sites, the
+   local latents integrated on their clients; typically 5-20 rounds. Flat priors are accepted
+   where the posterior is proper; an improper posterior (no mode) is refused, naming the sites.
+2. **The fit check** of that Gaussian against the posterior (Pareto-smoothed importance
+   sampling, each client computing its own term; :mod:`numpyro_fed.fit_check`). Accepted when
+   its verdict is ``ok`` (Pareto k at most :data:`ACCEPT_K` and no biased site); accepted with
+   importance-corrected draws when k is at most :data:`CORRECT_K` and the corrected draws'
+   effective sample size is at least :data:`CORRECT_ESS` of :data:`CORRECT_DRAWS`.
+3. Otherwise **exact federated NUTS**, started at the Laplace mode with the Laplace variances
+   as its mass matrix (its warmup then adapts from a good start: ``num_warmup`` defaults to
+   :data:`WARM_WARMUP` instead of NumPyro's 500).
+
+``exact=True`` goes straight to federated NUTS (cold: NumPyro's defaults).
+
+What was tried, in order, and why the ladder moved on is in :attr:`Fit.log`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import jax
+import numpy as np
+
+from .warnings import FitWarning, find_stack_level
+
+__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_ESS", "CORRECT_K", "Fit", "WARM_WARMUP", "fit"]
+
+ACCEPT_K = 0.7
+"""The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most
+this (Vehtari et al., 2024) and no site biased (means within 0.2 weighted sds, sds within 15 %)."""
+CORRECT_K = 0.5
+"""A Laplace fit whose moments are off is accepted with importance-corrected draws when k is at
+most this (importance sampling has finite variance: its estimates converge at the usual rate)."""
+CORRECT_DRAWS = 4000
+"""Draws of the corrected check (the corrected draws are resampled from them)."""
+CORRECT_ESS = 0.25
+"""The corrected draws need an effective sample size of at least this share of :data:`CORRECT_DRAWS`."""
+WARM_WARMUP = 300
+"""Warmup iterations of federated NUTS started from the Laplace fit."""
+
+
+class Fit:
+    """What :func:`fit` returns.
+
+    Attributes:
+        method: ``"laplace"``, ``"laplace (importance-corrected)"`` or ``"nuts"``: the rung
+            whose answer this is.
+        inference: the fitted inference object of that rung; ``result``: its
+            :class:`~numpyro_fed.RunResult`.
+        rounds, bytes: communication rounds and bytes (both ways) of every rung tried.
+        check: the accepted rung's check: a :class:`~numpyro_fed.FitDiagnostic` (Laplace), or
+            for NUTS ``{"divergences", "min_n_eff", "max_r_hat"}`` over the global scalars.
+        log: what was tried, in order, and why the ladder moved on.
+    """
+
+    def __init__(self, method: str, inference: Any, result: Any, rounds: int, bytes: int, check: Any,
+                 log: List[str], corrected: bool = False, num_samples: int = 1000) -> None:
+        self.method, self.inference, self.result = method, inference, result
+        self.rounds, self.bytes, self.check, self.log = int(rounds), int(bytes), check, list(log)
+        self._corrected, self._num_samples = corrected, int(num_samples)
+        self._idata = None
+
+    def get_samples(self, client: Optional[str] = None, *, num_samples: Optional[int] = None,
+                    rng_key: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
+        """Constrained draws of the global sites (NumPyro's ``get_samples``); with ``client``,
+        that client's local sites at the same draws as well, computed by the client on its
+        own rows (in a deployment, on that client).
+
+        For NUTS: the chains' draws (``num_samples`` ignored); for Laplace: ``num_samples``
+        (default: ``fit``'s) draws of the Gaussian, or of the importance-corrected draws."""
+        n = self._num_samples if num_samples is None else int(num_samples)
+        key = jax.random.PRNGKey(1) if rng_key is None else rng_key
+        if self.method == "nuts":
+            return self.inference.get_samples(self.result, client=client)
+        if client is not None:
+            return self.inference.client_draws(key, self.result, n, client)
+        return self.inference.sample_posterior(key, self.result, n, corrected=self._corrected)
+
+    @property
+    def idata(self):
+        """The fit as ``arviz.InferenceData`` (:func:`numpyro_fed.to_arviz`)."""
+        if self._idata is None:
+            from .arviz import to_arviz
+
+            extra = {} if self.method == "nuts" else {"num_samples": max(1, self._num_samples // 4),
+                                                       "corrected": self._corrected}
+            self._idata = to_arviz(self.inference, self.result, jax.random.PRNGKey(2), **extra)
+        return self._idata
+
+    def print_summary(self, prob: float = 0.9) -> None:
+        """Print :func:`numpyro_fed.summary` of the fit, then the method, its rounds and its check."""
+        from .summary import print_summary
+
+        print_summary(self, prob=prob)
+
+    def __repr__(self) -> str:
+        return (f"Fit(method={self.method!r}, rounds={self.rounds}, bytes={self.bytes}, "
+                f"check={_check_text(self.check)})")
+
+
+def _check_text(check) -> str:
+    if isinstance(check, dict):
+        return ", ".join(f"{k} {v:.3g}" for k, v in check.items())
+    return f"{check.verdict} (Pareto k {check.pareto_k:.2f})" if check is not None else "none"
+
+
+def _bytes(result) -> int:
+    c = result.communication
+    return int(c.bytes_up + c.bytes_down) if c is not None else 0
+
+
+def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
+        num_warmup: Optional[int] = None, num_chains: int = 1, model_kwargs: Optional[dict] = None,
+        row_plate: Optional[str] = None, client_mapping: str = "auto", progress_bar: Optional[bool] = None,
+        **run_options: Any) -> Fit:
+    """Fit ``model`` to the federation ``clients``: the posterior of its global sites, checked.
+
+    Tries the Laplace approximation (a few Newton rounds), keeps it when the fit check passes,
+    and otherwise runs exact federated NUTS started from it (see :mod:`numpyro_fed.ladder` for
+    the thresholds). Every rung runs on the simulation unless ``backend=`` names another (e.g.
+    :class:`numpyro_fed.flower.FlowerBackend`).
+
+    Args:
+        model: a NumPyro model, annotated as for any family (``nf.local_site``, ``nf.group_plate``).
+        clients: the :class:`~numpyro_fed.Clients`.
+        rng_key: the key every rung's keys derive from.
+        exact: go straight to federated NUTS (exact up to Monte Carlo error).
+        num_samples: draws kept (NUTS: per chain; Laplace: draws of :meth:`Fit.get_samples`).
+        num_warmup: NUTS warmup (default: 500 cold, :data:`WARM_WARMUP` from the Laplace fit).
+        num_chains: NUTS chains.
+        model_kwargs, row_plate, client_mapping: as every family's.
+        progress_bar: show each rung's progress (default: the families' default, on).
+        **run_options: the backend's run options (``backend``, ``record_transcript``,
+            ``availability``, ...), passed to every rung.
+
+    Returns:
+        a :class:`Fit`.
+
+    Raises:
+        ValueError: the posterior is improper (no mode; naming the sites), or the model is one
+            no rung can fit (as the families' own errors say).
+
+    Example:
+        >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
+        >>> import numpyro_fed as nf
+        >>> def model(x, y):
+        ...     b = numpyro.sample("b", dist.Normal(0.0, 10.0))
+        ...     with numpyro.plate("rows", y.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(b * x, 1.0), obs=y)
+        >>> x = np.linspace(-1, 1, 60); y = 2.0 * x
+        >>> result = nf.fit(model, nf.Clients.split(np.repeat([0, 1, 2], 20), x=x, y=y), jax.random.PRNGKey(0),
+        ...                 progress_bar=False)
+        >>> result.method, result.check.verdict
+        ('laplace', 'ok')
+    """
+    from .factor import Laplace
+    from .factor.laplace_inference import NoModeError
+    from .mcmc import FederatedNUTS
+
+    common = dict(model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping)
+    log: List[str] = []
+    rounds = bytes_ = 0
+    warm = None
+    k_laplace, k_nuts = jax.random.split(rng_key)
+    if not exact:
+        laplace = Laplace(model, **common)
+        if progress_bar is not None:
+            laplace.progress_bar = bool(progress_bar)
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # the ladder acts on the check itself
+                warnings.simplefilter("always")
+                result = laplace.run(k_laplace, clients, **run_options)
+            _reemit([w for w in caught if not issubclass(w.category, FitWarning)])
+        except NoModeError as err:
+            if err.improper:
+                raise
+            log.append(f"laplace: no mode reached ({err}); moving to federated NUTS")
+        else:
+            rounds, bytes_ = int(result.communication.rounds), _bytes(result)
+            check = laplace.last_fit_check
+            mean, cov = (np.asarray(result.params[k]) for k in ("mean", "cov"))
+            warm = (mean, np.diag(cov))
+            if check is None:
+                log.append(f"laplace: {rounds} rounds; not checked ({laplace.last_fit_check_skipped}); "
+                           "moving to federated NUTS")
+            elif check.verdict == "ok":
+                log.append(f"laplace: {rounds} rounds; check ok (Pareto k {check.pareto_k:.2f}, no biased site): "
+                           "accepted")
+                return Fit("laplace", laplace, result, rounds, bytes_, check, log, num_samples=num_samples)
+            else:
+                log.append(f"laplace: {rounds} rounds; check {check.verdict} (Pareto k {check.pareto_k:.2f}"
+                           + (f"; biased: {', '.join(m.site for m in check.biased[:4])}" if check.biased else "")
+                           + ")")
+                if check.pareto_k <= CORRECT_K:
+                    big = laplace.diagnose(result, num_draws=CORRECT_DRAWS, rng_key=jax.random.fold_in(k_laplace, 7))
+                    if big.pareto_k <= CORRECT_K and big.ess >= CORRECT_ESS * CORRECT_DRAWS:
+                        laplace.last_fit_check = big
+                        laplace._checked_state = _fingerprint(result)
+                        log.append(f"laplace: importance correction with {CORRECT_DRAWS} draws: Pareto k "
+                                   f"{big.pareto_k:.2f}, ESS {big.ess:.0f}: accepted with corrected draws")
+                        return Fit("laplace (importance-corrected)", laplace, result, rounds, bytes_, big, log,
+                                   corrected=True, num_samples=num_samples)
+                    log.append(f"laplace: importance correction with {CORRECT_DRAWS} draws: Pareto k "
+                               f"{big.pareto_k:.2f}, ESS {big.ess:.0f}: not trustworthy")
+                log.append("moving to federated NUTS, started at the Laplace mode with its variances as mass matrix")
+    nuts = FederatedNUTS(model, num_warmup=(WARM_WARMUP if warm is not None else 500) if num_warmup is None
+                         else num_warmup, num_samples=num_samples, num_chains=num_chains, **common)
+    if progress_bar is not None:
+        nuts.progress_bar = bool(progress_bar)
+    if warm is not None:
+        nuts._warm_start = warm
+    result = nuts.run(k_nuts, clients, **run_options)
+    rounds, bytes_ = rounds + int(result.communication.rounds), bytes_ + _bytes(result)
+    check = _mcmc_check(nuts, result)
+    log.append(f"nuts: {int(result.communication.rounds)} rounds; " + _check_text(check))
+    return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=num_samples)
+
+
+def _fingerprint(result) -> str:
+    from .fit_check import state_fingerprint
+
+    return state_fingerprint(result.state.server)
+
+
+def _mcmc_check(nuts, result) -> Dict[str, float]:
+    from numpyro.diagnostics import summary as numpyro_summary
+
+    draws = {k: np.asarray(v) for k, v in nuts.get_samples(result, group_by_chain=True).items()}
+    stats = numpyro_summary(draws, group_by_chain=True)
+    n_eff = min(float(np.min(s["n_eff"])) for s in stats.values())
+    r_hat = max(float(np.nanmax(s["r_hat"])) for s in stats.values())
+    return {"divergences": float(nuts.sample_stats(result)["diverging"].sum()), "min_n_eff": n_eff,
+            "max_r_hat": r_hat}
+
+
+def _reemit(caught) -> None:
+    for w in caught:
+        warnings.warn(w.message, w.category, stacklevel=find_stack_level())
