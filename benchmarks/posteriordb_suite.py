@@ -52,7 +52,8 @@ from pdb_models import DB, Posterior, suite  # noqa: E402  (the translations: po
 
 RESULTS = HERE / "results" / "posteriordb_suite.json"
 MEAN_TOL, SD_TOL = 0.3, 0.2
-FAMILIES = ("sfvi", "sfvi_avg", "pvi", "ep", "vertical")
+FAMILIES = ("fit", "sfvi", "sfvi_avg", "pvi", "ep", "vertical")
+FIT_MEAN_TOL, FIT_SD_TOL, FIT_MCSE = 0.2, 0.15, 3.0  # nf.fit's own, stricter tolerance (see strict_within)
 
 
 # ---- references ----
@@ -134,7 +135,65 @@ def make(family: str, model):
     return nf.EP(model), None
 
 
+def strict_within(draws: Dict[str, np.ndarray], ref, n_eff: Dict[str, float]) -> dict:
+    """nf.fit's tolerance: every global mean within max(0.2 reference sds, 3 Monte Carlo standard
+    errors of our mean) of the reference, every sd within 15 %."""
+    worst_z, worst_r, ok = 0.0, 1.0, True
+    for n, x in draws.items():
+        sd = ref[n]["sd"]
+        mcse = float(np.std(x, ddof=1)) / np.sqrt(max(n_eff.get(n, len(x)), 1.0))
+        gap = abs(float(np.mean(x)) - ref[n]["mean"])
+        ratio = float(np.std(x, ddof=1)) / sd
+        ok &= gap <= max(FIT_MEAN_TOL * sd, FIT_MCSE * mcse) and abs(ratio - 1) <= FIT_SD_TOL
+        worst_z = max(worst_z, gap / sd)
+        worst_r = ratio if abs(ratio - 1) > abs(worst_r - 1) else worst_r
+    return {"within": bool(ok), "max_abs_z": worst_z, "worst_sd_ratio": worst_r}
+
+
+def pooled_nuts_seconds(post: Posterior) -> float:
+    """NumPyro's NUTS on the pooled data with its defaults (one chain, 500 + 1000), cold: compile included."""
+    start = time.perf_counter()
+    mcmc = MCMC(NUTS(post.pooled), num_warmup=500, num_samples=1000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(3), **post.pooled_data)
+    jax.block_until_ready(mcmc.get_samples())
+    return time.perf_counter() - start
+
+
+def run_fit(post: Posterior, ref, num_draws=4000) -> dict:
+    """``nf.fit`` with its defaults, against the reference, timed against pooled NUTS in the same process."""
+    row = {"posterior": post.name, "family": "fit"}
+    row["pooled_nuts_seconds"] = pooled_nuts_seconds(post)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fitted = nf.fit(post.model, post.clients, jax.random.PRNGKey(0), progress_bar=False)
+            draws = scalars(fitted.get_samples(num_samples=num_draws), post.sites)
+        except Exception as err:  # noqa: BLE001 - a refusal or a raised failure is a result here
+            row.update(status="refused" if isinstance(err, (ValueError, NotImplementedError)) else "raised",
+                       error=f"{type(err).__name__}: {str(err)[:300]}", seconds=time.perf_counter() - start)
+            return row
+    row["seconds"] = time.perf_counter() - start
+    fed = [w for w in caught if issubclass(w.category, nf.FederatedWarning)]
+    row["warnings"] = sorted({w.category.__name__ for w in fed})
+    row["warning_text"] = [str(w.message)[:300] for w in fed][:3]
+    row.update(method=fitted.method, rounds=fitted.rounds, bytes=fitted.bytes, log=fitted.log)
+    check = fitted.check
+    row["verdict"] = check.verdict if hasattr(check, "verdict") else None
+    row["pareto_k"] = float(check.pareto_k) if hasattr(check, "pareto_k") else None
+    n_eff = {}
+    if fitted.method == "nuts":
+        from numpyro.diagnostics import effective_sample_size as ess
+        n_eff = {n: float(ess(x[None])) for n, x in draws.items()}
+    row["q"] = compare(draws, ref)
+    row["strict"] = strict_within(draws, ref, n_eff)
+    row["status"] = "within" if row["strict"]["within"] else ("warned" if fed else "SILENT WRONG")
+    return row
+
+
 def run_pair(post: Posterior, family: str, ref, num_draws=4000, rounds=None) -> dict:
+    if family == "fit":
+        return run_fit(post, ref, num_draws)
     if family == "vertical":
         vmodel, vdata, where = post.vertical()
         n = len(vdata["y"])

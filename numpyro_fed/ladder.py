@@ -34,12 +34,13 @@ __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_ESS", "CORRECT_K", "Fit", "WARM
 ACCEPT_K = 0.7
 """The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most
 this (Vehtari et al., 2024) and no site biased (means within 0.2 weighted sds, sds within 15 %)."""
-CORRECT_K = 0.5
-"""A Laplace fit whose moments are off is accepted with importance-corrected draws when k is at
-most this (importance sampling has finite variance: its estimates converge at the usual rate)."""
+CORRECT_K = 0.7
+"""A Laplace fit whose moments are off is accepted with importance-corrected draws when the
+corrected check's k is at most this (Vehtari et al., 2024: importance sampling is reliable) and
+its effective sample size at least :data:`CORRECT_ESS` of its draws."""
 CORRECT_DRAWS = 4000
 """Draws of the corrected check (the corrected draws are resampled from them)."""
-CORRECT_ESS = 0.25
+CORRECT_ESS = 0.5
 """The corrected draws need an effective sample size of at least this share of :data:`CORRECT_DRAWS`."""
 WARM_WARMUP = 300
 """Warmup iterations of federated NUTS started from the Laplace fit."""

@@ -78,6 +78,10 @@ def ep():
     return nf.EP(ep_model, schedule="synchronous", damping=0.5), horizontal_data()
 
 
+def laplace():
+    return nf.factor.Laplace(ep_model), horizontal_data()
+
+
 def hm1():
     return nf.HM1(lr=0.02, local_steps=3, subset_size=2), horizontal_data()
 
@@ -92,7 +96,7 @@ def vertical_soul():
     return nf.VerticalSOUL(vmodel, optax.sgd(0.05), step_size=1e-3, num_langevin=2, batch_size=8), vertical_data()
 
 
-FAMILIES = {f.__name__: f for f in (sfvi, sfvi_avg, pvi, ep, hm1, vertical_sfvi, vertical_soul)}
+FAMILIES = {f.__name__: f for f in (sfvi, sfvi_avg, pvi, ep, laplace, hm1, vertical_sfvi, vertical_soul)}
 
 
 def dp_linear():

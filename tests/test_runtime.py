@@ -28,11 +28,13 @@ def test_every_family_returns_the_same_result_through_one_backend(family):
     calls = []
     res = run(inference, inputs, random.PRNGKey(0), 3, callbacks=[lambda r, s, i: calls.append(r)])
     assert isinstance(res, nf.RunResult) and res._fields == nf.RunResult._fields
-    assert isinstance(res.state, nf.RunState) and int(res.state.round) == 3
-    assert res.trace.shape == (3,) and np.isfinite(res.trace).all()
-    assert res.communication.rounds == 3 and res.communication.bytes_up > 0
+    # an open-ended family (the Laplace search) may stop before its cap, once it is done
+    rounds = int(res.state.round)
+    assert isinstance(res.state, nf.RunState) and (rounds == 3 or (inference.open_ended and 1 <= rounds < 3))
+    assert res.trace.shape == (rounds,) and np.isfinite(res.trace).all()
+    assert res.communication.rounds == rounds and res.communication.bytes_up > 0
     assert set(res.client_states) == set(inference._setup_cache.plan.names)
-    assert calls == [1, 2, 3]  # callbacks see every round
+    assert calls == list(range(1, rounds + 1))  # callbacks see every round
     assert jax.tree_util.tree_leaves(res.params)
 
 

@@ -61,7 +61,7 @@ from .blocks import local_blocks as propose_blocks
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
 from .network_check import NetworkFitCheck
 from .pointwise import PointwiseLikelihood
-from .prior_site import prior_site_update, split_prior
+from .prior_site import prior_median, prior_site_update, split_prior
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
@@ -96,7 +96,7 @@ _REJECTED = (
 )
 _NEVER_APPLIED = (
     "{cls} applied no update in {rounds} round(s): q is still the prior, not a posterior. {why}Use damping < 1, "
-    "more local steps, or check the model and data"
+    "more local steps, or check the model and data (nf.fit starts from the Laplace approximation)"
 )
 
 
@@ -195,7 +195,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         log_joint_local = self._joint(structure, local)
 
         sites = ", ".join(layout.names)
-        prior, residual = self._prior_factor(log_prior, layout)
+        start = prior_median(self.model, clients[clients.names[0]], kwargs, layout)
+        prior, residual = self._prior_factor(log_prior, layout, start)
         if self.family == "diagonal":
             if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
                 raise ValueError("family='diagonal' needs independent priors across the global sites")
@@ -203,7 +204,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         # the check's target: the model's own prior (data-free, checked above), never the Gaussian factor
         return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior, residual, layout)
 
-    def _prior_factor(self, log_prior: Callable, layout: SiteLayout):
+    def _prior_factor(self, log_prior: Callable, layout: SiteLayout, start):
         """``(prior, residual)``: the prior's Gaussian factor (where ``q`` starts) and the
         non-Gaussian rest, the server's site (``None`` for a Gaussian prior)."""
         cls, d = type(self).__name__, layout.size
@@ -215,7 +216,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
             if "flat" in str(err):
                 raise
-            return split_prior(log_prior, d, layout, cls)
+            return split_prior(log_prior, d, layout, cls, start)
 
     def _joint(self, structure, local: SiteLayout) -> Callable:
         """``(w = [u, v], data) -> log p(y_j, v | u)`` with the local sites' Jacobians."""
@@ -268,9 +269,10 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         damping = np.asarray(info.damping)
         dead = (answered > 0) & (np.asarray(info.valid).sum(axis=-1) == 0)
         start = int(result.state.round) - len(damping)
-        if np.all(damping == 0) and not bool(jnp.any(result.state.server.q.shift != setup.extra.terms.prior.shift)
-                                               | jnp.any(result.state.server.q.precision
-                                                         != setup.extra.terms.prior.precision)):
+        # no client's update ever applied: q holds no data (the server's refinement of a non-Gaussian
+        # prior's site may have moved it, but only towards the prior)
+        applied = (np.asarray(info.valid).sum(axis=-1) > 0) & (damping > 0)
+        if not applied.any() and int(result.state.round) == len(damping):
             why = ""
             if dead.any():
                 bad = sorted({names[j] for r in np.flatnonzero(dead) for j in range(len(names))

@@ -13,9 +13,6 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro import handlers
-from numpyro.distributions.transforms import biject_to
-from numpyro.infer.initialization import init_to_median
 
 from .._structure import SiteLayout
 from .._validation import check_positive_int
@@ -24,6 +21,7 @@ from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .inference import FactorInference
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
+from .prior_site import prior_median
 
 __all__ = ["Laplace", "NoModeError"]
 
@@ -108,8 +106,9 @@ class Laplace(FactorInference):
         return super().run(rng_key, check_positive_int("max_rounds", max_rounds), clients, **kwargs)
 
     # ------------------------------------------------------------------ hooks
-    def _prior_factor(self, log_prior: Callable, layout: SiteLayout):
+    def _prior_factor(self, log_prior: Callable, layout: SiteLayout, start):
         # no prior factor: the server evaluates the prior itself each round (flat priors welcome)
+        del start
         d = layout.size
         dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
         return G.NaturalGaussian(jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), None
@@ -135,21 +134,8 @@ class Laplace(FactorInference):
             # the prior's own curvature along those sites: none (a flat prior) makes the posterior improper
             prior_hess = np.asarray(jax.hessian(setup.extra.terms.log_prior)(s.u), np.float64)
             flat = [owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)]
-            improper = bool(set(sites) & set(flat))
+            # improper: no curvature along a direction the prior leaves flat (not: a mode Newton's
+            # method has not reached in float precision, which exact NUTS can still sample)
+            improper = bool(set(sites) & set(flat)) and bool(lam.min() <= 1e-8 * max(1.0, abs(lam).max()))
             raise NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites)
         return self._check_q(setup, result)
-
-
-def prior_median(model: Callable, args, kwargs, layout: SiteLayout) -> jax.Array:
-    """The global sites' prior medians (NumPyro's ``init_to_median``; a flat prior falls back to
-    a uniform draw in (-2, 2) of unconstrained space), flat and unconstrained."""
-    init = init_to_median(num_samples=15)
-    seeded = handlers.seed(model, rng_seed=0)
-    tr = handlers.trace(handlers.substitute(seeded, substitute_fn=init)).get_trace(**args, **kwargs)
-    values = {}
-    for name in layout.names:
-        site = tr[name]
-        values[name] = biject_to(site["fn"].support).inv(site["value"])
-    start = np.asarray(layout.ravel(values), np.float64)
-    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-    return jnp.asarray(np.where(np.isfinite(start), start, 0.0), dtype)

@@ -195,6 +195,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
             self.model, self.model_kwargs, clients, structure, self.client_mapping, self.row_plate
         )
         objective = FederatedObjective(self.model, self.guide, structure, self.model_kwargs, self.stl)
+        objective.set_global_start(clients[clients.names[0]])
         J = len(clients)
         self._plan_privacy(clients)
         if self._privacy is not None:

@@ -36,6 +36,7 @@ from .._structure import (
 )
 from ..clients import ClientData
 from ..handlers import GLOBAL, LOCAL, site_role
+from ..factor.prior_site import prior_median
 from .guides import StructuredGuide
 
 __all__ = ["ClientData", "FederatedObjective"]
@@ -84,6 +85,7 @@ class FederatedObjective:
         self.stl = bool(stl)
         self.global_constraints = {n: c for n, (_, c) in structure.global_param.items()}
         self._enum_dependent: Dict[tuple, Tuple[str, ...]] = {}
+        self.global_start: Optional[jax.Array] = None  # the guide's starting global locations (set_global_start)
 
     # ------------------------------------------------------------- parameters
     @property
@@ -91,8 +93,18 @@ class FederatedObjective:
         return self.structure.global_latent.size
 
     def init_global(self) -> Dict:
+        """The server's starting parameters; the guide's locations at :attr:`global_start` (the
+        prior medians of the global sites, as NumPyro's autoguides start) when set."""
         theta = {n: u for n, (u, _) in self.structure.global_param.items()}
-        return {"guide": self.guide.init_global(self.global_size), "theta": theta}
+        guide = self.guide.init_global(self.global_size)
+        if self.global_start is not None and self.global_size:
+            guide = {**guide, "loc": jnp.asarray(self.global_start, guide["loc"].dtype)}
+        return {"guide": guide, "theta": theta}
+
+    def set_global_start(self, args: Mapping) -> None:
+        """:attr:`global_start` from the prior medians, traced at set-up on a client's arguments
+        ``args`` (the global priors use no data: checked at set-up)."""
+        self.global_start = prior_median(self.model, args, self.model_kwargs, self.structure.global_latent)
 
     def client_layout(self, args: Mapping) -> tuple:
         """Local layout and local-param constraints for a client's argument shapes."""
@@ -105,8 +117,12 @@ class FederatedObjective:
 
     def init_local(self, data: ClientData) -> Dict:
         layout, _, tr = self.client_layout(data.args)
+        guide = self.guide.init_local(layout.size, self.global_size)
+        if layout.size:  # the local locations at their prior medians given the global ones, on the client's rows
+            loc = prior_median(self.model, data.args, self.model_kwargs, layout).astype(guide["loc"].dtype)
+            guide = {**guide, "loc": loc * layout.flat_mask(data.row_mask, data.args)}
         return {
-            "guide": self.guide.init_local(layout.size, self.global_size),
+            "guide": guide,
             "theta": self.structure.local_param_init(tr),
         }
 

@@ -1,0 +1,226 @@
+"""``nf.fit`` and the defaults it rests on: the Laplace rung against analytic posteriors, flat
+priors, improper posteriors refused, the fall-back to exact federated NUTS, and the families'
+fixed defaults (a prior far from 0, SFVI's start, EP/PVI that never applied an update, the
+fit check's shape test)."""
+
+import warnings
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+
+import numpyro_fed as nf
+from numpyro_fed.fit_check import curvature_report, fit_diagnostic
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(90, 2)).astype(np.float32)
+Y = (1.5 + X @ np.array([2.0, -1.0]) + 0.7 * RNG.normal(size=90)).astype(np.float32)
+GROUPS = np.repeat([0, 1, 2], 30)
+NOISE = 0.7
+
+
+def _analytic(prior_sd):
+    """The conjugate posterior of (intercept, slopes) with known noise and N(0, prior_sd^2) priors
+    (prior_sd None: flat, the least-squares fit)."""
+    design = np.column_stack([np.ones(len(Y)), X]).astype(np.float64)
+    precision = design.T @ design / NOISE**2
+    if prior_sd is not None:
+        precision = precision + np.eye(3) / prior_sd**2
+    cov = np.linalg.inv(precision)
+    return cov @ design.T @ Y / NOISE**2, np.sqrt(np.diag(cov))
+
+
+def _regression(prior):
+    def model(x, y):
+        a = numpyro.sample("a", prior)
+        b = numpyro.sample("b", prior.expand([2]).to_event(1) if hasattr(prior, "expand") else prior)
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(a + x @ b, NOISE), obs=y)
+    return model
+
+
+def _clients():
+    return nf.Clients.split(GROUPS, x=X, y=Y)
+
+
+def test_fit_is_the_exact_posterior_of_a_conjugate_model_in_a_few_rounds():
+    fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), progress_bar=False)
+    mean, sd = _analytic(3.0)
+    assert fit.method == "laplace" and fit.check.verdict == "ok" and fit.rounds <= 6, fit
+    got = np.concatenate([np.asarray(fit.result.params["mean"])])
+    np.testing.assert_allclose(got, mean, atol=1e-3)
+    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(fit.result.params["cov"]))), sd, rtol=1e-3)
+    draws = fit.get_samples(num_samples=4000)
+    assert draws["a"].shape == (4000,) and draws["b"].shape == (4000, 2)
+    assert abs(float(draws["a"].mean()) - mean[0]) < 0.1 * sd[0] and "laplace" in fit.log[0]
+    assert fit.bytes > 0 and "laplace" in repr(fit)
+    stats = nf.summary(fit)
+    assert set(stats) == {"a", "b"} and "r_hat" not in stats["a"]
+
+
+def test_fit_accepts_a_flat_prior_where_the_posterior_is_proper():
+    # Stan programs leave coefficients' priors flat; PVI and EP refuse them, the Laplace rung need not
+    model = _regression(dist.ImproperUniform(dist.constraints.real, (), ()))
+    fit = nf.fit(model, _clients(), jax.random.PRNGKey(0), progress_bar=False)
+    mean, sd = _analytic(None)
+    assert fit.method == "laplace", fit.log
+    np.testing.assert_allclose(np.asarray(fit.result.params["mean"]), mean, atol=1e-3)
+    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(fit.result.params["cov"]))), sd, rtol=1e-3)
+
+
+def test_fit_refuses_an_improper_posterior_naming_the_site():
+    def model(x, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 3.0))
+        ghost = numpyro.sample("ghost", dist.ImproperUniform(dist.constraints.real, (), ()))  # no data on it
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(a + 0.0 * ghost * x[:, 0], NOISE), obs=y)
+
+    with pytest.raises(ValueError, match="ghost") as err:
+        nf.fit(model, _clients(), jax.random.PRNGKey(0), progress_bar=False)
+    assert "proper prior" in str(err.value)
+
+
+def _glmm(ward, x, y):
+    beta = numpyro.sample("beta", dist.Normal(0, 2).expand([2]).to_event(1))
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with nf.group_plate("wards", ward), nf.local_site():
+        z = numpyro.sample("z", dist.Normal(0, 1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=beta[0] + beta[1] * x + tau * z[ward]), obs=y)
+
+
+def _glmm_data():
+    rng = np.random.default_rng(0)
+    hospital, ward = np.repeat(np.arange(4), 150), np.tile(np.arange(6), 100)
+    x = rng.normal(size=600).astype("float32")
+    effect = rng.normal(0, 0.8, size=(4, 6))[hospital, ward]
+    y = (rng.random(600) < 1 / (1 + np.exp(0.5 - x - effect))).astype("float32")
+    return hospital, ward, x, y
+
+
+def test_fit_of_a_logistic_glmm_matches_nuts_on_the_pooled_data():
+    from numpyro.infer import MCMC, NUTS
+
+    hospital, ward, x, y = _glmm_data()
+    fit = nf.fit(_glmm, nf.Clients.split(hospital, ward=ward, x=x, y=y), jax.random.PRNGKey(0),
+                 progress_bar=False)
+    gid = hospital * 6 + ward
+
+    def pooled(x, y):
+        beta = numpyro.sample("beta", dist.Normal(0, 2).expand([2]).to_event(1))
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with numpyro.plate("g", 24):
+            z = numpyro.sample("z", dist.Normal(0, 1))
+        numpyro.sample("y", dist.Bernoulli(logits=beta[0] + beta[1] * x + tau * z[gid]), obs=y)
+
+    mcmc = MCMC(NUTS(pooled), num_warmup=500, num_samples=2000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(1), x, y)
+    ref = mcmc.get_samples()
+    ours = fit.get_samples(num_samples=4000)
+    assert fit.check is not None and fit.rounds < 200, fit.log
+    for site in ("beta", "tau"):
+        r, o = np.asarray(ref[site]).reshape(2000, -1), np.asarray(ours[site]).reshape(4000, -1)
+        assert np.all(np.abs(o.mean(0) - r.mean(0)) <= 0.2 * r.std(0) + 3 * r.std(0) / np.sqrt(300)), site
+        assert np.all(np.abs(o.std(0) / r.std(0) - 1) <= 0.15), site
+    local = fit.get_samples("0", num_samples=50)  # a client's own ward effects, drawn on that client
+    assert local["z"].shape[0] == 50
+
+
+def test_fit_falls_back_to_federated_nuts_started_from_the_laplace_fit_when_its_check_fails():
+    # eight schools, non-centred, one school per client: the posterior of log tau is far from Gaussian
+    y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
+    sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
+
+    def model(y, sigma):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+        with nf.local_site():
+            eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+    clients = nf.Clients.split(np.arange(8), y=y, sigma=sigma)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FitWarning)  # the ladder acts on the check: no fit warning leaks
+        fit = nf.fit(model, clients, jax.random.PRNGKey(0), num_samples=300, num_warmup=150, progress_bar=False)
+    assert fit.method == "nuts" and fit.log[0].startswith("laplace") and fit.log[-1].startswith("nuts"), fit.log
+    assert fit.inference._warm_start[0] is not None  # the chain started at the Laplace mode
+    assert fit.get_samples()["tau"].shape == (300,) and set(fit.check) == {"divergences", "min_n_eff", "max_r_hat"}
+
+
+def test_exact_goes_straight_to_federated_nuts():
+    fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
+                 num_samples=100, num_warmup=100, progress_bar=False)
+    assert fit.method == "nuts" and len(fit.log) == 1 and fit.inference._warm_start == (None, None)
+
+
+# ---- the families' defaults ----
+
+def _far_prior_model(x, y):
+    a = numpyro.sample("a", dist.Normal(250.0, 100.0))
+    s = numpyro.sample("s", dist.HalfNormal(50.0))  # non-Gaussian: the prior's mode is searched for
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(a + x[:, 0], s), obs=y)
+
+
+def _far_clients():
+    y = (240.0 + X[:, 0] + 10.0 * np.random.default_rng(1).normal(size=90)).astype(np.float32)
+    return nf.Clients.split(GROUPS, x=X, y=y)
+
+
+def test_ep_fits_a_proper_prior_far_from_zero():
+    """The prior-mode search (Newton with backtracking from the prior's median) reaches Normal(250, 100)."""
+    ep = nf.EP(_far_prior_model)
+    ep.progress_bar = False
+    result = ep.run(jax.random.PRNGKey(0), 6, _far_clients())
+    lap = nf.fit(_far_prior_model, _far_clients(), jax.random.PRNGKey(0), progress_bar=False)
+    sd = float(np.sqrt(lap.result.params["cov"][0, 0]))
+    assert abs(float(result.params["mean"][0]) - float(lap.result.params["mean"][0])) < 0.3 * sd
+
+
+def test_sfvi_starts_at_the_prior_median_as_numpyros_autoguides_do():
+    svi = nf.FederatedSVI(_far_prior_model, nf.StructuredGuide(_far_prior_model), optax.adam(0.02))
+    state = svi.init(jax.random.PRNGKey(0), _far_clients())
+    loc = np.asarray(state.server.global_params["guide"]["loc"])
+    assert 150.0 < loc[0] < 350.0, loc  # the prior's median of a, not 0
+    assert 10.0 < np.exp(loc[1]) < 80.0, loc  # HalfNormal(50)'s median, 33.7, in log space
+
+
+def test_ep_that_never_applied_an_update_raises_though_the_prior_site_moved_q():
+    def model(x, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 10.0))
+        s = numpyro.sample("s", dist.HalfNormal(5.0))  # non-Gaussian: the server refines its site each round
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(a + x[:, 0], s), obs=y)
+
+    ep = nf.EP(model, laplace_steps=1)  # one Newton step: no local fit converges, every update is invalid
+    ep.progress_bar = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nf.FederatedWarning)
+        with pytest.raises(ValueError, match="applied no update"):
+            ep.run(jax.random.PRNGKey(0), 3, nf.Clients.split(GROUPS, x=X, y=Y))
+
+
+@pytest.mark.parametrize("ratio", [0.7, 1.4])
+def test_the_shape_test_sees_a_scale_too_narrow_or_too_wide(ratio):
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(1000, 6))
+    z[:, 2] *= ratio  # q's sd of coordinate 2 is ratio x the posterior's (N(0, 1))
+    log_w = -0.5 * z[:, 2] ** 2 + 0.5 * (z[:, 2] / ratio) ** 2
+    sites = {"beta": z[:, :4], "tau": z[:, 4:]}
+    report = curvature_report(log_w, z, sites)
+    assert [m.site for m in report] == ["beta[2] (curvature)"], report
+    assert fit_diagnostic(log_w, sites, z, sites).verdict != "ok"
+
+
+@pytest.mark.parametrize("ratio", [0.9, 1.0, 1.1])
+def test_the_shape_test_passes_a_fit_within_tolerance(ratio):
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        z = rng.normal(size=(1000, 6))
+        z[:, 0] *= ratio
+        log_w = -0.5 * z[:, 0] ** 2 + 0.5 * (z[:, 0] / ratio) ** 2
+        assert curvature_report(log_w, z, {"beta": z}) == ()
