@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
+import numpyro
 from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 from numpyro.infer.initialization import init_to_median
@@ -137,13 +138,17 @@ def prior_median(model: Callable, args, kwargs, layout) -> jax.Array:
     is 0. Pure JAX: runs under ``jit`` on a client's own arguments."""
     if not layout.names:
         return jnp.zeros(0)
+    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
     seeded = handlers.seed(model, rng_seed=0)
-    tr = handlers.trace(handlers.substitute(seeded, substitute_fn=init_to_median(num_samples=15))).get_trace(
-        **args, **kwargs)
+    try:
+        with numpyro.validation_enabled(False):
+            tr = handlers.trace(handlers.substitute(seeded, substitute_fn=init_to_median(num_samples=15))).get_trace(
+                **args, **kwargs)
+    except ValueError:  # the medians make a later distribution invalid (e.g. Gamma(0.001, 0.001) for a precision)
+        return jnp.zeros(layout.size, dtype)
     values = {}
     for name, shape in zip(layout.names, layout.shapes):
         site = tr[name]
         values[name] = jnp.reshape(biject_to(site["fn"].support).inv(site["value"]), shape)
     start = layout.ravel(values)
-    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
     return jnp.where(jnp.isfinite(start), start, 0.0).astype(dtype)
