@@ -54,16 +54,19 @@ class Fit:
             whose answer this is.
         inference: the fitted inference object of that rung; ``result``: its
             :class:`~numpyro_fed.RunResult`.
-        rounds, bytes: communication rounds and bytes (both ways) of every rung tried.
+        rounds, bytes: communication rounds and bytes (both ways) of every rung tried;
+            ``bytes_up``, ``bytes_down``: each way.
         check: the accepted rung's check: a :class:`~numpyro_fed.FitDiagnostic` (Laplace), or
             for NUTS ``{"divergences", "min_n_eff", "max_r_hat"}`` over the global scalars.
         log: what was tried, in order, and why the ladder moved on.
     """
 
-    def __init__(self, method: str, inference: Any, result: Any, rounds: int, bytes: int, check: Any,
+    def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
                  log: List[str], corrected: bool = False, num_samples: int = 1000) -> None:
         self.method, self.inference, self.result = method, inference, result
-        self.rounds, self.bytes, self.check, self.log = int(rounds), int(bytes), check, list(log)
+        self.rounds, self.check, self.log = int(rounds), check, list(log)
+        self.bytes_up, self.bytes_down = (int(b) for b in traffic)
+        self.bytes = self.bytes_up + self.bytes_down
         self._corrected, self._num_samples = corrected, int(num_samples)
         self._idata = None
 
@@ -111,9 +114,9 @@ def _check_text(check) -> str:
     return f"{check.verdict} (Pareto k {check.pareto_k:.2f})" if check is not None else "none"
 
 
-def _bytes(result) -> int:
+def _bytes(result) -> tuple:
     c = result.communication
-    return int(c.bytes_up + c.bytes_down) if c is not None else 0
+    return (int(c.bytes_up), int(c.bytes_down)) if c is not None else (0, 0)
 
 
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
@@ -166,7 +169,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
 
     common = dict(model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping)
     log: List[str] = []
-    rounds = bytes_ = 0
+    rounds, bytes_ = 0, (0, 0)
     warm = None
     k_laplace, k_nuts = jax.random.split(rng_key)
     if not exact:
@@ -217,7 +220,8 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     if warm is not None:
         nuts._warm_start = warm
     result = nuts.run(k_nuts, clients, **run_options)
-    rounds, bytes_ = rounds + int(result.communication.rounds), bytes_ + _bytes(result)
+    rounds = rounds + int(result.communication.rounds)
+    bytes_ = tuple(a + b for a, b in zip(bytes_, _bytes(result)))
     check = _mcmc_check(nuts, result)
     log.append(f"nuts: {int(result.communication.rounds)} rounds; " + _check_text(check))
     return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=num_samples)

@@ -165,7 +165,7 @@ def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clien
         init_server, init_client, all_clients(num_clients),
         (Exchange(partial(_client_step, problem_of=problem_of),
                   partial(_server_step, log_prior=log_prior, tol=tol), "laplace_newton"),),
-        monitor=lambda info: info.decrement, monitor_name="Newton decrement", name="laplace",
+        monitor=lambda info: jnp.minimum(info.decrement, 1e3), monitor_name="Newton decrement", name="laplace",
         done=lambda s: s.converged | s.stuck,
         describe=lambda s: f"decrement {float(s.decrement):.3g}",
     )
