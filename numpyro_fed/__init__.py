@@ -22,8 +22,8 @@ from .dp import PrivacyReport, dp_noise
 from .factor import BCM, EP, PVI, gaussian
 from .groups import group_plate
 from .handlers import global_site, local_site
-from .ladder import Fit, fit
 from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredGuide, UnreliableFitWarning
+from .ladder import fit
 from .linear import HM1, UnconvergedWarning
 from .mcmc import FederatedHMC, FederatedNUTS
 from .protocol import RunResult, RunState
@@ -60,7 +60,6 @@ __all__ = [
     "FederatedNUTS",
     "FederatedSVI",
     "FederatedWarning",
-    "Fit",
     "FitDiagnostic",
     "FitWarning",
     "HM1",

@@ -21,7 +21,8 @@ if __package__ == "numpyro_fed" and getattr(sys.modules.get("numpyro_fed"), "__f
 def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo",
-        help="six-cities logistic GLMM federated over two silos with nf.fit, exact federated NUTS and EP (--all-methods: "
+        help="six-cities logistic GLMM federated over two silos with nf.fit, exact federated NUTS and EP "
+        "(--all-methods: "
         "SFVI, SFVI-Avg and PVI too), next to NUTS",
         description="Fit the logistic mixed model of Hassan et al. (2023), arXiv:2302.03314, S3.1, on the six-cities "
         "wheeze data split into two silos (300 / 237 children) with nf.fit (the one call: Laplace, checked, else "

@@ -95,7 +95,8 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
     every = _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps, nuts_warmup, nuts_samples)
     fits = {name: every[name] for name in METHODS if name in methods}
     left_out = [METHODS[name][0] for name in METHODS if name not in methods and name != "fit"]
-    num_rounds = {"fit": None, "sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds, "fed_nuts": None}
+    num_rounds = {"fit": None, "sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds,
+                  "fed_nuts": None}
     draws, comm, flagged, checks = _fit_all(fits, num_rounds, clients, seed, say, quiet)
     if "sfvi_avg" in comm:
         comm["sfvi_avg"]["local_steps"] = local_steps

@@ -20,9 +20,8 @@ MAX_SCALARS = 40  # a site with more scalars (e.g. per-row effects) is summarise
 
 
 def _is_fit(obj) -> bool:
-    from .ladder import Fit
-
-    return isinstance(obj, Fit)
+    """Is ``obj`` what ``nf.fit`` returns (a ``Fit``: its rung's inference, result, method and log)?"""
+    return all(hasattr(obj, a) for a in ("inference", "result", "method", "log", "check"))
 
 
 def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray]:

@@ -31,6 +31,7 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
+from .._trace import prior_median
 from .._validation import check_clients, check_positive_int
 from ..backends.mapping import client_data, plan_clients
 from ..clients import Clients
@@ -61,7 +62,7 @@ from .blocks import local_blocks as propose_blocks
 from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
 from .network_check import NetworkFitCheck
 from .pointwise import PointwiseLikelihood
-from .prior_site import prior_median, prior_site_update, split_prior
+from .prior_site import prior_site_update, split_prior
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
@@ -173,7 +174,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
     # ------------------------------------------------------------------ set-up
     def _terms(self, clients: Clients, plan, structure) -> ModelTerms:
         layout, kwargs = structure.global_latent, self.model_kwargs
-        d, cls = layout.size, type(self).__name__
+        d = layout.size
 
         def prior_on(args):
             def log_prior(u):

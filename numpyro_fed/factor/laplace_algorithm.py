@@ -13,7 +13,7 @@ A round:
    inner mode ``v_j*`` stays on the client as the next round's warm start);
 3. the server adds the prior's terms (the prior uses no data) and takes a step of Newton's
    method with backtracking spread over rounds: an accepted point (the log posterior did not
-   fall) gives the saddle-free Newton direction (:func:`~numpyro_fed.factor.tilted._newton_direction`)
+   fall) gives the saddle-free Newton direction (:func:`~numpyro_fed.factor.tilted.newton_direction`)
    and the full step is proposed; a rejected one halves the step.
 
 The run stops when the Newton decrement ``sqrt(g^T (-H)^-1 g)`` (the distance to the mode in
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from .gaussian import NaturalGaussian
-from .tilted import _derivatives, _newton_direction, _TiltedProblem, _value, integrated_laplace
+from .tilted import TiltedProblem, integrated_derivatives, integrated_laplace, integrated_value, newton_direction
 
 __all__ = ["LaplaceClientState", "LaplaceInfo", "LaplaceServerState", "federated_laplace"]
 
@@ -74,8 +74,8 @@ def _client_step(rng_key, state: LaplaceClientState, broadcast: Broadcast, data,
     del rng_key
     problem = problem_of(data)
     u = broadcast.shared["u"]
-    value = _value(problem, u, state.v)
-    grad, hess, dec, v, _ = _derivatives(problem, u, state.v)
+    value = integrated_value(problem, u, state.v)
+    grad, hess, dec, v, _ = integrated_derivatives(problem, u, state.v)
     ok = jnp.isfinite(value) & jnp.all(jnp.isfinite(grad)) & jnp.all(jnp.isfinite(hess))
     v = jnp.where(jnp.all(jnp.isfinite(v)), v, state.v)
     # a point where the term is not finite is sent as zeros with ok=False (the server halves its step)
@@ -106,7 +106,7 @@ def _server_step(rng_key, s: LaplaceServerState, messages, view, *, log_prior: C
     newton = vec @ ((vec.T @ grad_) / jnp.where(proper, lam, 1.0))
     # (the backend's guard refuses non-finite server states: "no mode yet" is the largest float)
     decrement = jnp.where(proper, jnp.sqrt(jnp.abs(grad_ @ newton)), jnp.finfo(grad_.dtype).max)
-    direction = jnp.where(accept, _newton_direction(-hess_, grad_), s.direction)
+    direction = jnp.where(accept, newton_direction(-hess_, grad_), s.direction)
     halvings = jnp.where(accept, 0, jnp.where(missing, s.halvings, s.halvings + 1))
     step = jnp.where(accept, 1.0, jnp.where(missing, s.step, s.step / 2)).astype(s.step.dtype)
     converged = proper & (decrement < tol) & (inner < tol)
@@ -144,7 +144,7 @@ def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clien
 
     def problem_of(data):
         f = partial(log_joint, data=data)
-        return _TiltedProblem(f, integrated_laplace(f, d, num_local, index), d, num_local, index, inner_steps)
+        return TiltedProblem(f, integrated_laplace(f, d, num_local, index), d, num_local, index, inner_steps)
 
     def init_server(rng_key):
         del rng_key

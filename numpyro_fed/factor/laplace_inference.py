@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._structure import SiteLayout
+from .._trace import prior_median
 from .._validation import check_positive_int
 from ..protocol import RunResult
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .inference import FactorInference
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
-from .prior_site import prior_median
 
 __all__ = ["Laplace", "NoModeError"]
 

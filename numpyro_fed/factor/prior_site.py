@@ -29,16 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
-import numpyro
-from numpyro import handlers
-from numpyro.distributions.transforms import biject_to
-from numpyro.infer.initialization import init_to_median
 
 from . import gaussian as G
 from .gaussian import NaturalGaussian
-from .tilted import PARETO_K_LIMIT, _backtrack, _newton_direction, laplace_moments, moments_to_factor, pareto_k
+from .tilted import PARETO_K_LIMIT, backtrack, laplace_moments, moments_to_factor, newton_direction, pareto_k
 
-__all__ = ["PriorSplit", "prior_median", "prior_site_update", "split_prior"]
+__all__ = ["PriorSplit", "prior_site_update", "split_prior"]
 
 _MODE_STEPS = 100
 _NO_MODE = (
@@ -75,7 +71,7 @@ def split_prior(log_prior: Callable, d: int, layout, cls: str, start=None) -> Pr
             # saddle-free Newton with backtracking on the log prior: a full step wherever the prior is
             # locally quadratic (a Normal(250, 100) location is reached in one), never uphill
             g, h = jax.grad(log_prior)(u), jax.hessian(log_prior)(u)
-            return _backtrack(lambda x: -log_prior(x), u, -_newton_direction(-(h + h.T) / 2, g)), None
+            return backtrack(lambda x: -log_prior(x), u, -newton_direction(-(h + h.T) / 2, g)), None
 
         u, _ = jax.lax.scan(step, start, None, length=_MODE_STEPS)
         g, h = jax.grad(log_prior)(u), jax.hessian(log_prior)(u)
@@ -129,26 +125,3 @@ def prior_site_update(residual: Callable, d: int, diagonal: bool, num_draws: int
         return moments_to_factor(mean, cov, diagonal), ok
 
     return update
-
-
-def prior_median(model: Callable, args, kwargs, layout) -> jax.Array:
-    """The latent sites of ``layout`` at their prior medians (NumPyro's ``init_to_median``: the
-    median of 15 prior draws, each site given the earlier ones; a flat prior falls back to a
-    uniform draw in (-2, 2) of unconstrained space), flat and unconstrained; a non-finite entry
-    is 0. Pure JAX: runs under ``jit`` on a client's own arguments."""
-    if not layout.names:
-        return jnp.zeros(0)
-    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-    seeded = handlers.seed(model, rng_seed=0)
-    try:
-        with numpyro.validation_enabled(False):
-            tr = handlers.trace(handlers.substitute(seeded, substitute_fn=init_to_median(num_samples=15))).get_trace(
-                **args, **kwargs)
-    except ValueError:  # the medians make a later distribution invalid (e.g. Gamma(0.001, 0.001) for a precision)
-        return jnp.zeros(layout.size, dtype)
-    values = {}
-    for name, shape in zip(layout.names, layout.shapes):
-        site = tr[name]
-        values[name] = jnp.reshape(biject_to(site["fn"].support).inv(site["value"]), shape)
-    start = layout.ravel(values)
-    return jnp.where(jnp.isfinite(start), start, 0.0).astype(dtype)

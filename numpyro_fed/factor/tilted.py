@@ -41,6 +41,11 @@ from .gaussian import NaturalGaussian
 
 __all__ = [
     "FitCheck",
+    "TiltedProblem",
+    "backtrack",
+    "integrated_derivatives",
+    "integrated_value",
+    "newton_direction",
     "conditional_slope",
     "cavity_log_density",
     "gaussian_pareto_k",
@@ -154,7 +159,7 @@ def pareto_k(log_weights: Array) -> Array:
     return jnp.where(jnp.all(jnp.isfinite(log_weights)), jnp.where(flat, 0.0, k_post), jnp.inf)
 
 
-def _newton_direction(h: Array, g: Array) -> Array:
+def newton_direction(h: Array, g: Array) -> Array:
     """``|H|^-1 g`` with ``|H|`` the Hessian with its eigenvalues replaced by their absolute
     values (floored): Newton's step where ``H`` is positive definite, a descent direction
     everywhere else (saddle-free Newton, Dauphin et al., 2014)."""
@@ -167,7 +172,7 @@ def _newton_direction(h: Array, g: Array) -> Array:
 _STEPS = jnp.concatenate([2.0 ** -jnp.arange(10), jnp.zeros(1)])  # backtracking: 1, 1/2, ..., 1/512, no move
 
 
-def _backtrack(neg: Callable, v: Array, dv: Array) -> Array:
+def backtrack(neg: Callable, v: Array, dv: Array) -> Array:
     """The longest of the steps ``v - t dv`` that does not raise ``neg`` (to a relative
     1e-6, so that rounding never decides between steps near the optimum), else no move."""
     cands = v - _STEPS.astype(v.dtype)[:, None] * dv
@@ -181,8 +186,8 @@ def _direction(neg: Callable, v: Array, index: Optional[Array]) -> Array:
     """The saddle-free Newton direction of ``neg`` at ``v``: dense, or block by block."""
     g = jax.grad(neg)(v)
     if index is None:
-        return _newton_direction(jax.hessian(neg)(v), g)
-    steps = jax.vmap(_newton_direction)(block_hessian(neg, v, index), g[index])
+        return newton_direction(jax.hessian(neg)(v), g)
+    steps = jax.vmap(newton_direction)(block_hessian(neg, v, index), g[index])
     return scatter_blocks(steps, index, v.shape[0])
 
 
@@ -192,7 +197,7 @@ def inner_mode(neg: Callable, v0: Array, steps: int, index: Optional[Array] = No
     is block diagonal and each step costs ``K`` small factorisations."""
 
     def body(v, _):
-        return _backtrack(neg, v, _direction(neg, v, index)), None
+        return backtrack(neg, v, _direction(neg, v, index)), None
 
     return jax.lax.scan(body, v0, None, length=steps)[0]
 
@@ -295,7 +300,7 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
         return log_lik(w) + cavity_log_density(cavity, w[:d])
 
     log_marginal = integrated_laplace(tilted, d, num_local, index)
-    problem = _TiltedProblem(tilted, log_marginal, d, num_local, index, inner_steps)
+    problem = TiltedProblem(tilted, log_marginal, d, num_local, index, inner_steps)
     mode, v_mode, g, h, dec, slope = _outer_mode(problem, w0, steps, grad_tol)
     cov = jnp.linalg.inv(-h)
     cov = (cov + cov.T) / 2
@@ -305,7 +310,7 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     return _sampled_check(problem, rng_key, mode, cov, v_mode, slope, reached, num_draws, importance, w0.dtype)
 
 
-class _TiltedProblem(NamedTuple):
+class TiltedProblem(NamedTuple):
     """The tilted density of :func:`laplace_moments` and how its local latents are integrated."""
 
     tilted: Callable  # log tilted density of the flat (u, v)
@@ -316,11 +321,11 @@ class _TiltedProblem(NamedTuple):
     inner_steps: int
 
 
-def _value(problem: _TiltedProblem, u, v):
+def integrated_value(problem: TiltedProblem, u, v):
     return problem.log_marginal(u, v, problem.inner_steps)[0]
 
 
-def _joint_terms(problem: _TiltedProblem, u, v_star):
+def _joint_terms(problem: TiltedProblem, u, v_star):
     """``f_u``, ``H_uu``, ``H_vu`` and ``H_vv^-1 [H_vu, f_v]`` at ``(u, v*)`` (dense, or by
     blocks: ``b`` Hessian-vector products and ``K`` small solves)."""
     f_uv = lambda a, b: problem.tilted(jnp.concatenate([a, b]))  # noqa: E731
@@ -336,7 +341,7 @@ def _joint_terms(problem: _TiltedProblem, u, v_star):
     return g_u, h_uu, h_vu, solve
 
 
-def _derivatives(problem: _TiltedProblem, u, v):
+def integrated_derivatives(problem: TiltedProblem, u, v):
     """Gradient, Hessian, inner decrement and mode of the integrated log density at ``u``,
     and the inner mode's slope ``dv*/du`` there (:func:`conditional_slope`).
 
@@ -350,7 +355,7 @@ def _derivatives(problem: _TiltedProblem, u, v):
     ``u`` for Gaussian ``v | u``, so there the Hessian is exact to rounding."""
     d = problem.d
     if problem.num_local == 0:  # no inner problem: the exact Hessian is cheap
-        g, h = jax.grad(partial(_value, problem))(u, v), jax.hessian(partial(_value, problem))(u, v)
+        g, h = jax.grad(partial(integrated_value, problem))(u, v), jax.hessian(partial(integrated_value, problem))(u, v)
         return g, (h + h.T) / 2, jnp.zeros((), u.dtype), v, jnp.zeros((0, d), u.dtype)
     h = 1e-3 * (1.0 + jnp.abs(u))
     points = jnp.concatenate([u[None], u + jnp.diag(h), u - jnp.diag(h)])
@@ -371,7 +376,7 @@ def _converged(g, h, dec, tol):
     return (newton < tol) & (dec < tol)
 
 
-def _outer_mode(problem: _TiltedProblem, w0, steps: int, grad_tol: float):
+def _outer_mode(problem: TiltedProblem, w0, steps: int, grad_tol: float):
     """Newton ascent with backtracking on the integrated density from ``w0[:d]``, to 1/100 of
     ``grad_tol`` (quadratic convergence) or until stuck; ``(mode, v_mode, g, h, dec, slope)``."""
     d, num_local = problem.d, problem.num_local
@@ -382,10 +387,10 @@ def _outer_mode(problem: _TiltedProblem, w0, steps: int, grad_tol: float):
 
     def body(carry):  # Newton ascent with backtracking, then measure at the new point
         i, u, v, g, h, dec, _, _ = carry
-        new = _backtrack(lambda x: -_value(problem, x, v), u, -_newton_direction(-h, g))
+        new = backtrack(lambda x: -integrated_value(problem, x, v), u, -newton_direction(-h, g))
         moved = (i == 0) | jnp.any(new != u)
         u = jnp.where(i == 0, u, new)
-        g, h, dec, v, slope = _derivatives(problem, u, v)
+        g, h, dec, v, slope = integrated_derivatives(problem, u, v)
         return i + 1, u, v, g, h, dec, slope, moved
 
     zero = jnp.zeros((), w0.dtype)
@@ -395,7 +400,7 @@ def _outer_mode(problem: _TiltedProblem, w0, steps: int, grad_tol: float):
     return mode, v_mode, g, h, dec, slope
 
 
-def _sampled_check(problem: _TiltedProblem, rng_key, mode, cov, v_mode, slope, reached, num_draws: int,
+def _sampled_check(problem: TiltedProblem, rng_key, mode, cov, v_mode, slope, reached, num_draws: int,
                    importance: bool, dtype):
     """The sampled check (does the Gaussian hold the tilted mass?) and the importance
     correction of :func:`laplace_moments`: ``(mean, cov, FitCheck)``."""

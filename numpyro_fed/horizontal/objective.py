@@ -34,9 +34,9 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
+from .._trace import prior_median
 from ..clients import ClientData
 from ..handlers import GLOBAL, LOCAL, site_role
-from ..factor.prior_site import prior_median
 from .guides import StructuredGuide
 
 __all__ = ["ClientData", "FederatedObjective"]
