@@ -174,11 +174,14 @@ def moment_report(draws: Dict[str, np.ndarray], weights: np.ndarray, ess: float)
 
 def fit_diagnostic(log_w: np.ndarray, draws: Optional[Dict[str, np.ndarray]] = None,
                    unconstrained: Optional[np.ndarray] = None,
-                   unconstrained_sites: Optional[Dict[str, np.ndarray]] = None) -> FitDiagnostic:
+                   unconstrained_sites: Optional[Dict[str, np.ndarray]] = None,
+                   shape: bool = False) -> FitDiagnostic:
     """The check from ``log w`` per draw and, optionally, the server's draws of the global
     sites in user space (``draws``, for the moment check), flat and unconstrained (kept
     for corrected draws) and unconstrained per site (``unconstrained_sites``, for the
-    moment check in unconstrained space of the sites whose support is not the real line)."""
+    moment check in unconstrained space of the sites whose support is not the real line).
+    ``shape``: also run the shape test (:func:`curvature_report`; needs ``unconstrained`` and
+    ``unconstrained_sites``), reporting only sites the moment checks did not."""
     log_w = np.asarray(log_w, np.float64)
     if not np.all(np.isfinite(log_w)):
         return FitDiagnostic(float("inf"), 0.0, float("nan"), log_w)
@@ -193,9 +196,10 @@ def fit_diagnostic(log_w: np.ndarray, draws: Optional[Dict[str, np.ndarray]] = N
             u_moments, u_biased = moment_report(transformed, w, ess)
             biased = biased + u_biased
     keep = None if unconstrained is None else np.asarray(unconstrained)
-    if keep is not None and unconstrained_sites and draws:
-        known = {m.site for m in biased}
-        biased = biased + tuple(m for m in curvature_report(log_w, keep, unconstrained_sites) if m.site not in known)
+    if shape and keep is not None and unconstrained_sites and draws:
+        known = {m.site.split("[")[0].replace(" (unconstrained)", "") for m in biased}
+        biased = biased + tuple(m for m in curvature_report(log_w, keep, unconstrained_sites)
+                                if m.site.split("[")[0].replace(" (curvature)", "") not in known)
     return FitDiagnostic(k, ess, float(np.mean(log_w)), log_w, moments, biased, keep, u_moments)
 
 

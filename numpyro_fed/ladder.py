@@ -5,14 +5,20 @@ A ladder, the cheapest right answer first, every rung checked against the poster
 1. **Laplace** (:class:`~numpyro_fed.factor.Laplace`): Newton rounds on the global sites, the
    local latents integrated on their clients; typically 5-20 rounds. Flat priors are accepted
    where the posterior is proper; an improper posterior (no mode) is refused, naming the sites.
-2. **The fit check** of that Gaussian against the posterior (Pareto-smoothed importance
-   sampling, each client computing its own term; :mod:`numpyro_fed.fit_check`). Accepted when
-   its verdict is ``ok`` (Pareto k at most :data:`ACCEPT_K` and no biased site); accepted with
-   importance-corrected draws when k is at most :data:`CORRECT_K` and the corrected draws'
-   effective sample size is at least :data:`CORRECT_ESS` of :data:`CORRECT_DRAWS`.
-3. Otherwise **exact federated NUTS**, started at the Laplace mode with the Laplace variances
-   as its mass matrix (its warmup then adapts from a good start: ``num_warmup`` defaults to
-   :data:`WARM_WARMUP` instead of NumPyro's 500).
+2. **Two fit checks** of that Gaussian ``q`` against the posterior (Pareto-smoothed importance
+   sampling, each client computing its own term; :mod:`numpyro_fed.fit_check`): ``q``'s own
+   (draws from ``q``), and a widened one (draws from ``q`` with its sd times :data:`WIDEN`, which
+   reach the tails a too-narrow ``q`` never draws from). ``q`` is accepted when its own verdict is
+   ``ok`` (Pareto k at most :data:`ACCEPT_K`, no biased site) and its means and sds agree with the
+   widened check's weighted ones; otherwise the widened check's importance-resampled draws are
+   accepted when its Pareto k is at most :data:`CORRECT_K` and its ESS at least
+   :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`. Over a network backend only the first check
+   runs (and ``ok`` accepts).
+3. Otherwise **exact federated NUTS**, started at the Laplace mode and preconditioned by the
+   Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L L^T`` the covariance: a
+   dense mass matrix, so a posterior whose sites are strongly correlated costs no more trees
+   than an independent one); ``num_warmup`` defaults to :data:`WARM_WARMUP` instead of
+   NumPyro's 500.
 
 ``exact=True`` goes straight to federated NUTS (cold: NumPyro's defaults).
 
@@ -27,21 +33,22 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
-from .warnings import FitWarning, find_stack_level
+from .warnings import FitWarning
 
-__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_ESS", "CORRECT_K", "Fit", "WARM_WARMUP", "fit"]
+__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "WARM_WARMUP", "WIDEN", "fit"]
 
 ACCEPT_K = 0.7
 """The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most
 this (Vehtari et al., 2024) and no site biased (means within 0.2 weighted sds, sds within 15 %)."""
 CORRECT_K = 0.7
-"""A Laplace fit whose moments are off is accepted with importance-corrected draws when the
-corrected check's k is at most this (Vehtari et al., 2024: importance sampling is reliable) and
-its effective sample size at least :data:`CORRECT_ESS` of its draws."""
+"""The widened check's Pareto k at most this: importance sampling from it is reliable (Vehtari et
+al., 2024), for the agreement test and for corrected draws."""
 CORRECT_DRAWS = 4000
-"""Draws of the corrected check (the corrected draws are resampled from them)."""
-CORRECT_ESS = 0.5
-"""The corrected draws need an effective sample size of at least this share of :data:`CORRECT_DRAWS`."""
+"""Draws of the widened check (the corrected draws are resampled from them)."""
+CORRECT_MIN_ESS = 400
+"""The corrected draws need an importance-sampling effective sample size of at least this."""
+WIDEN = 1.5
+"""The widened check draws from ``q`` with its sd times this."""
 WARM_WARMUP = 300
 """Warmup iterations of federated NUTS started from the Laplace fit."""
 
@@ -177,42 +184,23 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         if progress_bar is not None:
             laplace.progress_bar = bool(progress_bar)
         try:
-            with warnings.catch_warnings(record=True) as caught:  # the ladder acts on the check itself
-                warnings.simplefilter("always")
+            with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
+                warnings.filterwarnings("ignore", category=FitWarning)
                 result = laplace.run(k_laplace, clients, **run_options)
-            _reemit([w for w in caught if not issubclass(w.category, FitWarning)])
         except NoModeError as err:
             if err.improper:
                 raise
             log.append(f"laplace: no mode reached ({err}); moving to federated NUTS")
         else:
             rounds, bytes_ = int(result.communication.rounds), _bytes(result)
-            check = laplace.last_fit_check
             mean, cov = (np.asarray(result.params[k]) for k in ("mean", "cov"))
-            warm = (mean, np.diag(cov))
-            if check is None:
-                log.append(f"laplace: {rounds} rounds; not checked ({laplace.last_fit_check_skipped}); "
-                           "moving to federated NUTS")
-            elif check.verdict == "ok":
-                log.append(f"laplace: {rounds} rounds; check ok (Pareto k {check.pareto_k:.2f}, no biased site): "
-                           "accepted")
-                return Fit("laplace", laplace, result, rounds, bytes_, check, log, num_samples=num_samples)
-            else:
-                log.append(f"laplace: {rounds} rounds; check {check.verdict} (Pareto k {check.pareto_k:.2f}"
-                           + (f"; biased: {', '.join(m.site for m in check.biased[:4])}" if check.biased else "")
-                           + ")")
-                if check.pareto_k <= CORRECT_K:
-                    big = laplace.diagnose(result, num_draws=CORRECT_DRAWS, rng_key=jax.random.fold_in(k_laplace, 7))
-                    if big.pareto_k <= CORRECT_K and big.ess >= CORRECT_ESS * CORRECT_DRAWS:
-                        laplace.last_fit_check = big
-                        laplace._checked_state = _fingerprint(result)
-                        log.append(f"laplace: importance correction with {CORRECT_DRAWS} draws: Pareto k "
-                                   f"{big.pareto_k:.2f}, ESS {big.ess:.0f}: accepted with corrected draws")
-                        return Fit("laplace (importance-corrected)", laplace, result, rounds, bytes_, big, log,
-                                   corrected=True, num_samples=num_samples)
-                    log.append(f"laplace: importance correction with {CORRECT_DRAWS} draws: Pareto k "
-                               f"{big.pareto_k:.2f}, ESS {big.ess:.0f}: not trustworthy")
-                log.append("moving to federated NUTS, started at the Laplace mode with its variances as mass matrix")
+            warm = (mean, cov)
+            accepted = _judge(laplace, result, jax.random.fold_in(k_laplace, 7), log)
+            if accepted is not None:
+                method, answer, check, corrected = accepted
+                return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
+                           num_samples=num_samples)
+            log.append("moving to federated NUTS, started at the Laplace mode, preconditioned by its covariance")
     nuts = FederatedNUTS(model, num_warmup=(WARM_WARMUP if warm is not None else 500) if num_warmup is None
                          else num_warmup, num_samples=num_samples, num_chains=num_chains, **common)
     if progress_bar is not None:
@@ -227,10 +215,57 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=num_samples)
 
 
-def _fingerprint(result) -> str:
+def _judge(laplace, result, rng_key, log: List[str]):
+    """Accept the Laplace fit (``(method, result, check, corrected)``) or not (``None``), logging why.
+
+    Two checks: the fit check of ``q`` itself (its verdict), and one from ``q`` widened to
+    :data:`WIDEN` times its sd with :data:`CORRECT_DRAWS` draws, whose importance weights reach
+    the tails a too-narrow ``q`` never draws from. ``q`` is kept when its verdict is ``ok`` and its
+    user-space means and sds agree with the widened check's weighted ones (means within 0.2 sds,
+    sds within 15 %); otherwise the widened check's importance-resampled draws are the answer
+    when its Pareto k is at most :data:`CORRECT_K` and its ESS at least :data:`CORRECT_MIN_ESS`."""
     from .fit_check import state_fingerprint
 
-    return state_fingerprint(result.state.server)
+    rounds = int(result.communication.rounds)
+    check = laplace.last_fit_check
+    if check is None:
+        log.append(f"laplace: {rounds} rounds; not checked ({laplace.last_fit_check_skipped})")
+        return None
+    off = f"; biased: {', '.join(m.site for m in check.biased[:4])}" if check.biased else ""
+    log.append(f"laplace: {rounds} rounds; check {check.verdict} (Pareto k {check.pareto_k:.2f}{off})")
+    if result.state.clients is None:  # a network backend: the check ran on the clients; no widened one
+        return ("laplace", result, check, False) if check.verdict == "ok" else None
+    state = result.state
+    wide_state = state._replace(server=state.server._replace(q=state.server.q.scale(1.0 / WIDEN**2)))
+    wide = laplace.diagnose(wide_state, num_draws=CORRECT_DRAWS, rng_key=rng_key)
+    disagree = _disagreeing(check, wide)
+    log.append(f"laplace: widened check ({WIDEN}x sd, {CORRECT_DRAWS} draws): Pareto k {wide.pareto_k:.2f}, ESS "
+               f"{wide.ess:.0f}" + (f"; q's moments off at {', '.join(disagree[:4])}" if disagree else
+                                    "; q's moments agree"))
+    if check.verdict == "ok" and not disagree and wide.pareto_k <= CORRECT_K:
+        log.append("laplace: accepted")
+        return "laplace", result, check, False
+    if wide.pareto_k <= CORRECT_K and wide.ess >= CORRECT_MIN_ESS:
+        laplace.last_fit_check, laplace._checked_state = wide, state_fingerprint(wide_state.server)
+        log.append("laplace: accepted with importance-corrected draws (from the widened check)")
+        return "laplace (importance-corrected)", result._replace(state=wide_state), wide, True
+    return None
+
+
+def _disagreeing(check, wide) -> List[str]:
+    """The sites whose moments under ``q`` (``check``) are off from the widened check's weighted ones."""
+    from .fit_check import MEAN_MARGIN, SD_MARGIN
+
+    ours = {m.site: m for m in check.moments}
+    out = []
+    for m in wide.moments:
+        q = ours.get(m.site)
+        if q is None or not m.weighted_sd > 0:
+            continue
+        if abs(q.q_mean - m.weighted_mean) > MEAN_MARGIN * m.weighted_sd or \
+                abs(q.q_sd / m.weighted_sd - 1) > SD_MARGIN:
+            out.append(m.site)
+    return out
 
 
 def _mcmc_check(nuts, result) -> Dict[str, float]:
@@ -243,7 +278,3 @@ def _mcmc_check(nuts, result) -> Dict[str, float]:
     return {"divergences": float(nuts.sample_stats(result)["diverging"].sum()), "min_n_eff": n_eff,
             "max_r_hat": r_hat}
 
-
-def _reemit(caught) -> None:
-    for w in caught:
-        warnings.warn(w.message, w.category, stacklevel=find_stack_level())

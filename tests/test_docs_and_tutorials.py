@@ -50,16 +50,16 @@ def test_readme_example_runs_and_does_not_warn(capsys):
 
     text = (ROOT / "README.md").read_text()
     code = re.search(r"## A first fit\n\n```python\n(.*?)```", text, re.S).group(1)
-    code = code.replace("nuts.run(jax.random.PRNGKey(0), clients)",
-                        "nuts.run(jax.random.PRNGKey(0), clients, progress_bar=False)")
+    code = code.replace("nf.fit(model, clients, jax.random.PRNGKey(0))",
+                        "nf.fit(model, clients, jax.random.PRNGKey(0), progress_bar=False)")
     assert "progress_bar=False" in code
     namespace = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.FederatedWarning)
         exec(compile(code, "README.md", "exec"), namespace)
     out = capsys.readouterr().out
-    assert "r_hat" in out and "tau" in out
-    draws = namespace["nuts"].get_samples(namespace["result"])
+    assert "tau" in out and "laplace, 5 rounds" in out  # the rounds README quotes
+    draws = namespace["fit"].get_samples()
     assert abs(float(draws["beta"][:, 1].mean()) - 1.0) < 0.3  # the simulated slope
 
 

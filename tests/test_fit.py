@@ -213,7 +213,7 @@ def test_the_shape_test_sees_a_scale_too_narrow_or_too_wide(ratio):
     sites = {"beta": z[:, :4], "tau": z[:, 4:]}
     report = curvature_report(log_w, z, sites)
     assert [m.site for m in report] == ["beta[2] (curvature)"], report
-    assert fit_diagnostic(log_w, sites, z, sites).verdict != "ok"
+    assert fit_diagnostic(log_w, sites, z, sites, shape=True).verdict != "ok"
 
 
 @pytest.mark.parametrize("ratio", [0.9, 1.0, 1.1])

@@ -70,11 +70,11 @@ def test_the_recommended_path_is_the_same_in_readme_docs_tutorial_and_demo():
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"## A first fit\n\n```python\n(.*?)```", readme, re.S).group(1)
-    assert "nf.FederatedNUTS(model)" in example
-    assert "nf.FederatedNUTS(model)" in (ROOT / "docs" / "index.md").read_text()
+    assert "nf.fit(model, clients" in example
+    assert "nf.fit(model, clients" in (ROOT / "docs" / "index.md").read_text()
     tutorial = (ROOT / "tutorials" / "01_getting_started.ipynb").read_text()
-    assert "nf.FederatedNUTS(model" in tutorial
-    assert DEFAULT_METHODS[0] == "fed_nuts"
+    assert "nf.fit(model, clients" in tutorial
+    assert DEFAULT_METHODS[0] == "fit"
 
 
 def test_the_tutorials_are_stored_executed():

@@ -335,7 +335,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                               f"silence this", UncheckedFitWarning, stacklevel=find_stack_level())
                 return result
             per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
-            check = self.last_fit_check = fit_diagnostic(log_w, self._user_space(u), u, per_site)
+            check = self.last_fit_check = fit_diagnostic(log_w, self._user_space(u), u, per_site, shape=True)
         else:
             if self._local_integral(setup, result) is None:
                 self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
@@ -488,7 +488,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                                                             None if index is None else jnp.asarray(index)))
         log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, self._client_check_keys(setup, state))
         per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
-        return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u), per_site)
+        return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u), per_site,
+                              shape=True)
 
     def _user_space(self, u) -> Dict[str, np.ndarray]:
         layout, supports = self._fitted().extra.structure.global_latent, self._supports()

@@ -125,17 +125,24 @@ class Laplace(FactorInference):
         s = result.state.server
         if not bool(s.converged):
             layout = setup.extra.structure.global_latent
-            lam, vec = np.linalg.eigh(-np.asarray(s.hess, np.float64))
-            weak = vec[:, int(np.argmin(lam))] ** 2
             owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
-            sites = sorted({owners[i] for i in np.flatnonzero(weak > 0.1)} or {owners[int(np.argmax(weak))]})
-            why = (f"the step was halved {MAX_HALVINGS} times without the log posterior rising" if bool(s.stuck)
-                   else f"the last Newton decrement was {float(s.decrement):.3g} posterior sds, above tol={self.tol}")
-            # the prior's own curvature along those sites: none (a flat prior) makes the posterior improper
+            # the weakest direction of the curvature, scale-free (unit diagonal): the sites along it
+            precision = -np.asarray(s.hess, np.float64)
+            diag = np.diag(precision)
+            scaled = precision / np.sqrt(np.outer(np.abs(diag), np.abs(diag)) + 1e-300)
+            lam, vec = np.linalg.eigh(scaled)
+            weak = vec[:, 0] ** 2
+            sites = sorted({owners[i] for i in np.flatnonzero((weak > 0.1) | (diag <= 0))})
+            if float(s.decrement) >= 1e30:
+                why = "the curvature of the log posterior at the last point is not negative definite"
+            elif bool(s.stuck):
+                why = f"the step was halved {MAX_HALVINGS} times without the log posterior rising"
+            else:
+                why = f"the last Newton decrement was {float(s.decrement):.3g} posterior sds, above tol={self.tol}"
+            # improper: no curvature along a direction the prior leaves flat (not a mode that Newton's
+            # method did not reach in float precision, which exact NUTS can still sample)
             prior_hess = np.asarray(jax.hessian(setup.extra.terms.log_prior)(s.u), np.float64)
-            flat = [owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)]
-            # improper: no curvature along a direction the prior leaves flat (not: a mode Newton's
-            # method has not reached in float precision, which exact NUTS can still sample)
-            improper = bool(set(sites) & set(flat)) and bool(lam.min() <= 1e-8 * max(1.0, abs(lam).max()))
+            flat = {owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)}
+            improper = bool(set(sites) & flat) and bool(np.any(diag <= 0) or lam[0] <= 1e-6)
             raise NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites)
         return self._check_q(setup, result)

@@ -275,7 +275,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 )
                 return result
             diag = fit_diagnostic(
-                log_w, *self._check_draws(setup, result.state, _FIT_CHECK_DRAWS, random.PRNGKey(0x51))
+                log_w, *self._check_draws(setup, result.state, _FIT_CHECK_DRAWS, random.PRNGKey(0x51)), shape=True
             )
         else:
             diag = self.diagnose(result)
@@ -417,7 +417,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 f"the run itself checks the fit (see last_fit_check)"
             )
         log_w = np.asarray(self._log_weights(setup, state, num_draws, rng_key), np.float64)
-        return fit_diagnostic(log_w, *self._check_draws(setup, state, num_draws, rng_key))
+        return fit_diagnostic(log_w, *self._check_draws(setup, state, num_draws, rng_key), shape=True)
 
     # ------------------------------------------------------------------ posterior
     def sample_posterior(

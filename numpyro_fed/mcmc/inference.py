@@ -80,10 +80,13 @@ _ENUMERATED = (
 
 
 class MCMCSetup(NamedTuple):
-    """A federated MCMC set-up: the model's sites and the algorithm's configuration."""
+    """A federated MCMC set-up: the model's sites and the algorithm's configuration; ``affine``:
+    ``(m, L)`` when the chains run in ``w`` with the global sites ``u = m + L w`` (preconditioned
+    by a Laplace fit's covariance ``L L^T``), else ``None``."""
 
     structure: ModelStructure
     config: MCMCConfig
+    affine: Optional[Tuple[jax.Array, jax.Array]] = None
 
 
 def _potential_weight(prior_share: float):
@@ -144,7 +147,8 @@ class FederatedMCMC(FederatedInference):
         self.trajectory_length = None if self.num_steps is not None else float(trajectory_length)
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
-        # (position, diagonal M^-1) of the global sites to start the chains from (nf.fit: a Laplace fit's)
+        # (position, diagonal M^-1 or a covariance) of the global sites to start the chains from (nf.fit: a
+        # Laplace fit's mode and covariance: the chains then run preconditioned by it; see MCMCSetup)
         self._warm_start: Tuple[Any, Any] = (None, None)
         self._init_inference()
 
@@ -200,15 +204,37 @@ class FederatedMCMC(FederatedInference):
         def local_mask(data):
             return layout_of(data).flat_mask(data.row_mask, data.args)
 
+        start, scale, affine = *self._warm_start, None
+        if scale is not None and np.ndim(scale) == 2:  # a dense covariance: run the chains in w, u = m + L w
+            dtype = jnp.result_type(float)
+            m, chol = jnp.asarray(start, dtype), jnp.linalg.cholesky(jnp.asarray(scale, dtype))
+            if not bool(jnp.all(jnp.isfinite(chol))):
+                raise ValueError(f"{type(self).__name__}: the covariance to precondition with is not positive definite")
+            affine, base = (m, chol), potential
+
+            def potential(w, z, data):  # noqa: F811 - the model's potential at u = m + L w (constant Jacobian)
+                return base(m + chol @ w, z, data)
+
+            start, scale = jnp.zeros_like(m), jnp.ones_like(m)
         config = MCMCConfig(
             potential, local_mask, structure.global_latent.size, len(clients), self.num_warmup, self.num_samples,
             self.num_chains, self.algo, self.max_tree_depth, 1000.0, self.target_accept_prob, self.step_size,
             self.adapt_step_size, self.adapt_mass_matrix, self.trajectory_length, self.num_steps,
-            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float), *self._warm_start)
-        return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config), {})
+            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float), start, scale)
+        return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config, affine), {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
-        return self._global_draws(setup, state.server.draws)
+        return self._global_draws(setup, self._positions(setup, state))
+
+    @staticmethod
+    def _positions(setup: Setup, state: RunState) -> jax.Array:
+        """The chains' draws of the flat unconstrained global sites, ``(chains, samples, d)``
+        (mapped back from the preconditioned coordinates when the chains ran in them)."""
+        draws = state.server.draws
+        if setup.extra.affine is None:
+            return draws
+        m, chol = setup.extra.affine
+        return m + draws @ chol.T
 
     def _check_result(self, setup: Setup, result: RunResult) -> None:
         phase = np.asarray(result.state.server.phase)
@@ -233,7 +259,7 @@ class FederatedMCMC(FederatedInference):
             warnings.warn(_DIVERGED.format(cls=cls, count=int(diverging.sum()), total=diverging.size,
                                            chains=np.nonzero(diverging.any(axis=1))[0].tolist()),
                           MCMCDiagnosticWarning, stacklevel=find_stack_level())
-        draws = np.asarray(result.state.server.draws)
+        draws = np.asarray(self._positions(setup, result.state))
         if draws.shape[0] > 1 and draws.shape[1] > 3:
             r_hat = np.array([float(split_gelman_rubin(draws[..., i])) for i in range(draws.shape[-1])])
             if np.nanmax(r_hat) > R_HAT_LIMIT:
@@ -274,7 +300,7 @@ class FederatedMCMC(FederatedInference):
         """
         state = self._state_of(result)
         setup = self._fitted()
-        draws = self._global_draws(setup, state.server.draws) if client is None else self._client_draws(
+        draws = self._global_draws(setup, self._positions(setup, state)) if client is None else self._client_draws(
             setup, state, client)
         if group_by_chain:
             return draws
@@ -336,7 +362,7 @@ class FederatedMCMC(FederatedInference):
         key = ("client_draws", client)
         if key not in setup.cache:  # compiled once per client and set-up
             setup.cache[key] = jax.jit(jax.vmap(jax.vmap(one)))
-        return trim_groups(setup.cache[key](state.server.draws, z_local), real, args)
+        return trim_groups(setup.cache[key](self._positions(setup, state), z_local), real, args)
 
     def log_likelihood(self, rng_key: jax.Array, result: Union[RunResult, RunState],
                        num_samples: Optional[int] = None, client: Optional[str] = None) -> tuple:
@@ -354,7 +380,8 @@ class FederatedMCMC(FederatedInference):
             raise NotImplementedError(_ENUMERATED.format(cls=type(self).__name__,
                                                          names=list(setup.extra.structure.enumerated)))
         z_local, real, args = self._client_unpadded(setup, state, client)
-        theta = jnp.reshape(state.server.draws, (-1, state.server.draws.shape[-1]))
+        positions = self._positions(setup, state)
+        theta = jnp.reshape(positions, (-1, positions.shape[-1]))
         z_local = jnp.reshape(z_local, (-1, z_local.shape[-1]))
         keys = random.split(rng_key, theta.shape[0])
 
@@ -382,7 +409,7 @@ class FederatedMCMC(FederatedInference):
         global scalars, NumPyro's ``effective_sample_size`` over the chains)."""
         from numpyro.diagnostics import effective_sample_size
 
-        draws = np.asarray(self._state_of(result).server.draws)  # (chains, samples, d), unconstrained
+        draws = np.asarray(self._positions(self._fitted(), self._state_of(result)))  # (chains, samples, d)
         ess = min(float(effective_sample_size(draws[..., i])) for i in range(draws.shape[-1]))
         comm = result.communication
         total_bytes = comm.bytes_up + comm.bytes_down
