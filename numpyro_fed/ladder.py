@@ -53,6 +53,13 @@ WARM_WARMUP = 300
 """Warmup iterations of federated NUTS started from the Laplace fit."""
 
 
+_NETWORK = (
+    "nf.fit runs its ladder on the simulation; over a network backend run its rungs as tasks of their own: "
+    "nf.factor.Laplace(model) (its fit check runs on the clients), then, if the check does not pass, "
+    "nf.FederatedNUTS(model)"
+)
+
+
 class Fit:
     """What :func:`fit` returns.
 
@@ -134,8 +141,9 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
 
     Tries the Laplace approximation (a few Newton rounds), keeps it when the fit check passes,
     and otherwise runs exact federated NUTS started from it (see :mod:`numpyro_fed.ladder` for
-    the thresholds). Every rung runs on the simulation unless ``backend=`` names another (e.g.
-    :class:`numpyro_fed.flower.FlowerBackend`).
+    the thresholds). The ladder runs on the simulation; over Flower, run its rungs as Flower
+    tasks (:class:`~numpyro_fed.factor.Laplace`, whose fit check runs on the clients, then
+    :class:`~numpyro_fed.FederatedNUTS`), as ``docs/flower.md`` shows for any family.
 
     Args:
         model: a NumPyro model, annotated as for any family (``nf.local_site``, ``nf.group_plate``).
@@ -147,8 +155,8 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         num_chains: NUTS chains.
         model_kwargs, row_plate, client_mapping: as every family's.
         progress_bar: show each rung's progress (default: the families' default, on).
-        **run_options: the backend's run options (``backend``, ``record_transcript``,
-            ``availability``, ...), passed to every rung.
+        **run_options: the simulation's run options (``record_transcript``, ``availability``,
+            ``on_nonfinite``, ...), passed to every rung.
 
     Returns:
         a :class:`Fit`.
@@ -174,6 +182,8 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     from .factor.laplace_inference import NoModeError
     from .mcmc import FederatedNUTS
 
+    if run_options.get("backend") is not None:
+        raise NotImplementedError(_NETWORK)
     common = dict(model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping)
     log: List[str] = []
     rounds, bytes_ = 0, (0, 0)

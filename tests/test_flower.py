@@ -110,7 +110,7 @@ def _audit(family, inference, inputs, result, keys, flower):
 
 
 # PVI's equality is shown by the dropout test (rounds 1-2 with every client, then without one)
-@pytest.mark.parametrize("family", ["pvi_dp_optimisation", "svi_dp_trusted", "ep", "sfvi_avg", "sfvi",
+@pytest.mark.parametrize("family", ["pvi_dp_optimisation", "svi_dp_trusted", "ep", "laplace", "sfvi_avg", "sfvi",
                                     "vertical_sfvi", "hm1", "vertical_soul"])
 def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(federation, family):
     """Item 1: the Flower run's server state and trace equal the simulation's (loop mapping,
@@ -143,7 +143,7 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     assert comm["bytes_up"] == (result.communication.bytes_up + sum(e.nbytes for e in ledger + check
                                                                     if e.sender != "server")
                                 + len(sealed) * (128 + OVERHEAD))
-    if family in ("sfvi", "sfvi_avg", "ep", "vertical_sfvi"):  # the fit check, each client's term on its node
+    if family in ("sfvi", "sfvi_avg", "ep", "laplace", "vertical_sfvi"):  # the fit check, each client's term
         assert {e.sender for e in check if e.sender != "server"} == set(flower["clients"])
         # (vertical: the parties' float32 terms are summed in another order than the simulation's)
         np.testing.assert_allclose(flower["fit_check"].log_weights, inference.last_fit_check.log_weights,
