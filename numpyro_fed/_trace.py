@@ -13,6 +13,7 @@ refused at once, naming it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Mapping, Optional
 
 import jax
@@ -137,8 +138,9 @@ def prior_median(model: Callable, args, kwargs, layout) -> jax.Array:
         return jnp.zeros(0)
     dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
     seeded = seed(model, rng_seed=0)
-    try:
-        with numpyro.validation_enabled(False):
+    try:  # (NumPyro notes sites whose value is already set, e.g. an improper prior's: not the user's concern)
+        with numpyro.validation_enabled(False), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="init_to_median", category=UserWarning)
             tr = trace(substitute(seeded, substitute_fn=init_to_median(num_samples=15))).get_trace(
                 **args, **kwargs)
     except ValueError:  # the medians make a later distribution invalid (e.g. Gamma(0.001, 0.001) for a precision)

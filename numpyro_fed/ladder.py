@@ -128,7 +128,7 @@ def _check_text(check) -> str:
     return f"{check.verdict} (Pareto k {check.pareto_k:.2f})" if check is not None else "none"
 
 
-def _bytes(result) -> tuple:
+def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the search's communication)
     c = result.communication
     return (int(c.bytes_up), int(c.bytes_down)) if c is not None else (0, 0)
 
@@ -200,7 +200,10 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         except NoModeError as err:
             if err.improper:
                 raise
-            log.append(f"laplace: no mode reached ({err}); moving to federated NUTS")
+            warm = err.last
+            rounds, bytes_ = int(err.communication.rounds), _bytes(err)
+            log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
+                       + (", preconditioned by the curvature at the last point" if warm is not None else ""))
         else:
             rounds, bytes_ = int(result.communication.rounds), _bytes(result)
             mean, cov = (np.asarray(result.params[k]) for k in ("mean", "cov"))

@@ -127,6 +127,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
 
     method = "factor"
     setup_extra = FactorSetup  # Setup.extra
+    check_draws = 1000  # draws of run's fit check
     _size_group_plates = size_group_plates
 
     def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
@@ -340,7 +341,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             if self._local_integral(setup, result) is None:
                 self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
                 return result
-            check = self.last_fit_check = self.diagnose(result)
+            check = self.last_fit_check = self.diagnose(result, num_draws=self.check_draws)
         self._checked_state = state_fingerprint(result.state.server)
         if check.verdict == "unreliable":
             warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
@@ -439,7 +440,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             return self.last_fit_check
         if not self.check_fit or state.clients is None or self._local_integral(self._fitted(), state) is None:
             return None
-        return self.diagnose(state)
+        return self.diagnose(state, num_draws=self.check_draws)
 
     @staticmethod
     def _client_check_keys(setup: Setup, state: RunState):

@@ -101,12 +101,17 @@ def _server_step(rng_key, s: LaplaceServerState, messages, view, *, log_prior: C
     u = jnp.where(accept, proposal, s.u)
     value_, grad_, hess_ = (jnp.where(accept, a, b) for a, b in ((value, s.value), (grad, s.grad), (hess, s.hess)))
     inner = jnp.where(accept, jnp.max(jnp.where(answered, messages["inner"], 0.0)), s.inner)
-    lam, vec = jnp.linalg.eigh(-hess_)
-    proper = jnp.all(lam > 0)
-    newton = vec @ ((vec.T @ grad_) / jnp.where(proper, lam, 1.0))
+    # Newton's step in the scale-free form D^-1/2 (-H) D^-1/2 (D its diagonal): in float32 an eigen-
+    # decomposition of -H itself loses the small eigenvalues of a badly scaled posterior (a covariate in
+    # the thousands), which then look negative and the search never stops
+    scale = 1.0 / jnp.sqrt(jnp.maximum(jnp.abs(jnp.diag(hess_)), jnp.finfo(hess_.dtype).tiny))
+    scaled = -hess_ * scale[:, None] * scale[None, :]
+    lam, vec = jnp.linalg.eigh((scaled + scaled.T) / 2)
+    proper = jnp.all(lam > 0) & jnp.all(jnp.diag(hess_) < 0)
+    newton = scale * (vec @ ((vec.T @ (scale * grad_)) / jnp.where(proper, lam, 1.0)))
     # (the backend's guard refuses non-finite server states: "no mode yet" is the largest float)
     decrement = jnp.where(proper, jnp.sqrt(jnp.abs(grad_ @ newton)), jnp.finfo(grad_.dtype).max)
-    direction = jnp.where(accept, newton_direction(-hess_, grad_), s.direction)
+    direction = jnp.where(accept, scale * newton_direction(-scaled, scale * grad_), s.direction)
     halvings = jnp.where(accept, 0, jnp.where(missing, s.halvings, s.halvings + 1))
     step = jnp.where(accept, 1.0, jnp.where(missing, s.step, s.step / 2)).astype(s.step.dtype)
     converged = proper & (decrement < tol) & (inner < tol)

@@ -36,11 +36,13 @@ _NO_MODE = (
 
 class NoModeError(ValueError):
     """No posterior mode was reached; ``improper``: the weakest direction is one the prior leaves
-    flat (the posterior is improper there), ``sites``: the sites along it."""
+    flat (the posterior is improper there), ``sites``: the sites along it; ``last``: ``(u, cov)``,
+    the last point and the inverse of the negative Hessian there where that is positive definite
+    (a preconditioner for MCMC), else ``None``."""
 
-    def __init__(self, message: str, improper: bool, sites) -> None:
+    def __init__(self, message: str, improper: bool, sites, last=None) -> None:
         super().__init__(message)
-        self.improper, self.sites = improper, tuple(sites)
+        self.improper, self.sites, self.last = improper, tuple(sites), last
 
 
 class Laplace(FactorInference):
@@ -83,6 +85,7 @@ class Laplace(FactorInference):
 
     method = "laplace"
     open_ended = True
+    check_draws = 4000  # nf.fit's widened check uses as many: one compiled check serves both
 
     def __init__(self, model: Callable, *, tol: float = 1e-2, inner_steps: int = 8, local_blocks: bool = True,
                  client_mapping: str = "auto", row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
@@ -144,5 +147,12 @@ class Laplace(FactorInference):
             prior_hess = np.asarray(jax.hessian(setup.extra.terms.log_prior)(s.u), np.float64)
             flat = {owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)}
             improper = bool(set(sites) & flat) and bool(np.any(diag <= 0) or lam[0] <= 1e-6)
-            raise NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites)
+            last = None
+            if np.all(diag > 0) and lam[0] > 0:  # positive definite: its inverse, by the scale-free form
+                inv = np.linalg.inv(scaled) / np.sqrt(np.outer(diag, diag))
+                last = (np.asarray(s.u, np.float64), (inv + inv.T) / 2)
+            err = NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites,
+                              last)
+            err.communication = result.communication  # what the search cost
+            raise err
         return self._check_q(setup, result)
