@@ -218,12 +218,14 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, clients, c
     observed = None
     if client is not None and clients is not None:
         observed = {k: np.asarray(v) for k, v in _observed(inference, clients, client).items()}
+    # per round: the damping applied (PVI, EP), or the Newton step's length (Laplace)
+    stat = "damping" if hasattr(result.info, "damping") else "step"
     return az.from_dict(
         posterior={k: chains(v) for k, v in draws.items()},
-        sample_stats={"damping": np.asarray(result.info.damping)[None, None, :]},
+        sample_stats={stat: np.asarray(getattr(result.info, stat))[None, None, :]},
         observed_data=observed,
         **groups,
-        dims={"damping": ["round"]},
+        dims={stat: ["round"]},
         attrs=_attrs(inference, result, corrected, note or "included"),
     )
 

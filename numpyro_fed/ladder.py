@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
-from .warnings import FitWarning
+from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "WARM_WARMUP", "WIDEN", "fit"]
 
@@ -60,6 +60,13 @@ _NETWORK = (
 )
 
 
+_CLIENT_UNCORRECTED = (
+    "Fit.get_samples(client={client!r}): this fit's global draws are importance-corrected, but a client's local "
+    "draws are drawn at draws of the Laplace Gaussian, which the check found off (fit.log says where); for exact "
+    "local draws use nf.fit(..., exact=True)"
+)
+
+
 class Fit:
     """What :func:`fit` returns.
 
@@ -76,13 +83,13 @@ class Fit:
     """
 
     def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
-                 log: List[str], corrected: bool = False, num_samples: int = 1000) -> None:
+                 log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None) -> None:
         self.method, self.inference, self.result = method, inference, result
         self.rounds, self.check, self.log = int(rounds), check, list(log)
         self.bytes_up, self.bytes_down = (int(b) for b in traffic)
         self.bytes = self.bytes_up + self.bytes_down
         self._corrected, self._num_samples = corrected, int(num_samples)
-        self._idata = None
+        self._idata, self._clients = None, clients
 
     def get_samples(self, client: Optional[str] = None, *, num_samples: Optional[int] = None,
                     rng_key: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
@@ -91,24 +98,31 @@ class Fit:
         own rows (in a deployment, on that client).
 
         For NUTS: the chains' draws (``num_samples`` ignored); for Laplace: ``num_samples``
-        (default: ``fit``'s) draws of the Gaussian, or of the importance-corrected draws."""
+        (default: ``fit``'s) draws of the Gaussian, or of the importance-corrected draws. A
+        client's local draws under an importance-corrected fit are drawn at draws of the
+        Laplace Gaussian (the client's Laplace approximation of its locals given each), not at
+        the corrected ones, and say so with an ``UncheckedFitWarning``."""
         n = self._num_samples if num_samples is None else int(num_samples)
         key = jax.random.PRNGKey(1) if rng_key is None else rng_key
         if self.method == "nuts":
             return self.inference.get_samples(self.result, client=client)
         if client is not None:
+            if self._corrected:
+                warnings.warn(_CLIENT_UNCORRECTED.format(client=client), UncheckedFitWarning,
+                              stacklevel=find_stack_level())
             return self.inference.client_draws(key, self.result, n, client)
         return self.inference.sample_posterior(key, self.result, n, corrected=self._corrected)
 
     @property
     def idata(self):
-        """The fit as ``arviz.InferenceData`` (:func:`numpyro_fed.to_arviz`)."""
+        """The fit as ``arviz.InferenceData`` (:func:`numpyro_fed.to_arviz`), with every client's
+        pointwise log-likelihood (each computed on its own rows: the simulation holds them)."""
         if self._idata is None:
             from .arviz import to_arviz
 
             extra = {} if self.method == "nuts" else {"num_samples": max(1, self._num_samples // 4),
                                                        "corrected": self._corrected}
-            self._idata = to_arviz(self.inference, self.result, jax.random.PRNGKey(2), **extra)
+            self._idata = to_arviz(self.inference, self.result, jax.random.PRNGKey(2), clients=self._clients, **extra)
         return self._idata
 
     def print_summary(self, prob: float = 0.9) -> None:
@@ -212,7 +226,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             if accepted is not None:
                 method, answer, check, corrected = accepted
                 return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
-                           num_samples=num_samples)
+                           num_samples=num_samples, clients=clients)
             log.append("moving to federated NUTS, started at the Laplace mode, preconditioned by its covariance")
     nuts = FederatedNUTS(model, num_warmup=(WARM_WARMUP if warm is not None else 500) if num_warmup is None
                          else num_warmup, num_samples=num_samples, num_chains=num_chains, **common)
@@ -225,7 +239,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     bytes_ = tuple(a + b for a, b in zip(bytes_, _bytes(result)))
     check = _mcmc_check(nuts, result)
     log.append(f"nuts: {int(result.communication.rounds)} rounds; " + _check_text(check))
-    return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=num_samples)
+    return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=num_samples, clients=clients)
 
 
 def _judge(laplace, result, rng_key, log: List[str]):

@@ -59,6 +59,8 @@ def test_fit_is_the_exact_posterior_of_a_conjugate_model_in_a_few_rounds():
     assert fit.bytes > 0 and "laplace" in repr(fit)
     stats = nf.summary(fit)
     assert set(stats) == {"a", "b"} and "r_hat" not in stats["a"]
+    idata = fit.idata  # every client's pointwise log-likelihood, as ArviZ's loo needs
+    assert "log_likelihood" in idata.groups() and idata.log_likelihood["y"].shape[-1] == len(Y)
 
 
 def test_fit_accepts_a_flat_prior_where_the_posterior_is_proper():
@@ -155,6 +157,7 @@ def test_exact_goes_straight_to_federated_nuts():
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
                  num_samples=100, num_warmup=100, progress_bar=False)
     assert fit.method == "nuts" and len(fit.log) == 1 and fit.inference._warm_start == (None, None)
+    assert "log_likelihood" in fit.idata.groups() and "r_hat" in nf.summary(fit)["a"]
 
 
 # ---- the families' defaults ----

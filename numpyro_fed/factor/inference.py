@@ -218,6 +218,9 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
             if "flat" in str(err):
                 raise
+            # a flat site among non-Gaussian ones (a Stan program's unstated prior): no curvature at all
+            hess = np.asarray(jax.hessian(log_prior)(jnp.asarray(start)))
+            _check_prior_is_proper(G.NaturalGaussian(jnp.zeros(d), -jnp.asarray(hess)), layout, cls)
             return split_prior(log_prior, d, layout, cls, start)
 
     def _joint(self, structure, local: SiteLayout) -> Callable:
@@ -601,8 +604,8 @@ _IMPROPER = (
     "{cls}: the prior of the global site(s) {sites} is flat (improper: zero prior precision in "
     "unconstrained space). {cls} starts q at the prior, and an improper q has no cavity or local "
     "ELBO, so the first round cannot be formed. Give those sites a proper Gaussian prior (e.g. "
-    "dist.Normal(0, 10) for a location, dist.LogNormal(0, 2) for a scale), or use nf.FederatedSVI, "
-    "which accepts flat priors"
+    "dist.Normal(0, 10) for a location, dist.LogNormal(0, 2) for a scale), or use nf.fit (a Laplace "
+    "approximation, checked, else federated NUTS), which needs a proper posterior, not a proper prior"
 )
 
 
