@@ -382,7 +382,7 @@ class FederatedMCMC(FederatedInference):
         z_local, real, args = self._client_unpadded(setup, state, client)
         positions = self._positions(setup, state)
         theta = jnp.reshape(positions, (-1, positions.shape[-1]))
-        z_local = jnp.reshape(z_local, (-1, z_local.shape[-1]))
+        z_local = jnp.reshape(z_local, (theta.shape[0], z_local.shape[-1]))  # (no local sites: width 0)
         keys = random.split(rng_key, theta.shape[0])
 
         def one(th, z, key):
