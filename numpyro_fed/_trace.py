@@ -129,19 +129,36 @@ def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
         f"transformation of a latent site, or the data)") from error
 
 
-def prior_median(model: Callable, args, kwargs, layout) -> jax.Array:
+def _mean_or_median(site):
+    """A site's prior mean where it is finite and in the support (the same for every entry whatever
+    the site's shape), else NumPyro's ``init_to_median`` value."""
+    sampled = init_to_median(num_samples=15)(site)
+    if sampled is None or site["type"] != "sample" or site["is_observed"]:
+        return sampled
+    try:
+        mean = jnp.broadcast_to(site["fn"].mean, jnp.shape(sampled))
+    except (NotImplementedError, ValueError, TypeError):
+        return sampled
+    ok = jnp.isfinite(mean) & site["fn"].support(mean)
+    return jnp.where(ok, mean, sampled)
+
+
+def prior_median(model: Callable, args, kwargs, layout, exact: bool = False) -> jax.Array:
     """The latent sites of ``layout`` at their prior medians (NumPyro's ``init_to_median``: the
     median of 15 prior draws, each site given the earlier ones; a flat prior falls back to a
     uniform draw in (-2, 2) of unconstrained space), flat and unconstrained; a non-finite entry
-    is 0. Pure JAX: runs under ``jit`` on a client's own arguments."""
+    is 0. ``exact``: at the prior mean where it is finite instead (no draws, so an entry's start
+    does not depend on how many entries the site has, e.g. a client padded to another's rows).
+    Pure JAX: runs under ``jit`` on a client's own arguments."""
     if not layout.names:
         return jnp.zeros(0)
     dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
     seeded = seed(model, rng_seed=0)
+    start_fn = _mean_or_median if exact else init_to_median(num_samples=15)
     try:  # (NumPyro notes sites whose value is already set, e.g. an improper prior's: not the user's concern)
         with numpyro.validation_enabled(False), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="init_to_median", category=UserWarning)
-            tr = trace(substitute(seeded, substitute_fn=init_to_median(num_samples=15))).get_trace(
+            tr = trace(substitute(seeded, substitute_fn=start_fn)).get_trace(
                 **args, **kwargs)
     except ValueError:  # the medians make a later distribution invalid (e.g. Gamma(0.001, 0.001) for a precision)
         return jnp.zeros(layout.size, dtype)

@@ -169,14 +169,18 @@ def _relabel(draws, key, flip=()):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_enumerated_posterior_matches_nuts_on_the_marginalised_model(case):
-    """FederatedSVI (default estimator and guide; adam 0.03, 2000 rounds, four clients)
+    """FederatedSVI (default estimator and guide; adam 0.03, 2000 rounds, four clients; for the
+    latent-class model decayed to 0.0015 over the rounds: at a constant step its ten rho means
+    jitter by 0.2-0.36 of their sds from one round count to the next, about the tolerance; the
+    mixture needs the constant step's noise to break its components' symmetry)
     against NUTS on the model with the discrete site marginalised by hand (no enumeration
     machinery in the reference): every mean within 0.25 NUTS sd and every sd within 15%
     (components ordered by ``mu`` / ``rho[:, 0]``)."""
     model, marginal, make_data, key = CASES[case]
     y = make_data(n=(60, 40)) if case == "mixture" else make_data(n=200)
     clients = nf.Clients.split(np.repeat(np.arange(4), len(y) // 4), y=y)
-    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.03))
+    step = optax.exponential_decay(0.03, 2000, 0.05) if case == "latent_class" else 0.03
+    svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(step))
     res = svi.run(random.PRNGKey(0), 2000, clients, progress_bar=False)
     fed = _relabel(svi.sample_posterior(random.PRNGKey(1), res, 4000), key)
     ref = _relabel(nuts_reference(f"enumeration_{case}", marginal, jnp.asarray(y), num_warmup=400,

@@ -39,6 +39,10 @@ class NetworkFitCheck:
     """The client side (``_client_value``) and the server side (``_network_check``) of the
     fit check over a network backend; mixed into :class:`~numpyro_fed.factor.inference.FactorInference`."""
 
+    def _num_check_draws(self) -> int:
+        """The check's draws: the family's own (``check_draws``), as in simulation."""
+        return int(getattr(self, "check_draws", CHECK_DRAWS))
+
     def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
         """The structure of what the server sends for :meth:`_client_value` ``name``."""
         d = setup.extra.terms.prior.shift.shape[0]
@@ -46,7 +50,7 @@ class NetworkFitCheck:
         if name == "local_integral":
             return {"mean": mean}
         if name == "log_weights":
-            return {"mean": mean, "u": jax.ShapeDtypeStruct((CHECK_DRAWS, d), jnp.float32),
+            return {"mean": mean, "u": jax.ShapeDtypeStruct((self._num_check_draws(), d), jnp.float32),
                     "sampled": jax.ShapeDtypeStruct((), jnp.int32)}
         raise ValueError(f"{type(self).__name__}: no client-side value {name!r}")
 
@@ -86,7 +90,8 @@ class NetworkFitCheck:
         def ask(name, payload):
             payloads = {j: payload for j in range(J)}
             like = ({"gaussian": jax.ShapeDtypeStruct((), jnp.int32), "k": jax.ShapeDtypeStruct((), jnp.float32)}
-                    if name == "local_integral" else {"values": jax.ShapeDtypeStruct((CHECK_DRAWS,), jnp.float32)})
+                    if name == "local_integral" else {"values": jax.ShapeDtypeStruct((self._num_check_draws(),),
+                                                                                      jnp.float32)})
             got = network.client_values(name, payloads, like, result.transcript, rnd)
             exchanges.append((payloads, got))
             return got if len(got) == J else None
@@ -102,7 +107,8 @@ class NetworkFitCheck:
                     return None, None, "proposal", exchanges
                 sampled = True
         d = mean.shape[0]
-        u = jax.vmap(lambda e: G.sample(q, e))(random.normal(random.PRNGKey(_CHECK_KEY), (CHECK_DRAWS, d)))
+        num = self._num_check_draws()
+        u = jax.vmap(lambda e: G.sample(q, e))(random.normal(random.PRNGKey(_CHECK_KEY), (num, d)))
         got = ask("log_weights", {"mean": mean, "u": jnp.asarray(u, jnp.float32),
                                   "sampled": jnp.asarray(int(sampled), jnp.int32)})
         if got is None:

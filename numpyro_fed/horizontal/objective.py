@@ -119,7 +119,7 @@ class FederatedObjective:
         layout, _, tr = self.client_layout(data.args)
         guide = self.guide.init_local(layout.size, self.global_size)
         if layout.size:  # the local locations at their prior medians given the global ones, on the client's rows
-            loc = prior_median(self.model, data.args, self.model_kwargs, layout).astype(guide["loc"].dtype)
+            loc = prior_median(self.model, data.args, self.model_kwargs, layout, exact=True).astype(guide["loc"].dtype)
             guide = {**guide, "loc": loc * layout.flat_mask(data.row_mask, data.args)}
         return {
             "guide": guide,
