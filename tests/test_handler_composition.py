@@ -152,4 +152,8 @@ def test_eight_schools_centred_is_flagged(nuts_reference):
     with pytest.warns(nf.UnreliableFitWarning, match=r"Pareto k = [\s\S]*(tau|funnel)"):
         result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
     tau = np.asarray(svi.sample_posterior(random.PRNGKey(2), result, 4000)["tau"])
-    assert abs(tau.mean() - nuts_reference["tau"].mean()) > 0.3 * nuts_reference["tau"].std()  # wrong: flagged
+    ref = nuts_reference["tau"]
+    # wrong by nf.fit's tolerance (mean 0.2 sd, sd 15 %), and flagged: started at the prior's median the
+    # fit is nearer than it was from 0 (tau's mean 0.27 sd off, its sd 0.81x), but still off
+    assert abs(tau.mean() - ref.mean()) > 0.2 * ref.std() or abs(tau.std() / ref.std() - 1) > 0.15, (
+        tau.mean(), tau.std(), ref.mean(), ref.std())
