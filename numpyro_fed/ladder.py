@@ -12,8 +12,8 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    ``ok`` (Pareto k at most :data:`ACCEPT_K`, no biased site) and its means and sds agree with the
    widened check's weighted ones; otherwise the widened check's importance-resampled draws are
    accepted when its Pareto k is at most :data:`CORRECT_K` and its ESS at least
-   :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`. Over a network backend only the first check
-   runs (and ``ok`` accepts).
+   :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`. Over a network backend (Flower) both checks
+   run on the clients, each computing its own term on its own node.
 3. Otherwise **exact federated NUTS**, started at the Laplace mode and preconditioned by the
    Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L L^T`` the covariance: a
    dense mass matrix, so a posterior whose sites are strongly correlated costs no more trees
@@ -27,6 +27,7 @@ What was tried, in order, and why the ladder moved on is in :attr:`Fit.log`.
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
 
-__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "WARM_WARMUP", "WIDEN", "fit"]
+__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "WARM_WARMUP", "WIDEN", "fit"]
 
 ACCEPT_K = 0.7
 """The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most
@@ -53,10 +54,10 @@ WARM_WARMUP = 300
 """Warmup iterations of federated NUTS started from the Laplace fit."""
 
 
-_NETWORK = (
-    "nf.fit runs its ladder on the simulation; over a network backend run its rungs as tasks of their own: "
-    "nf.factor.Laplace(model) (its fit check runs on the clients), then, if the check does not pass, "
-    "nf.FederatedNUTS(model)"
+_NETWORK_CLIENT = (
+    "Fit.get_samples(client={client!r}): this fit ran over a network backend, and a client's local draws are "
+    "computed on its own node from its rows, which the server does not hold; draw them on the client (a fit in "
+    "simulation gives them here)"
 )
 
 
@@ -80,16 +81,24 @@ class Fit:
         check: the accepted rung's check: a :class:`~numpyro_fed.FitDiagnostic` (Laplace), or
             for NUTS ``{"divergences", "min_n_eff", "max_r_hat"}`` over the global scalars.
         log: what was tried, in order, and why the ladder moved on.
+        results: the :class:`~numpyro_fed.RunResult` of every rung that ran, in order (each
+            with its own transcript when run with ``record_transcript=True``).
+
+    After a fit over a network backend (Flower) the server holds no client's rows: a client's
+    local draws and the pointwise log-likelihood are computed on its node, so
+    ``get_samples(client=...)`` raises and ``idata`` has no ``log_likelihood`` group.
     """
 
     def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
-                 log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None) -> None:
+                 log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None,
+                 results: Optional[List[Any]] = None) -> None:
         self.method, self.inference, self.result = method, inference, result
         self.rounds, self.check, self.log = int(rounds), check, list(log)
         self.bytes_up, self.bytes_down = (int(b) for b in traffic)
         self.bytes = self.bytes_up + self.bytes_down
         self._corrected, self._num_samples = corrected, int(num_samples)
         self._idata, self._clients = None, clients
+        self.results = list(results) if results is not None else [result]
 
     def get_samples(self, client: Optional[str] = None, *, num_samples: Optional[int] = None,
                     rng_key: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
@@ -104,6 +113,8 @@ class Fit:
         the corrected ones, and say so with an ``UncheckedFitWarning``."""
         n = self._num_samples if num_samples is None else int(num_samples)
         key = jax.random.PRNGKey(1) if rng_key is None else rng_key
+        if client is not None and self._clients is None:
+            raise ValueError(_NETWORK_CLIENT.format(client=client))
         if self.method == "nuts":
             return self.inference.get_samples(self.result, client=client)
         if client is not None:
@@ -155,9 +166,9 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
 
     Tries the Laplace approximation (a few Newton rounds), keeps it when the fit check passes,
     and otherwise runs exact federated NUTS started from it (see :mod:`numpyro_fed.ladder` for
-    the thresholds). The ladder runs on the simulation; over Flower, run its rungs as Flower
-    tasks (:class:`~numpyro_fed.factor.Laplace`, whose fit check runs on the clients, then
-    :class:`~numpyro_fed.FederatedNUTS`), as ``docs/flower.md`` shows for any family.
+    the thresholds). ``fit(model, clients, key, **options)`` is ``Ladder(model,
+    **options).run(key, clients)``; over Flower, a task whose ``make_inference`` returns a
+    :class:`Ladder` runs the same ladder, every rung over the network (``docs/flower.md``).
 
     Args:
         model: a NumPyro model, annotated as for any family (``nf.local_site``, ``nf.group_plate``).
@@ -169,8 +180,8 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         num_chains: NUTS chains.
         model_kwargs, row_plate, client_mapping: as every family's.
         progress_bar: show each rung's progress (default: the families' default, on).
-        **run_options: the simulation's run options (``record_transcript``, ``availability``,
-            ``on_nonfinite``, ...), passed to every rung.
+        **run_options: the backend's run options (``backend``, ``record_transcript``,
+            ``availability``, ``on_nonfinite``, ...), passed to every rung.
 
     Returns:
         a :class:`Fit`.
@@ -192,79 +203,152 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         >>> result.method, result.check.verdict
         ('laplace', 'ok')
     """
-    from .factor import Laplace
-    from .factor.laplace_inference import NoModeError
-    from .mcmc import FederatedNUTS
+    ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
+                    model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
+                    progress_bar=progress_bar)
+    return ladder.run(rng_key, clients, **run_options)
 
-    if run_options.get("backend") is not None:
-        raise NotImplementedError(_NETWORK)
-    common = dict(model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping)
-    log: List[str] = []
-    rounds, bytes_ = 0, (0, 0)
-    warm = None
-    k_laplace, k_nuts = jax.random.split(rng_key)
-    if not exact:
-        laplace = Laplace(model, **common)
-        if progress_bar is not None:
-            laplace.progress_bar = bool(progress_bar)
-        try:
-            with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
-                warnings.filterwarnings("ignore", category=FitWarning)
-                result = laplace.run(k_laplace, clients, **run_options)
-        except NoModeError as err:
-            if err.improper:
-                raise
-            warm = err.last
-            rounds, bytes_ = int(err.communication.rounds), _bytes(err)
-            log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
-                       + (", preconditioned by the curvature at the last point" if warm is not None else ""))
+
+class Ladder:
+    """:func:`fit`'s ladder as an object: its options, the inference object of each rung
+    (:meth:`rung`), and :meth:`run`.
+
+    Over Flower, a :class:`~numpyro_fed.flower.FlowerTask` whose ``make_inference`` returns a
+    ``Ladder`` runs :func:`fit` over the network: before each rung the server tells the clients
+    which one (its :meth:`stage` text, in the set-up message: the rung's name and, for NUTS
+    started from the Laplace fit, that fit's mode and covariance, which are global), and every
+    party builds the same inference object from it with :meth:`rung`.
+
+    Args: those of :func:`fit` but the model's data and the run options.
+    """
+
+    #: an open-ended family (runs until it is done): a Flower task passes no round count
+    open_ended = True
+
+    def __init__(self, model: Callable, *, exact: bool = False, num_samples: int = 1000,
+                 num_warmup: Optional[int] = None, num_chains: int = 1, model_kwargs: Optional[dict] = None,
+                 row_plate: Optional[str] = None, client_mapping: str = "auto",
+                 progress_bar: Optional[bool] = None) -> None:
+        self.model, self.exact = model, bool(exact)
+        self.num_samples, self.num_warmup, self.num_chains = int(num_samples), num_warmup, int(num_chains)
+        self.model_kwargs, self.row_plate, self.client_mapping = dict(model_kwargs or {}), row_plate, client_mapping
+        self.progress_bar = progress_bar
+
+    # ------------------------------------------------------------------ rungs
+    @staticmethod
+    def stage(rung: str, warm: Optional[tuple] = None) -> str:
+        """The text naming a rung: ``"laplace"``, or ``"nuts"`` with the ``(mean, cov)`` of
+        the unconstrained global sites it starts from and is preconditioned by (``None``: cold)."""
+        spec: Dict[str, Any] = {"rung": rung}
+        if warm is not None:
+            spec["mean"], spec["cov"] = (np.asarray(a, np.float64).tolist() for a in warm)
+        return json.dumps(spec)
+
+    def rung(self, stage: Optional[str] = None):
+        """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first)."""
+        from .factor import Laplace
+        from .mcmc import FederatedNUTS
+
+        spec = json.loads(stage) if stage else {"rung": "nuts" if self.exact else "laplace"}
+        common = dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping)
+        if spec["rung"] == "laplace":
+            inference = Laplace(self.model, widen=WIDEN, **common)
+            inference.check_draws = CORRECT_DRAWS  # both checks: one compiled program
+        elif spec["rung"] == "nuts":
+            warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
+            warmup = (WARM_WARMUP if warm is not None else 500) if self.num_warmup is None else self.num_warmup
+            inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=self.num_samples,
+                                      num_chains=self.num_chains, **common)
+            if warm is not None:
+                inference._warm_start = warm
         else:
-            rounds, bytes_ = int(result.communication.rounds), _bytes(result)
-            mean, cov = (np.asarray(result.params[k]) for k in ("mean", "cov"))
-            warm = (mean, cov)
-            accepted = _judge(laplace, result, jax.random.fold_in(k_laplace, 7), log)
-            if accepted is not None:
-                method, answer, check, corrected = accepted
-                return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
-                           num_samples=num_samples, clients=clients)
-            log.append("moving to federated NUTS, started at the Laplace mode, preconditioned by its covariance")
-    nuts = FederatedNUTS(model, num_warmup=(WARM_WARMUP if warm is not None else 500) if num_warmup is None
-                         else num_warmup, num_samples=num_samples, num_chains=num_chains, **common)
-    if progress_bar is not None:
-        nuts.progress_bar = bool(progress_bar)
-    if warm is not None:
-        nuts._warm_start = warm
-    result = nuts.run(k_nuts, clients, **run_options)
-    rounds = rounds + int(result.communication.rounds)
-    bytes_ = tuple(a + b for a, b in zip(bytes_, _bytes(result)))
-    check = _mcmc_check(nuts, result)
-    log.append(f"nuts: {int(result.communication.rounds)} rounds; " + _check_text(check))
-    return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=num_samples, clients=clients)
+            raise ValueError(f"Ladder.rung: no rung {spec['rung']!r} (its rungs: 'laplace', 'nuts')")
+        if self.progress_bar is not None:
+            inference.progress_bar = bool(self.progress_bar)
+        return inference
+
+    # ------------------------------------------------------------------ run
+    def run(self, rng_key: jax.Array, clients: Any, **run_options: Any) -> Fit:
+        """Climb the ladder on ``clients`` (see :func:`fit`); ``run_options`` go to every rung."""
+        from .backends.base import NetworkBackend
+        from .factor.laplace_inference import NoModeError
+
+        if run_options.get("checkpoint") is not None or run_options.get("init_state") is not None:
+            raise ValueError("nf.fit takes no checkpoint= or init_state= (it runs several rungs, each from its start); "
+                             "checkpoint a family's run instead")
+        run_options = {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every",
+                                                                         "init_state")}
+        backend = run_options.get("backend")
+        network = isinstance(backend, NetworkBackend)
+        log: List[str] = []
+        results: List[Any] = []
+        rounds, bytes_ = 0, (0, 0)
+        warm = None
+        k_laplace, k_nuts = jax.random.split(rng_key)
+
+        def announce(stage: str) -> None:  # a network backend's clients build the same rung
+            if network:
+                backend.stage = stage
+
+        if not self.exact:
+            stage = self.stage("laplace")
+            announce(stage)
+            laplace = self.rung(stage)
+            try:
+                with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
+                    warnings.filterwarnings("ignore", category=FitWarning)
+                    result = laplace.run(k_laplace, clients, **run_options)
+            except NoModeError as err:
+                if err.improper:
+                    raise
+                warm = err.last
+                rounds, bytes_ = int(err.communication.rounds), _bytes(err)
+                log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
+                           + (", preconditioned by the curvature at the last point" if warm is not None else ""))
+            else:
+                results.append(result)
+                rounds, bytes_ = int(result.communication.rounds), _bytes(result)
+                warm = tuple(np.asarray(result.params[k]) for k in ("mean", "cov"))
+                accepted = _judge(laplace, result, log)
+                if accepted is not None:
+                    method, answer, check, corrected = accepted
+                    return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
+                               num_samples=self.num_samples, clients=None if network else clients, results=results)
+                log.append("moving to federated NUTS, started at the Laplace mode, preconditioned by its covariance")
+        stage = self.stage("nuts", warm)
+        announce(stage)
+        nuts = self.rung(stage)
+        result = nuts.run(k_nuts, clients, **run_options)
+        results.append(result)
+        rounds = rounds + int(result.communication.rounds)
+        bytes_ = tuple(a + b for a, b in zip(bytes_, _bytes(result)))
+        check = _mcmc_check(nuts, result)
+        log.append(f"nuts: {int(result.communication.rounds)} rounds; " + _check_text(check))
+        return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=self.num_samples,
+                   clients=None if network else clients, results=results)
 
 
-def _judge(laplace, result, rng_key, log: List[str]):
+def _judge(laplace, result, log: List[str]):
     """Accept the Laplace fit (``(method, result, check, corrected)``) or not (``None``), logging why.
 
-    Two checks: the fit check of ``q`` itself (its verdict), and one from ``q`` widened to
-    :data:`WIDEN` times its sd with :data:`CORRECT_DRAWS` draws, whose importance weights reach
-    the tails a too-narrow ``q`` never draws from. ``q`` is kept when its verdict is ``ok`` and its
-    user-space means and sds agree with the widened check's weighted ones (means within 0.2 sds,
-    sds within 15 %); otherwise the widened check's importance-resampled draws are the answer
-    when its Pareto k is at most :data:`CORRECT_K` and its ESS at least :data:`CORRECT_MIN_ESS`."""
-    from .fit_check import state_fingerprint
-
+    Two checks, both run by :class:`~numpyro_fed.factor.Laplace` (``widen``), each client
+    computing its own term: the fit check of ``q`` itself (its verdict), and one from ``q``
+    widened to :data:`WIDEN` times its sd with :data:`CORRECT_DRAWS` draws, whose importance
+    weights reach the tails a too-narrow ``q`` never draws from. ``q`` is kept when its verdict
+    is ``ok`` and its user-space means and sds agree with the widened check's weighted ones
+    (means within 0.2 sds, sds within 15 %); otherwise the widened check's importance-resampled
+    draws are the answer when its Pareto k is at most :data:`CORRECT_K` and its ESS at least
+    :data:`CORRECT_MIN_ESS`."""
     rounds = int(result.communication.rounds)
-    check = laplace.last_fit_check
+    check, wide = laplace.last_fit_check, laplace.widened_check
     if check is None:
-        log.append(f"laplace: {rounds} rounds; not checked ({laplace.last_fit_check_skipped})")
+        log.append(f"laplace: {rounds} rounds; not checked ({laplace.last_fit_check_skipped or 'see its warning'})")
         return None
     off = f"; biased: {', '.join(m.site for m in check.biased[:4])}" if check.biased else ""
     log.append(f"laplace: {rounds} rounds; check {check.verdict} (Pareto k {check.pareto_k:.2f}{off})")
-    if result.state.clients is None:  # a network backend: the check ran on the clients; no widened one
-        return ("laplace", result, check, False) if check.verdict == "ok" else None
-    state = result.state
-    wide_state = state._replace(server=state.server._replace(q=state.server.q.scale(1.0 / WIDEN**2)))
-    wide = laplace.diagnose(wide_state, num_draws=CORRECT_DRAWS, rng_key=rng_key)
+    if wide is None:
+        log.append("laplace: no widened check (some client did not answer)")
+        return None
     disagree = _disagreeing(check, wide)
     log.append(f"laplace: widened check ({WIDEN}x sd, {CORRECT_DRAWS} draws): Pareto k {wide.pareto_k:.2f}, ESS "
                f"{wide.ess:.0f}" + (f"; q's moments off at {', '.join(disagree[:4])}" if disagree else
@@ -273,9 +357,8 @@ def _judge(laplace, result, rng_key, log: List[str]):
         log.append("laplace: accepted")
         return "laplace", result, check, False
     if wide.pareto_k <= CORRECT_K and wide.ess >= CORRECT_MIN_ESS:
-        laplace.last_fit_check, laplace._checked_state = wide, state_fingerprint(wide_state.server)
         log.append("laplace: accepted with importance-corrected draws (from the widened check)")
-        return "laplace (importance-corrected)", result._replace(state=wide_state), wide, True
+        return "laplace (importance-corrected)", laplace.widened_result(result), wide, True
     return None
 
 

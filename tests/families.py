@@ -131,6 +131,29 @@ def nuts():
 MCMC_FAMILIES = {"nuts": nuts}
 
 
+def cauchy_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Cauchy(mu, 0.5), obs=y)
+
+
+def fit():
+    """nf.fit's ladder on a Gaussian model: the Laplace fit is accepted."""
+    return nf.ladder.Ladder(ep_model, num_samples=200), horizontal_data()
+
+
+def fit_nuts():
+    """nf.fit's ladder on a bimodal posterior (Cauchy rows on either side of 0): the Laplace fit
+    fails both checks and federated NUTS runs, started from it."""
+    y = np.array([-2.0, -2.2, -1.9, 1.9, 2.1, 2.3, -1.8, 2.2, 2.05], np.float32)
+    return (nf.ladder.Ladder(cauchy_model, num_warmup=30, num_samples=30),
+            nf.Clients.split(np.repeat([0, 1, 2], 3), y=y))
+
+
+#: nf.fit's ladder (a Ladder is not a family: it runs several)
+FIT_FAMILIES = {"fit": fit, "fit_nuts": fit_nuts}
+
+
 #: the differentially private variants (their messages are noised; the same audits apply)
 DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averaging, pvi_dp_virtual_trusted,
                                        svi_dp_trusted)}

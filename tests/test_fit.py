@@ -261,6 +261,24 @@ def test_pvi_defaults_fit_a_standardised_linear_regression():
         assert np.all(np.abs(o.std(0) / r.std(0) - 1) <= 0.15), (site, o.std(0) / r.std(0))
 
 
-def test_fit_says_it_runs_on_the_simulation_when_given_a_network_backend():
-    with pytest.raises(NotImplementedError, match="nf.factor.Laplace"):
-        nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), backend=object())
+def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
+    """Over Flower the server announces each rung as text and every party builds it with
+    ``Ladder.rung``: the warm start (mode and covariance) survives the text to the bit, the
+    warmup follows it, and an unknown rung is refused."""
+    from numpyro_fed.ladder import WARM_WARMUP, WIDEN, Ladder
+
+    ladder = Ladder(_regression(dist.Normal(0.0, 3.0)), num_samples=50)
+    mean = np.array([0.1234567890123, -2.0 / 3.0])
+    cov = np.array([[1.0 / 3.0, 0.1], [0.1, 2.0 / 7.0]])
+    nuts = ladder.rung(Ladder.stage("nuts", (mean, cov)))
+    assert isinstance(nuts, nf.FederatedNUTS) and nuts.num_warmup == WARM_WARMUP and nuts.num_samples == 50
+    np.testing.assert_array_equal(nuts._warm_start[0], mean)
+    np.testing.assert_array_equal(nuts._warm_start[1], cov)
+    assert ladder.rung(Ladder.stage("nuts")).num_warmup == 500
+    first = ladder.rung()
+    assert isinstance(first, nf.factor.Laplace) and first.widen == WIDEN
+    assert isinstance(Ladder(ladder.model, exact=True).rung(), nf.FederatedNUTS)
+    with pytest.raises(ValueError, match="no rung 'pvi'"):
+        ladder.rung('{"rung": "pvi"}')
+    with pytest.raises(ValueError, match="checkpoint="):
+        ladder.run(jax.random.PRNGKey(0), _clients(), checkpoint="x.npz")

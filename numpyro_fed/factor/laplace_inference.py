@@ -17,6 +17,8 @@ import numpy as np
 from .._structure import SiteLayout
 from .._trace import prior_median
 from .._validation import check_positive_int
+from ..fit_check import FitDiagnostic, fit_diagnostic, state_fingerprint
+from ..inference import with_exchange_traffic
 from ..protocol import RunResult
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
@@ -66,6 +68,12 @@ class Laplace(FactorInference):
             below this.
         inner_steps: Newton steps per round of each client's inner mode (warm-started).
         local_blocks: use the local latents' block structure (as :class:`~numpyro_fed.EP`).
+        widen: also check ``q`` widened to this many times its sd (``None``: not), with the
+            same number of draws, each client computing its term on its own rows as for the
+            check of ``q`` itself; the result is :attr:`widened_check`. A too-narrow ``q`` never
+            draws from the tails its own check would need to see; the widened draws reach them,
+            and their weights correct ``q`` (:meth:`widened_result`). :func:`numpyro_fed.fit`
+            uses ``widen=1.5``.
         client_mapping, row_plate, model_kwargs, check_fit: as :class:`~numpyro_fed.EP`.
 
     Examples:
@@ -89,7 +97,7 @@ class Laplace(FactorInference):
 
     def __init__(self, model: Callable, *, tol: float = 1e-2, inner_steps: int = 8, local_blocks: bool = True,
                  client_mapping: str = "auto", row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
-                 check_fit: bool = True) -> None:
+                 check_fit: bool = True, widen: Optional[float] = None) -> None:
         super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
                          client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
                          check_fit=check_fit)
@@ -97,6 +105,10 @@ class Laplace(FactorInference):
             raise ValueError(f"tol={tol}: must be positive")
         self.tol, self.inner_steps = float(tol), check_positive_int("inner_steps", inner_steps)
         self.local_blocks = bool(local_blocks)
+        if widen is not None and not float(widen) > 1.0:
+            raise ValueError(f"widen={widen}: must be above 1 (the widened q's sd over q's), or None")
+        self.widen = None if widen is None else float(widen)
+        self.widened_check: Optional[FitDiagnostic] = None
         self._blocks = None
 
     def run(self, rng_key: jax.Array, clients=None, *, max_rounds: int = 100, **kwargs) -> RunResult:
@@ -156,3 +168,33 @@ class Laplace(FactorInference):
             err.communication = result.communication  # what the search cost
             raise err
         return self._check_q(setup, result)
+
+    def _check_q(self, setup, result: RunResult) -> RunResult:
+        """The fit check of ``q`` (every factor family's), then, with ``widen``, the widened one."""
+        result = super()._check_q(setup, result)
+        self.widened_check = None
+        if self.widen is None or self.last_fit_check is None:
+            return result
+        wide = self._widened(result.state)
+        if wide.clients is not None:
+            self.widened_check = self.diagnose(wide, num_draws=self.check_draws)
+            return result
+        log_w, u, _, exchanges = self._network_check(self._network, setup, result._replace(state=wide))
+        result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
+        if log_w is not None:  # (else some client did not answer: no widened check, as the caller sees)
+            per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
+            self.widened_check = fit_diagnostic(log_w, self._user_space(u), u, per_site, shape=True)
+        return result
+
+    def _widened(self, state):
+        return state._replace(server=state.server._replace(q=state.server.q.scale(1.0 / self.widen**2)))
+
+    def widened_result(self, result: RunResult) -> RunResult:
+        """``result`` with ``q`` widened (``widen`` times its sd) and :attr:`widened_check` as its
+        fit check, so that ``sample_posterior(..., corrected=True)`` (and ``nf.to_arviz(...,
+        corrected=True)``) resample the widened check's draws by their importance weights."""
+        if self.widened_check is None:
+            raise ValueError("Laplace.widened_result needs the widened check of the last run: run with widen=...")
+        wide = self._widened(result.state)
+        self.last_fit_check, self._checked_state = self.widened_check, state_fingerprint(wide.server)
+        return result._replace(state=wide)

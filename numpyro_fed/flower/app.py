@@ -25,8 +25,10 @@ A Flower app's ``pyproject.toml`` names them::
     stream-keyfile = ""                  #   TLS for it (required off loopback)
 
 The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds the task's
-inference object on the template, and runs it with ``backend=FlowerBackend(grid)``; the
-result (server parameters, trace, per-round diagnostics, communication, the transcript
+inference object on the template, and runs it with ``backend=FlowerBackend(grid)`` (a
+:class:`~numpyro_fed.ladder.Ladder` task runs ``nf.fit``, and the result has a ``fit`` entry:
+its method, rounds, bytes, log, global draws and every rung's transcript; the other entries are
+its last rung's); the result (server parameters, trace, per-round diagnostics, communication, the transcript
 recorded at the server, the rounds that lacked clients, per-round wall times) goes to
 ``out`` as a pickle, or an ``{"error": ..., "traceback": ...}`` when the run failed; the
 ServerApp then re-raises the exception, so Flower records the run as ``finished:failed``
@@ -61,7 +63,6 @@ def _server_main(grid, context) -> None:
     placeholders = contextlib.ExitStack()
     try:
         import jax
-        import numpy as np
 
         from .server import FlowerBackend
         from .task import build, call_run, load_task, on_placeholders
@@ -84,7 +85,7 @@ def _server_main(grid, context) -> None:
         template = backend.connect(task, int(cfg["num-clients"]))
         placeholders.enter_context(on_placeholders(template))  # the server holds no client's data
         server_data = task.load_server() if task.load_server is not None else None
-        inference, inputs, _ = build(task, template, num_rounds, server=server_data)
+        inference, inputs, _ = build(task, template, num_rounds, server=server_data, stage=None)
         backend.collect_ledgers = getattr(inference, "_privacy", None) is not None  # privacy_report's input
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -101,26 +102,7 @@ def _server_main(grid, context) -> None:
                 checkpoint_every=int(cfg["checkpoint-every"]) if int(cfg.get("checkpoint-every", 0)) else None,
                 **task.run_options,
             )
-        to_np = lambda t: jax.tree_util.tree_map(np.asarray, t)
-        result.update(
-            params=to_np(run.params),
-            trace=np.asarray(run.trace),
-            info=to_np(run.info),
-            server_state=to_np(run.state.server),
-            communication=run.communication._asdict(),
-            transcript=run.transcript,
-            rounds_answered=np.asarray(run.rounds_answered),
-            clients=template.names,
-            missing=backend.missing,
-            rejoined=backend.rejoined,
-            timings=backend.timings,
-            errors=backend.errors,
-            round_seconds=backend.round_seconds,
-            warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
-        )
-        result["fit_check"] = getattr(inference, "last_fit_check", None)  # SFVI: checked with the clients' terms
-        if backend.collect_ledgers:  # from the ledgers the clients sent after the last round
-            result["privacy_report"] = inference.privacy_report(run)
+        result.update(_outcome(run, inference, template, backend, caught))
     except Exception as ex:  # the result file says what failed; re-raised, so Flower marks the run failed
         result.update(error=f"{type(ex).__name__}: {ex}", traceback=traceback.format_exc())
         raise
@@ -132,6 +114,40 @@ def _server_main(grid, context) -> None:
             with open(out + ".part", "wb") as fh:
                 pickle.dump(result, fh)
             os.replace(out + ".part", out)
+
+
+def _outcome(run, inference, template, backend, caught) -> dict:
+    """The result file's entries of a finished run (a ``RunResult``, or ``nf.fit``'s ``Fit``:
+    then its ``fit`` entry, and the other entries of its last rung)."""
+    import jax
+    import numpy as np
+
+    to_np = lambda t: jax.tree_util.tree_map(np.asarray, t)  # noqa: E731
+    out, fit = {}, None
+    if not hasattr(run, "params"):  # nf.fit's Fit (a Ladder task)
+        fit, run, inference = run, run.result, run.inference
+        out["fit"] = dict(method=fit.method, rounds=fit.rounds, bytes=fit.bytes, log=fit.log,
+                          samples=to_np(fit.get_samples()), transcripts=[r.transcript for r in fit.results])
+    out.update(
+        params=to_np(run.params),
+        trace=np.asarray(run.trace),
+        info=to_np(run.info),
+        server_state=to_np(run.state.server),
+        communication=run.communication._asdict(),
+        transcript=run.transcript,
+        rounds_answered=np.asarray(run.rounds_answered),
+        clients=template.names,
+        missing=backend.missing,
+        rejoined=backend.rejoined,
+        timings=backend.timings,
+        errors=backend.errors,
+        round_seconds=backend.round_seconds,
+        warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
+        fit_check=fit.check if fit is not None else getattr(inference, "last_fit_check", None),
+    )
+    if backend.collect_ledgers:  # from the ledgers the clients sent after the last round
+        out["privacy_report"] = inference.privacy_report(run)
+    return out
 
 
 def _make_server():

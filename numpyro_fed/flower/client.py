@@ -116,7 +116,7 @@ def _built(context) -> _Built:
         task = load_task(str(context.run_config["task"]))
         template = parse_template(spec["template"])
         own = task.load_client(context.node_config)
-        inference, _, s = build(task, template, int(spec["num_rounds"]), own=own)
+        inference, _, s = build(task, template, int(spec["num_rounds"]), own=own, stage=spec.get("stage", ""))
         j = int(spec["index"])
         from ..backends.mapping import client_item
 
@@ -185,6 +185,7 @@ def _set_up(message, context) -> None:
             "num_rounds": int(cfg["num_rounds"]),
             "aggregator_key": str(cfg.get("aggregator_key", "")),
             "checkpoint_every": int(cfg.get("checkpoint_every", 0)),
+            "stage": str(cfg.get("stage", "")),
         }
     )
     if int(cfg.get("checkpoint_every", 0)) and STATE_DIR_KEY not in context.node_config:

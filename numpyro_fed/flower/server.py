@@ -126,6 +126,7 @@ class FlowerBackend(Messenger):
         self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
         self.stream_tls = (stream_certfile, stream_keyfile)
         self._stream = None  # the RunStream while a run streams
+        self.stage = ""  # the nf.fit rung the next run is (numpyro_fed.ladder.Ladder.stage), sent at set-up
 
     # ------------------------------------------------------------------ messaging
     def connect(self, task: FlowerTask, num_clients: int, timeout: float = 120.0):
@@ -304,7 +305,8 @@ class FlowerBackend(Messenger):
                                                             "round": int(resumed[0].round)}
         setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j, "num_rounds": int(num_rounds),
                                                  "aggregator_key": self.aggregator_key,
-                                                 "checkpoint_every": int(every)})}) for j in range(len(names))]
+                                                 "checkpoint_every": int(every), "stage": self.stage})})
+                 for j in range(len(names))]
         ready = self._query(self.nodes, setup, self.first_timeout)
         alive = [n in ready for n in self.nodes]
         self._check_setup(names, alive)

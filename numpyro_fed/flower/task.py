@@ -16,7 +16,9 @@ class FlowerTask:
 
     Attributes:
         make_inference: ``() -> inference object`` (e.g. ``nf.PVI(model, ...)``): called
-            on every party, so that all build the same algorithm.
+            on every party, so that all build the same algorithm. A
+            :class:`numpyro_fed.ladder.Ladder` (``nf.fit``'s options) runs ``nf.fit`` over the
+            federation: every party builds each rung from it as the server announces it.
         load_client: ``(node_config) -> (name, {argument: array})``, called on the node
             only: the client's name and its own data (horizontal: the model's arguments for
             its rows; vertical: its own covariate blocks). Its data never leaves the node.
@@ -52,9 +54,27 @@ def kind_of(inference) -> str:
     return "vertical" if isinstance(inference, VerticalInference) else "horizontal"
 
 
-def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
+def made(task: FlowerTask, stage: Optional[str] = None):
+    """The task's inference object; for a :class:`~numpyro_fed.ladder.Ladder`, the rung
+    ``stage`` names (``None``: the ladder itself; ``""``: its first rung)."""
+    inference = task.make_inference()
+    if _is_ladder(inference) and stage is not None:
+        return inference.rung(stage or None)
+    return inference
+
+
+def _is_ladder(inference) -> bool:
+    from ..ladder import Ladder
+
+    return isinstance(inference, Ladder)
+
+
+def build(task: FlowerTask, template, num_rounds: int, own=None, server=None, stage: Optional[str] = ""):
     """``(inference, inputs, setup)`` as one party builds them from the template (clients
-    are laid out one by one, as the simulation's ``client_mapping="loop"`` does).
+    are laid out one by one, as the simulation's ``client_mapping="loop"`` does). For a
+    :class:`~numpyro_fed.ladder.Ladder` the inference object is the rung ``stage`` names;
+    with ``stage=None`` (the server) the ladder itself, not set up (each rung sets itself up
+    when it runs), and ``setup`` is ``None``.
 
     The data this party does not hold are placeholders (:func:`~numpyro_fed.flower.wire.inputs_from_template`),
     and the set-up runs :func:`on_placeholders`. A client first traces the model on its own
@@ -62,10 +82,12 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None):
     simulation."""
     from .wire import inputs_from_template
 
-    inference = task.make_inference()
+    inference = made(task, stage)
     if hasattr(inference, "client_mapping"):
         inference.client_mapping = "loop"
     inputs = inputs_from_template(template, own, server)
+    if _is_ladder(inference):
+        return inference, inputs, None
     model = getattr(inference, "model", None)  # (HM1 builds its own)
     if own is not None and template.kind == "horizontal" and model is not None:
         from .._trace import trace_model
@@ -97,7 +119,7 @@ def own_groups_of(task: FlowerTask, name: str, arrays) -> dict:
     """``{plate: [G_j, [codes arguments]]}`` of this node's own data (sent in its hello)."""
     from ..groups import own_groups, size_group_plates
 
-    inference = task.make_inference()
+    inference = made(task, "")
     if getattr(type(inference), "_size_group_plates", None) is not size_group_plates:
         return {}  # a family that sizes no group plates (vertical ones, HM1's fixed model)
     found = own_groups(inference.model, arrays, inference.model_kwargs, name)
@@ -106,7 +128,10 @@ def own_groups_of(task: FlowerTask, name: str, arrays) -> dict:
 
 def call_run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords; an
-    open-ended family, federated MCMC, runs until it is done, ``num_rounds`` its cap)."""
+    open-ended family, federated MCMC, runs until it is done, ``num_rounds`` its cap; a
+    :class:`~numpyro_fed.ladder.Ladder` runs each rung until it is done, ``num_rounds`` unused)."""
+    if _is_ladder(inference):
+        return inference.run(rng_key, inputs, **options)
     if inference.open_ended:
         return inference.run(rng_key, inputs, max_rounds=num_rounds, **options)
     if isinstance(inputs, dict):
