@@ -1,0 +1,323 @@
+"""Exact federated Metropolis-within-Gibbs: one communication round per iteration.
+
+The target is the pooled posterior of the flat unconstrained global sites ``u`` and every
+client's local latents ``v_j``, ``p(u) prod_j p(y_j, v_j | u)``. One iteration is two moves,
+each leaving that posterior invariant:
+
+1. **A joint move of the globals, the locals carried along** (Metropolis-Hastings). The server
+   proposes ``u'`` (alternately an independence draw from a Student-t around the posterior's
+   running moments, started at a Laplace fit's, and a random walk scaled by them). Each client
+   carries its locals with ``u``: with ``m_j(u)`` the mode of ``v_j | u`` (a fixed number of
+   Newton steps from a fixed start, so a deterministic function of ``u``) and ``L_j(u)`` a square
+   root of the inverse of the absolute curvature there (block by block where the locals lie in
+   a plate), it maps
+
+   .. math:: v_j' = m_j(u') + L_j(u') L_j(u)^{-1} (v_j - m_j(u)),
+
+   a bijection for each pair ``(u, u')`` and its own inverse with the pair swapped; so the
+   Metropolis-Hastings ratio of the move is exact with its Jacobian ``|L_j(u')| / |L_j(u)|``.
+   Each client returns one scalar, ``log p(y_j, v_j' | u') - log p(y_j, v_j | u) + log|L_j(u')|
+   - log|L_j(u)|``; the server adds the prior and the proposal's terms and decides. Where
+   ``v_j | u`` is Gaussian the map is exact (the standardised locals are unchanged) and the move
+   is the marginal chain of ``u`` (no funnel between a scale and its effects); elsewhere it is
+   exact all the same, only its acceptance falls.
+2. **The locals given the globals** (Gibbs): each client moves its own ``v_j`` by Hamiltonian
+   Monte Carlo on ``p(v_j | u, y_j)`` in the coordinates ``L_j(u)`` whitens, with its own key,
+   no communication.
+
+One round: the server broadcasts the proposal and its decision about the previous one; each
+client applies the decision, records its locals, moves them given ``u`` and answers the
+proposal's scalar. Only ``u'`` (``d`` numbers), a decision bit and one scalar per client cross;
+the locals, their draws, momenta and keys stay on the clients. A round in which a client did
+not answer repeats it (nothing is decided on part of the sum), so the chain is the pooled chain
+whatever the network does.
+
+During warmup the proposal's location and scale follow the chain's draws and the random walk's
+step follows its acceptance (adaptation stops at the end of warmup, so the kept draws are from
+a fixed, exact kernel).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpyro.distributions as dist
+from jax import random
+
+from ..factor.blocks import block_hessian, scatter_blocks
+from ..factor.tilted import inner_mode
+from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+
+__all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg"]
+
+T_DF = 5.0  # the independence proposal's Student-t degrees of freedom (heavier tails than the posterior's)
+TARGET_ACCEPT = 0.3  # the random walk's target acceptance during warmup
+FLAT = 1e-10  # a curvature at most this is no curvature (a padded local latent)
+
+
+class MwGConfig(NamedTuple):
+    """Static settings."""
+
+    num_warmup: int
+    num_samples: int
+    inner_steps: int  # Newton steps of m_j(u) from the fixed start
+    local_moves: int  # HMC moves of the locals per iteration
+    local_steps: int  # leapfrog steps per local move
+    local_step_size: float  # in whitened coordinates
+
+
+class MwGServerState(NamedTuple):
+    u: jax.Array  # the chain's global position
+    proposal: jax.Array  # the proposal the clients are evaluating
+    kind: jax.Array  # 0: independence, 1: random walk
+    log_prior: jax.Array  # log p(u)
+    mean: jax.Array  # the proposal's location
+    chol: jax.Array  # its scale (lower Cholesky factor of the covariance)
+    log_step: jax.Array  # the random walk's log step (times chol)
+    stats: jax.Array  # (count, sum (d), outer sum (d, d)) of warmup draws, flattened
+    iteration: jax.Array
+    draws: jax.Array  # (num_samples, d)
+    accepted: jax.Array  # (num_warmup + num_samples,) each iteration's decision
+    kinds: jax.Array  # (num_warmup + num_samples,) each iteration's proposal kind
+
+
+class MwGClientState(NamedTuple):
+    v: jax.Array  # the client's locals (never sent)
+    value: jax.Array  # log p(y_j, v | u) at the chain's (u, v)
+    mode: jax.Array  # m_j(u)
+    lam: jax.Array  # |eigenvalues| of the curvature at m_j(u) (per block)
+    vec: jax.Array  # its eigenvectors
+    pending: tuple  # (v', value', mode', lam', vec') for the proposal being decided
+    draws: jax.Array  # (num_samples, n) the client's local draws
+    local_accept: jax.Array  # the mean acceptance of its local moves
+
+
+class MwGInfo(NamedTuple):
+    accepted: jax.Array
+    kind: jax.Array
+    log_ratio: jax.Array
+    answered: jax.Array
+
+
+# ---------------------------------------------------------------------- the locals' Laplace map
+def _curvature(neg: Callable, mode, index):
+    """``(|eigenvalues|, eigenvectors)`` of ``neg``'s Hessian at ``mode`` (floored), dense
+    ``((n,), (n, n))`` or by blocks ``((K, b), (K, b, b))``."""
+    if index is None:
+        h = jax.hessian(neg)(mode)
+        lam, vec = jnp.linalg.eigh((h + h.T) / 2)
+    else:
+        lam, vec = jax.vmap(jnp.linalg.eigh)(block_hessian(neg, mode, index))
+    # a direction of no curvature (a padded entry, masked out of the model) is left as it is (1, not
+    # a floor that moves with u: the map's Jacobian there must cancel, the density being flat)
+    lam = jnp.abs(lam)
+    return jnp.where(lam > FLAT, lam, 1.0), vec
+
+
+def _whiten(x, lam, vec, index):
+    """``L^-1 x`` with ``L = V |Lambda|^-1/2`` (per block)."""
+    if index is None:
+        return jnp.sqrt(lam) * (vec.T @ x)
+    return scatter_blocks(jnp.sqrt(lam) * jnp.einsum("kij,ki->kj", vec, x[index]), index, x.shape[0])
+
+
+def _colour(w, lam, vec, index):
+    """``L w``."""
+    if index is None:
+        return vec @ (w / jnp.sqrt(lam))
+    return scatter_blocks(jnp.einsum("kij,kj->ki", vec, w[index] / jnp.sqrt(lam)), index, w.shape[0])
+
+
+def _log_det(lam):
+    """``log |L|``."""
+    return -0.5 * jnp.sum(jnp.log(lam))
+
+
+def _laplace_map(f: Callable, u, v0, steps: int, index):
+    """``(m(u), lam, vec)``: the deterministic Laplace map of ``v | u`` (``steps`` Newton steps from ``v0``)."""
+    neg = lambda v: -f(u, v)  # noqa: E731
+    mode = inner_mode(neg, v0, steps, index)
+    lam, vec = _curvature(neg, mode, index)
+    return mode, lam, vec
+
+
+def _local_moves(key, f: Callable, u, v, value, mode, lam, vec, index, config: MwGConfig):
+    """``config.local_moves`` HMC moves of ``v`` on ``p(v | u, y_j)`` in the whitened coordinates."""
+    def potential(w):
+        return -f(u, mode + _colour(w, lam, vec, index))
+
+    grad = jax.grad(potential)
+    eps = config.local_step_size
+
+    def move(carry, k):
+        w, pot, acc = carry
+        k_p, k_a = random.split(k)
+        p = random.normal(k_p, w.shape, w.dtype)
+
+        def leapfrog(state, _):
+            x, r = state
+            r = r - 0.5 * eps * grad(x)
+            x = x + eps * r
+            r = r - 0.5 * eps * grad(x)
+            return (x, r), None
+
+        (w_new, p_new), _ = jax.lax.scan(leapfrog, (w, p), None, length=config.local_steps)
+        pot_new = potential(w_new)
+        log_a = pot - pot_new + 0.5 * (p @ p - p_new @ p_new)
+        log_a = jnp.where(jnp.isfinite(log_a), log_a, -jnp.inf)
+        take = jnp.log(random.uniform(k_a, (), w.dtype)) < log_a
+        return (jnp.where(take, w_new, w), jnp.where(take, pot_new, pot), acc + take), None
+
+    w0 = _whiten(v - mode, lam, vec, index)
+    (w, pot, acc), _ = jax.lax.scan(move, (w0, -value, jnp.zeros((), v.dtype)),
+                                    random.split(key, config.local_moves))
+    return mode + _colour(w, lam, vec, index), -pot, acc / config.local_moves
+
+
+# ---------------------------------------------------------------------- one round
+def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_joint_of: Callable, v_start, index,
+                 config: MwGConfig):
+    f = log_joint_of(data)
+    b = broadcast.shared
+    take = b["accept"]
+    pv, pval, pmode, plam, pvec = s.pending
+    v, value, mode, lam, vec = (jnp.where(take, new, old) for new, old in
+                                ((pv, s.v), (pval, s.value), (pmode, s.mode), (plam, s.lam), (pvec, s.vec)))
+    slot = b["slot"]
+    draws = jnp.where(slot >= 0, s.draws.at[jnp.clip(slot, 0, s.draws.shape[0] - 1)].set(v), s.draws)
+    u = b["current"]
+    local_acc = s.local_accept
+    if v.shape[0]:
+        v, value, local_acc = _local_moves(rng_key, f, u, v, value, mode, lam, vec, index, config)
+    u_new = b["proposal"]
+    if v.shape[0]:
+        m2, lam2, vec2 = _laplace_map(f, u_new, v_start, config.inner_steps, index)
+        v2 = m2 + _colour(_whiten(v - mode, lam, vec, index), lam2, vec2, index)
+        jac = _log_det(lam2) - _log_det(lam)
+    else:
+        m2, lam2, vec2, v2, jac = mode, lam, vec, v, jnp.zeros((), v.dtype)
+    value2 = f(u_new, v2)
+    ell = value2 - value + jac
+    ok = jnp.isfinite(ell)
+    state = MwGClientState(v, value, mode, lam, vec, (v2, value2, m2, lam2, vec2), draws, local_acc)
+    return state, {"ell": jnp.where(ok, ell, jnp.zeros((), ell.dtype)), "ok": ok}
+
+
+def _propose(key, s: MwGServerState, kind):
+    d = s.u.shape[0]
+    k_t, k_w = random.split(key)
+    t = dist.MultivariateStudentT(T_DF, s.mean, s.chol).sample(k_t)
+    walk = s.u + jnp.exp(s.log_step) * (s.chol @ random.normal(k_w, (d,), s.u.dtype))
+    return jnp.where(kind == 0, t, walk)
+
+
+def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Callable, config: MwGConfig):
+    k_accept, k_next = random.split(rng_key)
+    complete = jnp.all(view.answered)
+    total = config.num_warmup + config.num_samples
+    ok = complete & jnp.all(messages["ok"])
+    lp_new = log_prior(s.proposal)
+    t = dist.MultivariateStudentT(T_DF, s.mean, s.chol)
+    q_term = jnp.where(s.kind == 0, t.log_prob(s.u) - t.log_prob(s.proposal), 0.0)
+    log_ratio = jnp.sum(messages["ell"]) + lp_new - s.log_prior + q_term
+    log_ratio = jnp.where(ok & jnp.isfinite(log_ratio), log_ratio, -jnp.inf)
+    accept = complete & (jnp.log(random.uniform(k_accept, (), s.u.dtype)) < log_ratio)
+    u = jnp.where(accept, s.proposal, s.u)
+    lp = jnp.where(accept, lp_new, s.log_prior)
+    it = s.iteration
+    warm = it < config.num_warmup
+    # warmup: the random walk's step towards TARGET_ACCEPT; the proposal's moments from the second half's draws
+    rate = jnp.exp(jnp.minimum(log_ratio, 0.0))
+    log_step = jnp.where(warm & (s.kind == 1) & complete,
+                         s.log_step + (rate - TARGET_ACCEPT) / jnp.sqrt(1.0 + it), s.log_step)
+    d = u.shape[0]
+    count, total_sum, outer = s.stats[0], s.stats[1:1 + d], s.stats[1 + d:].reshape(d, d)
+    collect = warm & complete & (it >= config.num_warmup // 4)
+    count, total_sum, outer = (jnp.where(collect, a, b) for a, b in
+                               ((count + 1, count), (total_sum + u, total_sum), (outer + jnp.outer(u, u), outer)))
+    refresh = complete & ((it + 1 == config.num_warmup // 2) | (it + 1 == config.num_warmup)) & (count > d + 2)
+    mean_w = total_sum / jnp.maximum(count, 1.0)
+    cov_w = outer / jnp.maximum(count, 1.0) - jnp.outer(mean_w, mean_w)
+    prior_weight = 10.0  # the Laplace scale counts as this many draws
+    cov0 = s.chol @ s.chol.T
+    cov_new = (count * cov_w + prior_weight * cov0) / (count + prior_weight) + 1e-9 * jnp.eye(d, dtype=u.dtype)
+    chol_new = jnp.linalg.cholesky(cov_new)
+    good = refresh & jnp.all(jnp.isfinite(chol_new))
+    mean = jnp.where(good, mean_w, s.mean)
+    chol = jnp.where(good, chol_new, s.chol)
+    slot_index = it - config.num_warmup
+    keep = complete & (slot_index >= 0) & (slot_index < config.num_samples)
+    draws = jnp.where(keep, s.draws.at[jnp.clip(slot_index, 0, config.num_samples - 1)].set(u), s.draws)
+    record = jnp.where(complete, it, total)  # (an out-of-range index is dropped)
+    accepted = s.accepted.at[record].set(accept, mode="drop")
+    kinds = s.kinds.at[record].set(s.kind, mode="drop")
+    it_new = jnp.where(complete, it + 1, it)
+    kind = jnp.where(complete, it_new % 2, s.kind).astype(s.kind.dtype)
+    proposal = jnp.where(complete, _propose(k_next, s._replace(u=u, mean=mean, chol=chol, log_step=log_step), kind),
+                         s.proposal)
+    stats = jnp.concatenate([count[None], total_sum, outer.ravel()])
+    new = MwGServerState(u, proposal, kind, lp, mean, chol, log_step, stats, it_new, draws, accepted, kinds)
+    # a client that did not answer: the same round again (no decision; every client keeps its state)
+    slot = jnp.where(keep, slot_index, -1)
+    broadcast = Broadcast({"proposal": proposal, "current": u, "accept": accept, "slot": slot.astype(jnp.int32)})
+    info = MwGInfo(accept, s.kind, log_ratio, view.answered.sum())
+    return new, broadcast, info
+
+
+def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: int, start, scale, *,
+                  num_local: int, blocks=None, config: MwGConfig) -> FederatedAlgorithm:
+    """Build the sampler's pure functions (see the module docstring).
+
+    Args:
+        log_prior: ``u -> log p(u)`` (Jacobians included), evaluated by the server.
+        client_log_joint: ``(w = [u, v], data) -> log p(y_j, v | u)``, evaluated by the client.
+        num_clients: J.
+        start: the chain's first ``u`` (a Laplace fit's mode).
+        scale: ``(d, d)`` the proposal's first covariance (the Laplace fit's).
+        num_local: the size of ``v`` (padded clients: the largest).
+        blocks: the locals' independent blocks (:func:`~numpyro_fed.factor.blocks.local_blocks`).
+        config: :class:`MwGConfig`.
+    """
+    d = start.shape[0]
+    dtype = start.dtype
+    index = None if blocks is None else jnp.asarray(blocks)
+    log_joint = jax.jit(client_log_joint)
+    v_start = jnp.zeros(num_local, dtype)
+    total = config.num_warmup + config.num_samples
+
+    def log_joint_of(data):
+        return lambda u, v: log_joint(jnp.concatenate([u, v]), data)
+
+    def init_server(rng_key):
+        chol = jnp.linalg.cholesky(jnp.asarray(scale, dtype))
+        s = MwGServerState(start, start, jnp.zeros((), jnp.int32), log_prior(start), start, chol,
+                           jnp.log(jnp.asarray(2.38 / jnp.sqrt(d), dtype)), jnp.zeros(1 + d + d * d, dtype),
+                           jnp.zeros((), jnp.int32), jnp.zeros((config.num_samples, d), dtype),
+                           jnp.zeros(total, bool), jnp.zeros(total, jnp.int32))
+        proposal = _propose(rng_key, s, jnp.zeros((), jnp.int32))
+        s = s._replace(proposal=proposal)
+        return s, Broadcast({"proposal": proposal, "current": start, "accept": jnp.asarray(False),
+                             "slot": jnp.asarray(-1, jnp.int32)})
+
+    def init_client(rng_key, data):
+        del rng_key
+        f = log_joint_of(data)
+        if num_local:
+            mode, lam, vec = _laplace_map(f, start, v_start, config.inner_steps, index)
+        else:
+            mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
+        value = f(start, mode)
+        return MwGClientState(mode, value, mode, lam, vec, (mode, value, mode, lam, vec),
+                              jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype))
+
+    return FederatedAlgorithm(
+        init_server, init_client, all_clients(num_clients),
+        (Exchange(partial(_client_step, log_joint_of=log_joint_of, v_start=v_start, index=index, config=config),
+                  partial(_server_step, log_prior=log_prior, config=config), "mwg"),),
+        monitor=lambda info: info.accepted.astype(dtype), monitor_name="accepted", name="mwg",
+        done=lambda s: s.iteration > total,  # one round more: the clients record the last iteration's locals
+        describe=lambda s: f"iteration {min(int(s.iteration), total)} of {total}",
+    )

@@ -1,0 +1,135 @@
+"""``FederatedMwG``: exact federated Metropolis-within-Gibbs, one round per iteration.
+
+The algorithm is :func:`~numpyro_fed.mcmc.mwg_algorithm.federated_mwg`; this class turns a model
+into its inputs (the same flat unconstrained terms as :class:`~numpyro_fed.factor.Laplace`) and
+starts the chain from a federated Laplace fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._validation import check_positive_int
+from ..factor import gaussian as G
+from ..factor.blocks import local_blocks as propose_blocks
+from ..factor.inference import FactorInference
+from ..protocol import RunResult
+from ..warnings import UnreliableFitWarning, find_stack_level
+from .mwg_algorithm import MwGConfig, federated_mwg
+
+__all__ = ["FederatedMwG"]
+
+LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
+
+
+class FederatedMwG(FactorInference):
+    """Exact federated Metropolis-within-Gibbs of the pooled posterior (global and local sites).
+
+    Each iteration costs one communication round: the server proposes the global sites, every
+    client carries its local latents along by its own Laplace map and answers one scalar, the
+    server accepts or rejects by the exact Metropolis-Hastings ratio, and every client moves its
+    locals given the globals by its own Hamiltonian Monte Carlo, with no communication (see
+    :mod:`~numpyro_fed.mcmc.mwg_algorithm`). The chain's stationary distribution is the pooled
+    posterior whatever the approximations used to propose.
+
+    Args:
+        model: a NumPyro model; ``local_site`` latents never leave their client.
+        num_warmup: iterations (rounds) whose draws are discarded; the proposal adapts in them.
+        num_samples: iterations kept.
+        init: ``(mean, cov)`` of the flat unconstrained global sites to start from (a Laplace
+            fit's ``params``); ``None``: ``run`` first runs :class:`~numpyro_fed.factor.Laplace`.
+        inner_steps: Newton steps of each client's Laplace map of its locals.
+        local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
+            iteration, leapfrog steps per move, and step size in whitened coordinates (default
+            ``min(0.6, 1.5 n^-1/4)``, ``n`` the client's locals).
+        local_blocks, row_plate, model_kwargs: as :class:`~numpyro_fed.factor.Laplace`.
+    """
+
+    method = "mwg"
+    open_ended = True
+
+    def __init__(self, model: Callable, *, num_warmup: int = 200, num_samples: int = 1000,
+                 init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
+                 local_step_size: Optional[float] = None, local_blocks: bool = True, row_plate: Optional[str] = None,
+                 model_kwargs: Optional[dict] = None) -> None:
+        super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
+                         client_mapping="loop", row_plate=row_plate, model_kwargs=model_kwargs, check_fit=False)
+        self.num_warmup = check_positive_int("num_warmup", num_warmup)
+        self.num_samples = check_positive_int("num_samples", num_samples)
+        self.init = init
+        self.inner_steps = check_positive_int("inner_steps", inner_steps)
+        self.local_moves = check_positive_int("local_moves", local_moves)
+        self.local_steps = check_positive_int("local_steps", local_steps)
+        self.local_step_size = local_step_size
+        self.local_blocks = bool(local_blocks)
+        self.laplace_result: Optional[RunResult] = None
+
+    def run(self, rng_key: jax.Array, clients=None, *, max_rounds: Optional[int] = None, **kwargs) -> RunResult:
+        """Run ``num_warmup + num_samples`` iterations, one round each (plus one: the clients
+        record the last iteration's locals); first a federated Laplace fit when ``init`` is ``None``
+        (its result is :attr:`laplace_result`).
+
+        Returns:
+            a :class:`~numpyro_fed.RunResult`: ``params`` the global draws per site (constrained,
+            ``(1, num_samples, ...)``).
+        """
+        if self.init is None:
+            from ..factor import Laplace
+
+            laplace = Laplace(self.model, row_plate=self.row_plate, model_kwargs=self.model_kwargs,
+                              inner_steps=self.inner_steps, local_blocks=self.local_blocks, check_fit=False)
+            laplace.progress_bar = self.progress_bar
+            self.laplace_result = laplace.run(jax.random.fold_in(rng_key, 1), clients, **kwargs)
+            self._start = tuple(np.asarray(self.laplace_result.params[k]) for k in ("mean", "cov"))
+        else:
+            self._start = tuple(np.asarray(a) for a in self.init)
+        total = self.num_warmup + self.num_samples + 1
+        return super().run(rng_key, total if max_rounds is None else max_rounds, clients, **kwargs)
+
+    # ------------------------------------------------------------------ hooks
+    def _prior_factor(self, log_prior: Callable, layout, start):
+        del log_prior, start  # no prior factor: the server evaluates the prior itself
+        d = layout.size
+        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        return G.NaturalGaussian(jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), None
+
+    def _algorithm(self, terms, plan, num_clients: int):
+        blocks = propose_blocks(terms.local) if self.local_blocks and terms.num_local else None
+        n = max(terms.num_local, 1)
+        step = self.local_step_size if self.local_step_size is not None else min(0.6, 1.5 * n ** -0.25)
+        config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
+                           float(step))
+        dtype = jnp.result_type(float)
+        mean, cov = (jnp.asarray(a, dtype) for a in self._start)
+        return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
+                             num_local=terms.num_local, blocks=blocks, config=config)
+
+    def _params(self, setup, state) -> Dict:
+        draws = state.server.draws
+        user = self._user_space(draws)
+        return {k: jnp.asarray(v)[None] for k, v in user.items()}
+
+    def _check_result(self, setup, result: RunResult) -> RunResult:
+        accepted = np.asarray(result.state.server.accepted)[self.num_warmup:]
+        rate = float(accepted.mean()) if accepted.size else 0.0
+        if rate < LOW_ACCEPT:
+            warnings.warn(f"{type(self).__name__}: the kept iterations accepted {rate:.1%} of the global moves: the "
+                          f"chain barely moved and its draws are few effective samples; run FederatedNUTS, or a longer "
+                          f"warmup", UnreliableFitWarning, stacklevel=find_stack_level())
+        return result
+
+    # ------------------------------------------------------------------ API
+    def get_samples(self, result: RunResult) -> Dict[str, jax.Array]:
+        """The global draws per site, constrained, ``(num_samples, ...)``."""
+        return {k: v[0] for k, v in result.params.items()}
+
+    def acceptance(self, result: RunResult) -> Dict[str, float]:
+        """The kept iterations' acceptance rate of the global moves, by proposal kind."""
+        acc = np.asarray(result.state.server.accepted)[self.num_warmup:]
+        kinds = np.asarray(result.state.server.kinds)[self.num_warmup:]
+        return {"independence": float(acc[kinds == 0].mean()), "random_walk": float(acc[kinds == 1].mean())}
