@@ -5,8 +5,9 @@ client's local latents ``v_j``, ``p(u) prod_j p(y_j, v_j | u)``. One iteration i
 each leaving that posterior invariant:
 
 1. **A joint move of the globals, the locals carried along** (Metropolis-Hastings). The server
-   proposes ``u'`` (alternately an independence draw from a Student-t around the posterior's
-   running moments, started at a Laplace fit's, and a random walk scaled by them). Each client
+   proposes ``u'``: three times in four an independence draw from a Student-t whose location and
+   covariance (times 1.1^2) are the posterior's, from a Laplace fit and then from every chain's
+   warmup draws; every fourth a random walk scaled by them. Each client
    carries its locals with ``u``: with ``m_j(u)`` the mode of ``v_j | u`` (a fixed number of
    Newton steps from a fixed start, so a deterministic function of ``u``) and ``L_j(u)`` a square
    root of the inverse of the absolute curvature there (block by block where the locals lie in
@@ -28,9 +29,10 @@ each leaving that posterior invariant:
 One round: the server broadcasts the proposal and its decision about the previous one; each
 client applies the decision, records its locals, moves them given ``u`` and answers the
 proposal's scalar. Only ``u'`` (``d`` numbers), a decision bit and one scalar per client cross;
-the locals, their draws, momenta and keys stay on the clients. A round in which a client did
-not answer repeats it (nothing is decided on part of the sum), so the chain is the pooled chain
-whatever the network does.
+the locals, their draws, momenta and keys stay on the clients. Every client must answer every
+round: the server decides nothing on part of the sum, but a client that missed a round would
+also miss the decision it carried, so dropout is not supported yet (the inference object
+refuses ``availability=``).
 
 During warmup the proposal's location and scale follow the chain's draws and the random walk's
 step follows its acceptance (adaptation stops at the end of warmup, so the kept draws are from
@@ -54,7 +56,10 @@ from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 __all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg"]
 
 T_DF = 5.0  # the independence proposal's Student-t degrees of freedom (heavier tails than the posterior's)
+T_SCALE = 1.1 * ((T_DF - 2.0) / T_DF) ** 0.5  # its scale: a covariance 1.1^2 times the posterior's
 TARGET_ACCEPT = 0.3  # the random walk's target acceptance during warmup
+START_KEY = 0x6D77  # the chains' starts (global, known to every party)
+RW_EVERY = 4  # every 4th global move a random walk (the others independence draws)
 FLAT = 1e-10  # a curvature at most this is no curvature (a padded local latent)
 
 
@@ -67,6 +72,7 @@ class MwGConfig(NamedTuple):
     local_moves: int  # HMC moves of the locals per iteration
     local_steps: int  # leapfrog steps per local move
     local_step_size: float  # in whitened coordinates
+    num_chains: int = 1
 
 
 class MwGServerState(NamedTuple):
@@ -111,14 +117,16 @@ def _curvature(neg: Callable, mode, index):
         lam, vec = jnp.linalg.eigh((h + h.T) / 2)
     else:
         lam, vec = jax.vmap(jnp.linalg.eigh)(block_hessian(neg, mode, index))
-    # a direction of no curvature (a padded entry, masked out of the model) is left as it is (1, not
-    # a floor that moves with u: the map's Jacobian there must cancel, the density being flat)
+    # a direction of no curvature (a padded entry, masked out of the model) is marked -1: the map
+    # leaves it as it is (|-1| = 1, not a floor that moves with u: its Jacobian must cancel, the
+    # density being flat there) and the local moves do not move it
     lam = jnp.abs(lam)
-    return jnp.where(lam > FLAT, lam, 1.0), vec
+    return jnp.where(lam > FLAT, lam, -1.0), vec
 
 
 def _whiten(x, lam, vec, index):
     """``L^-1 x`` with ``L = V |Lambda|^-1/2`` (per block)."""
+    lam = jnp.abs(lam)
     if index is None:
         return jnp.sqrt(lam) * (vec.T @ x)
     return scatter_blocks(jnp.sqrt(lam) * jnp.einsum("kij,ki->kj", vec, x[index]), index, x.shape[0])
@@ -126,6 +134,7 @@ def _whiten(x, lam, vec, index):
 
 def _colour(w, lam, vec, index):
     """``L w``."""
+    lam = jnp.abs(lam)
     if index is None:
         return vec @ (w / jnp.sqrt(lam))
     return scatter_blocks(jnp.einsum("kij,kj->ki", vec, w[index] / jnp.sqrt(lam)), index, w.shape[0])
@@ -133,7 +142,7 @@ def _colour(w, lam, vec, index):
 
 def _log_det(lam):
     """``log |L|``."""
-    return -0.5 * jnp.sum(jnp.log(lam))
+    return -0.5 * jnp.sum(jnp.log(jnp.abs(lam)))
 
 
 def _laplace_map(f: Callable, u, v0, steps: int, index):
@@ -151,11 +160,12 @@ def _local_moves(key, f: Callable, u, v, value, mode, lam, vec, index, config: M
 
     grad = jax.grad(potential)
     eps = config.local_step_size
+    free = (lam > 0) if index is None else scatter_blocks(lam > 0, index, v.shape[0])  # (flat ones stay)
 
     def move(carry, k):
         w, pot, acc = carry
         k_p, k_a = random.split(k)
-        p = random.normal(k_p, w.shape, w.dtype)
+        p = random.normal(k_p, w.shape, w.dtype) * free
 
         def leapfrog(state, _):
             x, r = state
@@ -209,7 +219,7 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
 def _propose(key, s: MwGServerState, kind):
     d = s.u.shape[0]
     k_t, k_w = random.split(key)
-    t = dist.MultivariateStudentT(T_DF, s.mean, s.chol).sample(k_t)
+    t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol).sample(k_t)
     walk = s.u + jnp.exp(s.log_step) * (s.chol @ random.normal(k_w, (d,), s.u.dtype))
     return jnp.where(kind == 0, t, walk)
 
@@ -220,7 +230,7 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     total = config.num_warmup + config.num_samples
     ok = complete & jnp.all(messages["ok"])
     lp_new = log_prior(s.proposal)
-    t = dist.MultivariateStudentT(T_DF, s.mean, s.chol)
+    t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol)
     q_term = jnp.where(s.kind == 0, t.log_prob(s.u) - t.log_prob(s.proposal), 0.0)
     log_ratio = jnp.sum(messages["ell"]) + lp_new - s.log_prior + q_term
     log_ratio = jnp.where(ok & jnp.isfinite(log_ratio), log_ratio, -jnp.inf)
@@ -238,16 +248,7 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     collect = warm & complete & (it >= config.num_warmup // 4)
     count, total_sum, outer = (jnp.where(collect, a, b) for a, b in
                                ((count + 1, count), (total_sum + u, total_sum), (outer + jnp.outer(u, u), outer)))
-    refresh = complete & ((it + 1 == config.num_warmup // 2) | (it + 1 == config.num_warmup)) & (count > d + 2)
-    mean_w = total_sum / jnp.maximum(count, 1.0)
-    cov_w = outer / jnp.maximum(count, 1.0) - jnp.outer(mean_w, mean_w)
-    prior_weight = 10.0  # the Laplace scale counts as this many draws
-    cov0 = s.chol @ s.chol.T
-    cov_new = (count * cov_w + prior_weight * cov0) / (count + prior_weight) + 1e-9 * jnp.eye(d, dtype=u.dtype)
-    chol_new = jnp.linalg.cholesky(cov_new)
-    good = refresh & jnp.all(jnp.isfinite(chol_new))
-    mean = jnp.where(good, mean_w, s.mean)
-    chol = jnp.where(good, chol_new, s.chol)
+    mean, chol = s.mean, s.chol  # (refreshed from every chain's warmup draws by the caller: _pooled_refresh)
     slot_index = it - config.num_warmup
     keep = complete & (slot_index >= 0) & (slot_index < config.num_samples)
     draws = jnp.where(keep, s.draws.at[jnp.clip(slot_index, 0, config.num_samples - 1)].set(u), s.draws)
@@ -255,7 +256,7 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     accepted = s.accepted.at[record].set(accept, mode="drop")
     kinds = s.kinds.at[record].set(s.kind, mode="drop")
     it_new = jnp.where(complete, it + 1, it)
-    kind = jnp.where(complete, it_new % 2, s.kind).astype(s.kind.dtype)
+    kind = jnp.where(complete, (it_new % RW_EVERY) == RW_EVERY - 1, s.kind).astype(s.kind.dtype)
     proposal = jnp.where(complete, _propose(k_next, s._replace(u=u, mean=mean, chol=chol, log_step=log_step), kind),
                          s.proposal)
     stats = jnp.concatenate([count[None], total_sum, outer.ravel()])
@@ -265,6 +266,29 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     broadcast = Broadcast({"proposal": proposal, "current": u, "accept": accept, "slot": slot.astype(jnp.int32)})
     info = MwGInfo(accept, s.kind, log_ratio, view.answered.sum())
     return new, broadcast, info
+
+
+def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
+    """At the refresh iterations of warmup (half-way, and its end): the proposal's location and
+    scale from every chain's collected draws (their mean and covariance, the current scale
+    counting as 10 draws), and each chain's next proposal drawn from the refreshed one."""
+    it = state.iteration[0]
+    d = state.u.shape[-1]
+    stats = jnp.sum(state.stats, 0)
+    count, total_sum, outer = stats[0], stats[1:1 + d], stats[1 + d:].reshape(d, d)
+    refresh = ((it == config.num_warmup // 2) | (it == config.num_warmup)) & (count > d + 2)
+    mean = total_sum / jnp.maximum(count, 1.0)
+    cov = outer / jnp.maximum(count, 1.0) - jnp.outer(mean, mean)
+    prior_weight = 10.0
+    cov0 = state.chol[0] @ state.chol[0].T
+    cov = (count * cov + prior_weight * cov0) / (count + prior_weight) + 1e-9 * jnp.eye(d, dtype=cov.dtype)
+    chol = jnp.linalg.cholesky(cov)
+    refresh = refresh & jnp.all(jnp.isfinite(chol))
+    C = state.u.shape[0]
+    new = state._replace(mean=jnp.where(refresh, jnp.broadcast_to(mean, state.mean.shape), state.mean),
+                         chol=jnp.where(refresh, jnp.broadcast_to(chol, state.chol.shape), state.chol))
+    proposal = jnp.where(refresh, jax.vmap(_propose)(random.split(rng_key, C), new, new.kind), new.proposal)
+    return new._replace(proposal=proposal), {**shared, "proposal": proposal}
 
 
 def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: int, start, scale, *,
@@ -291,33 +315,66 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
     def log_joint_of(data):
         return lambda u, v: log_joint(jnp.concatenate([u, v]), data)
 
-    def init_server(rng_key):
-        chol = jnp.linalg.cholesky(jnp.asarray(scale, dtype))
-        s = MwGServerState(start, start, jnp.zeros((), jnp.int32), log_prior(start), start, chol,
+    C = config.num_chains
+    chol0 = jnp.linalg.cholesky(jnp.asarray(scale, dtype))
+    # the chains' starts: the first at ``start``, the others a draw of N(start, scale) each, from a key
+    # every party knows (the starts are global quantities, and each client needs them to start its locals)
+    noise = random.normal(random.PRNGKey(START_KEY), (C, d), dtype).at[0].set(0.0)
+    starts = start + noise @ chol0.T
+
+    def init_chain(rng_key, u0):
+        s = MwGServerState(u0, u0, jnp.zeros((), jnp.int32), log_prior(u0), start, chol0,
                            jnp.log(jnp.asarray(2.38 / jnp.sqrt(d), dtype)), jnp.zeros(1 + d + d * d, dtype),
                            jnp.zeros((), jnp.int32), jnp.zeros((config.num_samples, d), dtype),
                            jnp.zeros(total, bool), jnp.zeros(total, jnp.int32))
         proposal = _propose(rng_key, s, jnp.zeros((), jnp.int32))
         s = s._replace(proposal=proposal)
-        return s, Broadcast({"proposal": proposal, "current": start, "accept": jnp.asarray(False),
-                             "slot": jnp.asarray(-1, jnp.int32)})
+        return s, {"proposal": proposal, "current": u0, "accept": jnp.asarray(False),
+                   "slot": jnp.asarray(-1, jnp.int32)}
+
+    def init_server(rng_key):
+        s, shared = jax.vmap(init_chain)(random.split(rng_key, C), starts)
+        return s, Broadcast(shared)
+
+    def init_client_chain(f, u0):
+        if num_local:
+            mode, lam, vec = _laplace_map(f, u0, v_start, config.inner_steps, index)
+        else:
+            mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
+        value = f(u0, mode)
+        return MwGClientState(mode, value, mode, lam, vec, (mode, value, mode, lam, vec),
+                              jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype))
 
     def init_client(rng_key, data):
         del rng_key
         f = log_joint_of(data)
-        if num_local:
-            mode, lam, vec = _laplace_map(f, start, v_start, config.inner_steps, index)
-        else:
-            mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
-        value = f(start, mode)
-        return MwGClientState(mode, value, mode, lam, vec, (mode, value, mode, lam, vec),
-                              jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype))
+        return jax.vmap(partial(init_client_chain, f))(starts)
+
+    one_client = partial(_client_step, log_joint_of=log_joint_of, v_start=v_start, index=index, config=config)
+
+    def client_step(rng_key, state, broadcast: Broadcast, data):
+        def chain(key, st, shared):
+            return one_client(key, st, Broadcast(shared), data)
+
+        return jax.vmap(chain)(random.split(rng_key, C), state, broadcast.shared)
+
+    one_server = partial(_server_step, log_prior=log_prior, config=config)
+
+    def server_step(rng_key, state, messages, view):
+        def chain(key, st, ell, ok):
+            new, b, info = one_server(key, st, {"ell": ell, "ok": ok}, view)
+            return new, b.shared, info
+
+        k_chains, k_refresh = random.split(rng_key)
+        new, shared, info = jax.vmap(chain, in_axes=(0, 0, 1, 1))(random.split(k_chains, C), state,
+                                                                   messages["ell"], messages["ok"])
+        new, shared = _pooled_refresh(k_refresh, new, shared, config)
+        return new, Broadcast(shared), info
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients),
-        (Exchange(partial(_client_step, log_joint_of=log_joint_of, v_start=v_start, index=index, config=config),
-                  partial(_server_step, log_prior=log_prior, config=config), "mwg"),),
-        monitor=lambda info: info.accepted.astype(dtype), monitor_name="accepted", name="mwg",
-        done=lambda s: s.iteration > total,  # one round more: the clients record the last iteration's locals
-        describe=lambda s: f"iteration {min(int(s.iteration), total)} of {total}",
+        (Exchange(client_step, server_step, "mwg"),),
+        monitor=lambda info: jnp.mean(info.accepted.astype(dtype)), monitor_name="accepted", name="mwg",
+        done=lambda s: jnp.all(s.iteration > total),  # one round more: the clients record the last locals
+        describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",
     )

@@ -41,26 +41,30 @@ class FederatedMwG(FactorInference):
         model: a NumPyro model; ``local_site`` latents never leave their client.
         num_warmup: iterations (rounds) whose draws are discarded; the proposal adapts in them.
         num_samples: iterations kept.
+        num_chains: chains run side by side, every chain one iteration per round (each round
+            carries one proposal and one scalar per chain); each starts from a draw of the
+            Laplace fit (the first at its mode).
         init: ``(mean, cov)`` of the flat unconstrained global sites to start from (a Laplace
             fit's ``params``); ``None``: ``run`` first runs :class:`~numpyro_fed.factor.Laplace`.
         inner_steps: Newton steps of each client's Laplace map of its locals.
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
             iteration, leapfrog steps per move, and step size in whitened coordinates (default
             ``min(0.6, 1.5 n^-1/4)``, ``n`` the client's locals).
-        local_blocks, row_plate, model_kwargs: as :class:`~numpyro_fed.factor.Laplace`.
+        local_blocks, client_mapping, row_plate, model_kwargs: as :class:`~numpyro_fed.factor.Laplace`.
     """
 
     method = "mwg"
     open_ended = True
 
-    def __init__(self, model: Callable, *, num_warmup: int = 200, num_samples: int = 1000,
+    def __init__(self, model: Callable, *, num_warmup: int = 200, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
-                 local_step_size: Optional[float] = None, local_blocks: bool = True, row_plate: Optional[str] = None,
-                 model_kwargs: Optional[dict] = None) -> None:
+                 local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
+                 row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
         super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
-                         client_mapping="loop", row_plate=row_plate, model_kwargs=model_kwargs, check_fit=False)
+                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs, check_fit=False)
         self.num_warmup = check_positive_int("num_warmup", num_warmup)
         self.num_samples = check_positive_int("num_samples", num_samples)
+        self.num_chains = check_positive_int("num_chains", num_chains)
         self.init = init
         self.inner_steps = check_positive_int("inner_steps", inner_steps)
         self.local_moves = check_positive_int("local_moves", local_moves)
@@ -76,12 +80,16 @@ class FederatedMwG(FactorInference):
 
         Returns:
             a :class:`~numpyro_fed.RunResult`: ``params`` the global draws per site (constrained,
-            ``(1, num_samples, ...)``).
+            ``(num_chains, num_samples, ...)``).
         """
+        if kwargs.get("availability") is not None:
+            raise ValueError(f"{type(self).__name__} does not support availability= yet: a client that misses a "
+                             f"round misses the decision it carries (use FederatedNUTS, which repeats such rounds)")
         if self.init is None:
             from ..factor import Laplace
 
             laplace = Laplace(self.model, row_plate=self.row_plate, model_kwargs=self.model_kwargs,
+                              client_mapping=self.client_mapping,
                               inner_steps=self.inner_steps, local_blocks=self.local_blocks, check_fit=False)
             laplace.progress_bar = self.progress_bar
             self.laplace_result = laplace.run(jax.random.fold_in(rng_key, 1), clients, **kwargs)
@@ -103,19 +111,19 @@ class FederatedMwG(FactorInference):
         n = max(terms.num_local, 1)
         step = self.local_step_size if self.local_step_size is not None else min(0.6, 1.5 * n ** -0.25)
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
-                           float(step))
+                           float(step), self.num_chains)
         dtype = jnp.result_type(float)
         mean, cov = (jnp.asarray(a, dtype) for a in self._start)
         return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
                              num_local=terms.num_local, blocks=blocks, config=config)
 
     def _params(self, setup, state) -> Dict:
-        draws = state.server.draws
-        user = self._user_space(draws)
-        return {k: jnp.asarray(v)[None] for k, v in user.items()}
+        draws = state.server.draws  # (chains, samples, d)
+        user = self._user_space(draws.reshape(-1, draws.shape[-1]))
+        return {k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()}
 
     def _check_result(self, setup, result: RunResult) -> RunResult:
-        accepted = np.asarray(result.state.server.accepted)[self.num_warmup:]
+        accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
         rate = float(accepted.mean()) if accepted.size else 0.0
         if rate < LOW_ACCEPT:
             warnings.warn(f"{type(self).__name__}: the kept iterations accepted {rate:.1%} of the global moves: the "
@@ -124,12 +132,15 @@ class FederatedMwG(FactorInference):
         return result
 
     # ------------------------------------------------------------------ API
-    def get_samples(self, result: RunResult) -> Dict[str, jax.Array]:
-        """The global draws per site, constrained, ``(num_samples, ...)``."""
-        return {k: v[0] for k, v in result.params.items()}
+    def get_samples(self, result: RunResult, group_by_chain: bool = False) -> Dict[str, jax.Array]:
+        """The global draws per site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
+        ``(num_chains, num_samples, ...)``)."""
+        if group_by_chain:
+            return dict(result.params)
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in result.params.items()}
 
     def acceptance(self, result: RunResult) -> Dict[str, float]:
         """The kept iterations' acceptance rate of the global moves, by proposal kind."""
-        acc = np.asarray(result.state.server.accepted)[self.num_warmup:]
-        kinds = np.asarray(result.state.server.kinds)[self.num_warmup:]
+        acc = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
+        kinds = np.asarray(result.state.server.kinds)[:, self.num_warmup:]
         return {"independence": float(acc[kinds == 0].mean()), "random_walk": float(acc[kinds == 1].mean())}

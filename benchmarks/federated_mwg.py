@@ -1,0 +1,206 @@
+"""Exact federated Metropolis-within-Gibbs (``numpyro_fed.mcmc.mwg_inference.FederatedMwG``)
+against NumPyro's NUTS on the pooled data, in simulation, in one process.
+
+    python benchmarks/federated_mwg.py              # every posterior
+    python benchmarks/federated_mwg.py --only eight # posteriors whose name contains it
+
+Posteriors: the demo's GLMM (six cities, 2 silos), every posterior of the external suite with
+local latents (eight schools, radon, surgical, seeds, rats, the Poisson GLMM) and a synthetic
+logistic GLMM over 1000 clients. Pooled NUTS runs 4 x (500 + 1000); the sampler 4 chains of
+``WARMUP + SAMPLES`` iterations (one round each) after its Laplace start. Each is run twice,
+cold (compiling) and warm, and both times are reported; the ESS-per-second ratio uses the warm
+runs of both. Reported per posterior:
+
+- exactness: per global scalar, |mean - pooled mean| in MCSEs of the sampler (its sd / sqrt(its
+  ESS); target <= 3) and the sd ratio (target within 10 %);
+- ``rounds_per_ess``: all rounds (the Laplace start's, warmup and sampling) over the smallest
+  bulk ESS of the global scalars (target <= 3 on the demo's GLMM, <= 5 on the suite); bytes the same;
+- ``ess_per_second_ratio``: (min ESS / warm seconds) of the sampler over pooled NUTS's (target >= 0.5);
+- ``federated_nuts_rounds_per_ess``: ``FederatedNUTS``'s, where ``benchmarks/results/federated_nuts.json``
+  has the posterior (measured there, not here).
+
+Writes ``benchmarks/results/federated_mwg.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from numpyro.diagnostics import effective_sample_size
+from numpyro.infer import MCMC, NUTS
+
+import numpyro_fed as nf
+from numpyro_fed.datasets import load_six_cities, six_cities_silos
+from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+from numpyro_fed.models import logistic_glmm
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE / "posteriordb"))
+import pdb_models  # noqa: E402
+
+RESULTS = HERE / "results" / "federated_mwg.json"
+NUTS_RESULTS = HERE / "results" / "federated_nuts.json"
+CHAINS, WARMUP, SAMPLES = 4, 300, 1000
+NUTS_WARMUP, NUTS_SAMPLES = 500, 1000
+
+
+def six_cities():
+    data = load_six_cities()
+
+    def model(wheeze, age, smoke):
+        return logistic_glmm(wheeze, age, smoke, centered=False)
+
+    return "six_cities_glmm", model, model, data, nf.Clients.split(six_cities_silos(), **data), \
+        {"beta": 4, "omega": None}
+
+
+def many_clients(num_clients=1000, groups=2, rows=5, seed=0):
+    """A logistic GLMM over ``num_clients`` clients, ``groups`` groups each (their intercepts
+    local), ``rows`` rows per group; data synthesised from the model."""
+    rng = np.random.default_rng(seed)
+    G = num_clients * groups
+    x = rng.normal(size=(G, rows)).astype(np.float32)
+    b = 0.8 * rng.normal(size=G)
+    y = (rng.uniform(size=(G, rows)) < 1 / (1 + np.exp(-(-0.5 + 1.0 * x + b[:, None])))).astype(np.float32)
+
+    def model(x, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+        slope = numpyro.sample("slope", dist.Normal(0.0, 5.0))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+        with numpyro.plate("groups", y.shape[0]):
+            with nf.local_site():
+                eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+            numpyro.sample("y", dist.Bernoulli(logits=a + slope * x + sigma * eta[:, None]).to_event(1), obs=y)
+
+    def pooled(x, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+        slope = numpyro.sample("slope", dist.Normal(0.0, 5.0))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+        with numpyro.plate("groups", y.shape[0]):
+            eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+            numpyro.sample("y", dist.Bernoulli(logits=a + slope * x + sigma * eta[:, None]).to_event(1), obs=y)
+
+    clients = nf.Clients.split(np.repeat(np.arange(num_clients), groups), x=x, y=y)
+    return f"logistic_glmm_{num_clients}_clients", model, pooled, dict(x=x, y=y), clients, \
+        {"a": None, "slope": None, "sigma": None}
+
+
+def suite_problems():
+    out = []
+    for post in (pdb_models.eight_schools(), pdb_models.radon(), pdb_models.surgical(), pdb_models.seeds(),
+                 pdb_models.rats(), pdb_models.glmm_poisson()):
+        out.append((post.name, post.model, post.pooled, post.pooled_data, post.clients, {s: None for s in post.sites}))
+    return out
+
+
+def problems():
+    return [six_cities(), *suite_problems(), many_clients()]
+
+
+def scalars(draws, sites):
+    """``{name: (chains, samples)}`` for every global scalar."""
+    out = {}
+    for site, size in sites.items():
+        x = np.asarray(draws[site])
+        if size is None and x.ndim > 2:
+            size = x.shape[-1]
+        if size is None:
+            out[site] = x
+        else:
+            out.update({f"{site}[{k}]": x[..., k] for k in range(size)})
+    return out
+
+
+def pooled_nuts(model, data, seed):
+    mcmc = MCMC(NUTS(model), num_warmup=NUTS_WARMUP, num_samples=NUTS_SAMPLES, num_chains=CHAINS,
+                chain_method="vectorized", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(seed), **data)
+    jax.block_until_ready(mcmc.get_samples())
+    return mcmc.get_samples(group_by_chain=True)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def federated_nuts_figure(name):
+    if not NUTS_RESULTS.exists():
+        return None
+    rows = json.loads(NUTS_RESULTS.read_text()).get("results", [])
+    for row in rows:
+        if row.get("posterior") == name:
+            return row.get("communication", {}).get("rounds_per_ess")
+    return None
+
+
+def bench(name, model, pooled_model, pooled_data, clients, sites):
+    _, cold_pooled = timed(lambda: pooled_nuts(pooled_model, pooled_data, 1))
+    ref, warm_pooled = timed(lambda: pooled_nuts(pooled_model, pooled_data, 2))
+    ref = scalars(ref, sites)
+
+    def fit(seed):
+        mwg = FederatedMwG(model, num_warmup=WARMUP, num_samples=SAMPLES, num_chains=CHAINS)
+        mwg.progress_bar = False
+        result = mwg.run(jax.random.PRNGKey(seed), clients)
+        jax.block_until_ready(result.state)
+        return mwg, result
+
+    _, cold = timed(lambda: fit(1))
+    (mwg, result), warm = timed(lambda: fit(2))
+    ours = scalars(mwg.get_samples(result, group_by_chain=True), sites)
+    ess = {k: float(effective_sample_size(v)) for k, v in ours.items()}
+    mcse_z = {k: abs(float(ours[k].mean() - ref[k].mean())) / (float(ours[k].std()) / np.sqrt(ess[k])) for k in ref}
+    sd_ratio = {k: float(ours[k].std() / ref[k].std()) for k in ref}
+    laplace = mwg.laplace_result.communication
+    rounds = int(result.communication.rounds) + int(laplace.rounds)
+    bytes_ = sum(int(c.bytes_up) + int(c.bytes_down) for c in (result.communication, laplace))
+    min_ess = min(ess.values())
+    ess_pooled = min(float(effective_sample_size(v)) for v in ref.values())
+    return {
+        "posterior": name, "clients": len(clients), "chains": CHAINS, "warmup": WARMUP, "samples": SAMPLES,
+        "max_mcse_z": max(mcse_z.values()), "worst_site": max(mcse_z, key=mcse_z.get),
+        "sd_ratio_min": min(sd_ratio.values()), "sd_ratio_max": max(sd_ratio.values()),
+        "within": bool(max(mcse_z.values()) <= 3 and all(abs(r - 1) <= 0.1 for r in sd_ratio.values())),
+        "min_ess": min_ess, "min_ess_pooled": ess_pooled, "ess": ess,
+        "acceptance": mwg.acceptance(result),
+        "rounds": rounds, "laplace_rounds": int(laplace.rounds), "rounds_per_ess": rounds / min_ess,
+        "bytes": bytes_, "bytes_per_ess": bytes_ / min_ess,
+        "seconds": {"cold": cold, "warm": warm}, "seconds_pooled": {"cold": cold_pooled, "warm": warm_pooled},
+        "ess_per_second_ratio": (min_ess / warm) / (ess_pooled / warm_pooled),
+        "federated_nuts_rounds_per_ess": federated_nuts_figure(name),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="")
+    args = parser.parse_args(argv)
+    old = json.loads(RESULTS.read_text()).get("results", []) if RESULTS.exists() else []
+    rows = {r["posterior"]: r for r in old}
+    for problem in problems():
+        if args.only and args.only not in problem[0]:
+            continue
+        row = bench(*problem)
+        rows[row["posterior"]] = row
+        print(json.dumps({k: v for k, v in row.items() if k != "ess"}), flush=True)
+    out = {"command": "python benchmarks/federated_mwg.py", "machine": platform.machine(),
+           "cpus": __import__("os").cpu_count(), "jax": jax.__version__,
+           "times_include": "cold: the whole run (the Laplace start, compiling, sampling); warm: the same run again, "
+                            "compiled; pooled NUTS: MCMC.run, cold and then warm",
+           "results": list(rows.values())}
+    RESULTS.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
