@@ -2,12 +2,16 @@
 draws follow the pooled posterior, checked against the analytic one."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.diagnostics import effective_sample_size
 
 import numpyro_fed as nf
+from numpyro_fed.backends.mapping import client_data
+from numpyro_fed.factor.blocks import local_blocks as propose_blocks
+from numpyro_fed.mcmc.mwg_algorithm import laplace_map
 from numpyro_fed.mcmc.mwg_inference import FederatedMwG
 
 TAU, R = 0.7, 3  # the groups' known scale; rows per group
@@ -50,3 +54,81 @@ def test_mwg_draws_the_analytic_posterior_of_a_gaussian_hierarchy_in_one_round_p
     assert abs(mu.mean() - mean) < 4 * sd / np.sqrt(ess), (mu.mean(), mean, ess)
     assert abs(mu.std() / sd - 1) < 0.1, (mu.std(), sd)
     assert mwg.acceptance(result)["independence"] > 0.3
+
+
+def test_a_round_a_client_misses_is_repeated_and_the_chain_stays_exact():
+    """Each client answers a round with probability 0.85 (simulated dropout): a round some client
+    missed decides nothing and is repeated, its decision sent again and applied once by every
+    client, so the draws still follow the analytic posterior; the run takes more rounds."""
+    clients, means = _data()
+    mwg = FederatedMwG(_model, num_warmup=150, num_samples=500, num_chains=4)
+    result = mwg.run(jax.random.PRNGKey(1), clients, availability=0.85)
+    answered = np.asarray(result.rounds_answered)
+    assert int(result.communication.rounds) > 150 + 500 + 1 and not answered.all()
+    var = TAU**2 + 1.0 / R
+    post_prec = 1.0 / 25.0 + means.size / var
+    mean, sd = means.sum() / var / post_prec, post_prec**-0.5
+    grouped = np.asarray(mwg.get_samples(result, group_by_chain=True)["mu"])
+    ess = float(effective_sample_size(grouped))
+    assert abs(grouped.mean() - mean) < 4 * sd / np.sqrt(ess), (grouped.mean(), mean, ess)
+    assert abs(grouped.std() / sd - 1) < 0.1, (grouped.std(), sd)
+    # every client holds the Laplace map of the chains' current globals: it applied every decision
+    # (a client that missed an accepted move and was not sent it again would hold the old one)
+    setup = mwg._fitted()
+    terms = setup.extra.terms
+    u = np.asarray(result.state.server.u)
+    index = jnp.asarray(propose_blocks(terms.local))
+    for j, name in enumerate(setup.plan.names):
+        data = client_data(setup.plan, j)
+        f = lambda a, b, data=data: terms.log_joint(jnp.concatenate([a, b]), data)  # noqa: E731
+        held = np.asarray(result.client_states[name].mode)
+        for c in range(u.shape[0]):
+            want, _, _ = laplace_map(f, jnp.asarray(u[c]), jnp.zeros(terms.num_local), mwg.inner_steps, index)
+            np.testing.assert_allclose(held[c], np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_privacy_audit_of_federated_mwg():
+    """Up: one scalar per chain (and its finite flag) from each client; down: the chains'
+    proposals and current globals, the decisions and draw slots. No client's data, local latent,
+    local draw or Laplace map, and no client key, appears in any message or in the server's state."""
+    from .test_privacy import _slots, contains
+
+    clients, _ = _data()
+    mwg = FederatedMwG(_model, num_warmup=10, num_samples=10, num_chains=2)
+    keys, locals_ = [], []
+
+    def grab(rnd, state, info):
+        for slot in _slots(state, mwg):
+            keys.append(np.asarray(slot.rng_key))
+            locals_.extend(np.asarray(x) for x in (slot.state.v, slot.state.mode, slot.state.pending[0]))
+
+    result = mwg.run(jax.random.PRNGKey(0), clients, record_transcript=True, keep_values=True, callbacks=[grab])
+    t = result.transcript
+    assert {e.name for e in t.entries if e.receiver == "server"} == {"['ell']", "['ok']"}
+    assert {e.name for e in t.entries if e.sender == "server"} == {
+        f"shared['{k}']" for k in ("proposal", "current", "accept", "slot", "decided")}
+    for e in t.entries:  # nothing scales with a client's rows or locals: (chains, d) at most
+        assert int(np.prod(e.shape)) <= 2 * 1, e
+    leaves = [np.asarray(e.value) for e in t.entries] + [np.asarray(x) for x in jax.tree_util.tree_leaves(
+        (result.state.server, result.state.server_key, result.state.broadcast))]
+    floats = np.concatenate([np.ravel(x).astype(np.float32) for x in leaves if x.dtype.kind == "f"])
+    ints = np.concatenate([np.ravel(x).astype(np.int64) for x in leaves if x.dtype.kind in "ui"])
+    secrets = [np.asarray(v) for c in clients.names for v in list(clients[c].values())
+               + [result.client_states[c].draws]]
+    assert len(locals_) > 20 and all(np.size(p) >= 3 for p in locals_)
+    for secret in secrets + locals_:
+        assert not contains(floats, secret)
+    for key in keys:
+        assert not contains(ints, key)
+
+
+def test_chains_that_have_not_mixed_warn_naming_the_site():
+    """Twenty kept iterations cannot give mu an ESS of 100: the run warns, naming the site and its
+    R-hat and ESS, instead of returning the draws as if they were enough."""
+    import pytest
+
+    from numpyro_fed.warnings import UnreliableFitWarning
+
+    clients, _ = _data()
+    with pytest.warns(UnreliableFitWarning, match=r"not mixed at mu \(R-hat"):
+        FederatedMwG(_model, num_warmup=10, num_samples=20, num_chains=2).run(jax.random.PRNGKey(0), clients)

@@ -29,13 +29,14 @@ each leaving that posterior invariant:
 One round: the server broadcasts the proposal and its decision about the previous one; each
 client applies the decision, records its locals, moves them given ``u`` and answers the
 proposal's scalar. Only ``u'`` (``d`` numbers), a decision bit and one scalar per client cross;
-the locals, their draws, momenta and keys stay on the clients. Every client must answer every
-round: the server decides nothing on part of the sum, but a client that missed a round would
-also miss the decision it carried, so dropout is not supported yet (the inference object
-refuses ``availability=``).
+the locals, their draws, momenta and keys stay on the clients. A round in which a client did not
+answer is repeated: the server decides nothing on part of the sum and sends its last decision
+again with the same proposal; a client applies each decision once (they are counted), so one
+that missed it applies it now and one that had it moves its locals once more and answers again.
+The chain is the pooled chain whatever the network does.
 
-During warmup the proposal's location and scale follow the chain's draws and the random walk's
-step follows its acceptance (adaptation stops at the end of warmup, so the kept draws are from
+During warmup the proposal's location and scale follow the chains' draws (in doubling windows)
+and the random walk's step follows its acceptance (adaptation stops at the end of warmup, so the kept draws are from
 a fixed, exact kernel).
 """
 
@@ -53,7 +54,7 @@ from ..factor.blocks import block_hessian, scatter_blocks
 from ..factor.tilted import inner_mode
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
-__all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg"]
+__all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg", "laplace_map"]
 
 T_DF = 5.0  # the independence proposal's Student-t degrees of freedom (heavier tails than the posterior's)
 T_SCALE = 1.1 * ((T_DF - 2.0) / T_DF) ** 0.5  # its scale: a covariance 1.1^2 times the posterior's
@@ -88,6 +89,7 @@ class MwGServerState(NamedTuple):
     draws: jax.Array  # (num_samples, d)
     accepted: jax.Array  # (num_warmup + num_samples,) each iteration's decision
     kinds: jax.Array  # (num_warmup + num_samples,) each iteration's proposal kind
+    sent: jax.Array  # (accept, slot) of the last decision sent: sent again while a round is repeated
 
 
 class MwGClientState(NamedTuple):
@@ -99,6 +101,7 @@ class MwGClientState(NamedTuple):
     pending: tuple  # (v', value', mode', lam', vec') for the proposal being decided
     draws: jax.Array  # (num_samples, n) the client's local draws
     local_accept: jax.Array  # the mean acceptance of its local moves
+    applied: jax.Array  # how many of the server's decisions it has applied (a repeated one is not applied twice)
 
 
 class MwGInfo(NamedTuple):
@@ -145,7 +148,7 @@ def _log_det(lam):
     return -0.5 * jnp.sum(jnp.log(jnp.abs(lam)))
 
 
-def _laplace_map(f: Callable, u, v0, steps: int, index):
+def laplace_map(f: Callable, u, v0, steps: int, index):
     """``(m(u), lam, vec)``: the deterministic Laplace map of ``v | u`` (``steps`` Newton steps from ``v0``)."""
     neg = lambda v: -f(u, v)  # noqa: E731
     mode = inner_mode(neg, v0, steps, index)
@@ -192,19 +195,20 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
                  config: MwGConfig):
     f = log_joint_of(data)
     b = broadcast.shared
-    take = b["accept"]
+    new = b["decided"] > s.applied  # (a repeated round carries a decision this client may have applied)
+    take = new & b["accept"]
     pv, pval, pmode, plam, pvec = s.pending
     v, value, mode, lam, vec = (jnp.where(take, new, old) for new, old in
                                 ((pv, s.v), (pval, s.value), (pmode, s.mode), (plam, s.lam), (pvec, s.vec)))
     slot = b["slot"]
-    draws = jnp.where(slot >= 0, s.draws.at[jnp.clip(slot, 0, s.draws.shape[0] - 1)].set(v), s.draws)
+    draws = jnp.where(new & (slot >= 0), s.draws.at[jnp.clip(slot, 0, s.draws.shape[0] - 1)].set(v), s.draws)
     u = b["current"]
     local_acc = s.local_accept
     if v.shape[0]:
         v, value, local_acc = _local_moves(rng_key, f, u, v, value, mode, lam, vec, index, config)
     u_new = b["proposal"]
     if v.shape[0]:
-        m2, lam2, vec2 = _laplace_map(f, u_new, v_start, config.inner_steps, index)
+        m2, lam2, vec2 = laplace_map(f, u_new, v_start, config.inner_steps, index)
         v2 = m2 + _colour(_whiten(v - mode, lam, vec, index), lam2, vec2, index)
         jac = _log_det(lam2) - _log_det(lam)
     else:
@@ -212,7 +216,8 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
     value2 = f(u_new, v2)
     ell = value2 - value + jac
     ok = jnp.isfinite(ell)
-    state = MwGClientState(v, value, mode, lam, vec, (v2, value2, m2, lam2, vec2), draws, local_acc)
+    state = MwGClientState(v, value, mode, lam, vec, (v2, value2, m2, lam2, vec2), draws, local_acc,
+                           jnp.maximum(s.applied, b["decided"]))
     return state, {"ell": jnp.where(ok, ell, jnp.zeros((), ell.dtype)), "ok": ok}
 
 
@@ -234,7 +239,8 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     q_term = jnp.where(s.kind == 0, t.log_prob(s.u) - t.log_prob(s.proposal), 0.0)
     log_ratio = jnp.sum(messages["ell"]) + lp_new - s.log_prior + q_term
     log_ratio = jnp.where(ok & jnp.isfinite(log_ratio), log_ratio, -jnp.inf)
-    accept = complete & (jnp.log(random.uniform(k_accept, (), s.u.dtype)) < log_ratio)
+    # (the closing round, after the last iteration, only delivers that iteration's decision: it decides nothing)
+    accept = complete & (s.iteration < total) & (jnp.log(random.uniform(k_accept, (), s.u.dtype)) < log_ratio)
     u = jnp.where(accept, s.proposal, s.u)
     lp = jnp.where(accept, lp_new, s.log_prior)
     it = s.iteration
@@ -245,7 +251,7 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
                          s.log_step + (rate - TARGET_ACCEPT) / jnp.sqrt(1.0 + it), s.log_step)
     d = u.shape[0]
     count, total_sum, outer = s.stats[0], s.stats[1:1 + d], s.stats[1 + d:].reshape(d, d)
-    collect = warm & complete & (it >= config.num_warmup // 4)
+    collect = warm & complete
     count, total_sum, outer = (jnp.where(collect, a, b) for a, b in
                                ((count + 1, count), (total_sum + u, total_sum), (outer + jnp.outer(u, u), outer)))
     mean, chol = s.mean, s.chol  # (refreshed from every chain's warmup draws by the caller: _pooled_refresh)
@@ -260,23 +266,30 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     proposal = jnp.where(complete, _propose(k_next, s._replace(u=u, mean=mean, chol=chol, log_step=log_step), kind),
                          s.proposal)
     stats = jnp.concatenate([count[None], total_sum, outer.ravel()])
-    new = MwGServerState(u, proposal, kind, lp, mean, chol, log_step, stats, it_new, draws, accepted, kinds)
-    # a client that did not answer: the same round again (no decision; every client keeps its state)
-    slot = jnp.where(keep, slot_index, -1)
-    broadcast = Broadcast({"proposal": proposal, "current": u, "accept": accept, "slot": slot.astype(jnp.int32)})
+    # a client that did not answer: the same round again: no decision, and the last one sent again
+    # (a client that missed it applies it now; one that had it does not apply it twice)
+    slot = jnp.where(complete, jnp.where(keep, slot_index, -1), s.sent[1]).astype(jnp.int32)
+    sent_accept = jnp.where(complete, accept, s.sent[0].astype(bool))
+    new = MwGServerState(u, proposal, kind, lp, mean, chol, log_step, stats, it_new, draws, accepted, kinds,
+                         jnp.stack([sent_accept.astype(jnp.int32), slot]))
+    broadcast = Broadcast({"proposal": proposal, "current": u, "accept": sent_accept, "slot": slot,
+                           "decided": it_new.astype(jnp.int32)})
     info = MwGInfo(accept, s.kind, log_ratio, view.answered.sum())
     return new, broadcast, info
 
 
 def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
-    """At the refresh iterations of warmup (half-way, and its end): the proposal's location and
-    scale from every chain's collected draws (their mean and covariance, the current scale
-    counting as 10 draws), and each chain's next proposal drawn from the refreshed one."""
+    """At the ends of warmup's windows (an eighth, a quarter, half and all of it, as Stan's
+    doubling windows): the proposal's location and scale from every chain's draws in the window
+    (their mean and covariance, the current scale counting as 10 draws), each chain's next
+    proposal drawn from the refreshed one, and the window's sums cleared."""
     it = state.iteration[0]
     d = state.u.shape[-1]
     stats = jnp.sum(state.stats, 0)
     count, total_sum, outer = stats[0], stats[1:1 + d], stats[1 + d:].reshape(d, d)
-    refresh = ((it == config.num_warmup // 2) | (it == config.num_warmup)) & (count > d + 2)
+    W = config.num_warmup
+    end = (it == W // 8) | (it == W // 4) | (it == W // 2) | (it == W)
+    refresh = end & (count > d + 2)
     mean = total_sum / jnp.maximum(count, 1.0)
     cov = outer / jnp.maximum(count, 1.0) - jnp.outer(mean, mean)
     prior_weight = 10.0
@@ -288,7 +301,8 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
     new = state._replace(mean=jnp.where(refresh, jnp.broadcast_to(mean, state.mean.shape), state.mean),
                          chol=jnp.where(refresh, jnp.broadcast_to(chol, state.chol.shape), state.chol))
     proposal = jnp.where(refresh, jax.vmap(_propose)(random.split(rng_key, C), new, new.kind), new.proposal)
-    return new._replace(proposal=proposal), {**shared, "proposal": proposal}
+    stats = jnp.where(end, jnp.zeros_like(new.stats), new.stats)
+    return new._replace(proposal=proposal, stats=stats), {**shared, "proposal": proposal}
 
 
 def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: int, start, scale, *,
@@ -326,11 +340,11 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         s = MwGServerState(u0, u0, jnp.zeros((), jnp.int32), log_prior(u0), start, chol0,
                            jnp.log(jnp.asarray(2.38 / jnp.sqrt(d), dtype)), jnp.zeros(1 + d + d * d, dtype),
                            jnp.zeros((), jnp.int32), jnp.zeros((config.num_samples, d), dtype),
-                           jnp.zeros(total, bool), jnp.zeros(total, jnp.int32))
+                           jnp.zeros(total, bool), jnp.zeros(total, jnp.int32), jnp.asarray([0, -1], jnp.int32))
         proposal = _propose(rng_key, s, jnp.zeros((), jnp.int32))
         s = s._replace(proposal=proposal)
         return s, {"proposal": proposal, "current": u0, "accept": jnp.asarray(False),
-                   "slot": jnp.asarray(-1, jnp.int32)}
+                   "slot": jnp.asarray(-1, jnp.int32), "decided": jnp.zeros((), jnp.int32)}
 
     def init_server(rng_key):
         s, shared = jax.vmap(init_chain)(random.split(rng_key, C), starts)
@@ -338,12 +352,13 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
 
     def init_client_chain(f, u0):
         if num_local:
-            mode, lam, vec = _laplace_map(f, u0, v_start, config.inner_steps, index)
+            mode, lam, vec = laplace_map(f, u0, v_start, config.inner_steps, index)
         else:
             mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
         value = f(u0, mode)
         return MwGClientState(mode, value, mode, lam, vec, (mode, value, mode, lam, vec),
-                              jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype))
+                              jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype),
+                              jnp.zeros((), jnp.int32))
 
     def init_client(rng_key, data):
         del rng_key

@@ -18,6 +18,7 @@ from .._validation import check_positive_int
 from ..factor import gaussian as G
 from ..factor.blocks import local_blocks as propose_blocks
 from ..factor.inference import FactorInference
+from ..factor.laplace_inference import NoModeError
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .mwg_algorithm import MwGConfig, federated_mwg
@@ -25,6 +26,8 @@ from .mwg_algorithm import MwGConfig, federated_mwg
 __all__ = ["FederatedMwG"]
 
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
+R_HAT_LIMIT = 1.05  # a global scalar's split R-hat above this warns
+MIN_ESS = 100  # a global scalar's bulk ESS below this warns
 
 
 class FederatedMwG(FactorInference):
@@ -45,7 +48,9 @@ class FederatedMwG(FactorInference):
             carries one proposal and one scalar per chain); each starts from a draw of the
             Laplace fit (the first at its mode).
         init: ``(mean, cov)`` of the flat unconstrained global sites to start from (a Laplace
-            fit's ``params``); ``None``: ``run`` first runs :class:`~numpyro_fed.factor.Laplace`.
+            fit's ``params``); ``None``: ``run`` first runs :class:`~numpyro_fed.factor.Laplace`
+            (a posterior it finds no mode of raises its ``NoModeError``: use
+            :class:`~numpyro_fed.FederatedNUTS` there).
         inner_steps: Newton steps of each client's Laplace map of its locals.
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
             iteration, leapfrog steps per move, and step size in whitened coordinates (default
@@ -72,32 +77,47 @@ class FederatedMwG(FactorInference):
         self.local_step_size = local_step_size
         self.local_blocks = bool(local_blocks)
         self.laplace_result: Optional[RunResult] = None
+        self.start_communication = None  # the Laplace start's rounds and bytes
+        self._laplace = None
 
     def run(self, rng_key: jax.Array, clients=None, *, max_rounds: Optional[int] = None, **kwargs) -> RunResult:
         """Run ``num_warmup + num_samples`` iterations, one round each (plus one: the clients
-        record the last iteration's locals); first a federated Laplace fit when ``init`` is ``None``
-        (its result is :attr:`laplace_result`).
+        record the last iteration's locals; plus one per round a client did not answer, which is
+        repeated); first a federated Laplace fit when ``init`` is ``None`` (its result is
+        :attr:`laplace_result`). ``max_rounds``: a cap (default: the rounds needed, 20 times
+        that under simulated ``availability=``); a run that reaches it unfinished raises.
 
         Returns:
             a :class:`~numpyro_fed.RunResult`: ``params`` the global draws per site (constrained,
             ``(num_chains, num_samples, ...)``).
         """
-        if kwargs.get("availability") is not None:
-            raise ValueError(f"{type(self).__name__} does not support availability= yet: a client that misses a "
-                             f"round misses the decision it carries (use FederatedNUTS, which repeats such rounds)")
         if self.init is None:
             from ..factor import Laplace
 
-            laplace = Laplace(self.model, row_plate=self.row_plate, model_kwargs=self.model_kwargs,
-                              client_mapping=self.client_mapping,
-                              inner_steps=self.inner_steps, local_blocks=self.local_blocks, check_fit=False)
+            if self._laplace is None:  # kept: a second run reuses its compiled rounds
+                self._laplace = Laplace(self.model, row_plate=self.row_plate, model_kwargs=self.model_kwargs,
+                                        client_mapping=self.client_mapping, inner_steps=self.inner_steps,
+                                        local_blocks=self.local_blocks, check_fit=False)
+            laplace = self._laplace
             laplace.progress_bar = self.progress_bar
-            self.laplace_result = laplace.run(jax.random.fold_in(rng_key, 1), clients, **kwargs)
+            own = ("callbacks", "checkpoint", "checkpoint_every", "init_state")  # this chain's, not the start's
+            try:
+                self.laplace_result = laplace.run(jax.random.fold_in(rng_key, 1), clients,
+                                                  **{k: v for k, v in kwargs.items() if k not in own})
+            except NoModeError as err:
+                raise NoModeError(f"{type(self).__name__} starts its chains from a federated Laplace fit, and {err} "
+                                  f"(where the posterior is proper, FederatedNUTS samples it without a mode)",
+                                  err.improper, err.sites, err.last) from err
+            self.start_communication = self.laplace_result.communication
             self._start = tuple(np.asarray(self.laplace_result.params[k]) for k in ("mean", "cov"))
         else:
             self._start = tuple(np.asarray(a) for a in self.init)
-        total = self.num_warmup + self.num_samples + 1
-        return super().run(rng_key, total if max_rounds is None else max_rounds, clients, **kwargs)
+        built = getattr(self, "_built_start", None)
+        if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self._start)):
+            self._setup_cache = None  # the algorithm starts from its start: a new start builds it anew
+        total = self.num_warmup + self.num_samples + 1  # rounds when every client answers every round
+        cap = total if kwargs.get("availability") is None else 20 * total  # (a repeated round costs one more)
+        return super().run(rng_key, cap if max_rounds is None else max_rounds, clients, **kwargs)
 
     # ------------------------------------------------------------------ hooks
     def _prior_factor(self, log_prior: Callable, layout, start):
@@ -113,7 +133,14 @@ class FederatedMwG(FactorInference):
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
                            float(step), self.num_chains)
         dtype = jnp.result_type(float)
-        mean, cov = (jnp.asarray(a, dtype) for a in self._start)
+        start = getattr(self, "_start", None)
+        if start is None:  # a party that does not run (a Flower node) builds from init
+            if self.init is None:
+                raise ValueError(f"{type(self).__name__}: over a network backend give init=(mean, cov) (a Laplace "
+                                 f"fit's params), so that every party builds the same chains; nf.fit does")
+            start = self._start = tuple(np.asarray(a) for a in self.init)
+        self._built_start = start
+        mean, cov = (jnp.asarray(a, dtype) for a in start)
         return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
                              num_local=terms.num_local, blocks=blocks, config=config)
 
@@ -123,13 +150,40 @@ class FederatedMwG(FactorInference):
         return {k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()}
 
     def _check_result(self, setup, result: RunResult) -> RunResult:
+        done = int(np.min(np.asarray(result.state.server.iteration)))
+        total = self.num_warmup + self.num_samples
+        if done <= total:
+            rounds = int(result.communication.rounds)
+            raise RuntimeError(f"{type(self).__name__}: the run stopped after {rounds} rounds with {min(done, total)} "
+                               f"of {total} iterations done (rounds a client did not answer are repeated); raise "
+                               f"max_rounds")
         accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
         rate = float(accepted.mean()) if accepted.size else 0.0
+        self._warn_mixing(result)
         if rate < LOW_ACCEPT:
             warnings.warn(f"{type(self).__name__}: the kept iterations accepted {rate:.1%} of the global moves: the "
                           f"chain barely moved and its draws are few effective samples; run FederatedNUTS, or a longer "
                           f"warmup", UnreliableFitWarning, stacklevel=find_stack_level())
         return result
+
+    def _warn_mixing(self, result: RunResult) -> None:
+        """Warn, as a careful NumPyro user would check, when a global scalar's split R-hat is above
+        :data:`R_HAT_LIMIT` (several chains) or its bulk ESS below :data:`MIN_ESS`."""
+        from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
+
+        bad = []
+        for site, x in self.get_samples(result, group_by_chain=True).items():
+            x = np.asarray(x).reshape(x.shape[:2] + (-1,))
+            for k in range(x.shape[-1]):
+                r_hat = float(split_gelman_rubin(x[..., k])) if x.shape[0] > 1 else 1.0
+                ess = float(effective_sample_size(x[..., k]))
+                if not (r_hat <= R_HAT_LIMIT and ess >= MIN_ESS):
+                    bad.append(f"{site}[{k}] (R-hat {r_hat:.3g}, ESS {ess:.0f})" if x.shape[-1] > 1 else
+                               f"{site} (R-hat {r_hat:.3g}, ESS {ess:.0f})")
+        if bad:
+            warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(bad[:6])}: their draws do "
+                          f"not represent the posterior there; run longer (num_warmup, num_samples) or use "
+                          f"FederatedNUTS", UnreliableFitWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ API
     def get_samples(self, result: RunResult, group_by_chain: bool = False) -> Dict[str, jax.Array]:
