@@ -31,14 +31,12 @@ import json
 import pathlib
 import platform
 import sys
-import time
 
 import jax
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.diagnostics import effective_sample_size
-from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.datasets import load_six_cities, six_cities_silos
@@ -49,11 +47,11 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "posteriordb"))
 sys.path.insert(0, str(HERE))
 import pdb_models  # noqa: E402
+from federated_nuts import pooled_nuts, timed  # noqa: E402  (NUTS on the pooled data: 4 x (500 + 1000))
 
 RESULTS = HERE / "results" / "federated_mwg.json"
 NUTS_RESULTS = HERE / "results" / "federated_nuts.json"
 CHAINS, WARMUP, SAMPLES = 4, 300, 1000
-NUTS_WARMUP, NUTS_SAMPLES = 500, 1000
 
 
 def six_cities():
@@ -125,20 +123,6 @@ def scalars(draws, sites):
         else:
             out.update({f"{site}[{k}]": x[..., k] for k in range(size)})
     return out
-
-
-def pooled_nuts(model, data, seed):
-    mcmc = MCMC(NUTS(model), num_warmup=NUTS_WARMUP, num_samples=NUTS_SAMPLES, num_chains=CHAINS,
-                chain_method="vectorized", progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(seed), **data)
-    jax.block_until_ready(mcmc.get_samples())
-    return mcmc.get_samples(group_by_chain=True)
-
-
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
 
 
 def federated_nuts_figure(name):

@@ -91,7 +91,7 @@ def test_privacy_audit_of_federated_mwg():
     """Up: one scalar per chain (and its finite flag) from each client; down: the chains'
     proposals and current globals, the decisions and draw slots. No client's data, local latent,
     local draw or Laplace map, and no client key, appears in any message or in the server's state."""
-    from .test_privacy import _slots, contains
+    from .test_privacy import _slots, contains, haystacks
 
     clients, _ = _data()
     mwg = FederatedMwG(_model, num_warmup=10, num_samples=10, num_chains=2)
@@ -109,10 +109,7 @@ def test_privacy_audit_of_federated_mwg():
         f"shared['{k}']" for k in ("proposal", "current", "accept", "slot", "decided")}
     for e in t.entries:  # nothing scales with a client's rows or locals: (chains, d) at most
         assert int(np.prod(e.shape)) <= 2 * 1, e
-    leaves = [np.asarray(e.value) for e in t.entries] + [np.asarray(x) for x in jax.tree_util.tree_leaves(
-        (result.state.server, result.state.server_key, result.state.broadcast))]
-    floats = np.concatenate([np.ravel(x).astype(np.float32) for x in leaves if x.dtype.kind == "f"])
-    ints = np.concatenate([np.ravel(x).astype(np.int64) for x in leaves if x.dtype.kind in "ui"])
+    floats, ints = haystacks(result)
     secrets = [np.asarray(v) for c in clients.names for v in list(clients[c].values())
                + [result.client_states[c].draws]]
     assert len(locals_) > 20 and all(np.size(p) >= 3 for p in locals_)

@@ -161,6 +161,16 @@ def _slots(state, inference):
     return [jax.tree_util.tree_map(lambda x, j=j: x[j], state.clients) for j in range(len(plan.names))]
 
 
+def haystacks(result):
+    """Every value sent (``result.transcript``) and every value the server holds, as two
+    haystacks: ``(floats, integers)``."""
+    held = jax.tree_util.tree_leaves((result.state.server, result.state.server_key, result.state.broadcast))
+    leaves = [np.asarray(e.value) for e in result.transcript.entries] + [np.asarray(x) for x in held]
+    floats = np.concatenate([np.ravel(x).astype(np.float32) for x in leaves if x.dtype.kind == "f"])
+    ints = np.concatenate([np.ravel(x).astype(np.int64) for x in leaves if x.dtype.kind in "ui"])
+    return floats, ints
+
+
 def test_key_audit_is_not_vacuous():
     key = np.asarray(random.PRNGKey(123))
     assert contains(np.concatenate([np.zeros(3, np.uint32), key]), key)
@@ -196,11 +206,7 @@ def test_privacy_audit_of_federated_mcmc(algo):
     for e in t.entries:  # nothing scales with a client's rows or local sites: (chains, d) at most
         if e.name != "turn":  # (chains, max_tree_depth, 2) scalars
             assert int(np.prod(e.shape)) <= d, e
-    # every value sent and every value the server holds, as two haystacks (floats and integers)
-    leaves = [np.asarray(e.value) for e in t.entries] + [np.asarray(x) for x in jax.tree_util.tree_leaves(
-        (result.state.server, result.state.server_key, result.state.broadcast))]
-    floats = np.concatenate([np.ravel(x).astype(np.float32) for x in leaves if x.dtype.kind == "f"])
-    ints = np.concatenate([np.ravel(x).astype(np.int64) for x in leaves if x.dtype.kind in "ui"])
+    floats, ints = haystacks(result)
     secrets = [np.asarray(v) for c in clients.names for v in list(clients[c].values())
                + [result.client_states[c].draws]]
     assert len(positions) > 20 and any(np.size(p) >= 3 for p in positions)
