@@ -127,8 +127,16 @@ def nuts():
     return nf.FederatedNUTS(hierarchical, num_warmup=2, num_samples=3, max_tree_depth=2), horizontal_data()
 
 
+def mwg():
+    """Federated Metropolis-within-Gibbs from a given start (every party builds the same chains)."""
+    from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+
+    init = (np.array([0.5]), 0.1 * np.eye(1))
+    return FederatedMwG(ep_model, num_warmup=16, num_samples=16, num_chains=2, init=init), horizontal_data()
+
+
 #: open-ended families (federated MCMC): run until done, ``num_rounds`` their cap
-MCMC_FAMILIES = {"nuts": nuts}
+MCMC_FAMILIES = {"nuts": nuts, "mwg": mwg}
 
 
 def cauchy_model(y):

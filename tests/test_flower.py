@@ -628,3 +628,16 @@ def test_nf_fit_over_flower_equals_the_simulation(federation, family):
         for name in inputs.names:
             for value in inputs[name].values():
                 assert not any(contains(e.value, value) for e in transcript.entries if e.sender == name), name
+
+
+def test_flower_runs_federated_mwg_equal_to_the_simulation(federation):
+    """Federated Metropolis-within-Gibbs over the loopback federation (its start given as init=,
+    so every node builds the same chains): every server leaf equal to the simulation's with the
+    same keys, in as many rounds (iterations + 1); the server-side transcript carries no client
+    data value or key."""
+    inference, inputs, result, keys = _simulate("mwg", 100)
+    flower = federation.run("flower_tasks:mwg", 100, seed=0, num_clients=3, keep_values=True)
+    _assert_same(flower, result)
+    assert flower["communication"]["rounds"] == result.communication.rounds == 16 + 16 + 1
+    assert flower["missing"] == []
+    _audit("mwg", inference, inputs, result, keys, flower)

@@ -28,6 +28,7 @@ from .._structure import (
     is_latent,
     latent_supports,
     log_joint,
+    make_layout,
     trace_model,
     with_improper_values,
 )
@@ -193,7 +194,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                              lambda s: s["type"] == "sample" and (s["is_observed"] or site_role(s) == LOCAL),
                              structure.row_plate, data.row_mask)
 
-        local = structure.local_layout(trace_model(self.model, client_data(plan, 0).args, kwargs))
+        local = _largest_layout([structure.local_layout(trace_model(self.model, client_data(plan, j).args, kwargs))
+                                 for j in range(1 if plan.mapping == "vmap" else len(plan.names))])
         log_joint_local = self._joint(structure, local)
 
         sites = ", ".join(layout.names)
@@ -232,11 +234,13 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
 
         def log_joint_local(w, data):
             u, v = w[:d], w[d:]
-            values = {**layout.unravel(u), **local.unravel(v)}
-            lp = log_joint(self.model, data.args, self.model_kwargs, values, {}, count, structure.row_plate,
-                           data.row_mask)
-            pad = 1.0 - local.flat_mask(data.row_mask, data.args) if local.size else jnp.zeros(0)
-            return lp - 0.5 * jnp.sum(pad * v**2)  # padded local entries: a proper N(0, 1)
+            own = local
+            if local.size:  # a client with fewer local entries than the largest (unpadded, one by one)
+                own = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
+            values, real = _own_entries(local, own, v, data)
+            lp = log_joint(self.model, data.args, self.model_kwargs, {**layout.unravel(u), **values}, {}, count,
+                           structure.row_plate, data.row_mask)
+            return lp - 0.5 * jnp.sum((1.0 - real) * v**2)  # padded local entries: a proper N(0, 1)
 
         return log_joint_local
 
@@ -569,6 +573,34 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         if setup.cache["deterministic"] is not None:
             draws.update(setup.cache["deterministic"](draws))
         return draws
+
+
+def _largest_layout(layouts) -> SiteLayout:
+    """The local layout whose every site has the largest of the clients' shapes (clients laid out
+    one by one may hold different numbers of rows or groups)."""
+    first = layouts[0]
+    shapes = [tuple(max(dims) for dims in zip(*(lay.shapes[i] for lay in layouts))) for i in range(len(first.names))]
+    if all(tuple(s) == tuple(f) for s, f in zip(shapes, first.shapes)):
+        return first
+    groups = first.group_axes or ((),) * len(first.names)
+    plates = first.plate_axes or ((),) * len(first.names)
+    return make_layout([(n, s, a, g, p) for n, s, a, g, p in zip(first.names, shapes, first.row_axes, groups, plates)])
+
+
+def _own_entries(local: SiteLayout, own: SiteLayout, v, data):
+    """A client's own local values cut from the flat ``v`` of the largest layout, and the mask
+    (in ``v``'s layout) of its real entries (1) against padding (0)."""
+    full = local.unravel(v)
+    mask = own.flat_mask(data.row_mask, data.args) if own.size else jnp.zeros(0)
+    values, real, at = {}, [], 0
+    for name, shape, own_shape in zip(local.names, local.shapes, own.shapes):
+        cut = tuple(slice(0, k) for k in own_shape)
+        values[name] = full[name][cut]
+        n = int(np.prod(own_shape))
+        part = jnp.reshape(mask[at:at + n], own_shape)
+        at += n
+        real.append(jnp.reshape(jnp.zeros(shape, v.dtype).at[cut].set(part), -1))
+    return values, (jnp.concatenate(real) if real else jnp.zeros(0, v.dtype))
 
 
 _PRIOR_DEPENDS_ON_DATA = (
