@@ -18,8 +18,10 @@ runs of both. Reported per posterior:
 - ``rounds_per_ess``: all rounds (the Laplace start's, warmup and sampling) over the smallest
   bulk ESS of the global scalars (target <= 3 on the demo's GLMM, <= 5 on the suite); bytes the same;
 - ``ess_per_second_ratio``: (min ESS / warm seconds) of the sampler over pooled NUTS's (target >= 0.5);
-- ``federated_nuts_rounds_per_ess``: ``FederatedNUTS``'s, where ``benchmarks/results/federated_nuts.json``
-  has the posterior (measured there, not here).
+- ``federated_nuts``: ``FederatedNUTS`` (4 x (500 + 1000)) run in this process, cold and warm, on
+  the demo's GLMM, eight schools, radon, the Poisson GLMM and the 1000-client GLMM: its rounds,
+  bytes and ESS per round and per warm second; ``ess_per_second_ratio_to_federated_nuts`` the
+  sampler's warm ESS per second over its.
 
 Writes ``benchmarks/results/federated_mwg.json``.
 """
@@ -52,6 +54,10 @@ from federated_nuts import pooled_nuts, timed  # noqa: E402  (NUTS on the pooled
 RESULTS = HERE / "results" / "federated_mwg.json"
 NUTS_RESULTS = HERE / "results" / "federated_nuts.json"
 CHAINS, WARMUP, SAMPLES = 4, 300, 1000
+#: posteriors on which FederatedNUTS runs too, in the same process (4 x (500 + 1000))
+WITH_FEDERATED_NUTS = ("six_cities_glmm", "eight_schools-eight_schools_noncentered",
+                       "radon_mn-radon_variable_intercept_noncentered", "GLMM_Poisson_data-GLMM_Poisson_model",
+                       "logistic_glmm_1000_clients")
 
 
 def six_cities():
@@ -151,11 +157,41 @@ def against_reference(ours, ess, post):
             "within": bool(max(z.values()) <= 3 and all(abs(v - 1) <= 0.1 for v in ratio.values()))}
 
 
+def federated_nuts(model, clients, sites):
+    """``FederatedNUTS`` in this process, 4 chains x (500 + 1000), cold then warm: its rounds,
+    bytes and ESS per round and per warm second."""
+    fed = nf.FederatedNUTS(model, num_warmup=500, num_samples=1000, num_chains=CHAINS)
+    fed.progress_bar = False
+
+    def fit(seed):
+        result = fed.run(jax.random.PRNGKey(seed), clients)
+        jax.block_until_ready(result.state)
+        return result
+
+    _, cold = timed(lambda: fit(3))
+    result, warm = timed(lambda: fit(4))
+    draws = scalars(fed.get_samples(result, group_by_chain=True), sites)
+    min_ess = min(float(effective_sample_size(v)) for v in draws.values())
+    c = result.communication
+    return {"rounds": int(c.rounds), "min_ess": min_ess, "rounds_per_ess": int(c.rounds) / min_ess,
+            "bytes_per_ess": (int(c.bytes_up) + int(c.bytes_down)) / min_ess,
+            "seconds": {"cold": cold, "warm": warm}, "ess_per_warm_second": min_ess / warm}
+
+
 def bench(name, model, pooled_model, pooled_data, clients, sites, post=None):
     _, cold_pooled = timed(lambda: pooled_nuts(pooled_model, pooled_data, 1))
     ref, warm_pooled = timed(lambda: pooled_nuts(pooled_model, pooled_data, 2))
     ref = scalars(ref, sites)
+    fed_nuts = federated_nuts(model, clients, sites) if name in WITH_FEDERATED_NUTS else None
+    try:
+        row = _mwg(name, model, clients, sites, post, ref, cold_pooled, warm_pooled, fed_nuts)
+    except ValueError as err:  # e.g. no Laplace mode to start from: recorded, not hidden
+        row = {"posterior": name, "clients": len(clients), "error": f"{type(err).__name__}: {err}"}
+    row["federated_nuts"] = fed_nuts
+    return row
 
+
+def _mwg(name, model, clients, sites, post, ref, cold_pooled, warm_pooled, fed_nuts):
     mwg = FederatedMwG(model, num_warmup=WARMUP, num_samples=SAMPLES, num_chains=CHAINS)
     mwg.progress_bar = False
 
@@ -190,7 +226,9 @@ def bench(name, model, pooled_model, pooled_data, clients, sites, post=None):
         "bytes": bytes_, "bytes_per_ess": bytes_ / min_ess,
         "seconds": {"cold": cold, "warm": warm}, "seconds_pooled": {"cold": cold_pooled, "warm": warm_pooled},
         "ess_per_second_ratio": (min_ess / warm) / (ess_pooled / warm_pooled),
-        "federated_nuts_rounds_per_ess": federated_nuts_figure(name),
+        "federated_nuts_rounds_per_ess": fed_nuts["rounds_per_ess"] if fed_nuts else federated_nuts_figure(name),
+        "ess_per_second_ratio_to_federated_nuts": (min_ess / warm) / fed_nuts["ess_per_warm_second"]
+        if fed_nuts else None,
         "reference": against_reference(ours, ess, post) if post is not None else None,
     }
 
@@ -204,10 +242,7 @@ def main(argv=None):
     for problem in problems():
         if args.only and args.only not in problem[0]:
             continue
-        try:
-            row = bench(*problem)
-        except ValueError as err:  # e.g. no Laplace mode to start from: recorded, not hidden
-            row = {"posterior": problem[0], "clients": len(problem[4]), "error": f"{type(err).__name__}: {err}"}
+        row = bench(*problem)
         rows[row["posterior"]] = row
         print(json.dumps({k: v for k, v in row.items() if k != "ess"}), flush=True)
     out = {"command": "python benchmarks/federated_mwg.py", "machine": platform.machine(),

@@ -21,13 +21,16 @@ if __package__ == "numpyro_fed" and getattr(sys.modules.get("numpyro_fed"), "__f
 def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo",
-        help="six-cities logistic GLMM federated over two silos with nf.fit, exact federated NUTS and EP "
+        help="six-cities logistic GLMM federated over two silos with nf.fit, nf.fit(exact=True), exact federated "
+        "NUTS and EP "
         "(--all-methods: "
         "SFVI, SFVI-Avg and PVI too), next to NUTS",
         description="Fit the logistic mixed model of Hassan et al. (2023), arXiv:2302.03314, S3.1, on the six-cities "
         "wheeze data split into two silos (300 / 237 children) with nf.fit (the one call: Laplace, checked, else "
-        "federated NUTS started from it), exact federated NUTS and EP (a few rounds) (and with --all-methods "
-        "SFVI, SFVI-Avg and PVI), and compare each with NUTS on the pooled data: posterior means and sds, "
+        "an exact federated sampler started from it), nf.fit(..., exact=True) (exact federated Metropolis-within-"
+        "Gibbs, one round per iteration), exact federated NUTS (one round per leapfrog step) and EP (a few "
+        "rounds) (and with --all-methods SFVI, SFVI-Avg and PVI), and compare each with NUTS on the pooled "
+        "data: posterior means and sds, "
         "distance from NUTS, communication and time.",
     )
     demo.add_argument("--rounds", type=int, default=3000, help="SFVI rounds (default 3000)")
@@ -133,7 +136,8 @@ def _run_demo(args) -> int:
         ep_rounds=args.ep_rounds, ep_tilted=args.ep_tilted, ep_draws=args.ep_draws, pvi_rounds=args.pvi_rounds,
         pvi_steps=args.pvi_steps,
         nuts_warmup=args.nuts_warmup, nuts_samples=args.nuts_samples, seed=args.seed, plot=args.plot,
-        methods=("fit", "sfvi", "sfvi_avg", "ep", "pvi", "fed_nuts") if args.all_methods else ("fit", "ep", "fed_nuts"),
+        methods=("fit", "fit_exact", "sfvi", "sfvi_avg", "ep", "pvi", "fed_nuts") if args.all_methods else
+        ("fit", "fit_exact", "ep", "fed_nuts"),
     )
     _write_json(args.json, out)
     return 0

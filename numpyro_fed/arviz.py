@@ -105,8 +105,9 @@ def to_arviz(
 
     from .factor.inference import FactorInference
     from .mcmc.inference import FederatedMCMC
+    from .mcmc.mwg_inference import FederatedMwG
     from .vertical.inference import VerticalInference
-    if isinstance(svi, FederatedMCMC):
+    if isinstance(svi, (FederatedMCMC, FederatedMwG)):
         return _mcmc_to_arviz(svi, result, rng_key, client, clients, corrected)
     total, chains = _chains(num_chains, num_samples, corrected, client)
     if isinstance(svi, FactorInference):
@@ -139,8 +140,9 @@ _MCMC_STATS = {"diverging": "diverging", "tree_depth": "tree_depth", "num_steps"
 
 
 def _mcmc_to_arviz(mcmc, result, rng_key, client, clients, corrected):
-    """A :class:`~numpyro_fed.FederatedNUTS` / ``FederatedHMC`` fit: the chains' own draws and
-    per-iteration statistics (``num_samples`` and ``num_chains`` are the run's)."""
+    """A :class:`~numpyro_fed.FederatedNUTS` / ``FederatedHMC`` / Metropolis-within-Gibbs fit:
+    the chains' own draws and per-iteration statistics (``num_samples`` and ``num_chains`` are
+    the run's)."""
     import arviz as az
 
     if corrected:
@@ -148,9 +150,12 @@ def _mcmc_to_arviz(mcmc, result, rng_key, client, clients, corrected):
                          "draws of the posterior itself: drop corrected=")
     draws = mcmc.get_samples(result, group_by_chain=True, client=client)
     stats = mcmc.sample_stats(result)
-    sample_stats = {ours: stats[theirs] for theirs, ours in _MCMC_STATS.items()}
-    sample_stats["lp"] = -stats["potential_energy"]
-    C, S = stats["diverging"].shape
+    if "diverging" in stats:  # NUTS / HMC: NumPyro's statistics under ArviZ's names
+        sample_stats = {ours: stats[theirs] for theirs, ours in _MCMC_STATS.items()}
+        sample_stats["lp"] = -stats["potential_energy"]
+    else:  # Metropolis-within-Gibbs: each global move's decision and proposal kind
+        sample_stats = {"acceptance_rate": np.asarray(stats["accepted"], np.float64), "proposal": stats["proposal"]}
+    C, S = next(iter(stats.values())).shape
 
     def chains(x):
         x = np.asarray(x)

@@ -1,6 +1,6 @@
 """The main job: the six-cities wheeze data split over two silos, fitted by ``nf.fit`` (the one call),
-by exact federated NUTS and by EP (a few rounds), next to NUTS on the pooled data; SFVI, SFVI-Avg and
-PVI with ``--all-methods``."""
+by ``nf.fit(..., exact=True)`` (exact federated Metropolis-within-Gibbs), by exact federated NUTS and
+by EP (a few rounds), next to NUTS on the pooled data; SFVI, SFVI-Avg and PVI with ``--all-methods``."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def _flatten(draws) -> Dict[str, np.ndarray]:
 
 METHODS = {  # key: (label, what it is), in the order the demo runs them
     "fit": ("nf.fit", "the one call: a federated Laplace approximation in a few Newton rounds, kept if its fit check "
-                      "passes, else exact federated NUTS started from it"),
+                      "passes, else an exact federated sampler started from it"),
+    "fit_exact": ("nf.fit exact", "nf.fit(..., exact=True): exact federated Metropolis-within-Gibbs started at the "
+                                  "Laplace mode, one round per iteration, 4 chains side by side"),
     "fed_nuts": ("fed. NUTS", "exact federated NUTS, one leapfrog step per round: the pooled posterior by "
                           "construction, at the price of many rounds"),
     "ep": ("EP", "expectation propagation; each silo integrates its local latents out (block Laplace, "
@@ -48,7 +50,7 @@ METHODS = {  # key: (label, what it is), in the order the demo runs them
 }
 
 
-DEFAULT_METHODS = ("fit", "fed_nuts", "ep")
+DEFAULT_METHODS = ("fit", "fit_exact", "fed_nuts", "ep")
 LEFT_OUT = (
     "Left out by default: {names}. Each fits one Gaussian over (beta, omega, b) jointly, and on this model\n"
     "every Gaussian family is biased for omega, even fitted centrally on the pooled data with NumPyro's\n"
@@ -94,8 +96,9 @@ def run_demo(rounds=3000, avg_rounds=100, local_steps=20, ep_rounds=6, ep_tilted
     say(f"six-cities wheeze data: {clients.total_rows} children in silos {clients.num_rows}")
     every = _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps, nuts_warmup, nuts_samples)
     fits = {name: every[name] for name in METHODS if name in methods}
-    left_out = [METHODS[name][0] for name in METHODS if name not in methods and name != "fit"]
-    num_rounds = {"fit": None, "sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds, "pvi": pvi_rounds,
+    left_out = [METHODS[name][0] for name in METHODS if name not in methods and name not in ("fit", "fit_exact")]
+    num_rounds = {"fit": None, "fit_exact": None, "sfvi": rounds, "sfvi_avg": avg_rounds, "ep": ep_rounds,
+                  "pvi": pvi_rounds,
                   "fed_nuts": None}
     draws, comm, flagged, checks = _fit_all(fits, num_rounds, clients, seed, say, quiet)
     if "sfvi_avg" in comm:
@@ -126,6 +129,7 @@ def _methods(rounds, local_steps, ep_tilted, ep_draws, pvi_steps, nuts_warmup, n
                    schedule="sequential"),
         "fed_nuts": FederatedNUTS(logistic_glmm, num_warmup=nuts_warmup, num_samples=nuts_samples),
         "fit": None,  # nf.fit: a function, not an inference object
+        "fit_exact": None,
     }
 
 
@@ -135,11 +139,15 @@ def _fit_all(fits, num_rounds, clients, seed, say=print, quiet=False):
     draws, comm, flagged, checks = {}, {}, {}, {}
     for name, method in fits.items():
         label, what = METHODS[name]
-        if name == "fit":  # nf.fit: the ladder says which rung answered
+        if name in ("fit", "fit_exact"):  # nf.fit: the ladder says which rung answered
             say(f"\n{label} ({what}):", flush=True)
-            res, seconds, flagged[name] = _timed(lambda: fit(logistic_glmm, clients, key, progress_bar=not quiet))
+            res, seconds, flagged[name] = _timed(lambda: fit(logistic_glmm, clients, key, exact=name == "fit_exact",
+                                                             progress_bar=not quiet))
             draws[name] = _flatten(res.get_samples(num_samples=4000))
             comm[name] = dict(rounds=res.rounds, bytes_up=res.bytes_up, bytes_down=res.bytes_down, seconds=seconds)
+            if isinstance(res.check, dict):  # a sampler: its rounds per effective sample (worst global scalar)
+                comm[name]["per_draw"] = dict(min_ess=res.check["min_n_eff"],
+                                              rounds_per_ess=res.rounds / res.check["min_n_eff"])
             checks[name] = f"{res.method}: " + "; ".join(res.log)
             continue
         rounds = "until every draw is in" if method.open_ended else f"{num_rounds[name]} rounds"
@@ -189,6 +197,11 @@ def _report(say, fits, draws, d_nuts, comm, flagged, checks, ep_tilted, left_out
         say(f"  {METHODS[name][0]:>8}: {c['rounds']:5d} rounds, {c['bytes_up'] / 1e3:8.1f} kB up, "
             f"{c['bytes_down'] / 1e3:8.1f} kB down, {c['seconds']:5.1f} s, max |z| {closest[name]:.2f}"
             f", fit check: {checks[name]}{'  (warned, see below)' if flagged[name] else ''}")
+    for name in ("fit_exact", "fit"):
+        if "per_draw" in comm.get(name, {}):
+            per = comm[name]["per_draw"]
+            say(f"  {'':>8}  {METHODS[name][0]}: {per['rounds_per_ess']:.1f} rounds per effective sample (ESS "
+                f"{per['min_ess']:.0f}, the Laplace start and warmup included)")
     if "fed_nuts" in comm:
         per = comm["fed_nuts"]["per_draw"]
         say(f"  {'':>8}  fed. NUTS: {per['rounds_per_draw']:.1f} rounds and {per['bytes_per_draw'] / 1e3:.1f} kB per "
@@ -234,7 +247,7 @@ def _plot(path, draws, d_nuts):
     fig, axes = plt.subplots(2, 3, figsize=(11, 6.5))
     styles = {"sfvi": ("tab:blue", "-"), "sfvi_avg": ("tab:orange", "--"), "ep": ("tab:green", "-"),
               "pvi": ("tab:red", ":"), "fed_nuts": ("tab:purple", "-."),
-              "fit": ("black", "-")}
+              "fit": ("black", "-"), "fit_exact": ("tab:brown", "--")}
     for ax, p in zip(axes.flat, PARAMS):
         everything = [d_nuts[p]] + [d[p] for d in draws.values()]
         lo, hi = np.percentile(np.concatenate(everything), [0.2, 99.8])

@@ -14,13 +14,19 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    accepted when its Pareto k is at most :data:`CORRECT_K` and its ESS at least
    :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`. Over a network backend (Flower) both checks
    run on the clients, each computing its own term on its own node.
-3. Otherwise **exact federated NUTS**, started at the Laplace mode and preconditioned by the
-   Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L L^T`` the covariance: a
-   dense mass matrix, so a posterior whose sites are strongly correlated costs no more trees
-   than an independent one); ``num_warmup`` defaults to :data:`WARM_WARMUP` instead of
-   NumPyro's 500.
+3. Otherwise **exact federated Metropolis-within-Gibbs** (:mod:`~numpyro_fed.mcmc.mwg_algorithm`):
+   one round per iteration, :data:`MWG_CHAINS` chains side by side, started at the Laplace mode
+   and proposing by its covariance, every move corrected by an exact Metropolis-Hastings test,
+   the local latents moved on their clients; :data:`MWG_WARMUP` warmup rounds. Kept unless its
+   chains disagree (split R-hat above 1.05) or barely move (acceptance under 5 %).
+4. Otherwise (or where the Laplace search found no mode on a proper posterior) **exact
+   federated NUTS**, started at the Laplace mode (or the search's last point) and
+   preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
+   L^T`` the covariance: a dense mass matrix); ``num_warmup`` defaults to :data:`WARM_WARMUP`
+   instead of NumPyro's 500. It pays one round per leapfrog step.
 
-``exact=True`` goes straight to federated NUTS (cold: NumPyro's defaults).
+``exact=True`` skips the Laplace checks: the Laplace search only finds the samplers' start, and
+the answer is rung 3's (or 4's).
 
 What was tried, in order, and why the ladder moved on is in :attr:`Fit.log`.
 """
@@ -36,7 +42,8 @@ import numpy as np
 
 from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
 
-__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "WARM_WARMUP", "WIDEN", "fit"]
+__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_WARMUP",
+           "WARM_WARMUP", "WIDEN", "fit"]
 
 ACCEPT_K = 0.7
 """The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most
@@ -52,6 +59,12 @@ WIDEN = 1.5
 """The widened check draws from ``q`` with its sd times this."""
 WARM_WARMUP = 300
 """Warmup iterations of federated NUTS started from the Laplace fit."""
+MWG_WARMUP = 200
+"""Warmup iterations (rounds) of federated Metropolis-within-Gibbs started from the Laplace fit."""
+RUNG_KEYS = {"laplace": 0, "mwg": 1, "nuts": 2}
+"""Each rung runs with ``fold_in(rng_key, RUNG_KEYS[rung])``."""
+MWG_CHAINS = 4
+"""Chains of federated Metropolis-within-Gibbs (side by side: one round carries every chain's move)."""
 
 
 _NETWORK_CLIENT = (
@@ -72,14 +85,15 @@ class Fit:
     """What :func:`fit` returns.
 
     Attributes:
-        method: ``"laplace"``, ``"laplace (importance-corrected)"`` or ``"nuts"``: the rung
-            whose answer this is.
+        method: ``"laplace"``, ``"laplace (importance-corrected)"``, ``"mwg"`` or ``"nuts"``: the
+            rung whose answer this is.
         inference: the fitted inference object of that rung; ``result``: its
             :class:`~numpyro_fed.RunResult`.
         rounds, bytes: communication rounds and bytes (both ways) of every rung tried;
             ``bytes_up``, ``bytes_down``: each way.
         check: the accepted rung's check: a :class:`~numpyro_fed.FitDiagnostic` (Laplace), or
-            for NUTS ``{"divergences", "min_n_eff", "max_r_hat"}`` over the global scalars.
+            for the samplers ``{"acceptance" (MwG) / "divergences" (NUTS), "min_n_eff",
+            "max_r_hat"}`` over the global scalars.
         log: what was tried, in order, and why the ladder moved on.
         results: the :class:`~numpyro_fed.RunResult` of every rung that ran, in order (each
             with its own transcript when run with ``record_transcript=True``).
@@ -106,7 +120,8 @@ class Fit:
         that client's local sites at the same draws as well, computed by the client on its
         own rows (in a deployment, on that client).
 
-        For NUTS: the chains' draws (``num_samples`` ignored); for Laplace: ``num_samples``
+        For the samplers: the chains' draws (``num_samples`` ignored; a client's local draws
+        are those its chain recorded); for Laplace: ``num_samples``
         (default: ``fit``'s) draws of the Gaussian, or of the importance-corrected draws. A
         client's local draws under an importance-corrected fit are drawn at draws of the
         Laplace Gaussian (the client's Laplace approximation of its locals given each), not at
@@ -115,7 +130,7 @@ class Fit:
         key = jax.random.PRNGKey(1) if rng_key is None else rng_key
         if client is not None and self._clients is None:
             raise ValueError(_NETWORK_CLIENT.format(client=client))
-        if self.method == "nuts":
+        if self.method in ("nuts", "mwg"):
             return self.inference.get_samples(self.result, client=client)
         if client is not None:
             if self._corrected:
@@ -131,7 +146,7 @@ class Fit:
         if self._idata is None:
             from .arviz import to_arviz
 
-            extra = {} if self.method == "nuts" else {"num_samples": max(1, self._num_samples // 4),
+            extra = {} if self.method in ("nuts", "mwg") else {"num_samples": max(1, self._num_samples // 4),
                                                        "corrected": self._corrected}
             self._idata = to_arviz(self.inference, self.result, jax.random.PRNGKey(2), clients=self._clients, **extra)
         return self._idata
@@ -159,25 +174,30 @@ def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the sear
 
 
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
-        num_warmup: Optional[int] = None, num_chains: int = 1, model_kwargs: Optional[dict] = None,
+        num_warmup: Optional[int] = None, num_chains: Optional[int] = None, model_kwargs: Optional[dict] = None,
         row_plate: Optional[str] = None, client_mapping: str = "auto", progress_bar: Optional[bool] = None,
         **run_options: Any) -> Fit:
     """Fit ``model`` to the federation ``clients``: the posterior of its global sites, checked.
 
-    Tries the Laplace approximation (a few Newton rounds), keeps it when the fit check passes,
-    and otherwise runs exact federated NUTS started from it (see :mod:`numpyro_fed.ladder` for
-    the thresholds). ``fit(model, clients, key, **options)`` is ``Ladder(model,
-    **options).run(key, clients)``; over Flower, a task whose ``make_inference`` returns a
-    :class:`Ladder` runs the same ladder, every rung over the network (``docs/flower.md``).
+    Tries the Laplace approximation (a few Newton rounds), keeps it when the fit checks pass,
+    and otherwise samples the pooled posterior exactly, started from it: federated
+    Metropolis-within-Gibbs (one round per iteration), and federated NUTS where that fails its
+    mixing check or there is no mode (see :mod:`numpyro_fed.ladder` for the thresholds).
+    ``fit(model, clients, key, **options)`` is ``Ladder(model, **options).run(key, clients)``;
+    over Flower, a task whose ``make_inference`` returns a :class:`Ladder` runs the same
+    ladder, every rung over the network (``docs/flower.md``).
 
     Args:
         model: a NumPyro model, annotated as for any family (``nf.local_site``, ``nf.group_plate``).
         clients: the :class:`~numpyro_fed.Clients`.
         rng_key: the key every rung's keys derive from.
-        exact: go straight to federated NUTS (exact up to Monte Carlo error).
-        num_samples: draws kept (NUTS: per chain; Laplace: draws of :meth:`Fit.get_samples`).
-        num_warmup: NUTS warmup (default: 500 cold, :data:`WARM_WARMUP` from the Laplace fit).
-        num_chains: NUTS chains.
+        exact: skip the Laplace checks: the answer is an exact sampler's (exact up to Monte
+            Carlo error), started from the Laplace search.
+        num_samples: draws kept (the samplers: per chain; Laplace: draws of :meth:`Fit.get_samples`).
+        num_warmup: the samplers' warmup (default: :data:`MWG_WARMUP` for Metropolis-within-Gibbs;
+            for NUTS :data:`WARM_WARMUP` from the Laplace fit, 500 from no mode).
+        num_chains: the samplers' chains (default: :data:`MWG_CHAINS` for
+            Metropolis-within-Gibbs, whose chains share each round; 1 for NUTS).
         model_kwargs, row_plate, client_mapping: as every family's.
         progress_bar: show each rung's progress (default: the families' default, on).
         **run_options: the backend's run options (``backend``, ``record_transcript``,
@@ -226,20 +246,28 @@ class Ladder:
     open_ended = True
 
     def __init__(self, model: Callable, *, exact: bool = False, num_samples: int = 1000,
-                 num_warmup: Optional[int] = None, num_chains: int = 1, model_kwargs: Optional[dict] = None,
+                 num_warmup: Optional[int] = None, num_chains: Optional[int] = None,
+                 model_kwargs: Optional[dict] = None,
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
                  progress_bar: Optional[bool] = None) -> None:
         self.model, self.exact = model, bool(exact)
-        self.num_samples, self.num_warmup, self.num_chains = int(num_samples), num_warmup, int(num_chains)
+        self.num_samples, self.num_warmup = int(num_samples), num_warmup
+        self.num_chains = None if num_chains is None else int(num_chains)
         self.model_kwargs, self.row_plate, self.client_mapping = dict(model_kwargs or {}), row_plate, client_mapping
         self.progress_bar = progress_bar
 
     # ------------------------------------------------------------------ rungs
     @staticmethod
-    def stage(rung: str, warm: Optional[tuple] = None) -> str:
-        """The text naming a rung: ``"laplace"``, or ``"nuts"`` with the ``(mean, cov)`` of
-        the unconstrained global sites it starts from and is preconditioned by (``None``: cold)."""
-        spec: Dict[str, Any] = {"rung": rung}
+    def stage(rung: str, warm: Optional[tuple] = None, check: bool = True) -> str:
+        """The text naming a rung: ``"laplace"`` (``check``: with its two fit checks), or
+        ``"mwg"`` / ``"nuts"`` with the ``(mean, cov)`` of the unconstrained global sites the
+        chains start from and propose by (``mwg``: needed) or are preconditioned by (``nuts``;
+        ``None``: cold); and ``"key"``, the number the rung's key folds into the ladder's
+        (:data:`RUNG_KEYS`: a seeded Flower node derives its own key for the rung as the
+        simulation does)."""
+        spec: Dict[str, Any] = {"rung": rung, "key": RUNG_KEYS.get(rung, 0)}
+        if rung == "laplace" and not check:
+            spec["check"] = False
         if warm is not None:
             spec["mean"], spec["cov"] = (np.asarray(a, np.float64).tolist() for a in warm)
         return json.dumps(spec)
@@ -248,21 +276,32 @@ class Ladder:
         """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first)."""
         from .factor import Laplace
         from .mcmc import FederatedNUTS
+        from .mcmc.mwg_inference import FederatedMwG
 
-        spec = json.loads(stage) if stage else {"rung": "nuts" if self.exact else "laplace"}
+        spec = json.loads(stage) if stage else {"rung": "laplace", **({"check": False} if self.exact else {})}
         common = dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping)
+        warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
         if spec["rung"] == "laplace":
-            inference = Laplace(self.model, widen=WIDEN, **common)
-            inference.check_draws = CORRECT_DRAWS  # both checks: one compiled program
+            if spec.get("check", True):
+                inference = Laplace(self.model, widen=WIDEN, **common)
+                inference.check_draws = CORRECT_DRAWS  # both checks: one compiled program
+            else:  # the exact rungs' start: the mode and covariance only
+                inference = Laplace(self.model, check_fit=False, **common)
+        elif spec["rung"] == "mwg":
+            if warm is None:
+                raise ValueError("Ladder.rung: the 'mwg' rung starts from a (mean, cov): Ladder.stage('mwg', warm)")
+            warmup = MWG_WARMUP if self.num_warmup is None else self.num_warmup
+            inference = FederatedMwG(self.model, num_warmup=warmup, num_samples=self.num_samples,
+                                     num_chains=MWG_CHAINS if self.num_chains is None else self.num_chains,
+                                     init=warm, **common)
         elif spec["rung"] == "nuts":
-            warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
             warmup = (WARM_WARMUP if warm is not None else 500) if self.num_warmup is None else self.num_warmup
             inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=self.num_samples,
-                                      num_chains=self.num_chains, **common)
+                                      num_chains=1 if self.num_chains is None else self.num_chains, **common)
             if warm is not None:
                 inference._warm_start = warm
         else:
-            raise ValueError(f"Ladder.rung: no rung {spec['rung']!r} (its rungs: 'laplace', 'nuts')")
+            raise ValueError(f"Ladder.rung: no rung {spec['rung']!r} (its rungs: 'laplace', 'mwg', 'nuts')")
         if self.progress_bar is not None:
             inference.progress_bar = bool(self.progress_bar)
         return inference
@@ -284,48 +323,64 @@ class Ladder:
         results: List[Any] = []
         rounds, bytes_ = 0, (0, 0)
         warm = None
-        k_laplace, k_nuts = jax.random.split(rng_key)
+        k_laplace, k_mwg, k_nuts = (jax.random.fold_in(rng_key, RUNG_KEYS[r]) for r in ("laplace", "mwg", "nuts"))
 
         def announce(stage: str) -> None:  # a network backend's clients build the same rung
             if network:
                 backend.stage = stage
 
-        if not self.exact:
-            stage = self.stage("laplace")
-            announce(stage)
-            laplace = self.rung(stage)
-            try:
-                with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
-                    warnings.filterwarnings("ignore", category=FitWarning)
-                    result = laplace.run(k_laplace, clients, **run_options)
-            except NoModeError as err:
-                if err.improper:
-                    raise
-                warm = err.last
-                rounds, bytes_ = int(err.communication.rounds), _bytes(err)
-                log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
-                           + (", preconditioned by the curvature at the last point" if warm is not None else ""))
+        stage = self.stage("laplace", check=not self.exact)
+        announce(stage)
+        laplace = self.rung(stage)
+        mode = False
+        try:
+            with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
+                warnings.filterwarnings("ignore", category=FitWarning)
+                result = laplace.run(k_laplace, clients, **run_options)
+        except NoModeError as err:
+            if err.improper:
+                raise
+            warm = err.last
+            rounds, bytes_ = int(err.communication.rounds), _bytes(err)
+            log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
+                       + (", preconditioned by the curvature at the last point" if warm is not None else ""))
+        else:
+            results.append(result)
+            rounds, bytes_ = int(result.communication.rounds), _bytes(result)
+            warm, mode = tuple(np.asarray(result.params[k]) for k in ("mean", "cov")), True
+            if self.exact:
+                log.append(f"laplace: {rounds} rounds; mode found (the exact sampler's start)")
             else:
-                results.append(result)
-                rounds, bytes_ = int(result.communication.rounds), _bytes(result)
-                warm = tuple(np.asarray(result.params[k]) for k in ("mean", "cov"))
                 accepted = _judge(laplace, result, log)
                 if accepted is not None:
                     method, answer, check, corrected = accepted
                     return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
                                num_samples=self.num_samples, clients=None if network else clients, results=results)
-                log.append("moving to federated NUTS, started at the Laplace mode, preconditioned by its covariance")
-        stage = self.stage("nuts", warm)
-        announce(stage)
-        nuts = self.rung(stage)
-        result = nuts.run(k_nuts, clients, **run_options)
-        results.append(result)
-        rounds = rounds + int(result.communication.rounds)
-        bytes_ = tuple(a + b for a, b in zip(bytes_, _bytes(result)))
-        check = _mcmc_check(nuts, result)
-        log.append(f"nuts: {int(result.communication.rounds)} rounds; " + _check_text(check))
-        return Fit("nuts", nuts, result, rounds, bytes_, check, log, num_samples=self.num_samples,
-                   clients=None if network else clients, results=results)
+            log.append("moving to federated Metropolis-within-Gibbs, started at the Laplace mode, proposing by its "
+                       "covariance")
+        done = {"rounds": rounds, "bytes": bytes_}
+        samplers = (("mwg", warm), ("nuts", warm)) if mode else (("nuts", warm),)
+        for rung, start in samplers:
+            stage = self.stage(rung, start)
+            announce(stage)
+            sampler = self.rung(stage)
+            with warnings.catch_warnings(record=True) as caught:  # the ladder acts on MwG's mixing itself
+                warnings.simplefilter("always")
+                result = sampler.run(k_nuts if rung == "nuts" else k_mwg, clients, **run_options)
+            results.append(result)
+            done["rounds"] += int(result.communication.rounds)
+            done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], _bytes(result)))
+            check = _mcmc_check(sampler, result)
+            log.append(f"{rung}: {int(result.communication.rounds)} rounds; " + _check_text(check))
+            if rung == "mwg" and not _mixed(check):
+                log.append("mwg: the chains did not converge (split R-hat above "
+                           f"{_r_hat_limit()}) or barely moved: moving to federated NUTS")
+                continue
+            for w in caught:  # the answer's own warnings reach the caller
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
+                       num_samples=self.num_samples, clients=None if network else clients, results=results)
+        raise AssertionError("unreachable: the last rung returns")
 
 
 def _judge(laplace, result, log: List[str]):
@@ -378,13 +433,32 @@ def _disagreeing(check, wide) -> List[str]:
     return out
 
 
-def _mcmc_check(nuts, result) -> Dict[str, float]:
+def _mcmc_check(sampler, result) -> Dict[str, float]:
+    """The chains' check over the global scalars: ``{"divergences" (NUTS) / "acceptance"
+    (MwG), "min_n_eff", "max_r_hat"}``."""
     from numpyro.diagnostics import summary as numpyro_summary
 
-    draws = {k: np.asarray(v) for k, v in nuts.get_samples(result, group_by_chain=True).items()}
+    if hasattr(sampler, "mixing"):  # Metropolis-within-Gibbs
+        report = sampler.mixing(result)
+        return {"acceptance": report["acceptance"], "min_n_eff": report["min_n_eff"],
+                "max_r_hat": report["max_r_hat"]}
+    draws = {k: np.asarray(v) for k, v in sampler.get_samples(result, group_by_chain=True).items()}
     stats = numpyro_summary(draws, group_by_chain=True)
     n_eff = min(float(np.min(s["n_eff"])) for s in stats.values())
     r_hat = max(float(np.nanmax(s["r_hat"])) for s in stats.values())
-    return {"divergences": float(nuts.sample_stats(result)["diverging"].sum()), "min_n_eff": n_eff,
+    return {"divergences": float(sampler.sample_stats(result)["diverging"].sum()), "min_n_eff": n_eff,
             "max_r_hat": r_hat}
 
+
+def _r_hat_limit() -> float:
+    from .mcmc.mwg_inference import R_HAT_LIMIT
+
+    return R_HAT_LIMIT
+
+
+def _mixed(check: Dict[str, float]) -> bool:
+    """MwG's chains are kept unless they disagree (split R-hat) or barely moved; a low ESS
+    alone is kept (and warned of): NUTS would pay more rounds for the same draws."""
+    from .mcmc.mwg_inference import LOW_ACCEPT
+
+    return check["max_r_hat"] <= _r_hat_limit() and check["acceptance"] >= LOW_ACCEPT

@@ -27,7 +27,7 @@ def _is_fit(obj) -> bool:
 def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray]:
     """``{site: (chains, draws, ...)}``: MCMC's own chains, or one chain of the family's draws."""
     if _is_fit(inference):  # nf.fit's answer: its accepted rung's draws
-        if inference.method == "nuts":
+        if inference.method in _SAMPLERS:
             return _draws(inference.inference, inference.result, num_samples, rng_key)
         return {k: np.asarray(v)[None] for k, v in inference.get_samples(num_samples=num_samples,
                                                                         rng_key=rng_key).items()}
@@ -39,6 +39,9 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     draws = inference.sample_posterior(key, result, num_samples)
     return {k: np.asarray(v)[None] for k, v in draws.items()}
+
+
+_SAMPLERS = ("nuts", "mwg")  # nf.fit's exact rungs: chains, with n_eff and r_hat
 
 
 def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_samples: int = 1000,
@@ -57,7 +60,7 @@ def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_sample
 
     draws = _draws(inference, result, num_samples, rng_key)
     stats = numpyro_summary(draws, prob=prob, group_by_chain=True)
-    mcmc = inference.method == "nuts" if _is_fit(inference) else hasattr(inference, "get_samples")
+    mcmc = inference.method in _SAMPLERS if _is_fit(inference) else hasattr(inference, "get_samples")
     if not mcmc:  # iid draws of q: ESS and R-hat say nothing about the fit
         stats = {k: {s: v for s, v in d.items() if s not in ("n_eff", "r_hat")} for k, d in stats.items()}
     return stats
@@ -66,7 +69,7 @@ def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_sample
 def _check_line(inference, result) -> str:
     if _is_fit(inference):
         return f"{inference.method}, {inference.rounds} rounds; " + (
-            _verdict_text(inference.check) if inference.method != "nuts" else "")
+            _verdict_text(inference.check) if inference.method not in _SAMPLERS else "")
     if hasattr(inference, "get_samples"):
         return ""
     diagnose = getattr(inference, "diagnose", None)

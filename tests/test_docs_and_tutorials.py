@@ -96,7 +96,7 @@ def test_cli_help_and_small_demo(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "beta0" in run.stdout and (tmp_path / "p.png").exists()
     out = json.loads((tmp_path / "o.json").read_text())
-    assert set(out["max_abs_z"]) == {"fit", "sfvi", "sfvi_avg", "ep", "pvi", "fed_nuts"}
+    assert set(out["max_abs_z"]) == {"fit", "fit_exact", "sfvi", "sfvi_avg", "ep", "pvi", "fed_nuts"}
     assert "closest to NUTS" in run.stdout
     assert out["left_out"] == [] and "Left out" not in run.stdout
     assert out["communication"]["ep"]["rounds"] == 2 and out["communication"]["pvi"]["rounds"] == 2
@@ -107,12 +107,16 @@ def test_cli_help_and_small_demo(tmp_path):
 def test_the_default_demo_runs_ep_and_names_what_it_leaves_out_with_the_reason(capsys):
     """The demo shows a method only where it is right on this model; SFVI, SFVI-Avg and PVI
     (Gaussian VI, biased for omega on the GLMM even centralised) are named with the reason.
-    nf.fit, the recommended call, runs first, then exact federated NUTS and EP."""
+    nf.fit, the recommended call, runs first, then nf.fit(..., exact=True) (exact federated
+    Metropolis-within-Gibbs), exact federated NUTS and EP."""
     from numpyro_fed.demo import run_demo
 
     out = run_demo(ep_rounds=2, ep_draws=20, nuts_warmup=20, nuts_samples=20, plot="")
     printed = capsys.readouterr().out
-    assert set(out["max_abs_z"]) == {"fit", "ep", "fed_nuts"} and out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
+    assert set(out["max_abs_z"]) == {"fit", "fit_exact", "ep", "fed_nuts"}
+    assert out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
+    assert out["checks"]["fit_exact"].startswith("mwg")
+    assert out["communication"]["fit_exact"]["per_draw"]["rounds_per_ess"] > 0
     assert out["checks"]["fit"].startswith(("laplace", "nuts")) and "laplace:" in out["checks"]["fit"]
     assert "Left out by default: SFVI, SFVI-Avg, PVI" in printed and "AutoMultivariateNormal" in printed
     # the demo's EP runs at its defaults (block Laplace, importance-corrected), so q is checked
@@ -138,3 +142,6 @@ def test_the_demo_at_its_defaults_does_not_warn(capsys):
     assert "warned" not in printed
     assert max(out["max_abs_z"].values()) < 0.3, out["max_abs_z"]
     assert printed.index("fed. NUTS (exact federated NUTS") < printed.index("EP (expectation propagation")
+    # the exact sampler's rounds per effective sample are printed next to federated NUTS's
+    assert out["communication"]["fit_exact"]["per_draw"]["rounds_per_ess"] < 3
+    assert "nf.fit exact:" in printed and "rounds per effective sample" in printed

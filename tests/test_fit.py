@@ -131,7 +131,10 @@ def test_fit_of_a_logistic_glmm_matches_nuts_on_the_pooled_data():
     assert local["z"].shape[0] == 50
 
 
-def test_fit_falls_back_to_federated_nuts_started_from_the_laplace_fit_when_its_check_fails():
+def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check_fails():
+    """Eight schools: the Laplace fit fails its checks, and the answer is exact federated
+    Metropolis-within-Gibbs started at its mode (4 chains side by side, one round per iteration),
+    its chains mixed; no fit warning leaks (the ladder acts on the checks)."""
     # eight schools, non-centred, one school per client: the posterior of log tau is far from Gaussian
     y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
     sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
@@ -148,16 +151,41 @@ def test_fit_falls_back_to_federated_nuts_started_from_the_laplace_fit_when_its_
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.FitWarning)  # the ladder acts on the check: no fit warning leaks
         fit = nf.fit(model, clients, jax.random.PRNGKey(0), num_samples=300, num_warmup=150, progress_bar=False)
-    assert fit.method == "nuts" and fit.log[0].startswith("laplace") and fit.log[-1].startswith("nuts"), fit.log
-    assert fit.inference._warm_start[0] is not None  # the chain started at the Laplace mode
-    assert fit.get_samples()["tau"].shape == (300,) and set(fit.check) == {"divergences", "min_n_eff", "max_r_hat"}
+    assert fit.method == "mwg" and fit.log[0].startswith("laplace") and fit.log[-1].startswith("mwg"), fit.log
+    laplace = fit.results[0]
+    np.testing.assert_array_equal(fit.inference.init[0], np.asarray(laplace.params["mean"]))  # started at its mode
+    assert fit.rounds == int(laplace.communication.rounds) + 150 + 300 + 1
+    assert fit.get_samples()["tau"].shape == (4 * 300,) and set(fit.check) == {"acceptance", "min_n_eff", "max_r_hat"}
+    assert fit.check["max_r_hat"] <= 1.05 and fit.check["min_n_eff"] >= 100
+    assert fit.get_samples(client="3")["eta"].shape == (4 * 300,)  # school 3's own effect, from its chain
 
 
-def test_exact_goes_straight_to_federated_nuts():
+def test_exact_samples_by_mwg_from_the_laplace_search_without_its_checks():
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
-                 num_samples=100, num_warmup=100, progress_bar=False)
-    assert fit.method == "nuts" and len(fit.log) == 1 and fit.inference._warm_start == (None, None)
+                 num_samples=300, num_warmup=100, progress_bar=False)
+    assert fit.method == "mwg" and "mode found" in fit.log[0] and fit.results[0].params["mean"] is not None
+    assert fit.results[0].communication.rounds == fit.rounds - 401  # the search's rounds: no check round
     assert "log_likelihood" in fit.idata.groups() and "r_hat" in nf.summary(fit)["a"]
+
+
+@pytest.mark.parametrize("report", [{"max_r_hat": 1.2, "acceptance": 0.4}, {"max_r_hat": 1.0, "acceptance": 0.01}])
+def test_the_ladder_moves_from_mwg_to_nuts_when_mwgs_chains_disagree_or_stick(monkeypatch, report):
+    """Where Metropolis-within-Gibbs's chains disagree (split R-hat above 1.05) or barely move
+    (under 5 % accepted), the ladder runs federated NUTS from the Laplace fit, saying why in its
+    log, and MwG's own warnings do not reach the caller (the ladder acted on them). MwG's
+    diagnostics are set to fail here (the chains themselves mix on this model): the rule is what
+    is tested; the diagnostics themselves are tested in tests/test_mwg.py."""
+    from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+
+    real = FederatedMwG.mixing
+    monkeypatch.setattr(FederatedMwG, "mixing", lambda self, result: {**real(self, result), **report})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nf.FitWarning)
+        fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
+                     num_warmup=50, num_samples=50, progress_bar=False)
+    assert [line.split(":")[0] for line in fit.log if ": " in line and "rounds" in line] == ["laplace", "mwg", "nuts"]
+    assert any("did not converge" in line for line in fit.log) and fit.method == "nuts", fit.log
+    assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
 
 
 # ---- the families' defaults ----
@@ -277,7 +305,14 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     assert ladder.rung(Ladder.stage("nuts")).num_warmup == 500
     first = ladder.rung()
     assert isinstance(first, nf.factor.Laplace) and first.widen == WIDEN
-    assert isinstance(Ladder(ladder.model, exact=True).rung(), nf.FederatedNUTS)
+    exact = Ladder(ladder.model, exact=True).rung()
+    assert isinstance(exact, nf.factor.Laplace) and not exact.check_fit  # the samplers' start only
+    mwg = ladder.rung(Ladder.stage("mwg", (mean, cov)))
+    assert mwg.num_samples == 50 and mwg.num_chains == 4 and mwg.num_warmup == 200
+    np.testing.assert_array_equal(mwg.init[0], mean)
+    np.testing.assert_array_equal(mwg.init[1], cov)
+    with pytest.raises(ValueError, match="starts from a"):
+        ladder.rung(Ladder.stage("mwg"))
     with pytest.raises(ValueError, match="no rung 'pvi'"):
         ladder.rung('{"rung": "pvi"}')
     with pytest.raises(ValueError, match="checkpoint="):

@@ -237,7 +237,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             own = local
             if local.size:  # a client with fewer local entries than the largest (unpadded, one by one)
                 own = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
-            values, real = _own_entries(local, own, v, data)
+            values, real = own_entries(local, own, v, data)
             lp = log_joint(self.model, data.args, self.model_kwargs, {**layout.unravel(u), **values}, {}, count,
                            structure.row_plate, data.row_mask)
             return lp - 0.5 * jnp.sum((1.0 - real) * v**2)  # padded local entries: a proper N(0, 1)
@@ -587,7 +587,7 @@ def _largest_layout(layouts) -> SiteLayout:
     return make_layout([(n, s, a, g, p) for n, s, a, g, p in zip(first.names, shapes, first.row_axes, groups, plates)])
 
 
-def _own_entries(local: SiteLayout, own: SiteLayout, v, data):
+def own_entries(local: SiteLayout, own: SiteLayout, v, data):
     """A client's own local values cut from the flat ``v`` of the largest layout, and the mask
     (in ``v``'s layout) of its real entries (1) against padding (0)."""
     full = local.unravel(v)

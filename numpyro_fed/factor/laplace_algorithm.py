@@ -35,7 +35,14 @@ import jax.numpy as jnp
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from .gaussian import NaturalGaussian
-from .tilted import TiltedProblem, integrated_derivatives, integrated_laplace, integrated_value, newton_direction
+from .tilted import (
+    TiltedProblem,
+    inner_mode,
+    integrated_derivatives,
+    integrated_laplace,
+    integrated_value,
+    newton_direction,
+)
 
 __all__ = ["LaplaceClientState", "LaplaceInfo", "LaplaceServerState", "federated_laplace"]
 
@@ -70,12 +77,35 @@ class LaplaceInfo(NamedTuple):
     answered: jax.Array
 
 
+def _inner_start(problem: TiltedProblem, u, v_warm):
+    """Where the client's inner search at ``u`` starts: its last inner mode (the warm start) or
+    the fixed cold start (zeros), whichever the inner Newton steps from it take higher.
+
+    The last inner mode is that of the last point evaluated, which may be a proposal the server
+    then rejected: a full Newton step along a weakly curved direction can land far out, where a
+    client's locals go to thousands; warm-started from there, the inner search does not come back
+    in its steps, every later point's value is too low (or not finite) and the server halves its
+    step forever. The cold start bounds that damage to one round."""
+    if problem.num_local == 0:
+        return v_warm
+
+    def neg(x):
+        return -problem.tilted(jnp.concatenate([u, x]))
+
+    warm = inner_mode(neg, v_warm, problem.inner_steps, problem.index)
+    cold = inner_mode(neg, jnp.zeros_like(v_warm), problem.inner_steps, problem.index)
+    f_warm, f_cold = -neg(warm), -neg(cold)
+    keep = jnp.all(jnp.isfinite(warm)) & jnp.isfinite(f_warm) & ~(f_cold > f_warm)
+    return jnp.where(keep, warm, cold)
+
+
 def _client_step(rng_key, state: LaplaceClientState, broadcast: Broadcast, data, *, problem_of: Callable):
     del rng_key
     problem = problem_of(data)
     u = broadcast.shared["u"]
-    value = integrated_value(problem, u, state.v)
-    grad, hess, dec, v, _ = integrated_derivatives(problem, u, state.v)
+    start = _inner_start(problem, u, state.v)
+    value = integrated_value(problem, u, start)
+    grad, hess, dec, v, _ = integrated_derivatives(problem, u, start)
     ok = jnp.isfinite(value) & jnp.all(jnp.isfinite(grad)) & jnp.all(jnp.isfinite(hess))
     v = jnp.where(jnp.all(jnp.isfinite(v)), v, state.v)
     # a point where the term is not finite is sent as zeros with ok=False (the server halves its step)

@@ -132,7 +132,7 @@ class Laplace(FactorInference):
         from ..backends.mapping import client_data
 
         self._blocks = propose_blocks(terms.local) if self.local_blocks else None
-        start = prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout)
+        start = prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout, exact=True)
         return federated_laplace(terms.log_prior, terms.log_joint, num_clients, start, num_local=terms.num_local,
                                  blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol)
 

@@ -42,7 +42,7 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Any, Dict, NamedTuple
+from typing import Any, Dict, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -87,12 +87,17 @@ _BUILT: Dict[tuple, _Built] = {}  # (run id, set-up text) -> what this process r
 _LIVE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_live_slot", default=None)
 
 
-def client_key(node_config, index: int, num_clients: int) -> jax.Array:
+def client_key(node_config, index: int, num_clients: int, fold: Optional[int] = None) -> jax.Array:
     """This client's own key: from local entropy, or (with ``numpyro-fed-seed`` in the
     node config) as ``SimulationBackend.init`` derives client ``index``'s key from that
-    run seed, so that a Flower run can be checked against the simulation."""
+    run seed, so that a Flower run can be checked against the simulation. ``fold``: the run is
+    a rung of ``nf.fit``'s ladder, run with the ladder's key folded with this number
+    (:meth:`numpyro_fed.ladder.Ladder.stage`'s ``"key"``)."""
     if SEED_KEY in node_config:
-        k_clients = random.split(random.PRNGKey(int(node_config[SEED_KEY])), 3)[1]
+        run_key = random.PRNGKey(int(node_config[SEED_KEY]))
+        if fold is not None:
+            run_key = random.fold_in(run_key, fold)
+        k_clients = random.split(run_key, 3)[1]
         return random.split(k_clients, num_clients)[index]
     return np.frombuffer(os.urandom(8), np.uint32).copy()
 
@@ -200,7 +205,9 @@ def _setup(message, context):
     _set_up(message, context)
     built = _built(context)
     J = len(parse_template(str(message.content["nf"]["template"])).clients)
-    k_init, own = random.split(client_key(context.node_config, built.index, J))
+    stage = json.loads(str(context.state["nf.setup"]["text"])).get("stage", "")
+    fold = json.loads(stage).get("key") if stage else None  # a ladder's rung: its key's fold
+    k_init, own = random.split(client_key(context.node_config, built.index, J, fold))
     slot = ClientSlot(own, jax.jit(built.algorithm.init_client)(k_init, built.data))
     _put_slot(context, slot)
     _put_rounds(context, 0, -1)

@@ -13,12 +13,16 @@ from typing import Callable, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpyro.distributions.transforms import biject_to
 
+from .._structure import trace_model
 from .._validation import check_positive_int
+from ..backends.mapping import client_data, unpadder
 from ..factor import gaussian as G
 from ..factor.blocks import local_blocks as propose_blocks
-from ..factor.inference import FactorInference
+from ..factor.inference import FactorInference, own_entries
 from ..factor.laplace_inference import NoModeError
+from ..groups import trim_groups
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .mwg_algorithm import MwGConfig, federated_mwg
@@ -157,41 +161,113 @@ class FederatedMwG(FactorInference):
             raise RuntimeError(f"{type(self).__name__}: the run stopped after {rounds} rounds with {min(done, total)} "
                                f"of {total} iterations done (rounds a client did not answer are repeated); raise "
                                f"max_rounds")
-        accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
-        rate = float(accepted.mean()) if accepted.size else 0.0
-        self._warn_mixing(result)
-        if rate < LOW_ACCEPT:
-            warnings.warn(f"{type(self).__name__}: the kept iterations accepted {rate:.1%} of the global moves: the "
-                          f"chain barely moved and its draws are few effective samples; run FederatedNUTS, or a longer "
-                          f"warmup", UnreliableFitWarning, stacklevel=find_stack_level())
+        report = self.mixing(result)
+        if report["unmixed"]:
+            warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(report['unmixed'][:6])}: "
+                          f"their draws do not represent the posterior there; run longer (num_warmup, num_samples) "
+                          f"or use FederatedNUTS", UnreliableFitWarning, stacklevel=find_stack_level())
+        if report["acceptance"] < LOW_ACCEPT:
+            warnings.warn(f"{type(self).__name__}: the kept iterations accepted {report['acceptance']:.1%} of the "
+                          f"global moves: the chain barely moved and its draws are few effective samples; run "
+                          f"FederatedNUTS, or a longer warmup", UnreliableFitWarning, stacklevel=find_stack_level())
         return result
 
-    def _warn_mixing(self, result: RunResult) -> None:
-        """Warn, as a careful NumPyro user would check, when a global scalar's split R-hat is above
-        :data:`R_HAT_LIMIT` (several chains) or its bulk ESS below :data:`MIN_ESS`."""
+    def mixing(self, result: RunResult) -> Dict:
+        """The chains' diagnostics over the global scalars, as a careful NumPyro user would check
+        them: ``{"max_r_hat", "min_n_eff", "acceptance", "not_converged", "unmixed"}``;
+        ``not_converged`` names the scalars whose split R-hat is above :data:`R_HAT_LIMIT`
+        (several chains), ``unmixed`` those too and those whose bulk ESS is below :data:`MIN_ESS`."""
         from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
 
-        bad = []
+        unmixed, not_converged, r_hats, ess_all = [], [], [], []
         for site, x in self.get_samples(result, group_by_chain=True).items():
             x = np.asarray(x).reshape(x.shape[:2] + (-1,))
             for k in range(x.shape[-1]):
                 r_hat = float(split_gelman_rubin(x[..., k])) if x.shape[0] > 1 else 1.0
                 ess = float(effective_sample_size(x[..., k]))
+                r_hats.append(r_hat)
+                ess_all.append(ess)
+                name = f"{site}[{k}]" if x.shape[-1] > 1 else site
+                if not r_hat <= R_HAT_LIMIT:
+                    not_converged.append(name)
                 if not (r_hat <= R_HAT_LIMIT and ess >= MIN_ESS):
-                    bad.append(f"{site}[{k}] (R-hat {r_hat:.3g}, ESS {ess:.0f})" if x.shape[-1] > 1 else
-                               f"{site} (R-hat {r_hat:.3g}, ESS {ess:.0f})")
-        if bad:
-            warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(bad[:6])}: their draws do "
-                          f"not represent the posterior there; run longer (num_warmup, num_samples) or use "
-                          f"FederatedNUTS", UnreliableFitWarning, stacklevel=find_stack_level())
+                    unmixed.append(f"{name} (R-hat {r_hat:.3g}, ESS {ess:.0f})")
+        accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
+        return {"max_r_hat": max(r_hats), "min_n_eff": min(ess_all),
+                "acceptance": float(accepted.mean()) if accepted.size else 0.0,
+                "not_converged": not_converged, "unmixed": unmixed}
 
     # ------------------------------------------------------------------ API
-    def get_samples(self, result: RunResult, group_by_chain: bool = False) -> Dict[str, jax.Array]:
+    def get_samples(self, result: RunResult, group_by_chain: bool = False,
+                    client: Optional[str] = None) -> Dict[str, jax.Array]:
         """The global draws per site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
-        ``(num_chains, num_samples, ...)``)."""
+        ``(num_chains, num_samples, ...)``); with ``client``, that client's local sites at the
+        same iterations as well (the draws its chain recorded on its own node; in simulation
+        the run's client states hold them)."""
+        draws = dict(result.params)
+        if client is not None:
+            draws.update(self._client_draws(result, client))
         if group_by_chain:
-            return dict(result.params)
-        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in result.params.items()}
+            return draws
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
+
+    def sample_posterior(self, rng_key: jax.Array, result: RunResult, num_samples: Optional[int] = None,
+                         client: Optional[str] = None) -> Dict[str, jax.Array]:
+        """``num_samples`` of the chains' draws (all when ``None``), picked without replacement
+        with ``rng_key``, as the other families' ``sample_posterior``."""
+        draws = self.get_samples(result, client=client)
+        total = self.num_chains * self.num_samples
+        if num_samples is None:
+            return draws
+        num_samples = check_positive_int("num_samples", num_samples)
+        if num_samples > total:
+            raise ValueError(f"num_samples={num_samples}: the chains hold {total} draws")
+        idx = jax.random.choice(rng_key, total, (num_samples,), replace=False)
+        return {k: v[idx] for k, v in draws.items()}
+
+    def sample_stats(self, result: RunResult) -> Dict[str, np.ndarray]:
+        """Per kept iteration and chain: ``accepted`` (the global move's decision) and
+        ``proposal`` (0: independence, 1: random walk)."""
+        return {"accepted": np.asarray(result.state.server.accepted)[:, self.num_warmup:],
+                "proposal": np.asarray(result.state.server.kinds)[:, self.num_warmup:]}
+
+    def log_likelihood(self, rng_key: jax.Array, result: RunResult, num_samples: Optional[int] = None,
+                       client: Optional[str] = None) -> tuple:
+        """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows at every
+        draw of the chains (``num_samples`` is not used), at the client's own local draws: the
+        client's computation on its own rows.
+
+        Returns:
+            ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
+            (num_chains * num_samples, *site batch shape)``.
+        """
+        del num_samples
+        return self.pointwise_at(rng_key, self.get_samples(result, client=client), client)
+
+    def _client_draws(self, result: RunResult, client: str) -> Dict[str, jax.Array]:
+        """``client``'s local draws per site, constrained, ``(num_chains, num_samples, ...)``,
+        its padded rows and groups cut off."""
+        setup = self._fitted()
+        names = list(setup.plan.names)
+        if client not in names:
+            raise KeyError(f"client {client!r} is not one of the fitted clients {names}")
+        structure, local = setup.extra.structure, setup.extra.terms.local
+        if not local.size:
+            return {}
+        j = names.index(client)
+        data = client_data(setup.plan, j)
+        own = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
+        args = setup.inputs[client]
+        real = structure.local_layout(trace_model(self.model, args, self.model_kwargs))
+        cut = unpadder(own, real, int(setup.plan.num_rows[j]))
+        supports = self._supports(args)
+
+        def one(v):
+            values, _ = own_entries(local, own, v, data)
+            return {k: biject_to(supports[k])(x) for k, x in real.unravel(cut(own.ravel(values))).items()}
+
+        v = jnp.asarray(result.client_states[client].draws)
+        return trim_groups(jax.vmap(jax.vmap(one))(v), real, args)
 
     def acceptance(self, result: RunResult) -> Dict[str, float]:
         """The kept iterations' acceptance rate of the global moves, by proposal kind."""
