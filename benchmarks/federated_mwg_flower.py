@@ -4,7 +4,7 @@ Two SuperNodes on 127.0.0.1 (numpyro_fed's paced SuperNode and executor, the rou
 run's stream: ``LocalFederation``'s defaults), each holding one silo of the six-cities wheeze
 data (the demo's model, ``numpyro_fed.models.logistic_glmm``, and silos); the task is
 ``nf.ladder.Ladder(logistic_glmm, exact=True)``: the federated Laplace search, then federated
-Metropolis-within-Gibbs from its mode (4 chains x (200 + 1000) iterations, one round each).
+Metropolis-within-Gibbs from its mode (4 chains x (300 + 1000) iterations, one round each).
 
 Reported: the end-to-end wall time (the federation started, ``flwr run`` submitted, the result
 read, every process stopped), the ServerApp's run time, the rounds and the warm round's time;

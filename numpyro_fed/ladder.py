@@ -11,14 +11,17 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    reach the tails a too-narrow ``q`` never draws from). ``q`` is accepted when its own verdict is
    ``ok`` (Pareto k at most :data:`ACCEPT_K`, no biased site) and its means and sds agree with the
    widened check's weighted ones; otherwise the widened check's importance-resampled draws are
-   accepted when its Pareto k is at most :data:`CORRECT_K` and its ESS at least
-   :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`. Over a network backend (Flower) both checks
-   run on the clients, each computing its own term on its own node.
+   accepted when its Pareto k is at most :data:`CORRECT_K`, its ESS at least
+   :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`, and both checks' importance-weighted moments
+   agree (where they differ, the posterior's tails reach past what the draws see). Over a
+   network backend (Flower) both checks run on the clients, each computing its own term on its
+   own node.
 3. Otherwise **exact federated Metropolis-within-Gibbs** (:mod:`~numpyro_fed.mcmc.mwg_algorithm`):
    one round per iteration, :data:`MWG_CHAINS` chains side by side, started at the Laplace mode
    and proposing by its covariance, every move corrected by an exact Metropolis-Hastings test,
    the local latents moved on their clients; :data:`MWG_WARMUP` warmup rounds. Kept unless its
-   chains disagree (split R-hat above 1.05) or barely move (acceptance under 5 %).
+   chains disagree (split R-hat above 1.05) or barely move (acceptance under 5 %); chains short
+   of :data:`MWG_MIN_ESS` effective draws at a global scalar run on once to reach it.
 4. Otherwise (or where the Laplace search found no mode on a proper posterior) **exact
    federated NUTS**, started at the Laplace mode (or the search's last point) and
    preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
@@ -42,7 +45,8 @@ import numpy as np
 
 from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
 
-__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_WARMUP",
+__all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
+           "MWG_MIN_ESS", "MWG_WARMUP",
            "WARM_WARMUP", "WIDEN", "fit"]
 
 ACCEPT_K = 0.7
@@ -59,10 +63,15 @@ WIDEN = 1.5
 """The widened check draws from ``q`` with its sd times this."""
 WARM_WARMUP = 300
 """Warmup iterations of federated NUTS started from the Laplace fit."""
-MWG_WARMUP = 200
+MWG_WARMUP = 300
 """Warmup iterations (rounds) of federated Metropolis-within-Gibbs started from the Laplace fit."""
 RUNG_KEYS = {"laplace": 0, "mwg": 1, "nuts": 2}
 """Each rung runs with ``fold_in(rng_key, RUNG_KEYS[rung])``."""
+MWG_MIN_ESS = 400
+"""Chains of Metropolis-within-Gibbs whose worst global scalar has a smaller bulk ESS run on
+(once) to reach it: a heavy-tailed scale's sd needs that many effective draws."""
+MWG_MAX_LONGER = 8
+"""At most this many times the draws per chain when the chains run on."""
 MWG_CHAINS = 4
 """Chains of federated Metropolis-within-Gibbs (side by side: one round carries every chain's move)."""
 
@@ -258,16 +267,20 @@ class Ladder:
 
     # ------------------------------------------------------------------ rungs
     @staticmethod
-    def stage(rung: str, warm: Optional[tuple] = None, check: bool = True) -> str:
+    def stage(rung: str, warm: Optional[tuple] = None, check: bool = True,
+              num_samples: Optional[int] = None) -> str:
         """The text naming a rung: ``"laplace"`` (``check``: with its two fit checks), or
         ``"mwg"`` / ``"nuts"`` with the ``(mean, cov)`` of the unconstrained global sites the
         chains start from and propose by (``mwg``: needed) or are preconditioned by (``nuts``;
         ``None``: cold); and ``"key"``, the number the rung's key folds into the ladder's
         (:data:`RUNG_KEYS`: a seeded Flower node derives its own key for the rung as the
-        simulation does)."""
+        simulation does); ``num_samples``: the sampler's draws per chain, where not the
+        ladder's (chains run on to reach :data:`MWG_MIN_ESS`)."""
         spec: Dict[str, Any] = {"rung": rung, "key": RUNG_KEYS.get(rung, 0)}
         if rung == "laplace" and not check:
             spec["check"] = False
+        if num_samples is not None:
+            spec["num_samples"] = int(num_samples)
         if warm is not None:
             spec["mean"], spec["cov"] = (np.asarray(a, np.float64).tolist() for a in warm)
         return json.dumps(spec)
@@ -291,7 +304,8 @@ class Ladder:
             if warm is None:
                 raise ValueError("Ladder.rung: the 'mwg' rung starts from a (mean, cov): Ladder.stage('mwg', warm)")
             warmup = MWG_WARMUP if self.num_warmup is None else self.num_warmup
-            inference = FederatedMwG(self.model, num_warmup=warmup, num_samples=self.num_samples,
+            samples = spec.get("num_samples", self.num_samples)
+            inference = FederatedMwG(self.model, num_warmup=warmup, num_samples=samples,
                                      num_chains=MWG_CHAINS if self.num_chains is None else self.num_chains,
                                      init=warm, **common)
         elif spec["rung"] == "nuts":
@@ -359,9 +373,10 @@ class Ladder:
             log.append("moving to federated Metropolis-within-Gibbs, started at the Laplace mode, proposing by its "
                        "covariance")
         done = {"rounds": rounds, "bytes": bytes_}
-        samplers = (("mwg", warm), ("nuts", warm)) if mode else (("nuts", warm),)
-        for rung, start in samplers:
-            stage = self.stage(rung, start)
+        samplers = [("mwg", None), ("nuts", None)] if mode else [("nuts", None)]
+        while samplers:
+            rung, samples = samplers.pop(0)
+            stage = self.stage(rung, warm, num_samples=samples)
             announce(stage)
             sampler = self.rung(stage)
             with warnings.catch_warnings(record=True) as caught:  # the ladder acts on MwG's mixing itself
@@ -375,6 +390,12 @@ class Ladder:
             if rung == "mwg" and not _mixed(check):
                 log.append("mwg: the chains did not converge (split R-hat above "
                            f"{_r_hat_limit()}) or barely moved: moving to federated NUTS")
+                continue
+            longer = _longer(check, sampler.num_samples) if rung == "mwg" and samples is None else None
+            if longer is not None:  # the same chains run on (the same keys): their first draws are these
+                log.append(f"mwg: the worst global scalar's ESS ({check['min_n_eff']:.0f}) is under {MWG_MIN_ESS}: "
+                           f"running the chains on to {longer} draws each")
+                samplers.insert(0, ("mwg", longer))
                 continue
             for w in caught:  # the answer's own warnings reach the caller
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -392,8 +413,12 @@ def _judge(laplace, result, log: List[str]):
     weights reach the tails a too-narrow ``q`` never draws from. ``q`` is kept when its verdict
     is ``ok`` and its user-space means and sds agree with the widened check's weighted ones
     (means within 0.2 sds, sds within 15 %); otherwise the widened check's importance-resampled
-    draws are the answer when its Pareto k is at most :data:`CORRECT_K` and its ESS at least
-    :data:`CORRECT_MIN_ESS`."""
+    draws are the answer when its Pareto k is at most :data:`CORRECT_K`, its ESS at least
+    :data:`CORRECT_MIN_ESS`, and the two checks' importance-weighted moments agree (the same
+    margins): two importance estimates of one posterior from proposals of different widths
+    differ where its tails reach past the narrower, and may reach past the wider too (a
+    precision with a Gamma(0.001, 0.001) prior: the weighted sd from ``q`` half the widened
+    one's, itself 0.73 of the posterior's)."""
     rounds = int(result.communication.rounds)
     check, wide = laplace.last_fit_check, laplace.widened_check
     if check is None:
@@ -412,13 +437,20 @@ def _judge(laplace, result, log: List[str]):
         log.append("laplace: accepted")
         return "laplace", result, check, False
     if wide.pareto_k <= CORRECT_K and wide.ess >= CORRECT_MIN_ESS:
+        unstable = _disagreeing(check, wide, weighted=True)
+        if unstable:  # two importance estimates of one posterior: where they differ, its tails reach past both
+            log.append(f"laplace: the importance-weighted moments from q and from the widened q disagree at "
+                       f"{', '.join(unstable[:4])}: the posterior's tails reach beyond what either draws; "
+                       f"corrected draws are not offered")
+            return None
         log.append("laplace: accepted with importance-corrected draws (from the widened check)")
         return "laplace (importance-corrected)", laplace.widened_result(result), wide, True
     return None
 
 
-def _disagreeing(check, wide) -> List[str]:
-    """The sites whose moments under ``q`` (``check``) are off from the widened check's weighted ones."""
+def _disagreeing(check, wide, weighted: bool = False) -> List[str]:
+    """The sites whose moments under ``q`` (``check``; ``weighted``: its importance-weighted
+    ones) are off from the widened check's weighted ones (means within 0.2 sds, sds within 15 %)."""
     from .fit_check import MEAN_MARGIN, SD_MARGIN
 
     ours = {m.site: m for m in check.moments}
@@ -427,8 +459,8 @@ def _disagreeing(check, wide) -> List[str]:
         q = ours.get(m.site)
         if q is None or not m.weighted_sd > 0:
             continue
-        if abs(q.q_mean - m.weighted_mean) > MEAN_MARGIN * m.weighted_sd or \
-                abs(q.q_sd / m.weighted_sd - 1) > SD_MARGIN:
+        mean, sd = (q.weighted_mean, q.weighted_sd) if weighted else (q.q_mean, q.q_sd)
+        if abs(mean - m.weighted_mean) > MEAN_MARGIN * m.weighted_sd or abs(sd / m.weighted_sd - 1) > SD_MARGIN:
             out.append(m.site)
     return out
 
@@ -448,6 +480,16 @@ def _mcmc_check(sampler, result) -> Dict[str, float]:
     r_hat = max(float(np.nanmax(s["r_hat"])) for s in stats.values())
     return {"divergences": float(sampler.sample_stats(result)["diverging"].sum()), "min_n_eff": n_eff,
             "max_r_hat": r_hat}
+
+
+def _longer(check: Dict[str, float], num_samples: int) -> Optional[int]:
+    """The draws per chain to reach :data:`MWG_MIN_ESS` at the ESS per draw measured (with a
+    fifth to spare, at most :data:`MWG_MAX_LONGER` times as many), or ``None`` where it is reached."""
+    ess = check["min_n_eff"]
+    if not ess < MWG_MIN_ESS:
+        return None
+    factor = min(MWG_MAX_LONGER, 1.2 * MWG_MIN_ESS / max(ess, 1.0))
+    return int(np.ceil(num_samples * factor))
 
 
 def _r_hat_limit() -> float:

@@ -154,18 +154,36 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
     assert fit.method == "mwg" and fit.log[0].startswith("laplace") and fit.log[-1].startswith("mwg"), fit.log
     laplace = fit.results[0]
     np.testing.assert_array_equal(fit.inference.init[0], np.asarray(laplace.params["mean"]))  # started at its mode
-    assert fit.rounds == int(laplace.communication.rounds) + 150 + 300 + 1
-    assert fit.get_samples()["tau"].shape == (4 * 300,) and set(fit.check) == {"acceptance", "min_n_eff", "max_r_hat"}
-    assert fit.check["max_r_hat"] <= 1.05 and fit.check["min_n_eff"] >= 100
-    assert fit.get_samples(client="3")["eta"].shape == (4 * 300,)  # school 3's own effect, from its chain
+    n = fit.inference.num_samples  # 300, or more where the chains ran on to an ESS of 400
+    assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
+    assert int(fit.result.communication.rounds) == 150 + n + 1  # one round per iteration, one closing
+    assert fit.get_samples()["tau"].shape == (4 * n,) and set(fit.check) == {"acceptance", "min_n_eff", "max_r_hat"}
+    assert fit.check["max_r_hat"] <= 1.05 and fit.check["min_n_eff"] >= 400
+    assert fit.get_samples(client="3")["eta"].shape == (4 * n,)  # school 3's own effect, from its chain
 
 
 def test_exact_samples_by_mwg_from_the_laplace_search_without_its_checks():
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
                  num_samples=300, num_warmup=100, progress_bar=False)
     assert fit.method == "mwg" and "mode found" in fit.log[0] and fit.results[0].params["mean"] is not None
-    assert fit.results[0].communication.rounds == fit.rounds - 401  # the search's rounds: no check round
+    assert int(fit.result.communication.rounds) == 100 + fit.inference.num_samples + 1
+    assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
     assert "log_likelihood" in fit.idata.groups() and "r_hat" in nf.summary(fit)["a"]
+
+
+def test_chains_short_of_400_effective_draws_run_on_once():
+    """300 draws a chain give the regression's worst scalar fewer than 400 effective draws: the
+    ladder runs the same chains on (the same keys: their first draws are the short run's) to the
+    length that reaches it, says so in its log, and answers with the longer run."""
+    from numpyro_fed.ladder import MWG_MIN_ESS
+
+    fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
+                 num_samples=100, num_warmup=100, progress_bar=False)
+    assert [line.split(":")[0] for line in fit.log if "rounds;" in line] == ["laplace", "mwg", "mwg"], fit.log
+    assert any("running the chains on" in line for line in fit.log)
+    short, long = fit.results[1], fit.results[2]
+    assert fit.inference.num_samples > 100 and fit.check["min_n_eff"] >= MWG_MIN_ESS
+    np.testing.assert_array_equal(np.asarray(long.params["a"])[:, :100], np.asarray(short.params["a"]))
 
 
 @pytest.mark.parametrize("report", [{"max_r_hat": 1.2, "acceptance": 0.4}, {"max_r_hat": 1.0, "acceptance": 0.01}])
@@ -293,7 +311,7 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     """Over Flower the server announces each rung as text and every party builds it with
     ``Ladder.rung``: the warm start (mode and covariance) survives the text to the bit, the
     warmup follows it, and an unknown rung is refused."""
-    from numpyro_fed.ladder import WARM_WARMUP, WIDEN, Ladder
+    from numpyro_fed.ladder import MWG_WARMUP, WARM_WARMUP, WIDEN, Ladder
 
     ladder = Ladder(_regression(dist.Normal(0.0, 3.0)), num_samples=50)
     mean = np.array([0.1234567890123, -2.0 / 3.0])
@@ -308,7 +326,7 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     exact = Ladder(ladder.model, exact=True).rung()
     assert isinstance(exact, nf.factor.Laplace) and not exact.check_fit  # the samplers' start only
     mwg = ladder.rung(Ladder.stage("mwg", (mean, cov)))
-    assert mwg.num_samples == 50 and mwg.num_chains == 4 and mwg.num_warmup == 200
+    assert mwg.num_samples == 50 and mwg.num_chains == 4 and mwg.num_warmup == MWG_WARMUP
     np.testing.assert_array_equal(mwg.init[0], mean)
     np.testing.assert_array_equal(mwg.init[1], cov)
     with pytest.raises(ValueError, match="starts from a"):

@@ -42,7 +42,7 @@ from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
 
-__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup"]
+__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup", "pick_draws"]
 
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
 _PARAMS = (
@@ -78,6 +78,19 @@ _ENUMERATED = (
     "built for MCMC draws (use nf.FederatedSVI's log_likelihood, which handles it)"
 )
 
+
+
+def pick_draws(rng_key: jax.Array, draws: Dict[str, jax.Array], num_samples: Optional[int]) -> Dict[str, jax.Array]:
+    """``num_samples`` of the chains' flattened ``draws`` picked without replacement with
+    ``rng_key`` (all of them when ``None``): an MCMC family's ``sample_posterior``."""
+    if num_samples is None:
+        return draws
+    total = int(jnp.shape(next(iter(draws.values())))[0])
+    num_samples = check_positive_int("num_samples", num_samples)
+    if num_samples > total:
+        raise ValueError(f"num_samples={num_samples}: the chains hold {total} draws")
+    idx = random.choice(rng_key, total, (num_samples,), replace=False)
+    return {k: v[idx] for k, v in draws.items()}
 
 class MCMCSetup(NamedTuple):
     """A federated MCMC set-up: the model's sites and the algorithm's configuration; ``affine``:
@@ -311,15 +324,7 @@ class FederatedMCMC(FederatedInference):
         """``num_samples`` of the chains' draws (all of them when ``None``), picked without
         replacement with ``rng_key``, as the other families' ``sample_posterior``: the global
         sites, and with ``client`` that client's local sites at the same draws."""
-        draws = self.get_samples(result, client=client)
-        total = self.num_chains * self.num_samples
-        if num_samples is None:
-            return draws
-        num_samples = check_positive_int("num_samples", num_samples)
-        if num_samples > total:
-            raise ValueError(f"num_samples={num_samples}: the chains hold {total} draws")
-        idx = random.choice(rng_key, total, (num_samples,), replace=False)
-        return {k: v[idx] for k, v in draws.items()}
+        return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
 
     def _client_unpadded(self, setup: Setup, state: RunState, client: str):
         """Client ``client``'s local draws ``(chains, samples, n_j)`` in the layout of its

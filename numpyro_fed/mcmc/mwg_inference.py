@@ -25,6 +25,7 @@ from ..factor.laplace_inference import NoModeError
 from ..groups import trim_groups
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
+from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg
 
 __all__ = ["FederatedMwG"]
@@ -65,7 +66,7 @@ class FederatedMwG(FactorInference):
     method = "mwg"
     open_ended = True
 
-    def __init__(self, model: Callable, *, num_warmup: int = 200, num_samples: int = 1000, num_chains: int = 4,
+    def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
@@ -215,15 +216,7 @@ class FederatedMwG(FactorInference):
                          client: Optional[str] = None) -> Dict[str, jax.Array]:
         """``num_samples`` of the chains' draws (all when ``None``), picked without replacement
         with ``rng_key``, as the other families' ``sample_posterior``."""
-        draws = self.get_samples(result, client=client)
-        total = self.num_chains * self.num_samples
-        if num_samples is None:
-            return draws
-        num_samples = check_positive_int("num_samples", num_samples)
-        if num_samples > total:
-            raise ValueError(f"num_samples={num_samples}: the chains hold {total} draws")
-        idx = jax.random.choice(rng_key, total, (num_samples,), replace=False)
-        return {k: v[idx] for k, v in draws.items()}
+        return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
 
     def sample_stats(self, result: RunResult) -> Dict[str, np.ndarray]:
         """Per kept iteration and chain: ``accepted`` (the global move's decision) and
