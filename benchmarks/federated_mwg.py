@@ -49,7 +49,7 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "posteriordb"))
 sys.path.insert(0, str(HERE))
 import pdb_models  # noqa: E402
-from federated_nuts import pooled_nuts, timed  # noqa: E402  (NUTS on the pooled data: 4 x (500 + 1000))
+from federated_nuts import cold_then_warm, pooled_nuts, timed  # noqa: E402  (NUTS on the pooled data: 4 x (500 + 1000))
 
 RESULTS = HERE / "results" / "federated_mwg.json"
 NUTS_RESULTS = HERE / "results" / "federated_nuts.json"
@@ -162,14 +162,7 @@ def federated_nuts(model, clients, sites):
     bytes and ESS per round and per warm second."""
     fed = nf.FederatedNUTS(model, num_warmup=500, num_samples=1000, num_chains=CHAINS)
     fed.progress_bar = False
-
-    def fit(seed):
-        result = fed.run(jax.random.PRNGKey(seed), clients)
-        jax.block_until_ready(result.state)
-        return result
-
-    _, cold = timed(lambda: fit(3))
-    result, warm = timed(lambda: fit(4))
+    result, cold, warm = cold_then_warm(fed, clients, (3, 4))
     draws = scalars(fed.get_samples(result, group_by_chain=True), sites)
     min_ess = min(float(effective_sample_size(v)) for v in draws.values())
     c = result.communication
@@ -195,13 +188,7 @@ def _mwg(name, model, clients, sites, post, ref, cold_pooled, warm_pooled, fed_n
     mwg = FederatedMwG(model, num_warmup=WARMUP, num_samples=SAMPLES, num_chains=CHAINS)
     mwg.progress_bar = False
 
-    def fit(seed):  # the second run reuses the first's compiled programs (warm)
-        result = mwg.run(jax.random.PRNGKey(seed), clients)
-        jax.block_until_ready(result.state)
-        return mwg, result
-
-    _, cold = timed(lambda: fit(1))
-    (mwg, result), warm = timed(lambda: fit(2))  # noqa: F811
+    result, cold, warm = cold_then_warm(mwg, clients, (1, 2))
     ours = scalars(mwg.get_samples(result, group_by_chain=True), sites)
     ess = {k: float(effective_sample_size(v)) for k, v in ours.items()}
     ess_ref = {k: float(effective_sample_size(v)) for k, v in ref.items()}

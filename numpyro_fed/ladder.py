@@ -46,8 +46,7 @@ import numpy as np
 from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
-           "MWG_MIN_ESS", "MWG_WARMUP",
-           "WARM_WARMUP", "WIDEN", "fit"]
+           "MWG_MIN_ESS", "MWG_WARMUP", "RUNG_KEYS", "WARM_WARMUP", "WIDEN", "fit"]
 
 ACCEPT_K = 0.7
 """The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most

@@ -247,20 +247,23 @@ class FederatedMwG(FactorInference):
         structure, local = setup.extra.structure, setup.extra.terms.local
         if not local.size:
             return {}
-        j = names.index(client)
-        data = client_data(setup.plan, j)
-        own = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
-        args = setup.inputs[client]
-        real = structure.local_layout(trace_model(self.model, args, self.model_kwargs))
-        cut = unpadder(own, real, int(setup.plan.num_rows[j]))
-        supports = self._supports(args)
+        key = ("client_draws", client)
+        if key not in setup.cache:  # traced and compiled once per client and set-up
+            j = names.index(client)
+            data = client_data(setup.plan, j)
+            own = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
+            args = setup.inputs[client]
+            real = structure.local_layout(trace_model(self.model, args, self.model_kwargs))
+            cut = unpadder(own, real, int(setup.plan.num_rows[j]))
+            supports = self._supports(args)
 
-        def one(v):
-            values, _ = own_entries(local, own, v, data)
-            return {k: biject_to(supports[k])(x) for k, x in real.unravel(cut(own.ravel(values))).items()}
+            def one(v):
+                values, _ = own_entries(local, own, v, data)
+                return {k: biject_to(supports[k])(x) for k, x in real.unravel(cut(own.ravel(values))).items()}
 
-        v = jnp.asarray(result.client_states[client].draws)
-        return trim_groups(jax.vmap(jax.vmap(one))(v), real, args)
+            setup.cache[key] = (jax.jit(jax.vmap(jax.vmap(one))), real, args)
+        draw, real, args = setup.cache[key]
+        return trim_groups(draw(jnp.asarray(result.client_states[client].draws)), real, args)
 
     def acceptance(self, result: RunResult) -> Dict[str, float]:
         """The kept iterations' acceptance rate of the global moves, by proposal kind."""
