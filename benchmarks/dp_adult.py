@@ -108,7 +108,7 @@ def pvi_curve(inference, clients, rounds, per_round, test, key):
     qs = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = inference.run(key, rounds, clients, callbacks=[lambda r, s, i: qs.append(s.server.q)])
+        result = inference.run(key, clients, rounds, callbacks=[lambda r, s, i: qs.append(s.server.q)])
     curve = []
     for r, q in enumerate(qs):
         mean, var = nf.gaussian.to_moments(q)

@@ -101,8 +101,8 @@ def run_case(name, sweeps, seed=0):
     ep = nf.EP(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res, ep_cold = timed(lambda: ep.run(random.PRNGKey(seed), rounds, clients, progress_bar=False))
-        _, ep_warm = timed(lambda: ep.run(random.PRNGKey(seed), rounds, clients, progress_bar=False))
+        res, ep_cold = timed(lambda: ep.run(random.PRNGKey(seed), clients, rounds, progress_bar=False))
+        _, ep_warm = timed(lambda: ep.run(random.PRNGKey(seed), clients, rounds, progress_bar=False))
     flagged = sorted({f"{w.category.__name__}: {w.message}" for w in caught
                       if w.category.__module__.startswith("numpyro_fed")})
     ep_draws = scalars(ep.sample_posterior(random.PRNGKey(seed + 1), res, 4000), sites)

@@ -86,7 +86,7 @@ def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0, workdir=None):
     with LocalFederation(configs, app_files=app, workdir=workdir) as fed:
         started = time.perf_counter() - t0
         t1 = time.perf_counter()
-        flower = fed.run(f"nuts_tasks:{name}", 2_000_000, seed=seed, timeout=6 * 3600,
+        flower = fed.run(f"nuts_tasks:{name}", num_rounds=2_000_000, seed=seed, timeout=6 * 3600,
                          transcript=False)  # 10^4-10^5 rounds: the byte counts come from the traffic
         wall = time.perf_counter() - t1
     if workdir is not None:  # the per-round figure and the draws, for a later comparison

@@ -55,7 +55,7 @@ def _ep(num_silos: int, queue) -> None:
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", nf.FederatedWarning)
-        result = ep.run(jax.random.PRNGKey(0), 3 * num_silos, clients)
+        result = ep.run(jax.random.PRNGKey(0), clients, 3 * num_silos)
         draws = _flat(ep.sample_posterior(jax.random.PRNGKey(1), result, 4000))
     queue.put({"seconds": time.perf_counter() - start, "rounds": int(result.communication.rounds),
                "verdict": None if ep.last_fit_check is None else ep.last_fit_check.verdict,

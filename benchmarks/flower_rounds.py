@@ -200,9 +200,9 @@ def simulation_round(n, rounds, seed=0):
     pvi = make_pvi_optax()
     pvi.client_mapping, pvi.check_fit = "loop", False
     data = nf.Clients({f"client{i}": client_data(i, n) for i in range(n)})
-    pvi.run(jax.random.PRNGKey(seed), rounds, data, progress_bar=False)  # compiles
+    pvi.run(jax.random.PRNGKey(seed), data, rounds, progress_bar=False)  # compiles
     t0 = time.perf_counter()
-    result = pvi.run(jax.random.PRNGKey(seed + 1), rounds, data, progress_bar=False)
+    result = pvi.run(jax.random.PRNGKey(seed + 1), data, rounds, progress_bar=False)
     jax.block_until_ready(result.state)
     return (time.perf_counter() - t0) / rounds
 
@@ -224,7 +224,7 @@ def sfvi_end_to_end(n, rounds, seed=0):
     sim = make_sfvi()
     sim.client_mapping = "loop"
     data = nf.Clients({f"client{i}": client_data(i, n) for i in range(n)})
-    result = sim.run(jax.random.PRNGKey(seed), rounds, data, progress_bar=False)
+    result = sim.run(jax.random.PRNGKey(seed), data, rounds, progress_bar=False)
     leaves = zip(jax.tree_util.tree_leaves(flower["server_state"]), jax.tree_util.tree_leaves(result.state.server))
     diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in leaves)
     mean_x, cov_x = exact_posterior(n)

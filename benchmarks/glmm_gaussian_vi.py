@@ -73,7 +73,7 @@ def main():
             t = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", nf.FitWarning)
-                res = fed.run(random.PRNGKey(0), 3000, clients, progress_bar=False)
+                res = fed.run(random.PRNGKey(0), clients, 3000, progress_bar=False)
             seconds = time.perf_counter() - t
             d = fed.sample_posterior(random.PRNGKey(1), res, 4000)
             check = fed.last_fit_check

@@ -81,11 +81,11 @@ def round_seconds(make_method, model, clients, rounds, repeats):
     method = make_method(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        jax.block_until_ready(method.run(random.PRNGKey(0), rounds, clients, progress_bar=False).mean)  # compile
+        jax.block_until_ready(method.run(random.PRNGKey(0), clients, rounds, progress_bar=False).mean)  # compile
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(method.run(random.PRNGKey(0), rounds, clients, progress_bar=False).mean)
+            jax.block_until_ready(method.run(random.PRNGKey(0), clients, rounds, progress_bar=False).mean)
             best = min(best, time.perf_counter() - t0)
     return best / rounds
 

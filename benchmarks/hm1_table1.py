@@ -136,7 +136,7 @@ def main():
             for name, method in fitters.items():
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", nf.UnconvergedWarning)
-                    fits[name] = method.run(random.PRNGKey(run), 30, clients, truth=theta).theta
+                    fits[name] = method.run(random.PRNGKey(run), clients, 30, truth=theta).theta
                 warned[name] = warned.get(name, 0) + sum(issubclass(w.category, nf.UnconvergedWarning) for w in caught)
             for name, fit in fits.items():
                 row = rows.setdefault(name, {"rmse_mean": [], "rmse_noisy": [], "theta_error": []})

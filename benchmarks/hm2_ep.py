@@ -92,7 +92,7 @@ def main():
         t0 = time.time()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", nf.UnreliableFitWarning)
-            res = ep.run(random.PRNGKey(rep), args.rounds, clients)
+            res = ep.run(random.PRNGKey(rep), clients, args.rounds)
         flagged = [str(w.message) for w in caught if issubclass(w.category, nf.UnreliableFitWarning)]
         mean, sd = np.asarray(res.params["mean"]), np.sqrt(np.diag(np.asarray(res.params["cov"])))
         t_ep = time.time() - t0

@@ -215,10 +215,10 @@ def run_pair(post: Posterior, family: str, ref, num_draws=4000, rounds=None) -> 
         warnings.simplefilter("always")
         try:
             if family == "vertical":
-                result = obj.run(jax.random.PRNGKey(0), rounds, progress_bar=False, **vdata)
+                result = obj.run(jax.random.PRNGKey(0), num_rounds=rounds, progress_bar=False, **vdata)
             else:
                 kwargs = {"progress_bar": False} if family.startswith("sfvi") else {}
-                result = obj.run(jax.random.PRNGKey(0), rounds, post.clients, **kwargs)
+                result = obj.run(jax.random.PRNGKey(0), post.clients, rounds, **kwargs)
         except Exception as err:  # noqa: BLE001 - a refusal or a raised failure is a result here
             row.update(status="refused" if isinstance(err, (ValueError, NotImplementedError)) else "raised",
                        error=f"{type(err).__name__}: {str(err)[:300]}",

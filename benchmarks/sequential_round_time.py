@@ -57,11 +57,11 @@ def methods():
 
 def round_seconds(make, clients, rounds, repeats=3):
     method = make()
-    jax.block_until_ready(method.run(random.PRNGKey(0), rounds, clients).mean)  # compile
+    jax.block_until_ready(method.run(random.PRNGKey(0), clients, rounds).mean)  # compile
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(method.run(random.PRNGKey(0), rounds, clients).mean)
+        jax.block_until_ready(method.run(random.PRNGKey(0), clients, rounds).mean)
         best = min(best, time.perf_counter() - t0)
     return best / rounds
 

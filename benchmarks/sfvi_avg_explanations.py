@@ -60,7 +60,7 @@ def main():
         t = time.time()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = svi.run(jax.random.PRNGKey(0), rounds, clients, progress_bar=False)
+            res = svi.run(jax.random.PRNGKey(0), clients, rounds, progress_bar=False)
         sc = B.personal_test_accuracy(svi, res, data, test, 0)
         d = svi.sample_posterior(jax.random.PRNGKey(3), res, 200)
         sig = float(np.median(np.asarray(d["w1_scale"])))

@@ -71,7 +71,7 @@ def main():
     base = centralised_step_time(jnp.asarray(X), jnp.asarray(y), R)
     clients = nf.Clients.split(np.arange(n) % J, X=X, y=y)
     svi = nf.FederatedSVI(model, nf.MeanFieldGuide(model), optax.adam(0.01), check_fit=False)
-    runtime = time_it(lambda: svi.run(random.PRNGKey(0), R, clients, progress_bar=False).trace) / R
+    runtime = time_it(lambda: svi.run(random.PRNGKey(0), clients, R, progress_bar=False).trace) / R
     setup = svi._setup_cache
     alg, plan = setup.algorithm, setup.plan
     ex = alg.exchanges[0]

@@ -67,7 +67,7 @@ def federated_round_time(clients, guide, rounds):
     gets, guards and byte counting included; the fit check after the run is a per-run cost,
     not a round's, and is left out (``check_fit=False``)."""
     svi = nf.FederatedSVI(model, guide, optax.adam(0.01), check_fit=False)
-    return time_it(lambda: svi.run(random.PRNGKey(0), rounds, clients, progress_bar=False).trace) / rounds
+    return time_it(lambda: svi.run(random.PRNGKey(0), clients, rounds, progress_bar=False).trace) / rounds
 
 
 def main():

@@ -77,7 +77,7 @@ def main():
         for run in range(args.runs):
             rng = np.random.default_rng(100 * run + len(case))
             clients, theta, x_test, y_test = design(case, rng)
-            res = ep.run(random.PRNGKey(run), args.rounds, clients)
+            res = ep.run(random.PRNGKey(run), clients, args.rounds)
             draws = np.asarray(ep.local_posterior(random.PRNGKey(run + 1), res, num_samples=1000,
                                                   num_warmup=300)["theta"])  # (K, draws, d)
             included = inclusion(draws, 0.9)  # (K, d)

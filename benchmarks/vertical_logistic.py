@@ -115,7 +115,7 @@ def main():
                 for aux in ("meanfield", "amortized"):
                     vsvi = nf.VerticalSVI(vmodel, nf.VerticalGuide(aux), optax.adam(lr))
                     t0 = time.perf_counter()
-                    res = vsvi.run(random.PRNGKey(0), args.steps, progress_bar=False, **data)
+                    res = vsvi.run(random.PRNGKey(0), num_rounds=args.steps, progress_bar=False, **data)
                     elbo = -float(vsvi.evaluate(res.state, num_particles=500, **data))
                     draws = vsvi.sample_posterior(random.PRNGKey(1), res, 4000)
                     rows.append({"J": J, "rho": rho, "model": form, "method": f"{aux} VI (vertical SFVI)",

@@ -116,7 +116,7 @@ def main():
         for method, guide in GUIDES.items():
             svi = nf.VerticalSVI(vmodel, guide(), optax.adam(optax.exponential_decay(0.01, args.steps, 0.05)))
             t0 = time.perf_counter()
-            res = svi.run(random.PRNGKey(0), args.steps, progress_bar=False, **data)
+            res = svi.run(random.PRNGKey(0), num_rounds=args.steps, progress_bar=False, **data)
             record(f"augmented rho={rho:g}", method, svi.sample_posterior(random.PRNGKey(1), res, 4000),
                    t0, elbo=-float(svi.evaluate(res.state, num_particles=200, **data)))
     out = {"benchmark": "vertical_poisson (Hassan et al. (2024) §5.2)", "N": N, "truth": truth, "steps": args.steps,

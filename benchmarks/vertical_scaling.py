@@ -65,7 +65,7 @@ def measure(n, aux, batch, steps):
     data_bytes = int(sum(x.nbytes for x in jax.tree_util.tree_leaves((setup.plan.data, setup.plan.server_data))))
 
     def steps_run():
-        return svi.run(random.PRNGKey(0), steps, progress_bar=False, **data).trace
+        return svi.run(random.PRNGKey(0), num_rounds=steps, progress_bar=False, **data).trace
 
     jax.block_until_ready(steps_run())  # compile
     best = float("inf")

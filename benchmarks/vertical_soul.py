@@ -57,7 +57,7 @@ def main():
                 lr = optax.polynomial_schedule(0.5 * rho**2, 0.05 * rho**2, 1.0, args.steps)
                 soul = nf.VerticalSOUL(vmodel, optax.sgd(lr), step_size=gamma, num_langevin=args.langevin)
                 t0 = time.perf_counter()
-                res = soul.run(random.PRNGKey(0), args.steps, progress_bar=False, **data)
+                res = soul.run(random.PRNGKey(0), num_rounds=args.steps, progress_bar=False, **data)
                 draws = soul.sample_posterior(random.PRNGKey(1), res, args.draws, thinning=5, num_warmup=2000)
                 seconds = time.perf_counter() - t0
                 rows.append({"J": J, "rho": rho, "model": form, "method": "SOUL (vertical)", "seconds": seconds,

@@ -18,13 +18,14 @@ Example:
 from __future__ import annotations
 
 import importlib
+import numbers
 import warnings
 from typing import Any, Dict, Tuple
 
 from .warnings import FederatedDeprecationWarning, find_stack_level
 
-__all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES", "module_attribute",
-           "renamed_keyword", "warn_params_attribute"]
+__all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES",
+           "module_attribute", "renamed_keyword", "rounds_before_clients", "warn_params_attribute"]
 
 REMOVED_IN = "0.3.0"
 
@@ -75,7 +76,7 @@ def module_attribute(name: str) -> Any:
 
 
 #: ``keyword argument -> its new name``, for every method that took it
-RENAMED_KEYWORDS: Dict[str, str] = {"num_steps": "num_rounds"}
+RENAMED_KEYWORDS: Dict[str, str] = {"num_steps": "num_rounds", "max_rounds": "num_rounds"}
 
 
 def renamed_keyword(where: str, old: str, value: Any, new: str, new_value: Any) -> Any:
@@ -86,6 +87,17 @@ def renamed_keyword(where: str, old: str, value: Any, new: str, new_value: Any) 
     warnings.warn(f"{where}({old}=...) is deprecated and goes in {REMOVED_IN}: use {new}=",
                   FederatedDeprecationWarning, stacklevel=find_stack_level())
     return value
+
+
+def rounds_before_clients(where: str, clients: Any, num_rounds: Any) -> Tuple[Any, Any]:
+    """``(clients, num_rounds)`` of a ``run`` call, swapped (with a DeprecationWarning) when it
+    was written in the old order, the number of rounds before the clients."""
+    if isinstance(clients, numbers.Integral) and not isinstance(clients, bool):
+        warnings.warn(f"{where}(rng_key, num_rounds, clients) is deprecated and goes in {REMOVED_IN}: use "
+                      f"{where}(rng_key, clients, num_rounds) (vertical families: {where}(rng_key, "
+                      f"num_rounds=..., **data))", FederatedDeprecationWarning, stacklevel=find_stack_level())
+        return num_rounds, clients
+    return clients, num_rounds
 
 
 def warn_params_attribute(name: str) -> None:

@@ -151,7 +151,7 @@ def federated_loo(
         >>> y = np.random.default_rng(0).normal(size=40)
         >>> clients = nf.Clients.split(np.arange(40) % 2, y=y)
         >>> svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1))
-        >>> res = svi.run(jax.random.PRNGKey(0), 500, clients, progress_bar=False)
+        >>> res = svi.run(jax.random.PRNGKey(0), clients, 500, progress_bar=False)
         >>> loo = nf.federated_loo(svi, res, jax.random.PRNGKey(1))
         >>> loo.num_rows, bool(loo.elpd_loo < 0)
         (40, True)

@@ -158,7 +158,7 @@ def _fit_all(fits, num_rounds, clients, seed, say=print, quiet=False):
             comm[name] = dict(res.communication._asdict(), seconds=seconds,
                               per_draw=method.communication_per_draw(res))
         else:
-            res, seconds, flagged[name] = _timed(lambda: method.run(key, num_rounds[name], clients,
+            res, seconds, flagged[name] = _timed(lambda: method.run(key, clients, num_rounds[name],
                                                                     progress_bar=not quiet))
             draws[name] = _flatten(method.sample_posterior(random.PRNGKey(seed + 1), res, 4000))
             comm[name] = dict(res.communication._asdict(), seconds=seconds)

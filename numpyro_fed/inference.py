@@ -21,7 +21,7 @@ from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
 from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 
-__all__ = ["FederatedInference", "Setup"]
+__all__ = ["FederatedInference", "NUM_SAMPLES", "Setup"]
 
 
 Extra = TypeVar("Extra")
@@ -66,6 +66,9 @@ def _same_inputs(a, b) -> bool:
     return a is b
 
 
+#: draws ``sample_posterior`` gives without ``num_samples`` (every family)
+NUM_SAMPLES = 1000
+
 #: the backend's run options, taken by every ``run`` (see :meth:`FederatedInference.run`)
 RUN_OPTIONS = ("progress_bar", "init_state", "record_transcript", "keep_values", "availability", "checkpoint",
                "checkpoint_every", "on_nonfinite", "callbacks", "backend")
@@ -87,8 +90,17 @@ class FederatedInference:
     progress_bar = True
     #: the type of ``Setup.extra`` that this family's ``_build`` returns
     setup_extra: ClassVar[type] = object
+    #: the differentially private mechanisms the family offers (``dp=``); none: a model marked
+    #: with ``dp_noise`` is refused
+    dp_mechanisms: ClassVar[tuple] = ()
     #: ``run`` takes no number of rounds: the algorithm says when it is done (federated MCMC)
     open_ended: ClassVar[bool] = False
+    #: ``run``'s keyword arguments of this family beyond the backend's (HM1: ``truth``)
+    family_run_options: ClassVar[tuple] = ()
+    #: the family's differential privacy (``numpyro_fed.dp.plan.DPPlan``), held by the families that offer it
+    _dp: Any = None
+    #: the network backend whose run is being checked (set by ``run`` for ``_check_result``)
+    _network: Optional[NetworkBackend] = None
 
     def _init_inference(self) -> None:
         self._setup_cache: Optional[Setup] = None
@@ -108,16 +120,17 @@ class FederatedInference:
         state, info = self._update(state, inputs)
         return state, self._fitted().algorithm.monitor(info)
 
-    def run(self, rng_key: jax.Array, num_rounds: Optional[int] = None, clients=None, **kwargs: Any) -> RunResult:
+    def run(self, rng_key: jax.Array, clients=None, num_rounds: Optional[int] = None, **kwargs: Any) -> RunResult:
         """Run ``num_rounds`` communication rounds (on the simulation backend unless
         ``backend=`` names another).
 
         Args:
             rng_key: the run's key; the server's and every client's own key derive from it.
-            num_rounds: communication rounds (every family; ``num_steps=`` is its deprecated
-                name for the vertical families).
             clients: an :class:`~numpyro_fed.Clients` (horizontal families); the vertical
                 families take the model's data as keyword arguments instead.
+            num_rounds: communication rounds. The families that end when they are done
+                (federated MCMC, Laplace) take it as a cap and have a default; a run that
+                reaches the cap unfinished raises.
             **kwargs: the backend's run options (:data:`RUN_OPTIONS`): ``progress_bar``
                 (default: the class's ``progress_bar``; a tqdm bar with the running figure;
                 without it, a transcript, callbacks or checkpoints all rounds run in one
@@ -125,7 +138,8 @@ class FederatedInference:
                 ``keep_values``, ``availability`` (simulated dropout), ``checkpoint`` /
                 ``checkpoint_every``, ``on_nonfinite`` (``"raise"`` or ``"warn"``),
                 ``callbacks`` and ``backend`` (see
-                :meth:`numpyro_fed.backends.SimulationBackend.run`); for the vertical
+                :meth:`numpyro_fed.backends.SimulationBackend.run`); the family's own
+                (:attr:`family_run_options`, e.g. HM1's ``truth``); for the vertical
                 families, the model's data too.
 
         Returns:
@@ -133,18 +147,51 @@ class FederatedInference:
             ``trace`` the per-round figure (also ``losses``), ``client_states`` each client's
             final state (gathered by the simulation).
         """
-        if "num_steps" in kwargs:
-            from ._deprecations import renamed_keyword
+        from ._deprecations import RENAMED_KEYWORDS, renamed_keyword, rounds_before_clients
 
-            num_rounds = renamed_keyword(type(self).__name__ + ".run", "num_steps", kwargs.pop("num_steps"),
-                                         "num_rounds", num_rounds)
-        if num_rounds is None:
-            raise TypeError(f"{type(self).__name__}.run() needs num_rounds, the number of communication rounds")
-        options = {k: kwargs.pop(k) for k in RUN_OPTIONS if k in kwargs}
+        where = type(self).__name__ + ".run"
+        clients, num_rounds = rounds_before_clients(where, clients, num_rounds)
+        for old in [k for k in kwargs if RENAMED_KEYWORDS.get(k) == "num_rounds"]:
+            num_rounds = renamed_keyword(where, old, kwargs.pop(old), "num_rounds", num_rounds)
+        options = {k: kwargs.pop(k) for k in RUN_OPTIONS + self.family_run_options if k in kwargs}
         options.setdefault("progress_bar", self.progress_bar)
         inputs = self._inputs(clients, kwargs)
-        self._before_run(num_rounds, inputs, options)
+        num_rounds = self._rounds(num_rounds, options)
+        self._before_run(rng_key, num_rounds, inputs, options)
         return self._run(rng_key, num_rounds, inputs, **options)
+
+    def sample_posterior(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
+                         client: Optional[str] = None) -> dict:  # pragma: no cover - every family defines it
+        """``num_samples`` (default :data:`NUM_SAMPLES`) draws of the fit's posterior, constrained:
+        the global sites, and with ``client`` that client's local sites at the same draws (its
+        own computation). Each family documents what its draws are."""
+        raise NotImplementedError
+
+    def get_samples(self, result, *, client: Optional[str] = None) -> dict:
+        """The fit's posterior draws, as NumPyro's ``MCMC.get_samples``: the MCMC families' chains;
+        for the approximate families :data:`NUM_SAMPLES` draws of :meth:`sample_posterior` from a
+        key derived from the run's own server key (the same draws at every call)."""
+        key = jax.random.fold_in(self._state_of(result).server_key, 0x5A)
+        return self.sample_posterior(key, result, client=client)
+
+    @property
+    def differentially_private(self) -> bool:
+        """Does the fit send differentially private updates (planned at set-up: ``dp=``, or a
+        model marked with ``dp_noise``)? Its clients then keep their data-dependent diagnostics."""
+        return self._dp is not None and self._dp.privacy is not None
+
+    def privacy_report(self, result):
+        """Per client: epsilon at ``delta`` for the rows it holds, the mechanism, the
+        releases composed (DP-SGD: local steps or gradients; update perturbation: global
+        updates), the sampling rate; and the global guarantee by parallel composition (the
+        max over clients). Computed from each client's own ledger (``releases`` in its
+        state: what it sent, whether or not the server used it); under a trusted aggregator
+        each release is charged the noise of the fewest clients that answered in any round
+        of the run (a bound, since a client does not know who else answered)."""
+        if self._dp is None:
+            raise ValueError(f"privacy_report: {type(self).__name__} has no differentially private mechanism "
+                             f"(PVI, BCM and FederatedSVI have one: dp=)")
+        return self._dp.report(type(self).__name__, self._fitted().plan.names, result)
 
     def print_summary(self, result: RunResult, *, prob: float = 0.9, num_samples: int = 1000,
                       rng_key: Optional[jax.Array] = None) -> None:
@@ -169,8 +216,18 @@ class FederatedInference:
                             f"are {list(RUN_OPTIONS)}; the data go in as the Clients)")
         return clients
 
-    def _before_run(self, num_rounds: int, inputs, options: dict) -> None:
-        """Prepare a run before its set-up (the private families plan their noise here)."""
+    def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
+        """The run's rounds: ``num_rounds``, or the cap of a family that ends when it is done."""
+        if num_rounds is None:
+            raise TypeError(f"{type(self).__name__}.run() needs num_rounds, the number of communication rounds")
+        return num_rounds
+
+    def _before_run(self, rng_key: Optional[jax.Array], num_rounds: int, inputs, options: dict) -> None:
+        """Prepare a run before its set-up (a family takes its own run options,
+        :attr:`family_run_options`, out of ``options``). A noise calibrated to ``epsilon=``
+        plans for this run's rounds (a new plan builds the set-up again)."""
+        if self._dp is not None and self._dp.before_run(inputs, num_rounds, options):
+            self._setup_cache = None
 
     def _validate_inputs(self, inputs) -> None:
         """Raise a clear error for inputs of the wrong kind."""
@@ -253,7 +310,10 @@ class FederatedInference:
         return self._backend.step(setup.algorithm, setup.plan, state)
 
     def _before_round(self, setup: Setup, state: RunState) -> None:
-        """Refuse a round before it runs (the private families check the privacy budget)."""
+        """Refuse a round before it runs: a private fit's client that has spent its planned
+        releases (:meth:`~numpyro_fed.dp.plan.DPPlan.before_round`)."""
+        if self._dp is not None:
+            self._dp.before_round(type(self).__name__, setup.plan.names, state)
 
     def _run(
         self,

@@ -105,7 +105,7 @@ def print_summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_
         >>> y = np.random.default_rng(0).normal(1.0, 1.0, 60).astype("float32")
         >>> clients = nf.Clients.split(np.arange(60) % 3, y=y)
         >>> ep = nf.EP(model)
-        >>> result = ep.run(jax.random.PRNGKey(0), 3, clients, progress_bar=False)
+        >>> result = ep.run(jax.random.PRNGKey(0), clients, 3, progress_bar=False)
         >>> ep.print_summary(result)  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
         <BLANKLINE>
         mean std median 5.0% 95.0%

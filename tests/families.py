@@ -177,10 +177,10 @@ def run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
     options.setdefault("progress_bar", False)
     if inference.open_ended:
-        return inference.run(rng_key, inputs, max_rounds=num_rounds, **options)
+        return inference.run(rng_key, inputs, num_rounds, **options)
     if isinstance(inputs, dict):
-        return inference.run(rng_key, num_rounds, **options, **inputs)
-    return inference.run(rng_key, num_rounds, inputs, **options)
+        return inference.run(rng_key, num_rounds=num_rounds, **options, **inputs)
+    return inference.run(rng_key, inputs, num_rounds, **options)
 
 
 def load(inference, inputs, path):

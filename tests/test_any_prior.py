@@ -56,7 +56,7 @@ def _fit(cls, model):
         inference, rounds = nf.EP(model, tilted="nuts"), 9
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = inference.run(jax.random.PRNGKey(1), rounds, clients, progress_bar=False)
+        result = inference.run(jax.random.PRNGKey(1), clients, rounds, progress_bar=False)
     return inference, result, caught
 
 
@@ -97,7 +97,7 @@ def test_a_prior_without_a_mode_is_refused_naming_only_that_site():
 
     clients = nf.Clients.split(np.arange(N) % 3, x=X, y=Y)
     with pytest.raises(ValueError, match=r"global site\(s\) b is flat"):  # only b, and why
-        nf.EP(model).run(jax.random.PRNGKey(0), 1, clients, progress_bar=False)
+        nf.EP(model).run(jax.random.PRNGKey(0), clients, 1, progress_bar=False)
 
 
 def _bernoulli_categorical():
@@ -145,6 +145,6 @@ def test_a_non_gaussian_prior_runs_in_float64():
     with jax.enable_x64(True):
         clients = nf.Clients.split(np.arange(N) % 3, x=X.astype(np.float64), y=Y.astype(np.float64))
         inference = nf.EP(model, check_fit=False)
-        result = inference.run(jax.random.PRNGKey(1), 3, clients, progress_bar=False)
+        result = inference.run(jax.random.PRNGKey(1), clients, 3, progress_bar=False)
         assert result.params["mean"].dtype == np.float64 and np.all(np.isfinite(np.asarray(result.params["mean"])))
         assert np.all(np.asarray(result.info.damping) > 0)  # every round applied its update

@@ -101,7 +101,7 @@ def test_sfvi_learns_personal_models(digits, model):
     clients = nf.Clients.split(train[keep], x=digits["x_train"][keep], y=digits["y_train"][keep])
     svi = nf.FederatedSVI(model, nf.MeanFieldGuide(init_scale=0.01), optax.adam(0.02), check_fit=False,
                           model_kwargs={"hidden": HIDDEN})
-    res = svi.run(jax.random.PRNGKey(0), 1500, clients, progress_bar=False)
+    res = svi.run(jax.random.PRNGKey(0), clients, 1500, progress_bar=False)
     hits, dominant_hits = [], []
     for j in range(10):
         draws = svi.sample_posterior(jax.random.PRNGKey(1), res, 50, client=str(j))
@@ -122,7 +122,7 @@ def test_multinomial_regression_learns_its_prior_scale(digits):
     clients = nf.Clients.split(silo, x=digits["x_train"], y=digits["y_train"])
     svi = nf.FederatedSVI(multinomial_regression, nf.MeanFieldGuide(init_scale=0.01), optax.adam(0.02),
                           method="sfvi_avg", local_steps=50, check_fit=False)
-    res = svi.run(jax.random.PRNGKey(0), 8, clients, progress_bar=False)
+    res = svi.run(jax.random.PRNGKey(0), clients, 8, progress_bar=False)
     theta = svi.get_params(res.state)["theta"]
     assert abs(float(theta["sigma_w"]) - 1.0) > 0.05  # moved from its initial value
     draws = svi.sample_posterior(jax.random.PRNGKey(1), res, 50)
@@ -154,7 +154,7 @@ def test_sfvi_avg_diagonal_average_never_forms_the_covariance(digits, monkeypatc
     clients = nf.Clients.split(silo, x=digits["x_train"][:40], y=digits["y_train"][:40])
     svi = nf.FederatedSVI(hierarchical_bnn, nf.MeanFieldGuide(init_scale=0.01), optax.adam(0.01),
                           method="sfvi_avg", local_steps=3, check_fit=False)
-    res = svi.run(jax.random.PRNGKey(0), 2, clients, progress_bar=False, record_transcript=True,
+    res = svi.run(jax.random.PRNGKey(0), clients, 2, progress_bar=False, record_transcript=True,
                   keep_values=True)
     last = max(e.round for e in res.transcript.entries)
     sent = {(e.sender, e.name): e.value for e in res.transcript.entries

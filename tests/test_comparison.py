@@ -38,7 +38,7 @@ def fits():
     out = {}
     for name, model in (("intercepts", random_intercepts), ("slope", slope_only)):
         svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.02))
-        out[name] = (svi, svi.run(random.PRNGKey(0), 600, clients, progress_bar=False))
+        out[name] = (svi, svi.run(random.PRNGKey(0), clients, 600, progress_bar=False))
     return clients, out
 
 
@@ -128,9 +128,9 @@ def factor_fits(fits):
     out = {}
     for name, model in (("intercepts", random_intercepts), ("slope", slope_only)):
         pvi = nf.PVI(model, local_steps=300, schedule="sequential")
-        out["pvi_" + name] = (pvi, pvi.run(random.PRNGKey(0), 3, clients))
+        out["pvi_" + name] = (pvi, pvi.run(random.PRNGKey(0), clients, 3))
     ep = nf.EP(random_intercepts)
-    out["ep_intercepts"] = (ep, ep.run(random.PRNGKey(0), 6, clients))
+    out["ep_intercepts"] = (ep, ep.run(random.PRNGKey(0), clients, 6))
     return clients, out
 
 

@@ -46,7 +46,7 @@ def _clients(seed, num_clients=3, rows=8):
 def test_ep_client_draws_compile_once_per_shape():
     clients = _clients(0)
     ep = nf.EP(_model, check_fit=False)
-    res = ep.run(jax.random.PRNGKey(0), 3, clients, progress_bar=False)
+    res = ep.run(jax.random.PRNGKey(0), clients, 3, progress_bar=False)
     first, second, third = clients.names
     with compiles() as n_first:
         ep.local_posterior(jax.random.PRNGKey(1), res, first, num_samples=20, num_warmup=20)
@@ -60,7 +60,7 @@ def test_ep_client_draws_compile_once_per_shape():
 def test_sfvi_client_draws_compile_once_per_shape():
     clients = _clients(1)
     svi = nf.FederatedSVI(_model, nf.StructuredGuide(_model), optax.adam(0.05), check_fit=False)
-    res = svi.run(jax.random.PRNGKey(0), 20, clients, progress_bar=False)
+    res = svi.run(jax.random.PRNGKey(0), clients, 20, progress_bar=False)
     first, second, third = clients.names
     with compiles() as n_first:
         svi.sample_posterior(jax.random.PRNGKey(1), res, 50, client=first)
@@ -86,9 +86,9 @@ def test_hm1_compiles_once_for_new_clients_of_the_same_shape():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", nf.UnconvergedWarning)
         with compiles() as n_first:
-            method.run(jax.random.PRNGKey(0), 5, clients())
+            method.run(jax.random.PRNGKey(0), clients(), 5)
         with compiles() as n_next:
-            a = method.run(jax.random.PRNGKey(0), 5, clients())
-            b = method.run(jax.random.PRNGKey(0), 5, clients())
+            a = method.run(jax.random.PRNGKey(0), clients(), 5)
+            b = method.run(jax.random.PRNGKey(0), clients(), 5)
     assert n_first[0] >= 1 and n_next[0] == 0, (n_first, n_next)
     assert not np.allclose(np.asarray(a.params["theta"]), np.asarray(b.params["theta"]))  # their own data

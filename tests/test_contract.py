@@ -1,6 +1,10 @@
 """One class contract: every family's public ``init / update / run / save / load`` is
-``FederatedInference``'s (HM1's ``run`` adds ``truth=`` and calls it); ``update`` returns the
-round's figure, the one ``run`` records in ``trace``; ``num_rounds`` everywhere."""
+``FederatedInference``'s: ``run(rng_key, clients, num_rounds=None, **options)`` (the families
+that end when they are done take ``num_rounds`` as a cap with a default; HM1 takes ``truth=``);
+``update`` returns the round's figure, the one ``run`` records in ``trace``; ``num_rounds``
+everywhere, the old spellings through the deprecation table."""
+
+import inspect
 
 import numpy as np
 import numpyro
@@ -11,17 +15,40 @@ from jax import random
 
 import numpyro_fed as nf
 from numpyro_fed.inference import FederatedInference
+from numpyro_fed.mcmc.mwg_inference import FederatedMwG
 
-FAMILIES = [nf.FederatedSVI, nf.PVI, nf.BCM, nf.EP, nf.HM1, nf.VerticalSVI, nf.VerticalSOUL, nf.FederatedNUTS,
-            nf.FederatedHMC]
+from . import families
+
+FAMILIES = [nf.FederatedSVI, nf.PVI, nf.EP, nf.factor.Laplace, FederatedMwG, nf.HM1, nf.VerticalSVI, nf.VerticalSOUL,
+            nf.FederatedNUTS, nf.FederatedHMC]
 
 
 @pytest.mark.parametrize("cls", FAMILIES, ids=lambda c: c.__name__)
 def test_every_family_has_the_one_public_contract(cls):
-    for name in ("init", "update", "save", "load"):
+    for name in ("init", "update", "run", "save", "load"):
         assert getattr(cls, name) is getattr(FederatedInference, name), f"{cls.__name__}.{name} re-wraps the base's"
-    if cls not in (nf.HM1, nf.FederatedNUTS, nf.FederatedHMC):  # MCMC's run: no num_rounds (it ends when done)
-        assert cls.run is FederatedInference.run, f"{cls.__name__}.run re-wraps the base's"
+
+
+def test_bcm_is_pvis_one_round_configured():
+    bcm = nf.BCM(_model, prior="split")
+    assert type(bcm) is nf.PVI and bcm.method == "bcm"
+    clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
+    with pytest.raises(ValueError, match="num_rounds=1"):
+        bcm.run(random.PRNGKey(0), clients, 2)
+
+
+def test_the_old_argument_order_and_max_rounds_are_deprecated_spellings():
+    clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
+    new = nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), clients, 2, progress_bar=False)
+    with pytest.warns(DeprecationWarning, match=r"PVI.run\(rng_key, num_rounds, clients\) is deprecated.*"
+                                                r"PVI.run\(rng_key, clients, num_rounds\)"):
+        old = nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    np.testing.assert_array_equal(np.asarray(new.params["mean"]), np.asarray(old.params["mean"]))
+    laplace = nf.factor.Laplace(_model, check_fit=False)
+    capped = laplace.run(random.PRNGKey(0), clients, 3, progress_bar=False)
+    with pytest.warns(DeprecationWarning, match=r"Laplace.run\(max_rounds=...\) is deprecated.*num_rounds="):
+        renamed = laplace.run(random.PRNGKey(0), clients, max_rounds=3, progress_bar=False)
+    np.testing.assert_array_equal(np.asarray(capped.params["mean"]), np.asarray(renamed.params["mean"]))
 
 
 def _model(y):
@@ -37,7 +64,7 @@ def _model(y):
 def test_update_returns_the_figure_run_records(make):
     clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
     inference = make()
-    result = inference.run(random.PRNGKey(0), 1, clients, progress_bar=False)
+    result = inference.run(random.PRNGKey(0), clients, 1, progress_bar=False)
     state, figure = inference.update(inference.init(random.PRNGKey(0), clients), clients)
     assert np.ndim(figure) == 0
     np.testing.assert_allclose(figure, result.trace[0], rtol=1e-6)
@@ -47,7 +74,7 @@ def test_update_returns_the_figure_run_records(make):
 def test_a_mistyped_run_option_is_named():
     clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['progres_bar'\]"):
-        nf.PVI(_model).run(random.PRNGKey(0), 1, clients, progres_bar=False)
+        nf.PVI(_model).run(random.PRNGKey(0), clients, 1, progres_bar=False)
     with pytest.raises(TypeError, match="needs num_rounds"):
         nf.PVI(_model).run(random.PRNGKey(0), clients=clients)
 
@@ -66,14 +93,14 @@ def test_vertical_num_steps_is_the_deprecated_name_of_num_rounds(data3):
 
     svi = nf.VerticalSVI(nf.vertical_split(model, clients=spec, rho=0.5, response="y"), nf.VerticalGuide(),
                          optax.adam(0.05))
-    new = svi.run(random.PRNGKey(0), 3, progress_bar=False, **data3)
+    new = svi.run(random.PRNGKey(0), num_rounds=3, progress_bar=False, **data3)
     with pytest.warns(DeprecationWarning, match=r"VerticalSVI.run\(num_steps=...\) is deprecated.*num_rounds="):
         old = svi.run(random.PRNGKey(0), num_steps=3, progress_bar=False, **data3)
     np.testing.assert_array_equal(np.asarray(new.trace), np.asarray(old.trace))
     with pytest.raises(TypeError, match="both num_steps= and num_rounds="):
-        svi.run(random.PRNGKey(0), 3, num_steps=3, **data3)
+        svi.run(random.PRNGKey(0), num_rounds=3, num_steps=3, **data3)
     with pytest.raises(TypeError, match="keyword arguments .* not a Clients"):
-        svi.run(random.PRNGKey(0), 3, nf.Clients({"a": dict(y=np.zeros(3))}))
+        svi.run(random.PRNGKey(0), nf.Clients({"a": dict(y=np.zeros(3))}), 3)
     _, figure = svi.update(new.state, **data3)
     assert np.ndim(figure) == 0 and np.isfinite(figure)
 
@@ -98,3 +125,45 @@ def test_each_family_builds_the_set_up_its_class_declares(make):
     wrong.__dict__.update(make().__dict__)
     with pytest.raises(TypeError, match=r"Mislabelled._build: Setup.extra is a \w+, not the int its class declares"):
         wrong._setup(clients)
+
+
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda c: c.__name__)
+def test_every_family_reads_its_posterior_one_way(cls):
+    """``sample_posterior(rng_key, result, num_samples=None, *, client=None)`` and
+    ``get_samples(result, *, client=None)`` on every family."""
+    sig = inspect.signature(cls.sample_posterior)
+    params = list(sig.parameters.values())
+    assert [p.name for p in params[:4]] == ["self", "rng_key", "result", "num_samples"], cls.__name__
+    assert params[3].default is None
+    assert sig.parameters["client"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sig.parameters["client"].default is None
+    client = inspect.signature(cls.get_samples).parameters["client"]
+    assert client.default is None and client.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+@pytest.mark.parametrize("name", [*families.FAMILIES, *families.MCMC_FAMILIES])
+def test_every_familys_result_gives_draws_of_the_globals_and_of_a_clients_own_sites(name):
+    inference, inputs = (families.FAMILIES | families.MCMC_FAMILIES)[name]()
+    result = families.run(inference, inputs, random.PRNGKey(0), None if inference.open_ended else 2)
+    if name == "hm1":  # a point estimate: refused, naming where it is
+        with pytest.raises(TypeError, match=r"point estimate .* result.params\['theta'\]"):
+            inference.sample_posterior(random.PRNGKey(1), result)
+        return
+    draws = inference.sample_posterior(random.PRNGKey(1), result)
+    want = 1000 if not inference.open_ended else None
+    assert draws and all(np.shape(v)[0] == (want or np.shape(v)[0]) for v in draws.values())
+    first = list(inputs.names)[0] if hasattr(inputs, "names") else "a"
+    n = 2 if inference.open_ended else 7  # (the test chains hold 3 draws)
+    own = inference.sample_posterior(random.PRNGKey(1), result, n, client=first)
+    assert own and all(np.shape(v)[0] == n for v in own.values())
+    again = inference.get_samples(result)
+    for k, v in inference.get_samples(result).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(again[k]))
+
+
+def test_nf_fits_result_reads_the_same_way():
+    fit = nf.fit(_model, nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20)), random.PRNGKey(0),
+                 num_samples=50, progress_bar=False)
+    assert all(np.shape(v)[0] == 50 for v in fit.get_samples().values())
+    assert set(fit.get_samples(client="0")) >= set(fit.get_samples())

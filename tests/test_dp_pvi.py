@@ -35,30 +35,30 @@ def marked(**dp):
                                                     ("virtual", 4, False), ("virtual", 4, True)])
 def test_update_perturbation_without_noise_and_with_a_large_clip_is_pvi(clients, variant, shards, trusted):
     kw = dict(schedule="synchronous", variant=variant, num_shards=shards)
-    plain = nf.PVI(linear_model, **kw).run(jax.random.PRNGKey(0), 2, clients)
+    plain = nf.PVI(linear_model, **kw).run(jax.random.PRNGKey(0), clients, 2)
     dp = nf.PVI(marked(clip=1e9, noise_multiplier=0.0), dp="update_perturbation", trusted_aggregator=trusted, **kw)
-    noised = dp.run(jax.random.PRNGKey(0), 2, clients)
+    noised = dp.run(jax.random.PRNGKey(0), clients, 2)
     np.testing.assert_allclose(noised.params["mean"], plain.params["mean"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(noised.params["cov"], plain.params["cov"], rtol=1e-5, atol=1e-7)
     report = dp.privacy_report(noised)
     assert report.epsilon == np.inf and [c.compositions for c in report.clients] == [2, 2, 2]
     noisy = nf.PVI(marked(clip=5.0, noise_multiplier=0.05), dp="update_perturbation", trusted_aggregator=trusted,
-                   **kw).run(jax.random.PRNGKey(0), 2, clients)
+                   **kw).run(jax.random.PRNGKey(0), clients, 2)
     assert not np.allclose(noisy.params["mean"], plain.params["mean"], atol=1e-3)
 
 
 def test_dp_sgd_without_noise_with_every_row_and_a_large_clip_is_pvi(clients):
     kw = dict(update="optax", optim=optax.adam(0.05), local_steps=30, num_particles=4, schedule="sequential")
     # the same step budget: a DP-SGD local fit is never extended (every step is accounted)
-    plain = nf.PVI(linear_model, max_local_steps=30, **kw).run(jax.random.PRNGKey(0), 3, clients)
+    plain = nf.PVI(linear_model, max_local_steps=30, **kw).run(jax.random.PRNGKey(0), clients, 3)
     with pytest.raises(ValueError, match="every local step is accounted"):
         nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=20, max_local_steps=60, **kw)
     dp = nf.PVI(marked(clip=1e9, noise_multiplier=0.0), dp="optimisation", dp_batch_size=20, **kw)
-    same = dp.run(jax.random.PRNGKey(0), 3, clients)
+    same = dp.run(jax.random.PRNGKey(0), clients, 3)
     np.testing.assert_allclose(same.params["mean"], plain.params["mean"], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(same.params["cov"], plain.params["cov"], rtol=1e-4, atol=1e-6)
     noisy = nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=5, **kw)
-    out = noisy.run(jax.random.PRNGKey(0), 3, clients)
+    out = noisy.run(jax.random.PRNGKey(0), clients, 3)
     assert not np.allclose(out.params["mean"], plain.params["mean"], atol=1e-3)
     report = noisy.privacy_report(out)
     assert [c.compositions for c in report.clients] == [30, 30, 30]
@@ -72,24 +72,24 @@ def test_dp_sgd_without_noise_with_every_row_and_a_large_clip_is_pvi(clients):
 def test_a_calibrated_fit_spends_its_budget_and_the_report_counts_what_each_client_sent(clients):
     dp = nf.PVI(marked(clip=2.0, epsilon=8.0), dp="update_perturbation", variant="virtual", num_shards=4,
                 schedule="sequential")
-    result = dp.run(jax.random.PRNGKey(0), 4, clients)  # clients 0 sends twice, 1 and 2 once
+    result = dp.run(jax.random.PRNGKey(0), clients, 4)  # clients 0 sends twice, 1 and 2 once
     report = dp.privacy_report(result)
     assert [c.compositions for c in report.clients] == [2, 1, 1]
     assert 7.6 <= report.epsilon <= 8.0 + 1e-6  # calibrated for the busiest client's 2 updates
     assert report.clients[1].epsilon < report.clients[0].epsilon
     assert "global (parallel composition" in str(report)
     with pytest.raises(ValueError, match="to resume, give dp_noise"):
-        dp.run(jax.random.PRNGKey(1), 2, clients, init_state=result.state)
+        dp.run(jax.random.PRNGKey(1), clients, 2, init_state=result.state)
 
 
 def test_trusted_aggregator_report_counts_the_clients_that_answered(clients):
     kw = dict(schedule="synchronous", variant="local_averaging", num_shards=2)
     dp = nf.PVI(marked(clip=2.0, noise_multiplier=1.0), dp="update_perturbation", trusted_aggregator=True, **kw)
-    full = dp.privacy_report(dp.run(jax.random.PRNGKey(0), 3, clients))
+    full = dp.privacy_report(dp.run(jax.random.PRNGKey(0), clients, 3))
     assert full.epsilon == pytest.approx(epsilon(1.0, 1e-5, 3))  # the sum carries sigma
     schedule = np.ones((3, 3), bool)
     schedule[1, 2] = False  # round 2: two of three clients answer, so the sum has less noise
-    partial = dp.privacy_report(dp.run(jax.random.PRNGKey(0), 3, clients, availability=schedule))
+    partial = dp.privacy_report(dp.run(jax.random.PRNGKey(0), clients, 3, availability=schedule))
     assert partial.clients[2].compositions == 2
     assert partial.clients[0].epsilon > full.epsilon  # its round-2 release had sigma * sqrt(2/3)
 
@@ -97,7 +97,7 @@ def test_trusted_aggregator_report_counts_the_clients_that_answered(clients):
 def test_the_transcript_under_a_trusted_aggregator_shows_the_server_only_the_sum(clients):
     dp = nf.PVI(marked(clip=2.0, noise_multiplier=1.0), dp="update_perturbation", trusted_aggregator=True,
                 variant="virtual", num_shards=2)
-    t = dp.run(jax.random.PRNGKey(0), 2, clients, record_transcript=True, keep_values=True).transcript
+    t = dp.run(jax.random.PRNGKey(0), clients, 2, record_transcript=True, keep_values=True).transcript
     to_server = [e for e in t.entries if e.receiver == "server"]
     assert to_server and {e.sender for e in to_server} == {"aggregator"}
     assert {e.sender for e in t.entries if e.receiver == "aggregator"} == {"0", "1", "2"}
@@ -137,7 +137,7 @@ def test_withheld_fit_diagnostics_stay_with_the_client_and_are_reported(clients)
     dp = nf.PVI(marked(clip=1e6, noise_multiplier=1e-4), update="optax", optim=optax.adam(0.03), local_steps=40,
                 num_particles=64, dp="optimisation", dp_batch_size=20, schedule="synchronous")
     with pytest.warns(nf.UnreliableFitWarning, match=r"keep their own fit diagnostics") as record:
-        result = dp.run(jax.random.PRNGKey(0), 2, clients)
+        result = dp.run(jax.random.PRNGKey(0), clients, 2)
     flagged = [c for c in "012" if int(result.client_states[c].withheld[1]) > 0]
     assert flagged and f"client(s) {flagged} recorded 0 shard fit(s)" in str(record[0].message)
     assert np.all(np.asarray(result.info.fit_ok)[np.asarray(result.info.valid)])  # nothing told the server
@@ -148,14 +148,14 @@ def test_bcm_same_and_split_are_exact_for_a_conjugate_model(clients):
     under p^(1/J). For a conjugate model with exact local posteriors both are the pooled
     posterior (the likelihoods multiply either way); checked against it, and the split
     fits against their own tempered priors by hand."""
-    exact = nf.PVI(linear_model, schedule="sequential").run(jax.random.PRNGKey(0), 3, clients)  # = pooled
+    exact = nf.PVI(linear_model, schedule="sequential").run(jax.random.PRNGKey(0), clients, 3)  # = pooled
     for prior in ("same", "split"):
-        res = nf.BCM(linear_model, prior=prior).run(jax.random.PRNGKey(0), 1, clients)
+        res = nf.BCM(linear_model, prior=prior).run(jax.random.PRNGKey(0), clients, 1)
         np.testing.assert_allclose(res.params["mean"], exact.params["mean"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(res.params["cov"], exact.params["cov"], rtol=1e-4, atol=1e-8)
     # the split clients' factors: each is its q_j minus p^(1/J), so q_j = t_j + p / J
     bcm = nf.BCM(linear_model, prior="split")
-    res = bcm.run(jax.random.PRNGKey(0), 1, clients)
+    res = bcm.run(jax.random.PRNGKey(0), clients, 1)
     prior = bcm._fitted().extra.terms.prior
     for c in clients.names:
         st = res.client_states[c]
@@ -165,12 +165,12 @@ def test_bcm_same_and_split_are_exact_for_a_conjugate_model(clients):
         from .test_pvi import SIGMA
         np.testing.assert_allclose(q_j.precision, prior.precision / 3 + x.T @ x / SIGMA**2, rtol=1e-4)
     with pytest.raises(ValueError, match="num_rounds=1"):
-        bcm.run(jax.random.PRNGKey(0), 2, clients)
+        bcm.run(jax.random.PRNGKey(0), clients, 2)
     with pytest.raises(ValueError, match="damping= does not apply"):
         nf.BCM(linear_model, damping=0.5)
     dp = nf.BCM(marked(clip=1.0, noise_multiplier=1.0), prior="split", update="optax", optim=optax.adam(0.05),
                 local_steps=20, dp="optimisation", dp_batch_size=5)
-    out = dp.run(jax.random.PRNGKey(0), 1, clients)
+    out = dp.run(jax.random.PRNGKey(0), clients, 1)
     assert [c.compositions for c in dp.privacy_report(out).clients] == [20, 20, 20]
 
 

@@ -19,15 +19,15 @@ def svi(model, **kw):
 @pytest.mark.parametrize("trusted", [True, False])
 def test_dp_svi_without_noise_on_every_row_is_sfvi(trusted):
     clients = horizontal_data()
-    plain = svi(linear).run(jax.random.PRNGKey(0), 30, clients, progress_bar=False)
+    plain = svi(linear).run(jax.random.PRNGKey(0), clients, 30, progress_bar=False)
     marked = nf.dp_noise(linear, clip=1e9, delta=1e-3, noise_multiplier=0.0)
     dp = svi(marked, dp="sgd", dp_sampling_rate=1.0, trusted_aggregator=trusted)
-    same = dp.run(jax.random.PRNGKey(0), 30, clients, progress_bar=False)
+    same = dp.run(jax.random.PRNGKey(0), clients, 30, progress_bar=False)
     for a, b in zip(jax.tree_util.tree_leaves(same.params), jax.tree_util.tree_leaves(plain.params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     noisy_model = nf.dp_noise(linear, clip=1.0, delta=1e-3, noise_multiplier=1.0)
     noisy = svi(noisy_model, dp="sgd", dp_sampling_rate=0.5, trusted_aggregator=trusted)
-    out = noisy.run(jax.random.PRNGKey(0), 30, clients, progress_bar=False)
+    out = noisy.run(jax.random.PRNGKey(0), clients, 30, progress_bar=False)
     assert not np.allclose(out.params["guide"]["loc"], plain.params["guide"]["loc"], atol=1e-3)
     report = noisy.privacy_report(out)
     rows = {"0": 12, "1": 9, "2": 7}  # horizontal_data's clients; b_j = round(0.5 n_j)
@@ -35,7 +35,7 @@ def test_dp_svi_without_noise_on_every_row_is_sfvi(trusted):
         b = round(0.5 * rows[c.client])
         assert c.compositions == 30 and c.sampling_rate == b / rows[c.client]
         assert c.epsilon == pytest.approx(epsilon(1.0, 1e-3, 30, b / rows[c.client]))
-    t = noisy.run(jax.random.PRNGKey(0), 2, clients, progress_bar=False, record_transcript=True).transcript
+    t = noisy.run(jax.random.PRNGKey(0), clients, 2, progress_bar=False, record_transcript=True).transcript
     senders = {e.sender for e in t.entries if e.receiver == "server"}
     assert senders == ({"aggregator"} if trusted else {"0", "1", "2"})
 

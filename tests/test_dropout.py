@@ -30,7 +30,7 @@ def test_sfvi_avg_with_dropout_reaches_the_posterior(normal_clients):  # noqa: F
     guide = nf.StructuredGuide(normal_hierarchical)
     avg = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25,
                           num_particles=2)
-    res = avg.run(random.PRNGKey(0), 120, normal_clients, progress_bar=False, availability=P)
+    res = avg.run(random.PRNGKey(0), normal_clients, 120, progress_bar=False, availability=P)
     answered = res.rounds_answered
     assert 0.5 < answered.mean() / 4 < 0.9 and answered.min() < 4  # dropout happened
     assert res.communication.messages_up == int(answered.sum())
@@ -44,7 +44,7 @@ def test_damped_synchronous_pvi_with_dropout_is_exact(linear):
     """As test_damped_synchronous_pvi_converges_to_the_exact_posterior (same tolerances),
     100 rounds instead of 30: a missing client's factor simply stays as it was."""
     clients, mean, cov, _ = linear
-    res = nf.PVI(linear_model, damping=0.5).run(random.PRNGKey(0), 100, clients, availability=P)
+    res = nf.PVI(linear_model, damping=0.5).run(random.PRNGKey(0), clients, 100, availability=P)
     assert res.rounds_answered.min() < 3
     np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-3, atol=1e-7)
@@ -57,7 +57,7 @@ def test_damped_synchronous_ep_with_dropout_is_exact(hier):
     K = len(clients)
     mean, cov = _joint_posterior(xs[:K], ys[:K])
     d = 2
-    res = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 80, clients, availability=P)
+    res = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 80, availability=P)
     assert res.rounds_answered.min() < K
     np.testing.assert_allclose(res.params["mean"], mean[:d], rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(res.params["cov"], cov[:d, :d], rtol=1e-3, atol=1e-6)
@@ -68,7 +68,7 @@ def test_hm1_with_dropout_keeps_the_last_theta(devices):
     the server keeps a missing device's last theta_k."""
     clients, xs, ys, _ = devices
     res = nf.HM1(lr=0.1, shrinkage=0.0, local_steps=50, gradient="mean", batch_size=None).run(
-        random.PRNGKey(0), 60, clients, availability=P)
+        random.PRNGKey(0), clients, 60, availability=P)
     assert res.rounds_answered.min() < 4
     for j in range(4):
         ls = np.linalg.lstsq(xs[j], ys[j], rcond=None)[0]
@@ -87,9 +87,9 @@ def test_exact_sfvi_skips_a_round_with_a_missing_client():
     the server's parameters as they were; the clients that answered keep their local step."""
     svi, clients = FAMILIES["sfvi"]()
     table = _schedule(3, 3, [(1, 1)])
-    one = svi.run(random.PRNGKey(0), 1, clients, progress_bar=False, availability=table)
-    two = svi.run(random.PRNGKey(0), 2, clients, progress_bar=False, availability=table)
-    three = svi.run(random.PRNGKey(0), 3, clients, progress_bar=False, availability=table)
+    one = svi.run(random.PRNGKey(0), clients, 1, progress_bar=False, availability=table)
+    two = svi.run(random.PRNGKey(0), clients, 2, progress_bar=False, availability=table)
+    three = svi.run(random.PRNGKey(0), clients, 3, progress_bar=False, availability=table)
     assert np.asarray(three.info.complete).tolist() == [True, False, True]
     for a, b in zip(jax.tree_util.tree_leaves(one.params), jax.tree_util.tree_leaves(two.params)):
         np.testing.assert_array_equal(a, b)
@@ -110,7 +110,7 @@ def test_exact_sfvi_with_dropout_converges_to_the_exact_posterior(availability, 
     clients = nf.Clients.split(np.arange(24) % 3, y=y)
     svi = nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(normal_hierarchical),
                           optax.adam(optax.exponential_decay(0.05, 1000, 0.02)), num_particles=4)
-    res = svi.run(random.PRNGKey(0), rounds, clients, progress_bar=False, availability=availability)
+    res = svi.run(random.PRNGKey(0), clients, rounds, progress_bar=False, availability=availability)
     complete = np.asarray(res.info.complete)
     assert complete.all() if availability is None else 0.2 < complete.mean() < 0.5
     mu = svi.sample_posterior(random.PRNGKey(1), res, 20000)["mu"]

@@ -181,7 +181,7 @@ def test_enumerated_posterior_matches_nuts_on_the_marginalised_model(case):
     clients = nf.Clients.split(np.repeat(np.arange(4), len(y) // 4), y=y)
     step = optax.exponential_decay(0.03, 2000, 0.05) if case == "latent_class" else 0.03
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(step))
-    res = svi.run(random.PRNGKey(0), 2000, clients, progress_bar=False)
+    res = svi.run(random.PRNGKey(0), clients, 2000, progress_bar=False)
     fed = _relabel(svi.sample_posterior(random.PRNGKey(1), res, 4000), key)
     ref = _relabel(nuts_reference(f"enumeration_{case}", marginal, jnp.asarray(y), num_warmup=400,
                                   num_samples=1500, seed=2), key)
@@ -205,7 +205,7 @@ def test_pointwise_log_likelihood_sums_out_the_discrete_site():
     ``to_arviz`` work; predictive draws come from the marginal ``p(y | w, mu, sigma)``."""
     y = mixture_data()
     svi, _, _, clients = _fitted_objective(mixture, y)
-    res = svi.run(random.PRNGKey(0), 200, clients, progress_bar=False)
+    res = svi.run(random.PRNGKey(0), clients, 200, progress_bar=False)
     draws = svi.sample_posterior(random.PRNGKey(1), res, 64, client="1")
     # the enumerated site has no draw, nor has a deterministic site that depends on it
     assert set(draws) == {"w", "mu", "sigma", "gap"}
@@ -247,7 +247,7 @@ def test_ep_sums_out_enumerated_sites():
     y = mixture_data(n=(60, 40))
     clients = nf.Clients.split(np.repeat(np.arange(4), 25), y=y)
     ep = nf.EP(logistic_mixture, schedule="synchronous", damping=0.5)
-    fed = _relabel(ep.sample_posterior(random.PRNGKey(1), ep.run(random.PRNGKey(0), 8, clients), 4000), "mu",
+    fed = _relabel(ep.sample_posterior(random.PRNGKey(1), ep.run(random.PRNGKey(0), clients, 8), 4000), "mu",
                    flip=("a",))
     ref = _relabel(nuts_reference("enumeration_logistic_mixture", logistic_mixture, jnp.asarray(y), marginal=True,
                                   num_warmup=400, num_samples=1500, seed=2), "mu", flip=("a",))

@@ -35,7 +35,7 @@ def test_ep_on_a_conjugate_model_gives_the_exact_posterior(linear, tilted, round
     # the old key order happened to pass. 4000 draws: 0.03-0.05 sd over seeds 0-3.
     ep = nf.EP(linear_model, tilted=tilted, optim=optax.adam(0.02), vi_steps=600, num_particles=16,
                num_warmup=300, num_samples=4000)
-    res = ep.run(random.PRNGKey(0), rounds, clients)
+    res = ep.run(random.PRNGKey(0), clients, rounds)
     sd = np.sqrt(np.diag(cov))
     assert np.max(np.abs(np.asarray(res.params["mean"]) - mean) / sd) < mean_tol
     assert np.max(np.abs(np.sqrt(np.diag(res.params["cov"])) / sd - 1)) < sd_tol
@@ -95,13 +95,13 @@ def test_ep_integrates_out_local_latents_exactly(hier):
     res = nf.EP(hier_model).run(random.PRNGKey(0), K, clients)
     np.testing.assert_allclose(res.params["mean"], m, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(res.params["cov"], c, rtol=1e-4, atol=1e-7)
-    once = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 1, clients)
+    once = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 1)
     assert np.max(np.abs(np.asarray(once.params["mean"]) - m) / np.sqrt(np.diag(c))) > 0.05  # not there after one round
-    sync = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), 25, clients)
+    sync = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 25)
     np.testing.assert_allclose(sync.params["mean"], m, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(sync.params["cov"], c, rtol=1e-3, atol=1e-6)
     pvi = nf.PVI(hier_model, update="optax", optim=optax.adam(0.02), local_steps=800, num_particles=16,
-                 schedule="sequential").run(random.PRNGKey(1), 2 * K, clients)
+                 schedule="sequential").run(random.PRNGKey(1), clients, 2 * K)
     sd = np.sqrt(np.diag(c))
     assert np.max(np.abs(np.asarray(pvi.params["mean"]) - m) / sd) < 0.15
     assert np.max(np.abs(np.sqrt(np.diag(pvi.params["cov"])) / sd - 1)) < 0.1
@@ -140,7 +140,7 @@ def test_only_the_factor_update_crosses(hier):
     clients, xs, ys = hier
     ep = nf.EP(hier_model, schedule="synchronous", damping=0.5)
     state = ep.init(random.PRNGKey(0), clients)
-    res = ep.run(random.PRNGKey(0), 1, clients, record_transcript=True, keep_values=True)
+    res = ep.run(random.PRNGKey(0), clients, 1, record_transcript=True, keep_values=True)
     up = [e for e in res.transcript.entries if e.receiver == "server"]
     assert {e.name for e in up} == {"['delta'].shift", "['delta'].precision", "['valid']", "['fit_ok']",
                                     "['fit_stat']", "['fit_k']"}
@@ -170,7 +170,7 @@ def test_ep_clear_errors(linear):
     ep = nf.EP(linear_model)
     with pytest.raises(ValueError, match="needs a fitted EP"):
         ep.sample_posterior(random.PRNGKey(0), None, 10)
-    res = ep.run(random.PRNGKey(0), 3, clients)
+    res = ep.run(random.PRNGKey(0), clients, 3)
     with pytest.raises(ValueError, match="client '7' is not one of the fitted clients"):
         ep.local_posterior(random.PRNGKey(0), res, client="7")
 
@@ -220,7 +220,7 @@ def test_ep_on_hm2_matches_pooled_nuts():
     y = (np.einsum("knd,kd->kn", x, theta) + noise * rng.normal(size=(k, n))).astype(np.float32)
     clients = nf.Clients.split(np.repeat(np.arange(k), n), x=x.reshape(-1, 4), y=y.reshape(-1))
     res = nf.EP(hm2_regression, schedule="synchronous", damping=0.5, model_kwargs={"noise": noise}).run(
-        random.PRNGKey(0), 20, clients)
+        random.PRNGKey(0), clients, 20)
 
     def pooled(x, y):
         m = numpyro.sample("mu", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
@@ -249,7 +249,7 @@ def test_one_model_under_three_inference_objects(hier):
     svi = nf.FederatedSVI(hier_model, nf.StructuredGuide(hier_model), optax.adam(0.05), local_steps=5)
     pvi = nf.PVI(hier_model, update="optax", optim=optax.adam(0.02), local_steps=200, schedule="sequential")
     ep = nf.EP(hier_model)
-    fits = [(svi, svi.run(random.PRNGKey(0), 200, clients, progress_bar=False)),
+    fits = [(svi, svi.run(random.PRNGKey(0), clients, 200, progress_bar=False)),
             (pvi, pvi.run(random.PRNGKey(0), K, clients)), (ep, ep.run(random.PRNGKey(0), K, clients))]
     for method, res in fits:
         data = nf.to_arviz(method, res, random.PRNGKey(1), num_samples=500)

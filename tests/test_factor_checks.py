@@ -96,7 +96,7 @@ def test_ep_default_matches_the_exact_eight_schools_posterior(form, exact, exact
     ep = nf.EP(MODELS[form])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = ep.run(random.PRNGKey(1), 16, schools())
+        result = ep.run(random.PRNGKey(1), schools(), 16)
     fit = [w for w in caught if issubclass(w.category, nf.FitWarning)]
     assert [w.category for w in fit] == [nf.BiasedFitWarning] and "at tau (q mean" in str(fit[0].message)
     tau = np.asarray(ep.sample_posterior(random.PRNGKey(2), result, 4000, corrected=True)["tau"])
@@ -128,7 +128,7 @@ def test_laplace_check_names_the_client_whose_tilted_distribution_is_not_gaussia
     clients = nf.Clients.split(np.array([0] + [1] * 30), y=y)
     with pytest.warns(nf.UnreliableFitWarning, match=r"Laplace approximation .* client\(s\) \['0'\].*Pareto k.*"
                                                       r"tilted='nuts'"):
-        result = nf.EP(contaminated).run(random.PRNGKey(0), 2, clients)  # one sweep: '0', then '1'
+        result = nf.EP(contaminated).run(random.PRNGKey(0), clients, 2)  # one sweep: '0', then '1'
     k = np.asarray(result.info.fit_k)
     assert k[0, 0] > 0.7 and np.nanmax(k[:, 1]) <= 0.7
 
@@ -150,7 +150,7 @@ def test_laplace_at_a_lasso_kink_is_invalid_and_the_error_says_why():
     y = (1.0 + 0.5 * rng.normal(size=40)).astype(np.float32)
     clients = nf.Clients.split(np.repeat([0, 1], 20), x=x, y=y)
     with pytest.raises(ValueError, match=r"no smooth mode was found .*lasso.* tilted='vi' or tilted='nuts'"):
-        nf.EP(lasso).run(random.PRNGKey(0), 2, clients)
+        nf.EP(lasso).run(random.PRNGKey(0), clients, 2)
 
 
 @pytest.mark.parametrize("method", ["pvi", "ep-vi"])
@@ -170,13 +170,13 @@ def test_local_fits_with_default_budgets_are_exact_and_a_short_budget_is_reporte
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.UnreliableFitWarning)
-        result = build(None).run(random.PRNGKey(0), 16, schools())
+        result = build(None).run(random.PRNGKey(0), schools(), 16)
     got_mean, got_sd = float(result.params["mean"][0]), float(np.sqrt(result.params["cov"][0, 0]))
     assert abs(got_mean - mean) < 0.1 * sd and abs(got_sd / sd - 1) < 0.05, (got_mean, got_sd, mean, sd)
 
     setting = "local_steps" if method == "pvi" else "vi_steps"
     with pytest.warns(nf.UnreliableFitWarning, match=rf"not converged .* client\(s\) \[.*round\(s\) .*{setting}"):
-        result = build(30).run(random.PRNGKey(0), 16, schools())
+        result = build(30).run(random.PRNGKey(0), schools(), 16)
     assert (~np.asarray(result.info.fit_ok)).any()
     short_sd = float(np.sqrt(result.params["cov"][0, 0]))
     assert abs(short_sd / sd - 1) > 0.05  # the flagged fit is indeed off
@@ -190,13 +190,13 @@ def test_pvi_on_eight_schools_is_right_non_centred_and_warns_centred(exact):
     model = MODELS["non-centred"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.UnreliableFitWarning)
-        result = nf.PVI(model, update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), 16, schools())
+        result = nf.PVI(model, update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), schools(), 16)
     got_mean = np.asarray(result.params["mean"])
     got_sd = np.sqrt(np.diag(np.asarray(result.params["cov"])))
     assert np.all(np.abs(got_mean - mean) < 0.3 * sd) and np.all(np.abs(got_sd / sd - 1) < 0.25), (got_mean, got_sd)
     with pytest.warns(nf.UnreliableFitWarning, match=r"does not hold the tilted .*LocScaleReparam"):
-        result = nf.PVI(MODELS["centred"], update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), 16,
-                                                                                        schools())
+        result = nf.PVI(MODELS["centred"], update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), schools(),
+                                                                                        16)
     assert np.sqrt(result.params["cov"][1, 1]) < 0.75 * sd[1]  # the warned fit is indeed wrong
 
 
@@ -209,7 +209,7 @@ def test_nuts_tilted_moments_report_divergences_on_the_centred_funnel():
     with pytest.warns(nf.UnreliableFitWarning, match=r"NUTS had divergent transitions .* client\(s\) \['0'.*"
                                                       r"LocScaleReparam.*tilted='laplace'"):
         result = nf.EP(MODELS["centred"], tilted="nuts", num_warmup=200, num_samples=200).run(
-            random.PRNGKey(0), 8, schools())  # one sweep, one school per round
+            random.PRNGKey(0), schools(), 8)  # one sweep, one school per round
     share = np.asarray(result.info.fit_stat)
     flagged = ~np.asarray(result.info.fit_ok) & ~np.isnan(share)
     assert flagged.sum() >= 4 and np.all(share[flagged] > 0)
@@ -246,7 +246,7 @@ def test_the_check_weighs_q_against_the_models_own_prior():
     ep = nf.EP(tau_fixed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = ep.run(random.PRNGKey(0), 3, schools(), progress_bar=False)
+        result = ep.run(random.PRNGKey(0), schools(), 3, progress_bar=False)
     setup = ep._fitted()
     want = ep.diagnose(result, num_draws=200).log_weights
     terms = setup.extra.terms

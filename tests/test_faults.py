@@ -35,7 +35,7 @@ def test_a_checkpoint_destination_that_cannot_be_written_is_refused_before_round
     rounds = []
     with pytest.raises(ValueError, match="does not exist; create it first" if where == "missing_folder"
                        else "is a folder; give the path of a file"):
-        _sfvi().run(random.PRNGKey(0), 3, horizontal_data(), progress_bar=False, checkpoint=str(path),
+        _sfvi().run(random.PRNGKey(0), horizontal_data(), 3, progress_bar=False, checkpoint=str(path),
                     callbacks=[lambda r, s, i: rounds.append(r)])
     assert rounds == []  # nothing ran, so nothing was lost
 
@@ -48,7 +48,7 @@ def test_a_checkpoint_is_written_as_the_run_goes(tmp_path):
         with np.load(path) as archive:
             seen.append(json.loads(str(archive["meta"]))["round"])
 
-    _sfvi().run(random.PRNGKey(0), 6, horizontal_data(), progress_bar=False, checkpoint=path, callbacks=[read])
+    _sfvi().run(random.PRNGKey(0), horizontal_data(), 6, progress_bar=False, checkpoint=path, callbacks=[read])
     assert seen == [0, 1, 2, 3, 4, 5]  # the start (round 0) before round 1, then every round (6 rounds < 10)
     assert [f for f in os.listdir(tmp_path) if f != "run.npz"] == []  # no temporary file left behind
 
@@ -56,7 +56,7 @@ def test_a_checkpoint_is_written_as_the_run_goes(tmp_path):
 def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
     inference, clients = _sfvi(), horizontal_data()
     path = str(tmp_path / "run.npz")
-    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False, checkpoint=path)
+    res = inference.run(random.PRNGKey(0), clients, 2, progress_bar=False, checkpoint=path)
 
     def broken(f, **arrays):
         f.write(b"PK\x03\x04 half an archive")
@@ -75,15 +75,15 @@ def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
     clients = horizontal_data()
     path = str(tmp_path / "typed.npz")
     first = _sfvi()
-    first.run(random.key(0), 3, clients, progress_bar=False, checkpoint=path)
+    first.run(random.key(0), clients, 3, progress_bar=False, checkpoint=path)
     with np.load(path) as archive:
         meta = json.loads(str(archive["meta"]))
     assert meta["typed_keys"]["server_key"] == meta["typed_keys"]["clients/0/.rng_key"] == "threefry2x32"
     again = _sfvi()
     state = again.load(path, clients)
     assert jnp.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
-    resumed = again.run(None, 3, clients, progress_bar=False, init_state=state)
-    whole = _sfvi().run(random.key(0), 6, clients, progress_bar=False)
+    resumed = again.run(None, clients, 3, progress_bar=False, init_state=state)
+    whole = _sfvi().run(random.key(0), clients, 6, progress_bar=False)
     np.testing.assert_array_equal(resumed.params["guide"]["loc"], whole.params["guide"]["loc"])
     with pytest.raises(ValueError, match="resume with the same kind of key"):  # a raw-key template
         nf.checkpoint.load(path, again._template(again._fitted()), again._fitted().plan.names)
@@ -93,7 +93,7 @@ def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
 def test_a_damaged_checkpoint_names_the_file_and_what_is_wrong(tmp_path):
     inference, clients = _sfvi(), horizontal_data()
     good = str(tmp_path / "good.npz")
-    inference.run(random.PRNGKey(0), 2, clients, progress_bar=False, checkpoint=good)
+    inference.run(random.PRNGKey(0), clients, 2, progress_bar=False, checkpoint=good)
     blob = open(good, "rb").read()
     cases = {
         "truncated.npz": (blob[: len(blob) // 2], "not a complete .npz"),
@@ -124,9 +124,9 @@ def test_init_state_is_checked_like_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"init_state was saved with clients \['0', '1', '2'\]; this run has "
                                          r"\['0', '1', '2', '3'\] \(missing from this run: \[\]; not in "
                                          r"init_state: \['3'\]\)"):
-        inference.run(None, 2, more, progress_bar=False, init_state=res)
+        inference.run(None, more, 2, progress_bar=False, init_state=res)
     with pytest.raises(ValueError, match=r"init_state holds the states of 3 client\(s\); this run has 4"):
-        inference.run(None, 2, more, progress_bar=False, init_state=res.state)
+        inference.run(None, more, 2, progress_bar=False, init_state=res.state)
 
     def wider(x, y):  # another model: a guide of other shapes
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
@@ -135,19 +135,19 @@ def test_init_state_is_checked_like_a_checkpoint(tmp_path):
             numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
 
     other = nf.FederatedSVI(wider, nf.StructuredGuide(wider), optax.adam(0.05))
-    other.run(random.PRNGKey(0), 1, clients, progress_bar=False)
+    other.run(random.PRNGKey(0), clients, 1, progress_bar=False)
     with pytest.raises(ValueError, match=r"init_state does not fit this set-up: clients/0/\.state\..* is \(12, 2\) "
                                          r"float32 there but \(0, 3\) float32 here \(a different model"):
-        other.run(None, 2, clients, progress_bar=False, init_state=res.state)
+        other.run(None, clients, 2, progress_bar=False, init_state=res.state)
 
 
 def test_init_state_from_the_other_client_mapping_resumes_exactly():
     clients = horizontal_data(sizes=(8, 8, 8))
     vmap = _sfvi()
     loop = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.05), client_mapping="loop")
-    a = vmap.run(random.PRNGKey(0), 3, clients, progress_bar=False)
-    b = loop.run(None, 3, clients, progress_bar=False, init_state=a.state)
-    c = vmap.run(random.PRNGKey(0), 6, clients, progress_bar=False)
+    a = vmap.run(random.PRNGKey(0), clients, 3, progress_bar=False)
+    b = loop.run(None, clients, 3, progress_bar=False, init_state=a.state)
+    c = vmap.run(random.PRNGKey(0), clients, 6, progress_bar=False)
     np.testing.assert_allclose(b.params["guide"]["loc"], c.params["guide"]["loc"], rtol=1e-5)
 
 
@@ -243,9 +243,9 @@ def test_a_run_some_clients_answered_still_returns():
 def test_the_old_backend_spelling_points_to_client_mapping(value):
     with pytest.raises(ValueError, match=rf"backend= takes a backend object .* FederatedSVI\(\.\.\., "
                                          rf"client_mapping='{value}'\)"):
-        _sfvi().run(random.PRNGKey(0), 2, horizontal_data(), progress_bar=False, backend=value)
+        _sfvi().run(random.PRNGKey(0), horizontal_data(), 2, progress_bar=False, backend=value)
     with pytest.raises(TypeError, match="is not a backend"):
-        nf.PVI(linear).run(random.PRNGKey(0), 2, horizontal_data(), progress_bar=False, backend=object())
+        nf.PVI(linear).run(random.PRNGKey(0), horizontal_data(), 2, progress_bar=False, backend=object())
 
 
 class _Grid:
@@ -276,7 +276,7 @@ def test_a_flower_resume_refuses_a_checkpoint_that_is_not_this_federations(tmp_p
     with pytest.raises(FileNotFoundError, match="resume_from='.*nothing.npz'\\): no checkpoint there"):
         FlowerBackend(_Grid(), resume_from=str(tmp_path / "nothing.npz"))
     inference, clients = _sfvi(), horizontal_data()
-    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    res = inference.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     simulated = str(tmp_path / "simulated.npz")
     inference.save(simulated, res)
     setup = inference._setup_cache
@@ -428,19 +428,19 @@ def _calibrated(family):
 @pytest.mark.parametrize("family", ["pvi", "svi"])
 def test_update_after_a_calibrated_run_refuses_to_release_past_the_claim(family):
     inference, clients = _calibrated(family), horizontal_data()
-    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    res = inference.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     before = inference.privacy_report(res)
     with pytest.raises(ValueError, match=r"calibrated to epsilon=4, delta=0.001 for 2 round\(s\) \(2 release\(s\) "
                                          r"per client\), and client\(s\) \['0', '1', '2'\] have made them all"):
         inference.update(res.state, clients)
     assert inference.privacy_report(res).epsilon == before.epsilon <= 4.0 + 1e-6
-    longer = inference.run(random.PRNGKey(0), 3, clients, progress_bar=False)  # a new plan: calibrated for 3
+    longer = inference.run(random.PRNGKey(0), clients, 3, progress_bar=False)  # a new plan: calibrated for 3
     assert inference.privacy_report(longer).epsilon <= 4.0 + 1e-6
 
 
 def test_update_within_the_planned_rounds_still_releases():
     inference, clients = _calibrated("pvi"), horizontal_data()
-    res = inference.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+    res = inference.run(random.PRNGKey(0), clients, 3, progress_bar=False)
     first = inference.init(random.PRNGKey(1), clients)
     state, _ = inference.update(first, clients)  # 1 of the 3 planned releases
     assert list(nf.dp.plan.ledgers(state.clients)) == [1, 1, 1]
@@ -450,7 +450,7 @@ def test_update_within_the_planned_rounds_still_releases():
 # ---------------------------------------------------------------- 9. the withheld diagnostics in one pass
 def test_withheld_diagnostics_are_read_without_a_per_client_state_read(monkeypatch):
     inference, clients = _calibrated("pvi"), horizontal_data()
-    res = inference.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    res = inference.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     reads = []
     original = nf.protocol.ClientStates.__getitem__
     monkeypatch.setattr(nf.protocol.ClientStates, "__getitem__", lambda self, n: reads.append(n) or original(self, n))
@@ -493,7 +493,7 @@ def test_the_privacy_plan_charges_the_rows_the_clients_use(monkeypatch):
     marked = nf.dp_noise(linear, clip=2.0, delta=1e-3, noise_multiplier=1.0)
     clients = horizontal_data(sizes=(190, 47, 13))
     svi = nf.FederatedSVI(marked, nf.MeanFieldGuide(linear), optax.adam(0.05), dp="sgd", dp_sampling_rate=0.15)
-    res = svi.run(random.PRNGKey(0), 1, clients, progress_bar=False)
+    res = svi.run(random.PRNGKey(0), clients, 1, progress_bar=False)
     charged = {c.client: c.sampling_rate for c in svi.privacy_report(res).clients}
     assert charged == {"0": 28 / 190, "1": 7 / 47, "2": 2 / 13}
     assert sorted(used) == [2, 7, 28]  # (one call per client) float32 round(0.15 * 190) drew 29, the plan charged 28
@@ -513,9 +513,9 @@ def test_a_dp_fit_that_blows_up_is_held_by_the_servers_trust_region():
     # computed from the released updates alone, keeps every round within d/16 nats and q near the data.
     clients = horizontal_data(sizes=(200, 20, 10, 10))
     with pytest.warns(nf.InvalidUpdateWarning):
-        loose = _perturbed(max_kl=None).run(random.PRNGKey(3), 12, clients, progress_bar=False)
+        loose = _perturbed(max_kl=None).run(random.PRNGKey(3), clients, 12, progress_bar=False)
     assert float(jnp.max(jnp.abs(nf.gaussian.to_moments(loose.state.server.q)[0]))) > 100
-    held = _perturbed().run(random.PRNGKey(3), 12, clients, progress_bar=False)
+    held = _perturbed().run(random.PRNGKey(3), clients, 12, progress_bar=False)
     mean, var = nf.gaussian.to_moments(held.state.server.q)
     assert float(jnp.max(held.info.kl)) <= 2 / 16 + 1e-5  # d = 2
     assert int(jnp.sum(held.info.halvings)) > 0  # it bound
@@ -551,7 +551,7 @@ def test_a_round_the_server_rejects_is_reported_naming_it():
     with pytest.warns(nf.InvalidUpdateWarning, match=r"rejected the valid update\(s\) of round\(s\) \[2\] \(from "
                                                       r"client\(s\) \['1'\]\).*max_kl=2 nats"):
         res = nf.PVI(linear, schedule="sequential", max_kl=2.0, max_halvings=1).run(
-            random.PRNGKey(0), 2, clients, progress_bar=False)
+            random.PRNGKey(0), clients, 2, progress_bar=False)
     assert np.asarray(res.info.damping).tolist()[1] == 0.0 and np.asarray(res.info.damping)[0] > 0
 
 

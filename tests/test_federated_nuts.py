@@ -282,8 +282,8 @@ def test_clear_errors():
 
     with pytest.raises(ValueError, match=r"numpyro.param sites \['s'\]"):
         nf.FederatedNUTS(with_param, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
-    with pytest.raises(TypeError, match="number of rounds follows from num_warmup"):
-        nf.FederatedNUTS(model).run(random.PRNGKey(0), 100, clients)
+    with pytest.raises(RuntimeError, match=r"stopped after 100 rounds \(num_rounds\) before every chain"):
+        nf.FederatedNUTS(model).run(random.PRNGKey(0), clients, 100)  # a cap too small for the draws
 
     def impossible(y):
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
@@ -292,8 +292,8 @@ def test_clear_errors():
 
     with pytest.raises(ValueError, match="found no starting point with a finite potential"):
         nf.FederatedNUTS(impossible, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
-    with pytest.raises(RuntimeError, match=r"stopped after 30 rounds \(max_rounds\)"):
-        nf.FederatedNUTS(model, num_warmup=20, num_samples=20).run(random.PRNGKey(0), clients, max_rounds=30)
+    with pytest.raises(RuntimeError, match=r"stopped after 30 rounds \(num_rounds\)"):
+        nf.FederatedNUTS(model, num_warmup=20, num_samples=20).run(random.PRNGKey(0), clients, 30)
 
 
 def test_divergences_and_disagreeing_chains_warn():

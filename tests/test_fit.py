@@ -224,7 +224,7 @@ def test_ep_fits_a_proper_prior_far_from_zero():
     """The prior-mode search (Newton with backtracking from the prior's median) reaches Normal(250, 100)."""
     ep = nf.EP(_far_prior_model)
     ep.progress_bar = False
-    result = ep.run(jax.random.PRNGKey(0), 6, _far_clients())
+    result = ep.run(jax.random.PRNGKey(0), _far_clients(), 6)
     lap = nf.fit(_far_prior_model, _far_clients(), jax.random.PRNGKey(0), progress_bar=False)
     sd = float(np.sqrt(lap.result.params["cov"][0, 0]))
     assert abs(float(result.params["mean"][0]) - float(lap.result.params["mean"][0])) < 0.3 * sd
@@ -250,7 +250,7 @@ def test_ep_that_never_applied_an_update_raises_though_the_prior_site_moved_q():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", nf.FederatedWarning)
         with pytest.raises(ValueError, match="applied no update"):
-            ep.run(jax.random.PRNGKey(0), 3, nf.Clients.split(GROUPS, x=X, y=Y))
+            ep.run(jax.random.PRNGKey(0), nf.Clients.split(GROUPS, x=X, y=Y), 3)
 
 
 @pytest.mark.parametrize("ratio", [0.7, 1.4])
@@ -299,7 +299,7 @@ def test_pvi_defaults_fit_a_standardised_linear_regression():
     pvi.progress_bar = False
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.FederatedWarning)  # no invalid update, the check passes
-        result = pvi.run(jax.random.PRNGKey(0), 10, nf.Clients.split(np.repeat(np.arange(4), 100), x=x, y=y))
+        result = pvi.run(jax.random.PRNGKey(0), nf.Clients.split(np.repeat(np.arange(4), 100), x=x, y=y), 10)
     draws = pvi.sample_posterior(jax.random.PRNGKey(1), result, 4000)
     for site in ("a", "b", "s"):
         r, o = np.asarray(ref[site]).reshape(2000, -1), np.asarray(draws[site]).reshape(4000, -1)
@@ -346,8 +346,8 @@ def test_clients_laid_out_one_by_one_may_hold_different_numbers_of_local_entries
     fits = {}
     for mapping in ("loop", "vmap"):
         laplace = nf.factor.Laplace(hierarchical, client_mapping=mapping).run(jax.random.PRNGKey(0), horizontal_data())
-        ep = nf.EP(hierarchical, client_mapping=mapping, schedule="synchronous").run(jax.random.PRNGKey(0), 5,
-                                                                                    horizontal_data())
+        ep = nf.EP(hierarchical, client_mapping=mapping, schedule="synchronous").run(jax.random.PRNGKey(0),
+                                                                                    horizontal_data(), 5)
         fits[mapping] = [np.asarray(r.params[k]) for r in (laplace, ep) for k in ("mean", "cov")]
     for a, b in zip(fits["loop"], fits["vmap"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

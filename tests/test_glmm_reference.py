@@ -50,7 +50,7 @@ def test_sfvi_matches_nuts(six_cities):
         logistic_glmm, nf.StructuredGuide(logistic_glmm),
         optax.adam(optax.exponential_decay(0.05, rounds, 0.05)), num_particles=4,
     )
-    result = svi.run(random.PRNGKey(0), rounds, clients, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), clients, rounds, progress_bar=False)
     z = z_scores(svi.sample_posterior(random.PRNGKey(2), result, 8000), ref)
     np.testing.assert_array_less(np.abs(z["beta"][1:]), 0.15)
     assert abs(z["beta"][0]) < 1.0 and abs(z["omega"][0]) < 1.5
@@ -62,7 +62,7 @@ def test_sfvi_avg_runs_and_is_reported(six_cities):
         logistic_glmm, nf.StructuredGuide(logistic_glmm), optax.adam(0.02),
         method="sfvi_avg", local_steps=20, num_particles=2,
     )
-    result = svi.run(random.PRNGKey(0), 100, clients, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), clients, 100, progress_bar=False)
     z = z_scores(svi.sample_posterior(random.PRNGKey(2), result, 4000), ref)
     assert np.isfinite(result.losses).all()
     # SFVI-Avg is not expected to be exact here (the paper reports it failing on this

@@ -128,7 +128,7 @@ def test_eight_schools_non_centred_matches_nuts(nuts_reference):
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(5e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", nf.FitWarning)
-        result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
+        result = svi.run(random.PRNGKey(1), schools(), 6000, progress_bar=False)
     check = svi.last_fit_check
     assert check.verdict != "unreliable", check.pareto_k
     # the moment check in unconstrained space sees q's Gaussian in log tau narrower than the weighted
@@ -150,7 +150,7 @@ def test_eight_schools_centred_is_flagged(nuts_reference):
     ``biased`` at tau, a subclass of ``UnreliableFitWarning``, instead of ``unreliable``.)"""
     svi = nf.FederatedSVI(centred, nf.StructuredGuide(centred), optax.adam(5e-3))
     with pytest.warns(nf.UnreliableFitWarning, match=r"Pareto k = [\s\S]*(tau|funnel)"):
-        result = svi.run(random.PRNGKey(1), 6000, schools(), progress_bar=False)
+        result = svi.run(random.PRNGKey(1), schools(), 6000, progress_bar=False)
     tau = np.asarray(svi.sample_posterior(random.PRNGKey(2), result, 4000)["tau"])
     ref = nuts_reference["tau"]
     # wrong by nf.fit's tolerance (mean 0.2 sd, sd 15 %), and flagged: started at the prior's median the

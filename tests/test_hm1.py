@@ -48,7 +48,7 @@ def test_rounds_equal_algorithm_1_by_hand(devices, omega_df):
     NumPy (padded, unequal devices); with ``omega_df`` the variant's Omega update."""
     clients, xs, ys, _ = devices
     method = nf.HM1(lr=0.004, shrinkage=0.05, alpha=0.3, local_steps=5, batch_size=None, omega_df=omega_df)
-    res = method.run(random.PRNGKey(0), 3, clients)
+    res = method.run(random.PRNGKey(0), clients, 3)
     theta = np.asarray(method.init(random.PRNGKey(0), clients).server.theta, np.float64)  # N(0, 0.01^2) draws
     omega = np.eye(4)
     for _ in range(3):
@@ -102,8 +102,8 @@ def test_noise_scaled_variant_reaches_a_stationary_point_of_L(devices):
     ``sigma_k^2 = RSS / (n_k - d)``; Algorithm 1's weighting does not."""
     clients, xs, ys, _ = devices
     kwargs = dict(lr=0.2, gradient="mean", batch_size=None, alpha=0.0, local_steps=10)
-    res = nf.HM1(noise_scaled=True, **kwargs).run(random.PRNGKey(0), 200, clients)
-    paper = nf.HM1(**kwargs).run(random.PRNGKey(0), 200, clients)
+    res = nf.HM1(noise_scaled=True, **kwargs).run(random.PRNGKey(0), clients, 200)
+    paper = nf.HM1(**kwargs).run(random.PRNGKey(0), clients, 200)
     for j in range(4):
         x, y = xs[j].astype(np.float64), ys[j].astype(np.float64)
 
@@ -120,16 +120,16 @@ def test_a_too_large_step_warns_or_stops(devices):
     run stopped early, while Theta still moves, warns naming the round."""
     clients = devices[0]
     with pytest.raises(nf.NonFiniteError):
-        nf.HM1(lr=0.5, batch_size=None).run(random.PRNGKey(0), 30, clients)
+        nf.HM1(lr=0.5, batch_size=None).run(random.PRNGKey(0), clients, 30)
     with pytest.warns(nf.UnconvergedWarning, match="round 2"):
-        nf.HM1(lr=0.001).run(random.PRNGKey(0), 2, clients)
+        nf.HM1(lr=0.001).run(random.PRNGKey(0), clients, 2)
 
 
 def test_separate_models_are_least_squares(devices):
     """shrinkage=0: every device's own gradient descent, which converges to its least squares."""
     clients, xs, ys, _ = devices
     res = nf.HM1(lr=0.1, shrinkage=0.0, local_steps=50, gradient="mean", batch_size=None).run(
-        random.PRNGKey(0), 20, clients)
+        random.PRNGKey(0), clients, 20)
     for j in range(4):
         ls = np.linalg.lstsq(xs[j], ys[j], rcond=None)[0]
         np.testing.assert_allclose(res.params["theta"][j], ls, rtol=1e-3, atol=1e-4)
@@ -140,7 +140,7 @@ def test_partial_participation_and_messages(devices):
     receives only its own column and its shrinkage direction (d numbers each)."""
     clients, _, _, _ = devices
     method = nf.HM1(subset_size=2)
-    one = method.run(random.PRNGKey(1), 1, clients, record_transcript=True, keep_values=True)
+    one = method.run(random.PRNGKey(1), clients, 1, record_transcript=True, keep_values=True)
     start = np.asarray(method.init(random.PRNGKey(1), clients).server.theta)
     changed = np.any(np.abs(np.asarray(one.params["theta"]) - start) > 1e-7, axis=1)
     assert changed.sum() == 2
@@ -168,11 +168,11 @@ def test_hm1_clear_errors(devices):
         nf.HM1(omega_df=0)
     tiny = nf.Clients.split(np.repeat([0, 1], [3, 10]), x=np.ones((13, 3)), y=np.ones(13))
     with pytest.raises(ValueError, match=r"noise_scaled=True needs more rows.*\['0'\]"):
-        nf.HM1(noise_scaled=True).run(random.PRNGKey(0), 1, tiny)
+        nf.HM1(noise_scaled=True).run(random.PRNGKey(0), tiny, 1)
     with pytest.raises(ValueError, match="subset_size=9"):
-        nf.HM1(subset_size=9).run(random.PRNGKey(0), 1, clients)
+        nf.HM1(subset_size=9).run(random.PRNGKey(0), clients, 1)
     bad = nf.Clients.split(np.repeat([0, 1], 5), x=np.ones((10, 2, 2)), y=np.ones(10))
     with pytest.raises(ValueError, match="client '0' needs arrays 'x' of shape"):
-        nf.HM1().run(random.PRNGKey(0), 1, bad)
+        nf.HM1().run(random.PRNGKey(0), bad, 1)
     with pytest.raises(TypeError, match="nf.Clients"):
-        nf.HM1().run(random.PRNGKey(0), 1, {"x": 1})
+        nf.HM1().run(random.PRNGKey(0), {"x": 1}, 1)

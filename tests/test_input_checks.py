@@ -67,18 +67,18 @@ def test_factor_inference_arguments(clients):
     with pytest.raises(ValueError, match="num_particles=0"):
         nf.EP(linear, tilted="vi", optim=optax.adam(0.1), num_particles=0)
     pvi = nf.PVI(linear)
-    res = pvi.run(random.PRNGKey(0), 1, clients)
+    res = pvi.run(random.PRNGKey(0), clients, 1)
     with pytest.raises(ValueError, match="num_samples=0"):
         pvi.sample_posterior(random.PRNGKey(0), res, 0)
     ep = nf.EP(linear)
-    fit = ep.run(random.PRNGKey(0), 1, clients)
+    fit = ep.run(random.PRNGKey(0), clients, 1)
     with pytest.raises(ValueError, match="num_samples=0"):
         ep.local_posterior(random.PRNGKey(0), fit, num_samples=0)
 
 
 def test_svi_sample_posterior_needs_a_positive_count(clients):
     svi = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.1))
-    res = svi.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+    res = svi.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     with pytest.raises(ValueError, match="num_samples=0"):
         svi.sample_posterior(random.PRNGKey(0), res, 0)
 
@@ -86,17 +86,17 @@ def test_svi_sample_posterior_needs_a_positive_count(clients):
 def test_run_options_are_checked(clients):
     svi = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.1))
     with pytest.raises(ValueError, match="num_rounds=0"):
-        svi.run(random.PRNGKey(0), 0, clients)
+        svi.run(random.PRNGKey(0), clients, 0)
     with pytest.raises(ValueError, match="on_nonfinite='ignore'"):
-        svi.run(random.PRNGKey(0), 2, clients, on_nonfinite="ignore")
+        svi.run(random.PRNGKey(0), clients, 2, on_nonfinite="ignore")
     with pytest.raises(ValueError, match=r"availability=1.5: a probability must be in \(0, 1\]"):
-        svi.run(random.PRNGKey(0), 2, clients, availability=1.5)
+        svi.run(random.PRNGKey(0), clients, 2, availability=1.5)
     with pytest.raises(ValueError, match="availability has shape"):
-        svi.run(random.PRNGKey(0), 2, clients, availability=np.ones((2, 5), bool))
+        svi.run(random.PRNGKey(0), clients, 2, availability=np.ones((2, 5), bool))
     with pytest.raises(ValueError, match="schedule covers 2 rounds but the run reaches round 3"):
-        svi.run(random.PRNGKey(0), 3, clients, availability=np.ones((2, 3), bool))
+        svi.run(random.PRNGKey(0), clients, 3, availability=np.ones((2, 3), bool))
     with pytest.raises(ValueError, match="checkpoint_every= needs checkpoint="):
-        svi.run(random.PRNGKey(0), 2, clients, checkpoint_every=1)
+        svi.run(random.PRNGKey(0), clients, 2, checkpoint_every=1)
 
 
 def _vertical_model(xa, xb, y):
@@ -169,9 +169,9 @@ def test_one_familys_result_passed_to_another_is_refused_naming_both():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         svi, clients = sfvi()
-        svi_result = svi.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+        svi_result = svi.run(random.PRNGKey(0), clients, 3, progress_bar=False)
         factor, clients = pvi()
-        pvi_result = factor.run(random.PRNGKey(0), 2, clients, progress_bar=False)
+        pvi_result = factor.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     assert svi_result.fitted_by == "FederatedSVI" and pvi_result.fitted_by == "PVI"
     with pytest.raises(ValueError, match="FederatedSVI was given a result of PVI.run"):
         svi.sample_posterior(random.PRNGKey(1), pvi_result, 5)
@@ -180,7 +180,7 @@ def test_one_familys_result_passed_to_another_is_refused_naming_both():
     with pytest.raises(ValueError, match="PVI was given a state whose server part does not match"):
         factor.sample_posterior(random.PRNGKey(1), svi_result.state, 5)
     with pytest.raises(ValueError, match="FederatedSVI was given a result of PVI.run"):
-        svi.run(random.PRNGKey(0), 1, clients, init_state=pvi_result, progress_bar=False)
+        svi.run(random.PRNGKey(0), clients, 1, init_state=pvi_result, progress_bar=False)
     with pytest.raises(ValueError, match="PVI was given a state whose server part does not match"):
         factor.update(svi_result.state, clients)
     assert svi.sample_posterior(random.PRNGKey(1), svi_result, 5)  # its own result still works

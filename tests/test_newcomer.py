@@ -119,7 +119,7 @@ def test_every_family_shows_a_progress_bar_by_default(family, monkeypatch, capsy
         nf.FederatedNUTS(model, num_warmup=30, num_samples=30).run(jax.random.PRNGKey(0), clients)
         words = "sampling 60/60"
     else:
-        getattr(nf, family)(model).run(jax.random.PRNGKey(0), 2, clients)
+        getattr(nf, family)(model).run(jax.random.PRNGKey(0), clients, 2)
         words = "KL(q_new||q)"
     err = capsys.readouterr().err
     assert words in err, err[-500:]
@@ -128,7 +128,7 @@ def test_every_family_shows_a_progress_bar_by_default(family, monkeypatch, capsy
 def test_print_summary_reads_a_fit_at_a_glance(capsys):
     model, clients = _small()
     ep = nf.EP(model)
-    result = ep.run(jax.random.PRNGKey(0), 3, clients, progress_bar=False)
+    result = ep.run(jax.random.PRNGKey(0), clients, 3, progress_bar=False)
     ep.print_summary(result)
     out = capsys.readouterr().out
     assert re.search(r"mu\s+1\.\d\d\s+0\.1\d", out) and "fit check: ok" in out
@@ -143,7 +143,7 @@ def test_print_summary_reads_a_fit_at_a_glance(capsys):
 def test_results_and_fit_checks_print_in_a_few_lines():
     model, clients = _small()
     ep = nf.EP(model)
-    result = ep.run(jax.random.PRNGKey(0), 3, clients, progress_bar=False)
+    result = ep.run(jax.random.PRNGKey(0), clients, 3, progress_bar=False)
     text, check = repr(result), repr(ep.last_fit_check)
     assert text.startswith("RunResult(fitted_by='EP'") and "3 rounds" in text and len(text) < 300, text
     assert check.startswith("FitDiagnostic(verdict='ok'") and len(check) < 200, check
@@ -232,7 +232,7 @@ def test_an_exact_fit_is_not_called_unreliable():
     pvi.client_mapping = "loop"  # as the flower demo's simulation: its round-off spreads the log weights by ~2e-5
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.UnreliableFitWarning)
-        pvi.run(jax.random.PRNGKey(0), 4, clients, progress_bar=False)
+        pvi.run(jax.random.PRNGKey(0), clients, 4, progress_bar=False)
     check = pvi.last_fit_check
     assert check.verdict == "ok" and check.ess > 999, check
 
@@ -250,7 +250,7 @@ def test_warnings_point_at_the_users_line():
         warnings.simplefilter("always")
         nf.FederatedNUTS(model, num_warmup=5, num_samples=20, num_chains=2).run(jax.random.PRNGKey(0), clients,
                                                                               progress_bar=False)
-        nf.PVI(far_prior).run(jax.random.PRNGKey(0), 1, clients, progress_bar=False)
+        nf.PVI(far_prior).run(jax.random.PRNGKey(0), clients, 1, progress_bar=False)
     ours = [w for w in caught if issubclass(w.category, nf.FederatedWarning)]
     assert ours
     for w in ours:

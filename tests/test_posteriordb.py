@@ -83,13 +83,13 @@ def test_flat_prior_sfvi_matches_the_analytic_posterior_and_factor_families_refu
     svi = nf.FederatedSVI(_flat_model, nf.StructuredGuide(_flat_model), optax.adam(0.05))
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.FitWarning)
-        result = svi.run(jax.random.PRNGKey(0), 1500, clients, progress_bar=False)
+        result = svi.run(jax.random.PRNGKey(0), clients, 1500, progress_bar=False)
     draws = np.asarray(svi.sample_posterior(jax.random.PRNGKey(1), result, 4000)["beta"])
     assert np.all(np.abs(draws.mean(0) - mean) < 0.1 * sd)
     assert np.all(np.abs(draws.std(0) / sd - 1) < 0.1)
     for cls in (nf.PVI, nf.EP):
         with pytest.raises(ValueError, match=r"global site\(s\) beta is flat"):
-            cls(_flat_model).run(jax.random.PRNGKey(0), 2, clients)
+            cls(_flat_model).run(jax.random.PRNGKey(0), clients, 2)
 
 
 def test_heavy_priors_do_not_break_set_up(posteriors):
@@ -97,7 +97,7 @@ def test_heavy_priors_do_not_break_set_up(posteriors):
     trace used to draw from the prior and refused the model ("invalid logits")."""
     post = posteriors["surgical_data-surgical_model"]
     svi = nf.FederatedSVI(post.model, nf.StructuredGuide(post.model), optax.adam(0.02), check_fit=False)
-    result = svi.run(jax.random.PRNGKey(0), 5, post.clients, progress_bar=False)
+    result = svi.run(jax.random.PRNGKey(0), post.clients, 5, progress_bar=False)
     assert np.all(np.isfinite(np.asarray(result.losses)))
 
 

@@ -51,7 +51,7 @@ def test_transcript_carries_only_global_quantities(clients, method):
         logistic_local, nf.StructuredGuide(logistic_local), optax.adam(0.05),
         method=method, local_steps=3,
     )
-    result = svi.run(random.PRNGKey(0), 5, clients, progress_bar=False, record_transcript=True, keep_values=True)
+    result = svi.run(random.PRNGKey(0), clients, 5, progress_bar=False, record_transcript=True, keep_values=True)
     t = result.transcript
     sent_by_clients = [e for e in t.entries if e.receiver == "server"]
     assert sent_by_clients, "clients sent nothing?"

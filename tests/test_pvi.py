@@ -46,7 +46,7 @@ def test_one_pass_gives_the_exact_posterior(linear, schedule, damping, rounds):
     """Conjugate model: one pass of sequential PVI (3 rounds, one client each) or one
     undamped synchronous round equals the exact posterior."""
     clients, mean, cov, _ = linear
-    res = nf.PVI(linear_model, schedule=schedule, damping=damping).run(random.PRNGKey(0), rounds, clients)
+    res = nf.PVI(linear_model, schedule=schedule, damping=damping).run(random.PRNGKey(0), clients, rounds)
     np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
     assert res.communication.messages_up == rounds * (1 if schedule == "sequential" else 3)
@@ -59,7 +59,7 @@ def test_local_averaging_and_virtual_clients_are_exact_for_a_conjugate_model(lin
     the client's likelihood (eq. 4.1-4.2), and the virtual factors sum to it (eq. 4.10).
     Wrong shard masks (overlapping or missing rows) would change the result."""
     clients, mean, cov, _ = linear
-    res = nf.PVI(linear_model, schedule=schedule, variant=variant, num_shards=4).run(random.PRNGKey(0), rounds, clients)
+    res = nf.PVI(linear_model, schedule=schedule, variant=variant, num_shards=4).run(random.PRNGKey(0), clients, rounds)
     np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
     if variant == "virtual":  # each client keeps one factor per shard; they sum to its likelihood
@@ -70,9 +70,9 @@ def test_local_averaging_and_virtual_clients_are_exact_for_a_conjugate_model(lin
 def test_damped_synchronous_pvi_converges_to_the_exact_posterior(linear):
     clients, mean, cov, _ = linear
     pvi_ = nf.PVI(linear_model, schedule="synchronous", damping=0.5)
-    first = pvi_.run(random.PRNGKey(0), 1, clients)
+    first = pvi_.run(random.PRNGKey(0), clients, 1)
     assert np.abs(first.params["cov"] - cov).max() > 0.3 * np.abs(cov).max()  # one damped round is not there yet
-    res = pvi_.run(random.PRNGKey(0), 30, clients)
+    res = pvi_.run(random.PRNGKey(0), clients, 30)
     np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-3, atol=1e-7)
     assert np.all(np.asarray(res.info.damping) == 0.5)
@@ -82,7 +82,7 @@ def test_mean_field_fixed_point_is_the_global_mean_field_optimum(linear):
     """For a Gaussian posterior the mean-field KL optimum has the exact mean and precision
     diag(P); diagonal PVI reaches it."""
     clients, mean, _, precision = linear
-    res = nf.PVI(linear_model, family="diagonal", schedule="sequential").run(random.PRNGKey(0), 60, clients)
+    res = nf.PVI(linear_model, family="diagonal", schedule="sequential").run(random.PRNGKey(0), clients, 60)
     np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(res.params["cov"], 1 / np.diag(precision), rtol=1e-4)
 
@@ -90,7 +90,7 @@ def test_mean_field_fixed_point_is_the_global_mean_field_optimum(linear):
 def test_optax_local_updates_approach_the_exact_posterior(linear):
     clients, mean, cov, _ = linear
     res = nf.PVI(linear_model, update="optax", optim=optax.adam(0.01), local_steps=300, num_particles=16,
-                 schedule="sequential").run(random.PRNGKey(0), 6, clients)
+                 schedule="sequential").run(random.PRNGKey(0), clients, 6)
     sd = np.sqrt(np.diag(cov))
     assert np.max(np.abs(res.params["mean"] - mean) / sd) < 0.3
     assert np.max(np.abs(np.sqrt(np.diag(res.params["cov"])) / sd - 1)) < 0.15
@@ -152,7 +152,7 @@ def test_client_update_is_one_natural_parameter_message(linear):
     (a flag and one number): no data."""
     clients, *_ = linear
     p = nf.PVI(linear_model, schedule="synchronous")
-    res = p.run(random.PRNGKey(0), 1, clients, record_transcript=True, keep_values=True)
+    res = p.run(random.PRNGKey(0), clients, 1, record_transcript=True, keep_values=True)
     up = [e for e in res.transcript.entries if e.receiver == "server"]
     assert {e.name for e in up} == {
         "['delta'].shift",
@@ -232,7 +232,7 @@ def test_default_update_is_chosen_per_model(linear):
     conjugate update refuses."""
     clients, mean, cov, _ = linear
     exact = nf.PVI(linear_model)
-    res = exact.run(random.PRNGKey(0), 1, clients)
+    res = exact.run(random.PRNGKey(0), clients, 1)
     assert exact.update_used == "conjugate"
     np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
 
@@ -250,7 +250,7 @@ def test_default_update_is_chosen_per_model(linear):
 
     for model in (logistic, with_local):
         pvi_ = nf.PVI(model, local_steps=300, schedule="sequential")
-        res = pvi_.run(random.PRNGKey(1), 3, clients)
+        res = pvi_.run(random.PRNGKey(1), clients, 3)
         assert pvi_.update_used == "optax", model.__name__
         assert np.all(np.isfinite(np.asarray(res.params["mean"])))
     # the local-latent model is Gaussian: its exact marginal of w is the reference
@@ -279,7 +279,7 @@ def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
             numpyro.sample("y", dist.Normal(x @ w, s), obs=y)
 
     p = nf.PVI(model, update="optax", optim=optax.adam(0.01), local_steps=200, schedule="sequential")
-    res = p.run(random.PRNGKey(0), 3, clients)
+    res = p.run(random.PRNGKey(0), clients, 3)
     draws = p.sample_posterior(random.PRNGKey(1), res, 200)
     assert set(draws) == {"s", "w"}
     assert draws["s"].shape == (200,) and bool(jnp.all(draws["s"] > 0))
@@ -350,7 +350,7 @@ def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, 
         damping=damping,
         variant=variant,
         num_shards=1 if variant == "plain" else 3,
-    ).run(random.PRNGKey(0), rounds, clients)
+    ).run(random.PRNGKey(0), clients, rounds)
     sd = np.sqrt(np.diag(cov))
     print(
         schedule,
@@ -378,7 +378,7 @@ def test_deterministic_sites_of_the_globals_are_in_the_draws(linear):
             numpyro.sample("y", dist.Normal(mean, SIGMA), obs=y)
 
     for inference in (nf.PVI(model, schedule="sequential"), nf.EP(model)):
-        res = inference.run(random.PRNGKey(0), 1, clients)
+        res = inference.run(random.PRNGKey(0), clients, 1)
         draws = inference.sample_posterior(random.PRNGKey(1), res, 50)
         assert set(draws) == {"w", "w_sq"}, type(inference).__name__
         np.testing.assert_allclose(draws["w_sq"], jnp.sum(draws["w"] ** 2, -1), rtol=1e-5)

@@ -109,11 +109,11 @@ def test_checkpoint_does_not_depend_on_the_client_mapping(tmp_path):
     vmap = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.05))
     loop = nf.FederatedSVI(linear, nf.StructuredGuide(linear), optax.adam(0.05), client_mapping="loop")
     path = str(tmp_path / "s.npz")
-    a = vmap.run(random.PRNGKey(0), 3, clients, progress_bar=False, checkpoint=path)
+    a = vmap.run(random.PRNGKey(0), clients, 3, progress_bar=False, checkpoint=path)
     state = loop.load(path, clients)
     assert loop._setup_cache.plan.mapping == "loop" and type(state.clients) is tuple
-    b = loop.run(None, 3, clients, progress_bar=False, init_state=state)
-    c = vmap.run(random.PRNGKey(0), 6, clients, progress_bar=False)
+    b = loop.run(None, clients, 3, progress_bar=False, init_state=state)
+    c = vmap.run(random.PRNGKey(0), clients, 6, progress_bar=False)
     np.testing.assert_allclose(b.params["guide"]["loc"], c.params["guide"]["loc"], rtol=1e-5)
     assert a.communication.rounds == 3
 
@@ -136,7 +136,7 @@ def binary():
 def test_exploding_optimiser_stops_with_the_round(binary, progress_bar):
     svi = nf.FederatedSVI(logistic, nf.StructuredGuide(logistic), optax.sgd(1e8))
     with pytest.raises(nf.NonFiniteError, match=r"round \d+: non-finite values") as err:
-        svi.run(random.PRNGKey(0), 200, binary, progress_bar=progress_bar)
+        svi.run(random.PRNGKey(0), binary, 200, progress_bar=progress_bar)
     assert 1 <= err.value.round < 200
     last = err.value.state
     assert int(last.round) == err.value.round - 1  # the last finite state, not the broken one
@@ -146,7 +146,7 @@ def test_exploding_optimiser_stops_with_the_round(binary, progress_bar):
 def test_nonfinite_can_warn_and_keep_the_finite_rounds(binary):
     svi = nf.FederatedSVI(logistic, nf.StructuredGuide(logistic), optax.sgd(1e8))
     with pytest.warns(nf.NonFiniteWarning, match=r"round (\d+): non-finite"):
-        res = svi.run(random.PRNGKey(0), 200, binary, progress_bar=False, on_nonfinite="warn")
+        res = svi.run(random.PRNGKey(0), binary, 200, progress_bar=False, on_nonfinite="warn")
     assert res.trace.shape[0] == int(res.state.round) < 200
     assert np.isfinite(res.trace).all()
 
@@ -164,7 +164,7 @@ def test_nonfinite_names_the_client(tmp_path):
     clients = nf.Clients.split(np.repeat([0, 1, 2, 3], 5), x=x, y=np.ones(20, np.float32))
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01))
     with pytest.raises(nf.NonFiniteError, match=r"round 1: .*client\(s\) \['3'\]") as err:
-        svi.run(random.PRNGKey(0), 5, clients, progress_bar=False)
+        svi.run(random.PRNGKey(0), clients, 5, progress_bar=False)
     assert err.value.clients == ["3"]
 
 
@@ -174,11 +174,11 @@ def test_pvi_that_never_applies_an_update_raises_and_a_dead_round_warns():
     clients = horizontal_data()
     broken = nf.PVI(linear, update="optax", optim=optax.sgd(1e6), local_steps=5)
     with pytest.raises(ValueError, match=r"PVI applied no update in 3 round\(s\): q is still the prior"):
-        broken.run(random.PRNGKey(0), 3, clients)
+        broken.run(random.PRNGKey(0), clients, 3)
     good = nf.PVI(linear, update="optax", optim=optax.adam(0.05), local_steps=20)
-    moved = good.run(random.PRNGKey(0), 1, clients)
+    moved = good.run(random.PRNGKey(0), clients, 1)
     with pytest.warns(nf.InvalidUpdateWarning, match=r"in round\(s\) \[2, 3\] every update that arrived was invalid"):
-        broken.run(None, 2, clients, init_state=moved.state)
+        broken.run(None, clients, 2, init_state=moved.state)
 
 
 def test_byte_counts_are_the_serialised_sizes():

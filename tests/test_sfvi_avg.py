@@ -75,11 +75,11 @@ def test_sfvi_avg_approaches_sfvi(clients, global_scale):
     guide = nf.StructuredGuide(normal_hierarchical, global_scale=global_scale)
     exact = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(optax.exponential_decay(0.05, 1500, 0.05)),
                             num_particles=4)
-    r_exact = exact.run(random.PRNGKey(0), 1500, clients, progress_bar=False)
+    r_exact = exact.run(random.PRNGKey(0), clients, 1500, progress_bar=False)
     avg = nf.FederatedSVI(
         normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25, num_particles=2
     )
-    r_avg = avg.run(random.PRNGKey(0), 60, clients, progress_bar=False)
+    r_avg = avg.run(random.PRNGKey(0), clients, 60, progress_bar=False)
     mu_exact = exact.sample_posterior(random.PRNGKey(1), r_exact, 20000)["mu"]
     mu_avg = avg.sample_posterior(random.PRNGKey(1), r_avg, 20000)["mu"]
     assert abs(float(mu_avg.mean() - mu_exact.mean())) < 0.25 * float(mu_exact.std())
@@ -94,7 +94,7 @@ def test_partial_participation_counts_and_frozen_clients(clients):
     svi = nf.FederatedSVI(
         normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=3, participation=0.5
     )
-    result = svi.run(random.PRNGKey(0), 10, clients, progress_bar=False, record_transcript=True)
+    result = svi.run(random.PRNGKey(0), clients, 10, progress_bar=False, record_transcript=True)
     assert result.communication.messages_up == 10 * 2
     senders_per_round = {}
     for e in result.transcript.entries:
@@ -119,7 +119,7 @@ def test_unequal_silos_reach_the_exact_posterior(clients):
     unequal = nf.Clients.split(np.repeat(np.arange(4), sizes), y=y)
     svi = nf.FederatedSVI(normal_hierarchical, nf.StructuredGuide(normal_hierarchical), optax.adam(0.02),
                           method="sfvi_avg", local_steps=25, num_particles=2)
-    result = svi.run(random.PRNGKey(0), 80, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 80, progress_bar=False)
     mu = svi.sample_posterior(random.PRNGKey(1), result, 20000)["mu"]
     truth, sd = exact_mu(y)
     assert abs(float(mu.mean()) - truth) < 0.25 * sd, (float(mu.mean()), truth, sd)
@@ -139,7 +139,7 @@ def test_optimizer_state_modes(clients, mode):
     kw = {} if mode == "average" else {"optimizer_state": mode}
     svi = nf.FederatedSVI(normal_hierarchical, guide, optax.adam(0.02), method="sfvi_avg", local_steps=25,
                           num_particles=2, **kw)
-    result = svi.run(random.PRNGKey(0), 60, clients, progress_bar=False, record_transcript=True, keep_values=True)
+    result = svi.run(random.PRNGKey(0), clients, 60, progress_bar=False, record_transcript=True, keep_values=True)
     server = result.state.server
     up = [e for e in result.transcript.entries if e.receiver == "server"]
     if mode == "average":

@@ -33,7 +33,7 @@ def test_vmap_padding_equals_loop(unequal):
     for mapping in ("auto", "loop"):
         svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05),
                               client_mapping=mapping)
-        runs[mapping] = svi.run(random.PRNGKey(0), 30, unequal, progress_bar=False)
+        runs[mapping] = svi.run(random.PRNGKey(0), unequal, 30, progress_bar=False)
         assert svi._setup_cache.plan.mapping == ("vmap" if mapping == "auto" else "loop")
     a, b = runs["auto"], runs["loop"]
     np.testing.assert_allclose(a.losses, b.losses, rtol=1e-4, atol=1e-4)
@@ -55,7 +55,7 @@ def test_partition_invariance_of_trajectory(data):
     out = []
     for clients in (one, two):
         svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-        out.append(svi.run(random.PRNGKey(3), 50, clients, progress_bar=False))
+        out.append(svi.run(random.PRNGKey(3), clients, 50, progress_bar=False))
     for x, y in zip(jax.tree_util.tree_leaves(out[0].params), jax.tree_util.tree_leaves(out[1].params)):
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
 
@@ -71,11 +71,11 @@ def test_scan_path_equals_python_loop_and_resume(binary):
     runtime's guards this test compared infinite losses, so it now uses a binary y.)"""
     unequal = binary
     svi = nf.FederatedSVI(logistic_local, nf.StructuredGuide(logistic_local), optax.adam(0.05))
-    fast = svi.run(random.PRNGKey(0), 20, unequal, progress_bar=False)
-    slow = svi.run(random.PRNGKey(0), 20, unequal, progress_bar=True)
+    fast = svi.run(random.PRNGKey(0), unequal, 20, progress_bar=False)
+    slow = svi.run(random.PRNGKey(0), unequal, 20, progress_bar=True)
     np.testing.assert_allclose(fast.losses, slow.losses, rtol=1e-5)
-    first = svi.run(random.PRNGKey(0), 10, unequal, progress_bar=False)
-    second = svi.run(random.PRNGKey(0), 10, unequal, progress_bar=False, init_state=first.state)
+    first = svi.run(random.PRNGKey(0), unequal, 10, progress_bar=False)
+    second = svi.run(random.PRNGKey(0), unequal, 10, progress_bar=False, init_state=first.state)
     np.testing.assert_allclose(jnp.concatenate([first.losses, second.losses]), fast.losses, rtol=1e-5)
     assert np.isfinite(fast.losses).all()
 
@@ -92,14 +92,14 @@ def test_round_compiles_once(unequal):
 
 def test_update_under_jit_and_evaluate(unequal):
     svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 200, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 200, progress_bar=False)
     loss = svi.evaluate(result.state, unequal, num_particles=64)
     assert abs(float(loss) - float(result.losses[-20:].mean())) < 0.1 * abs(float(loss)) + 5.0
 
 
 def test_sample_posterior_shapes(unequal):
     svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 20, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 20, progress_bar=False)
     g = svi.sample_posterior(random.PRNGKey(1), result, 7)
     assert set(g) == {"beta", "sigma"} and g["beta"].shape == (7, 2) and (g["sigma"] > 0).all()
     c = svi.sample_posterior(random.PRNGKey(1), result, 7, client="2")
@@ -112,7 +112,7 @@ def test_to_arviz(unequal):
     import arviz as az
 
     svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 15, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 15, progress_bar=False)
     idata = nf.to_arviz(svi, result, random.PRNGKey(1), num_samples=50, client="0", clients=unequal)
     assert idata.posterior["beta"].shape == (4, 50, 2)
     assert idata.sample_stats["elbo"].shape[-1] == 15
@@ -146,7 +146,7 @@ def test_local_param_stays_on_the_client(unequal):
     offsets = {"0": -1.0, "1": 0.0, "2": 2.0}
     shifted = nf.Clients({c: dict(X=unequal[c]["X"], y=unequal[c]["y"] + offsets[c]) for c in unequal.names})
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 600, shifted, progress_bar=False, record_transcript=True)
+    result = svi.run(random.PRNGKey(0), shifted, 600, progress_bar=False, record_transcript=True)
     assert X.shape[0] == 26 and "shift" not in result.params["theta"]
     for c, want in offsets.items():
         assert abs(float(result.client_states[c].local_params["theta"]["shift"]) - want) < 0.3
@@ -189,7 +189,7 @@ def test_ambiguous_row_plate_needs_row_plate(unequal):
     with pytest.raises(ValueError, match=r"pass row_plate="):
         svi.init(random.PRNGKey(0), unequal)
     ok = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05), row_plate="rows")
-    assert np.isfinite(ok.run(random.PRNGKey(0), 3, unequal, progress_bar=False).losses).all()
+    assert np.isfinite(ok.run(random.PRNGKey(0), unequal, 3, progress_bar=False).losses).all()
 
 
 def test_no_row_plate_falls_back_to_loop(unequal):
@@ -198,7 +198,7 @@ def test_no_row_plate_falls_back_to_loop(unequal):
         numpyro.sample("y", dist.Normal(beta, 1.0).expand([y.shape[0]]).to_event(1), obs=y)
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    svi.run(random.PRNGKey(0), 3, unequal, progress_bar=False)
+    svi.run(random.PRNGKey(0), unequal, 3, progress_bar=False)
     assert svi._setup_cache.plan.mapping == "loop"
     strict = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05), client_mapping="vmap")
     with pytest.raises(ValueError, match="client_mapping='vmap' pads clients"):
@@ -250,7 +250,7 @@ def test_params_come_back_constrained(unequal):
             numpyro.sample("y", dist.Normal(X @ beta + lo, sigma), obs=y)
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 400, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 400, progress_bar=False)
     sigma = float(result.params["theta"]["sigma"])
     assert sigma > 0 and float(svi.get_params(result.state)["theta"]["sigma"]) == sigma
     # the noise of the data (0.3 around X @ [1, -0.5] in the fixture) is what sigma finds
@@ -270,7 +270,7 @@ def test_deterministic_sites_in_client_draws_and_arviz(unequal):
             numpyro.sample("y", dist.Normal(mean, 0.3), obs=y)
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 200, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 200, progress_bar=False)
     draws = svi.sample_posterior(random.PRNGKey(1), result, 100, client="1")
     beta = np.asarray(draws["beta"])
     np.testing.assert_allclose(draws["ratio"], beta[:, 0] / beta[:, 1], rtol=1e-5)
@@ -297,7 +297,7 @@ def test_server_draws_carry_the_deterministic_sites_of_the_global_sites(unequal)
             numpyro.sample("y", dist.Normal(mean, sigma), obs=y)
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
-    result = svi.run(random.PRNGKey(0), 200, unequal, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), unequal, 200, progress_bar=False)
     draws = svi.sample_posterior(random.PRNGKey(1), result, 50)
     assert set(draws) == {"beta", "ratio", "snr"}
     beta, sigma = np.asarray(draws["beta"]), float(result.params["theta"]["sigma"])
@@ -317,7 +317,7 @@ def test_fit_check_over_a_network_equals_the_simulations():
 
     inference, clients = sfvi()
     inference.client_mapping = "loop"
-    result = inference.run(random.PRNGKey(0), 3, clients, progress_bar=False)
+    result = inference.run(random.PRNGKey(0), clients, 3, progress_bar=False)
     setup = inference._setup_cache
     want = inference.last_fit_check
 

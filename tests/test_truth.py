@@ -37,7 +37,7 @@ def fit(guide, clients, rounds=4000):
     svi = nf.FederatedSVI(
         normal_hierarchical, guide, optax.adam(sched), num_particles=8, model_kwargs=dict(sigma=SIGMA)
     )
-    result = svi.run(random.PRNGKey(0), rounds, clients, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), clients, rounds, progress_bar=False)
     return svi, result
 
 
@@ -89,7 +89,7 @@ def test_default_settings_converge_to_the_exact_posterior(data):
     model = normal_hierarchical
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(5e-3), model_kwargs=dict(sigma=SIGMA))
     assert svi.stl and svi.num_particles == 1
-    result = svi.run(random.PRNGKey(0), 6000, clients, progress_bar=False)
+    result = svi.run(random.PRNGKey(0), clients, 6000, progress_bar=False)
     m, s, _ = moments(svi, result, clients)
     mc = 3 * sd / np.sqrt(40000)
     np.testing.assert_array_less(np.abs(m - mean), 0.05 * sd + mc)

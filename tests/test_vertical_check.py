@@ -87,7 +87,7 @@ def test_a_mean_field_guide_that_narrows_the_slopes_warns_and_corrected_draws_fi
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.02))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = svi.run(jax.random.PRNGKey(0), 2000, progress_bar=False, **data)
+        res = svi.run(jax.random.PRNGKey(0), num_rounds=2000, progress_bar=False, **data)
     draws = svi.sample_posterior(jax.random.PRNGKey(1), res, 2000)
     q_sd = np.concatenate([np.std(draws[k].reshape(2000, -1), 0) for k in ("b0", "ba", "bb")])
     assert q_sd[1:].max() / sd[1:].min() < 0.7, q_sd / sd  # the slopes are narrowed ...
@@ -99,7 +99,7 @@ def test_a_mean_field_guide_that_narrows_the_slopes_warns_and_corrected_draws_fi
         assert {"ba[0]", "ba[1]", "bb"} & {m.site for m in check.biased}
 
     amortized = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(0.02))
-    res = amortized.run(jax.random.PRNGKey(0), 2000, progress_bar=False, **data)
+    res = amortized.run(jax.random.PRNGKey(0), num_rounds=2000, progress_bar=False, **data)
     check = amortized.last_fit_check
     assert check.pareto_k <= 0.7, check.pareto_k
     fixed = amortized.sample_posterior(jax.random.PRNGKey(1), res, 4000, corrected=True)
@@ -126,7 +126,7 @@ def test_soul_draws_narrower_than_the_true_posterior_warn():
                            num_langevin=10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = soul.run(jax.random.PRNGKey(0), 1500, progress_bar=False, **data)
+        res = soul.run(jax.random.PRNGKey(0), num_rounds=1500, progress_bar=False, **data)
     draws = soul.sample_posterior(jax.random.PRNGKey(1), res, 2000, num_warmup=200)
     got_sd = np.concatenate([np.std(draws[k].reshape(2000, -1), 0) for k in ("ba", "bb")])
     assert np.all(got_sd / sd[1:] < 0.8), got_sd / sd[1:]
@@ -140,7 +140,7 @@ def test_vertical_check_can_be_switched_off_and_corrected_draws_then_refuse():
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.02), check_fit=False, check_rho=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = svi.run(jax.random.PRNGKey(0), 20, progress_bar=False, **data)
+        res = svi.run(jax.random.PRNGKey(0), num_rounds=20, progress_bar=False, **data)
     assert svi.last_fit_check is None
     assert not [w for w in caught if issubclass(w.category, nf.FitWarning)]
     with pytest.raises(ValueError, match="check_fit=True"):
@@ -182,7 +182,7 @@ def test_the_parties_check_over_a_network_equals_the_simulations_and_sends_no_dr
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.02))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = svi.run(jax.random.PRNGKey(0), 1500, progress_bar=False, **data)
+        res = svi.run(jax.random.PRNGKey(0), num_rounds=1500, progress_bar=False, **data)
     sim = svi.diagnose(res)
     nodes = _Nodes(svi, res)
     net, why, exchanges = svi._network_check(nodes, svi._fitted(), res)

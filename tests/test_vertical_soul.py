@@ -162,7 +162,7 @@ def test_soul_finds_the_map_of_z_and_samples_theta_given_it(form, intercept):
     gamma = 2e-3
     sched = optax.polynomial_schedule(0.1, 0.005, 1.0, 3000)
     soul = nf.VerticalSOUL(vmodel, optax.sgd(sched), step_size=gamma, num_langevin=10)
-    res = soul.run(random.PRNGKey(0), 3000, progress_bar=False, **data)
+    res = soul.run(random.PRNGKey(0), num_rounds=3000, progress_bar=False, **data)
     z_hat = np.concatenate([res.params["a"]["z"], res.params["b"]["z"]])
     z_err = np.abs(z_hat - mode[k:]) / sd_z
     print(form, "max |z_hat - MAP| / sd(z) =", z_err.max())
@@ -205,7 +205,7 @@ def test_server_chain_and_server_param(data3):
     vmodel = nf.vertical_split(model, clients=spec, rho=0.5, response="y", response_access="server")
     soul = nf.VerticalSOUL(vmodel, optax.adam(0.02), step_size={"server": 0.01, "a": 0.01, "b": 0.01, "c": 0.01},
                            num_langevin=4)
-    res = soul.run(random.PRNGKey(0), 600, progress_bar=False, **data)
+    res = soul.run(random.PRNGKey(0), num_rounds=600, progress_bar=False, **data)
     scale = float(jnp.exp(res.params["server"]["point"]["scale"]))  # stored unconstrained
     assert np.isfinite(scale) and abs(scale - 1.0) > 1e-2  # it moved
     assert np.all(np.isfinite(res.losses)) and res.losses[-50:].mean() < res.losses[:50].mean()
@@ -224,7 +224,8 @@ def test_soul_sends_only_z_and_gradients_wrt_z(data3, form, access):
     vmodel = nf.vertical_split(privacy_model(form), clients=SPEC3, form=form, rho=0.7,
                                response="y", response_access=access)
     soul = nf.VerticalSOUL(vmodel, optax.adam(0.05), step_size=GAMMA, num_langevin=3, batch_size=8)
-    res = soul.run(random.PRNGKey(0), 4, progress_bar=False, record_transcript=True, keep_values=True, **data3)
+    res = soul.run(random.PRNGKey(0), num_rounds=4, progress_bar=False, record_transcript=True, keep_values=True,
+                   **data3)
     assert_only_z_crosses(res, data3, form, access, secrets={})
 
 

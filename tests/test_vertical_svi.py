@@ -155,7 +155,7 @@ def test_meanfield_means_match_the_closed_form_augmented_posterior():
     mean = cov @ (x.T @ y / noise)
     sched = optax.exponential_decay(0.05, 4000, 0.02)
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield", theta_scale="diagonal"), optax.adam(sched))
-    res = svi.run(random.PRNGKey(0), 4000, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
+    res = svi.run(random.PRNGKey(0), num_rounds=4000, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
     loc = np.concatenate([res.params["a"]["theta"]["loc"], res.params["b"]["theta"]["loc"]])
     sd = np.sqrt(np.diag(cov))
     print("mean-field vs closed form: |loc - mean| / sd =", np.abs(loc - mean) / sd)
@@ -176,7 +176,8 @@ def test_only_z_and_gradients_wrt_z_cross(data3, form, access):
     vmodel = nf.vertical_split(privacy_model(form), clients=SPEC3, form=form, rho=0.7, response="y",
                                response_access=access)
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(0.05), batch_size=8)
-    res = svi.run(random.PRNGKey(0), 4, progress_bar=False, record_transcript=True, keep_values=True, **data3)
+    res = svi.run(random.PRNGKey(0), num_rounds=4, progress_bar=False, record_transcript=True, keep_values=True,
+                  **data3)
     secrets = {c: jax.tree_util.tree_leaves(res.params[c]) for c in ("a", "b", "c")}
     assert_only_z_crosses(res, data3, form, access, secrets)
 
@@ -285,8 +286,8 @@ def test_clear_errors(data3):
 def test_evaluate_and_resume(data3):
     vmodel = nf.vertical_split(three_client_model, clients=SPEC3, form="power", rho=0.5, response="y")
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(0.05), batch_size=12)
-    first = svi.run(random.PRNGKey(0), 300, progress_bar=False, **data3)
-    more = svi.run(random.PRNGKey(1), 300, progress_bar=False, init_state=first.state, **data3)
+    first = svi.run(random.PRNGKey(0), num_rounds=300, progress_bar=False, **data3)
+    more = svi.run(random.PRNGKey(1), num_rounds=300, progress_bar=False, init_state=first.state, **data3)
     start = svi.evaluate(svi.init(random.PRNGKey(0), **data3), **data3)
     end = svi.evaluate(more.state, **data3)
     assert np.isfinite(float(end)) and float(end) < float(start)
@@ -306,7 +307,8 @@ def test_hierarchical_bayes_split_nn_keeps_networks_on_the_clients():
     data = dict(xa=jnp.asarray(x[:, :2]), xb=jnp.asarray(x[:, 2:]), y=jnp.asarray(y))
     hb = nf.models.split_nn({"a": "xa", "b": "xb"}, rho=1.0)
     svi = nf.VerticalSVI(hb, nf.VerticalGuide("amortized"), optax.adam(1e-2))
-    res = svi.run(random.PRNGKey(0), 200, progress_bar=False, record_transcript=True, keep_values=True, **data)
+    res = svi.run(random.PRNGKey(0), num_rounds=200, progress_bar=False, record_transcript=True, keep_values=True,
+                  **data)
     assert set(res.params["a"]["point"]) == {"a_W0", "a_b0", "a_W1", "a_b1"}
     assert res.params["server"]["point"] == {} and res.params["server"]["theta"]["loc"].size == 0
     weights = svi.sample_posterior(random.PRNGKey(1), res, 50)

@@ -3,7 +3,9 @@
 
 import ast
 import importlib
+import inspect
 import pathlib
+import warnings
 
 import numpy as np
 import numpyro
@@ -14,6 +16,8 @@ from jax import random
 
 import numpyro_fed as nf
 from numpyro_fed._model_checks import MAX_ENUMERATED_SUPPORT, enumerated_support_size
+
+from . import families
 
 PACKAGE = pathlib.Path(nf.__file__).parent
 
@@ -97,3 +101,54 @@ def test_enumerated_support_size():
     assert enumerated_support_size(dist.Categorical(np.ones(7) / 7)) == 7
     assert enumerated_support_size(dist.Binomial(np.array([3, 9]), 0.5)) == 10
     assert enumerated_support_size(dist.Poisson(2.0).expand([4])) is None
+
+
+def _scale(y):
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+
+_SKEWED = dict(groups=np.array([0, 0, 1]), y=np.array([0.3, -0.2, 0.1], np.float32))
+
+
+def _laplace():  # a skewed posterior: Laplace's q is biased there, and says so
+    return nf.factor.Laplace(_scale), nf.Clients.split(_SKEWED["groups"], y=_SKEWED["y"])
+
+
+# each family's own warning from a short run (its fit check, its MCMC diagnostics, HM1's convergence)
+_WARNS = {"sfvi": (families.sfvi, 1, nf.UnreliableFitWarning),
+          "sfvi_avg": (families.sfvi_avg, 1, nf.UnreliableFitWarning), "pvi": (families.pvi, 1, nf.BiasedFitWarning),
+          "ep": (families.ep, 1, nf.BiasedFitWarning),
+          "laplace": (_laplace, None, nf.BiasedFitWarning), "hm1": (families.hm1, 1, nf.UnconvergedWarning),
+          "vertical_sfvi": (families.vertical_sfvi, 1, nf.UnreliableFitWarning),
+          "vertical_soul": (families.vertical_soul, 1, nf.UnreliableFitWarning),
+          "nuts": (families.nuts, None, nf.MCMCDiagnosticWarning), "mwg": (families.mwg, None, nf.UnreliableFitWarning),
+          "pvi_dp_optimisation": (families.pvi_dp_optimisation, 1, nf.UncheckedFitWarning)}
+
+
+@pytest.mark.parametrize("family", list(_WARNS))
+def test_a_familys_warning_names_the_users_file_and_line(family):
+    """Every warning a run raises points at the user's call (``find_stack_level``), however deep
+    in the library it was raised: here, this file and the line of ``run``."""
+    make, rounds, category = _WARNS[family]
+    inference, inputs = make()
+    args, data = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        inference.run(random.PRNGKey(0), *args, num_rounds=rounds, progress_bar=False, **data)
+    ours = [w for w in caught if issubclass(w.category, nf.FederatedWarning)]
+    assert any(issubclass(w.category, category) for w in ours), [w.category.__name__ for w in ours]
+    assert [(w.filename, w.lineno) for w in ours] == [(__file__, line)] * len(ours)
+
+
+def test_nf_fits_warning_names_the_users_file_and_line():
+    clients = nf.Clients.split(_SKEWED["groups"], y=_SKEWED["y"])
+    fit = nf.fit(_scale, clients, random.PRNGKey(0), num_samples=100, progress_bar=False)
+    assert fit.method == "laplace (importance-corrected)"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        fit.get_samples(client="0")  # a client's local draws under corrected global draws: warned
+    assert [(w.category, w.filename, w.lineno) for w in caught] == [(nf.UncheckedFitWarning, __file__, line)]

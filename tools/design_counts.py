@@ -8,7 +8,15 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
   counted): raises whose message says "positive integer" and ``int(x) != x`` comparisons,
   ``hasattr(x, "init") and hasattr(x, "update")`` optimiser checks, and ``isinstance(x, Clients)``
   checks, each counted where it stands;
-- the public names, ``len(numpyro_fed.__all__)``.
+- the public names, ``len(numpyro_fed.__all__)``;
+- round loops: loops that call the per-round ``callback`` (every round loop must; one driver
+  should hold the only one);
+- hand-set warning levels: ``stacklevel=`` given anything but ``find_stack_level()``;
+- modules over 600 lines (the package's and the tests');
+- the deepest public class chain: the most numpyro_fed classes in the method resolution order
+  of a public class (a name in ``__all__`` of the package or a subpackage), mixins included:
+  the classes a reader walks through to find where a method comes from;
+- the package's size (modules and lines).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from typing import Dict, List, Set
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "numpyro_fed"
 LONG = 80
+MODULE_LINES = 600
+TESTS = ROOT / "tests"
 
 
 def _modules() -> Dict[str, Path]:
@@ -51,12 +61,19 @@ def counts() -> dict:
     private_imports: List[str] = []
     graph: Dict[str, Set[str]] = {m: set() for m in modules}
     inline: Dict[str, List[str]] = {"positive integer": [], "optax optimiser": [], "isinstance Clients": []}
+    round_loops: List[str] = []
+    stacklevels: List[str] = []
     for name, path in modules.items():
         shared = path == PACKAGE / "_validation.py"  # the one home of the shared checks
         text = path.read_text()
         tree = ast.parse(text)
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
+            if isinstance(node, (ast.For, ast.While)) and _calls_callback(node):
+                round_loops.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.keyword) and node.arg == "stacklevel" and not (
+                    isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "find_stack_level"):
+                stacklevels.append(f"{path.relative_to(ROOT)}:{node.value.lineno}")
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
                 if length > LONG:
@@ -94,13 +111,66 @@ def counts() -> dict:
     sys.path.insert(0, str(ROOT))
     import numpyro_fed
 
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in sorted(PACKAGE.rglob("*.py")) + sorted(TESTS.rglob("*.py"))}
     return {
+        "round_loops": sorted(set(round_loops) - _nested(round_loops)),
+        "hand_set_stacklevels": stacklevels,
+        "modules_over_600_lines": {p: n for p, n in sizes.items() if n > MODULE_LINES},
+        "deepest_public_class_chain": _deepest_chain(numpyro_fed),
+        "package_modules": len(modules),
+        "package_lines": sum(n for p, n in sizes.items() if p.startswith("numpyro_fed")),
         "functions_over_80_lines": long_functions,
         "private_imports_across_modules": private_imports,
         "import_cycles": cycles,
         "inline_validation": inline,
         "public_names": len(numpyro_fed.__all__),
     }
+
+
+def _calls_callback(loop) -> bool:
+    """Does the loop (nested loops included) call something named ``callback``?"""
+    return any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "callback" for n in ast.walk(loop))
+
+
+def _nested(where: List[str]) -> Set[str]:
+    """Loops inside another counted loop of the same file (a callback loop inside the round
+    loop is part of it)."""
+    inner = set()
+    by_file: Dict[str, List[int]] = {}
+    for w in where:
+        f, line = w.rsplit(":", 1)
+        by_file.setdefault(f, []).append(int(line))
+    for f, lines in by_file.items():
+        text = (ROOT / f).read_text()
+        tree = ast.parse(text)
+        spans = [(n.lineno, n.end_lineno) for n in ast.walk(tree)
+                 if isinstance(n, (ast.For, ast.While)) and n.lineno in lines]
+        for a, b in spans:
+            if any(c < a and b <= d for c, d in spans):
+                inner.add(f"{f}:{a}")
+    return inner
+
+
+def _deepest_chain(package) -> List[str]:
+    """The longest method resolution order (numpyro_fed classes only) of a public class."""
+    import importlib
+    import inspect
+
+    public = set()
+    for mod_name in _modules():
+        if not (PACKAGE / Path(*mod_name.split(".")[1:]) / "__init__.py").exists() and mod_name != "numpyro_fed":
+            continue
+        mod = importlib.import_module(mod_name)
+        for n in getattr(mod, "__all__", ()):
+            obj = getattr(mod, n, None)
+            if inspect.isclass(obj) and obj.__module__.startswith("numpyro_fed"):
+                public.add(obj)
+
+    def chain(cls) -> List[str]:
+        return [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__ if c.__module__.startswith("numpyro_fed")]
+
+    return max((chain(c) for c in sorted(public, key=lambda c: c.__qualname__)), key=len, default=[])
 
 
 def _docstring_lines(node) -> int:
@@ -157,6 +227,12 @@ def main() -> None:
     if args.json:
         print(json.dumps(found, indent=1))
         return
+    print(f"round loops: {len(found['round_loops'])} {found['round_loops']}")
+    chain = found["deepest_public_class_chain"]
+    print(f"deepest public class chain: {len(chain)} ({' -> '.join(c.rsplit('.', 1)[-1] for c in chain)})")
+    print(f"hand-set stacklevels: {len(found['hand_set_stacklevels'])}")
+    print(f"modules over {MODULE_LINES} lines: {len(found['modules_over_600_lines'])} {found['modules_over_600_lines']}")
+    print(f"package: {found['package_modules']} modules, {found['package_lines']} lines")
     print(f"functions over {LONG} lines: {len(found['functions_over_80_lines'])}")
     print(f"private imports across modules: {len(found['private_imports_across_modules'])}")
     print(f"import cycles: {len(found['import_cycles'])} {found['import_cycles']}")

@@ -22,9 +22,8 @@ warning, and the result at the last finite round).
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,6 @@ import numpy as np
 from jax import random
 
 from .. import checkpoint as ckpt
-from .._progress import make_bar, show_chunk
 from .._validation import check_positive_int
 from ..availability import as_availability, check_schedule
 from ..protocol import (
@@ -46,30 +44,10 @@ from ..protocol import (
     last_info,
 )
 from ..transcript import Communication, Transcript, message_bytes
-from ..warnings import NonFiniteWarning, find_stack_level
+from .driver import NonFinite, NonFiniteError, Rounds, drive, non_finite_message
 from .mapping import ClientPlan, client_item
 
 __all__ = ["NonFiniteError", "SimulationBackend"]
-
-GUARDS = ("raise", "warn")
-CHECKPOINTS_PER_RUN = 10  # a checkpoint= run without checkpoint_every saves this many times (and at the start)
-OPEN_ENDED_CHUNK = 4096  # rounds per compiled chunk of a run that ends when its algorithm is done
-OPEN_ENDED_BAR_CHUNK = 256  # the same with a progress bar, which moves once per chunk
-_NONFINITE = (
-    "round {round}: non-finite values ({what}); the run stopped there and error.state holds the last "
-    "finite state. Lower the learning rate or damping, check the data and priors, or pass "
-    "on_nonfinite='warn' to stop with a warning and keep the result so far"
-)
-
-
-class NonFiniteError(FloatingPointError):
-    """A round produced NaN or inf. ``round``, ``clients`` and ``state`` (the last finite
-    run state) are attributes."""
-
-    def __init__(self, message: str, round: int, clients: Sequence[str], state: RunState) -> None:
-        super().__init__(message)
-        self.round, self.clients, self.state = round, list(clients), state
-
 
 class RoundOutput(NamedTuple):
     info: Any
@@ -85,12 +63,6 @@ class _Failure(NamedTuple):
     round: jax.Array
     clients: jax.Array
     server: jax.Array
-
-
-def stack_rounds(*xs) -> jax.Array:
-    """One array of the per-round values ``xs``, stacked on the host: ``jnp.stack`` of thousands
-    of rounds compiles one concatenation of them all (minutes for a federated NUTS run)."""
-    return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
 
 
 def all_finite(tree) -> jax.Array:
@@ -160,7 +132,9 @@ class SimulationBackend:
         compiled = self._compiled(algorithm, plan)
         new, failure, out, _ = compiled.round(state, _no_failure(len(plan.names)), plan.data, plan.server_data,
                                               None, False)
-        _check(failure, plan, state, "raise")
+        if bool(failure.failed):
+            bad = _non_finite(failure, plan)
+            raise NonFiniteError(non_finite_message(bad), bad.round, bad.clients, state)
         return new, out.info
 
     def lower_round(self, algorithm: FederatedAlgorithm, plan: ClientPlan, state: RunState):
@@ -177,32 +151,26 @@ class SimulationBackend:
         rng_key: Optional[jax.Array] = None,
         *,
         init_state: Optional[RunState] = None,
-        progress_bar: bool = False,
-        record_transcript: bool = False,
-        keep_values: bool = False,
-        checkpoint: Optional[str] = None,
-        checkpoint_every: Optional[int] = None,
-        callbacks: Sequence[Callable] = (),
         availability: Any = None,
-        on_nonfinite: str = "raise",
+        **options: Any,
     ) -> RunResult:
-        """Run ``num_rounds`` rounds of ``algorithm`` on the clients of ``clients``.
+        """Run ``num_rounds`` rounds of ``algorithm`` on the clients of ``clients`` (the round
+        loop is :func:`~numpyro_fed.backends.driver.drive`'s).
 
         Args:
             clients: a :class:`~numpyro_fed.backends.mapping.ClientPlan`.
             rng_key: the run's key (ignored when resuming from ``init_state``).
             init_state: resume from a :class:`~numpyro_fed.protocol.RunState`.
-            progress_bar: a tqdm bar with the family's figure.
-            record_transcript: log every message; ``keep_values`` keeps the arrays.
-            checkpoint: a path: the run state is saved there (atomically) before the first
-                round, every ``checkpoint_every`` rounds (default: ten times per run) and at
-                the end (see :mod:`numpyro_fed.checkpoint`); a folder that does not exist is
-                refused before any round runs.
-            callbacks: ``callback(round, state, info)`` after each round.
             availability: who answers when asked (:mod:`numpyro_fed.availability`):
                 ``None`` (everyone), a probability (or one per client) per round, or a
                 ``(rounds, J)`` boolean schedule.
-            on_nonfinite: ``"raise"`` (default) or ``"warn"`` when a round produces NaN/inf.
+            **options: the driver's: ``progress_bar`` (a tqdm bar with the family's figure),
+                ``record_transcript`` (log every message; ``keep_values`` keeps the arrays),
+                ``checkpoint`` (a path: the run state is saved there, atomically, before the
+                first round, every ``checkpoint_every`` rounds, default ten times per run, and at
+                the end; see :mod:`numpyro_fed.checkpoint`), ``callbacks``
+                (``callback(round, state, info)`` after each round) and ``on_nonfinite``
+                (``"raise"``, default, or ``"warn"`` when a round produces NaN/inf).
 
         Returns:
             a :class:`~numpyro_fed.protocol.RunResult` whose ``params`` is the server's
@@ -210,100 +178,11 @@ class SimulationBackend:
             ``client_states`` holds each client's algorithm state by name.
         """
         plan = clients
-        avail, num_rounds, checkpoint_every = _checked_options(plan, num_rounds, availability, checkpoint,
-                                                               checkpoint_every, on_nonfinite)
-        compiled = self._compiled(algorithm, plan)
-        if init_state is None:
-            if rng_key is None:
-                raise ValueError("run needs rng_key= (or init_state= to resume)")
-            init_state = compiled.init(rng_key, plan.data)
-        if checkpoint is not None:  # the starting state: the path and the state's format are proven before round 1
-            ckpt.save(checkpoint, init_state, plan.names, algorithm.name)
-        start = int(init_state.round)
-        check_schedule(availability, start + num_rounds)
-        transcript = Transcript(keep_values) if record_transcript else None
-        open_ended = algorithm.done is not None  # federated MCMC: its bar moves per compiled chunk
-        stepwise = (progress_bar and not open_ended) or record_transcript or bool(callbacks)
-        if stepwise:
-            state, failure, outputs = self._loop(algorithm, compiled, plan, avail, init_state,
-                                                 _no_failure(len(plan.names)), num_rounds, progress_bar, transcript,
-                                                 callbacks, checkpoint, checkpoint_every)
-            stacked = jax.tree_util.tree_map(stack_rounds, *outputs) if outputs else None
-        else:
-            state, failure, stacked = _run_in_chunks(algorithm, compiled, plan, avail, init_state, num_rounds,
-                                                     checkpoint, checkpoint_every, progress_bar)
-        if bool(failure.failed):
-            _check(failure, plan, state, on_nonfinite)  # raises unless on_nonfinite="warn"
-            if int(failure.round) - 1 == start:
-                raise NonFiniteError(
-                    "no round finished with finite values; nothing to return", int(failure.round), [], state
-                )
-            stacked = jax.tree_util.tree_map(lambda x: x[: int(failure.round) - 1 - start], stacked)
-        if checkpoint is not None and stepwise:
-            ckpt.save(checkpoint, state, plan.names, algorithm.name)
-        return RunResult(
-            params=state.server,
-            state=state,
-            trace=stacked.figure,
-            info=stacked.info,
-            communication=self._communication(compiled, algorithm, plan, init_state, stacked),
-            client_states=ClientStates(plan.names, lambda j: client_item(plan, state.clients, j).state),
-            transcript=transcript,
-            rounds_answered=np.asarray(jnp.sum(stacked.answered, axis=-1)),
-        )
-
-    def _loop(
-        self,
-        algorithm,
-        compiled,
-        plan,
-        avail,
-        state,
-        failure,
-        num_rounds,
-        progress_bar,
-        transcript,
-        callbacks,
-        checkpoint,
-        checkpoint_every,
-    ):
-        figure_name = algorithm.monitor_name
-        iterator = range(num_rounds)
-        bar = None
-        if progress_bar:
-            bar = make_bar(num_rounds, algorithm.name or "rounds")
-        refresh, last = max(1, num_rounds // 20), 0
-        outputs: List[RoundOutput] = []
-        for i in iterator:
-            before = state
-            state, failure, out, traffic = compiled.round(
-                state, failure, plan.data, plan.server_data, avail, transcript is not None
-            )
-            if bool(failure.failed):
-                state = before
-                break
-            outputs.append(out)
-            if bar is not None:
-                bar.update(1)
-            if transcript is not None:
-                _record(transcript, int(before.round), plan.names, out, traffic, algorithm.exchanges)
-            for callback in callbacks:
-                callback(int(state.round), state, out.info)
-            if _finished(algorithm, state):
-                break
-            if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
-                ckpt.save(checkpoint, state, plan.names, algorithm.name)
-            if bar is not None and (i % refresh == 0 or i == num_rounds - 1):
-                window = jnp.stack([o.figure for o in outputs[last:]])
-                bar.set_postfix_str(
-                    "{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(
-                        figure_name, float(outputs[-1].figure), last + 1, i + 1, float(jnp.mean(window))
-                    )
-                )
-                last = i + 1
-        if bar is not None:
-            bar.close()
-        return state, failure, outputs
+        avail = None if availability is None else as_availability(availability, len(plan.names))
+        start = 0 if init_state is None else int(init_state.round)
+        check_schedule(availability, start + check_positive_int("num_rounds", num_rounds))
+        transport = _InProcess(self, algorithm, plan, avail)
+        return drive(transport, algorithm, num_rounds, rng_key, init_state=init_state, **options)
 
     def _communication(self, compiled, algorithm, plan, state, outs) -> Communication:
         if "down" not in compiled.sizes:  # per exchange, bytes per client each way (traced once)
@@ -326,75 +205,58 @@ class SimulationBackend:
         )
 
 
-def _checked_options(plan: ClientPlan, num_rounds, availability, checkpoint, checkpoint_every, on_nonfinite):
-    """``run``'s options checked: the availability, ``num_rounds`` as an int and the checkpoint
-    interval (default: :data:`CHECKPOINTS_PER_RUN` saves per run; the destination is checked)."""
-    if on_nonfinite not in GUARDS:
-        raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
-    avail = None if availability is None else as_availability(availability, len(plan.names))
-    num_rounds = check_positive_int("num_rounds", num_rounds)
-    if checkpoint_every is not None:
-        check_positive_int("checkpoint_every", checkpoint_every)
-        if checkpoint is None:
-            raise ValueError("checkpoint_every= needs checkpoint=, the path to save the run state to")
-    if checkpoint is not None:
-        ckpt.check_destination(checkpoint)
-        checkpoint_every = checkpoint_every or max(1, -(-num_rounds // CHECKPOINTS_PER_RUN))
-    return avail, num_rounds, checkpoint_every
-
-
-def _run_in_chunks(algorithm, compiled: "_Compiled", plan: ClientPlan, avail, state: RunState, num_rounds: int,
-                   checkpoint, checkpoint_every, progress_bar: bool = False):
-    """The fast path: rounds in one compiled ``lax.while_loop`` per chunk (one chunk, or one per
-    checkpoint), stopping at the first non-finite round and replaying the chunk's finite rounds.
-    Returns ``(state, failure, stacked round outputs)``."""
-    J = len(plan.names)
-    failure = _no_failure(J)
-    chunk = num_rounds if checkpoint_every is None else int(checkpoint_every)
-    if algorithm.done is not None:  # an open-ended run (MCMC): chunks, so the output buffers stay small
-        chunk = min(chunk, OPEN_ENDED_BAR_CHUNK if progress_bar else OPEN_ENDED_CHUNK)
-    outputs, done = [], 0
-    bar = make_bar(None, algorithm.name or "rounds") if progress_bar else None
-    while done < num_rounds and not bool(failure.failed) and not _finished(algorithm, state):
-        n = min(chunk, num_rounds - done)
-        chunk_start = state
-        state, failure, outs = compiled.scan(state, failure, plan.data, plan.server_data, avail, n)
-        if bool(failure.failed):  # replay the chunk's finite rounds: the last finite state
-            good = int(failure.round) - 1 - int(chunk_start.round)
-            if good:
-                state = compiled.scan(chunk_start, _no_failure(J), plan.data, plan.server_data, avail, good)[0]
-            else:
-                state = chunk_start
-        outputs.append(outs)
-        done += n
-        if checkpoint is not None:
-            ckpt.save(checkpoint, state, plan.names, algorithm.name)
-        if bar is not None:
-            show_chunk(bar, algorithm, state.server, int(state.round) - int(chunk_start.round), outs.figure)
-    if bar is not None:
-        bar.close()
-    return state, failure, jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outputs)
-
-
-def _finished(algorithm: FederatedAlgorithm, state: RunState) -> bool:
-    """Has an open-ended algorithm (``done`` set) finished?"""
-    return algorithm.done is not None and bool(algorithm.done(state.server))
-
-
-def _check(failure: _Failure, plan: ClientPlan, state: RunState, on_nonfinite: str) -> None:
-    if not bool(failure.failed):
-        return
+def _non_finite(failure: _Failure, plan: ClientPlan) -> NonFinite:
     bad = [n for n, b in zip(plan.names, np.asarray(failure.clients)) if b]
-    parts = []
-    if bad:
-        parts.append(f"messages or states of client(s) {bad}")
-    if bool(failure.server):
-        parts.append("the server's state, broadcast or loss")
-    message = _NONFINITE.format(round=int(failure.round), what="; ".join(parts) or "the loss")
-    if on_nonfinite == "warn":
-        warnings.warn(message, NonFiniteWarning, stacklevel=find_stack_level())
-        return
-    raise NonFiniteError(message, int(failure.round), bad, state)
+    return NonFinite(int(failure.round), bad, bool(failure.server))
+
+
+class _InProcess:
+    """The simulation's :class:`~numpyro_fed.backends.driver.Transport`: every party in this
+    process; one compiled round at a time, or many in one compiled loop."""
+
+    chunked = True
+
+    def __init__(self, backend: "SimulationBackend", algorithm: FederatedAlgorithm, plan: ClientPlan, avail) -> None:
+        self.backend, self.algorithm, self.plan, self.avail = backend, algorithm, plan, avail
+        self.compiled = backend._compiled(algorithm, plan)
+        self.transcript: Optional[Transcript] = None
+
+    def start(self, rng_key, init_state: Optional[RunState], transcript: Optional[Transcript]) -> RunState:
+        self.transcript = transcript
+        return self.compiled.init(rng_key, self.plan.data) if init_state is None else init_state
+
+    def rounds(self, state: RunState, n: int) -> Rounds:
+        plan, compiled = self.plan, self.compiled
+        if n == 1:  # one round at a time: the transcript's messages come back with it
+            new, failure, out, traffic = compiled.round(state, _no_failure(len(plan.names)), plan.data,
+                                                        plan.server_data, self.avail, self.transcript is not None)
+            if bool(failure.failed):
+                return Rounds(state, None, np.zeros(0), None, None, _non_finite(failure, plan))
+            if self.transcript is not None:
+                _record(self.transcript, int(state.round), plan.names, out, traffic, self.algorithm.exchanges)
+            outs = jax.tree_util.tree_map(lambda x: x[None], out)
+            return Rounds(new, outs.info, outs.figure, outs.asked, outs.answered)
+        new, failure, outs = compiled.scan(state, _no_failure(len(plan.names)), plan.data, plan.server_data,
+                                           self.avail, n)
+        if not bool(failure.failed):
+            return Rounds(new, outs.info, outs.figure, outs.asked, outs.answered)
+        good = int(failure.round) - 1 - int(state.round)  # replay the finite rounds: the last finite state
+        if good:
+            state = compiled.scan(state, _no_failure(len(plan.names)), plan.data, plan.server_data, self.avail,
+                                  good)[0]
+        outs = jax.tree_util.tree_map(lambda x: x[:good], outs)
+        return Rounds(state, outs.info, outs.figure, outs.asked, outs.answered, _non_finite(failure, plan))
+
+    def save(self, path: str, state: RunState) -> None:
+        ckpt.save(path, state, self.plan.names, self.algorithm.name)
+
+    def finish(self, start: RunState, state: RunState, log: Rounds):
+        plan = self.plan
+        communication = self.backend._communication(self.compiled, self.algorithm, plan, start, log)
+        return communication, ClientStates(plan.names, lambda j: client_item(plan, state.clients, j).state)
+
+    def close(self) -> None:
+        pass
 
 
 def _row_struct(stacked):

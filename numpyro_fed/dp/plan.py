@@ -25,7 +25,7 @@ from .annotation import DPSpec, dp_sites
 from .batch import batch_size
 from .mechanisms import DPSGD, update_perturbation
 
-__all__ = ["MECHANISMS", "Privacy", "PrivateFit", "check_dp_options", "check_sgd_options", "dp_specs",
+__all__ = ["DPPlan", "MECHANISMS", "Privacy", "check_dp_options", "check_sgd_options", "dp_specs",
            "plan_privacy", "privacy_report", "refuse_dp"]
 
 MECHANISMS = ("optimisation", "update_perturbation")  # PVI's; FederatedSVI's is "sgd"
@@ -57,7 +57,7 @@ _RESUME_CALIBRATED = (
 _BUDGET_SPENT = (
     "{cls}.update: the noise was calibrated to epsilon={eps:g}, delta={delta:g} for {rounds} round(s) ({planned} "
     "release(s) per client), and client(s) {clients} have made them all: another round would release past that "
-    "claim. Plan a longer run (run(key, num_rounds, clients) calibrates for num_rounds), or give "
+    "claim. Plan a longer run (run(key, clients, num_rounds) calibrates for num_rounds), or give "
     "dp_noise(noise_multiplier=...) and account every round with privacy_report"
 )
 _WITHHELD = (
@@ -84,7 +84,7 @@ class Privacy(NamedTuple):
     num_aggregated: int  # M: clients whose noise adds up in one release (trusted aggregator)
 
 
-def check_sgd_options(inference, dp, sampling_rate, trusted) -> Optional[str]:
+def check_sgd_options(method: str, dp, sampling_rate, trusted) -> Optional[str]:
     """:class:`~numpyro_fed.FederatedSVI`'s checks of ``dp=``, ``dp_sampling_rate=`` and
     ``trusted_aggregator=``."""
     if dp is not None and dp != "sgd":
@@ -92,7 +92,7 @@ def check_sgd_options(inference, dp, sampling_rate, trusted) -> Optional[str]:
     if dp is None and (sampling_rate is not None or trusted):
         raise ValueError("dp_sampling_rate= and trusted_aggregator= configure a DP fit: pass dp='sgd'")
     if dp == "sgd":
-        if inference.method != "sfvi":
+        if method != "sfvi":
             raise ValueError("dp='sgd' is DP federated SVI: one private gradient per round (method='sfvi')")
         if sampling_rate is None or not 0 < sampling_rate <= 1:
             raise ValueError(f"dp='sgd' needs dp_sampling_rate= in (0, 1] (the share of each client's rows in "
@@ -100,16 +100,17 @@ def check_sgd_options(inference, dp, sampling_rate, trusted) -> Optional[str]:
     return dp
 
 
-def check_dp_options(inference, dp, batch_size, trusted) -> Optional[str]:
-    """PVI's checks of ``dp=``, ``dp_batch_size=`` and ``trusted_aggregator=``."""
+def check_dp_options(dp, batch_size, trusted, *, update_kind: str, variant: str, schedule: str) -> Optional[str]:
+    """PVI's checks of ``dp=``, ``dp_batch_size=`` and ``trusted_aggregator=`` (with its ``update``,
+    ``variant`` and ``schedule``)."""
     if dp is not None and dp not in MECHANISMS:
         raise ValueError(f"dp={dp!r}: choose one of {MECHANISMS} (or None without dp_noise)")
     if dp is None and (batch_size is not None or trusted):
         raise ValueError("dp_batch_size= and trusted_aggregator= configure a DP fit: pass dp=")
     if dp == "optimisation":
-        if inference.update_kind != "optax":
+        if update_kind != "optax":
             raise ValueError("dp='optimisation' runs DP-SGD in the local optimisation: it needs update='optax'")
-        if inference.variant != "plain":
+        if variant != "plain":
             raise ValueError("dp='optimisation' is DP-SGD on a client's whole local ELBO (variant='plain'); "
                              "local averaging and virtual clients are private with dp='update_perturbation'")
         check_positive_int("dp_batch_size", batch_size,
@@ -121,7 +122,7 @@ def check_dp_options(inference, dp, batch_size, trusted) -> Optional[str]:
     if dp == "update_perturbation":
         if batch_size is not None:
             raise ValueError("dp_batch_size= is for dp='optimisation' (update perturbation uses every row)")
-        if trusted and inference.schedule != "synchronous":
+        if trusted and schedule != "synchronous":
             raise ValueError("trusted_aggregator=True sums the updates of all clients in a round: it needs "
                              "schedule='synchronous'")
     return dp
@@ -144,13 +145,13 @@ def planned_releases(schedule: str, num_rounds: int, num_clients: int) -> int:
     return int(num_rounds)
 
 
-def plan_privacy(inference, clients) -> Privacy:
+def plan_privacy(dp_plan: DPPlan, model, clients, model_kwargs) -> Privacy:
     """Check the annotation against the clients and the mechanism, and plan the noise."""
-    tr = trace_model(inference.model, clients[clients.names[0]], inference.model_kwargs)
+    tr = trace_model(model, clients[clients.names[0]], model_kwargs)
     specs = dp_sites(tr)
-    dp = inference.dp
+    dp = dp_plan.dp
     if dp is None:
-        if hasattr(inference, "dp_sampling_rate"):  # FederatedSVI
+        if dp_plan.svi:
             raise ValueError(_CHOOSE_SVI.format(sites=sorted(specs)))
         raise ValueError(_CHOOSE.format(sites=sorted(specs)))
     if not specs:
@@ -168,34 +169,34 @@ def plan_privacy(inference, clients) -> Privacy:
         spec.check_rows(rows[name], name)
     J = len(clients)
     if dp == "sgd":  # DP federated SVI: one DP-SGD gradient per client and round
-        q = inference.dp_sampling_rate
+        q = dp_plan.sampling_rate
         sizes = {n: batch_size(q, rows[n]) for n in clients.names}  # the clients' own b_j, to the row
         rates = {n: sizes[n] / rows[n] for n in clients.names}
         steps = 1
         label = f"DP-SGD gradients (federated SVI, sampling rate {q:g})"
     elif dp == "optimisation":
-        b = inference.dp_batch_size
+        b = dp_plan.batch_size
         small = min(rows, key=rows.get)
         if b > rows[small]:
             raise ValueError(f"dp_batch_size={b} exceeds client '{small}''s {rows[small]} rows: every DP-SGD step "
                              f"draws that many distinct rows")
         rates = {n: b / rows[n] for n in clients.names}
-        steps = inference.local_steps
+        steps = dp_plan.local_steps
         label = f"DP-SGD (local optimisation, {b} rows per step)"
     else:
         rates = {n: 1.0 for n in clients.names}
         steps = 1
         label = {"plain": "update perturbation",
-                 "local_averaging": f"update perturbation (local averaging, {inference.num_shards} shards)",
-                 "virtual": f"update perturbation (virtual clients, {inference.num_shards} shards)"}[inference.variant]
-    trusted = inference.trusted_aggregator
+                 "local_averaging": f"update perturbation (local averaging, {dp_plan.num_shards} shards)",
+                 "virtual": f"update perturbation (virtual clients, {dp_plan.num_shards} shards)"}[dp_plan.variant]
+    trusted = dp_plan.trusted_aggregator
     if trusted:
         label += f", trusted aggregator ({J} clients)"
     if spec.epsilon is not None:
-        if inference._dp_rounds is None:
+        if dp_plan.rounds is None:
             raise ValueError("dp_noise(epsilon=...) calibrates the noise for the planned rounds: call run(key, "
                              "num_rounds, clients), or give dp_noise(noise_multiplier=...) for init()/update()")
-        releases = planned_releases(getattr(inference, "schedule", "synchronous"), inference._dp_rounds, J)
+        releases = planned_releases(dp_plan.schedule, dp_plan.rounds, J)
         nm = calibrate_noise_multiplier(spec.epsilon, spec.delta, releases * steps, max(rates.values()))
     else:
         nm = spec.noise_multiplier
@@ -203,7 +204,7 @@ def plan_privacy(inference, clients) -> Privacy:
     if dp == "update_perturbation":
         perturb = update_perturbation(spec.clip, nm / math.sqrt(J) if trusted else nm)
     elif dp == "optimisation":
-        dp_sgd = DPSGD(spec.clip, nm, inference.dp_batch_size)
+        dp_sgd = DPSGD(spec.clip, nm, dp_plan.batch_size)
     else:
         dp_sgd = DPSGD(spec.clip, nm, max(sizes.values()))
     return Privacy(dp, label, spec, float(nm), perturb, dp_sgd, steps, rates, trusted, J)
@@ -272,62 +273,78 @@ def warn_withheld(cls: str, result, category: Any = None) -> None:
                       category or UncheckedFitWarning, stacklevel=find_stack_level())
 
 
-class PrivateFit:
-    """What :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.FederatedSVI` share under
-    DP: planning at set-up, recalibration per run, the report and the withheld diagnostics."""
+class DPPlan:
+    """A family's differential privacy, held by :class:`~numpyro_fed.PVI` and
+    :class:`~numpyro_fed.FederatedSVI` (composed, not inherited): the mechanism ``dp`` and its
+    settings, the noise planned for the clients at set-up (:attr:`privacy`), and the rounds a
+    calibration to ``epsilon=`` plans for (:attr:`rounds`).
 
-    dp: Optional[str] = None
-    _privacy: Optional[Privacy] = None
-    _dp_rounds: Optional[int] = None
+    Args:
+        model: the family's model (its ``dp_noise`` marks say which rows are protected, and how
+            much).
+        model_kwargs: the model's keyword arguments.
+        dp: the mechanism (``None``: no DP unless the model marks rows with ``dp_noise``, which is
+            then refused naming the choices).
+        trusted_aggregator: the updates are summed by a trusted aggregator before the server.
+        schedule: the family's schedule (how many releases a client makes in a run).
+        sampling_rate: DP-SGD's share of rows per step (``dp="sgd"``).
+        batch_size: rows per DP-SGD step (``dp="optimisation"``).
+        local_steps: DP-SGD steps per release (``dp="optimisation"``).
+        variant: PVI's data split (its label in the report).
+        num_shards: the shards of that split.
+        svi: the family is federated SVI (its mechanism is ``dp="sgd"``).
+    """
 
-    def _plan_privacy(self, clients) -> None:
-        self._privacy = None
+    def __init__(self, model: Callable, model_kwargs: Dict[str, Any], dp: Optional[str], *,
+                 trusted_aggregator: bool = False, schedule: str = "synchronous", sampling_rate: Optional[float] = None,
+                 batch_size: Optional[int] = None, local_steps: int = 1, variant: str = "plain", num_shards: int = 1,
+                 svi: bool = False) -> None:
+        self.svi, self.model, self.model_kwargs = svi, model, model_kwargs
+        self.dp, self.trusted_aggregator, self.schedule = dp, bool(trusted_aggregator), schedule
+        self.sampling_rate = None if sampling_rate is None else float(sampling_rate)
+        self.batch_size = None if batch_size is None else int(batch_size)
+        self.local_steps, self.variant, self.num_shards = int(local_steps), variant, int(num_shards)
+        self.privacy: Optional[Privacy] = None  # planned at set-up
+        self.rounds: Optional[int] = None  # the rounds a calibration to epsilon= plans for
+
+    def plan(self, clients) -> Optional[Privacy]:
+        """At set-up: the noise for these clients (``None`` without DP)."""
+        self.privacy = None
         if self.dp is not None or has_dp_sites(self.model, clients, self.model_kwargs):
-            self._privacy = plan_privacy(self, clients)
+            self.privacy = plan_privacy(self, self.model, clients, self.model_kwargs)
+        return self.privacy
 
-    def _before_run(self, num_rounds: int, clients, options) -> None:
-        """(``run``'s hook) A noise calibrated to ``epsilon=`` plans for this run's rounds (a new plan
-        rebuilds the set-up); resuming a calibrated run is refused."""
-        if self.dp is None or not self._calibrating(clients):
-            return
+    def before_run(self, clients, num_rounds: int, options) -> bool:
+        """(``run``'s hook) A noise calibrated to ``epsilon=`` plans for this run's rounds: True when
+        that changed the plan (the set-up must be rebuilt); resuming a calibrated run is refused."""
+        specs = dp_specs(self.model, clients, self.model_kwargs) if self.dp is not None else {}
+        if not (specs and next(iter(specs.values())).epsilon is not None):
+            return False
         if options.get("init_state") is not None:
             raise ValueError(_RESUME_CALIBRATED)
-        if self._dp_rounds != int(num_rounds):
-            self._dp_rounds, self._setup_cache = int(num_rounds), None
+        if self.rounds == int(num_rounds):
+            return False
+        self.rounds = int(num_rounds)
+        return True
 
-    def _before_round(self, setup, state) -> None:
+    def before_round(self, cls: str, names, state) -> None:
         """No release past the claim: after a run calibrated to ``epsilon`` for its planned
         rounds, a client whose own ledger has reached the planned releases must not be
         asked again (``update`` refuses; a new ``run`` plans again)."""
-        super()._before_round(setup, state)
-        if self._privacy is None or self._dp_rounds is None or self._privacy.spec.epsilon is None:
+        if self.privacy is None or self.rounds is None or self.privacy.spec.epsilon is None:
             return
-        names = setup.plan.names
-        planned = planned_releases(getattr(self, "schedule", "synchronous"), self._dp_rounds, len(names))
-        ledger = ledgers(state.clients)
-        spent = [n for n, r in zip(names, ledger) if r >= planned]
+        planned = planned_releases(self.schedule, self.rounds, len(names))
+        spent = [n for n, r in zip(names, ledgers(state.clients)) if r >= planned]
         if spent:
-            spec = self._privacy.spec
-            raise ValueError(_BUDGET_SPENT.format(cls=type(self).__name__, eps=spec.epsilon, delta=spec.delta,
-                                                  rounds=self._dp_rounds, planned=planned, clients=_few(spent)))
+            spec = self.privacy.spec
+            raise ValueError(_BUDGET_SPENT.format(cls=cls, eps=spec.epsilon, delta=spec.delta, rounds=self.rounds,
+                                                  planned=planned, clients=_few(spent)))
 
-    def _calibrating(self, clients) -> bool:
-        specs = dp_specs(self.model, clients, self.model_kwargs)
-        return bool(specs) and next(iter(specs.values())).epsilon is not None
-
-    def privacy_report(self, result) -> PrivacyReport:
-        """Per client: epsilon at ``delta`` for the rows it holds, the mechanism, the
-        releases composed (DP-SGD: local steps or gradients; update perturbation: global
-        updates), the sampling rate; and the global guarantee by parallel composition (the
-        max over clients). Computed from each client's own ledger (``releases`` in its
-        state: what it sent, whether or not the server used it); under a trusted aggregator
-        each release is charged the noise of the fewest clients that answered in any round
-        of the run (a bound, since a client does not know who else answered)."""
-        setup = self._fitted()
-        if self._privacy is None:
-            raise ValueError(f"privacy_report: this {type(self).__name__} is not differentially private "
-                             f"(no dp=, no dp_noise)")
-        return privacy_report(self._privacy, setup.plan.names, result)
+    def report(self, cls: str, names, result) -> PrivacyReport:
+        """:func:`privacy_report` of this plan (refused when the fit is not private)."""
+        if self.privacy is None:
+            raise ValueError(f"privacy_report: this {cls} is not differentially private (no dp=, no dp_noise)")
+        return privacy_report(self.privacy, names, result)
 
 
 _NOT_PRIVATE = (

@@ -35,7 +35,8 @@ from .blocks import quadrature_correction
 from .gaussian import NaturalGaussian
 from .tilted import conditional_slope, inner_mode, integrated_laplace, pareto_k
 
-__all__ = ["client_log_likelihoods", "local_integral_k", "locals_are_gaussian", "log_weight_estimator"]
+__all__ = ["client_check_keys", "client_log_likelihoods", "local_integral_checks", "local_integral_k",
+           "local_note", "locals_are_gaussian", "log_weight_estimator"]
 
 INNER_STEPS = 30  # Newton steps to the conditional mode at q's mean (the warm start)
 WARM_STEPS = 4  # Newton steps per draw from the first-order prediction of its mode (one: exact for Gaussian v | u)
@@ -146,3 +147,36 @@ def log_weight_estimator(log_prior: Callable, log_joint: Callable, num_local: in
         return server + values, u
 
     return estimate
+
+
+def client_check_keys(plan, state):
+    """Each client's key for the check, from its own key (the server never holds it)."""
+    if plan.mapping == "vmap":
+        return jax.vmap(lambda k: random.fold_in(k, 0x51))(state.clients.rng_key)
+    return [random.fold_in(slot.rng_key, 0x51) for slot in state.clients]
+
+
+def local_integral_checks(setup):
+    """The clients' checks of whether their local latents are Gaussian given ``u`` and of their
+    Laplace proposal's Pareto k, ``(mean, data, key)``, compiled once per set-up (``q``'s mean
+    is an argument, not a constant, so a new ``q`` reuses them)."""
+    if ("local_integral",) not in setup.cache:
+        terms, vmapped = setup.extra.terms, setup.plan.mapping == "vmap"
+        d, n = terms.prior.shift.shape[0], terms.num_local
+        gaussian = partial(locals_are_gaussian, terms.log_joint, d, n)  # (mean, data, key)
+        k_of = partial(local_integral_k, terms.log_joint, d, n)
+        setup.cache[("local_integral",)] = (
+            jax.jit(jax.vmap(gaussian, in_axes=(None, 0, None)) if vmapped else gaussian),
+            jax.jit(jax.vmap(k_of, in_axes=(None, 0, 0)) if vmapped else k_of))
+    return setup.cache[("local_integral",)]
+
+
+def local_note(setup) -> str:
+    """What the fit check's warning says of how the clients integrated their local latents."""
+    if not setup.extra.terms.num_local:
+        return ""
+    if setup.cache.get(("blocks_hold",), False):
+        return (" (local latents integrated out on each client, block by block, by Laplace with adaptive "
+                "Gauss-Hermite quadrature)")
+    return (" (local latents integrated out on each client, by Laplace with importance sampling where they are "
+            "not Gaussian given the global sites)")

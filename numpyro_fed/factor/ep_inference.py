@@ -17,7 +17,8 @@ from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .ep_algorithm import ep, tilted_moments
-from .inference import K_ADVICE, FactorInference
+from .inference import FactorInference
+from .messages import K_ADVICE
 from .tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
@@ -110,7 +111,7 @@ class EP(FactorInference):
         >>> rng = np.random.default_rng(0); x = rng.normal(size=90)
         >>> y = np.repeat([0.8, 1.0, 1.2], 30) * x
         >>> clients = nf.Clients.split(np.repeat([0, 1, 2], 30), x=x, y=y)
-        >>> res = nf.EP(model, damping=0.5, schedule="synchronous").run(jax.random.PRNGKey(0), 10, clients)
+        >>> res = nf.EP(model, damping=0.5, schedule="synchronous").run(jax.random.PRNGKey(0), clients, 10)
         >>> print(f"{float(res.params['mean'][0]):.2f}")  # exact: 12/13 (theta_k known, tau = 0.25)
         0.92
 

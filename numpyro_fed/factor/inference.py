@@ -11,7 +11,6 @@ local latent sites) and hands the algorithm to the backend.
 from __future__ import annotations
 
 import warnings
-from functools import partial
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
@@ -28,7 +27,6 @@ from .._structure import (
     is_latent,
     latent_supports,
     log_joint,
-    make_layout,
     trace_model,
     with_improper_values,
 )
@@ -36,7 +34,7 @@ from .._trace import prior_median
 from .._validation import check_clients, check_positive_int
 from ..backends.mapping import client_data, plan_clients
 from ..clients import Clients
-from ..dp.plan import PrivateFit, refuse_dp
+from ..dp.plan import refuse_dp
 from ..fit_check import (
     MEAN_MARGIN,
     SD_MARGIN,
@@ -48,7 +46,7 @@ from ..fit_check import (
 )
 from ..groups import size_group_plates
 from ..handlers import GLOBAL, LOCAL, site_role
-from ..inference import FederatedInference, Setup, with_exchange_traffic
+from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
 from ..warnings import (
     BiasedFitWarning,
@@ -58,12 +56,18 @@ from ..warnings import (
     find_stack_level,
 )
 from . import gaussian as G
+from . import network_check
 from .blocks import QUADRATURE_NODES, blocks_hold
 from .blocks import local_blocks as propose_blocks
-from .check import local_integral_k, locals_are_gaussian, log_weight_estimator
-from .network_check import NetworkFitCheck
-from .pointwise import PointwiseLikelihood
-from .prior_site import prior_site_update, split_prior
+from .check import (
+    client_check_keys,
+    local_integral_checks,
+    local_note,
+    log_weight_estimator,
+)
+from .messages import ALL_INVALID, K_ADVICE, NEVER_APPLIED, NOT_CHECKED, Q_BIASED, Q_UNRELIABLE, REJECTED, UNCHECKED_FIT
+from .pointwise import client_pass, largest_layout, observed_terms_at, own_entries
+from .prior_site import check_prior_is_data_free, check_prior_is_proper, prior_site_update, split_prior
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
@@ -76,30 +80,6 @@ _PRIOR_FIX = (
     "nf.FederatedSVI"
 )
 _SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
-_ALL_INVALID = (
-    "{cls}: in round(s) {rounds} every update that arrived was invalid (an improper cavity, or a local fit "
-    "that failed or is not a proper Gaussian), from client(s) {clients}; q did not move. {hint}Use damping < 1, "
-    "more local steps, or another tilted/update method"
-)
-K_ADVICE = (
-    "the fitted Gaussian does not hold the tilted distribution's mass (Pareto k of its importance weights above "
-    "0.7: skew, heavy tails, a boundary, or a funnel that a Gaussian over the global and local sites cannot follow)",
-    "Reparameterise the local sites (numpyro.infer.reparam.LocScaleReparam), or use nf.EP(tilted='laplace'), "
-    "which integrates Gaussian local latents out exactly; tilted='nuts' for a non-Gaussian tilted distribution.",
-)
-_UNCHECKED_FIT = (
-    "{cls}: {what} on client(s) {clients}, in their latest applied update (round(s) {rounds}; worst {stat_name} = "
-    "{stat:.3g}). Those updates are in q, so q may be wrong. {fix}"
-)
-_REJECTED = (
-    "{cls}: the server rejected the valid update(s) of round(s) {rounds} (from client(s) {clients}): even with its "
-    "damping halved max_halvings={halvings} times, applying it would have left q improper{kl}; q did not move in "
-    "those rounds. {fix}"
-)
-_NEVER_APPLIED = (
-    "{cls} applied no update in {rounds} round(s): q is still the prior, not a posterior. {why}Use damping < 1, "
-    "more local steps, or check the model and data (nf.fit starts from the Laplace approximation)"
-)
 
 
 class ModelTerms(NamedTuple):
@@ -123,12 +103,13 @@ class FactorSetup(NamedTuple):
     terms: ModelTerms
 
 
-class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
+class FactorInference(FederatedInference):
     """Base of :class:`~numpyro_fed.PVI` and :class:`~numpyro_fed.EP` (not used directly)."""
 
     method = "factor"
     setup_extra = FactorSetup  # Setup.extra
     check_draws = 1000  # draws of run's fit check
+    _checked_state = None  # the fingerprint of the state the last fit check was of
     _size_group_plates = size_group_plates
 
     def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
@@ -187,14 +168,14 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         # The Gaussian prior factor is read off the model at set-up by a client on its own
         # rows (the server never runs the model); a prior that moves with the data is refused.
         log_prior = prior_on(clients[clients.names[0]])
-        _check_prior_is_data_free(log_prior, prior_on(clients[clients.names[-1]]), d, clients.names, layout.names)
+        check_prior_is_data_free(log_prior, prior_on(clients[clients.names[-1]]), d, clients.names, layout.names)
 
         def log_lik(u, data):  # (local sites, if any, are discrete and summed out with the data)
             return log_joint(self.model, data.args, kwargs, layout.unravel(u), {},
                              lambda s: s["type"] == "sample" and (s["is_observed"] or site_role(s) == LOCAL),
                              structure.row_plate, data.row_mask)
 
-        local = _largest_layout([structure.local_layout(trace_model(self.model, client_data(plan, j).args, kwargs))
+        local = largest_layout([structure.local_layout(trace_model(self.model, client_data(plan, j).args, kwargs))
                                  for j in range(1 if plan.mapping == "vmap" else len(plan.names))])
         log_joint_local = self._joint(structure, local)
 
@@ -215,14 +196,14 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         try:
             prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=", ".join(layout.names),
                                        fix=_PRIOR_FIX.format(cls=cls))
-            _check_prior_is_proper(prior, layout, cls)
+            check_prior_is_proper(prior, layout, cls)
             return prior, None
         except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
             if "flat" in str(err):
                 raise
             # a flat site among non-Gaussian ones (a Stan program's unstated prior): no curvature at all
             hess = np.asarray(jax.hessian(log_prior)(jnp.asarray(start)))
-            _check_prior_is_proper(G.NaturalGaussian(jnp.zeros(d), -jnp.asarray(hess)), layout, cls)
+            check_prior_is_proper(G.NaturalGaussian(jnp.zeros(d), -jnp.asarray(hess)), layout, cls)
             return split_prior(log_prior, d, layout, cls, start)
 
     def _joint(self, structure, local: SiteLayout) -> Callable:
@@ -251,7 +232,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         cls = type(self).__name__
         if self.schedule == "subset" and self.subset_size > len(clients):
             raise ValueError(_SUBSET.format(size=self.subset_size, J=len(clients)))
-        if not isinstance(self, PrivateFit):  # EP: no DP mechanism
+        if not self.dp_mechanisms:  # EP, Laplace: no DP mechanism
             refuse_dp(cls, self.model, clients[clients.names[0]], self.model_kwargs)
         structure = analyse_model(self.model, clients, self.model_kwargs)
         if structure.global_param or structure.local_param_names:
@@ -287,10 +268,10 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                 bad = sorted({names[j] for r in np.flatnonzero(dead) for j in range(len(names))
                               if not np.asarray(info.valid)[r, j]})
                 why = f"Every update was invalid (clients {bad}). {self._fit_advice()['invalid']}"
-            raise ValueError(_NEVER_APPLIED.format(cls=cls, rounds=len(damping), why=why))
+            raise ValueError(NEVER_APPLIED.format(cls=cls, rounds=len(damping), why=why))
         if dead.any():
             rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
-            warnings.warn(_ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
+            warnings.warn(ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
                                               hint=self._fit_advice()["invalid"]), InvalidUpdateWarning,
                           stacklevel=find_stack_level())
         self._warn_rejected(setup, result, start)
@@ -317,7 +298,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                if getattr(self, "dp", None) == "update_perturbation" else "")
         fix += "Use damping < 1, or raise max_kl or max_halvings." if max_kl is not None else \
             "Use damping < 1, or raise max_halvings."
-        warnings.warn(_REJECTED.format(cls=type(self).__name__, rounds=_shown([int(start + r + 1) for r in
+        warnings.warn(REJECTED.format(cls=type(self).__name__, rounds=_shown([int(start + r + 1) for r in
                                                                                  np.flatnonzero(rejected)]),
                                        clients=clients, halvings=self.max_halvings,
                                        kl=f" or moved it by more than max_kl={max_kl:g} nats" if max_kl else "",
@@ -327,15 +308,15 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         """The fit check of the final ``q`` against the full posterior (:meth:`diagnose`), and its warning."""
         self.last_fit_check, self.last_fit_check_skipped = None, None
         cls = type(self).__name__
-        if not self.check_fit or getattr(self, "_privacy", None) is not None:  # under DP: data-dependent sums
+        if not self.check_fit or self.differentially_private:  # under DP: data-dependent sums
             return result
         if result.state.clients is None:  # a network backend: each client computes its term on its node
-            network = getattr(self, "_network", None)
+            network = self._network
             log_w, u, why, exchanges = (None, None, "this backend cannot ask the clients", []) if network is None \
                 else self._network_check(network, setup, result)
             result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
             if why == "proposal":
-                self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
+                self.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
                 return result
             if log_w is None:
                 warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) needs every "
@@ -346,18 +327,18 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             check = self.last_fit_check = fit_diagnostic(log_w, self._user_space(u), u, per_site, shape=True)
         else:
             if self._local_integral(setup, result) is None:
-                self.last_fit_check_skipped = _NOT_CHECKED.format(cls=cls)
+                self.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
                 return result
             check = self.last_fit_check = self.diagnose(result, num_draws=self.check_draws)
         self._checked_state = state_fingerprint(result.state.server)
         if check.verdict == "unreliable":
-            warnings.warn(_Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
-                                               local=self._local_note(setup)), UnreliableFitWarning,
+            warnings.warn(Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
+                                               local=local_note(setup)), UnreliableFitWarning,
                           stacklevel=find_stack_level())
         elif check.verdict == "biased":
-            warnings.warn(_Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights),
+            warnings.warn(Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights),
                                            mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
-                                           sites=describe_biased(check.biased), local=self._local_note(setup)),
+                                           sites=describe_biased(check.biased), local=local_note(setup)),
                           BiasedFitWarning, stacklevel=find_stack_level())
         return result
 
@@ -375,8 +356,8 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         if self._blocks_verified(setup, state):
             return "quadrature"
         mean, _ = G.to_moments(state.server.q)
-        gaussian, k_of = self._local_integral_checks(setup)
-        keys = self._client_check_keys(setup, state)
+        gaussian, k_of = local_integral_checks(setup)
+        keys = client_check_keys(setup.plan, state)
         if plan.mapping == "vmap":
             if bool(jnp.all(gaussian(mean, plan.data, random.PRNGKey(5)))):
                 return "exact"
@@ -386,21 +367,6 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                 return "exact"
             k = np.array([float(k_of(mean, data, key)) for data, key in zip(plan.data, keys)])
         return "sampled" if np.all(k <= PARETO_K_LIMIT) else None
-
-    @staticmethod
-    def _local_integral_checks(setup: Setup):
-        """The clients' checks of :meth:`_local_integral`, ``(mean, data, key)``, compiled once
-        per set-up (``q``'s mean is an argument, not a constant, so a new ``q`` reuses them)."""
-        if ("local_integral",) not in setup.cache:
-            terms, vmapped = setup.extra.terms, setup.plan.mapping == "vmap"
-            d, n = terms.prior.shift.shape[0], terms.num_local
-
-            gaussian = partial(locals_are_gaussian, terms.log_joint, d, n)  # (mean, data, key)
-            k_of = partial(local_integral_k, terms.log_joint, d, n)
-            setup.cache[("local_integral",)] = (
-                jax.jit(jax.vmap(gaussian, in_axes=(None, 0, None)) if vmapped else gaussian),
-                jax.jit(jax.vmap(k_of, in_axes=(None, 0, 0)) if vmapped else k_of))
-        return setup.cache[("local_integral",)]
 
     def _check_blocks(self):
         """The local latents' blocks for block quadrature in the check: the fit's own (EP's
@@ -430,7 +396,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
                 point, probe = random.normal(key, (2, terms.num_local), mean.dtype)
                 return blocks_hold(lambda v: terms.log_joint(jnp.concatenate([mean, v]), data), point, index, probe)
 
-            keys = self._client_check_keys(setup, state)
+            keys = client_check_keys(setup.plan, state)
             if plan.mapping == "vmap":
                 ok = bool(jnp.all(jax.jit(jax.vmap(hold))(plan.data, keys)))
             else:
@@ -442,28 +408,12 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
         otherwise computed now where it can be trusted, so corrected draws never come from
         another fit (``None``: no trustworthy check)."""
-        if self.last_fit_check is not None and getattr(self, "_checked_state", None) == state_fingerprint(
+        if self.last_fit_check is not None and self._checked_state == state_fingerprint(
                 state.server):
             return self.last_fit_check
         if not self.check_fit or state.clients is None or self._local_integral(self._fitted(), state) is None:
             return None
         return self.diagnose(state, num_draws=self.check_draws)
-
-    @staticmethod
-    def _client_check_keys(setup: Setup, state: RunState):
-        """Each client's key for the check, from its own key (the server never holds it)."""
-        if setup.plan.mapping == "vmap":
-            return jax.vmap(lambda k: random.fold_in(k, 0x51))(state.clients.rng_key)
-        return [random.fold_in(slot.rng_key, 0x51) for slot in state.clients]
-
-    def _local_note(self, setup: Setup) -> str:
-        if not setup.extra.terms.num_local:
-            return ""
-        if setup.cache.get(("blocks_hold",), False):
-            return (" (local latents integrated out on each client, block by block, by Laplace with adaptive "
-                    "Gauss-Hermite quadrature)")
-        return (" (local latents integrated out on each client, by Laplace with importance sampling where they are "
-                "not Gaussian given the global sites)")
 
     def diagnose(self, result: Union[RunResult, RunState], num_draws: int = 1000, rng_key=None) -> FitDiagnostic:
         """How far ``q`` is from the posterior of the global sites, by Pareto-smoothed
@@ -494,7 +444,7 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             setup.cache[key] = jax.jit(log_weight_estimator(terms.log_prior, terms.log_joint, terms.num_local,
                                                             setup.plan.mapping, num_draws, how == "sampled",
                                                             None if index is None else jnp.asarray(index)))
-        log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, self._client_check_keys(setup, state))
+        log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, client_check_keys(setup.plan, state))
         per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
         return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u), per_site,
                               shape=True)
@@ -529,11 +479,59 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             got = values[[last[j] for j in group], group]
             worst = float(np.nanmax(got)) if np.isfinite(got).any() else float("inf")
             rounds = sorted({int(start + last[j] + 1) for j in group})
-            warnings.warn(_UNCHECKED_FIT.format(cls=type(self).__name__, what=what, clients=[names[j] for j in group],
+            warnings.warn(UNCHECKED_FIT.format(cls=type(self).__name__, what=what, clients=[names[j] for j in group],
                                                 rounds=_shown(rounds), stat_name=stat_name, stat=worst, fix=fix),
                           UnreliableFitWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ API
+    # ------------------------------------------------------------------ a client's posterior
+    def client_draws(self, rng_key: jax.Array, result, num_samples: int, client) -> Dict[str, jax.Array]:
+        """Constrained draws of the global sites from ``q`` (those of ``sample_posterior``
+        with the same ``rng_key``) and of ``client``'s local sites from the Laplace
+        approximation of ``p(v | theta, y_j)`` at each draw (see :mod:`numpyro_fed.factor.pointwise`).
+        The client's own computation, on its own rows."""
+        return self._client_pass(rng_key, result, num_samples, client)[0]
+
+    def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client) -> tuple:
+        """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows, at
+        the draws of :meth:`client_draws` (the global draws are the same for every client,
+        so the clients' matrices stack into the pooled one). Computed by the client on its
+        own rows; federated model comparison sends only sums (:func:`numpyro_fed.federated_loo`).
+
+        Returns:
+            ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
+            (num_samples, *site batch shape)``.
+        """
+        _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client)
+        return log_lik, predictive
+
+    def pointwise_at(self, rng_key: jax.Array, draws: Dict[str, jax.Array], client) -> tuple:
+        """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of
+        every latent site (e.g. EP's ``local_posterior`` draws)."""
+        return observed_terms_at(self._fitted(), self.model, self.model_kwargs, rng_key, draws, client)
+
+    def _client_pass(self, rng_key, result, num_samples, client):
+        setup = self._fitted()
+        return client_pass(setup, self._state_of(result), self.model, self.model_kwargs,
+                           lambda local: self._joint(setup.extra.structure, local), type(self).__name__,
+                           rng_key, check_positive_int("num_samples", num_samples), client)
+
+    # ------------------------------------------------------------------ the check over a network
+    def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
+        """The structure of what the server sends for :meth:`_client_value` ``name``."""
+        return network_check.value_inputs(type(self).__name__, name, setup, self.check_draws)
+
+    def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
+        """On a client after a network run: its part of the fit check, from its own rows and
+        its own key (``rng_key``, never sent)."""
+        self._client_value_inputs(name, setup, data)
+        return network_check.client_value(name, setup, data, payload, rng_key)
+
+    def _network_check(self, network, setup, result):
+        """``(log_w, u, why, exchanges)`` of the fit check computed with the clients over
+        ``network`` (:func:`numpyro_fed.factor.network_check.network_check`)."""
+        return network_check.network_check(network, setup, result, self.check_draws)
+
     def _supports(self, args=None) -> Dict[str, Any]:
         """Latent sites' supports, from a trace on ``args`` (default: the first client's
         data, traced once per set-up)."""
@@ -544,17 +542,24 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
             setup.cache["supports"] = self._supports(setup.inputs[setup.inputs.names[0]])
         return setup.cache["supports"]
 
-    def sample_posterior(self, rng_key: jax.Array, result, num_samples: int,
-                         corrected: bool = False) -> Dict[str, jax.Array]:
-        """Draws of the global sites from ``q``, constrained, and of the model's
-        ``numpyro.deterministic`` sites that are functions of the global sites alone
-        (computed by the first client on its own rows; per-row and local ones have no value
-        under ``q(z_G)`` and are left out).
+    def sample_posterior(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
+                         client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
+        """``num_samples`` (default 1000) draws of the global sites from ``q``, constrained, and
+        of the model's ``numpyro.deterministic`` sites that are functions of the global sites
+        alone (computed by the first client on its own rows; per-row and local ones have no
+        value under ``q(z_G)`` and are left out). With ``client``: the same global draws and
+        that client's local sites (:meth:`client_draws`, the client's own computation).
 
         ``corrected=True``: PSIS-corrected draws instead, the last fit check's draws
         resampled by their importance weights (needs that check, with Pareto k <= 0.7)."""
         setup = self._fitted()
-        num_samples = check_positive_int("num_samples", num_samples)
+        num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
+        if client is not None:
+            if corrected:
+                raise ValueError(f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
+                                 f"draws only (a client's local draws are not reweighted); drop client= or "
+                                 f"corrected=True")
+            return self.client_draws(rng_key, result, num_samples, client)
         state = self._state_of(result)
         q = state.server.q
         if corrected:
@@ -575,94 +580,5 @@ class FactorInference(PointwiseLikelihood, NetworkFitCheck, FederatedInference):
         return draws
 
 
-def _largest_layout(layouts) -> SiteLayout:
-    """The local layout whose every site has the largest of the clients' shapes (clients laid out
-    one by one may hold different numbers of rows or groups)."""
-    first = layouts[0]
-    shapes = [tuple(max(dims) for dims in zip(*(lay.shapes[i] for lay in layouts))) for i in range(len(first.names))]
-    if all(tuple(s) == tuple(f) for s, f in zip(shapes, first.shapes)):
-        return first
-    groups = first.group_axes or ((),) * len(first.names)
-    plates = first.plate_axes or ((),) * len(first.names)
-    return make_layout([(n, s, a, g, p) for n, s, a, g, p in zip(first.names, shapes, first.row_axes, groups, plates)])
-
-
-def own_entries(local: SiteLayout, own: SiteLayout, v, data):
-    """A client's own local values cut from the flat ``v`` of the largest layout, and the mask
-    (in ``v``'s layout) of its real entries (1) against padding (0)."""
-    full = local.unravel(v)
-    mask = own.flat_mask(data.row_mask, data.args) if own.size else jnp.zeros(0)
-    values, real, at = {}, [], 0
-    for name, shape, own_shape in zip(local.names, local.shapes, own.shapes):
-        cut = tuple(slice(0, k) for k in own_shape)
-        values[name] = full[name][cut]
-        n = int(np.prod(own_shape))
-        part = jnp.reshape(mask[at:at + n], own_shape)
-        at += n
-        real.append(jnp.reshape(jnp.zeros(shape, v.dtype).at[cut].set(part), -1))
-    return values, (jnp.concatenate(real) if real else jnp.zeros(0, v.dtype))
-
-
-_PRIOR_DEPENDS_ON_DATA = (
-    "the prior of the global site(s) {sites} differs between client '{a}' and client '{b}' "
-    "(log density {va:.6g} vs {vb:.6g} at the same point): a global prior must not depend on a "
-    "client's data. Pass shared constants as model_kwargs="
-)
-
-
-_NOT_CHECKED = (
-    "{cls}: q was not checked against the posterior: the model's local latents are not Gaussian given the global "
-    "sites, and some client's importance sampling of them (Laplace proposal) failed its own Pareto-k check, so its "
-    "term log p(y_j | theta) could flag a right fit or pass a wrong one. The clients' own checks of their local fits "
-    "still ran; diagnose() runs the approximate (plain Laplace) check on request"
-)
-_Q_UNRELIABLE = (
-    "{cls}: the fitted q is unreliable: Pareto k = {k:.2f} > 0.7 for the importance ratios p(theta, y) / q(theta) "
-    "of the global sites (effective sample size {ess:.0f} of {n} draws){local}, so q misses posterior mass and its "
-    "means and sds can be far off (a skewed or heavy-tailed posterior in unconstrained space, a funnel, too few "
-    "rounds). Check against NUTS (see .diagnose); check_fit=False silences this"
-)
-_Q_BIASED = (
-    "{cls}: Pareto k = {k:.2f} is below 0.7, but q's moments disagree with the importance-weighted moments of the "
-    "same {n} draws (means more than {mean_margin} weighted sds apart or sds more than {sd_margin:.0%}) at "
-    "{sites}{local}: q is biased there (a Gaussian "
-    "in unconstrained space whose tails are off shows in user space, or the fit has not converged). Use "
-    "sample_posterior(..., corrected=True) / nf.to_arviz(..., corrected=True) for importance-resampled draws, run "
-    "more rounds, or check against NUTS; check_fit=False silences this"
-)
-
-
-_IMPROPER = (
-    "{cls}: the prior of the global site(s) {sites} is flat (improper: zero prior precision in "
-    "unconstrained space). {cls} starts q at the prior, and an improper q has no cavity or local "
-    "ELBO, so the first round cannot be formed. Give those sites a proper Gaussian prior (e.g. "
-    "dist.Normal(0, 10) for a location, dist.LogNormal(0, 2) for a scale), or use nf.fit (a Laplace "
-    "approximation, checked, else federated NUTS), which needs a proper posterior, not a proper prior"
-)
-
-
-def _check_prior_is_proper(prior, layout, cls) -> None:
-    """Refuse a prior with a flat direction (``dist.ImproperUniform``), naming the sites."""
-    diag = np.asarray(jnp.diag(prior.precision) if prior.precision.ndim == 2 else prior.precision)
-    flat = diag <= 1e-12 * max(1.0, float(np.max(np.abs(diag), initial=0.0)))
-    if not flat.any():
-        return
-    sizes = [int(np.prod(s)) for s in layout.shapes]
-    owners = np.repeat(np.arange(len(sizes)), sizes)
-    names = [layout.names[i] for i in sorted(set(owners[flat].tolist()))]
-    raise ValueError(_IMPROPER.format(cls=cls, sites=", ".join(names)))
-
-
-def _check_prior_is_data_free(first, last, d, names, sites) -> None:
-    if len(names) < 2:
-        return
-    u = 0.3 * random.normal(random.PRNGKey(7), (d,))
-    va, vb = float(first(u)), float(last(u))
-    if not np.isclose(va, vb, rtol=1e-5, atol=1e-6):
-        raise ValueError(_PRIOR_DEPENDS_ON_DATA.format(sites=list(sites), a=names[0], b=names[-1], va=va, vb=vb))
-
-
 def _shown(rounds):
     return rounds if len(rounds) <= 10 else rounds[:10] + ["..."]
-
-

@@ -111,14 +111,11 @@ class Laplace(FactorInference):
         self.widened_check: Optional[FitDiagnostic] = None
         self._blocks = None
 
-    def run(self, rng_key: jax.Array, clients=None, *, max_rounds: int = 100, **kwargs) -> RunResult:
-        """Newton rounds until the mode is reached (at most ``max_rounds``), then the fit check.
-
-        Returns:
-            a :class:`~numpyro_fed.RunResult`: ``params`` ``{"mean", "cov"}`` of ``q`` over the
-            flat unconstrained global sites.
-        """
-        return super().run(rng_key, check_positive_int("max_rounds", max_rounds), clients, **kwargs)
+    def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
+        """``run``: Newton rounds until the mode is reached, at most ``num_rounds`` (default 100),
+        then the fit check; ``params`` are ``{"mean", "cov"}`` of ``q`` over the flat
+        unconstrained global sites."""
+        return 100 if num_rounds is None else num_rounds
 
     # ------------------------------------------------------------------ hooks
     def _prior_factor(self, log_prior: Callable, layout: SiteLayout, start):

@@ -29,90 +29,82 @@ from . import gaussian as G
 from .check import client_log_likelihoods, local_integral_k, locals_are_gaussian
 from .tilted import PARETO_K_LIMIT
 
-__all__ = ["CHECK_DRAWS", "NetworkFitCheck"]
+__all__ = ["CHECK_DRAWS", "client_value", "network_check", "value_inputs"]
 
 CHECK_DRAWS = 1000  # as diagnose's default
 _CHECK_KEY = 0x51  # the simulation's: the server's draws, and each client's fold-in of its own key
 
 
-class NetworkFitCheck:
-    """The client side (``_client_value``) and the server side (``_network_check``) of the
-    fit check over a network backend; mixed into :class:`~numpyro_fed.factor.inference.FactorInference`."""
+def value_inputs(cls: str, name: str, setup, num_draws: int) -> Dict[str, Any]:
+    """The structure of what the server sends for the client-side value ``name``."""
+    d = setup.extra.terms.prior.shift.shape[0]
+    mean = jax.ShapeDtypeStruct((d,), jnp.float32)
+    if name == "local_integral":
+        return {"mean": mean}
+    if name == "log_weights":
+        return {"mean": mean, "u": jax.ShapeDtypeStruct((num_draws, d), jnp.float32),
+                "sampled": jax.ShapeDtypeStruct((), jnp.int32)}
+    raise ValueError(f"{cls}: no client-side value {name!r}")
 
-    def _num_check_draws(self) -> int:
-        """The check's draws: the family's own (``check_draws``), as in simulation."""
-        return int(getattr(self, "check_draws", CHECK_DRAWS))
 
-    def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
-        """The structure of what the server sends for :meth:`_client_value` ``name``."""
-        d = setup.extra.terms.prior.shift.shape[0]
-        mean = jax.ShapeDtypeStruct((d,), jnp.float32)
-        if name == "local_integral":
-            return {"mean": mean}
-        if name == "log_weights":
-            return {"mean": mean, "u": jax.ShapeDtypeStruct((self._num_check_draws(), d), jnp.float32),
-                    "sampled": jax.ShapeDtypeStruct((), jnp.int32)}
-        raise ValueError(f"{type(self).__name__}: no client-side value {name!r}")
+def client_value(name: str, setup, data, payload, rng_key) -> Dict[str, Any]:
+    """On a client after a network run: its part of the fit check, from its own rows and its own
+    key (``rng_key``, never sent)."""
+    terms = setup.extra.terms
+    d = terms.prior.shift.shape[0]
+    key = random.fold_in(rng_key, _CHECK_KEY)
+    if name == "local_integral":
+        gaussian = jax.jit(locals_are_gaussian, static_argnums=(0, 1, 2))(
+            terms.log_joint, d, terms.num_local, payload["mean"], data, random.PRNGKey(5))
+        k = jax.jit(local_integral_k, static_argnums=(0, 1, 2))(terms.log_joint, d, terms.num_local,
+                                                                payload["mean"], data, key)
+        return {"gaussian": jnp.asarray(gaussian, jnp.int32), "k": jnp.asarray(k, jnp.float32)}
+    sampled = bool(int(payload["sampled"]))
+    cache = ("client_check", sampled)
+    if cache not in setup.cache:
+        def values(mean, u, data, key):
+            return client_log_likelihoods(terms.log_joint, d, terms.num_local, mean, u, data,
+                                          key if sampled else None)
 
-    def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
-        """On a client after a network run: its part of the fit check, from its own rows and
-        its own key (``rng_key``, never sent)."""
-        self._client_value_inputs(name, setup, data)
-        terms = setup.extra.terms
-        d = terms.prior.shift.shape[0]
-        key = random.fold_in(rng_key, _CHECK_KEY)
-        if name == "local_integral":
-            gaussian = jax.jit(locals_are_gaussian, static_argnums=(0, 1, 2))(
-                terms.log_joint, d, terms.num_local, payload["mean"], data, random.PRNGKey(5))
-            k = jax.jit(local_integral_k, static_argnums=(0, 1, 2))(terms.log_joint, d, terms.num_local,
-                                                                    payload["mean"], data, key)
-            return {"gaussian": jnp.asarray(gaussian, jnp.int32), "k": jnp.asarray(k, jnp.float32)}
-        sampled = bool(int(payload["sampled"]))
-        cache = ("client_check", sampled)
-        if cache not in setup.cache:
-            def values(mean, u, data, key):
-                return client_log_likelihoods(terms.log_joint, d, terms.num_local, mean, u, data,
-                                              key if sampled else None)
+        setup.cache[cache] = jax.jit(values)
+    return {"values": setup.cache[cache](payload["mean"], payload["u"], data, key)}
 
-            setup.cache[cache] = jax.jit(values)
-        return {"values": setup.cache[cache](payload["mean"], payload["u"], data, key)}
 
-    def _network_check(self, network, setup, result) -> Tuple[Optional[np.ndarray], Optional[np.ndarray], str, list]:
-        """``(log_w, u, why, exchanges)``: the check's log weights and draws computed with the
-        clients over ``network`` (``log_w`` None when some client did not answer, or ``why``
-        says the check cannot be trusted), and the ``(sent, got)`` messages of each exchange."""
-        terms, J = setup.extra.terms, len(setup.plan.names)
-        q = result.state.server.q
-        mean, _ = G.to_moments(q)
-        mean = jnp.asarray(mean, jnp.float32)
-        rnd, exchanges = int(result.communication.rounds), []
+def network_check(network, setup, result, num_draws: int
+                  ) -> Tuple[Optional[np.ndarray], Optional[np.ndarray], str, list]:
+    """``(log_w, u, why, exchanges)``: the check's log weights and ``num_draws`` draws computed
+    with the clients over ``network`` (``log_w`` None when some client did not answer, or ``why``
+    says the check cannot be trusted), and the ``(sent, got)`` messages of each exchange."""
+    terms, J = setup.extra.terms, len(setup.plan.names)
+    q = result.state.server.q
+    mean, _ = G.to_moments(q)
+    mean = jnp.asarray(mean, jnp.float32)
+    rnd, exchanges = int(result.communication.rounds), []
 
-        def ask(name, payload):
-            payloads = {j: payload for j in range(J)}
-            like = ({"gaussian": jax.ShapeDtypeStruct((), jnp.int32), "k": jax.ShapeDtypeStruct((), jnp.float32)}
-                    if name == "local_integral" else {"values": jax.ShapeDtypeStruct((self._num_check_draws(),),
-                                                                                      jnp.float32)})
-            got = network.client_values(name, payloads, like, result.transcript, rnd)
-            exchanges.append((payloads, got))
-            return got if len(got) == J else None
+    def ask(name, payload):
+        payloads = {j: payload for j in range(J)}
+        like = ({"gaussian": jax.ShapeDtypeStruct((), jnp.int32), "k": jax.ShapeDtypeStruct((), jnp.float32)}
+                if name == "local_integral" else {"values": jax.ShapeDtypeStruct((num_draws,), jnp.float32)})
+        got = network.client_values(name, payloads, like, result.transcript, rnd)
+        exchanges.append((payloads, got))
+        return got if len(got) == J else None
 
-        sampled = False
-        if terms.num_local:
-            got = ask("local_integral", {"mean": mean})
-            if got is None:
-                return None, None, "some clients did not answer", exchanges
-            if not all(int(got[j]["gaussian"]) for j in range(J)):
-                k = [float(got[j]["k"]) for j in range(J)]
-                if not all(v <= PARETO_K_LIMIT for v in k):
-                    return None, None, "proposal", exchanges
-                sampled = True
-        d = mean.shape[0]
-        num = self._num_check_draws()
-        u = jax.vmap(lambda e: G.sample(q, e))(random.normal(random.PRNGKey(_CHECK_KEY), (num, d)))
-        got = ask("log_weights", {"mean": mean, "u": jnp.asarray(u, jnp.float32),
-                                  "sampled": jnp.asarray(int(sampled), jnp.int32)})
+    sampled = False
+    if terms.num_local:
+        got = ask("local_integral", {"mean": mean})
         if got is None:
             return None, None, "some clients did not answer", exchanges
-        values = sum(got[j]["values"] for j in range(J))  # in client order, as the simulation sums them
-        server = jax.vmap(lambda x: terms.log_prior(x) - G.log_prob(q, x))(u)  # the model's own prior
-        return np.asarray(server + values, np.float64), np.asarray(u), "", exchanges
+        if not all(int(got[j]["gaussian"]) for j in range(J)):
+            k = [float(got[j]["k"]) for j in range(J)]
+            if not all(v <= PARETO_K_LIMIT for v in k):
+                return None, None, "proposal", exchanges
+            sampled = True
+    d = mean.shape[0]
+    u = jax.vmap(lambda e: G.sample(q, e))(random.normal(random.PRNGKey(_CHECK_KEY), (num_draws, d)))
+    got = ask("log_weights", {"mean": mean, "u": jnp.asarray(u, jnp.float32),
+                              "sampled": jnp.asarray(int(sampled), jnp.int32)})
+    if got is None:
+        return None, None, "some clients did not answer", exchanges
+    values = sum(got[j]["values"] for j in range(J))  # in client order, as the simulation sums them
+    server = jax.vmap(lambda x: terms.log_prior(x) - G.log_prob(q, x))(u)  # the model's own prior
+    return np.asarray(server + values, np.float64), np.asarray(u), "", exchanges

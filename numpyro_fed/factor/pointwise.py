@@ -22,8 +22,7 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
-from .._structure import latent_supports, trace_model
-from .._validation import check_positive_int
+from .._structure import SiteLayout, latent_supports, make_layout, trace_model
 from ..backends.mapping import pad_client
 from ..groups import trim_groups
 from ..warnings import ModelComparisonWarning, find_stack_level
@@ -31,7 +30,8 @@ from . import gaussian as G
 from .check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
 from .tilted import PARETO_K_LIMIT
 
-__all__ = ["PointwiseLikelihood", "conditional_local_draws", "observed_terms"]
+__all__ = ["client_pass", "conditional_local_draws", "largest_layout", "observed_terms", "observed_terms_at",
+           "own_entries"]
 
 
 def conditional_local_draws(log_joint: Callable, num_global: int, num_local: int, mean, u, data, rng_key):
@@ -81,97 +81,102 @@ _LAPLACE_LOCALS = (
 )
 
 
-class PointwiseLikelihood:
-    """``log_likelihood`` and ``client_draws`` of :class:`~numpyro_fed.factor.inference.FactorInference`."""
+def observed_terms_at(setup, model, model_kwargs, rng_key, draws: Dict[str, jax.Array], client) -> tuple:
+    """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of every
+    latent site (compiled once per set-up)."""
+    args = {k: jnp.asarray(v) for k, v in setup.inputs[client].items()}
+    num = jnp.shape(next(iter(draws.values())))[0]
+    if "pointwise_at" not in setup.cache:
+        setup.cache["pointwise_at"] = jax.jit(jax.vmap(
+            lambda values, k, a: observed_terms(model, a, model_kwargs, values, k), in_axes=(0, 0, None)))
+    return setup.cache["pointwise_at"](draws, random.split(rng_key, num), args)
 
-    def client_draws(self, rng_key: jax.Array, result, num_samples: int, client) -> Dict[str, jax.Array]:
-        """Constrained draws of the global sites from ``q`` (those of ``sample_posterior``
-        with the same ``rng_key``) and of ``client``'s local sites from the Laplace
-        approximation of ``p(v | theta, y_j)`` at each draw (see :mod:`numpyro_fed.factor.pointwise`).
-        The client's own computation, on its own rows."""
-        return self._client_pass(rng_key, result, num_samples, client)[0]
 
-    def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client) -> tuple:
-        """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows, at
-        the draws of :meth:`client_draws` (the global draws are the same for every client,
-        so the clients' matrices stack into the pooled one). Computed by the client on its
-        own rows; federated model comparison sends only sums (:func:`numpyro_fed.federated_loo`).
+def client_pass(setup, state, model, model_kwargs, joint_of: Callable, cls: str, rng_key, num_samples: int,
+                client) -> tuple:
+    """``(values, log_likelihood, predictive)`` on ``client``'s rows at ``num_samples`` draws of
+    ``q`` (a factor family's fit): the global draws, the client's local draws from the Laplace
+    approximation of ``p(v | u, y_j)`` (``joint_of(local layout)`` is its log joint), and its
+    observed sites' log densities and new data there. Warns when that approximation fails its
+    own Pareto-k check on the client's rows."""
+    names = list(setup.inputs.names)
+    if client not in names:
+        hint = f" (names are strings: client={str(client)!r})" if str(client) in names else ""
+        raise ValueError(_NOT_CLIENT.format(name=client, names=names) + hint)
+    structure = setup.extra.structure
+    if structure.enumerated:
+        raise NotImplementedError(_ENUMERATED.format(cls=cls, names=list(structure.enumerated)))
+    q = state.server.q
+    d = q.shift.shape[0]
+    u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_samples, d)))
+    args = setup.inputs[client]
+    data = pad_client(args, int(setup.inputs.num_rows[client]))
+    layout = structure.global_latent
+    shapes = tuple((k, jnp.shape(v)) for k, v in sorted(data.args.items()))
+    if ("layout", shapes) not in setup.cache:  # traced once per client shape, not per call
+        tr = trace_model(model, data.args, model_kwargs)
+        setup.cache[("layout", shapes)] = (structure.local_layout(tr), latent_supports(tr))
+    local, supports = setup.cache[("layout", shapes)]
+    key = ("pointwise", shapes)
+    if key not in setup.cache:  # compiled once per client shape
+        joint, kwargs = joint_of(local), model_kwargs
 
-        Returns:
-            ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
-            (num_samples, *site batch shape)``.
-        """
-        _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client)
-        return log_lik, predictive
+        def run(q_, u_, data_, local_key, obs_key):
+            mean, _ = G.to_moments(q_)
+            if local.size:
+                v = conditional_local_draws(joint, d, local.size, mean, u_, data_, local_key)
+            else:
+                v = jnp.zeros((u_.shape[0], 0), u_.dtype)
+            values = jax.vmap(lambda a, b: constrained(layout, local, supports, a, b))(u_, v)
+            keys = random.split(obs_key, u_.shape[0])
+            log_lik, predictive = jax.vmap(
+                lambda val, k: observed_terms(model, data_.args, kwargs, val, k))(values, keys)
+            return values, log_lik, predictive
 
-    def pointwise_at(self, rng_key: jax.Array, draws: Dict[str, jax.Array], client) -> tuple:
-        """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of
-        every latent site (e.g. EP's ``local_posterior`` draws)."""
-        setup = self._fitted()
-        args = {k: jnp.asarray(v) for k, v in setup.inputs[client].items()}
-        num = jnp.shape(next(iter(draws.values())))[0]
-        if "pointwise_at" not in setup.cache:  # compiled once per set-up (and shape)
-            model, kwargs = self.model, self.model_kwargs
-            setup.cache["pointwise_at"] = jax.jit(jax.vmap(
-                lambda values, k, a: observed_terms(model, a, kwargs, values, k), in_axes=(0, 0, None)))
-        return setup.cache["pointwise_at"](draws, random.split(rng_key, num), args)
+        setup.cache[key] = jax.jit(run)
+    index = names.index(client)
+    local_key, obs_key = random.split(random.fold_in(random.fold_in(rng_key, 0x10C), index))
+    if local.size:  # the client checks its Laplace conditional on its own rows, at q's mean
+        check = ("pointwise_check", shapes)
+        if check not in setup.cache:
+            joint = joint_of(local)
+            def proposal_k(q_, data_, k):  # 0 where v | theta is Gaussian (Laplace exact; equal weights)
+                mean = G.to_moments(q_)[0]
+                exact = locals_are_gaussian(joint, d, local.size, mean, data_, random.PRNGKey(5))
+                return jnp.where(exact, 0.0, local_integral_k(joint, d, local.size, mean, data_, k))
 
-    def _client_pass(self, rng_key, result, num_samples, client):
+            setup.cache[check] = jax.jit(proposal_k)
+        k_hat = float(setup.cache[check](q, data, random.fold_in(local_key, 1)))
+        if k_hat > PARETO_K_LIMIT or not np.isfinite(k_hat):
+            warnings.warn(_LAPLACE_LOCALS.format(cls=cls, client=client, k=k_hat),
+                          ModelComparisonWarning, stacklevel=find_stack_level())
+    values, log_lik, predictive = setup.cache[key](q, u, data, local_key, obs_key)
+    return trim_groups(values, local, args), log_lik, predictive  # its own groups only
 
-        setup = self._fitted()
-        state = self._state_of(result)
-        num_samples = check_positive_int("num_samples", num_samples)
-        names = list(setup.inputs.names)
-        if client not in names:
-            hint = f" (names are strings: client={str(client)!r})" if str(client) in names else ""
-            raise ValueError(_NOT_CLIENT.format(name=client, names=names) + hint)
-        structure = setup.extra.structure
-        if structure.enumerated:
-            raise NotImplementedError(_ENUMERATED.format(cls=type(self).__name__, names=list(structure.enumerated)))
-        q = state.server.q
-        d = q.shift.shape[0]
-        u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_samples, d)))
-        args = setup.inputs[client]
-        data = pad_client(args, int(setup.inputs.num_rows[client]))
-        layout = structure.global_latent
-        shapes = tuple((k, jnp.shape(v)) for k, v in sorted(data.args.items()))
-        if ("layout", shapes) not in setup.cache:  # traced once per client shape, not per call
-            tr = trace_model(self.model, data.args, self.model_kwargs)
-            setup.cache[("layout", shapes)] = (structure.local_layout(tr), latent_supports(tr))
-        local, supports = setup.cache[("layout", shapes)]
-        key = ("pointwise", shapes)
-        if key not in setup.cache:  # compiled once per client shape
-            joint = self._joint(structure, local)
-            model, kwargs = self.model, self.model_kwargs
 
-            def run(q_, u_, data_, local_key, obs_key):
-                mean, _ = G.to_moments(q_)
-                if local.size:
-                    v = conditional_local_draws(joint, d, local.size, mean, u_, data_, local_key)
-                else:
-                    v = jnp.zeros((u_.shape[0], 0), u_.dtype)
-                values = jax.vmap(lambda a, b: constrained(layout, local, supports, a, b))(u_, v)
-                keys = random.split(obs_key, u_.shape[0])
-                log_lik, predictive = jax.vmap(
-                    lambda val, k: observed_terms(model, data_.args, kwargs, val, k))(values, keys)
-                return values, log_lik, predictive
+def largest_layout(layouts) -> SiteLayout:
+    """The local layout whose every site has the largest of the clients' shapes (clients laid out
+    one by one may hold different numbers of rows or groups)."""
+    first = layouts[0]
+    shapes = [tuple(max(dims) for dims in zip(*(lay.shapes[i] for lay in layouts))) for i in range(len(first.names))]
+    if all(tuple(s) == tuple(f) for s, f in zip(shapes, first.shapes)):
+        return first
+    groups = first.group_axes or ((),) * len(first.names)
+    plates = first.plate_axes or ((),) * len(first.names)
+    return make_layout([(n, s, a, g, p) for n, s, a, g, p in zip(first.names, shapes, first.row_axes, groups, plates)])
 
-            setup.cache[key] = jax.jit(run)
-        index = names.index(client)
-        local_key, obs_key = random.split(random.fold_in(random.fold_in(rng_key, 0x10C), index))
-        if local.size:  # the client checks its Laplace conditional on its own rows, at q's mean
-            check = ("pointwise_check", shapes)
-            if check not in setup.cache:
-                joint = self._joint(structure, local)
-                def proposal_k(q_, data_, k):  # 0 where v | theta is Gaussian (Laplace exact; equal weights)
-                    mean = G.to_moments(q_)[0]
-                    exact = locals_are_gaussian(joint, d, local.size, mean, data_, random.PRNGKey(5))
-                    return jnp.where(exact, 0.0, local_integral_k(joint, d, local.size, mean, data_, k))
 
-                setup.cache[check] = jax.jit(proposal_k)
-            k_hat = float(setup.cache[check](q, data, random.fold_in(local_key, 1)))
-            if k_hat > PARETO_K_LIMIT or not np.isfinite(k_hat):
-                warnings.warn(_LAPLACE_LOCALS.format(cls=type(self).__name__, client=client, k=k_hat),
-                              ModelComparisonWarning, stacklevel=find_stack_level())
-        values, log_lik, predictive = setup.cache[key](q, u, data, local_key, obs_key)
-        return trim_groups(values, local, args), log_lik, predictive  # its own groups only
+def own_entries(local: SiteLayout, own: SiteLayout, v, data):
+    """A client's own local values cut from the flat ``v`` of the largest layout, and the mask
+    (in ``v``'s layout) of its real entries (1) against padding (0)."""
+    full = local.unravel(v)
+    mask = own.flat_mask(data.row_mask, data.args) if own.size else jnp.zeros(0)
+    values, real, at = {}, [], 0
+    for name, shape, own_shape in zip(local.names, local.shapes, own.shapes):
+        cut = tuple(slice(0, k) for k in own_shape)
+        values[name] = full[name][cut]
+        n = int(np.prod(own_shape))
+        part = jnp.reshape(mask[at:at + n], own_shape)
+        at += n
+        real.append(jnp.reshape(jnp.zeros(shape, v.dtype).at[cut].set(part), -1))
+    return values, (jnp.concatenate(real) if real else jnp.zeros(0, v.dtype))

@@ -34,7 +34,7 @@ from . import gaussian as G
 from .gaussian import NaturalGaussian
 from .tilted import PARETO_K_LIMIT, backtrack, laplace_moments, moments_to_factor, newton_direction, pareto_k
 
-__all__ = ["PriorSplit", "prior_site_update", "split_prior"]
+__all__ = ["PriorSplit", "check_prior_is_data_free", "check_prior_is_proper", "prior_site_update", "split_prior"]
 
 _MODE_STEPS = 100
 _NO_MODE = (
@@ -125,3 +125,40 @@ def prior_site_update(residual: Callable, d: int, diagonal: bool, num_draws: int
         return moments_to_factor(mean, cov, diagonal), ok
 
     return update
+
+
+_PRIOR_DEPENDS_ON_DATA = (
+    "the prior of the global site(s) {sites} differs between client '{a}' and client '{b}' "
+    "(log density {va:.6g} vs {vb:.6g} at the same point): a global prior must not depend on a "
+    "client's data. Pass shared constants as model_kwargs="
+)
+
+
+_IMPROPER = (
+    "{cls}: the prior of the global site(s) {sites} is flat (improper: zero prior precision in "
+    "unconstrained space). {cls} starts q at the prior, and an improper q has no cavity or local "
+    "ELBO, so the first round cannot be formed. Give those sites a proper Gaussian prior (e.g. "
+    "dist.Normal(0, 10) for a location, dist.LogNormal(0, 2) for a scale), or use nf.fit (a Laplace "
+    "approximation, checked, else federated NUTS), which needs a proper posterior, not a proper prior"
+)
+
+
+def check_prior_is_proper(prior, layout, cls) -> None:
+    """Refuse a prior with a flat direction (``dist.ImproperUniform``), naming the sites."""
+    diag = np.asarray(jnp.diag(prior.precision) if prior.precision.ndim == 2 else prior.precision)
+    flat = diag <= 1e-12 * max(1.0, float(np.max(np.abs(diag), initial=0.0)))
+    if not flat.any():
+        return
+    sizes = [int(np.prod(s)) for s in layout.shapes]
+    owners = np.repeat(np.arange(len(sizes)), sizes)
+    names = [layout.names[i] for i in sorted(set(owners[flat].tolist()))]
+    raise ValueError(_IMPROPER.format(cls=cls, sites=", ".join(names)))
+
+
+def check_prior_is_data_free(first, last, d, names, sites) -> None:
+    if len(names) < 2:
+        return
+    u = 0.3 * random.normal(random.PRNGKey(7), (d,))
+    va, vb = float(first(u)), float(last(u))
+    if not np.isclose(va, vb, rtol=1e-5, atol=1e-6):
+        raise ValueError(_PRIOR_DEPENDS_ON_DATA.format(sites=list(sites), a=names[0], b=names[-1], va=va, vb=vb))

@@ -11,10 +11,11 @@ from jax import random
 from .._structure import trace_model
 from .._validation import check_optimizer, check_positive_int
 from ..clients import Clients
-from ..dp.plan import PrivateFit, check_dp_options, warn_withheld
+from ..dp.plan import MECHANISMS, DPPlan, check_dp_options, warn_withheld
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
-from .inference import K_ADVICE, FactorInference
+from .inference import FactorInference
+from .messages import K_ADVICE
 from .pvi_algorithm import pvi
 from .updates import VARIANTS
 
@@ -56,7 +57,7 @@ def _default_optim(local_steps=None):
                                               end_value=DEFAULT_LEARNING_RATE * DEFAULT_DECAY))
 
 
-class PVI(PrivateFit, FactorInference):
+class PVI(FactorInference):
     """Partitioned variational inference (Ashman et al., 2022; Heikkilä et al. (2023) Algorithm 1).
 
     Approximates the posterior of the model's global latent sites by
@@ -140,7 +141,7 @@ class PVI(PrivateFit, FactorInference):
         ...         numpyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
         >>> x = np.random.default_rng(0).normal(size=(60, 2)); y = x @ np.array([1.0, -1.0])
         >>> clients = nf.Clients.split(np.repeat([0, 1, 2], 20), x=x, y=y)
-        >>> res = nf.PVI(model, schedule="sequential").run(jax.random.PRNGKey(0), 3, clients)
+        >>> res = nf.PVI(model, schedule="sequential").run(jax.random.PRNGKey(0), clients, 3)
         >>> np.round(res.params["mean"], 1)
         Array([ 1., -1.], dtype=float32)
 
@@ -151,6 +152,7 @@ class PVI(PrivateFit, FactorInference):
     """
 
     method = "pvi"
+    dp_mechanisms = MECHANISMS
 
     def __init__(
         self,
@@ -206,12 +208,16 @@ class PVI(PrivateFit, FactorInference):
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
-        self.dp = check_dp_options(self, dp, dp_batch_size, trusted_aggregator)
+        self.dp = check_dp_options(dp, dp_batch_size, trusted_aggregator, update_kind=self.update_kind,
+                                   variant=variant, schedule=schedule)
         self.max_local_steps = self._local_budget(max_local_steps)
         self.dp_batch_size = None if dp_batch_size is None else int(dp_batch_size)
         self.trusted_aggregator = bool(trusted_aggregator)
-        self._dp_rounds: Optional[int] = None  # the rounds a calibration to epsilon= plans for
+        self._dp = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
+                          schedule=schedule, batch_size=self.dp_batch_size, local_steps=self.local_steps,
+                          variant=variant, num_shards=self.num_shards)
         self.max_kl = self._trust_region(max_kl)
+        self._committee: Optional[str] = None  # BCM's prior ("same" or "split"); None: PVI
 
     def _trust_region(self, max_kl) -> "Optional[float] | str":
         """``max_kl``: ``"auto"`` stays ``"auto"`` until the dimension is known (:meth:`_max_kl`)."""
@@ -301,8 +307,8 @@ class PVI(PrivateFit, FactorInference):
             )
             return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
         update = self._choose_update(terms, plan, d)
-        private = self._privacy
-        if getattr(self, "prior", "same") == "split":
+        private = self._dp.privacy
+        if self._committee == "split":
             common["split_prior"] = True
         return pvi(
             terms.prior,
@@ -351,14 +357,19 @@ class PVI(PrivateFit, FactorInference):
             )
         return self._use("conjugate")
 
-    # ------------------------------------------------------------------ privacy
+    # ------------------------------------------------------------------ BCM's one round; privacy
+    def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
+        if self._committee is not None and (num_rounds != 1 or options.get("init_state") is not None):
+            raise ValueError("BCM is one round from the prior: num_rounds=1 and no init_state")
+        super()._before_run(rng_key, num_rounds, clients, options)
+
     def _build(self, clients: Clients):
-        self._plan_privacy(clients)
+        self._dp.plan(clients)
         return super()._build(clients)
 
     def _check_result(self, setup, result):
         result = super()._check_result(setup, result)
-        if self._privacy is not None:
+        if self.differentially_private:
             warn_withheld(type(self).__name__, result)
         return result
 
@@ -377,7 +388,7 @@ class PVI(PrivateFit, FactorInference):
         return found[0]
 
 
-class BCM(PVI):
+def BCM(model: Callable, *, prior: str = "same", **kwargs: Any) -> PVI:
     """Bayesian committee machine (Tresp, 2000): one round, every client fits its own
     posterior, the server multiplies them (Heikkilä et al.'s (2023) minimal-communication baselines).
 
@@ -387,29 +398,19 @@ class BCM(PVI):
 
     It is PVI's first synchronous round with damping 1 (every factor starts at 1, so the
     cavity is the prior), with PVI's local fits, checks and DP mechanisms (Heikkilä et al. (2023) trains
-    BCM with DP-SGD: ``dp="optimisation"``). :meth:`run` runs exactly one round.
+    BCM with DP-SGD: ``dp="optimisation"``). So it returns that :class:`PVI` (its ``method`` is
+    ``"bcm"``), whose ``run`` runs exactly one round.
 
     Args:
         model: as for :class:`PVI`.
         prior: ``"same"`` or ``"split"``.
         **kwargs: :class:`PVI`'s arguments, except ``schedule`` and ``damping``.
     """
-
-    method = "bcm"
-
-    def __init__(self, model: Callable, *, prior: str = "same", **kwargs: Any) -> None:
-        if prior not in ("same", "split"):
-            raise ValueError(f"prior={prior!r}: choose 'same' or 'split'")
-        for fixed in ("schedule", "damping", "subset_size", "variant", "num_shards"):
-            if fixed in kwargs:
-                raise ValueError(
-                    f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not apply"
-                )
-        self.prior = prior
-        super().__init__(model, schedule="synchronous", damping=1.0, **kwargs)
-
-    def _before_run(self, num_rounds: int, clients, options: dict) -> None:
-        """The one round: ``num_rounds`` must be 1 (the argument keeps the call uniform)."""
-        if num_rounds != 1 or options.get("init_state") is not None:
-            raise ValueError("BCM is one round from the prior: num_rounds=1 and no init_state")
-        super()._before_run(num_rounds, clients, options)
+    if prior not in ("same", "split"):
+        raise ValueError(f"prior={prior!r}: choose 'same' or 'split'")
+    for fixed in ("schedule", "damping", "subset_size", "variant", "num_shards"):
+        if fixed in kwargs:
+            raise ValueError(f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not apply")
+    committee = PVI(model, schedule="synchronous", damping=1.0, **kwargs)
+    committee.method, committee._committee = "bcm", prior
+    return committee

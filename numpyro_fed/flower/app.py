@@ -86,7 +86,7 @@ def _server_main(grid, context) -> None:
         placeholders.enter_context(on_placeholders(template))  # the server holds no client's data
         server_data = task.load_server() if task.load_server is not None else None
         inference, inputs, _ = build(task, template, num_rounds, server=server_data, stage=None)
-        backend.collect_ledgers = getattr(inference, "_privacy", None) is not None  # privacy_report's input
+        backend.collect_ledgers = inference.differentially_private  # privacy_report's input
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run = call_run(

@@ -122,7 +122,7 @@ def run_flower_demo(clients: int = 3, rounds: int = 4, seed: int = 0) -> Dict[st
     data = nf.Clients({f"client{i}": client_data(i, clients) for i in range(clients)})
     sim = make_pvi()
     sim.client_mapping = "loop"
-    result = sim.run(jax.random.PRNGKey(seed), rounds, data, progress_bar=False)
+    result = sim.run(jax.random.PRNGKey(seed), data, rounds, progress_bar=False)
     mean_f, cov_f = flower["params"]["mean"], flower["params"]["cov"]
     mean_s, cov_s = np.asarray(result.params["mean"]), np.asarray(result.params["cov"])
     mean_x, cov_x = exact_posterior(clients)

@@ -33,17 +33,16 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import random
 
-from .._validation import check_callable, check_positive_int, check_positive_number
-from ..protocol import Broadcast, ClientStates, RunResult, RunState, ServerView, last_info
-from ..transcript import Transcript, message_bytes
+from .._validation import check_callable, check_positive_number
+from ..backends.driver import checkpoint_interval, drive
+from ..protocol import RunResult, RunState
 from ..warnings import MissingClientsWarning, find_stack_level
 from .messaging import Messenger
-from .rounds import RunContext, Traffic, first_state, non_finite, run_result
+from .rounds import OverFlower
 from .sealed import ROLE_KEY
 from .task import FlowerTask
-from .wire import Template, WireStructures, describe, from_record, to_record, wire_like, wire_structures
+from .wire import Template, WireStructures, describe, from_record
 
 __all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
 
@@ -199,88 +198,26 @@ class FlowerBackend(Messenger):
                       f"(on_setup_failure='absent'): {why}", MissingClientsWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ run
-    def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, progress_bar: bool = False,
-            record_transcript: bool = False, keep_values: bool = False, checkpoint=None, checkpoint_every=None,
-            callbacks: Sequence[Callable] = (), availability: Any = None, on_nonfinite: str = "raise") -> RunResult:
-        """The simulation backend's ``run`` over the network (``clients``: the plan built
-        from :meth:`connect`'s template). Dropout is real here, so ``availability`` is
-        refused; so are ``init_state`` and checkpoints (not yet supported)."""
-        del progress_bar
-        every = self._checked_run(algorithm, clients, num_rounds, availability, init_state, checkpoint,
-                                  checkpoint_every, on_nonfinite)
-        from ..backends.mapping import client_item
+    def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, availability: Any = None,
+            **options: Any) -> RunResult:
+        """The simulation backend's ``run`` over the network (``clients``: the plan built from
+        :meth:`connect`'s template), through the same round loop
+        (:func:`~numpyro_fed.backends.driver.drive`). Dropout is real here, so ``availability``
+        is refused; so is ``init_state`` (resume with ``FlowerBackend(resume_from=...)``: the
+        clients' states are on their nodes). ``checkpoint=`` saves the server's part; each client
+        keeps its own on its node."""
+        self._checked_run(algorithm, clients, availability, init_state)
+        every = checkpoint_interval(num_rounds, options.get("checkpoint"), options.get("checkpoint_every"))
+        return drive(OverFlower(self, algorithm, clients, num_rounds, every), algorithm, num_rounds, rng_key,
+                     **options)
 
-        plan, names, J = clients, list(clients.names), len(clients.names)
-        t0 = time.perf_counter()
-        data = [client_item(plan, plan.data, j) for j in range(J)]
-        structures = wire_structures(algorithm, data, plan.server_data)
-        transcript = Transcript(keep_values) if record_transcript else None
-        setup, resumed, alive = self._set_up(names, num_rounds, rng_key, algorithm, every)
-        try:
-            if self.stream is not None:
-                self._open_stream(names, alive)
-            self.timings["setup"] = time.perf_counter() - t0
-            state = first_state(algorithm, rng_key, resumed)
-            start = int(state.round)
-            run = RunContext(
-                algorithm=algorithm, plan=plan, names=names, structures=structures, transcript=transcript,
-                select=jax.jit(algorithm.select),
-                # the secure_sum fields arrive summed by the trusted aggregator
-                steps=[jax.jit(lambda k, s, m, v, ex=ex: ex.server_step(k, s, m, v)) for ex in algorithm.exchanges],
-                round_info=algorithm.round_info or last_info,
-                monitor=algorithm.monitor or (lambda info: jnp.zeros(())),
-                traffic=Traffic(), on_nonfinite=on_nonfinite)
-            infos, figures, answered_log = [], [], []
-            if every:
-                self._save(checkpoint, state, names)
-            lost = [not a for a in alive]  # did not answer the last time asked: may come back on a new node
-            self._last_round = [start] * J  # per site: the last round whose reply came (a rejoin's state)
-            self._seen = set(self.nodes) | {self.aggregator}
-            for r in range(start, start + int(num_rounds)):
-                t0 = time.perf_counter()
-                if r > start and any(lost):
-                    self._take_back(r, setup, alive, lost)
-                timeout = self.first_timeout if r == start else self.reply_timeout
-                done = self._round(run, r, state, alive, lost, timeout, first=not figures)
-                if done is None:  # non-finite values, warned: the run stops after the last finite round
-                    break
-                state, info, figure, answered = done
-                self._last_round = [r + 1 if a else last for a, last in zip(answered, self._last_round)]
-                infos.append(info)
-                figures.append(figure)
-                answered_log.append(answered)
-                self.round_seconds.append(time.perf_counter() - t0)
-                if every and (int(state.round) % every == 0 or r == start + int(num_rounds) - 1):
-                    self._save(checkpoint, state, names)
-                for callback in callbacks:
-                    callback(int(state.round), state, info)
-                if self.progress is not None:
-                    self.progress(int(state.round), [names[j] for j in range(J) if answered[j]])
-                if algorithm.done is not None and bool(algorithm.done(state.server)):  # open-ended (MCMC): finished
-                    break
-            ledgers = self._ledgers(structures, alive, transcript, int(state.round)) if self.collect_ledgers else {}
-            for ledger in ledgers.values():  # what crossed the wire
-                run.traffic.add_up(message_bytes(ledger._asdict()))
-            self._warn_missing()
-            return run_result(run, state, infos, figures, answered_log,
-                              ClientStates(names, lambda j: _ledger_of(names[j], ledgers)))
-        finally:
-            self._close_stream()
-
-    def _checked_run(self, algorithm, plan, num_rounds, availability, init_state, checkpoint, checkpoint_every,
-                     on_nonfinite) -> int:
-        """``run``'s options checked against this backend and its connected clients; returns the
-        rounds between two server checkpoints (0: none)."""
-        from ..backends.simulation import GUARDS
-
+    def _checked_run(self, algorithm, plan, availability, init_state) -> None:
+        """``run``'s options checked against this backend and its connected clients."""
         for what, value in (("availability= (dropout is real over Flower)", availability),
                             ("init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on "
                              "their nodes)", init_state)):
             if value is not None:
                 raise ValueError(_UNSUPPORTED.format(what=what))
-        every = self._checkpoint_every(checkpoint, checkpoint_every, num_rounds)
-        if on_nonfinite not in GUARDS:
-            raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose one of {GUARDS}")
         if self.template is None:
             raise ValueError("FlowerBackend.run needs connect() first (it builds the clients' template)")
         names = list(plan.names)
@@ -290,7 +227,6 @@ class FlowerBackend(Messenger):
             raise ValueError("this algorithm sends parts of its messages through a trusted aggregator (secure_sum, "
                              "e.g. trusted_aggregator=True), and no SuperNode is one: start a SuperNode with "
                              f"node_config '{ROLE_KEY}=\"aggregator\"' (LocalFederation(..., aggregator=True))")
-        return every
 
     def _set_up(self, names: Sequence[str], num_rounds: int, rng_key, algorithm, every: int) -> tuple:
         """Every client builds the same algorithm from the template and keys itself (or, resuming,
@@ -339,112 +275,7 @@ class FlowerBackend(Messenger):
             stream, self._stream = self._stream, None
             stream.close(self.reply_timeout)
 
-    # ------------------------------------------------------------------ one round
-    def _round(self, run: RunContext, r: int, state: RunState, alive: List[bool], lost: List[bool],
-               timeout: float, first: bool):
-        """Round ``r``: the server selects, then each exchange goes out to the clients that
-        answered the earlier ones and its server step runs here. Updates ``lost`` and
-        :attr:`missing`. Returns ``(state, info, figure, answered)``, or None when the round
-        gave non-finite values and ``on_nonfinite`` warns (it raises :class:`NonFiniteError`
-        when it is ``"raise"`` or this is the run's first round)."""
-        from ..backends.simulation import all_finite
-
-        names, J, exchanges = run.names, len(run.names), run.algorithm.exchanges
-        server, broadcast = state.server, state.broadcast
-        server_key, k_select, *k_ex = random.split(state.server_key, 2 + len(exchanges))
-        asked = np.asarray(run.select(k_select, server)) & np.asarray(alive)
-        answered = asked.copy()
-        round_infos, sent = [], []
-        for e, (exchange, key) in enumerate(zip(exchanges, k_ex)):
-            stacked, summed = self._exchange(run, r, e, broadcast, answered, timeout)
-            sent.append(stacked)
-            if exchange.secure_sum:
-                stacked = {**stacked, **summed}
-            server, broadcast, info = run.steps[e](key, server, stacked, ServerView(jnp.asarray(answered),
-                                                                                   run.plan.server_data))
-            round_infos.append(info)
-        for j in range(J):
-            if asked[j]:
-                lost[j] = not answered[j]
-        lacked = [names[j] for j in range(J) if asked[j] and not answered[j]]
-        if lacked:
-            self.missing.append((r + 1, "round", lacked))
-        info = run.round_info(tuple(round_infos))
-        figure = run.monitor(info)
-        if not (bool(all_finite(broadcast)) and bool(jnp.isfinite(figure))):
-            non_finite(run, r, state, answered, sent, first)
-            return None
-        state = RunState(state.round + 1, server, server_key, broadcast, None, state.env_key)
-        return state, info, figure, answered.copy()
-
-    def _exchange(self, run: RunContext, r: int, e: int, broadcast: Broadcast, answered, timeout: float) -> tuple:
-        """Exchange ``e`` of round ``r`` over the wire: each client in ``answered`` gets its
-        broadcast, and ``answered`` is cleared for those whose reply did not come. Returns
-        ``(the messages stacked, zeros for a client that did not answer; the trusted aggregator's
-        sum of the secure_sum fields, or {})``."""
-        from flwr.app import ConfigRecord, RecordDict
-
-        from ..backends.simulation import stack_rounds
-
-        names, J, transcript, traffic = run.names, len(run.names), run.transcript, run.traffic
-        to = [j for j in range(J) if answered[j]]
-        contents = []
-        shared, per_client = jax.tree_util.tree_map(np.asarray, (broadcast.shared, broadcast.per_client))
-        for j in to:
-            part = jax.tree_util.tree_map(lambda x, j=j: x[j], per_client)
-            b = Broadcast(shared, part)
-            record = to_record(b)
-            nf = {"kind": "exchange", "exchange": e, "round": r}
-            if e == 0:  # after which round the server holds its state: a late reply's step is taken back
-                nf["kept"] = int(self._last_round[j])
-            contents.append(RecordDict({"nf": ConfigRecord(nf), "broadcast": record}))
-            traffic.add_down(message_bytes(b))
-            if transcript is not None:
-                transcript.record(r, "server", names[j], from_record(run.structures.broadcasts[e], record),
-                                  exchange=str(e))
-        replies = self._send([self.nodes[j] for j in to], contents, "train", timeout)
-        secure = run.algorithm.exchanges[e].secure_sum
-        like, direct_like, hidden_like = wire_like(run.structures.messages[e], secure)
-        rows, sealed = [], {}
-        for j in range(J):
-            reply = replies.get(self.nodes[j]) if answered[j] else None
-            if reply is None:
-                answered[j] = False
-                rows.append(None)
-                continue
-            message = from_record(like, reply.content["message"])
-            traffic.add_up(message_bytes(message))
-            if secure:  # the direct fields, and the sealed part the server relays unread
-                message, sealed[j] = message["direct"], message["sealed"]
-            if transcript is not None and (message or not secure):
-                transcript.record(r, names[j], "server", message, exchange=str(e))
-            if transcript is not None and secure:
-                transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
-            rows.append(message)
-        zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
-        stacked = jax.tree_util.tree_map(stack_rounds, *[m if m is not None else zero for m in rows])
-        summed = {}
-        if secure:
-            summed = self._secure_sum(r, e, J, sealed, hidden_like, timeout)
-            if transcript is not None:
-                transcript.record(r, "aggregator", "server", summed, exchange=str(e))
-        return stacked, summed
-
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_every(self, checkpoint, every, num_rounds: int) -> int:
-        """Rounds between two server checkpoints (0: none); the destination checked first."""
-        if checkpoint is None:
-            if every is not None:
-                raise ValueError("checkpoint_every= needs checkpoint= (the server's checkpoint file)")
-            return 0
-        from .. import checkpoint as ckpt
-        from ..backends.simulation import CHECKPOINTS_PER_RUN
-
-        ckpt.check_destination(checkpoint)
-        if every is None:
-            return max(1, -(-int(num_rounds) // CHECKPOINTS_PER_RUN))
-        return check_positive_int("checkpoint_every", every)
-
     def _save(self, path: str, state: RunState, names: Sequence[str]) -> None:
         """The server's part of a checkpoint: its state, its broadcast and keys, the round, and (in
         ``meta``) this Flower run's id and its sites. Each client keeps its own part on its node
@@ -560,9 +391,3 @@ class ClientLedger(NamedTuple):
 
     releases: Any
 
-
-def _ledger_of(name: str, ledgers: Dict[str, ClientLedger]) -> ClientLedger:
-    if name in ledgers:
-        return ledgers[name]
-    raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
-                   f"has only the privacy ledger of a DP run's clients that answered at its end")

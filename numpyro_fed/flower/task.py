@@ -94,7 +94,7 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None, st
 
         trace_model(getattr(model, "__wrapped_model__", model), own[1], getattr(inference, "model_kwargs", {}))
     with on_placeholders(template, None if own is None else own[0]):
-        inference._before_run(num_rounds, inputs, {})  # the private families plan their noise for the run
+        inference._before_run(None, num_rounds, inputs, {})  # the private families plan their noise for the run
         setup = inference._setup(inputs)
     return inference, inputs, setup
 
@@ -133,7 +133,7 @@ def call_run(inference, inputs, rng_key, num_rounds, **options):
     if _is_ladder(inference):
         return inference.run(rng_key, inputs, **options)
     if inference.open_ended:
-        return inference.run(rng_key, inputs, max_rounds=num_rounds, **options)
+        return inference.run(rng_key, inputs, num_rounds, **options)
     if isinstance(inputs, dict):
-        return inference.run(rng_key, num_rounds, **options, **inputs)
-    return inference.run(rng_key, num_rounds, inputs, **options)
+        return inference.run(rng_key, num_rounds=num_rounds, **options, **inputs)
+    return inference.run(rng_key, inputs, num_rounds, **options)

@@ -23,7 +23,7 @@ from .._structure import (
 from .._validation import check_clients, check_model, check_optimizer, check_positive_int
 from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args, unpadder
 from ..clients import Clients
-from ..dp.plan import PrivateFit, check_sgd_options
+from ..dp.plan import DPPlan, check_sgd_options
 from ..fit_check import (
     MEAN_MARGIN,
     PARETO_K_LIMIT,
@@ -35,9 +35,10 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..groups import size_group_plates, trim_groups
-from ..inference import FederatedInference, Setup, with_exchange_traffic
+from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
+from .check import client_log_weights_from_keys, log_weight_estimator
 from .dp_sfvi_algorithm import dp_sfvi
 from .guides import StructuredGuide
 from .objective import FederatedObjective
@@ -47,6 +48,7 @@ from .sfvi_avg_algorithm import OPTIMIZER_STATES, sfvi_avg
 __all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
 
 METHODS = ("sfvi", "sfvi_avg")
+FIT_CHECK_DRAWS = 1000  # draws of the fit check run after a network run (diagnose's default)
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
 _UNRELIABLE = (
     "{cls}: the fitted approximation is unreliable: Pareto k = {k:.2f} > {limit} for the importance "
@@ -66,7 +68,7 @@ _BIASED = (
 )
 
 
-class FederatedSVI(PrivateFit, FederatedInference):
+class FederatedSVI(FederatedInference):
     """Federated stochastic variational inference.
 
     Args:
@@ -121,12 +123,13 @@ class FederatedSVI(PrivateFit, FederatedInference):
         ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
         >>> clients = nf.Clients.split(np.arange(40) % 2, y=np.linspace(0.0, 2.0, 40))
         >>> svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1))
-        >>> result = svi.run(jax.random.PRNGKey(0), 300, clients, progress_bar=False)
+        >>> result = svi.run(jax.random.PRNGKey(0), clients, 300, progress_bar=False)
         >>> bool(abs(result.params["guide"]["loc"][0] - 1.0) < 0.2)
         True
     """
 
     setup_extra = FederatedObjective  # Setup.extra
+    dp_mechanisms = ("sgd",)
 
     def __init__(
         self,
@@ -177,10 +180,11 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self.client_mapping = client_mapping
         self.row_plate = row_plate
         self.model_kwargs = dict(model_kwargs or {})
-        self.dp = check_sgd_options(self, dp, dp_sampling_rate, trusted_aggregator)
+        self.dp = check_sgd_options(method, dp, dp_sampling_rate, trusted_aggregator)
         self.dp_sampling_rate = None if dp_sampling_rate is None else float(dp_sampling_rate)
         self.trusted_aggregator = bool(trusted_aggregator)
-        self._dp_rounds: Optional[int] = None
+        self._dp = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
+                          sampling_rate=self.dp_sampling_rate, svi=True)
         self._init_inference()
 
     # ------------------------------------------------------------------ set-up
@@ -197,15 +201,14 @@ class FederatedSVI(PrivateFit, FederatedInference):
         objective = FederatedObjective(self.model, self.guide, structure, self.model_kwargs, self.stl)
         objective.set_global_start(clients[clients.names[0]])
         J = len(clients)
-        self._plan_privacy(clients)
-        if self._privacy is not None:
+        if self._dp.plan(clients) is not None:
             local = list(structure.local_latent_names) + list(structure.local_param_names)
             if local:
                 raise ValueError(
                     f"dp='sgd' (DP federated SVI) fits models with global sites only; {local} are "
                     f"local. Use nf.PVI(dp=...) or drop the local sites"
                 )
-            p = self._privacy
+            p = self._dp.privacy
             algorithm = dp_sfvi(
                 objective,
                 self.optim,
@@ -257,7 +260,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
 
     def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
         self.last_fit_check = None
-        if not self.check_fit or self._privacy is not None:  # under DP: the check sums data-dependent terms
+        if not self.check_fit or self.differentially_private:  # under DP: the check sums data-dependent terms
             return None
         if result.state.clients is None:  # a network backend: the clients' states stay on their nodes
             network = getattr(self, "_network", None)
@@ -275,7 +278,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 )
                 return result
             diag = fit_diagnostic(
-                log_w, *self._check_draws(setup, result.state, _FIT_CHECK_DRAWS, random.PRNGKey(0x51)), shape=True
+                log_w, *self._check_draws(setup, result.state, FIT_CHECK_DRAWS, random.PRNGKey(0x51)), shape=True
             )
         else:
             diag = self.diagnose(result)
@@ -342,7 +345,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
         keys = random.split(k_l, J)
         g = result.state.server.global_params
         payloads = {j: {"global_params": g, "k_g": k_g, "key": keys[j]} for j in range(J)}
-        like = {"values": jax.ShapeDtypeStruct((_FIT_CHECK_DRAWS,), jnp.float32)}
+        like = {"values": jax.ShapeDtypeStruct((FIT_CHECK_DRAWS,), jnp.float32)}
         got = network.client_values("log_weights", payloads, like, result.transcript, int(result.communication.rounds))
         self._fit_check_messages = (payloads, got)
         if len(got) < J:
@@ -367,10 +370,10 @@ class FederatedSVI(PrivateFit, FederatedInference):
         """On a client after a network run: its term of the fit check's ``log w`` per draw,
         summed over its own rows (what :meth:`diagnose` computes for it in simulation)."""
         self._client_value_inputs(name, setup, data)
-        key = ("client_log_weights", _FIT_CHECK_DRAWS)
+        key = ("client_log_weights", FIT_CHECK_DRAWS)
         if key not in setup.cache:
             setup.cache[key] = jax.jit(
-                partial(_client_log_weights_from_keys, setup.extra, 1.0 / len(setup.plan.names), _FIT_CHECK_DRAWS)
+                partial(client_log_weights_from_keys, setup.extra, 1.0 / len(setup.plan.names), FIT_CHECK_DRAWS)
             )
         values = setup.cache[key](
             payload["global_params"], payload["k_g"], payload["key"], client_state.local_params, data
@@ -387,7 +390,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
     def _log_weights(self, setup: Setup, state: RunState, num_draws: int, rng_key) -> jax.Array:
         key = ("log_weights", num_draws)
         if key not in setup.cache:
-            setup.cache[key] = jax.jit(_log_weight_estimator(setup, num_draws))
+            setup.cache[key] = jax.jit(log_weight_estimator(setup, num_draws))
         return setup.cache[key](state, setup.plan.data, rng_key)
 
     def diagnose(self, result: Union[RunResult, RunState], num_draws: int = 1000, rng_key=None) -> FitDiagnostic:
@@ -424,11 +427,12 @@ class FederatedSVI(PrivateFit, FederatedInference):
         self,
         rng_key: jax.Array,
         result: Union[RunResult, RunState],
-        num_samples: int,
+        num_samples: Optional[int] = None,
+        *,
         client: Optional[str] = None,
         corrected: bool = False,
     ) -> Dict[str, jax.Array]:
-        """Draws from the fitted approximation, in constrained space.
+        """``num_samples`` (default 1000) draws from the fitted approximation, in constrained space.
 
         Without ``client``: the global latent sites, and the model's ``numpyro.deterministic``
         sites that are functions of the global sites (and global ``numpyro.param`` sites)
@@ -449,7 +453,7 @@ class FederatedSVI(PrivateFit, FederatedInference):
                 Global sites only (a client's local draws are not reweighted).
         """
         state = self._state_of(result)
-        num_samples = check_positive_int("num_samples", num_samples)
+        num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
         setup = self._fitted()
         obj = setup.extra
         g = state.server.global_params
@@ -554,47 +558,3 @@ class FederatedSVI(PrivateFit, FederatedInference):
         """Values of a client's observed sites (the client's own data)."""
         tr = trace_model(self.model, clients[client], self.model_kwargs)
         return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
-
-
-def _log_weight_estimator(setup: Setup, num_draws: int):
-    """``(state, data, rng_key) -> (num_draws,)`` values of ``log p(z, y) - log q(z)`` at
-    draws ``z ~ q``: the server's term plus every client's term, per draw.
-
-    Each client evaluates its own term (with its share of the global prior) on its own
-    rows and returns one scalar per draw; the server adds the entropy term.
-    """
-    obj, plan = setup.extra, setup.plan
-    share = 1.0 / len(plan.names)
-
-    def estimate(state: RunState, data, rng_key):
-        k_g, k_l = random.split(rng_key)
-        g = state.server.global_params
-        eps_g = random.normal(k_g, (num_draws, obj.global_size))
-
-        def client_value(key, local_params, d):
-            return _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d)
-
-        keys = random.split(k_l, len(plan.names))
-        if plan.mapping == "vmap":
-            values = jnp.sum(jax.vmap(client_value)(keys, state.clients.state.local_params, data), axis=0)
-        else:
-            values = sum(
-                client_value(keys[j], s.state.local_params, d) for j, (s, d) in enumerate(zip(state.clients, data))
-            )
-        return jax.vmap(lambda e: obj.server_term(g, e))(eps_g) + values
-
-    return estimate
-
-
-_FIT_CHECK_DRAWS = 1000  # draws of the fit check run after a network run (diagnose's default)
-
-
-def _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d):
-    """One client's term of ``log p(z, y) - log q(z)`` per draw, over its own rows."""
-    eps_l = random.normal(key, (num_draws, obj.local_size(d)))
-    return jax.vmap(lambda a, b: obj.client_term(g, local_params, a, b, d, share))(eps_g, eps_l)
-
-
-def _client_log_weights_from_keys(obj, share, num_draws, g, k_g, key, local_params, d):
-    eps_g = random.normal(k_g, (num_draws, obj.global_size))
-    return _client_log_weights(obj, share, num_draws, g, eps_g, key, local_params, d)

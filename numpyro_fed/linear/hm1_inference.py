@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -86,15 +86,16 @@ class HM1(FederatedInference):
         >>> x = rng.normal(size=(120, 3)); g = np.repeat([0, 1], 60)
         >>> y = np.einsum("nd,nd->n", x, theta[g])
         >>> clients = nf.Clients.split(g, x=x, y=y)
-        >>> res = nf.HM1().run(jax.random.PRNGKey(0), 30, clients)
+        >>> res = nf.HM1().run(jax.random.PRNGKey(0), clients, 30)
         >>> res.params["theta"].shape, res.params["omega"].shape
         ((2, 3), (2, 2))
-        >>> separate = nf.HM1(shrinkage=0.0).run(jax.random.PRNGKey(0), 30, clients)
+        >>> separate = nf.HM1(shrinkage=0.0).run(jax.random.PRNGKey(0), clients, 30)
         >>> bool(np.abs(separate.params["theta"] - theta).max() < 1e-4)  # noise-free least squares
         True
     """
 
     method = "hm1"
+    family_run_options = ("truth",)
     setup_extra = int  # Setup.extra: the number of covariates
 
     def __init__(self, *, lr: float = 0.01, shrinkage: Optional[float] = None, alpha: float = 0.1,
@@ -194,22 +195,20 @@ class HM1(FederatedInference):
         if not same:
             self._truth, self._setup_cache = truth, None  # the algorithm tracks another truth
 
-    def run(self, rng_key: jax.Array, num_rounds: int, clients: Clients, *, truth: Optional[jax.Array] = None,
-            **options: Any) -> RunResult:
-        """``num_rounds`` communication rounds (one jit-compiled ``lax.while_loop`` by default).
+    def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
+        """``run(..., truth=)``: ``(K, d)`` true parameters of a simulation: ``info.distance``
+        records ``||Theta - truth|| / sqrt(K)`` per round (Yue et al. (2022) Figure 3). HM1's
+        ``params`` are ``{"theta": (K, d), "omega": (K, K)}`` (row k of ``theta`` is
+        ``clients.names[k]``'s) and its ``trace`` the change in ``Theta`` per round."""
+        self._with_truth(options.pop("truth", None))
 
-        Args:
-            truth: ``(K, d)`` true parameters of a simulation: ``info.distance`` records
-                ``||Theta - truth|| / sqrt(K)`` per round (Yue et al. (2022) Figure 3).
-            **options: the backend's run options (``progress_bar=False`` hides the bar).
-
-        Returns:
-            a :class:`~numpyro_fed.RunResult` with ``params = {"theta": (K, d), "omega": (K, K)}``
-            (row k of ``theta`` is ``clients.names[k]``'s) and ``trace`` the change in ``Theta``
-            per round.
-        """
-        self._with_truth(truth)
-        return super().run(rng_key, num_rounds, clients, **options)
+    def sample_posterior(self, rng_key, result, num_samples=None, *, client=None):
+        """HM1 has no posterior to sample: it fits the MAP of ``Theta`` and ``Omega`` (Yue et al.
+        (2022) Algorithm 1), a point estimate. Raises, naming where the estimate is."""
+        raise TypeError("HM1 fits a point estimate (the MAP of Theta and Omega by Yue et al. (2022) Algorithm 1), "
+                        "not a posterior: read result.params['theta'] (row k is client k's) and "
+                        "result.params['omega']; for posterior draws of a hierarchical linear model use nf.fit or "
+                        "nf.EP")
 
     @staticmethod
     def predict(result: RunResult, x: jax.Array, client_index: int) -> jax.Array:

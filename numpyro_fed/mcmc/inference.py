@@ -9,7 +9,6 @@ nothing but the global position, gradients with respect to it and scalars crosse
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
@@ -50,18 +49,14 @@ _PARAMS = (
     "would hold them at their initial values). Make them latent sample sites with a prior, or fit them with "
     "nf.FederatedSVI"
 )
-_ROUNDS = (
-    "{cls}.run(rng_key, clients): the number of rounds follows from num_warmup, num_samples and the trees "
-    "(one leapfrog step per round); got {got!r} where the clients go. Pass max_rounds= to cap the rounds"
-)
 _FAILED_INIT = (
     "{cls}: chain(s) {chains} found no starting point with a finite potential energy and gradient in {tries} "
     "uniform draws in (-2, 2) of the unconstrained space (NumPyro's init_to_uniform): check the priors and the "
     "data (a likelihood that is -inf everywhere, an observed value outside its distribution's support)"
 )
 _UNFINISHED = (
-    "{cls}: the run stopped after {rounds} rounds (max_rounds) before every chain had its draws (iterations done "
-    "per chain: {done} of {total}); the draws are incomplete. Raise max_rounds or lower max_tree_depth"
+    "{cls}: the run stopped after {rounds} rounds (num_rounds) before every chain had its draws (iterations done "
+    "per chain: {done} of {total}); the draws are incomplete. Raise num_rounds or lower max_tree_depth"
 )
 R_HAT_LIMIT = 1.05
 _DIVERGED = (
@@ -166,31 +161,14 @@ class FederatedMCMC(FederatedInference):
         self._init_inference()
 
     # ------------------------------------------------------------------ run
-    def run(self, rng_key: jax.Array, clients: Optional[Clients] = None, *extra: Any, max_rounds: Optional[int] = None,
-            **kwargs: Any) -> RunResult:
-        """Run ``num_warmup + num_samples`` iterations of every chain, one leapfrog step per
-        communication round, until every chain has its draws.
-
-        Args:
-            rng_key: the run's key; the server's and every client's own key derive from it.
-            clients: the :class:`~numpyro_fed.Clients`.
-            max_rounds: a cap on the rounds (default: enough for every tree at
-                ``max_tree_depth``); a run that reaches it before the draws are complete raises.
-            **kwargs: the backend's run options (``init_state``, ``record_transcript``,
-                ``availability`` (a missing answer repeats the round), ``checkpoint``,
-                ``callbacks``, ``backend``, ...; see :meth:`FederatedInference.run`).
-
-        Returns:
-            a :class:`~numpyro_fed.RunResult`: ``params`` the global draws per site (constrained,
-            ``(num_chains, num_samples, ...)``), ``trace`` the chains' mean potential energy per
-            round, ``communication`` the rounds and bytes.
-        """
-        if extra or isinstance(clients, numbers.Number):  # run(key, num_rounds, clients), the other families' call
-            raise TypeError(_ROUNDS.format(cls=type(self).__name__, got=clients))
-        if max_rounds is None:  # every tree at full depth (HMC: 1024 steps), the set-up's retries, the last round
+    def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
+        """``run``'s ``num_rounds`` is a cap (default: enough for every tree at ``max_tree_depth``):
+        the run ends when every chain has its ``num_warmup + num_samples`` iterations, one
+        leapfrog step per round; a run that reaches the cap first raises."""
+        if num_rounds is None:  # every tree at full depth (HMC: 1024 steps), the set-up's retries, the last round
             per_iteration = 2 ** self.max_tree_depth if self.algo == "NUTS" else (self.num_steps or 2 ** 10)
-            max_rounds = (self.num_warmup + self.num_samples) * per_iteration + MAX_INIT_TRIES + 2
-        return super().run(rng_key, max_rounds, clients, **kwargs)
+            num_rounds = (self.num_warmup + self.num_samples) * per_iteration + MAX_INIT_TRIES + 2
+        return num_rounds
 
     # ------------------------------------------------------------------ set-up
     _size_group_plates = size_group_plates
@@ -320,7 +298,7 @@ class FederatedMCMC(FederatedInference):
         return {k: jnp.reshape(v, (-1,) + v.shape[2:]) for k, v in draws.items()}
 
     def sample_posterior(self, rng_key: jax.Array, result: Union[RunResult, RunState],
-                         num_samples: Optional[int] = None, client: Optional[str] = None) -> Dict[str, jax.Array]:
+                         num_samples: Optional[int] = None, *, client: Optional[str] = None) -> Dict[str, jax.Array]:
         """``num_samples`` of the chains' draws (all of them when ``None``), picked without
         replacement with ``rng_key``, as the other families' ``sample_posterior``: the global
         sites, and with ``client`` that client's local sites at the same draws."""

@@ -20,8 +20,9 @@ from .._validation import check_positive_int
 from ..backends.mapping import client_data, unpadder
 from ..factor import gaussian as G
 from ..factor.blocks import local_blocks as propose_blocks
-from ..factor.inference import FactorInference, own_entries
+from ..factor.inference import FactorInference
 from ..factor.laplace_inference import NoModeError
+from ..factor.pointwise import own_entries
 from ..groups import trim_groups
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
@@ -64,6 +65,7 @@ class FederatedMwG(FactorInference):
     """
 
     method = "mwg"
+    _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     open_ended = True
 
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
@@ -85,17 +87,19 @@ class FederatedMwG(FactorInference):
         self.start_communication = None  # the Laplace start's rounds and bytes
         self._laplace = None
 
-    def run(self, rng_key: jax.Array, clients=None, *, max_rounds: Optional[int] = None, **kwargs) -> RunResult:
-        """Run ``num_warmup + num_samples`` iterations, one round each (plus one: the clients
-        record the last iteration's locals; plus one per round a client did not answer, which is
-        repeated); first a federated Laplace fit when ``init`` is ``None`` (its result is
-        :attr:`laplace_result`). ``max_rounds``: a cap (default: the rounds needed, 20 times
-        that under simulated ``availability=``); a run that reaches it unfinished raises.
+    def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
+        """``run``'s ``num_rounds`` is a cap (default: ``num_warmup + num_samples + 1``, the rounds
+        when every client answers every round (the last records the locals), 20 times that under
+        simulated ``availability=``: a round a client misses is repeated); a run that reaches it
+        unfinished raises."""
+        if num_rounds is not None:
+            return num_rounds
+        total = self.num_warmup + self.num_samples + 1
+        return total if options.get("availability") is None else 20 * total
 
-        Returns:
-            a :class:`~numpyro_fed.RunResult`: ``params`` the global draws per site (constrained,
-            ``(num_chains, num_samples, ...)``).
-        """
+    def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
+        """The chains' start: a federated Laplace fit first when ``init`` is ``None`` (its result
+        is :attr:`laplace_result`), from ``fold_in(rng_key, 1)``."""
         if self.init is None:
             from ..factor import Laplace
 
@@ -108,7 +112,7 @@ class FederatedMwG(FactorInference):
             own = ("callbacks", "checkpoint", "checkpoint_every", "init_state")  # this chain's, not the start's
             try:
                 self.laplace_result = laplace.run(jax.random.fold_in(rng_key, 1), clients,
-                                                  **{k: v for k, v in kwargs.items() if k not in own})
+                                                  **{k: v for k, v in options.items() if k not in own})
             except NoModeError as err:
                 raise NoModeError(f"{type(self).__name__} starts its chains from a federated Laplace fit, and {err} "
                                   f"(where the posterior is proper, FederatedNUTS samples it without a mode)",
@@ -117,12 +121,9 @@ class FederatedMwG(FactorInference):
             self._start = tuple(np.asarray(self.laplace_result.params[k]) for k in ("mean", "cov"))
         else:
             self._start = tuple(np.asarray(a) for a in self.init)
-        built = getattr(self, "_built_start", None)
+        built = self._built_start
         if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self._start)):
             self._setup_cache = None  # the algorithm starts from its start: a new start builds it anew
-        total = self.num_warmup + self.num_samples + 1  # rounds when every client answers every round
-        cap = total if kwargs.get("availability") is None else 20 * total  # (a repeated round costs one more)
-        return super().run(rng_key, cap if max_rounds is None else max_rounds, clients, **kwargs)
 
     # ------------------------------------------------------------------ hooks
     def _prior_factor(self, log_prior: Callable, layout, start):
@@ -161,7 +162,7 @@ class FederatedMwG(FactorInference):
             rounds = int(result.communication.rounds)
             raise RuntimeError(f"{type(self).__name__}: the run stopped after {rounds} rounds with {min(done, total)} "
                                f"of {total} iterations done (rounds a client did not answer are repeated); raise "
-                               f"max_rounds")
+                               f"num_rounds")
         report = self.mixing(result)
         if report["unmixed"]:
             warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(report['unmixed'][:6])}: "
@@ -212,7 +213,7 @@ class FederatedMwG(FactorInference):
             return draws
         return {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
 
-    def sample_posterior(self, rng_key: jax.Array, result: RunResult, num_samples: Optional[int] = None,
+    def sample_posterior(self, rng_key: jax.Array, result: RunResult, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None) -> Dict[str, jax.Array]:
         """``num_samples`` of the chains' draws (all when ``None``), picked without replacement
         with ``rng_key``, as the other families' ``sample_posterior``."""

@@ -26,14 +26,15 @@ from ..fit_check import (
 from ..inference import FederatedInference, Setup, with_exchange_traffic
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
+from . import network_check
 from .check import CHECK_DRAWS, check_function, constrain_draws, split_flat, vertical_fit_check
-from .network_check import CHECK_KEY, VerticalNetworkCheck
+from .network_check import CHECK_KEY
 from .objective import SERVER, VerticalObjective
 from .protocol import PartyData, vertical_protocol
 
 __all__ = ["VerticalInference", "validate_party_data"]
 
-_NO_DATA = "{cls} needs the model's data as keyword arguments, e.g. .run(key, 1000, x_a=..., x_b=..., y=...)"
+_NO_DATA = "{cls} needs the model's data as keyword arguments, e.g. .run(key, num_rounds=1000, x_a=..., x_b=..., y=...)"
 _BATCH = " no larger than the {n} rows (or None for all rows)"
 _DTYPE = (
     "argument '{arg}' of {party} has dtype {dtype}; vertical data must be numeric arrays (convert "
@@ -112,7 +113,7 @@ class VerticalParts(NamedTuple):
     algorithm: Any
 
 
-class VerticalInference(VerticalNetworkCheck, FederatedInference):
+class VerticalInference(FederatedInference):
     """``init / update / run / get_params`` over a vertical algorithm (see subclasses).
 
     Subclasses set ``self.optim``, ``self.batch_size``, ``self.model_kwargs`` and
@@ -125,6 +126,8 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
     method: str = "vertical"
     setup_extra = VerticalParts  # Setup.extra
     loss_name: str = "loss"
+    check_fit: bool = True  # run's fit check (the families' check_fit=)
+    _checked_state = None  # the fingerprint of the state the last fit check was of
 
     def _init_runner(self, optim, batch_size, model_kwargs) -> None:
         self.optim = check_optimizer(optim)
@@ -139,6 +142,36 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
     def _check_draws_fn(self, setup: Setup, num_draws: int) -> Callable:  # pragma: no cover - abstract
         """``(state, arrays, rng_key) -> (u, log_q, points)``: the check's Gaussian draws of every party."""
         raise NotImplementedError
+
+    def _party_draw(self, setup: Setup, num_draws: int) -> Callable:  # pragma: no cover - abstract
+        """``draw(party, params, key) -> (u, log_q, point)``: one party's check draws from its ``q``."""
+        raise NotImplementedError
+
+    def _party_draws(self, draws: Dict[str, jax.Array], client: Optional[str]) -> Dict[str, jax.Array]:
+        """``draws`` of every party's sites, or (``client``) of that party's own sites only."""
+        if client is None:
+            return draws
+        obj = self._fitted().extra.objective
+        if client not in (SERVER,) + tuple(obj.clients):
+            raise ValueError(f"{type(self).__name__}: no party named {client!r}; parties are "
+                             f"{[SERVER, *obj.clients]}")
+        own = set(obj.layouts[client].names)
+        return {k: v for k, v in draws.items() if k in own}
+
+    # ------------------------------------------------------------------ the check over a network
+    def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
+        """The structure of what the server sends for :meth:`_client_value` ``name``."""
+        return network_check.value_inputs(type(self).__name__, name)
+
+    def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
+        """On a party after a network run: its part of the vertical fit check, from its own
+        ``q``, rows and key (``rng_key``, never sent)."""
+        self._client_value_inputs(name, setup, data)
+        return network_check.client_value(self._party_draw, name, setup, client_state, data, payload, rng_key)
+
+    def _network_check(self, network, setup, result):
+        """``(check, why, exchanges)`` of the fit check computed with the parties over ``network``."""
+        return network_check.network_check(self._party_draw, network, setup, result)
 
     # ------------------------------------------------------------------ fit check (true model)
     def diagnose(self, result: Union[RunResult, RunState], num_draws: int = CHECK_DRAWS,
@@ -171,11 +204,11 @@ class VerticalInference(VerticalNetworkCheck, FederatedInference):
         part on its node (:mod:`numpyro_fed.vertical.network_check`); the returned result
         counts that traffic."""
         self.last_fit_check = None
-        if not getattr(self, "check_fit", True):
+        if not self.check_fit:
             return result
         cls = type(self).__name__
         if result.state.clients is None:
-            network = getattr(self, "_network", None)
+            network = self._network
             why = _NO_NETWORK_CHECK.get(self.method, "this backend cannot ask the parties")
             diag, exchanges = None, []
             if network is not None and self.method not in _NO_NETWORK_CHECK:

@@ -34,7 +34,7 @@ from ..fit_check import FitDiagnostic, SiteMoments, fit_diagnostic, moment_repor
 from .check import CHECK_CHUNK, CHECK_DRAWS
 from .objective import SERVER, VerticalObjective
 
-__all__ = ["CHECK_KEY", "VerticalNetworkCheck", "party_check_key"]
+__all__ = ["CHECK_KEY", "client_value", "network_check", "party_check_key", "value_inputs"]
 
 CHECK_KEY = 0x51
 """What a party folds into its own key for the fit check's draws (the simulation does the same)."""
@@ -75,113 +75,105 @@ def _rebuild(names: List[str], rows: np.ndarray) -> Tuple[Tuple[SiteMoments, ...
     return moments, tuple(m for m, row in zip(moments, rows) if row[2] > 0.5)
 
 
-class VerticalNetworkCheck:
-    """The client side (``_client_value``) and the server side (``_network_check``) of the
-    vertical fit check over a network backend; mixed into
-    :class:`~numpyro_fed.vertical.inference.VerticalInference`. A family takes part by
-    defining ``_party_draw(setup, num_draws) -> draw(party, params, key) -> (u, log_q, point)``."""
+def value_inputs(cls: str, name: str) -> Dict[str, Any]:
+    """The structure of what the server sends for the client-side value ``name``."""
+    if name == "vertical_terms":
+        return {"draws": jax.ShapeDtypeStruct((), jnp.int32)}
+    if name == "vertical_moments":
+        return {"weights": jax.ShapeDtypeStruct((CHECK_DRAWS,), jnp.float32),
+                "ess": jax.ShapeDtypeStruct((), jnp.float32)}
+    raise ValueError(f"{cls}: no client-side value {name!r}")
 
-    _party_draw: Callable
+def _client_draws(party_draw: Callable, setup, party: str, client_state, rng_key, num_draws: int):
+    cache = ("network_draw", party, num_draws)
+    if cache not in setup.cache:
+        draw = party_draw(setup, num_draws)
+        setup.cache[cache] = jax.jit(lambda params, key: draw(party, params, key))
+    return setup.cache[cache](client_state.inner.params, party_check_key(rng_key))
 
-    def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
-        """The structure of what the server sends for :meth:`_client_value` ``name``."""
-        if name == "vertical_terms":
-            return {"draws": jax.ShapeDtypeStruct((), jnp.int32)}
-        if name == "vertical_moments":
-            return {"weights": jax.ShapeDtypeStruct((CHECK_DRAWS,), jnp.float32),
-                    "ess": jax.ShapeDtypeStruct((), jnp.float32)}
-        raise ValueError(f"{type(self).__name__}: no client-side value {name!r}")
-
-    def _client_draws(self, setup, party: str, client_state, rng_key, num_draws: int):
-        cache = ("network_draw", party, num_draws)
+def client_value(party_draw: Callable, name: str, setup, client_state, data, payload, rng_key) -> Dict[str, Any]:
+    """On client ``data.party`` after a network run: its part of the vertical fit check,
+    from its own ``q``, rows and key (``rng_key``, never sent); ``party_draw`` is the family's
+    ``(setup, num_draws) -> draw(party, params, key) -> (u, log_q, point)``."""
+    obj: VerticalObjective = setup.extra.objective
+    party = data.party
+    u, log_q, point = _client_draws(party_draw, setup, party, client_state, rng_key, CHECK_DRAWS)
+    if name == "vertical_terms":
+        cache = ("network_terms", party)
         if cache not in setup.cache:
-            draw = self._party_draw(setup, num_draws)
-            setup.cache[cache] = jax.jit(lambda params, key: draw(party, params, key))
-        return setup.cache[cache](client_state.inner.params, party_check_key(rng_key))
+            def terms(u, point, own):
+                return jax.lax.map(lambda v: obj.true_client_term(party, v, own, point), u, batch_size=CHECK_CHUNK)
 
-    def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
-        """On client ``data.party`` after a network run: its part of the vertical fit check,
-        from its own ``q``, rows and key (``rng_key``, never sent)."""
-        self._client_value_inputs(name, setup, data)
-        obj: VerticalObjective = setup.extra.objective
-        party = data.party
-        u, log_q, point = self._client_draws(setup, party, client_state, rng_key, CHECK_DRAWS)
-        if name == "vertical_terms":
-            cache = ("network_terms", party)
-            if cache not in setup.cache:
-                def terms(u, point, own):
-                    return jax.lax.map(lambda v: obj.true_client_term(party, v, own, point), u, batch_size=CHECK_CHUNK)
+            setup.cache[cache] = jax.jit(terms)
+        lp, g = setup.cache[cache](u, point, data.args)
+        return {"lp": jnp.asarray(lp - log_q, jnp.float32), "g": jnp.asarray(g, jnp.float32)}
+    weights = np.asarray(payload["weights"], np.float64)
+    weights = weights / weights.sum()
+    ess = float(payload["ess"])
+    user = {k: np.asarray(v) for k, v in jax.vmap(lambda x: obj.constrain(party, x))(u).items()}
+    flat = {k: np.asarray(v) for k, v in jax.vmap(obj.layouts[party].unravel)(u).items()}
+    moments, biased = moment_report(user, weights, ess) if user else ((), ())
+    transformed = {f"{k} (unconstrained)": flat[k] for k in flat if not np.allclose(flat[k], user[k])}
+    u_moments, u_biased = moment_report(transformed, weights, ess) if transformed else ((), ())
+    names = {m.site for m in u_moments}
+    _, all_u = _scalar_names(obj, party)
+    rows = {m.site: row for m, row in zip(u_moments, _standardised(u_moments, u_biased))}
+    # fixed shape on the wire: every unconstrained scalar, with a flag for the transformed ones
+    unconstrained = np.asarray([[*rows[n], 1.0] if n in names else [0.0, 1.0, 0.0, 0.0] for n in all_u],
+                               np.float32).reshape(-1, 4)
+    return {"user": jnp.asarray(_standardised(moments, biased)), "unconstrained": jnp.asarray(unconstrained)}
 
-                setup.cache[cache] = jax.jit(terms)
-            lp, g = setup.cache[cache](u, point, data.args)
-            return {"lp": jnp.asarray(lp - log_q, jnp.float32), "g": jnp.asarray(g, jnp.float32)}
-        weights = np.asarray(payload["weights"], np.float64)
-        weights = weights / weights.sum()
-        ess = float(payload["ess"])
-        user = {k: np.asarray(v) for k, v in jax.vmap(lambda x: obj.constrain(party, x))(u).items()}
-        flat = {k: np.asarray(v) for k, v in jax.vmap(obj.layouts[party].unravel)(u).items()}
-        moments, biased = moment_report(user, weights, ess) if user else ((), ())
-        transformed = {f"{k} (unconstrained)": flat[k] for k in flat if not np.allclose(flat[k], user[k])}
-        u_moments, u_biased = moment_report(transformed, weights, ess) if transformed else ((), ())
-        names = {m.site for m in u_moments}
-        _, all_u = _scalar_names(obj, party)
-        rows = {m.site: row for m, row in zip(u_moments, _standardised(u_moments, u_biased))}
-        # fixed shape on the wire: every unconstrained scalar, with a flag for the transformed ones
-        unconstrained = np.asarray([[*rows[n], 1.0] if n in names else [0.0, 1.0, 0.0, 0.0] for n in all_u],
-                                   np.float32).reshape(-1, 4)
-        return {"user": jnp.asarray(_standardised(moments, biased)), "unconstrained": jnp.asarray(unconstrained)}
+def network_check(party_draw: Callable, network, setup, result) -> Tuple[Optional[FitDiagnostic], str, list]:
+    """``(check, why, exchanges)``: the fit check computed with the parties over ``network``
+    (``None`` with the reason when some party did not answer) and the ``(sent, got)``
+    messages of each exchange."""
+    obj: VerticalObjective = setup.extra.objective
+    J, rnd, exchanges = len(obj.clients), int(result.communication.rounds), []
+    c0 = obj.clients[0]
+    g_shape = jax.eval_shape(lambda v: obj.true_client_term(c0, v, setup.plan.data[0].args)[1],
+                             jnp.zeros((obj.layouts[c0].size,))).shape  # every g_j has the rows' shape
 
-    def _network_check(self, network, setup, result) -> Tuple[Optional[FitDiagnostic], str, list]:
-        """``(check, why, exchanges)``: the fit check computed with the parties over ``network``
-        (``None`` with the reason when some party did not answer) and the ``(sent, got)``
-        messages of each exchange."""
-        obj: VerticalObjective = setup.extra.objective
-        J, rnd, exchanges = len(obj.clients), int(result.communication.rounds), []
-        c0 = obj.clients[0]
-        g_shape = jax.eval_shape(lambda v: obj.true_client_term(c0, v, setup.plan.data[0].args)[1],
-                                 jnp.zeros((obj.layouts[c0].size,))).shape  # every g_j has the rows' shape
+    def ask(name, payload, like):
+        payloads = {j: payload for j in range(J)}
+        got = network.client_values(name, payloads, like, result.transcript, rnd)
+        exchanges.append((payloads, got))
+        return got if len(got) == J else None
 
-        def ask(name, payload, like):
-            payloads = {j: payload for j in range(J)}
-            got = network.client_values(name, payloads, like, result.transcript, rnd)
-            exchanges.append((payloads, got))
-            return got if len(got) == J else None
-
-        got = ask("vertical_terms", {"draws": jnp.asarray(CHECK_DRAWS, jnp.int32)},
-                  {"lp": jax.ShapeDtypeStruct((CHECK_DRAWS,), jnp.float32),
-                   "g": jax.ShapeDtypeStruct((CHECK_DRAWS,) + g_shape, jnp.float32)})
-        if got is None:
-            return None, "some parties did not answer", exchanges
-        params = result.state.server.inner.params
-        draw = self._party_draw(setup, CHECK_DRAWS)
-        u0, log_q0, point0 = draw(SERVER, params, random.PRNGKey(CHECK_KEY))
-        view = obj.party_args(SERVER, setup.cache["data"], jnp.arange(obj.num_rows))
-        g = {c: jnp.asarray(got[j]["g"]) for j, c in enumerate(obj.clients)}
-        server = jax.jit(lambda u, g: jax.lax.map(lambda a: obj.true_server_term(a[0], a[1], view, point0), (u, g),
-                                                  batch_size=CHECK_CHUNK))(u0, g)
-        log_w = np.asarray(server - log_q0, np.float64) + sum(np.asarray(got[j]["lp"], np.float64) for j in range(J))
-        user = {k: np.asarray(v) for k, v in jax.vmap(lambda x: obj.constrain(SERVER, x))(u0).items()}
-        per_site = {k: np.asarray(v) for k, v in jax.vmap(obj.layouts[SERVER].unravel)(u0).items()}
-        check = fit_diagnostic(log_w, user or None, None, per_site or None)
-        if not np.all(np.isfinite(check.log_weights)):
-            return check, "", exchanges
-        weights, _ = smoothed_weights(log_w)
-        names = [_scalar_names(obj, c) for c in obj.clients]
-        likes = {j: {"user": jax.ShapeDtypeStruct((len(user), 3), jnp.float32),
-                     "unconstrained": jax.ShapeDtypeStruct((len(unc), 4), jnp.float32)}
-                 for j, (user, unc) in enumerate(names)}
-        got = ask("vertical_moments", {"weights": jnp.asarray(weights, jnp.float32),
-                                       "ess": jnp.asarray(check.ess, jnp.float32)}, likes)
-        if got is None:
-            return None, "some parties did not answer", exchanges
-        moments, biased, u_moments = list(check.moments), list(check.biased), list(check.unconstrained_moments)
-        for j, (user_names, u_names) in enumerate(names):
-            m, b = _rebuild(user_names, np.asarray(got[j]["user"]))
-            rows = np.asarray(got[j]["unconstrained"])
-            keep = rows[:, 3] > 0.5
-            um, ub = _rebuild([n for n, k in zip(u_names, keep) if k], rows[keep, :3])
-            moments += m
-            u_moments += um
-            biased += b + ub
-        return check._replace(moments=tuple(moments), biased=tuple(biased),
-                              unconstrained_moments=tuple(u_moments)), "", exchanges
+    got = ask("vertical_terms", {"draws": jnp.asarray(CHECK_DRAWS, jnp.int32)},
+              {"lp": jax.ShapeDtypeStruct((CHECK_DRAWS,), jnp.float32),
+               "g": jax.ShapeDtypeStruct((CHECK_DRAWS,) + g_shape, jnp.float32)})
+    if got is None:
+        return None, "some parties did not answer", exchanges
+    params = result.state.server.inner.params
+    draw = party_draw(setup, CHECK_DRAWS)
+    u0, log_q0, point0 = draw(SERVER, params, random.PRNGKey(CHECK_KEY))
+    view = obj.party_args(SERVER, setup.cache["data"], jnp.arange(obj.num_rows))
+    g = {c: jnp.asarray(got[j]["g"]) for j, c in enumerate(obj.clients)}
+    server = jax.jit(lambda u, g: jax.lax.map(lambda a: obj.true_server_term(a[0], a[1], view, point0), (u, g),
+                                              batch_size=CHECK_CHUNK))(u0, g)
+    log_w = np.asarray(server - log_q0, np.float64) + sum(np.asarray(got[j]["lp"], np.float64) for j in range(J))
+    user = {k: np.asarray(v) for k, v in jax.vmap(lambda x: obj.constrain(SERVER, x))(u0).items()}
+    per_site = {k: np.asarray(v) for k, v in jax.vmap(obj.layouts[SERVER].unravel)(u0).items()}
+    check = fit_diagnostic(log_w, user or None, None, per_site or None)
+    if not np.all(np.isfinite(check.log_weights)):
+        return check, "", exchanges
+    weights, _ = smoothed_weights(log_w)
+    names = [_scalar_names(obj, c) for c in obj.clients]
+    likes = {j: {"user": jax.ShapeDtypeStruct((len(user), 3), jnp.float32),
+                 "unconstrained": jax.ShapeDtypeStruct((len(unc), 4), jnp.float32)}
+             for j, (user, unc) in enumerate(names)}
+    got = ask("vertical_moments", {"weights": jnp.asarray(weights, jnp.float32),
+                                   "ess": jnp.asarray(check.ess, jnp.float32)}, likes)
+    if got is None:
+        return None, "some parties did not answer", exchanges
+    moments, biased, u_moments = list(check.moments), list(check.biased), list(check.unconstrained_moments)
+    for j, (user_names, u_names) in enumerate(names):
+        m, b = _rebuild(user_names, np.asarray(got[j]["user"]))
+        rows = np.asarray(got[j]["unconstrained"])
+        keep = rows[:, 3] > 0.5
+        um, ub = _rebuild([n for n, k in zip(u_names, keep) if k], rows[keep, :3])
+        moments += m
+        u_moments += um
+        biased += b + ub
+    return check._replace(moments=tuple(moments), biased=tuple(biased),
+                          unconstrained_moments=tuple(u_moments)), "", exchanges

@@ -10,6 +10,7 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
+from ..inference import NUM_SAMPLES
 from ..protocol import RunResult
 from .check import gaussian_draws
 from .inference import VerticalInference
@@ -80,7 +81,7 @@ class VerticalSOUL(VerticalInference):
         >>> x = np.random.default_rng(0).normal(size=(50, 3))
         >>> y = x @ np.array([1.0, -1.0, 0.5])
         >>> soul = nf.VerticalSOUL(vmodel, optax.sgd(0.1), step_size=2e-3, num_langevin=5)
-        >>> res = soul.run(jax.random.PRNGKey(0), 500, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
+        >>> res = soul.run(jax.random.PRNGKey(0), num_rounds=500, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
         >>> draws = soul.sample_posterior(jax.random.PRNGKey(1), res, 500)
         >>> bool(abs(draws["ba"][:, 0].mean() - 1.0) < 0.3)
         True
@@ -162,10 +163,11 @@ class VerticalSOUL(VerticalInference):
         return draw
 
     def sample_posterior(
-        self, rng_key, result, num_samples: int, *, thinning: int = 1, num_warmup: int = 0,
-        corrected: bool = False,
+        self, rng_key, result, num_samples: Optional[int] = None, *, client: Optional[str] = None, thinning: int = 1,
+        num_warmup: int = 0, corrected: bool = False,
     ) -> Dict[str, jax.Array]:
-        """Langevin draws of every party's sites from ``p(theta | z_hat, y)``, constrained.
+        """``num_samples`` (default 1000) Langevin draws of every party's sites from
+        ``p(theta | z_hat, y)``, constrained (with ``client``: that party's sites only).
 
         ``z`` is held at its final value, so the chains need no further communication
         (in the power form each client needs the others' ``z_hat`` once; with server
@@ -177,17 +179,18 @@ class VerticalSOUL(VerticalInference):
         """
         if self._setup_cache is None:
             raise ValueError(_NOT_FITTED)
+        num_samples = NUM_SAMPLES if num_samples is None else num_samples
         for name, value in (("num_samples", num_samples), ("thinning", thinning)):
             check_positive_int(name, value)
         check_positive_int("num_warmup", num_warmup, minimum=0)
         setup = self._setup_cache
         state = self._state_of(result)
         if corrected:
-            return self._corrected_draws(rng_key, state, int(num_samples))
+            return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
         key = ("draws", int(num_samples), int(thinning), int(num_warmup))
         if key not in setup.cache:
             setup.cache[key] = jax.jit(self._draws_fn(setup, int(num_samples), int(thinning), int(num_warmup)))
-        return setup.cache[key](state, setup.cache["data"], rng_key)
+        return self._party_draws(setup.cache[key](state, setup.cache["data"], rng_key), client)
 
     @staticmethod
     def _chains_fn(setup, length: int):

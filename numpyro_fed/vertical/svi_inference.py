@@ -11,7 +11,7 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
-from ..inference import Setup
+from ..inference import NUM_SAMPLES, Setup
 from ..protocol import RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .guides import VerticalGuide
@@ -72,7 +72,7 @@ class VerticalSVI(VerticalInference):
         >>> x = np.random.default_rng(0).normal(size=(50, 3))
         >>> y = x @ np.array([1.0, -1.0, 0.5])
         >>> svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield"), optax.adam(0.05))
-        >>> res = svi.run(jax.random.PRNGKey(0), 1500, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
+        >>> res = svi.run(jax.random.PRNGKey(0), num_rounds=1500, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
         >>> draws = svi.sample_posterior(jax.random.PRNGKey(1), res, 500)
         >>> bool(abs(draws["ba"][:, 0].mean() - 1.0) < 0.3)
         True
@@ -200,17 +200,19 @@ class VerticalSVI(VerticalInference):
         estimate = setup.cache[key]
         return -estimate(state, setup.cache["data"], rng_key)
 
-    def sample_posterior(self, rng_key, result, num_samples: int, corrected: bool = False) -> Dict[str, jax.Array]:
-        """Draws of every party's sites from ``q(theta)``, constrained.
+    def sample_posterior(self, rng_key, result, num_samples: Optional[int] = None, *, client: Optional[str] = None,
+                         corrected: bool = False) -> Dict[str, jax.Array]:
+        """``num_samples`` (default 1000) draws of every party's sites from ``q(theta)``, constrained
+        (with ``client``: that party's sites only).
 
         Each party can draw its own block; the simulation gathers them for analysis.
         ``corrected=True``: the fit check's draws importance-resampled towards the true
         model's posterior (needs the check's Pareto k <= 0.7; a ValueError says why not).
         """
         state = self._state_of(result)
-        check_positive_int("num_samples", num_samples)
+        num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
         if corrected:
-            return self._corrected_draws(rng_key, state, int(num_samples))
+            return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
         setup = self._fitted()
         obj = setup.extra.objective
         params_of = self._params(setup, state)
@@ -224,5 +226,5 @@ class VerticalSVI(VerticalInference):
             eps = random.normal(key, (num_samples, size))
             u = jax.vmap(lambda e: self.guide.theta.sample(params["theta"], e)[0])(eps)
             out.update(jax.vmap(lambda v: obj.constrain(party, v))(u))
-        return out
+        return self._party_draws(out, client)
 
