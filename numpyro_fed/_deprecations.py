@@ -25,7 +25,7 @@ from typing import Any, Dict, Tuple
 from .warnings import FederatedDeprecationWarning, find_stack_level
 
 __all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES",
-           "module_attribute", "renamed_keyword", "rounds_before_clients", "warn_params_attribute"]
+           "module_attribute", "renamed_keyword", "renamed_method", "rounds_before_clients", "warn_params_attribute"]
 
 REMOVED_IN = "0.3.0"
 
@@ -98,6 +98,12 @@ def rounds_before_clients(where: str, clients: Any, num_rounds: Any) -> Tuple[An
                       f"num_rounds=..., **data))", FederatedDeprecationWarning, stacklevel=find_stack_level())
         return num_rounds, clients
     return clients, num_rounds
+
+
+def renamed_method(cls: str, old: str, new: str) -> None:
+    """A method called by its old name: warn, naming the new call."""
+    warnings.warn(f"{cls}.{old} is deprecated and goes in {REMOVED_IN}: use {cls}.{new}", FederatedDeprecationWarning,
+                  stacklevel=find_stack_level())
 
 
 def warn_params_attribute(name: str) -> None:

@@ -215,7 +215,7 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, clients, c
         groups = {"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
                   "posterior_predictive": {k: chains(v) for k, v in predictive.items()}}
     elif client is not None:  # PVI: q's global draws, the client's locals given each
-        draws = inference.client_draws(rng_key, result, num_samples, client)
+        draws = inference.sample_posterior(rng_key, result, num_samples, client=client)
         groups, note = _pointwise_groups(inference, result, rng_key, num_samples, client, clients, chains, False)
     else:
         draws = inference.sample_posterior(rng_key, result, num_samples, corrected=corrected)

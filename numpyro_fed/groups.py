@@ -18,7 +18,7 @@ pooled column that way). Run as plain NumPyro (NUTS on pooled data) the plate ha
 beyond the client's own ``G_j`` are masked: they add nothing to the model's density, the
 SFVI guide leaves them out of ``log q`` and PVI/EP give them a fixed ``N(0, 1)``
 independent of everything else, so they change no posterior. Draws read back for a client
-(``sample_posterior(client=)``, EP's ``local_posterior``, PVI's ``client_draws``) hold only
+(``sample_posterior(client=)``, EP's ``local_posterior``) hold only
 its own ``G_j`` groups.
 """
 

@@ -144,7 +144,7 @@ class Fit:
             if self._corrected:
                 warnings.warn(_CLIENT_UNCORRECTED.format(client=client), UncheckedFitWarning,
                               stacklevel=find_stack_level())
-            return self.inference.client_draws(key, self.result, n, client)
+            return self.inference.sample_posterior(key, self.result, n, client=client)
         return self.inference.sample_posterior(key, self.result, n, corrected=self._corrected)
 
     @property

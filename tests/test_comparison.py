@@ -155,7 +155,7 @@ def test_a_clients_local_draws_follow_their_conditional_posterior(factor_fits):
     clients, out = factor_fits
     for name in ("pvi_intercepts", "ep_intercepts"):
         inference, result = out[name]
-        draws = inference.client_draws(random.PRNGKey(4), result, 2000, "1")
+        draws = inference.sample_posterior(random.PRNGKey(4), result, 2000, client="1")
         beta, tau, b = (np.asarray(draws[k], np.float64) for k in ("beta", "tau", "b"))
         x, y = (np.asarray(clients["1"][k], np.float64) for k in ("x", "y"))
         precision = 1 / tau[:, None] ** 2 + 1 / 0.25

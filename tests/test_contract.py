@@ -49,6 +49,10 @@ def test_the_old_argument_order_and_max_rounds_are_deprecated_spellings():
     with pytest.warns(DeprecationWarning, match=r"Laplace.run\(max_rounds=...\) is deprecated.*num_rounds="):
         renamed = laplace.run(random.PRNGKey(0), clients, max_rounds=3, progress_bar=False)
     np.testing.assert_array_equal(np.asarray(capped.params["mean"]), np.asarray(renamed.params["mean"]))
+    with pytest.warns(DeprecationWarning, match=r"Laplace.client_draws\(.*\) is deprecated.*sample_posterior\("):
+        old = laplace.client_draws(random.PRNGKey(1), capped, 5, "0")
+    new = laplace.sample_posterior(random.PRNGKey(1), capped, 5, client="0")
+    assert old.keys() == new.keys() and all(np.array_equal(old[k], new[k]) for k in old)
 
 
 def _model(y):

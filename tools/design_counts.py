@@ -15,7 +15,8 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
 - modules over 600 lines (the package's and the tests');
 - the deepest public class chain: the most numpyro_fed classes in the method resolution order
   of a public class (a name in ``__all__`` of the package or a subpackage), mixins included:
-  the classes a reader walks through to find where a method comes from;
+  the classes a reader walks through to find where a method comes from; the warning and error
+  classes apart (their bases are what a user's warning filter catches, not code to read);
 - the package's size (modules and lines).
 """
 
@@ -117,7 +118,8 @@ def counts() -> dict:
         "round_loops": sorted(set(round_loops) - _nested(round_loops)),
         "hand_set_stacklevels": stacklevels,
         "modules_over_600_lines": {p: n for p, n in sizes.items() if n > MODULE_LINES},
-        "deepest_public_class_chain": _deepest_chain(numpyro_fed),
+        "deepest_public_class_chain": _deepest_chain(numpyro_fed, exceptions=False),
+        "deepest_warning_class_chain": _deepest_chain(numpyro_fed, exceptions=True),
         "package_modules": len(modules),
         "package_lines": sum(n for p, n in sizes.items() if p.startswith("numpyro_fed")),
         "functions_over_80_lines": long_functions,
@@ -152,8 +154,9 @@ def _nested(where: List[str]) -> Set[str]:
     return inner
 
 
-def _deepest_chain(package) -> List[str]:
-    """The longest method resolution order (numpyro_fed classes only) of a public class."""
+def _deepest_chain(package, exceptions: bool) -> List[str]:
+    """The longest method resolution order (numpyro_fed classes only) of a public class: of the
+    warning and error classes (``exceptions``), or of the others."""
     import importlib
     import inspect
 
@@ -164,7 +167,8 @@ def _deepest_chain(package) -> List[str]:
         mod = importlib.import_module(mod_name)
         for n in getattr(mod, "__all__", ()):
             obj = getattr(mod, n, None)
-            if inspect.isclass(obj) and obj.__module__.startswith("numpyro_fed"):
+            if inspect.isclass(obj) and obj.__module__.startswith("numpyro_fed") and (
+                    issubclass(obj, BaseException) == exceptions):
                 public.add(obj)
 
     def chain(cls) -> List[str]:
@@ -230,6 +234,8 @@ def main() -> None:
     print(f"round loops: {len(found['round_loops'])} {found['round_loops']}")
     chain = found["deepest_public_class_chain"]
     print(f"deepest public class chain: {len(chain)} ({' -> '.join(c.rsplit('.', 1)[-1] for c in chain)})")
+    chain = found["deepest_warning_class_chain"]
+    print(f"deepest warning class chain: {len(chain)} ({' -> '.join(c.rsplit('.', 1)[-1] for c in chain)})")
     print(f"hand-set stacklevels: {len(found['hand_set_stacklevels'])}")
     print(f"modules over {MODULE_LINES} lines: {len(found['modules_over_600_lines'])} {found['modules_over_600_lines']}")
     print(f"package: {found['package_modules']} modules, {found['package_lines']} lines")

@@ -486,15 +486,16 @@ class FactorInference(FederatedInference):
     # ------------------------------------------------------------------ API
     # ------------------------------------------------------------------ a client's posterior
     def client_draws(self, rng_key: jax.Array, result, num_samples: int, client) -> Dict[str, jax.Array]:
-        """Constrained draws of the global sites from ``q`` (those of ``sample_posterior``
-        with the same ``rng_key``) and of ``client``'s local sites from the Laplace
-        approximation of ``p(v | theta, y_j)`` at each draw (see :mod:`numpyro_fed.factor.pointwise`).
-        The client's own computation, on its own rows."""
-        return self._client_pass(rng_key, result, num_samples, client)[0]
+        """Deprecated spelling of ``sample_posterior(rng_key, result, num_samples, client=client)``."""
+        from .._deprecations import renamed_method
+
+        renamed_method(type(self).__name__, "client_draws(rng_key, result, num_samples, client)",
+                       "sample_posterior(rng_key, result, num_samples, client=client)")
+        return self.sample_posterior(rng_key, result, num_samples, client=client)
 
     def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client) -> tuple:
         """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows, at
-        the draws of :meth:`client_draws` (the global draws are the same for every client,
+        the draws of ``sample_posterior(..., client=client)`` (the global draws are the same for every client,
         so the clients' matrices stack into the pooled one). Computed by the client on its
         own rows; federated model comparison sends only sums (:func:`numpyro_fed.federated_loo`).
 
@@ -548,7 +549,8 @@ class FactorInference(FederatedInference):
         of the model's ``numpyro.deterministic`` sites that are functions of the global sites
         alone (computed by the first client on its own rows; per-row and local ones have no
         value under ``q(z_G)`` and are left out). With ``client``: the same global draws and
-        that client's local sites (:meth:`client_draws`, the client's own computation).
+        that client's local sites from the Laplace approximation of ``p(v | theta, y_j)`` at each
+        draw (:mod:`numpyro_fed.factor.pointwise`; the client's own computation, on its own rows).
 
         ``corrected=True``: PSIS-corrected draws instead, the last fit check's draws
         resampled by their importance weights (needs that check, with Pareto k <= 0.7)."""
@@ -559,7 +561,7 @@ class FactorInference(FederatedInference):
                 raise ValueError(f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
                                  f"draws only (a client's local draws are not reweighted); drop client= or "
                                  f"corrected=True")
-            return self.client_draws(rng_key, result, num_samples, client)
+            return self._client_pass(rng_key, result, num_samples, client)[0]
         state = self._state_of(result)
         q = state.server.q
         if corrected:
