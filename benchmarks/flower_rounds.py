@@ -4,9 +4,9 @@ On loopback, one federation per size and mode (a SuperLink and ``N`` SuperNodes 
 127.0.0.1, each SuperNode in ``--isolation process`` with numpyro_fed's long-running
 executor, which runs any ClientApp). Modes (:data:`MODES`): ``flower``, Flower's own
 ``flower-supernode`` with every message through the SuperLink; ``paced``,
-numpyro_fed's SuperNode entry point (:mod:`numpyro_fed.flower.supernode`, millisecond polls);
+numpyro_fed's SuperNode entry point (:mod:`numpyro_fed.flower.runtime.supernode`, millisecond polls);
 ``stream``, the same with the rounds over one stream per client
-(:mod:`numpyro_fed.flower.stream`). In each mode:
+(:mod:`numpyro_fed.flower.runtime.stream`). In each mode:
 
 - echo: a minimal ServerApp/ClientApp (no JAX) that sends each node an array of the size of
   PVI's broadcast and gets back one of the size of PVI's message, with the same push/pull
@@ -42,9 +42,9 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from numpyro_fed.flower.pace import Pacer
-from numpyro_fed.flower.pull import pull_replies
-from numpyro_fed.flower.stream import FrameReply, StreamServer, serve
+from numpyro_fed.flower.runtime.pace import Pacer
+from numpyro_fed.flower.runtime.pull import pull_replies
+from numpyro_fed.flower.runtime.stream import FrameReply, StreamServer, serve
 
 client = ClientApp()
 

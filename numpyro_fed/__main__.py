@@ -155,7 +155,7 @@ def _run_flower_demo(args) -> int:
 
 
 def _run_flower_client(args) -> int:
-    from .flower.executor import serve
+    from .flower.runtime.executor import serve
 
     serve(args.runtime_api, args.poll, args.parent_pid, idle_poll=args.idle_poll,
           auth_secret_file=args.superexec_auth_secret_file, root_certificates=args.root_certificates)
@@ -163,14 +163,14 @@ def _run_flower_client(args) -> int:
 
 
 def _run_flower_supernode(args) -> int:
-    from .flower.supernode import run
+    from .flower.runtime.supernode import run
 
     rest = args.flower_args[1:] if args.flower_args[:1] == ["--"] else args.flower_args
     return run(rest, args.poll, args.idle_poll, parent_pid=args.parent_pid)
 
 
 def _run_flower_run(args) -> int:
-    from .flower.submit import run_and_report
+    from .flower.runtime.submit import run_and_report
 
     code, _ = run_and_report(args.app, args.superlink, args.run_config, args.timeout, args.poll)
     return code

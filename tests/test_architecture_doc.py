@@ -35,9 +35,11 @@ def test_the_subpackage_files_the_layout_lists_exist():
     layout = _layout_block()
     current = None
     for line in layout.splitlines():
-        head = re.match(r"^  (\w+)/", line)
+        head, sub = re.match(r"^  (\w+)/", line), re.match(r"^    (\w+)/", line)
         if head:
-            current = PACKAGE / head.group(1)
+            top = current = PACKAGE / head.group(1)
+        elif sub:  # a subpackage of the last top-level one (flower/runtime/)
+            current = top / sub.group(1)
         if current is None or not line.strip():
             continue
         for name in re.findall(r"(\w+)\.py", line):

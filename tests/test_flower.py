@@ -22,7 +22,7 @@ pytest.importorskip("flwr")
 
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.flower import LocalFederation  # noqa: E402
-from numpyro_fed.flower.launcher import descendants, pid_exists  # noqa: E402
+from numpyro_fed.flower.runtime.launcher import descendants, pid_exists  # noqa: E402
 from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
 
 from .families import DP_FAMILIES, FAMILIES, FIT_FAMILIES, MCMC_FAMILIES, run  # noqa: E402
@@ -176,7 +176,7 @@ def test_the_executor_link_hands_tasks_only_to_the_holder_of_the_nodes_secret(fe
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
 
-    from numpyro_fed.flower.executor import ACQUIRE_METHODS
+    from numpyro_fed.flower.runtime.executor import ACQUIRE_METHODS
 
     secret = (federation.workdir / "secrets" / "superexec0.key").read_bytes()
     assert len(secret) == 32 and (os.stat(federation.workdir / "secrets" / "superexec0.key").st_mode & 0o077) == 0
@@ -358,7 +358,7 @@ def test_a_site_whose_set_up_fails_stops_the_run_naming_it_and_sends_no_text():
     number), so its set-up fails. The run stops before round 1 naming the client, its node
     and the category; the client's own exception text (which names the bad value) stays in
     the node's log and never reaches the server's result."""
-    from numpyro_fed.flower.launcher import FederationError
+    from numpyro_fed.flower.runtime.launcher import FederationError
 
     configs = [{"partition-id": i, "numpyro-fed-seed": 0} for i in range(3)]
     configs[2]["numpyro-fed-seed"] = "not-a-seed-7781"

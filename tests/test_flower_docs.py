@@ -126,7 +126,7 @@ def test_the_documented_deployment_with_a_misconfigured_site_stops_naming_it(tmp
 
 
 def test_flower_run_exits_2_naming_why_when_the_run_cannot_be_submitted(tmp_path, monkeypatch, capsys):
-    from numpyro_fed.flower.submit import result_path, run_and_report
+    from numpyro_fed.flower.runtime.submit import result_path, run_and_report
 
     app = tmp_path / "app"
     app.mkdir()

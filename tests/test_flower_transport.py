@@ -16,8 +16,8 @@ pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 
-from numpyro_fed.flower import stream as st  # noqa: E402
-from numpyro_fed.flower.pace import Pacer  # noqa: E402
+from numpyro_fed.flower.runtime import stream as st  # noqa: E402
+from numpyro_fed.flower.runtime.pace import Pacer  # noqa: E402
 
 
 def test_a_pacer_doubles_while_idle_up_to_its_cap_and_starts_over_after_activity():
@@ -44,7 +44,7 @@ def flower_loop(monkeypatch):
 
 
 def test_the_paced_supernode_replaces_flowers_three_sleeps_and_its_object_backoff(flower_loop, monkeypatch):
-    from numpyro_fed.flower import supernode
+    from numpyro_fed.flower.runtime import supernode
 
     slept, pulled, pushed = [], [], []
 
@@ -73,7 +73,7 @@ def test_the_paced_supernode_replaces_flowers_three_sleeps_and_its_object_backof
 def test_the_paced_supernode_refuses_a_flower_it_was_not_tested_with(flower_loop, monkeypatch, capsys):
     import flwr
 
-    from numpyro_fed.flower import supernode
+    from numpyro_fed.flower.runtime import supernode
 
     monkeypatch.setattr(flwr, "__version__", "1.99.0", raising=False)
     with pytest.raises(supernode.FlowerVersionError, match="not 1.99.0: run Flower's own flower-supernode"):
@@ -85,7 +85,7 @@ def test_the_paced_supernode_refuses_a_flower_it_was_not_tested_with(flower_loop
 
 def test_the_supernode_command_passes_flowers_own_options_through(monkeypatch):
     from numpyro_fed import __main__ as cli
-    from numpyro_fed.flower import supernode
+    from numpyro_fed.flower.runtime import supernode
 
     seen = {}
     def fake(args, poll, idle, parent_pid=0):
@@ -99,7 +99,7 @@ def test_the_supernode_command_passes_flowers_own_options_through(monkeypatch):
     # the launcher's command (no numpyro_fed import) parses the same
     light = supernode.light_command("python", poll=0.01, parent_pid=7) + ["--insecure", "--superlink", "127.0.0.1:1"]
     assert light[1:4] == [str(pathlib.Path(supernode.__file__).with_name("lifeline.py")), "7",
-                          "numpyro_fed.flower.supernode:cli"]
+                          "numpyro_fed.flower.runtime.supernode:cli"]
     seen.clear()
     monkeypatch.setattr(sys, "argv", ["cli", *light[4:]])
     assert supernode.cli() == 0
@@ -174,7 +174,7 @@ def test_plain_tcp_only_on_loopback_and_tls_verified_against_the_ca(tmp_path):
         st.StreamServer("10.1.2.3:0")
     with pytest.raises(ValueError, match="refusing to send over plain TCP"):
         st.serve("10.1.2.3:9", b"t" * 32, None, _double)
-    from numpyro_fed.flower.launcher import _loopback_certificates
+    from numpyro_fed.flower.runtime.launcher import _loopback_certificates
 
     certs = _loopback_certificates(tmp_path / "c")
     server = st.StreamServer("127.0.0.1:0", str(certs["cert"]), str(certs["key"]))
@@ -205,7 +205,7 @@ def test_a_started_process_stops_with_its_launcher_and_imports_no_jax(tmp_path):
     import os
     import subprocess
 
-    from numpyro_fed.flower.lifeline import command
+    from numpyro_fed.flower.runtime.lifeline import command
 
     (tmp_path / "sleeper.py").write_text(
         "import sys, time\n"
@@ -240,7 +240,7 @@ def test_the_progress_file_is_never_read_empty_while_the_server_rewrites_it(tmp_
     0 rounds after round 2). Written whole and renamed, every read gives a round, and the
     rounds read never go back."""
     from numpyro_fed.flower.app import write_progress
-    from numpyro_fed.flower.launcher import read_progress
+    from numpyro_fed.flower.runtime.launcher import read_progress
 
     path = str(tmp_path / "run.pkl.progress")
     assert read_progress(path) == 0  # before the first round

@@ -21,7 +21,7 @@ A Flower app's ``pyproject.toml`` names them::
                                          #   runs of 10^4+ rounds, e.g. federated NUTS: ~20 entries a round)
     keep-values = false                  # keep the transcript's arrays in the result (audits)
     stream = ""                          # HOST:PORT: after set-up, exchanges over one stream per client
-    stream-certfile = ""                 #   (numpyro_fed.flower.stream; "": through Flower's SuperLink);
+    stream-certfile = ""                 #   (numpyro_fed.flower.runtime.stream; "": through Flower's SuperLink);
     stream-keyfile = ""                  #   TLS for it (required off loopback)
 
 The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds the task's
@@ -33,7 +33,7 @@ recorded at the server, the rounds that lacked clients, per-round wall times) go
 ``out`` as a pickle, or an ``{"error": ..., "traceback": ...}`` when the run failed; the
 ServerApp then re-raises the exception, so Flower records the run as ``finished:failed``
 (``flwr run`` itself exits 0 either way: ``python -m numpyro_fed flower-run`` follows the
-run and exits non-zero, :mod:`numpyro_fed.flower.submit`).
+run and exits non-zero, :mod:`numpyro_fed.flower.runtime.submit`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
   round the server holds this client's state (``kept``): a client whose last step's reply
   came too late takes that step back first (:func:`_counted`);
 - ``train`` / ``stream``: the server's invitation to its stream (address and token,
-  :mod:`numpyro_fed.flower.stream`): the client connects and answers the run's further
+  :mod:`numpyro_fed.flower.runtime.stream`): the client connects and answers the run's further
   messages over it with these same handlers and ``context`` until the server closes it.
 
 **Node-side storage.** With ``numpyro-fed-state-dir = "PATH"`` in the node config, the client
@@ -30,7 +30,7 @@ key); nothing of it is sent.
 The client's state (its key and the algorithm's state) lives in the node's
 ``context.state``, never in Python globals. What a process keeps between messages is only
 what it can rebuild from ``context.state``: the built algorithm, its compiled steps and
-the node's own data (so a long-running executor, :mod:`numpyro_fed.flower.executor`,
+the node's own data (so a long-running executor, :mod:`numpyro_fed.flower.runtime.executor`,
 compiles once; a fresh process per message rebuilds them).
 """
 
@@ -53,8 +53,8 @@ from ..transcript import message_to_bytes
 from ..warnings import MissingClientsWarning, UncheckedFitWarning, find_stack_level
 from . import node_store as stored
 from .node_store import STATE_DIR_KEY
+from .runtime.stream import Frame, FrameError, FrameReply
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
-from .stream import Frame, FrameError, FrameReply
 from .task import build, load_task, own_groups_of
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
@@ -500,7 +500,7 @@ _TRAINS = {"aggregate": _aggregate, "client_value": _client_value}
 
 def _dispatch(message_type: str, message, context):
     """The handler of a ``query`` or ``train`` message (a Flower ``Message`` or a stream
-    :class:`~numpyro_fed.flower.stream.Frame`), guarded."""
+    :class:`~numpyro_fed.flower.runtime.stream.Frame`), guarded."""
     kind = str(message.content["nf"]["kind"])
     if message_type == "query":
         return _guarded(kind if kind in _QUERIES else "unknown", _QUERIES.get(kind, _unknown), message, context)
@@ -510,10 +510,10 @@ def _dispatch(message_type: str, message, context):
 
 
 def _stream(message, context):
-    """The server's invitation to its stream (:mod:`numpyro_fed.flower.stream`): connect with the
+    """The server's invitation to its stream (:mod:`numpyro_fed.flower.runtime.stream`): connect with the
     token it sent, serve every further request of the run over it with the same handlers and
     ``context``, and answer when the server closes it."""
-    from .stream import CA_KEY, serve
+    from .runtime.stream import CA_KEY, serve
 
     cfg = message.content["nf"]
     ca = context.node_config.get(CA_KEY)

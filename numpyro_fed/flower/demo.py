@@ -103,7 +103,7 @@ def run_flower_demo(clients: int = 3, rounds: int = 4, seed: int = 0) -> Dict[st
 
     import numpyro_fed as nf
 
-    from .launcher import LocalFederation, descendants, pid_exists
+    from .runtime.launcher import LocalFederation, descendants, pid_exists
 
     if clients < 1:
         raise ValueError(f"--clients {clients}: need at least one client")

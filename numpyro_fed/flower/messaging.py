@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import jax
 import numpy as np
 
-from .pace import Pacer
-from .pull import pull_replies, push_messages
+from .runtime.pace import Pacer
+from .runtime.pull import pull_replies, push_messages
 from .wire import from_record, to_record
 
 __all__ = ["Messenger", "server_side_reason"]

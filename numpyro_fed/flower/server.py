@@ -61,14 +61,14 @@ class FlowerBackend(Messenger):
         first_timeout: the same for the set-up and the first round (clients compile then).
         poll: the longest wait between two pulls of the replies: the first pull after a push
             waits 1 ms (or ``poll`` if shorter), each further one twice the last
-            (:class:`~numpyro_fed.flower.pace.Pacer`).
+            (:class:`~numpyro_fed.flower.runtime.pace.Pacer`).
         progress: a callable ``(round, answered names)`` after each round (e.g. to write
             a progress file).
         on_setup_failure: ``"raise"`` (default): a client whose set-up fails stops the run,
             naming it, its node and the reason's category; ``"absent"``: the run goes on
             without it, which is warned and recorded as absent from every round.
         stream: ``"HOST:PORT"`` (port 0: any free one): after the set-up, the run's messages go
-            over one stream per client (:mod:`numpyro_fed.flower.stream`), each opened by an
+            over one stream per client (:mod:`numpyro_fed.flower.runtime.stream`), each opened by an
             invitation sent through Flower, instead of through the SuperLink; ``None``
             (default): every message through Flower. A client that does not connect counts as
             a failed set-up; one whose stream breaks is left out until its site rejoins.
@@ -119,7 +119,7 @@ class FlowerBackend(Messenger):
         self._seen: set = set()  # nodes asked for their name already (ours, the aggregator, strangers)
         self._last_round: Optional[List[int]] = None  # per site, during a run: the round after which it holds its state
         if stream is not None:
-            from .stream import split_address
+            from .runtime.stream import split_address
 
             split_address(stream)  # checked now, opened by run()
         self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
@@ -251,10 +251,10 @@ class FlowerBackend(Messenger):
     # ------------------------------------------------------------------ the stream
     def _open_stream(self, names: Sequence[str], alive: List[bool]) -> None:
         """Invite every client that answered its set-up (and the trusted aggregator) to the run's
-        stream (:mod:`numpyro_fed.flower.runstream`); a client that does not connect within
+        stream (:mod:`numpyro_fed.flower.runtime.runstream`); a client that does not connect within
         ``first_timeout`` is a failed set-up (it stops the run, or is absent with
         ``on_setup_failure="absent"``)."""
-        from .runstream import RunStream
+        from .runtime.runstream import RunStream
 
         self._stream = RunStream(self.grid, self.stream, *self.stream_tls, poll=self.poll)
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ and thousands of small rounds (SFVI) impractical.
 
 This entry point runs Flower's own SuperNode (its ``flower_supernode`` command, every option
 of ``flower-supernode`` unchanged) with those three sleeps paced
-(:class:`~numpyro_fed.flower.pace.Pacer`): after a message, the next pull waits ``--poll``
+(:class:`~numpyro_fed.flower.runtime.pace.Pacer`): after a message, the next pull waits ``--poll``
 seconds (default 0.002), doubling while none comes, up to ``--idle-poll`` (default 0.5 s);
 the reply checks wait ``--poll`` each. Nothing else of Flower changes: the same SuperLink
 protocol, node authentication, TLS, isolation modes and executors.
@@ -26,7 +26,7 @@ Usage::
 
 With ``--parent-pid`` the SuperNode stops when that process is gone. ``LocalFederation`` starts
 it with :func:`light_command`: the same, without importing numpyro_fed's package
-(:mod:`~numpyro_fed.flower.lifeline`).
+(:mod:`~numpyro_fed.flower.runtime.lifeline`).
 """
 
 from __future__ import annotations
@@ -128,10 +128,10 @@ def cli() -> int:
 def light_command(python: str, poll: float = 0.002, idle_poll: float = 0.5, parent_pid: int = 0) -> List[str]:
     """The command that runs :func:`run` (then ``flower-supernode``'s options, to be appended)
     as ``python -m numpyro_fed flower-supernode --poll P --idle-poll I --parent-pid PID --`` does,
-    without importing numpyro_fed's package (:func:`~numpyro_fed.flower.lifeline.command`)."""
+    without importing numpyro_fed's package (:func:`~numpyro_fed.flower.runtime.lifeline.command`)."""
     from .lifeline import command
 
-    return command(python, "numpyro_fed.flower.supernode:cli",
+    return command(python, "numpyro_fed.flower.runtime.supernode:cli",
                    ["--poll", repr(float(poll)), "--idle-poll", repr(float(idle_poll)), "--"], parent_pid)
 
 

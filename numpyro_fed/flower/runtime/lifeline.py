@@ -57,22 +57,24 @@ def stop_with(parent_pid: int, every: float = 1.0, grace: float = 10.0) -> threa
 def command(python: str, target: str, args: Sequence[str] = (), parent_pid: int = 0) -> List[str]:
     """The command line that runs ``target`` (``"module:function"``; the module must not import
     numpyro_fed's package) with ``args`` as its ``sys.argv[1:]``, stopping when ``parent_pid``
-    (if not 0) is gone: ``python .../numpyro_fed/flower/lifeline.py PARENT_PID TARGET ARGS...``."""
+    (if not 0) is gone: ``python .../numpyro_fed/flower/runtime/lifeline.py PARENT_PID TARGET ARGS...``."""
     return [python, os.path.abspath(__file__), str(int(parent_pid)), str(target), *map(str, args)]
 
 
 def _main() -> int:
-    """This file run as a script (:func:`command`): ``numpyro_fed`` and ``numpyro_fed.flower``
-    enter ``sys.modules`` as bare packages (their folders as ``__path__``), so importing a module
-    of this folder runs neither ``__init__``; the target then runs with ``sys.argv = [FUNCTION,
-    *ARGS]``, as a console script would."""
+    """This file run as a script (:func:`command`): ``numpyro_fed``, ``numpyro_fed.flower`` and
+    ``numpyro_fed.flower.runtime`` enter ``sys.modules`` as bare packages (their folders as
+    ``__path__``), so importing a module of this folder runs no ``__init__``; the target then
+    runs with ``sys.argv = [FUNCTION, *ARGS]``, as a console script would."""
     import importlib
     import types
 
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:  # a script's folder leads sys.path: not ours
         sys.path.pop(0)
-    for name, folder in (("numpyro_fed", os.path.dirname(here)), ("numpyro_fed.flower", here)):
+    flower = os.path.dirname(here)
+    for name, folder in (("numpyro_fed", os.path.dirname(flower)), ("numpyro_fed.flower", flower),
+                         ("numpyro_fed.flower.runtime", here)):
         package = types.ModuleType(name)
         package.__path__ = [folder]
         sys.modules.setdefault(name, package)

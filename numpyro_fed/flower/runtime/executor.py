@@ -67,7 +67,7 @@ def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_po
     Args:
         runtime_api: the SuperNode's runtime API, ``HOST:PORT``.
         poll: seconds of the first poll for a task after the last one (doubling while none
-            comes, :class:`~numpyro_fed.flower.pace.Pacer`), and of the objects' retry.
+            comes, :class:`~numpyro_fed.flower.runtime.pace.Pacer`), and of the objects' retry.
         idle_poll: the longest wait between two polls for a task while idle.
         parent_pid: stop when this process (the SuperNode) is gone.
         auth_secret_file: the file the SuperNode's ``--superexec-auth-secret-file`` names:
@@ -93,7 +93,7 @@ def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_po
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime import run_clientapp as rc
 
-    from .client import failure_reason
+    from ..client import failure_reason
 
     certificates = None if root_certificates is None else _read_certificates(root_certificates)
 
@@ -151,7 +151,7 @@ def _hand_back(rc, client, reply, context, status, details) -> None:
     next message). A reply the node no longer takes (e.g. its run ended) loses this task, not the
     executor; the server sees a missing answer. The output is pushed even when the reply's push
     failed: Flower refuses a retried push-object call whose first try had stored the object
-    (under load, :func:`numpyro_fed.flower.pull.push_messages`), and without its output the node
+    (under load, :func:`numpyro_fed.flower.runtime.pull.push_messages`), and without its output the node
     would hand the next message the context from before this one."""
     for what, push in (("reply", lambda: reply is not None and context is not None
                         and rc.push_message(client, reply, context)),

@@ -1,6 +1,6 @@
 """The server's side of a run's stream: who is invited, who is connected, and the close.
 
-:mod:`numpyro_fed.flower.stream` is the transport (frames, tokens, TLS). A :class:`RunStream`
+:mod:`numpyro_fed.flower.runtime.stream` is the transport (frames, tokens, TLS). A :class:`RunStream`
 uses it for one run of :class:`~numpyro_fed.flower.server.FlowerBackend`: it invites nodes
 through Flower (a ``train`` message holding the stream's address and a fresh token; the node's
 ClientApp task connects and serves the run's messages until the stream closes), exchanges
@@ -46,7 +46,7 @@ class RunStream:
 
     def exchange(self, requests, timeout: float):
         """``{node: (message type, RecordDict)}`` out, ``{node: reply}`` back (see
-        :meth:`~numpyro_fed.flower.stream.StreamServer.exchange`)."""
+        :meth:`~numpyro_fed.flower.runtime.stream.StreamServer.exchange`)."""
         return self.server.exchange(requests, timeout)
 
     def invite(self, nodes: Sequence[int], timeout: float) -> set:

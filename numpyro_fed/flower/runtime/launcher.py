@@ -1,7 +1,7 @@
 """A whole Flower federation on this machine: one SuperLink and N SuperNodes on 127.0.0.1.
 
 :class:`LocalFederation` starts them (each SuperNode with ``--isolation process`` and a
-long-running executor, :mod:`numpyro_fed.flower.executor`, unless ``executor=False``),
+long-running executor, :mod:`numpyro_fed.flower.runtime.executor`, unless ``executor=False``),
 runs fits with ``flwr run`` and stops every process it started, by process id (its own
 children and their descendants), on ``close`` / leaving the ``with`` block, and on
 interpreter exit.
@@ -213,14 +213,14 @@ class LocalFederation:
             throw-away CA and a certificate for 127.0.0.1 made for this federation; the
             executors verify it (``--root-certificates``).
         supernode: ``"paced"`` (default): each SuperNode is Flower's own run through
-            ``python -m numpyro_fed flower-supernode`` (:mod:`numpyro_fed.flower.supernode`),
+            ``python -m numpyro_fed flower-supernode`` (:mod:`numpyro_fed.flower.runtime.supernode`),
             its polls paced: a warm round of small messages takes milliseconds, not Flower's
             3.6 s (flwr 1.41/1.42 only); ``"flower"``: Flower's ``flower-supernode`` unchanged.
         poll: the pacing of the paced SuperNodes and of the executors: seconds of the first
             poll after activity, doubling while idle up to ``idle_poll``.
         idle_poll: the longest wait between two polls while idle (seconds).
         stream: runs of numpyro_fed's app exchange their rounds over one stream per client
-            (run config ``stream = "127.0.0.1:0"``, :mod:`numpyro_fed.flower.stream`; TLS with
+            (run config ``stream = "127.0.0.1:0"``, :mod:`numpyro_fed.flower.runtime.stream`; TLS with
             ``tls=True``) after Flower delivered the set-up: a warm round of small messages
             takes about a millisecond per client. ``False``: every message through Flower.
     """
@@ -240,7 +240,7 @@ class LocalFederation:
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.node_configs = [dict(c) for c in node_configs]
         if aggregator:
-            from .sealed import ROLE_KEY
+            from ..sealed import ROLE_KEY
 
             self.node_configs.append({ROLE_KEY: "aggregator"})
         self.executor = bool(executor)

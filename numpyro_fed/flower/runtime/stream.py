@@ -2,7 +2,7 @@
 
 Each message through Flower's deployment engine takes about 45 HTTP requests between five
 processes (ServerApp, SuperLink, SuperNode, executor and back), so a round costs tens to
-hundreds of milliseconds even with paced polls (:mod:`numpyro_fed.flower.supernode`). For
+hundreds of milliseconds even with paced polls (:mod:`numpyro_fed.flower.runtime.supernode`). For
 algorithms with one exchange per leapfrog step (federated NUTS) or thousands of small rounds
 (SFVI) that is the whole cost of the fit.
 
