@@ -95,6 +95,8 @@ class FederatedInference:
     dp_mechanisms: ClassVar[tuple] = ()
     #: ``run`` takes no number of rounds: the algorithm says when it is done (federated MCMC)
     open_ended: ClassVar[bool] = False
+    #: its draws are Markov chains (federated MCMC: ``get_samples`` gives them, with n_eff and R-hat)
+    draws_are_chains: ClassVar[bool] = False
     #: ``run``'s keyword arguments of this family beyond the backend's (HM1: ``truth``)
     family_run_options: ClassVar[tuple] = ()
     #: the family's differential privacy (``numpyro_fed.dp.plan.DPPlan``), held by the families that offer it
@@ -167,12 +169,14 @@ class FederatedInference:
         own computation). Each family documents what its draws are."""
         raise NotImplementedError
 
-    def get_samples(self, result, *, client: Optional[str] = None) -> dict:
+    def get_samples(self, result, group_by_chain: bool = False, *, client: Optional[str] = None) -> dict:
         """The fit's posterior draws, as NumPyro's ``MCMC.get_samples``: the MCMC families' chains;
         for the approximate families :data:`NUM_SAMPLES` draws of :meth:`sample_posterior` from a
-        key derived from the run's own server key (the same draws at every call)."""
+        key derived from the run's own server key (the same draws at every call; one "chain"
+        with ``group_by_chain``)."""
         key = jax.random.fold_in(self._state_of(result).server_key, 0x5A)
-        return self.sample_posterior(key, result, client=client)
+        draws = self.sample_posterior(key, result, client=client)
+        return {k: v[None] for k, v in draws.items()} if group_by_chain else draws
 
     @property
     def differentially_private(self) -> bool:

@@ -31,7 +31,7 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
             return _draws(inference.inference, inference.result, num_samples, rng_key)
         return {k: np.asarray(v)[None] for k, v in inference.get_samples(num_samples=num_samples,
                                                                         rng_key=rng_key).items()}
-    if hasattr(inference, "get_samples"):
+    if getattr(inference, "draws_are_chains", False):
         return {k: np.asarray(v) for k, v in inference.get_samples(result, group_by_chain=True).items()}
     if not hasattr(inference, "sample_posterior"):
         raise TypeError(f"print_summary: {type(inference).__name__} has no posterior draws to summarise "
@@ -60,7 +60,7 @@ def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_sample
 
     draws = _draws(inference, result, num_samples, rng_key)
     stats = numpyro_summary(draws, prob=prob, group_by_chain=True)
-    mcmc = inference.method in _SAMPLERS if _is_fit(inference) else hasattr(inference, "get_samples")
+    mcmc = inference.method in _SAMPLERS if _is_fit(inference) else getattr(inference, "draws_are_chains", False)
     if not mcmc:  # iid draws of q: ESS and R-hat say nothing about the fit
         stats = {k: {s: v for s, v in d.items() if s not in ("n_eff", "r_hat")} for k, d in stats.items()}
     return stats
@@ -70,7 +70,7 @@ def _check_line(inference, result) -> str:
     if _is_fit(inference):
         return f"{inference.method}, {inference.rounds} rounds; " + (
             _verdict_text(inference.check) if inference.method not in _SAMPLERS else "")
-    if hasattr(inference, "get_samples"):
+    if getattr(inference, "draws_are_chains", False):
         return ""
     diagnose = getattr(inference, "diagnose", None)
     if diagnose is None:

@@ -34,7 +34,7 @@ from .gaussian import NaturalGaussian
 from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
 from .updates import factor_protocol
 
-__all__ = ["ep", "tilted_moments"]
+__all__ = ["ep", "local_update", "tilted_moments"]
 
 
 def tilted_moments(
@@ -54,6 +54,27 @@ def tilted_moments(
         return lambda key, f, cav, w0, d, index=None: gaussian_vi_moments(
             f, cav, w0, d, key, optim=optim, steps=vi_steps, num_particles=num_particles, diagonal=diagonal)
     raise ValueError(f"tilted={method!r}: choose one of {TILTED_METHODS}")
+
+
+def local_update(client_log_lik: Callable, moments: Callable, num_local: int, d: int, diagonal: bool, index,
+                 rng_key, cavity, q, data, kl_weight=1.0):
+    """The client's EP update: the tilted distribution's moments (``moments``) from ``q``'s mean,
+    as a Gaussian factor; with ``index`` (its local latents' Hessian blocks), verified on its own
+    rows first (an invalid update, never a wrong one, where the blocks do not hold)."""
+    del kl_weight
+    start, _ = G.to_moments(q)  # q is always proper; the cavity need not be
+    w0 = jnp.concatenate([start, jnp.zeros(num_local, start.dtype)])
+    f = partial(client_log_lik, data=data)
+    if index is None:
+        mean, cov, check = moments(rng_key, f, cavity, w0, d)
+        return moments_to_factor(mean, cov, diagonal), check
+    k_point, k_probe, rng_key = random.split(rng_key, 3)
+    v = random.normal(k_point, (num_local,), start.dtype)
+    hold = blocks_hold(lambda x: f(jnp.concatenate([start, x])), v, index,
+                       random.normal(k_probe, (num_local,), start.dtype))
+    mean, cov, check = moments(rng_key, f, cavity, w0, d, index)
+    mean = jnp.where(hold, mean, jnp.nan)  # coupled locals: an invalid update, never a wrong one
+    return moments_to_factor(mean, cov, diagonal), check
 
 
 def ep(
@@ -103,28 +124,9 @@ def ep(
     # one trace of the model per shape: the estimators differentiate it to third order, and
     # jit lets JAX transform the traced program instead of re-running the model's Python
     client_log_lik = jax.jit(client_log_lik)
-    d = log_prior_factor.shift.shape[0]
-    diagonal = log_prior_factor.diagonal
-
-    index = None if blocks is None else jnp.asarray(blocks)
-
-    def local_update(rng_key, cavity, q, data, kl_weight=1.0):
-        del kl_weight
-        start, _ = G.to_moments(q)  # q is always proper; the cavity need not be
-        w0 = jnp.concatenate([start, jnp.zeros(num_local, start.dtype)])
-        f = partial(client_log_lik, data=data)
-        if index is None:
-            mean, cov, check = moments(rng_key, f, cavity, w0, d)
-            return moments_to_factor(mean, cov, diagonal), check
-        k_point, k_probe, rng_key = random.split(rng_key, 3)
-        v = random.normal(k_point, (num_local,), start.dtype)
-        hold = blocks_hold(lambda x: f(jnp.concatenate([start, x])), v, index,
-                           random.normal(k_probe, (num_local,), start.dtype))
-        mean, cov, check = moments(rng_key, f, cavity, w0, d, index)
-        mean = jnp.where(hold, mean, jnp.nan)  # coupled locals: an invalid update, never a wrong one
-        return moments_to_factor(mean, cov, diagonal), check
-
+    local = partial(local_update, client_log_lik, moments, num_local, log_prior_factor.shift.shape[0],
+                    log_prior_factor.diagonal, None if blocks is None else jnp.asarray(blocks))
     return factor_protocol(
-        log_prior_factor, local_update, num_clients, schedule=schedule, damping=damping,
+        log_prior_factor, local, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl, prior_site=prior_site,
     )

@@ -32,7 +32,8 @@ All functions are pure and jit-compatible.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from functools import partial
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ from .gaussian import NaturalGaussian
 from .tilted import FitCheck, convergence_stat
 from .updates import factor_protocol
 
-__all__ = ["pvi"]
+__all__ = ["LocalFit", "fit_local", "local_posterior", "pvi"]
 
 
 def _gaussian_params(q: NaturalGaussian):
@@ -170,6 +171,54 @@ def _local_dp_sgd(row_log_lik, data, cavity: NaturalGaussian, q: NaturalGaussian
     return _optimise(init, moments, chain, steps, rng_key, gradient)
 
 
+class LocalFit(NamedTuple):
+    """:func:`pvi`'s local fit settings, bound to :func:`local_posterior`."""
+
+    log_prior_factor: NaturalGaussian
+    client_log_lik: Callable
+    num_clients: int
+    update: str
+    optim: Any
+    local_steps: int
+    num_particles: int
+    dp_sgd: Any
+    split_prior: bool
+    max_chunks: int
+
+
+def local_posterior(fit: LocalFit, rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0):
+    """The client's local fit against its cavity (:func:`fit_local`); in a split-prior first
+    round (a BCM) under ``p^(1/J)``, sending ``q_j - p^(1/J)``."""
+    if fit.split_prior:  # round 1: the cavity is p; fit under p^(1/J), send q_j - p^(1/J)
+        rest = fit.log_prior_factor.scale(1.0 - 1.0 / fit.num_clients)
+        new, check = fit_local(fit, rng_key, cavity - rest, q, data, kl_weight)
+        return new + rest, check
+    return fit_local(fit, rng_key, cavity, q, data, kl_weight)
+
+
+def fit_local(fit: LocalFit, rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0):
+    """``(q_j, check)``: the closed form for a conjugate model, else an optax (or DP-SGD) fit of
+    the local ELBO, with the fit's own :class:`~numpyro_fed.factor.tilted.FitCheck`."""
+    d = fit.log_prior_factor.shift.shape[0]
+
+    def log_lik(u):
+        return fit.client_log_lik(u, data)
+
+    if fit.update == "conjugate":  # optimum: cavity * likelihood^(1 / kl_weight)
+        hess = jax.hessian(log_lik)(jnp.zeros(d))
+        exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2).scale(1.0 / kl_weight)
+        exact_fit = FitCheck(jnp.asarray(True), jnp.zeros(()), jnp.full((), jnp.nan))
+        if fit.log_prior_factor.diagonal:  # mean-field optimum of KL(q || cavity * likelihood)
+            full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
+            return G.project_diagonal(full), exact_fit
+        return cavity + exact, exact_fit
+    if fit.dp_sgd is not None:
+        return _local_dp_sgd(fit.client_log_lik, data, cavity, q, fit.optim, fit.local_steps, fit.num_particles,
+                             rng_key, fit.dp_sgd, kl_weight)
+    return _local_optax(log_lik, cavity, q, fit.optim, fit.local_steps, fit.num_particles, rng_key, kl_weight,
+                        fit.max_chunks)
+
+
 def pvi(
     log_prior_factor: NaturalGaussian,
     client_log_lik: Callable,
@@ -238,38 +287,12 @@ def pvi(
             :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
             Gaussian part.
     """
-    d = log_prior_factor.shift.shape[0]
-    diagonal = log_prior_factor.diagonal
-    max_chunks = max(1, (max_local_steps or local_steps) // local_steps)
-
-    def local_posterior(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
-        if split_prior:  # round 1: the cavity is p; fit under p^(1/J), send q_j - p^(1/J)
-            rest = log_prior_factor.scale(1.0 - 1.0 / num_clients)
-            fit, check = fit_local(rng_key, cavity - rest, q, data, kl_weight)
-            return fit + rest, check
-        return fit_local(rng_key, cavity, q, data, kl_weight)
-
-    def fit_local(rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0) -> NaturalGaussian:
-        def log_lik(u):
-            return client_log_lik(u, data)
-
-        if update == "conjugate":  # optimum: cavity * likelihood^(1 / kl_weight)
-            hess = jax.hessian(log_lik)(jnp.zeros(d))
-            exact = NaturalGaussian(jax.grad(log_lik)(jnp.zeros(d)), -(hess + hess.T) / 2).scale(1.0 / kl_weight)
-            exact_fit = FitCheck(jnp.asarray(True), jnp.zeros(()), jnp.full((), jnp.nan))
-            if diagonal:  # mean-field optimum of KL(q || cavity * likelihood)
-                full = NaturalGaussian(cavity.shift, jnp.diag(cavity.precision)) + exact
-                return G.project_diagonal(full), exact_fit
-            return cavity + exact, exact_fit
-        if dp_sgd is not None:
-            return _local_dp_sgd(client_log_lik, data, cavity, q, optim, local_steps, num_particles, rng_key,
-                                 dp_sgd, kl_weight)
-        return _local_optax(log_lik, cavity, q, optim, local_steps, num_particles, rng_key, kl_weight, max_chunks)
-
+    fit = LocalFit(log_prior_factor, client_log_lik, num_clients, update, optim, local_steps, num_particles, dp_sgd,
+                   split_prior, max(1, (max_local_steps or local_steps) // local_steps))
     if dp_sgd is not None and (update != "optax" or variant != "plain" or perturb is not None):
         raise ValueError("dp_sgd= is the local optimisation of update='optax', variant='plain', without perturb=")
     return factor_protocol(
-        log_prior_factor, local_posterior, num_clients, schedule=schedule, damping=damping,
+        log_prior_factor, partial(local_posterior, fit), num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, max_kl=max_kl, subset_size=subset_size, variant=variant, num_shards=num_shards,
         perturb=perturb, private_fit=dp_sgd is not None, trusted_aggregator=trusted_aggregator,
         prior_site=prior_site,

@@ -23,6 +23,7 @@ latent sites only. Privacy: one Gaussian release per round per client, at sampli
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -35,12 +36,12 @@ from .._typing import Array, PyTree
 from ..dp.batch import traced_batch_size
 from ..dp.mechanisms import fixed_size_subset, perturbed_sum
 from ..protocol import Exchange, FederatedAlgorithm, all_clients
-from .sfvi_algorithm import SFVIInfo, sfvi_server
+from .sfvi_algorithm import SFVIInfo, init_server, server_update
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objective import FederatedObjective
 
-__all__ = ["DPSFVIClientState", "dp_sfvi"]
+__all__ = ["DPSFVIClientState", "client_step", "dp_sfvi", "init_client", "server_step"]
 
 
 def _grad_dtype(messages):
@@ -50,6 +51,55 @@ def _grad_dtype(messages):
 class DPSFVIClientState(NamedTuple):
     local_params: PyTree  # empty: DP federated SVI needs global latent sites only
     releases: Array  # noised gradients this client has sent (its privacy ledger)
+
+
+def init_client(objective, rng_key, data):
+    del rng_key
+    return DPSFVIClientState(objective.init_local(data), jnp.zeros((), jnp.int32))
+
+
+def client_step(objective, num_particles: int, prior_share: float, sampling_rate: float, max_batch: int, clip: float,
+                noise_std: float, rng_key, state, broadcast, data):
+    """The client's noised sum of clipped per-row gradients on a subset of ``b_j`` rows (its
+    noise from its own key), scaled to all its rows, plus its prior share's gradient."""
+    message = broadcast.shared
+    k_rows, k_noise = random.split(rng_key)
+    size = jnp.minimum(traced_batch_size(sampling_rate, data.num_rows), max_batch)  # = the plan's b_j
+    rows = jax.tree_util.tree_map(lambda x: x[fixed_size_subset(k_rows, data.row_mask, max_batch)], data.args)
+    use = (jnp.arange(max_batch) < size).astype(data.row_mask.dtype)
+    empty = jnp.zeros((0,), message.eps_global.dtype)
+
+    def term(g, one, share, scale):
+        return jnp.mean(jax.vmap(lambda e: objective.client_term(g, state.local_params, e, empty, one, share,
+                                                                 scale))(message.eps_global))
+
+    def row_term(g, row):
+        one = data._replace(args=jax.tree_util.tree_map(lambda x: x[None], row),
+                            row_mask=jnp.ones(1, data.row_mask.dtype), num_rows=jnp.ones((), data.num_rows.dtype))
+        return term(g, one, 0.0, 1.0)
+
+    per_row = jax.vmap(jax.grad(row_term), in_axes=(None, 0))(message.global_params, rows)
+    per_row = jax.tree_util.tree_map(lambda x: x * use.reshape((-1,) + (1,) * (x.ndim - 1)), per_row)
+    noised = perturbed_sum(per_row, clip, noise_std, k_noise)
+    prior = jax.grad(lambda g: term(g, data, prior_share, 0.0))(message.global_params)  # data-free
+    scale = data.num_rows / size.astype(data.row_mask.dtype)  # n_j / b_j: the sum over all rows, unbiased
+    grad = jax.tree_util.tree_map(lambda a, p: a * scale + p, noised, prior)
+    return DPSFVIClientState(state.local_params, state.releases + 1), {"global_grad": grad}
+
+
+def server_step(objective, optim, num_particles: int, trusted_aggregator: bool, rng_key, state, messages, view):
+    """The summed noised gradients (already summed by the trusted aggregator when there is one)
+    and the server term's: one step in a complete round."""
+    w = view.answered.astype(_grad_dtype(messages))
+    total = messages["global_grad"] if trusted_aggregator else tree_weighted_sum(w, messages["global_grad"])
+    complete = jnp.all(view.answered)
+    new_state, broadcast, elbo_server = server_update(objective, optim, num_particles, rng_key, state, total,
+                                                      complete)
+    return new_state, broadcast, SFVIInfo(elbo_server, complete)
+
+
+def _loss(info):
+    return -info.elbo
 
 
 def dp_sfvi(
@@ -79,49 +129,12 @@ def dp_sfvi(
         trusted_aggregator: secure summation of the gradients (see above).
         num_particles: Monte Carlo draws per round, shared by every row.
     """
-    prior_share = 1.0 / num_clients
     noise_std = noise_multiplier * clip / (math.sqrt(num_clients) if trusted_aggregator else 1.0)
-    init_server, server_update = sfvi_server(objective, optim, num_particles)
-
-    def init_client(rng_key, data):
-        del rng_key
-        return DPSFVIClientState(objective.init_local(data), jnp.zeros((), jnp.int32))
-
-    def client_step(rng_key, state, broadcast, data):
-        message = broadcast.shared
-        k_rows, k_noise = random.split(rng_key)
-        size = jnp.minimum(traced_batch_size(sampling_rate, data.num_rows), max_batch)  # = the plan's b_j
-        rows = jax.tree_util.tree_map(lambda x: x[fixed_size_subset(k_rows, data.row_mask, max_batch)], data.args)
-        use = (jnp.arange(max_batch) < size).astype(data.row_mask.dtype)
-        empty = jnp.zeros((0,), message.eps_global.dtype)
-
-        def term(g, one, share, scale):
-            return jnp.mean(jax.vmap(lambda e: objective.client_term(g, state.local_params, e, empty, one, share,
-                                                                     scale))(message.eps_global))
-
-        def row_term(g, row):
-            one = data._replace(args=jax.tree_util.tree_map(lambda x: x[None], row),
-                                row_mask=jnp.ones(1, data.row_mask.dtype), num_rows=jnp.ones((), data.num_rows.dtype))
-            return term(g, one, 0.0, 1.0)
-
-        per_row = jax.vmap(jax.grad(row_term), in_axes=(None, 0))(message.global_params, rows)
-        per_row = jax.tree_util.tree_map(lambda x: x * use.reshape((-1,) + (1,) * (x.ndim - 1)), per_row)
-        noised = perturbed_sum(per_row, clip, noise_std, k_noise)
-        prior = jax.grad(lambda g: term(g, data, prior_share, 0.0))(message.global_params)  # data-free
-        scale = data.num_rows / size.astype(data.row_mask.dtype)  # n_j / b_j: the sum over all rows, unbiased
-        grad = jax.tree_util.tree_map(lambda a, p: a * scale + p, noised, prior)
-        return DPSFVIClientState(state.local_params, state.releases + 1), {"global_grad": grad}
-
-    def server_step(rng_key, state, messages, view):
-        w = view.answered.astype(_grad_dtype(messages))
-        total = messages["global_grad"] if trusted_aggregator else tree_weighted_sum(w, messages["global_grad"])
-        complete = jnp.all(view.answered)
-        new_state, broadcast, elbo_server = server_update(rng_key, state, total, complete)
-        return new_state, broadcast, SFVIInfo(elbo_server, complete)
-
-    secure = ("global_grad",) if trusted_aggregator else ()
+    step = Exchange(partial(client_step, objective, num_particles, 1.0 / num_clients, sampling_rate, max_batch, clip,
+                            noise_std),
+                    partial(server_step, objective, optim, num_particles, trusted_aggregator), "dp_gradient",
+                    ("global_grad",) if trusted_aggregator else ())
     return FederatedAlgorithm(
-        init_server, init_client, all_clients(num_clients),
-        (Exchange(client_step, server_step, "dp_gradient", secure),),
-        num_selected=num_clients, monitor=lambda info: -info.elbo, monitor_name="-server term",
+        partial(init_server, objective, optim, num_particles), partial(init_client, objective),
+        all_clients(num_clients), (step,), num_selected=num_clients, monitor=_loss, monitor_name="-server term",
     )

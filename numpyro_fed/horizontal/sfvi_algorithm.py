@@ -25,6 +25,7 @@ counted; the fit needs proportionally more rounds.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -39,8 +40,8 @@ from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 if TYPE_CHECKING:  # pragma: no cover
     from .objective import FederatedObjective
 
-__all__ = ["SFVIBroadcast", "SFVIClientMessage", "SFVIClientState", "SFVIInfo", "SFVIServerState", "sfvi",
-           "sfvi_server"]
+__all__ = ["SFVIBroadcast", "SFVIClientMessage", "SFVIClientState", "SFVIInfo", "SFVIServerState", "client_step",
+           "init_client", "init_server", "server_step", "server_update", "sfvi"]
 
 
 class SFVIServerState(NamedTuple):
@@ -70,36 +71,70 @@ class SFVIInfo(NamedTuple):
     complete: Array  # every asked client answered, so the server stepped
 
 
-def sfvi_server(objective: "FederatedObjective", optim: optax.GradientTransformation, num_particles: int):
-    """The SFVI server's own part (shared with DP federated SVI): ``init_server`` and
-    ``update(rng_key, state, client_grad, complete) -> (state, broadcast, server_term)``,
-    which adds the gradient of its own term (``-log q(z_G)``) to the clients' summed
-    gradient, steps unless the round is incomplete, and broadcasts fresh noise."""
-    n_global = objective.global_size
+def _draw(num_particles: int, n_global: int, rng_key):
+    return random.normal(rng_key, (num_particles, n_global))
 
-    def draw(rng_key):
-        return random.normal(rng_key, (num_particles, n_global))
 
-    def init_server(rng_key):
-        params = objective.init_global()
-        eps = draw(rng_key)
-        state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
-        return state, Broadcast(SFVIBroadcast(params, eps))
+def init_server(objective, optim, num_particles: int, rng_key):
+    """The server's parameters at their start, its optimiser state, and the round's noise."""
+    params = objective.init_global()
+    eps = _draw(num_particles, objective.global_size, rng_key)
+    state = SFVIServerState(params, optim.init(params), eps, jnp.zeros((), jnp.int32))
+    return state, Broadcast(SFVIBroadcast(params, eps))
 
-    def update(rng_key, state, client_grad, complete):
-        def term(g):
-            return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
 
-        elbo_server, grad = jax.value_and_grad(term)(state.global_params)
-        grad = jax.tree_util.tree_map(jnp.add, grad, client_grad)
-        stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
-        params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
-        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
-        eps = draw(rng_key)
-        new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
-        return new_state, Broadcast(SFVIBroadcast(params, eps)), elbo_server
+def server_update(objective, optim, num_particles: int, rng_key, state, client_grad, complete):
+    """Add the gradient of the server's own term (``-log q(z_G)``) to the clients' summed
+    gradient, step unless the round is incomplete, and broadcast fresh noise: ``(state,
+    broadcast, server_term)`` (shared with DP federated SVI)."""
+    def term(g):
+        return jnp.mean(jax.vmap(lambda e: objective.server_term(g, e))(state.eps_global))
 
-    return init_server, update
+    elbo_server, grad = jax.value_and_grad(term)(state.global_params)
+    grad = jax.tree_util.tree_map(jnp.add, grad, client_grad)
+    stepped, opt_stepped = ascent(optim, grad, state.opt_state, state.global_params)
+    params = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), stepped, state.global_params)
+    opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(complete, a, b), opt_stepped, state.opt_state)
+    eps = _draw(num_particles, objective.global_size, rng_key)
+    new_state = SFVIServerState(params, opt_state, eps, state.step + complete.astype(jnp.int32))
+    return new_state, Broadcast(SFVIBroadcast(params, eps)), elbo_server
+
+
+def init_client(objective, optim, rng_key, data):
+    params = objective.init_local(data)
+    return SFVIClientState(params, optim.init(params))
+
+
+def client_step(objective, optim, num_particles: int, prior_share: float, rng_key, state, broadcast, data):
+    """The client's ELBO term and its gradient w.r.t. the server's parameters (sent) and its own
+    (one optax step, kept), from its own noise."""
+    message = broadcast.shared
+    eps_local = random.normal(rng_key, (num_particles, objective.local_size(data)))
+
+    def term(g, l):
+        values = jax.vmap(lambda eg, el: objective.client_term(g, l, eg, el, data, prior_share))(
+            message.eps_global, eps_local
+        )
+        return jnp.mean(values)
+
+    elbo, (g_grad, l_grad) = jax.value_and_grad(term, argnums=(0, 1))(message.global_params, state.local_params)
+    local_params, opt_state = ascent(optim, l_grad, state.opt_state, state.local_params)
+    return SFVIClientState(local_params, opt_state), SFVIClientMessage(g_grad, elbo)
+
+
+def server_step(objective, optim, num_particles: int, num_clients: int, rng_key, state, messages, view):
+    """The answered gradients summed with the server term's; one step in a complete round."""
+    w = view.answered.astype(messages.elbo.dtype)
+    complete = jnp.all(view.answered)
+    new_state, broadcast, elbo_server = server_update(objective, optim, num_particles, rng_key, state,
+                                                      tree_weighted_sum(w, messages.global_grad), complete)
+    # the ELBO estimate of an incomplete round scales the answered terms up to J clients
+    elbo = elbo_server + jnp.dot(w, messages.elbo) * num_clients / jnp.maximum(jnp.sum(w), 1.0)
+    return new_state, broadcast, SFVIInfo(elbo, complete)
+
+
+def _loss(info):
+    return -info.elbo
 
 
 def sfvi(
@@ -109,7 +144,8 @@ def sfvi(
     *,
     num_particles: int = 1,
 ) -> FederatedAlgorithm:
-    """Build SFVI for a :class:`~numpyro_fed.horizontal.objective.FederatedObjective`.
+    """Build SFVI for a :class:`~numpyro_fed.horizontal.objective.FederatedObjective`: the
+    module's steps bound to it.
 
     Args:
         objective: server and client ELBO terms.
@@ -121,39 +157,9 @@ def sfvi(
     References:
         Hassan et al., Hassan et al. (2023), Algorithm 1 and supplement S1.
     """
-    prior_share = 1.0 / num_clients
-    init_server, server_update = sfvi_server(objective, optim, num_particles)
-
-    def init_client(rng_key, data):
-        params = objective.init_local(data)
-        return SFVIClientState(params, optim.init(params))
-
-    def client_step(rng_key, state, broadcast, data):
-        message = broadcast.shared
-        eps_local = random.normal(rng_key, (num_particles, objective.local_size(data)))
-
-        def term(g, l):
-            values = jax.vmap(lambda eg, el: objective.client_term(g, l, eg, el, data, prior_share))(
-                message.eps_global, eps_local
-            )
-            return jnp.mean(values)
-
-        elbo, (g_grad, l_grad) = jax.value_and_grad(term, argnums=(0, 1))(
-            message.global_params, state.local_params
-        )
-        local_params, opt_state = ascent(optim, l_grad, state.opt_state, state.local_params)
-        return SFVIClientState(local_params, opt_state), SFVIClientMessage(g_grad, elbo)
-
-    def server_step(rng_key, state, messages, view):
-        w = view.answered.astype(messages.elbo.dtype)
-        complete = jnp.all(view.answered)
-        new_state, broadcast, elbo_server = server_update(rng_key, state, tree_weighted_sum(w, messages.global_grad),
-                                                          complete)
-        # the ELBO estimate of an incomplete round scales the answered terms up to J clients
-        elbo = elbo_server + jnp.dot(w, messages.elbo) * num_clients / jnp.maximum(jnp.sum(w), 1.0)
-        return new_state, broadcast, SFVIInfo(elbo, complete)
-
+    step = Exchange(partial(client_step, objective, optim, num_particles, 1.0 / num_clients),
+                    partial(server_step, objective, optim, num_particles, num_clients), "gradient")
     return FederatedAlgorithm(
-        init_server, init_client, all_clients(num_clients), (Exchange(client_step, server_step, "gradient"),),
-        num_selected=num_clients, monitor=lambda info: -info.elbo, monitor_name="loss",
+        partial(init_server, objective, optim, num_particles), partial(init_client, objective, optim),
+        all_clients(num_clients), (step,), num_selected=num_clients, monitor=_loss, monitor_name="loss",
     )

@@ -44,6 +44,7 @@ All functions are pure and jit-compatible; the data of device k enter only ``cli
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional
 
 import jax
@@ -52,7 +53,8 @@ from jax import random
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm
 
-__all__ = ["GRADIENTS", "HM1Info", "HM1ServerState", "hm1", "minibatch_weights"]
+__all__ = ["GRADIENTS", "HM1Config", "HM1Info", "HM1ServerState", "client_step", "hm1", "init_client", "init_server",
+           "minibatch_weights", "select", "server_step"]
 
 GRADIENTS = ("sum", "mean")
 
@@ -78,6 +80,96 @@ def minibatch_weights(rng_key: jax.Array, mask: jax.Array, batch_size: Optional[
     scores = jnp.where(mask > 0, random.uniform(rng_key, mask.shape), -1.0)
     _, chosen = jax.lax.top_k(scores, b)  # real rows first: a device with fewer rows takes them all
     return jnp.zeros_like(mask).at[chosen].set(1.0) * mask
+
+
+class HM1Config(NamedTuple):
+    """:func:`hm1`'s settings, bound to the module's steps."""
+
+    num_clients: int
+    dim: int
+    lr: float
+    eta2: float  # the prior-shrinkage step
+    alpha: float
+    local_steps: int
+    batch_size: Optional[int]
+    gradient: str
+    noise_scaled: bool
+    omega_df: Optional[float]
+    num_selected: int
+    init_scale: float
+    truth: Optional[jax.Array]
+
+
+def select(config: HM1Config, rng_key, state):
+    del state
+    if config.num_selected == config.num_clients:
+        return jnp.ones(config.num_clients, bool)
+    order = random.permutation(rng_key, config.num_clients)
+    return jnp.zeros(config.num_clients, bool).at[order[:config.num_selected]].set(True)
+
+
+def _broadcast(theta, omega):
+    """Per device: its own column and the aggregated shrinkage direction s_k."""
+    s = jnp.linalg.solve(omega, theta)  # (K, d): row k = sum_i (Omega^-1)_{ki} theta_i
+    return Broadcast(None, {"theta": theta, "shrink": s})
+
+
+def init_server(config: HM1Config, rng_key):
+    theta = config.init_scale * random.normal(rng_key, (config.num_clients, config.dim))
+    omega = jnp.eye(config.num_clients, dtype=theta.dtype)
+    return HM1ServerState(theta, omega, jnp.zeros((), jnp.int32)), _broadcast(theta, omega)
+
+
+def init_client(rng_key, data):
+    del rng_key, data
+    return ()
+
+
+def client_step(config: HM1Config, rng_key, state, message, data):
+    """``data``: ``x`` (n, d), ``y`` (n,), ``mask`` (n,) with 0 on padded rows."""
+    x, y, mask = data["x"], data["y"], data["mask"]
+    mine = message.per_client
+    rows = jnp.sum(mask)
+
+    if config.noise_scaled:  # the prior's gradient, weighted by the device's noise estimate (module docstring)
+        sigma2 = jnp.sum(mask * (y - x @ mine["theta"]) ** 2) / jnp.maximum(rows - config.dim, 1.0)
+        prior = sigma2 * mine["shrink"] / rows
+    else:
+        prior = jnp.zeros_like(mine["theta"])
+
+    def step(theta, key):
+        w = minibatch_weights(key, mask, config.batch_size)
+        grad = x.T @ ((y - x @ theta) * w) - jnp.sum(w) * prior
+        if config.gradient == "mean":
+            grad = grad / jnp.maximum(jnp.sum(w), 1.0)
+        return theta + 2 * config.lr * grad, None
+
+    theta, _ = jax.lax.scan(step, mine["theta"], random.split(rng_key, config.local_steps))
+    if config.noise_scaled:
+        return state, {"theta": theta}
+    return state, {"theta": theta - 2 * config.eta2 * mine["shrink"]}
+
+
+def server_step(config: HM1Config, rng_key, state: HM1ServerState, messages, view):
+    del rng_key
+    K = config.num_clients
+    theta = jnp.where(view.answered[:, None], messages["theta"], state.theta)
+    gram = theta @ theta.T
+    if config.omega_df is None:
+        goal = gram / config.dim
+    else:  # the inverse-Wishart posterior mean (module docstring)
+        mean_square = jnp.trace(gram) / (K * config.dim)
+        goal = (gram + config.omega_df * mean_square * jnp.eye(K, dtype=gram.dtype)) / (config.dim + config.omega_df)
+    omega = (1 - config.alpha) * state.omega + config.alpha * goal
+    scale = jnp.sqrt(K)
+    change = jnp.linalg.norm(theta - state.theta) / scale
+    distance = jnp.zeros(()) if config.truth is None else jnp.linalg.norm(theta - config.truth) / scale
+    new = HM1ServerState(theta, omega, state.round + 1)
+    return new, _broadcast(theta, omega), HM1Info(change, distance)
+
+
+def _change(info):
+    return info.change
 
 
 def hm1(
@@ -114,72 +206,12 @@ def hm1(
     if noise_scaled and shrinkage is not None:
         raise ValueError(f"shrinkage={shrinkage} with noise_scaled=True: the variant weights the prior by the "
                          "device's noise estimate; leave shrinkage unset")
-    eta2 = lr if shrinkage is None else shrinkage
     m = num_clients if subset_size is None else int(subset_size)
-    target = None if truth is None else jnp.asarray(truth, jnp.float32)
-
-    def select(rng_key, state):
-        del state
-        if m == num_clients:
-            return jnp.ones(num_clients, bool)
-        order = random.permutation(rng_key, num_clients)
-        return jnp.zeros(num_clients, bool).at[order[:m]].set(True)
-
-    def broadcast(theta, omega):
-        """Per device: its own column and the aggregated shrinkage direction s_k."""
-        s = jnp.linalg.solve(omega, theta)  # (K, d): row k = sum_i (Omega^-1)_{ki} theta_i
-        return Broadcast(None, {"theta": theta, "shrink": s})
-
-    def init_server(rng_key):
-        theta = init_scale * random.normal(rng_key, (num_clients, dim))
-        omega = jnp.eye(num_clients, dtype=theta.dtype)
-        return HM1ServerState(theta, omega, jnp.zeros((), jnp.int32)), broadcast(theta, omega)
-
-    def init_client(rng_key, data):
-        del rng_key, data
-        return ()
-
-    def client_step(rng_key, state, message, data):
-        """``data``: ``x`` (n, d), ``y`` (n,), ``mask`` (n,) with 0 on padded rows."""
-        x, y, mask = data["x"], data["y"], data["mask"]
-        mine = message.per_client
-        rows = jnp.sum(mask)
-
-        if noise_scaled:  # the prior's gradient, weighted by the device's noise estimate (module docstring)
-            sigma2 = jnp.sum(mask * (y - x @ mine["theta"]) ** 2) / jnp.maximum(rows - dim, 1.0)
-            prior = sigma2 * mine["shrink"] / rows
-        else:
-            prior = jnp.zeros_like(mine["theta"])
-
-        def step(theta, key):
-            w = minibatch_weights(key, mask, batch_size)
-            grad = x.T @ ((y - x @ theta) * w) - jnp.sum(w) * prior
-            if gradient == "mean":
-                grad = grad / jnp.maximum(jnp.sum(w), 1.0)
-            return theta + 2 * lr * grad, None
-
-        theta, _ = jax.lax.scan(step, mine["theta"], random.split(rng_key, local_steps))
-        if noise_scaled:
-            return state, {"theta": theta}
-        return state, {"theta": theta - 2 * eta2 * mine["shrink"]}
-
-    def server_step(rng_key, state: HM1ServerState, messages, view):
-        del rng_key
-        theta = jnp.where(view.answered[:, None], messages["theta"], state.theta)
-        gram = theta @ theta.T
-        if omega_df is None:
-            goal = gram / dim
-        else:  # the inverse-Wishart posterior mean (module docstring)
-            mean_square = jnp.trace(gram) / (num_clients * dim)
-            goal = (gram + omega_df * mean_square * jnp.eye(num_clients, dtype=gram.dtype)) / (dim + omega_df)
-        omega = (1 - alpha) * state.omega + alpha * goal
-        scale = jnp.sqrt(num_clients)
-        change = jnp.linalg.norm(theta - state.theta) / scale
-        distance = jnp.zeros(()) if target is None else jnp.linalg.norm(theta - target) / scale
-        new = HM1ServerState(theta, omega, state.round + 1)
-        return new, broadcast(theta, omega), HM1Info(change, distance)
-
+    config = HM1Config(num_clients, dim, lr, lr if shrinkage is None else shrinkage, alpha, local_steps, batch_size,
+                       gradient, noise_scaled, omega_df, m, init_scale,
+                       None if truth is None else jnp.asarray(truth, jnp.float32))
     return FederatedAlgorithm(
-        init_server, init_client, select, (Exchange(client_step, server_step, "local_steps"),),
-        num_selected=m, monitor=lambda info: info.change, monitor_name="change",
+        partial(init_server, config), init_client, partial(select, config),
+        (Exchange(partial(client_step, config), partial(server_step, config), "local_steps"),),
+        num_selected=m, monitor=_change, monitor_name="change",
     )

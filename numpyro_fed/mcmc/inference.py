@@ -119,6 +119,7 @@ class FederatedMCMC(FederatedInference):
     algo = "NUTS"
     setup_extra = MCMCSetup
     open_ended = True
+    draws_are_chains = True
 
     def __init__(
         self,

@@ -67,6 +67,7 @@ class FederatedMwG(FactorInference):
     method = "mwg"
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     open_ended = True
+    draws_are_chains = True
 
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
