@@ -252,6 +252,7 @@ class Ladder:
 
     #: an open-ended family (runs until it is done): a Flower task passes no round count
     open_ended = True
+    differentially_private = False  # nf.fit fits no differentially private model
 
     def __init__(self, model: Callable, *, exact: bool = False, num_samples: int = 1000,
                  num_warmup: Optional[int] = None, num_chains: Optional[int] = None,

@@ -176,8 +176,6 @@ DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averagi
 def run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
     options.setdefault("progress_bar", False)
-    if inference.open_ended:
-        return inference.run(rng_key, inputs, num_rounds, **options)
     if isinstance(inputs, dict):
         return inference.run(rng_key, num_rounds=num_rounds, **options, **inputs)
     return inference.run(rng_key, inputs, num_rounds, **options)

@@ -295,7 +295,7 @@ def test_every_party_builds_the_simulations_algorithm_from_the_template(family):
         return inference.model.group_sizes, jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), built)
 
     reference = make()
-    reference._before_run(10, clients, {})
+    reference._before_run(None, 10, clients, {})
     want = structures(reference, reference._setup(clients))
     assert want[0] == {"wards": 5}
     parties = [None] + [(n, clients[n]) for n in clients.names]  # the server, then each client

@@ -132,8 +132,6 @@ def call_run(inference, inputs, rng_key, num_rounds, **options):
     :class:`~numpyro_fed.ladder.Ladder` runs each rung until it is done, ``num_rounds`` unused)."""
     if _is_ladder(inference):
         return inference.run(rng_key, inputs, **options)
-    if inference.open_ended:
-        return inference.run(rng_key, inputs, num_rounds, **options)
     if isinstance(inputs, dict):
         return inference.run(rng_key, num_rounds=num_rounds, **options, **inputs)
     return inference.run(rng_key, inputs, num_rounds, **options)
