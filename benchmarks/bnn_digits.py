@@ -81,7 +81,7 @@ def federated_fit(model, method, clients, rounds, lr, local_steps, seed):
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", nf.UnreliableFitWarning)
-        res = svi.run(jax.random.PRNGKey(seed), rounds, clients, progress_bar=False)
+        res = svi.run(jax.random.PRNGKey(seed), clients, rounds, progress_bar=False)
     seconds = time.perf_counter() - t0
     losses = np.asarray(res.losses)
     if not np.all(np.isfinite(losses)):

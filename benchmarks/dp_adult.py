@@ -145,7 +145,7 @@ def run_method(name, clients, test, pooled, epsilon, seed):
             if (r % 25) == 0:
                 params.append((r, s.server.global_params["guide"]))
 
-        result = svi.run(key, HP["svi_steps"], clients, progress_bar=False, callbacks=[grab])
+        result = svi.run(key, clients, HP["svi_steps"], progress_bar=False, callbacks=[grab])
         for r, g in params:
             loc = g["loc"]
             scale = jax.nn.softplus(g["scale"]) if "scale" in g else jnp.exp(g["log_scale"])

@@ -129,7 +129,7 @@ def test_beta_and_dirichlet_priors_match_the_analytic_posterior(cls):
     inference = nf.PVI(model) if cls == "PVI" else nf.EP(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", nf.UnreliableFitWarning)
-        result = inference.run(jax.random.PRNGKey(1), 10 if cls == "PVI" else 8, clients, progress_bar=False)
+        result = inference.run(jax.random.PRNGKey(1), clients, 10 if cls == "PVI" else 8, progress_bar=False)
     draws = inference.sample_posterior(jax.random.PRNGKey(2), result, 4000)
     for site, (mean, sd) in truth.items():
         v = np.asarray(draws[site]).reshape(4000, -1)

@@ -92,7 +92,7 @@ def test_ep_integrates_out_local_latents_exactly(hier):
     clients, xs, ys = hier
     mean, cov = _joint_posterior(xs[:K], ys[:K])
     m, c = mean[:DL], cov[:DL, :DL]
-    res = nf.EP(hier_model).run(random.PRNGKey(0), K, clients)
+    res = nf.EP(hier_model).run(random.PRNGKey(0), clients, K)
     np.testing.assert_allclose(res.params["mean"], m, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(res.params["cov"], c, rtol=1e-4, atol=1e-7)
     once = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 1)
@@ -112,7 +112,7 @@ def test_local_posteriors_and_fast_adaptation_match_the_closed_form(hier):
     p(theta_k | Y); a new client starting from q(mu) gets p(theta_new | Y, Y_new)."""
     clients, xs, ys = hier
     ep = nf.EP(hier_model)
-    res = ep.run(random.PRNGKey(0), K, clients)
+    res = ep.run(random.PRNGKey(0), clients, K)
     mean, cov = _joint_posterior(xs[:K], ys[:K])
     draws = ep.local_posterior(random.PRNGKey(1), res, num_samples=2000, num_warmup=300)
     assert draws["theta"].shape == (K, 2000, DL) and draws["mu"].shape == (K, 2000, DL)
@@ -250,7 +250,7 @@ def test_one_model_under_three_inference_objects(hier):
     pvi = nf.PVI(hier_model, update="optax", optim=optax.adam(0.02), local_steps=200, schedule="sequential")
     ep = nf.EP(hier_model)
     fits = [(svi, svi.run(random.PRNGKey(0), clients, 200, progress_bar=False)),
-            (pvi, pvi.run(random.PRNGKey(0), K, clients)), (ep, ep.run(random.PRNGKey(0), K, clients))]
+            (pvi, pvi.run(random.PRNGKey(0), clients, K)), (ep, ep.run(random.PRNGKey(0), clients, K))]
     for method, res in fits:
         data = nf.to_arviz(method, res, random.PRNGKey(1), num_samples=500)
         summary = az.summary(data, var_names=["mu"], kind="stats")

@@ -169,7 +169,7 @@ def drive(
         log: List[Rounds] = []
         failure, done = None, 0
         try:
-            while done < num_rounds and failure is None and not _finished(algorithm, state):
+            while done < num_rounds and failure is None and not (log and _finished(algorithm, state)):
                 got = transport.rounds(state, min(chunk, num_rounds - done))
                 state, failure = got.state, got.failure
                 done += len(got.figure) + (failure is not None)
@@ -221,7 +221,7 @@ def _guard(failure: NonFinite, state: RunState, on_nonfinite: str, finished: int
 
 def _concatenate(log: List[Rounds]) -> Rounds:
     """The stretches' rounds as one (stacked on the host)."""
-    parts = [r for r in log if len(r.figure)]
+    parts = [r for r in log if len(r.figure)] or [r for r in log if r.info is not None][:1]
 
     def cat(*xs):
         return jnp.asarray(np.concatenate([np.asarray(x) for x in xs]))
