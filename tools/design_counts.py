@@ -237,7 +237,8 @@ def main() -> None:
     chain = found["deepest_warning_class_chain"]
     print(f"deepest warning class chain: {len(chain)} ({' -> '.join(c.rsplit('.', 1)[-1] for c in chain)})")
     print(f"hand-set stacklevels: {len(found['hand_set_stacklevels'])}")
-    print(f"modules over {MODULE_LINES} lines: {len(found['modules_over_600_lines'])} {found['modules_over_600_lines']}")
+    over = found["modules_over_600_lines"]
+    print(f"modules over {MODULE_LINES} lines: {len(over)} {over}")
     print(f"package: {found['package_modules']} modules, {found['package_lines']} lines")
     print(f"functions over {LONG} lines: {len(found['functions_over_80_lines'])}")
     print(f"private imports across modules: {len(found['private_imports_across_modules'])}")
