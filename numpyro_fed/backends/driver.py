@@ -157,8 +157,10 @@ def drive(
     try:
         state = transport.start(rng_key, init_state, transcript)
         first = state
+        saved = None  # the round of the last checkpoint written
         if every:  # the starting state: the path and the state's format are proven before round 1
             transport.save(checkpoint, state)
+            saved = int(state.round)
         open_ended = algorithm.done is not None
         stepwise = (not transport.chunked or (progress_bar and not open_ended) or transcript is not None
                     or bool(callbacks))
@@ -179,6 +181,7 @@ def drive(
                         callback(int(state.round), state, jax.tree_util.tree_map(lambda x: x[-1], got.info))
                 if every and (int(state.round) % every == 0 or not stepwise):
                     transport.save(checkpoint, state)
+                    saved = int(state.round)
                 if bar is not None:
                     bar.show(got, state)
         finally:
@@ -187,7 +190,7 @@ def drive(
         if failure is not None:
             _guard(failure, state, on_nonfinite, sum(len(r.figure) for r in log))
         stacked = _concatenate(log)
-        if every:
+        if every and saved != int(state.round):  # the last state, unless its chunk just saved it
             transport.save(checkpoint, state)
         communication, client_states = transport.finish(first, state, stacked)
     finally:
