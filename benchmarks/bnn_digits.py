@@ -215,7 +215,7 @@ def table_s1_partition(data, J, seed, args):
         out[name] = dict(fit, train=accuracy(bnn_predict(draws, data["x_train"][keep]), data["y_train"][keep]),
                          test=accuracy(bnn_predict(draws, data["x_test"]), data["y_test"]), rounds=rounds,
                          local_steps=steps if method == "sfvi_avg" else None,
-                         sigma_w=float(svi.get_params(res.state)["theta"]["sigma_w"]))
+                         sigma_w=float(svi.get_params(res.state).theta["sigma_w"]))
     if args.methods:
         return out
     t0 = time.perf_counter()

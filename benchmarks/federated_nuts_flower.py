@@ -91,13 +91,14 @@ def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0, workdir=None):
         wall = time.perf_counter() - t1
     if workdir is not None:  # the per-round figure and the draws, for a later comparison
         np.savez(pathlib.Path(workdir) / f"{name}-flower.npz", trace=np.asarray(flower["trace"]),
-                 **{k: np.asarray(v) for k, v in flower["params"].items()})
+                 **{k: np.asarray(v) for k, v in flower["params"].samples.items()})
     compared = {}
     for mapping in ("loop", "vmap"):  # one client a node (Flower's layout), and the default
         sim = nf.FederatedNUTS(model, num_warmup=warmup, num_samples=samples, num_chains=chains,
                                client_mapping=mapping).run(jax.random.PRNGKey(seed), clients)
-        diff = max(float(np.max(np.abs(np.asarray(flower["params"][k]) - np.asarray(sim.params[k]))))
-                   if np.shape(flower["params"][k]) == np.shape(sim.params[k]) else float("inf") for k in sim.params)
+        ours, theirs = flower["params"].samples, sim.params.samples
+        diff = max(float(np.max(np.abs(np.asarray(ours[k]) - np.asarray(theirs[k]))))
+                   if np.shape(ours[k]) == np.shape(theirs[k]) else float("inf") for k in theirs)
         ft, st = np.asarray(flower["trace"]), np.asarray(sim.trace)  # the per-round figure of each backend
         n = min(len(ft), len(st))
         apart = np.flatnonzero(np.abs(ft[:n] - st[:n]) > 1e-4 * (1.0 + np.abs(st[:n])))
@@ -118,7 +119,7 @@ def one(problem, chains, warmup=WARMUP, samples=SAMPLES, seed=0, workdir=None):
            "warnings": flower["warnings"]}
     if whole:
         ref = scalars(pooled_nuts(pooled_model, pooled_data, 2), sites)
-        ours = scalars({k: np.asarray(v) for k, v in flower["params"].items()}, sites)  # (chains, samples)
+        ours = scalars({k: np.asarray(v) for k, v in flower["params"].samples.items()}, sites)  # (chains, samples)
         z = {k: abs(float(ours[k].mean() - ref[k].mean())) / float(ref[k].std()) for k in ref}
         row.update(max_abs_z_to_pooled_nuts=max(z.values()), worst_site=max(z, key=z.get))
     else:  # the whole run's rounds (simulation backend, the same schedule) times the warm round

@@ -94,7 +94,7 @@ def main():
             warnings.simplefilter("always", nf.UnreliableFitWarning)
             res = ep.run(random.PRNGKey(rep), clients, args.rounds)
         flagged = [str(w.message) for w in caught if issubclass(w.category, nf.UnreliableFitWarning)]
-        mean, sd = np.asarray(res.params["mean"]), np.sqrt(np.diag(np.asarray(res.params["cov"])))
+        mean, sd = np.asarray(res.params.mean), np.sqrt(np.diag(np.asarray(res.params.cov)))
         t_ep = time.time() - t0
         t0 = time.time()
         draws = pooled_nuts(x, y, rep)

@@ -68,7 +68,7 @@ def fit_hb_split_nn(train, test, rho, steps, lr, seed):
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(lr))
     res = svi.run(random.PRNGKey(seed), num_rounds=steps, progress_bar=False, **train)
     weights = svi.sample_posterior(random.PRNGKey(seed + 1), res, 500)
-    points = {k: v for c in INPUTS for k, v in res.params[c]["point"].items()}
+    points = {k: v for c in INPUTS for k, v in res.params.parties[c]["point"].items()}
     return nf.models.predict_split_nn(model, points, random.PRNGKey(seed + 2), test, rho=rho, weights=weights)
 
 

@@ -24,8 +24,9 @@ from typing import Any, Dict, Tuple
 
 from .warnings import FederatedDeprecationWarning, find_stack_level
 
-__all__ = ["MODULE_ATTRIBUTES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES",
-           "module_attribute", "renamed_keyword", "renamed_method", "rounds_before_clients", "warn_params_attribute"]
+__all__ = ["MODULE_ATTRIBUTES", "PARAMS_ENTRIES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES",
+           "module_attribute", "params_entries", "params_entry", "renamed_keyword", "renamed_method",
+           "rounds_before_clients", "warn_params_attribute"]
 
 REMOVED_IN = "0.3.0"
 
@@ -55,8 +56,12 @@ MODULE_ATTRIBUTES: Dict[str, str] = {
     "diagonal_gaussian_barycenter": "numpyro_fed.horizontal:diagonal_gaussian_barycenter",
 }
 
-#: ``RunResult.<name>`` for an entry of ``params`` (``result.mean`` for ``result.params["mean"]``).
-RUN_RESULT_ATTRIBUTES = "result.params[{name!r}]"
+#: ``RunResult.<name>`` for an entry of ``params`` (``result.mean`` for ``result.params.mean``).
+RUN_RESULT_ATTRIBUTES = "result.{spelling}"
+
+#: ``result.params[<name>]``, when ``params`` was a dictionary -> its typed spelling: a field of
+#: the family's params tuple, or an entry of the mapping field it names in ``_entries``.
+PARAMS_ENTRIES = {"field": "params.{name}", "entry": "params.{holder}[{name!r}]"}
 
 
 def _spelling(target: str) -> Tuple[str, str]:
@@ -106,8 +111,39 @@ def renamed_method(cls: str, old: str, new: str) -> None:
                   stacklevel=find_stack_level())
 
 
-def warn_params_attribute(name: str) -> None:
+def warn_params_attribute(params: Any, name: str) -> None:
     """``RunResult.<name>`` read an entry of ``params``: warn, naming the spelling to use."""
     warnings.warn(f"RunResult.{name} is deprecated and goes in {REMOVED_IN}: use "
-                  f"{RUN_RESULT_ATTRIBUTES.format(name=name)}", FederatedDeprecationWarning,
+                  f"{RUN_RESULT_ATTRIBUTES.format(spelling=_params_spelling(params, name))}",
+                  FederatedDeprecationWarning, stacklevel=find_stack_level())
+
+
+def _params_spelling(params: Any, name: str) -> str:
+    holder = getattr(type(params), "_entries", None)
+    kind = "field" if name in params._fields else "entry"
+    return PARAMS_ENTRIES[kind].format(name=name, holder=holder)
+
+
+def params_entries(params: Any, read: str) -> Dict[str, Any]:
+    """A typed params tuple as the dictionary it was (``read`` is how it was read), with a
+    DeprecationWarning naming the typed spelling."""
+    cls = type(params).__name__
+    holder = getattr(type(params), "_entries", None)
+    warnings.warn(f"reading result.params ({cls}) as a dictionary ({read}) is deprecated and goes in {REMOVED_IN}: "
+                  f"use its fields ({', '.join(params._fields)}) or params._asdict()", FederatedDeprecationWarning,
                   stacklevel=find_stack_level())
+    fields = {k: v for k, v in params._asdict().items() if k != holder}
+    return {**getattr(params, holder), **fields} if holder else fields
+
+
+def params_entry(params: Any, name: str) -> Any:
+    """``result.params[name]`` on a typed params tuple: the value, with a DeprecationWarning
+    naming the typed spelling (a KeyError naming what there is for an unknown name)."""
+    holder = getattr(type(params), "_entries", None)
+    known = name in params._fields or (holder is not None and name in getattr(params, holder))
+    if not known:
+        raise KeyError(f"{type(params).__name__} has no {name!r}: its fields are {list(params._fields)}"
+                       + (f" and {holder} holds {sorted(getattr(params, holder))}" if holder else ""))
+    warnings.warn(f"result.params[{name!r}] is deprecated and goes in {REMOVED_IN}: use result."
+                  f"{_params_spelling(params, name)}", FederatedDeprecationWarning, stacklevel=find_stack_level())
+    return getattr(params, name) if name in params._fields else getattr(params, holder)[name]

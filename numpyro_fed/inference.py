@@ -233,6 +233,13 @@ class FederatedInference:
         if self._dp is not None and self._dp.before_run(inputs, num_rounds, options):
             self._setup_cache = None
 
+    def node_setup(self, inputs, num_rounds: int) -> Setup:
+        """The set-up a node of a network deployment builds for its part of a run of
+        ``num_rounds`` rounds (a DP family plans its noise for the run first): what a network
+        backend's node calls where the simulation calls ``run``."""
+        self._before_run(None, num_rounds, inputs, {})
+        return self._setup(inputs)
+
     def _validate_inputs(self, inputs) -> None:
         """Raise a clear error for inputs of the wrong kind."""
 

@@ -212,8 +212,9 @@ class RunResult(NamedTuple):
     """What every inference object's ``run`` returns.
 
     Attributes:
-        params: the fitted parameters (server-held; for vertical federation every party's,
-            gathered by the simulation).
+        params: the fitted parameters, typed per family (:mod:`numpyro_fed.params`:
+            ``GaussianParams(mean, cov)`` for PVI/EP/Laplace, ``GuideParams`` for SFVI, ...;
+            server-held; for vertical federation every party's, gathered by the simulation).
         state: the final :class:`RunState` (pass as ``init_state=`` to resume).
         trace: per round, the family's figure (``-ELBO`` for the SVI families,
             ``KL(q_new || q)`` for PVI and EP, the change in ``Theta`` for HM1); also
@@ -228,7 +229,7 @@ class RunResult(NamedTuple):
             family's methods refuse it, naming both).
     """
 
-    params: Dict[str, Any]
+    params: Any
     state: RunState
     trace: jax.Array
     info: Any
@@ -247,7 +248,7 @@ class RunResult(NamedTuple):
         """A few lines (the arrays' shapes, not their values): print ``result.params`` or use
         the inference object's ``print_summary(result)`` for the posterior."""
         params = tuple.__getitem__(self, 0)
-        shapes = {k: tuple(np.shape(v)) for k, v in params.items()} if isinstance(params, dict) else type(params)
+        shapes = jax.tree_util.tree_map(np.shape, params)
         trace = np.asarray(self.trace) if self.trace is not None else np.zeros(0)
         last = f", last {float(trace.reshape(-1)[-1]):.4g}" if trace.size else ""
         c = self.communication
@@ -256,12 +257,13 @@ class RunResult(NamedTuple):
                 f"communication: {comm})")
 
     def __getattr__(self, name: str):
-        """Deprecated: entries of ``params`` read as attributes (``result.mean`` for
-        ``result.params["mean"]``) warn (see :mod:`numpyro_fed._deprecations`)."""
+        """Deprecated: fields of ``params`` read as attributes (``result.mean`` for
+        ``result.params.mean``) warn (see :mod:`numpyro_fed._deprecations`)."""
         params = tuple.__getitem__(self, 0)
-        if not name.startswith("_") and isinstance(params, dict) and name in params:
+        fields = getattr(params, "_fields", ())
+        if not name.startswith("_") and name in fields:
             from ._deprecations import warn_params_attribute
 
-            warn_params_attribute(name)
-            return params[name]
-        raise AttributeError(f"RunResult has no attribute {name!r} (params holds {sorted(params or {})})")
+            warn_params_attribute(params, name)
+            return getattr(params, name)
+        raise AttributeError(f"RunResult has no attribute {name!r} (params is a {type(params).__name__} of {fields})")

@@ -146,5 +146,5 @@ def test_a_non_gaussian_prior_runs_in_float64():
         clients = nf.Clients.split(np.arange(N) % 3, x=X.astype(np.float64), y=Y.astype(np.float64))
         inference = nf.EP(model, check_fit=False)
         result = inference.run(jax.random.PRNGKey(1), clients, 3, progress_bar=False)
-        assert result.params["mean"].dtype == np.float64 and np.all(np.isfinite(np.asarray(result.params["mean"])))
+        assert result.params.mean.dtype == np.float64 and np.all(np.isfinite(np.asarray(result.params.mean)))
         assert np.all(np.asarray(result.info.damping) > 0)  # every round applied its update

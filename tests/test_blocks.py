@@ -115,7 +115,7 @@ def test_coupled_entries_give_an_invalid_update_that_names_the_fix():
         warnings.simplefilter("always")
         result = dense.run(jax.random.PRNGKey(0), clients, 2, progress_bar=False)
     assert not any(issubclass(w.category, nf.InvalidUpdateWarning) for w in caught)
-    assert np.all(np.isfinite(np.asarray(result.params["mean"])))
+    assert np.all(np.isfinite(np.asarray(result.params.mean)))
 
 
 def _per_block_integrals(f_k, v_grid):

@@ -123,7 +123,7 @@ def test_multinomial_regression_learns_its_prior_scale(digits):
     svi = nf.FederatedSVI(multinomial_regression, nf.MeanFieldGuide(init_scale=0.01), optax.adam(0.02),
                           method="sfvi_avg", local_steps=50, check_fit=False)
     res = svi.run(jax.random.PRNGKey(0), clients, 8, progress_bar=False)
-    theta = svi.get_params(res.state)["theta"]
+    theta = svi.get_params(res.state).theta
     assert abs(float(theta["sigma_w"]) - 1.0) > 0.05  # moved from its initial value
     draws = svi.sample_posterior(jax.random.PRNGKey(1), res, 50)
     acc = np.mean(np.argmax(np.asarray(bnn_predict(draws, digits["x_test"])), -1) == digits["y_test"])
@@ -163,7 +163,7 @@ def test_sfvi_avg_diagonal_average_never_forms_the_covariance(digits, monkeypatc
     assert len(senders) == 2
     locs = np.stack([sent[(c, "global_params['guide']['loc']")] for c in senders])
     sds = np.stack([jax.nn.softplus(sent[(c, "global_params['guide']['scale']")]) for c in senders])
-    g = svi.get_params(res.state)["guide"]
+    g = svi.get_params(res.state).guide
     np.testing.assert_allclose(g["loc"], locs.mean(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(jax.nn.softplus(g["scale"]), sds.mean(0), rtol=1e-4, atol=1e-6)
 

@@ -91,4 +91,4 @@ def test_hm1_compiles_once_for_new_clients_of_the_same_shape():
             a = method.run(jax.random.PRNGKey(0), clients(), 5)
             b = method.run(jax.random.PRNGKey(0), clients(), 5)
     assert n_first[0] >= 1 and n_next[0] == 0, (n_first, n_next)
-    assert not np.allclose(np.asarray(a.params["theta"]), np.asarray(b.params["theta"]))  # their own data
+    assert not np.allclose(np.asarray(a.params.theta), np.asarray(b.params.theta))  # their own data

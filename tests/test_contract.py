@@ -6,6 +6,7 @@ everywhere, the old spellings through the deprecation table."""
 
 import inspect
 
+import jax
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -16,6 +17,7 @@ from jax import random
 import numpyro_fed as nf
 from numpyro_fed.inference import FederatedInference
 from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+from numpyro_fed.params import DrawParams, GaussianParams, GuideParams, HM1Params, VerticalParams
 
 from . import families
 
@@ -43,12 +45,12 @@ def test_the_old_argument_order_and_max_rounds_are_deprecated_spellings():
     with pytest.warns(DeprecationWarning, match=r"PVI.run\(rng_key, num_rounds, clients\) is deprecated.*"
                                                 r"PVI.run\(rng_key, clients, num_rounds\)"):
         old = nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), 2, clients, progress_bar=False)
-    np.testing.assert_array_equal(np.asarray(new.params["mean"]), np.asarray(old.params["mean"]))
+    np.testing.assert_array_equal(np.asarray(new.params.mean), np.asarray(old.params.mean))
     laplace = nf.factor.Laplace(_model, check_fit=False)
     capped = laplace.run(random.PRNGKey(0), clients, 3, progress_bar=False)
     with pytest.warns(DeprecationWarning, match=r"Laplace.run\(max_rounds=...\) is deprecated.*num_rounds="):
         renamed = laplace.run(random.PRNGKey(0), clients, max_rounds=3, progress_bar=False)
-    np.testing.assert_array_equal(np.asarray(capped.params["mean"]), np.asarray(renamed.params["mean"]))
+    np.testing.assert_array_equal(np.asarray(capped.params.mean), np.asarray(renamed.params.mean))
     with pytest.warns(DeprecationWarning, match=r"Laplace.client_draws\(.*\) is deprecated.*sample_posterior\("):
         old = laplace.client_draws(random.PRNGKey(1), capped, 5, "0")
     new = laplace.sample_posterior(random.PRNGKey(1), capped, 5, client="0")
@@ -150,8 +152,12 @@ def test_every_family_reads_its_posterior_one_way(cls):
 def test_every_familys_result_gives_draws_of_the_globals_and_of_a_clients_own_sites(name):
     inference, inputs = (families.FAMILIES | families.MCMC_FAMILIES)[name]()
     result = families.run(inference, inputs, random.PRNGKey(0), None if inference.open_ended else 2)
+    want_type = {"sfvi": GuideParams, "sfvi_avg": GuideParams, "hm1": HM1Params, "nuts": DrawParams, "hmc": DrawParams,
+                 "mwg": DrawParams, "vertical_sfvi": VerticalParams, "vertical_soul": VerticalParams}
+    assert type(result.params) is want_type.get(name, GaussianParams), (name, type(result.params))
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(result.params))
     if name == "hm1":  # a point estimate: refused, naming where it is
-        with pytest.raises(TypeError, match=r"point estimate .* result.params\['theta'\]"):
+        with pytest.raises(TypeError, match=r"point estimate .* result.params.theta"):
             inference.sample_posterior(random.PRNGKey(1), result)
         return
     draws = inference.sample_posterior(random.PRNGKey(1), result)

@@ -10,6 +10,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed import _deprecations as dep
+from numpyro_fed.params import DrawParams, GaussianParams, VerticalParams
 
 API = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 
@@ -41,9 +42,32 @@ def test_an_unknown_name_is_an_attribute_error():
         nf.no_such_name  # noqa: B018
 
 
-def test_a_params_entry_read_as_a_result_attribute_warns():
-    result = nf.RunResult({"mean": np.zeros(2)}, None, None, None, None, None)
-    with pytest.warns(DeprecationWarning, match=re.escape("RunResult.mean is deprecated") + r".*params\['mean'\]"):
-        assert result.mean is result.params["mean"]
-    with pytest.raises(AttributeError, match="params holds"):
-        result.cov  # noqa: B018
+def test_a_params_field_read_as_a_result_attribute_warns():
+    result = nf.RunResult(GaussianParams(np.zeros(2), np.eye(2)), None, None, None, None, None)
+    with pytest.warns(DeprecationWarning, match=re.escape("RunResult.mean is deprecated") + r".*result.params.mean"):
+        assert result.mean is result.params.mean
+    with pytest.raises(AttributeError, match=r"params is a GaussianParams of \('mean', 'cov'\)"):
+        result.omega  # noqa: B018
+
+
+@pytest.mark.parametrize("params, key, spelling", [
+    (GaussianParams(np.zeros(2), np.eye(2)), "cov", "result.params.cov"),
+    (DrawParams({"mu": np.zeros((2, 3))}), "mu", "result.params.samples['mu']"),
+    (VerticalParams({"a": {"z": np.ones(3)}}, {"point": {}}), "a", "result.params.parties['a']"),
+    (VerticalParams({"a": {"z": np.ones(3)}}, {"point": {}}), "server", "result.params.server"),
+], ids=["field", "draws", "party", "server"])
+def test_typed_params_read_as_the_old_dictionary_warn_naming_the_field(params, key, spelling):
+    old = {**(params[0] if isinstance(params, (DrawParams, VerticalParams)) else {}),
+           **{k: v for k, v in params._asdict().items() if k not in ("samples", "parties")}}
+    with pytest.warns(DeprecationWarning, match=re.escape(f"result.params[{key!r}] is deprecated") + ".*"
+                      + re.escape(spelling)):
+        assert params[key] is old[key]
+    with pytest.warns(DeprecationWarning, match=re.escape("as a dictionary (in)")):
+        assert key in params and "nope" not in params
+    with pytest.warns(DeprecationWarning, match=re.escape("as a dictionary (.keys())")):
+        assert set(params.keys()) == set(old)
+    with pytest.warns(DeprecationWarning, match=re.escape("as a dictionary (.items())")):
+        assert all(v is old[k] for k, v in params.items())
+    assert params[0] is tuple(params)[0]  # positions are a tuple's
+    with pytest.raises(KeyError, match=f"{type(params).__name__} has no 'nope'"):
+        params["nope"]  # noqa: B018

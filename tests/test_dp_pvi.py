@@ -38,13 +38,13 @@ def test_update_perturbation_without_noise_and_with_a_large_clip_is_pvi(clients,
     plain = nf.PVI(linear_model, **kw).run(jax.random.PRNGKey(0), clients, 2)
     dp = nf.PVI(marked(clip=1e9, noise_multiplier=0.0), dp="update_perturbation", trusted_aggregator=trusted, **kw)
     noised = dp.run(jax.random.PRNGKey(0), clients, 2)
-    np.testing.assert_allclose(noised.params["mean"], plain.params["mean"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(noised.params["cov"], plain.params["cov"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(noised.params.mean, plain.params.mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(noised.params.cov, plain.params.cov, rtol=1e-5, atol=1e-7)
     report = dp.privacy_report(noised)
     assert report.epsilon == np.inf and [c.compositions for c in report.clients] == [2, 2, 2]
     noisy = nf.PVI(marked(clip=5.0, noise_multiplier=0.05), dp="update_perturbation", trusted_aggregator=trusted,
                    **kw).run(jax.random.PRNGKey(0), clients, 2)
-    assert not np.allclose(noisy.params["mean"], plain.params["mean"], atol=1e-3)
+    assert not np.allclose(noisy.params.mean, plain.params.mean, atol=1e-3)
 
 
 def test_dp_sgd_without_noise_with_every_row_and_a_large_clip_is_pvi(clients):
@@ -55,11 +55,11 @@ def test_dp_sgd_without_noise_with_every_row_and_a_large_clip_is_pvi(clients):
         nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=20, max_local_steps=60, **kw)
     dp = nf.PVI(marked(clip=1e9, noise_multiplier=0.0), dp="optimisation", dp_batch_size=20, **kw)
     same = dp.run(jax.random.PRNGKey(0), clients, 3)
-    np.testing.assert_allclose(same.params["mean"], plain.params["mean"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(same.params["cov"], plain.params["cov"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(same.params.mean, plain.params.mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(same.params.cov, plain.params.cov, rtol=1e-4, atol=1e-6)
     noisy = nf.PVI(marked(clip=1.0, noise_multiplier=1.0), dp="optimisation", dp_batch_size=5, **kw)
     out = noisy.run(jax.random.PRNGKey(0), clients, 3)
-    assert not np.allclose(out.params["mean"], plain.params["mean"], atol=1e-3)
+    assert not np.allclose(out.params.mean, plain.params.mean, atol=1e-3)
     report = noisy.privacy_report(out)
     assert [c.compositions for c in report.clients] == [30, 30, 30]
     want = epsilon(1.0, 1e-5, 30, sampling_rate=5 / 20)
@@ -151,8 +151,8 @@ def test_bcm_same_and_split_are_exact_for_a_conjugate_model(clients):
     exact = nf.PVI(linear_model, schedule="sequential").run(jax.random.PRNGKey(0), clients, 3)  # = pooled
     for prior in ("same", "split"):
         res = nf.BCM(linear_model, prior=prior).run(jax.random.PRNGKey(0), clients, 1)
-        np.testing.assert_allclose(res.params["mean"], exact.params["mean"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(res.params["cov"], exact.params["cov"], rtol=1e-4, atol=1e-8)
+        np.testing.assert_allclose(res.params.mean, exact.params.mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res.params.cov, exact.params.cov, rtol=1e-4, atol=1e-8)
     # the split clients' factors: each is its q_j minus p^(1/J), so q_j = t_j + p / J
     bcm = nf.BCM(linear_model, prior="split")
     res = bcm.run(jax.random.PRNGKey(0), clients, 1)

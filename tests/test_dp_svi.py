@@ -28,7 +28,7 @@ def test_dp_svi_without_noise_on_every_row_is_sfvi(trusted):
     noisy_model = nf.dp_noise(linear, clip=1.0, delta=1e-3, noise_multiplier=1.0)
     noisy = svi(noisy_model, dp="sgd", dp_sampling_rate=0.5, trusted_aggregator=trusted)
     out = noisy.run(jax.random.PRNGKey(0), clients, 30, progress_bar=False)
-    assert not np.allclose(out.params["guide"]["loc"], plain.params["guide"]["loc"], atol=1e-3)
+    assert not np.allclose(out.params.guide["loc"], plain.params.guide["loc"], atol=1e-3)
     report = noisy.privacy_report(out)
     rows = {"0": 12, "1": 9, "2": 7}  # horizontal_data's clients; b_j = round(0.5 n_j)
     for c in report.clients:

@@ -46,8 +46,8 @@ def test_damped_synchronous_pvi_with_dropout_is_exact(linear):
     clients, mean, cov, _ = linear
     res = nf.PVI(linear_model, damping=0.5).run(random.PRNGKey(0), clients, 100, availability=P)
     assert res.rounds_answered.min() < 3
-    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(res.params.mean, mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.params.cov, cov, rtol=1e-3, atol=1e-7)
 
 
 def test_damped_synchronous_ep_with_dropout_is_exact(hier):
@@ -59,8 +59,8 @@ def test_damped_synchronous_ep_with_dropout_is_exact(hier):
     d = 2
     res = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 80, availability=P)
     assert res.rounds_answered.min() < K
-    np.testing.assert_allclose(res.params["mean"], mean[:d], rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(res.params["cov"], cov[:d, :d], rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(res.params.mean, mean[:d], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(res.params.cov, cov[:d, :d], rtol=1e-3, atol=1e-6)
 
 
 def test_hm1_with_dropout_keeps_the_last_theta(devices):
@@ -72,7 +72,7 @@ def test_hm1_with_dropout_keeps_the_last_theta(devices):
     assert res.rounds_answered.min() < 4
     for j in range(4):
         ls = np.linalg.lstsq(xs[j], ys[j], rcond=None)[0]
-        np.testing.assert_allclose(res.params["theta"][j], ls, rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(res.params.theta[j], ls, rtol=1e-3, atol=1e-4)
 
 
 def _schedule(rounds, clients, missing):

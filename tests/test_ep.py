@@ -37,10 +37,10 @@ def test_ep_on_a_conjugate_model_gives_the_exact_posterior(linear, tilted, round
                num_warmup=300, num_samples=4000)
     res = ep.run(random.PRNGKey(0), clients, rounds)
     sd = np.sqrt(np.diag(cov))
-    assert np.max(np.abs(np.asarray(res.params["mean"]) - mean) / sd) < mean_tol
-    assert np.max(np.abs(np.sqrt(np.diag(res.params["cov"])) / sd - 1)) < sd_tol
+    assert np.max(np.abs(np.asarray(res.params.mean) - mean) / sd) < mean_tol
+    assert np.max(np.abs(np.sqrt(np.diag(res.params.cov)) / sd - 1)) < sd_tol
     if tilted == "laplace":
-        np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
+        np.testing.assert_allclose(res.params.cov, cov, rtol=1e-4, atol=1e-8)
 
 
 def hier_model(x, y):
@@ -93,18 +93,18 @@ def test_ep_integrates_out_local_latents_exactly(hier):
     mean, cov = _joint_posterior(xs[:K], ys[:K])
     m, c = mean[:DL], cov[:DL, :DL]
     res = nf.EP(hier_model).run(random.PRNGKey(0), clients, K)
-    np.testing.assert_allclose(res.params["mean"], m, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(res.params["cov"], c, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(res.params.mean, m, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.params.cov, c, rtol=1e-4, atol=1e-7)
     once = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 1)
-    assert np.max(np.abs(np.asarray(once.params["mean"]) - m) / np.sqrt(np.diag(c))) > 0.05  # not there after one round
+    assert np.max(np.abs(np.asarray(once.params.mean) - m) / np.sqrt(np.diag(c))) > 0.05  # not there after one round
     sync = nf.EP(hier_model, schedule="synchronous", damping=0.5).run(random.PRNGKey(0), clients, 25)
-    np.testing.assert_allclose(sync.params["mean"], m, rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(sync.params["cov"], c, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(sync.params.mean, m, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(sync.params.cov, c, rtol=1e-3, atol=1e-6)
     pvi = nf.PVI(hier_model, update="optax", optim=optax.adam(0.02), local_steps=800, num_particles=16,
                  schedule="sequential").run(random.PRNGKey(1), clients, 2 * K)
     sd = np.sqrt(np.diag(c))
-    assert np.max(np.abs(np.asarray(pvi.params["mean"]) - m) / sd) < 0.15
-    assert np.max(np.abs(np.sqrt(np.diag(pvi.params["cov"])) / sd - 1)) < 0.1
+    assert np.max(np.abs(np.asarray(pvi.params.mean) - m) / sd) < 0.15
+    assert np.max(np.abs(np.sqrt(np.diag(pvi.params.cov)) / sd - 1)) < 0.1
 
 
 def test_local_posteriors_and_fast_adaptation_match_the_closed_form(hier):
@@ -231,8 +231,8 @@ def test_ep_on_hm2_matches_pooled_nuts():
 
     s = nuts_reference("hm2_pooled", pooled, x, y, num_warmup=500, num_samples=2000, seed=1)
     u = np.concatenate([np.asarray(s["mu"]), np.log(np.asarray(s["tau"]))], 1)
-    z = (np.asarray(res.params["mean"]) - u.mean(0)) / u.std(0)
-    ratio = np.sqrt(np.diag(np.asarray(res.params["cov"]))) / u.std(0)
+    z = (np.asarray(res.params.mean) - u.mean(0)) / u.std(0)
+    ratio = np.sqrt(np.diag(np.asarray(res.params.cov))) / u.std(0)
     assert np.max(np.abs(z[:4])) < 0.2, z  # mu
     assert np.max(np.abs(z[4:])) < 0.5, z  # log tau
     assert np.max(np.abs(ratio - 1)) < 0.2, ratio

@@ -103,8 +103,8 @@ def test_ep_default_matches_the_exact_eight_schools_posterior(form, exact, exact
     assert abs(tau.mean() - exact_tau[0]) < 0.3 * exact_tau[1] and abs(tau.std() / exact_tau[1] - 1) < 0.2, (
         tau.mean(), tau.std(), exact_tau)
     mean, sd = exact
-    got_mean = np.asarray(result.params["mean"])
-    got_sd = np.sqrt(np.diag(np.asarray(result.params["cov"])))
+    got_mean = np.asarray(result.params.mean)
+    got_sd = np.sqrt(np.diag(np.asarray(result.params.cov)))
     assert np.all(np.abs(got_mean - mean) < 0.3 * sd), (got_mean, mean, sd)
     assert np.all(np.abs(got_sd / sd - 1) < 0.25), (got_sd, sd)
     assert np.all(np.asarray(result.info.fit_ok).sum(1) == 1)  # one client per round, its check passed
@@ -171,14 +171,14 @@ def test_local_fits_with_default_budgets_are_exact_and_a_short_budget_is_reporte
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.UnreliableFitWarning)
         result = build(None).run(random.PRNGKey(0), schools(), 16)
-    got_mean, got_sd = float(result.params["mean"][0]), float(np.sqrt(result.params["cov"][0, 0]))
+    got_mean, got_sd = float(result.params.mean[0]), float(np.sqrt(result.params.cov[0, 0]))
     assert abs(got_mean - mean) < 0.1 * sd and abs(got_sd / sd - 1) < 0.05, (got_mean, got_sd, mean, sd)
 
     setting = "local_steps" if method == "pvi" else "vi_steps"
     with pytest.warns(nf.UnreliableFitWarning, match=rf"not converged .* client\(s\) \[.*round\(s\) .*{setting}"):
         result = build(30).run(random.PRNGKey(0), schools(), 16)
     assert (~np.asarray(result.info.fit_ok)).any()
-    short_sd = float(np.sqrt(result.params["cov"][0, 0]))
+    short_sd = float(np.sqrt(result.params.cov[0, 0]))
     assert abs(short_sd / sd - 1) > 0.05  # the flagged fit is indeed off
 
 
@@ -191,13 +191,13 @@ def test_pvi_on_eight_schools_is_right_non_centred_and_warns_centred(exact):
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.UnreliableFitWarning)
         result = nf.PVI(model, update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), schools(), 16)
-    got_mean = np.asarray(result.params["mean"])
-    got_sd = np.sqrt(np.diag(np.asarray(result.params["cov"])))
+    got_mean = np.asarray(result.params.mean)
+    got_sd = np.sqrt(np.diag(np.asarray(result.params.cov)))
     assert np.all(np.abs(got_mean - mean) < 0.3 * sd) and np.all(np.abs(got_sd / sd - 1) < 0.25), (got_mean, got_sd)
     with pytest.warns(nf.UnreliableFitWarning, match=r"does not hold the tilted .*LocScaleReparam"):
         result = nf.PVI(MODELS["centred"], update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), schools(),
                                                                                         16)
-    assert np.sqrt(result.params["cov"][1, 1]) < 0.75 * sd[1]  # the warned fit is indeed wrong
+    assert np.sqrt(result.params.cov[1, 1]) < 0.75 * sd[1]  # the warned fit is indeed wrong
 
 
 @pytest.mark.xla_optimised  # with most optimisations off, NUTS flags 3 of the 8 clients here, not >= 4

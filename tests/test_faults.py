@@ -67,7 +67,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypat
         inference.save(path, res)
     monkeypatch.undo()
     loaded = inference.load(path, clients)
-    np.testing.assert_array_equal(loaded.server.global_params["guide"]["loc"], res.params["guide"]["loc"])
+    np.testing.assert_array_equal(loaded.server.global_params["guide"]["loc"], res.params.guide["loc"])
     assert os.listdir(tmp_path) == ["run.npz"]
 
 
@@ -84,7 +84,7 @@ def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
     assert jnp.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
     resumed = again.run(None, clients, 3, progress_bar=False, init_state=state)
     whole = _sfvi().run(random.key(0), clients, 6, progress_bar=False)
-    np.testing.assert_array_equal(resumed.params["guide"]["loc"], whole.params["guide"]["loc"])
+    np.testing.assert_array_equal(resumed.params.guide["loc"], whole.params.guide["loc"])
     with pytest.raises(ValueError, match="resume with the same kind of key"):  # a raw-key template
         nf.checkpoint.load(path, again._template(again._fitted()), again._fitted().plan.names)
 
@@ -148,7 +148,7 @@ def test_init_state_from_the_other_client_mapping_resumes_exactly():
     a = vmap.run(random.PRNGKey(0), clients, 3, progress_bar=False)
     b = loop.run(None, clients, 3, progress_bar=False, init_state=a.state)
     c = vmap.run(random.PRNGKey(0), clients, 6, progress_bar=False)
-    np.testing.assert_allclose(b.params["guide"]["loc"], c.params["guide"]["loc"], rtol=1e-5)
+    np.testing.assert_allclose(b.params.guide["loc"], c.params.guide["loc"], rtol=1e-5)
 
 
 # ---------------------------------------------------------------- 4. RunResult pickles

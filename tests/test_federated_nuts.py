@@ -245,12 +245,12 @@ def test_results_like_numpyro_mcmc():
     clients = nf.Clients(_data())
     nuts = nf.FederatedNUTS(model, num_warmup=200, num_samples=300, num_chains=3)
     result = nuts.run(random.PRNGKey(2), clients)
-    assert result.params["mu"].shape == (3, 300)
+    assert result.params.samples["mu"].shape == (3, 300)
     assert nuts.get_samples(result)["mu"].shape == (900,)
     local = nuts.get_samples(result, client="c1", group_by_chain=True)
     assert local["b"].shape == (3, 300, SIZES["c1"]) and local["a"].shape == (3, 300)
     # the three chains started apart and agree: they sample one posterior
-    means = np.asarray(result.params["mu"]).mean(axis=1)
+    means = np.asarray(result.params.samples["mu"]).mean(axis=1)
     assert np.ptp(means) < 0.5, means
     idata = nf.to_arviz(nuts, result, random.PRNGKey(3), clients=clients)
     assert idata.posterior.sizes["chain"] == 3 and idata.posterior.sizes["draw"] == 300
@@ -321,7 +321,7 @@ def test_divergences_and_disagreeing_chains_warn():
     nuts = nf.FederatedNUTS(bimodal, num_warmup=100, num_samples=100, num_chains=4, max_tree_depth=4)
     with pytest.warns(nf.MCMCDiagnosticWarning, match=r"split R-hat .* site 'm'"):
         result = nuts.run(random.PRNGKey(1), clients)
-    signs = np.sign(np.asarray(result.params["m"]).mean(axis=1))
+    signs = np.sign(np.asarray(result.params.samples["m"]).mean(axis=1))
     assert len(set(signs)) == 2  # the chains did sit in both modes
 
 
@@ -337,7 +337,7 @@ def test_a_missing_answer_repeats_the_round():
     assert flaky.communication.rounds > 1.5 * full.communication.rounds
     assert not np.all(np.asarray(flaky.info.complete))
     assert int(np.asarray(flaky.state.server.iteration)[0]) == 550
-    a, b = np.asarray(full.params["mu"]), np.asarray(flaky.params["mu"])
+    a, b = np.asarray(full.params.samples["mu"]), np.asarray(flaky.params.samples["mu"])
     assert abs(a.mean() - b.mean()) < 4 * np.hypot(a.std(), b.std()) / np.sqrt(100), (a.mean(), b.mean())
     for c in SIZES:  # every client recorded each draw once, at its own position
         local = np.asarray(nuts.get_samples(flaky, client=c)["a"])

@@ -50,9 +50,9 @@ def test_fit_is_the_exact_posterior_of_a_conjugate_model_in_a_few_rounds():
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), progress_bar=False)
     mean, sd = _analytic(3.0)
     assert fit.method == "laplace" and fit.check.verdict == "ok" and fit.rounds <= 6, fit
-    got = np.concatenate([np.asarray(fit.result.params["mean"])])
+    got = np.concatenate([np.asarray(fit.result.params.mean)])
     np.testing.assert_allclose(got, mean, atol=1e-3)
-    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(fit.result.params["cov"]))), sd, rtol=1e-3)
+    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(fit.result.params.cov))), sd, rtol=1e-3)
     draws = fit.get_samples(num_samples=4000)
     assert draws["a"].shape == (4000,) and draws["b"].shape == (4000, 2)
     assert abs(float(draws["a"].mean()) - mean[0]) < 0.1 * sd[0] and "laplace" in fit.log[0]
@@ -69,8 +69,8 @@ def test_fit_accepts_a_flat_prior_where_the_posterior_is_proper():
     fit = nf.fit(model, _clients(), jax.random.PRNGKey(0), progress_bar=False)
     mean, sd = _analytic(None)
     assert fit.method == "laplace", fit.log
-    np.testing.assert_allclose(np.asarray(fit.result.params["mean"]), mean, atol=1e-3)
-    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(fit.result.params["cov"]))), sd, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(fit.result.params.mean), mean, atol=1e-3)
+    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(fit.result.params.cov))), sd, rtol=1e-3)
 
 
 def test_fit_refuses_an_improper_posterior_naming_the_site():
@@ -153,7 +153,7 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
         fit = nf.fit(model, clients, jax.random.PRNGKey(0), num_samples=300, num_warmup=150, progress_bar=False)
     assert fit.method == "mwg" and fit.log[0].startswith("laplace") and fit.log[-1].startswith("mwg"), fit.log
     laplace = fit.results[0]
-    np.testing.assert_array_equal(fit.inference.init[0], np.asarray(laplace.params["mean"]))  # started at its mode
+    np.testing.assert_array_equal(fit.inference.init[0], np.asarray(laplace.params.mean))  # started at its mode
     n = fit.inference.num_samples  # 300, or more where the chains ran on to an ESS of 400
     assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
     assert int(fit.result.communication.rounds) == 150 + n + 1  # one round per iteration, one closing
@@ -165,7 +165,7 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
 def test_exact_samples_by_mwg_from_the_laplace_search_without_its_checks():
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
                  num_samples=300, num_warmup=100, progress_bar=False)
-    assert fit.method == "mwg" and "mode found" in fit.log[0] and fit.results[0].params["mean"] is not None
+    assert fit.method == "mwg" and "mode found" in fit.log[0] and fit.results[0].params.mean is not None
     assert int(fit.result.communication.rounds) == 100 + fit.inference.num_samples + 1
     assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
     assert "log_likelihood" in fit.idata.groups() and "r_hat" in nf.summary(fit)["a"]
@@ -183,7 +183,7 @@ def test_chains_short_of_400_effective_draws_run_on_once():
     assert any("running the chains on" in line for line in fit.log)
     short, long = fit.results[1], fit.results[2]
     assert fit.inference.num_samples > 100 and fit.check["min_n_eff"] >= MWG_MIN_ESS
-    np.testing.assert_array_equal(np.asarray(long.params["a"])[:, :100], np.asarray(short.params["a"]))
+    np.testing.assert_array_equal(np.asarray(long.params.parties["a"])[:, :100], np.asarray(short.params.parties["a"]))
 
 
 @pytest.mark.parametrize("report", [{"max_r_hat": 1.2, "acceptance": 0.4}, {"max_r_hat": 1.0, "acceptance": 0.01}])
@@ -226,8 +226,8 @@ def test_ep_fits_a_proper_prior_far_from_zero():
     ep.progress_bar = False
     result = ep.run(jax.random.PRNGKey(0), _far_clients(), 6)
     lap = nf.fit(_far_prior_model, _far_clients(), jax.random.PRNGKey(0), progress_bar=False)
-    sd = float(np.sqrt(lap.result.params["cov"][0, 0]))
-    assert abs(float(result.params["mean"][0]) - float(lap.result.params["mean"][0])) < 0.3 * sd
+    sd = float(np.sqrt(lap.result.params.cov[0, 0]))
+    assert abs(float(result.params.mean[0]) - float(lap.result.params.mean[0])) < 0.3 * sd
 
 
 def test_sfvi_starts_at_the_prior_median_as_numpyros_autoguides_do():
@@ -348,6 +348,6 @@ def test_clients_laid_out_one_by_one_may_hold_different_numbers_of_local_entries
         laplace = nf.factor.Laplace(hierarchical, client_mapping=mapping).run(jax.random.PRNGKey(0), horizontal_data())
         ep = nf.EP(hierarchical, client_mapping=mapping, schedule="synchronous").run(jax.random.PRNGKey(0),
                                                                                     horizontal_data(), 5)
-        fits[mapping] = [np.asarray(r.params[k]) for r in (laplace, ep) for k in ("mean", "cov")]
+        fits[mapping] = [np.asarray(v) for r in (laplace, ep) for v in r.params]
     for a, b in zip(fits["loop"], fits["vmap"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -108,7 +108,7 @@ def test_the_documented_deployment_runs_and_equals_the_exact_posterior(tmp_path)
         result = pickle.load(fh)
     assert "error" not in result and result["clients"] == ["site0", "site1", "site2"]
     # PVI with conjugate updates over three sites: exact after one synchronous round
-    np.testing.assert_allclose(np.asarray(result["params"]["mean"]), _exact(data), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(result["params"].mean), _exact(data), atol=1e-4)
 
 
 def test_the_documented_deployment_with_a_misconfigured_site_stops_naming_it(tmp_path):

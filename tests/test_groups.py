@@ -88,13 +88,13 @@ def test_group_effects_with_1_3_7_groups_match_the_analytic_posterior(wards, fam
     if family == "ep":
         inference = nf.EP(wards_model)
         res = inference.run(random.PRNGKey(0), clients, 3)  # one sequential sweep
-        mean, sd = float(res.params["mean"][0]), float(np.sqrt(res.params["cov"][0, 0]))
+        mean, sd = float(res.params.mean[0]), float(np.sqrt(res.params.cov[0, 0]))
         local = inference.sample_posterior(key, res, 20000, client="2")
         tol = 1e-4
     elif family == "pvi":
         inference = nf.PVI(wards_model, schedule="sequential", local_steps=1000)
         res = inference.run(random.PRNGKey(0), clients, 6)
-        mean, sd = float(res.params["mean"][0]), float(np.sqrt(res.params["cov"][0, 0]))
+        mean, sd = float(res.params.mean[0]), float(np.sqrt(res.params.cov[0, 0]))
         local = inference.sample_posterior(key, res, 20000, client="2")
         tol = 0.1
     else:

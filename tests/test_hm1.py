@@ -53,8 +53,8 @@ def test_rounds_equal_algorithm_1_by_hand(devices, omega_df):
     omega = np.eye(4)
     for _ in range(3):
         theta, omega = numpy_round(theta, omega, xs, ys, 0.004, 0.05, 0.3, 5, omega_df)
-    np.testing.assert_allclose(res.params["theta"], theta, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(res.params["omega"], omega, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.params.theta, theta, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.params.omega, omega, rtol=1e-4, atol=1e-5)
     assert res.communication.messages_up == 12
 
 
@@ -111,8 +111,8 @@ def test_noise_scaled_variant_reaches_a_stationary_point_of_L(devices):
             sigma2 = np.sum((y - x @ t) ** 2) / (len(y) - 3)
             return np.abs(x.T @ (y - x @ t) / sigma2 - t).max()
 
-        assert gap(np.asarray(res.params["theta"][j], np.float64)) < 2e-2 * np.abs(res.params["theta"][j]).max()
-        assert gap(np.asarray(paper.params["theta"][j], np.float64)) > 0.5
+        assert gap(np.asarray(res.params.theta[j], np.float64)) < 2e-2 * np.abs(res.params.theta[j]).max()
+        assert gap(np.asarray(paper.params.theta[j], np.float64)) > 0.5
 
 
 def test_a_too_large_step_warns_or_stops(devices):
@@ -132,7 +132,7 @@ def test_separate_models_are_least_squares(devices):
         random.PRNGKey(0), clients, 20)
     for j in range(4):
         ls = np.linalg.lstsq(xs[j], ys[j], rcond=None)[0]
-        np.testing.assert_allclose(res.params["theta"][j], ls, rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(res.params.theta[j], ls, rtol=1e-3, atol=1e-4)
 
 
 def test_partial_participation_and_messages(devices):
@@ -142,7 +142,7 @@ def test_partial_participation_and_messages(devices):
     method = nf.HM1(subset_size=2)
     one = method.run(random.PRNGKey(1), clients, 1, record_transcript=True, keep_values=True)
     start = np.asarray(method.init(random.PRNGKey(1), clients).server.theta)
-    changed = np.any(np.abs(np.asarray(one.params["theta"]) - start) > 1e-7, axis=1)
+    changed = np.any(np.abs(np.asarray(one.params.theta) - start) > 1e-7, axis=1)
     assert changed.sum() == 2
     assert one.communication.messages_up == 2
     down = [e for e in one.transcript.entries if e.sender == "server"]

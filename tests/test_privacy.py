@@ -96,7 +96,7 @@ def _client_secrets(family, inference, inputs, result):
     names = inference._setup_cache.plan.names
     if isinstance(inputs, dict):  # vertical: each party's own covariates and its q parameters
         data = {"a": [inputs["xa"]], "b": [inputs["xb"]]}
-        return {c: data[c] + jax.tree_util.tree_leaves(result.params[c]) for c in names}
+        return {c: data[c] + jax.tree_util.tree_leaves(result.params.parties[c]) for c in names}
     secrets = {c: list(inputs[c].values()) for c in names}
     if family in ("sfvi", "sfvi_avg"):
         for c in names:

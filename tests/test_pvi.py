@@ -47,8 +47,8 @@ def test_one_pass_gives_the_exact_posterior(linear, schedule, damping, rounds):
     undamped synchronous round equals the exact posterior."""
     clients, mean, cov, _ = linear
     res = nf.PVI(linear_model, schedule=schedule, damping=damping).run(random.PRNGKey(0), clients, rounds)
-    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(res.params.mean, mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.params.cov, cov, rtol=1e-4, atol=1e-8)
     assert res.communication.messages_up == rounds * (1 if schedule == "sequential" else 3)
 
 
@@ -60,8 +60,8 @@ def test_local_averaging_and_virtual_clients_are_exact_for_a_conjugate_model(lin
     Wrong shard masks (overlapping or missing rows) would change the result."""
     clients, mean, cov, _ = linear
     res = nf.PVI(linear_model, schedule=schedule, variant=variant, num_shards=4).run(random.PRNGKey(0), clients, rounds)
-    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(res.params.mean, mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.params.cov, cov, rtol=1e-4, atol=1e-8)
     if variant == "virtual":  # each client keeps one factor per shard; they sum to its likelihood
         factors = res.state.clients.state.factor
         assert factors.precision.shape == (3, 4, D, D)
@@ -71,10 +71,10 @@ def test_damped_synchronous_pvi_converges_to_the_exact_posterior(linear):
     clients, mean, cov, _ = linear
     pvi_ = nf.PVI(linear_model, schedule="synchronous", damping=0.5)
     first = pvi_.run(random.PRNGKey(0), clients, 1)
-    assert np.abs(first.params["cov"] - cov).max() > 0.3 * np.abs(cov).max()  # one damped round is not there yet
+    assert np.abs(first.params.cov - cov).max() > 0.3 * np.abs(cov).max()  # one damped round is not there yet
     res = pvi_.run(random.PRNGKey(0), clients, 30)
-    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(res.params["cov"], cov, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(res.params.mean, mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.params.cov, cov, rtol=1e-3, atol=1e-7)
     assert np.all(np.asarray(res.info.damping) == 0.5)
 
 
@@ -83,8 +83,8 @@ def test_mean_field_fixed_point_is_the_global_mean_field_optimum(linear):
     diag(P); diagonal PVI reaches it."""
     clients, mean, _, precision = linear
     res = nf.PVI(linear_model, family="diagonal", schedule="sequential").run(random.PRNGKey(0), clients, 60)
-    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(res.params["cov"], 1 / np.diag(precision), rtol=1e-4)
+    np.testing.assert_allclose(res.params.mean, mean, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(res.params.cov, 1 / np.diag(precision), rtol=1e-4)
 
 
 def test_optax_local_updates_approach_the_exact_posterior(linear):
@@ -92,8 +92,8 @@ def test_optax_local_updates_approach_the_exact_posterior(linear):
     res = nf.PVI(linear_model, update="optax", optim=optax.adam(0.01), local_steps=300, num_particles=16,
                  schedule="sequential").run(random.PRNGKey(0), clients, 6)
     sd = np.sqrt(np.diag(cov))
-    assert np.max(np.abs(res.params["mean"] - mean) / sd) < 0.3
-    assert np.max(np.abs(np.sqrt(np.diag(res.params["cov"])) / sd - 1)) < 0.15
+    assert np.max(np.abs(res.params.mean - mean) / sd) < 0.3
+    assert np.max(np.abs(np.sqrt(np.diag(res.params.cov)) / sd - 1)) < 0.15
     assert int(np.sum(res.info.invalid)) == 0
     draws = nf.PVI(linear_model).sample_posterior
     with pytest.raises(ValueError, match="fitted PVI"):
@@ -234,7 +234,7 @@ def test_default_update_is_chosen_per_model(linear):
     exact = nf.PVI(linear_model)
     res = exact.run(random.PRNGKey(0), clients, 1)
     assert exact.update_used == "conjugate"
-    np.testing.assert_allclose(res.params["mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.params.mean, mean, rtol=1e-5, atol=1e-6)
 
     def logistic(x, y):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
@@ -252,7 +252,7 @@ def test_default_update_is_chosen_per_model(linear):
         pvi_ = nf.PVI(model, local_steps=300, schedule="sequential")
         res = pvi_.run(random.PRNGKey(1), clients, 3)
         assert pvi_.update_used == "optax", model.__name__
-        assert np.all(np.isfinite(np.asarray(res.params["mean"])))
+        assert np.all(np.isfinite(np.asarray(res.params.mean)))
     # the local-latent model is Gaussian: its exact marginal of w is the reference
     xs = [np.asarray(clients[n]["x"]) for n in clients.names]
     ys = [np.asarray(clients[n]["y"]) for n in clients.names]
@@ -266,7 +266,7 @@ def test_default_update_is_chosen_per_model(linear):
     exact_cov = np.linalg.inv(precision)
     exact_mean = exact_cov @ shift
     sd = np.sqrt(np.diag(exact_cov))
-    assert np.max(np.abs((np.asarray(res.params["mean"]) - exact_mean) / sd)) < 0.3
+    assert np.max(np.abs((np.asarray(res.params.mean) - exact_mean) / sd)) < 0.3
 
 
 def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
@@ -284,7 +284,7 @@ def test_lognormal_prior_is_gaussian_in_unconstrained_space(linear):
     assert set(draws) == {"s", "w"}
     assert draws["s"].shape == (200,) and bool(jnp.all(draws["s"] > 0))
     assert abs(float(jnp.median(draws["s"])) - SIGMA) < 0.2
-    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.params["mean"]))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: bool(jnp.all(jnp.isfinite(x))), res.params.mean))
 
 
 def _global_vi_logistic(x, y, steps=5000):
@@ -356,12 +356,12 @@ def test_pvi_fixed_point_is_global_vi_on_logistic_regression(schedule, damping, 
         schedule,
         variant,
         "|mean - global VI| / sd =",
-        np.abs(res.params["mean"] - mean) / sd,
+        np.abs(res.params.mean - mean) / sd,
         "sd ratio =",
-        np.sqrt(np.diag(res.params["cov"])) / sd,
+        np.sqrt(np.diag(res.params.cov)) / sd,
     )
-    assert np.max(np.abs(res.params["mean"] - mean) / sd) < 0.25
-    np.testing.assert_allclose(np.sqrt(np.diag(res.params["cov"])), sd, rtol=0.05)
+    assert np.max(np.abs(res.params.mean - mean) / sd) < 0.25
+    np.testing.assert_allclose(np.sqrt(np.diag(res.params.cov)), sd, rtol=0.05)
 
 
 def test_deterministic_sites_of_the_globals_are_in_the_draws(linear):

@@ -98,7 +98,7 @@ def test_checkpoint_format_and_client_mismatch(tmp_path):
     with pytest.raises(ValueError, match=r"missing from this run: \[\]; not in the checkpoint: \['3'\]"):
         fresh.load(path, other)
     loaded = fresh.load(path, clients)
-    np.testing.assert_array_equal(loaded.server.global_params["guide"]["loc"], res.params["guide"]["loc"])
+    np.testing.assert_array_equal(loaded.server.global_params["guide"]["loc"], res.params.guide["loc"])
     pvi, _ = FAMILIES["pvi"]()
     with pytest.raises(ValueError, match="is of a sfvi run, not pvi"):
         pvi.load(path, clients)
@@ -114,7 +114,7 @@ def test_checkpoint_does_not_depend_on_the_client_mapping(tmp_path):
     assert loop._setup_cache.plan.mapping == "loop" and type(state.clients) is tuple
     b = loop.run(None, clients, 3, progress_bar=False, init_state=state)
     c = vmap.run(random.PRNGKey(0), clients, 6, progress_bar=False)
-    np.testing.assert_allclose(b.params["guide"]["loc"], c.params["guide"]["loc"], rtol=1e-5)
+    np.testing.assert_allclose(b.params.guide["loc"], c.params.guide["loc"], rtol=1e-5)
     assert a.communication.rounds == 3
 
 

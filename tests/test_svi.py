@@ -147,7 +147,7 @@ def test_local_param_stays_on_the_client(unequal):
     shifted = nf.Clients({c: dict(X=unequal[c]["X"], y=unequal[c]["y"] + offsets[c]) for c in unequal.names})
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
     result = svi.run(random.PRNGKey(0), shifted, 600, progress_bar=False, record_transcript=True)
-    assert X.shape[0] == 26 and "shift" not in result.params["theta"]
+    assert X.shape[0] == 26 and "shift" not in result.params.theta
     for c, want in offsets.items():
         assert abs(float(result.client_states[c].local_params["theta"]["shift"]) - want) < 0.3
         assert abs(float(svi.client_params(result, c)["shift"]) - want) < 0.3
@@ -251,8 +251,8 @@ def test_params_come_back_constrained(unequal):
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
     result = svi.run(random.PRNGKey(0), unequal, 400, progress_bar=False)
-    sigma = float(result.params["theta"]["sigma"])
-    assert sigma > 0 and float(svi.get_params(result.state)["theta"]["sigma"]) == sigma
+    sigma = float(result.params.theta["sigma"])
+    assert sigma > 0 and float(svi.get_params(result.state).theta["sigma"]) == sigma
     # the noise of the data (0.3 around X @ [1, -0.5] in the fixture) is what sigma finds
     assert 0.1 < sigma < 0.8
     raw = float(result.state.server.global_params["theta"]["sigma"])
@@ -300,7 +300,7 @@ def test_server_draws_carry_the_deterministic_sites_of_the_global_sites(unequal)
     result = svi.run(random.PRNGKey(0), unequal, 200, progress_bar=False)
     draws = svi.sample_posterior(random.PRNGKey(1), result, 50)
     assert set(draws) == {"beta", "ratio", "snr"}
-    beta, sigma = np.asarray(draws["beta"]), float(result.params["theta"]["sigma"])
+    beta, sigma = np.asarray(draws["beta"]), float(result.params.theta["sigma"])
     assert abs(sigma - 1.0) > 0.05  # fitted, not the initial value
     np.testing.assert_allclose(draws["ratio"], beta[:, 0] / beta[:, 1], rtol=1e-5)
     np.testing.assert_allclose(draws["snr"], beta[:, 0] / sigma, rtol=1e-5)
@@ -308,7 +308,7 @@ def test_server_draws_carry_the_deterministic_sites_of_the_global_sites(unequal)
 
 def test_fit_check_over_a_network_equals_the_simulations():
     """Over a network backend each client computes its term of the fit check's ``log w``
-    on its node (``_client_value``, what ``diagnose`` computes for it in simulation): the
+    on its node (``client_value``, what ``diagnose`` computes for it in simulation): the
     server's sum equals ``diagnose``'s, the traffic is counted, and a client that does not
     answer makes the run warn instead of skipping the check."""
     from numpyro_fed.backends.mapping import client_item
@@ -331,9 +331,9 @@ def test_fit_check_over_a_network_equals_the_simulations():
                 if j in self.answering:
                     slot = client_item(setup.plan, result.state.clients, j)
                     data = client_item(setup.plan, setup.plan.data, j)
-                    like_in = inference._client_value_inputs(name, setup, data)
+                    like_in = inference.client_value_inputs(name, setup, data)
                     assert jax.tree_util.tree_structure(like_in) == jax.tree_util.tree_structure(payload)
-                    out[j] = inference._client_value(name, setup, slot.state, data, payload)
+                    out[j] = inference.client_value(name, setup, slot.state, data, payload)
             return out
 
     remote = result._replace(state=result.state._replace(clients=None))

@@ -151,7 +151,7 @@ def test_vertical_check_can_be_switched_off_and_corrected_draws_then_refuse():
 
 class _Nodes:
     """A stand-in for the Flower server's ``client_values``: each party's answer is computed
-    by ``_client_value`` from that party's own simulated state, data and key alone, and
+    by ``client_value`` from that party's own simulated state, data and key alone, and
     everything that would cross the wire is kept."""
 
     def __init__(self, inference, result, drop=()):
@@ -166,7 +166,7 @@ class _Nodes:
                 continue
             slot = self.result.state.clients[j]
             data = self.setup.plan.data[j]
-            out[j] = self.inference._client_value(name, self.setup, slot.state, data, payload, rng_key=slot.rng_key)
+            out[j] = self.inference.client_value(name, self.setup, slot.state, data, payload, rng_key=slot.rng_key)
             self.sent.append((name, j, payload, out[j]))
         return out
 

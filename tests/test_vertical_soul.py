@@ -163,7 +163,7 @@ def test_soul_finds_the_map_of_z_and_samples_theta_given_it(form, intercept):
     sched = optax.polynomial_schedule(0.1, 0.005, 1.0, 3000)
     soul = nf.VerticalSOUL(vmodel, optax.sgd(sched), step_size=gamma, num_langevin=10)
     res = soul.run(random.PRNGKey(0), num_rounds=3000, progress_bar=False, **data)
-    z_hat = np.concatenate([res.params["a"]["z"], res.params["b"]["z"]])
+    z_hat = np.concatenate([res.params.parties["a"]["z"], res.params.parties["b"]["z"]])
     z_err = np.abs(z_hat - mode[k:]) / sd_z
     print(form, "max |z_hat - MAP| / sd(z) =", z_err.max())
     assert z_err.max() < 0.25
@@ -206,7 +206,7 @@ def test_server_chain_and_server_param(data3):
     soul = nf.VerticalSOUL(vmodel, optax.adam(0.02), step_size={"server": 0.01, "a": 0.01, "b": 0.01, "c": 0.01},
                            num_langevin=4)
     res = soul.run(random.PRNGKey(0), num_rounds=600, progress_bar=False, **data)
-    scale = float(jnp.exp(res.params["server"]["point"]["scale"]))  # stored unconstrained
+    scale = float(jnp.exp(res.params.server["point"]["scale"]))  # stored unconstrained
     assert np.isfinite(scale) and abs(scale - 1.0) > 1e-2  # it moved
     assert np.all(np.isfinite(res.losses)) and res.losses[-50:].mean() < res.losses[:50].mean()
     draws = soul.sample_posterior(random.PRNGKey(1), res, 400, thinning=2)

@@ -156,12 +156,12 @@ def test_meanfield_means_match_the_closed_form_augmented_posterior():
     sched = optax.exponential_decay(0.05, 4000, 0.02)
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("meanfield", theta_scale="diagonal"), optax.adam(sched))
     res = svi.run(random.PRNGKey(0), num_rounds=4000, progress_bar=False, xa=x[:, :2], xb=x[:, 2:], y=y)
-    loc = np.concatenate([res.params["a"]["theta"]["loc"], res.params["b"]["theta"]["loc"]])
+    loc = np.concatenate([res.params.parties["a"]["theta"]["loc"], res.params.parties["b"]["theta"]["loc"]])
     sd = np.sqrt(np.diag(cov))
     print("mean-field vs closed form: |loc - mean| / sd =", np.abs(loc - mean) / sd)
     np.testing.assert_array_less(np.abs(loc - mean) / sd, 0.1)
     # mean-field under-disperses: the fitted sds do not exceed the exact ones
-    fitted_sd = np.concatenate([jax.nn.softplus(res.params[c]["theta"]["scale"]) for c in ("a", "b")])
+    fitted_sd = np.concatenate([jax.nn.softplus(res.params.parties[c]["theta"]["scale"]) for c in ("a", "b")])
     assert np.all(fitted_sd < sd * 1.05), (fitted_sd, sd)
     assert res.losses[-200:].mean() < res.losses[:200].mean()
 
@@ -178,7 +178,7 @@ def test_only_z_and_gradients_wrt_z_cross(data3, form, access):
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(0.05), batch_size=8)
     res = svi.run(random.PRNGKey(0), num_rounds=4, progress_bar=False, record_transcript=True, keep_values=True,
                   **data3)
-    secrets = {c: jax.tree_util.tree_leaves(res.params[c]) for c in ("a", "b", "c")}
+    secrets = {c: jax.tree_util.tree_leaves(res.params.parties[c]) for c in ("a", "b", "c")}
     assert_only_z_crosses(res, data3, form, access, secrets)
 
 
@@ -309,15 +309,15 @@ def test_hierarchical_bayes_split_nn_keeps_networks_on_the_clients():
     svi = nf.VerticalSVI(hb, nf.VerticalGuide("amortized"), optax.adam(1e-2))
     res = svi.run(random.PRNGKey(0), num_rounds=200, progress_bar=False, record_transcript=True, keep_values=True,
                   **data)
-    assert set(res.params["a"]["point"]) == {"a_W0", "a_b0", "a_W1", "a_b1"}
-    assert res.params["server"]["point"] == {} and res.params["server"]["theta"]["loc"].size == 0
+    assert set(res.params.parties["a"]["point"]) == {"a_W0", "a_b0", "a_W1", "a_b1"}
+    assert res.params.server["point"] == {} and res.params.server["theta"]["loc"].size == 0
     weights = svi.sample_posterior(random.PRNGKey(1), res, 50)
     assert weights["a_w"].shape == (50, 2)
     for c, xname in (("a", "xa"), ("b", "xb")):
-        for secret in [data[xname]] + jax.tree_util.tree_leaves(res.params[c]["point"]):
+        for secret in [data[xname]] + jax.tree_util.tree_leaves(res.params.parties[c]["point"]):
             assert not any(_contains(e.value, secret) for e in res.transcript.entries if e.sender != c)
     model, _ = nf.models.split_nn_model({"a": "xa", "b": "xb"})
-    points = {**res.params["a"]["point"], **res.params["b"]["point"]}
+    points = {**res.params.parties["a"]["point"], **res.params.parties["b"]["point"]}
     p = nf.models.predict_split_nn(model, points, random.PRNGKey(2), {"xa": data["xa"], "xb": data["xb"]},
                                    rho=1.0, weights=weights)
     assert p.shape == (40,) and bool(jnp.all((p > 0) & (p < 1)))

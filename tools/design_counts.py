@@ -12,6 +12,8 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
 - round loops: loops that call the per-round ``callback`` (every round loop must; one driver
   should hold the only one);
 - hand-set warning levels: ``stacklevel=`` given anything but ``find_stack_level()``;
+- a backend reading an inference object's private state: in ``backends/`` and ``flower/``, an
+  attribute ``_x`` of something named ``inference``;
 - modules over 600 lines (the package's and the tests');
 - the deepest public class chain: the most numpyro_fed classes in the method resolution order
   of a public class (a name in ``__all__`` of the package or a subpackage), mixins included:
@@ -64,12 +66,17 @@ def counts() -> dict:
     inline: Dict[str, List[str]] = {"positive integer": [], "optax optimiser": [], "isinstance Clients": []}
     round_loops: List[str] = []
     stacklevels: List[str] = []
+    backend_private: List[str] = []
     for name, path in modules.items():
+        backend = path.parent.name in ("backends", "flower", "runtime")
         shared = path == PACKAGE / "_validation.py"  # the one home of the shared checks
         text = path.read_text()
         tree = ast.parse(text)
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
+            if backend and isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith(
+                    "__") and ast.unparse(node.value).split(".")[-1] in ("inference", "infer", "family"):
+                backend_private.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
             if isinstance(node, (ast.For, ast.While)) and _calls_callback(node):
                 round_loops.append(f"{path.relative_to(ROOT)}:{node.lineno}")
             if isinstance(node, ast.keyword) and node.arg == "stacklevel" and not (
@@ -117,6 +124,7 @@ def counts() -> dict:
     return {
         "round_loops": sorted(set(round_loops) - _nested(round_loops)),
         "hand_set_stacklevels": stacklevels,
+        "backend_reads_of_private_inference_state": backend_private,
         "modules_over_600_lines": {p: n for p, n in sizes.items() if n > MODULE_LINES},
         "deepest_public_class_chain": _deepest_chain(numpyro_fed, exceptions=False),
         "deepest_warning_class_chain": _deepest_chain(numpyro_fed, exceptions=True),
@@ -237,6 +245,7 @@ def main() -> None:
     chain = found["deepest_warning_class_chain"]
     print(f"deepest warning class chain: {len(chain)} ({' -> '.join(c.rsplit('.', 1)[-1] for c in chain)})")
     print(f"hand-set stacklevels: {len(found['hand_set_stacklevels'])}")
+    print(f"backend reads of an inference object's private state: {found['backend_reads_of_private_inference_state']}")
     over = found["modules_over_600_lines"]
     print(f"modules over {MODULE_LINES} lines: {len(over)} {over}")
     print(f"package: {found['package_modules']} modules, {found['package_lines']} lines")

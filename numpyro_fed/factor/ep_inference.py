@@ -112,7 +112,7 @@ class EP(FactorInference):
         >>> y = np.repeat([0.8, 1.0, 1.2], 30) * x
         >>> clients = nf.Clients.split(np.repeat([0, 1, 2], 30), x=x, y=y)
         >>> res = nf.EP(model, damping=0.5, schedule="synchronous").run(jax.random.PRNGKey(0), clients, 10)
-        >>> print(f"{float(res.params['mean'][0]):.2f}")  # exact: 12/13 (theta_k known, tau = 0.25)
+        >>> print(f"{float(res.params.mean[0]):.2f}")  # exact: 12/13 (theta_k known, tau = 0.25)
         0.92
 
     References:

@@ -47,6 +47,7 @@ from ..fit_check import (
 from ..groups import size_group_plates
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
+from ..params import GaussianParams
 from ..protocol import RunResult, RunState
 from ..warnings import (
     BiasedFitWarning,
@@ -249,8 +250,7 @@ class FactorInference(FederatedInference):
         return Setup(clients, algorithm, plan, FactorSetup(structure, terms), {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict:
-        mean, cov = G.to_moments(state.server.q)
-        return {"mean": mean, "cov": cov}
+        return GaussianParams(*G.to_moments(state.server.q))
 
     def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
         cls, names = type(self).__name__, setup.plan.names
@@ -518,14 +518,14 @@ class FactorInference(FederatedInference):
                            rng_key, check_positive_int("num_samples", num_samples), client)
 
     # ------------------------------------------------------------------ the check over a network
-    def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
-        """The structure of what the server sends for :meth:`_client_value` ``name``."""
+    def client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
+        """The structure of what the server sends for :meth:`client_value` ``name``."""
         return network_check.value_inputs(type(self).__name__, name, setup, self.check_draws)
 
-    def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
+    def client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
         """On a client after a network run: its part of the fit check, from its own rows and
         its own key (``rng_key``, never sent)."""
-        self._client_value_inputs(name, setup, data)
+        self.client_value_inputs(name, setup, data)
         return network_check.client_value(name, setup, data, payload, rng_key)
 
     def _network_check(self, network, setup, result):

@@ -87,7 +87,7 @@ class Laplace(FactorInference):
         >>> clients = nf.Clients.split(np.repeat([0, 1], 20), x=x, y=y)
         >>> laplace = nf.factor.Laplace(model)
         >>> res = laplace.run(jax.random.PRNGKey(0), clients)
-        >>> print(f"{float(res.params['mean'][0]):.2f}")  # 260 / (1 + 1 / (40 * 100**2)), about 260
+        >>> print(f"{float(res.params.mean[0]):.2f}")  # 260 / (1 + 1 / (40 * 100**2)), about 260
         260.00
     """
 

@@ -142,7 +142,7 @@ class PVI(FactorInference):
         >>> x = np.random.default_rng(0).normal(size=(60, 2)); y = x @ np.array([1.0, -1.0])
         >>> clients = nf.Clients.split(np.repeat([0, 1, 2], 20), x=x, y=y)
         >>> res = nf.PVI(model, schedule="sequential").run(jax.random.PRNGKey(0), clients, 3)
-        >>> np.round(res.params["mean"], 1)
+        >>> np.round(res.params.mean, 1)
         Array([ 1., -1.], dtype=float32)
 
     References:

@@ -378,14 +378,14 @@ def _exchange(message, context):
 def _client_value(message, context):
     """A family's value computed on this client after a run (e.g. SFVI's fit check: its
     term of ``log p - log q`` per draw, summed over its own rows), from its own state and
-    data; what the family defines in ``_client_value`` is all that is sent."""
+    data; what the family defines in ``client_value`` is all that is sent."""
     built = _built(context)
     _counted(message, context, built)
     name = str(message.content["nf"]["name"])
-    like = built.inference._client_value_inputs(name, built.setup, built.data)
+    like = built.inference.client_value_inputs(name, built.setup, built.data)
     payload = from_record(like, message.content["broadcast"])
     slot = _slot(built, context)  # its own key stays here: the family may draw from it
-    value = built.inference._client_value(name, built.setup, slot.state, built.data, payload, rng_key=slot.rng_key)
+    value = built.inference.client_value(name, built.setup, slot.state, built.data, payload, rng_key=slot.rng_key)
     return _reply(message, arrays=to_record(value))
 
 

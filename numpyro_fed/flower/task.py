@@ -94,8 +94,7 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None, st
 
         trace_model(getattr(model, "__wrapped_model__", model), own[1], getattr(inference, "model_kwargs", {}))
     with on_placeholders(template, None if own is None else own[0]):
-        inference._before_run(None, num_rounds, inputs, {})  # the private families plan their noise for the run
-        setup = inference._setup(inputs)
+        setup = inference.node_setup(inputs, num_rounds)
     return inference, inputs, setup
 
 

@@ -36,6 +36,7 @@ from ..fit_check import (
 )
 from ..groups import size_group_plates, trim_groups
 from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
+from ..params import GuideParams
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .check import client_log_weights_from_keys, log_weight_estimator
@@ -124,7 +125,7 @@ class FederatedSVI(FederatedInference):
         >>> clients = nf.Clients.split(np.arange(40) % 2, y=np.linspace(0.0, 2.0, 40))
         >>> svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.1))
         >>> result = svi.run(jax.random.PRNGKey(0), clients, 300, progress_bar=False)
-        >>> bool(abs(result.params["guide"]["loc"][0] - 1.0) < 0.2)
+        >>> bool(abs(result.params.guide["loc"][0] - 1.0) < 0.2)
         True
     """
 
@@ -237,13 +238,13 @@ class FederatedSVI(FederatedInference):
 
     def _params(self, setup: Setup, state: RunState) -> Dict:
         g = state.server.global_params
-        return {"guide": g["guide"], "theta": constrain_params(g["theta"], setup.extra.global_constraints)}
+        return GuideParams(g["guide"], constrain_params(g["theta"], setup.extra.global_constraints))
 
     # ------------------------------------------------------------------ SVI API
     def get_params(self, state: RunState) -> Dict:
-        """The server-held parameters: the guide's (``"guide"``, in its own unconstrained
-        parametrisation) and the global ``numpyro.param`` sites (``"theta"``, constrained,
-        as the model sees them)."""
+        """The server-held parameters, a :class:`~numpyro_fed.params.GuideParams`: the guide's
+        (``guide``, in its own unconstrained parametrisation) and the global ``numpyro.param``
+        sites (``theta``, constrained, as the model sees them)."""
         return self._params(self._fitted(), state)
 
     def client_params(self, result: Union[RunResult, RunState], client: str) -> Dict[str, jax.Array]:
@@ -339,7 +340,7 @@ class FederatedSVI(FederatedInference):
     # ------------------------------------------------------------------ fit check over a network
     def _network_log_weights(self, network, setup: Setup, result: RunResult, num_draws: int = 1000):
         """:meth:`diagnose`'s ``log w`` (its default key and draws) with each client's term
-        computed on its node (:meth:`_client_value`), or ``None`` if a client did not answer."""
+        computed on its node (:meth:`client_value`), or ``None`` if a client did not answer."""
         obj, J = setup.extra, len(setup.plan.names)
         k_g, k_l = random.split(random.PRNGKey(0x51))
         keys = random.split(k_l, J)
@@ -358,18 +359,18 @@ class FederatedSVI(FederatedInference):
         """The run's communication plus the fit check's messages (as serialised)."""
         return with_exchange_traffic(comm, [self._fit_check_messages])
 
-    def _client_value_inputs(self, name: str, setup: Setup, data) -> Dict[str, Any]:
-        """The structure of what the server sends for :meth:`_client_value` ``name``."""
+    def client_value_inputs(self, name: str, setup: Setup, data) -> Dict[str, Any]:
+        """The structure of what the server sends for :meth:`client_value` ``name``."""
         if name != "log_weights":
             raise ValueError(f"{type(self).__name__}: no client-side value {name!r}")
         g = jax.eval_shape(lambda: setup.algorithm.init_server(random.PRNGKey(0))[0]).global_params
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
         return {"global_params": g, "k_g": key, "key": key}
 
-    def _client_value(self, name: str, setup: Setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
+    def client_value(self, name: str, setup: Setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
         """On a client after a network run: its term of the fit check's ``log w`` per draw,
         summed over its own rows (what :meth:`diagnose` computes for it in simulation)."""
-        self._client_value_inputs(name, setup, data)
+        self.client_value_inputs(name, setup, data)
         key = ("client_log_weights", FIT_CHECK_DRAWS)
         if key not in setup.cache:
             setup.cache[key] = jax.jit(

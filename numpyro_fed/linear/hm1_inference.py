@@ -13,6 +13,7 @@ from .._validation import check_clients, check_positive_int
 from ..backends.mapping import ClientPlan
 from ..clients import Clients
 from ..inference import FederatedInference, Setup
+from ..params import HM1Params
 from ..protocol import RunResult, RunState
 from ..warnings import UnconvergedWarning, find_stack_level
 from .hm1_algorithm import GRADIENTS, hm1
@@ -87,10 +88,10 @@ class HM1(FederatedInference):
         >>> y = np.einsum("nd,nd->n", x, theta[g])
         >>> clients = nf.Clients.split(g, x=x, y=y)
         >>> res = nf.HM1().run(jax.random.PRNGKey(0), clients, 30)
-        >>> res.params["theta"].shape, res.params["omega"].shape
+        >>> res.params.theta.shape, res.params.omega.shape
         ((2, 3), (2, 2))
         >>> separate = nf.HM1(shrinkage=0.0).run(jax.random.PRNGKey(0), clients, 30)
-        >>> bool(np.abs(separate.params["theta"] - theta).max() < 1e-4)  # noise-free least squares
+        >>> bool(np.abs(separate.params.theta - theta).max() < 1e-4)  # noise-free least squares
         True
     """
 
@@ -186,7 +187,7 @@ class HM1(FederatedInference):
                           UnconvergedWarning, stacklevel=find_stack_level())
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
-        return {"theta": state.server.theta, "omega": state.server.omega}
+        return HM1Params(state.server.theta, state.server.omega)
 
     def _with_truth(self, truth) -> None:
         truth = None if truth is None else np.asarray(truth, np.float32)
@@ -198,7 +199,7 @@ class HM1(FederatedInference):
     def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
         """``run(..., truth=)``: ``(K, d)`` true parameters of a simulation: ``info.distance``
         records ``||Theta - truth|| / sqrt(K)`` per round (Yue et al. (2022) Figure 3). HM1's
-        ``params`` are ``{"theta": (K, d), "omega": (K, K)}`` (row k of ``theta`` is
+        ``params`` are ``HM1Params(theta (K, d), omega (K, K))`` (row k of ``theta`` is
         ``clients.names[k]``'s) and its ``trace`` the change in ``Theta`` per round."""
         self._with_truth(options.pop("truth", None))
 
@@ -206,15 +207,15 @@ class HM1(FederatedInference):
         """HM1 has no posterior to sample: it fits the MAP of ``Theta`` and ``Omega`` (Yue et al.
         (2022) Algorithm 1), a point estimate. Raises, naming where the estimate is."""
         raise TypeError("HM1 fits a point estimate (the MAP of Theta and Omega by Yue et al. (2022) Algorithm 1), "
-                        "not a posterior: read result.params['theta'] (row k is client k's) and "
-                        "result.params['omega']; for posterior draws of a hierarchical linear model use nf.fit or "
+                        "not a posterior: read result.params.theta (row k is client k's) and "
+                        "result.params.omega; for posterior draws of a hierarchical linear model use nf.fit or "
                         "nf.EP")
 
     @staticmethod
     def predict(result: RunResult, x: jax.Array, client_index: int) -> jax.Array:
         """``x @ theta_k`` for the client at ``client_index`` (run by that client)."""
-        return jnp.asarray(x) @ result.params["theta"][client_index]
+        return jnp.asarray(x) @ result.params.theta[client_index]
 
     def as_dict(self, result: RunResult, clients: Clients) -> Dict[str, jax.Array]:
         """``theta_k`` by client name."""
-        return {name: result.params["theta"][i] for i, name in enumerate(clients.names)}
+        return {name: result.params.theta[i] for i, name in enumerate(clients.names)}

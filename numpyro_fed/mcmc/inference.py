@@ -36,6 +36,7 @@ from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import FederatedInference, Setup
+from ..params import DrawParams
 from ..protocol import RunResult, RunState
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
@@ -216,7 +217,7 @@ class FederatedMCMC(FederatedInference):
         return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config, affine), {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
-        return self._global_draws(setup, self._positions(setup, state))
+        return DrawParams(self._global_draws(setup, self._positions(setup, state)))
 
     @staticmethod
     def _positions(setup: Setup, state: RunState) -> jax.Array:

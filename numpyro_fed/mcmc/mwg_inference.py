@@ -24,6 +24,7 @@ from ..factor.inference import FactorInference
 from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import own_entries
 from ..groups import trim_groups
+from ..params import DrawParams
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .inference import pick_draws
@@ -119,7 +120,7 @@ class FederatedMwG(FactorInference):
                                   f"(where the posterior is proper, FederatedNUTS samples it without a mode)",
                                   err.improper, err.sites, err.last) from err
             self.start_communication = self.laplace_result.communication
-            self._start = tuple(np.asarray(self.laplace_result.params[k]) for k in ("mean", "cov"))
+            self._start = tuple(np.asarray(v) for v in self.laplace_result.params)
         else:
             self._start = tuple(np.asarray(a) for a in self.init)
         built = self._built_start
@@ -154,7 +155,7 @@ class FederatedMwG(FactorInference):
     def _params(self, setup, state) -> Dict:
         draws = state.server.draws  # (chains, samples, d)
         user = self._user_space(draws.reshape(-1, draws.shape[-1]))
-        return {k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()}
+        return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
     def _check_result(self, setup, result: RunResult) -> RunResult:
         done = int(np.min(np.asarray(result.state.server.iteration)))
@@ -207,7 +208,7 @@ class FederatedMwG(FactorInference):
         ``(num_chains, num_samples, ...)``); with ``client``, that client's local sites at the
         same iterations as well (the draws its chain recorded on its own node; in simulation
         the run's client states hold them)."""
-        draws = dict(result.params)
+        draws = dict(result.params.samples)
         if client is not None:
             draws.update(self._client_draws(result, client))
         if group_by_chain:

@@ -24,6 +24,7 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..inference import FederatedInference, Setup, with_exchange_traffic
+from ..params import VerticalParams
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from . import network_check
@@ -159,14 +160,14 @@ class VerticalInference(FederatedInference):
         return {k: v for k, v in draws.items() if k in own}
 
     # ------------------------------------------------------------------ the check over a network
-    def _client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
-        """The structure of what the server sends for :meth:`_client_value` ``name``."""
+    def client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
+        """The structure of what the server sends for :meth:`client_value` ``name``."""
         return network_check.value_inputs(type(self).__name__, name)
 
-    def _client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
+    def client_value(self, name: str, setup, client_state, data, payload, rng_key=None) -> Dict[str, Any]:
         """On a party after a network run: its part of the vertical fit check, from its own
         ``q``, rows and key (``rng_key``, never sent)."""
-        self._client_value_inputs(name, setup, data)
+        self.client_value_inputs(name, setup, data)
         return network_check.client_value(self._party_draw, name, setup, client_state, data, payload, rng_key)
 
     def _network_check(self, network, setup, result):
@@ -269,11 +270,9 @@ class VerticalInference(FederatedInference):
         return Setup(dict(data), vertical_protocol(alg, obj), plan, VerticalParts(obj, alg), {"data": arrays})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, Any]:
-        if state.clients is None:  # a network backend: each party keeps its own parameters
-            return {SERVER: state.server.inner.params}
-        params = {c: slot.state.inner.params for c, slot in zip(setup.plan.names, state.clients)}
-        params[SERVER] = state.server.inner.params
-        return params
+        parties = {} if state.clients is None else {  # over a network each party keeps its own
+            c: slot.state.inner.params for c, slot in zip(setup.plan.names, state.clients)}
+        return VerticalParams(parties, state.server.inner.params)
 
     def _client_view(self, setup: Setup, client_state):
         return client_state.inner
@@ -290,7 +289,8 @@ class VerticalInference(FederatedInference):
         return data
 
     def get_params(self, state: RunState) -> Dict[str, Any]:
-        """``{party: parameters}`` gathered from every party's state."""
+        """A :class:`~numpyro_fed.params.VerticalParams`: every party's parameters (gathered
+        from their states) and the server's."""
         return self._params(self._fitted(), state)
 
     @staticmethod
