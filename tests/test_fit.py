@@ -183,7 +183,7 @@ def test_chains_short_of_400_effective_draws_run_on_once():
     assert any("running the chains on" in line for line in fit.log)
     short, long = fit.results[1], fit.results[2]
     assert fit.inference.num_samples > 100 and fit.check["min_n_eff"] >= MWG_MIN_ESS
-    np.testing.assert_array_equal(np.asarray(long.params.parties["a"])[:, :100], np.asarray(short.params.parties["a"]))
+    np.testing.assert_array_equal(np.asarray(long.params.samples["a"])[:, :100], np.asarray(short.params.samples["a"]))
 
 
 @pytest.mark.parametrize("report", [{"max_r_hat": 1.2, "acceptance": 0.4}, {"max_r_hat": 1.0, "acceptance": 0.01}])
