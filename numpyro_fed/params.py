@@ -79,15 +79,12 @@ class HM1Params(NamedTuple):
 class VerticalParams(NamedTuple):
     """Vertical SFVI and SOUL: ``parties`` is ``{party: its parameters}`` (gathered by the
     simulation; over a network each party keeps its own and this is empty); ``server`` the
-    server's (the response holder's)."""
+    server's (the response holder's). A party's ``numpyro.param`` sites (``"point"``) are
+    constrained, as the model sees them."""
 
     parties: Dict[str, Any]
     server: Any
     _entries = "parties"
-
-    def by_party(self) -> Dict[str, Any]:
-        """``{party: its parameters}``, the server's under ``"server"``."""
-        return {**self.parties, "server": self.server}
 
 
 @_mapping_spelling

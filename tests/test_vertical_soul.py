@@ -206,7 +206,8 @@ def test_server_chain_and_server_param(data3):
     soul = nf.VerticalSOUL(vmodel, optax.adam(0.02), step_size={"server": 0.01, "a": 0.01, "b": 0.01, "c": 0.01},
                            num_langevin=4)
     res = soul.run(random.PRNGKey(0), num_rounds=600, progress_bar=False, **data)
-    scale = float(jnp.exp(res.params.server["point"]["scale"]))  # stored unconstrained
+    scale = float(res.params.server["point"]["scale"])  # constrained, as the model sees it
+    np.testing.assert_allclose(scale, float(jnp.exp(res.state.server.inner.params["point"]["scale"])), rtol=1e-6)
     assert np.isfinite(scale) and abs(scale - 1.0) > 1e-2  # it moved
     assert np.all(np.isfinite(res.losses)) and res.losses[-50:].mean() < res.losses[:50].mean()
     draws = soul.sample_posterior(random.PRNGKey(1), res, 400, thinning=2)

@@ -269,10 +269,24 @@ class VerticalInference(FederatedInference):
                           server_data=obj.party_args(SERVER, arrays, rows))
         return Setup(dict(data), vertical_protocol(alg, obj), plan, VerticalParts(obj, alg), {"data": arrays})
 
-    def _params(self, setup: Setup, state: RunState) -> Dict[str, Any]:
-        parties = {} if state.clients is None else {  # over a network each party keeps its own
+    def _params(self, setup: Setup, state: RunState) -> VerticalParams:
+        """Every party's parameters, its ``numpyro.param`` sites (``"point"``) constrained as
+        the model sees them (the algorithm holds them unconstrained)."""
+        obj = setup.extra.objective
+
+        def shown(params):
+            return {**params, "point": obj.constrain_points(params["point"])} if "point" in params else params
+
+        held = self._held_params(setup, state)
+        return VerticalParams({c: shown(p) for c, p in held.items() if c != SERVER}, shown(held[SERVER]))
+
+    @staticmethod
+    def _held_params(setup: Setup, state: RunState) -> Dict[str, Any]:
+        """``{party: its parameters}`` as the algorithm holds them (the server's under
+        ``"server"``; over a network each party keeps its own, so only the server's)."""
+        parties = {} if state.clients is None else {
             c: slot.state.inner.params for c, slot in zip(setup.plan.names, state.clients)}
-        return VerticalParams(parties, state.server.inner.params)
+        return {**parties, SERVER: state.server.inner.params}
 
     def _client_view(self, setup: Setup, client_state):
         return client_state.inner
@@ -288,11 +302,8 @@ class VerticalInference(FederatedInference):
                             f"run(rng_key, num_rounds, x=x, y=y)), not a {type(clients).__name__}")
         return data
 
-    def get_params(self, state: RunState) -> Dict[str, Any]:
+    def get_params(self, state: RunState) -> VerticalParams:
         """A :class:`~numpyro_fed.params.VerticalParams`: every party's parameters (gathered
         from their states) and the server's."""
         return self._params(self._fitted(), state)
 
-    @staticmethod
-    def _party_states(setup: Setup, state: RunState) -> Dict[str, Any]:
-        return {c: slot.state.inner for c, slot in zip(setup.plan.names, state.clients)}

@@ -126,7 +126,7 @@ class VerticalSVI(VerticalInference):
         draw = self._party_draw(setup, num_draws)
 
         def fn(state, arrays, rng_key, own_keys):
-            params = self._params(setup, state).by_party()
+            params = self._held_params(setup, state)
             keys = {SERVER: rng_key}
             if own_keys:  # each client from its own key, as on its node (network_check.party_check_key)
                 keys.update({c: party_check_key(slot.rng_key) for c, slot in zip(obj.clients, state.clients)})
@@ -161,7 +161,7 @@ class VerticalSVI(VerticalInference):
         state = self._state_of(result)
         setup = self._fitted()
         obj = setup.extra.objective
-        params = self._params(setup, state).by_party()
+        params = self._held_params(setup, state)
         data, rows = setup.cache["data"], jnp.arange(obj.num_rows)
         z = {}
         for c in obj.clients:
@@ -215,7 +215,7 @@ class VerticalSVI(VerticalInference):
             return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
         setup = self._fitted()
         obj = setup.extra.objective
-        params_of = self._params(setup, state).by_party()
+        params_of = self._held_params(setup, state)
         out = {}
         keys = random.split(rng_key, len(obj.clients) + 1)
         for key, party in zip(keys, (SERVER,) + obj.clients):
