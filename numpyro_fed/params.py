@@ -3,15 +3,13 @@
 Every family's ``run`` returns one of these named tuples (a JAX pytree, so ``jax.tree_util``
 and ``jax.device_get`` take it). The family's class names its type in ``params_type``.
 
-===========================================  ==================================================
-family                                       ``result.params``
-===========================================  ==================================================
-``FederatedSVI`` (SFVI, SFVI-Avg, DP)        :class:`GuideParams` ``(guide, theta)``
-``PVI``, ``BCM``, ``EP``, ``Laplace``        :class:`GaussianParams` ``(mean, cov)``
-``HM1``                                      :class:`HM1Params` ``(theta, omega)``
-``VerticalSVI``, ``VerticalSOUL``            :class:`VerticalParams` ``(parties, server)``
-``FederatedNUTS``, ``FederatedHMC``, MwG     :class:`DrawParams` ``(samples,)``
-===========================================  ==================================================
+| family | ``result.params`` |
+| --- | --- |
+| ``FederatedSVI`` (SFVI, SFVI-Avg, DP) | :class:`GuideParams` ``(guide, theta)`` |
+| ``PVI``, ``BCM``, ``EP``, ``Laplace`` | :class:`GaussianParams` ``(mean, cov)`` |
+| ``HM1`` | :class:`HM1Params` ``(theta, omega)`` |
+| ``VerticalSVI``, ``VerticalSOUL`` | :class:`VerticalParams` ``(parties, server)`` |
+| ``FederatedNUTS``, ``FederatedHMC``, MwG | :class:`DrawParams` ``(samples,)`` |
 
 Reading ``params`` as the dictionary it used to be (``result.params["mean"]``, ``"mean" in
 result.params``, ``.keys()``, ``.items()``) still works and warns, naming the new spelling (see
