@@ -90,6 +90,8 @@ class FederatedInference:
     progress_bar = True
     #: the type of ``Setup.extra`` that this family's ``_build`` returns
     setup_extra: ClassVar[type] = object
+    #: the type of ``RunResult.params`` (one of :mod:`numpyro_fed.params`)
+    params_type: ClassVar[type] = tuple
     #: the differentially private mechanisms the family offers (``dp=``); none: a model marked
     #: with ``dp_noise`` is refused
     dp_mechanisms: ClassVar[tuple] = ()

@@ -109,6 +109,7 @@ class FactorInference(FederatedInference):
 
     method = "factor"
     setup_extra = FactorSetup  # Setup.extra
+    params_type = GaussianParams
     check_draws = 1000  # draws of run's fit check
     _checked_state = None  # the fingerprint of the state the last fit check was of
     _size_group_plates = size_group_plates

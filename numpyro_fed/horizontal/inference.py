@@ -130,6 +130,7 @@ class FederatedSVI(FederatedInference):
     """
 
     setup_extra = FederatedObjective  # Setup.extra
+    params_type = GuideParams
     dp_mechanisms = ("sgd",)
 
     def __init__(

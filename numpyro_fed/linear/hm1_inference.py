@@ -98,6 +98,7 @@ class HM1(FederatedInference):
     method = "hm1"
     family_run_options = ("truth",)
     setup_extra = int  # Setup.extra: the number of covariates
+    params_type = HM1Params
 
     def __init__(self, *, lr: float = 0.01, shrinkage: Optional[float] = None, alpha: float = 0.1,
                  local_steps: int = 20, batch_size: Optional[int] = 10, gradient: str = "sum",

@@ -119,6 +119,7 @@ class FederatedMCMC(FederatedInference):
 
     algo = "NUTS"
     setup_extra = MCMCSetup
+    params_type = DrawParams
     open_ended = True
     draws_are_chains = True
 

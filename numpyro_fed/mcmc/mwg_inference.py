@@ -66,6 +66,7 @@ class FederatedMwG(FactorInference):
     """
 
     method = "mwg"
+    params_type = DrawParams
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     open_ended = True
     draws_are_chains = True

@@ -126,6 +126,7 @@ class VerticalInference(FederatedInference):
     model_kwargs: dict
     method: str = "vertical"
     setup_extra = VerticalParts  # Setup.extra
+    params_type = VerticalParams
     loss_name: str = "loss"
     check_fit: bool = True  # run's fit check (the families' check_fit=)
     _checked_state = None  # the fingerprint of the state the last fit check was of
