@@ -104,31 +104,13 @@ def test_cli_help_and_small_demo(tmp_path):
     assert out["communication"]["fed_nuts"]["rounds"] >= 40 and "rounds per effective sample" in run.stdout
 
 
-def test_the_default_demo_runs_ep_and_names_what_it_leaves_out_with_the_reason(capsys):
-    """The demo shows a method only where it is right on this model; SFVI, SFVI-Avg and PVI
-    (Gaussian VI, biased for omega on the GLMM even centralised) are named with the reason.
-    nf.fit, the recommended call, runs first, then nf.fit(..., exact=True) (exact federated
-    Metropolis-within-Gibbs), exact federated NUTS and EP."""
-    from numpyro_fed.demo import run_demo
-
-    out = run_demo(ep_rounds=2, ep_draws=20, nuts_warmup=20, nuts_samples=20, plot="")
-    printed = capsys.readouterr().out
-    assert set(out["max_abs_z"]) == {"fit", "fit_exact", "ep", "fed_nuts"}
-    assert out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
-    assert out["checks"]["fit_exact"].startswith("mwg")
-    assert out["communication"]["fit_exact"]["per_draw"]["rounds_per_ess"] > 0
-    assert out["checks"]["fit"].startswith(("laplace", "nuts")) and "laplace:" in out["checks"]["fit"]
-    assert "Left out by default: SFVI, SFVI-Avg, PVI" in printed and "AutoMultivariateNormal" in printed
-    # the demo's EP runs at its defaults (block Laplace, importance-corrected), so q is checked
-    assert not out["checks"]["ep"].startswith("not run"), out["checks"]
-    assert "block Laplace, importance-corrected" in printed
-    with pytest.raises(ValueError, match="methods=\\['nuts'\\]"):
-        run_demo(methods=("nuts",), plot="")
-
-
-def test_the_demo_at_its_defaults_does_not_warn(capsys):
+def test_the_demo_at_its_defaults_does_not_warn_and_names_what_it_leaves_out(capsys):
     """The newcomer's demo, as README's Quickstart runs it: every method it shows is right and
-    says nothing alarming (its own printed text is checked for warnings too)."""
+    says nothing alarming (its own printed text is checked for warnings too). It shows a method
+    only where it is right on this model; SFVI, SFVI-Avg and PVI (Gaussian VI, biased for omega
+    on the GLMM even centralised) are named with the reason. nf.fit, the recommended call, runs
+    first, then nf.fit(..., exact=True) (exact federated Metropolis-within-Gibbs), exact
+    federated NUTS and EP."""
     import warnings
 
     import numpyro_fed as nf
@@ -138,6 +120,14 @@ def test_the_demo_at_its_defaults_does_not_warn(capsys):
         warnings.simplefilter("error", nf.FederatedWarning)
         out = run_demo(plot="")
     printed = capsys.readouterr().out
+    assert set(out["max_abs_z"]) == {"fit", "fit_exact", "ep", "fed_nuts"}
+    assert out["left_out"] == ["SFVI", "SFVI-Avg", "PVI"]
+    assert out["checks"]["fit_exact"].startswith("mwg")
+    assert out["checks"]["fit"].startswith(("laplace", "nuts")) and "laplace:" in out["checks"]["fit"]
+    assert "Left out by default: SFVI, SFVI-Avg, PVI" in printed and "AutoMultivariateNormal" in printed
+    # the demo's EP runs at its defaults (block Laplace, importance-corrected), so q is checked
+    assert not out["checks"]["ep"].startswith("not run"), out["checks"]
+    assert "block Laplace, importance-corrected" in printed
     assert all(not w for w in out["warnings"].values()), out["warnings"]
     assert "warned" not in printed
     assert max(out["max_abs_z"].values()) < 0.3, out["max_abs_z"]
@@ -145,3 +135,5 @@ def test_the_demo_at_its_defaults_does_not_warn(capsys):
     # the exact sampler's rounds per effective sample are printed next to federated NUTS's
     assert out["communication"]["fit_exact"]["per_draw"]["rounds_per_ess"] < 3
     assert "nf.fit exact:" in printed and "rounds per effective sample" in printed
+    with pytest.raises(ValueError, match="methods=\\['nuts'\\]"):
+        run_demo(methods=("nuts",), plot="")
