@@ -56,7 +56,7 @@ MODULE_ATTRIBUTES: Dict[str, str] = {
     "diagonal_gaussian_barycenter": "numpyro_fed.horizontal:diagonal_gaussian_barycenter",
 }
 
-#: ``RunResult.<name>`` for an entry of ``params`` (``result.mean`` for ``result.params.mean``).
+#: ``RunResult.<name>`` for a field of ``params`` (``result.mean`` for ``result.params.mean``).
 RUN_RESULT_ATTRIBUTES = "result.{spelling}"
 
 #: ``result.params[<name>]``, when ``params`` was a dictionary -> its typed spelling: a field of
