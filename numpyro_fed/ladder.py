@@ -361,7 +361,7 @@ class Ladder:
         else:
             results.append(result)
             rounds, bytes_ = int(result.communication.rounds), _bytes(result)
-            warm, mode = tuple(np.asarray(v) for v in result.params), True
+            warm, mode = (np.asarray(result.params.mean), np.asarray(result.params.cov)), True
             if self.exact:
                 log.append(f"laplace: {rounds} rounds; mode found (the exact sampler's start)")
             else:

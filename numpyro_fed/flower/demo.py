@@ -123,8 +123,8 @@ def run_flower_demo(clients: int = 3, rounds: int = 4, seed: int = 0) -> Dict[st
     sim = make_pvi()
     sim.client_mapping = "loop"
     result = sim.run(jax.random.PRNGKey(seed), data, rounds, progress_bar=False)
-    mean_f, cov_f = flower["params"]
-    mean_s, cov_s = (np.asarray(v) for v in result.params)
+    mean_f, cov_f = flower["params"].mean, flower["params"].cov
+    mean_s, cov_s = np.asarray(result.params.mean), np.asarray(result.params.cov)
     mean_x, cov_x = exact_posterior(clients)
     print(f"\nposterior of w over {clients} clients ({sum(_rows(clients))} rows), PVI, {rounds} rounds")
     print(f"{'':8s}{'Flower':>22s}{'simulation':>22s}{'exact':>22s}")

@@ -121,7 +121,7 @@ class FederatedMwG(FactorInference):
                                   f"(where the posterior is proper, FederatedNUTS samples it without a mode)",
                                   err.improper, err.sites, err.last) from err
             self.start_communication = self.laplace_result.communication
-            self._start = tuple(np.asarray(v) for v in self.laplace_result.params)
+            self._start = (np.asarray(self.laplace_result.params.mean), np.asarray(self.laplace_result.params.cov))
         else:
             self._start = tuple(np.asarray(a) for a in self.init)
         built = self._built_start
