@@ -25,7 +25,8 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
-__all__ = ["INIT_TRIES", "finite_point", "or_finite_point", "prior_median", "trace_model", "unconstrained_shape"]
+__all__ = ["INIT_TRIES", "finite_point", "is_factor", "observed_draws", "or_finite_point", "prior_median",
+           "trace_model", "unconstrained_shape"]
 
 INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
 _INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
@@ -168,3 +169,32 @@ def prior_median(model: Callable, args, kwargs, layout, exact: bool = False) -> 
         values[name] = jnp.reshape(biject_to(site["fn"].support).inv(site["value"]), shape)
     start = layout.ravel(values)
     return jnp.where(jnp.isfinite(start), start, 0.0).astype(dtype)
+
+
+def is_factor(site) -> bool:
+    """Whether an observed site is a ``numpyro.factor`` (a ``Unit`` distribution: no data)."""
+    from numpyro.distributions import Unit
+
+    fn = site["fn"]
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return isinstance(fn, Unit)
+
+
+def observed_draws(tr, rng_key) -> dict:
+    """A draw of new data from each observed site of the trace ``tr`` (the posterior predictive
+    at the trace's latent values). A ``numpyro.factor`` has no data to draw, and a site whose
+    distribution NumPyro cannot sample (a binomial with float counts indexes with the count; a
+    distribution without a sampler) is left out: the caller reports what is missing. Works
+    under ``jit`` (a sampler that cannot be traced fails while tracing, and is left out)."""
+    observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
+    keys = jax.random.split(rng_key, max(len(observed), 1))
+    out = {}
+    for name, key in zip(observed, keys):
+        if is_factor(tr[name]):
+            continue
+        try:
+            out[name] = tr[name]["fn"].sample(key)
+        except (TypeError, NotImplementedError, ValueError, IndexError):
+            continue
+    return out

@@ -219,7 +219,8 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, clients, c
         groups, note = _pointwise_groups(inference, result, rng_key, num_samples, client, clients, chains, False)
     else:
         draws = inference.sample_posterior(rng_key, result, num_samples, corrected=corrected)
-        groups, note = _pointwise_groups(inference, result, rng_key, num_samples, None, clients, chains, corrected)
+        groups, note = _pointwise_groups(inference, result, rng_key, num_samples, None, clients, chains, corrected,
+                                         corrected_pointwise=True)
     observed = None
     if client is not None and clients is not None:
         observed = {k: np.asarray(v) for k, v in _observed(inference, clients, client).items()}
@@ -243,12 +244,19 @@ def _observed(inference, clients, client):
     return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
 
 
-def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, chains, corrected):
+def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, chains, corrected,
+                      corrected_pointwise: bool = False):
     """The ``log_likelihood`` and ``posterior_predictive`` groups, and the note saying why
     they are left out (``None`` when included): a named client's rows, or with ``clients=``
     and no client every client's rows side by side (the same global draws for every client;
-    in a simulation, where the caller holds all the data)."""
-    if corrected:
+    in a simulation, where the caller holds all the data). ``corrected_pointwise``: the family
+    computes them at its importance-corrected draws (the factor families); otherwise
+    ``corrected=True`` leaves them out.
+
+    A term that is not per row (a ``numpyro.factor`` outside the row plate: one value per draw)
+    is left out of ``log_likelihood``, and a site NumPyro cannot sample (a binomial with float
+    counts) or a factor out of ``posterior_predictive``; the note names them."""
+    if corrected and not corrected_pointwise:
         return {}, ("omitted: corrected=True resamples the global sites only; the pointwise log-likelihood needs "
                     "draws of every client's local sites at the same draws (use corrected=False)")
     if client is not None:
@@ -263,8 +271,24 @@ def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, 
             inference._warned_log_likelihood = True
             warnings.warn(note, ArvizGroupWarning, stacklevel=find_stack_level())
         return {}, note
-    parts = [inference.log_likelihood(rng_key, result, num_samples, c) for c in names]
-    log_lik = {k: np.concatenate([np.asarray(p[0][k]) for p in parts], axis=1) for k in parts[0][0]}
-    predictive = {k: np.concatenate([np.asarray(p[1][k]) for p in parts], axis=1) for k in parts[0][1]}
-    return ({"log_likelihood": {k: chains(v) for k, v in log_lik.items()},
-             "posterior_predictive": {k: chains(v) for k, v in predictive.items()}}, None)
+    extra = {"corrected": True} if corrected else {}
+    parts = [inference.log_likelihood(rng_key, result, num_samples, c, **extra) for c in names]
+    per_row = [k for k in parts[0][0] if all(np.ndim(p[0][k]) >= 2 for p in parts)]
+    sampled = [k for k in parts[0][1] if all(k in p[1] for p in parts)]
+    log_lik = {k: np.concatenate([np.asarray(p[0][k]) for p in parts], axis=1) for k in per_row}
+    predictive = {k: np.concatenate([np.asarray(p[1][k]) for p in parts], axis=1) for k in sampled}
+    notes = []
+    not_rows = [k for k in parts[0][0] if k not in per_row]
+    if not_rows:
+        notes.append(f"left out of log_likelihood: {not_rows} (one value per draw, not per row: a term outside the "
+                     f"row plate, whose rows cannot be told apart)")
+    unsampled = [k for k in parts[0][0] if k not in sampled]
+    if unsampled:
+        notes.append(f"left out of posterior_predictive: {unsampled} (a numpyro.factor has no data to draw; NumPyro "
+                     f"cannot sample the others' distributions, e.g. a binomial with float counts)")
+    groups = {}
+    if log_lik:
+        groups["log_likelihood"] = {k: chains(v) for k, v in log_lik.items()}
+    if predictive:
+        groups["posterior_predictive"] = {k: chains(v) for k, v in predictive.items()}
+    return groups, ("included; " + "; ".join(notes)) if notes else None

@@ -46,7 +46,8 @@ import numpy as np
 from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
-           "MWG_MIN_ESS", "MWG_WARMUP", "RUNG_KEYS", "WARM_WARMUP", "WIDEN", "fit"]
+           "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "RUNG_KEYS", "RUNG_OPTIONS", "WARM_WARMUP", "WIDEN", "fit",
+           "split_options"]
 
 ACCEPT_K = 0.7
 """The Laplace fit is accepted as it is when the check's verdict is ``ok``: Pareto k at most
@@ -73,7 +74,60 @@ MWG_MAX_LONGER = 8
 """At most this many times the draws per chain when the chains run on."""
 MWG_CHAINS = 4
 """Chains of federated Metropolis-within-Gibbs (side by side: one round carries every chain's move)."""
+NUTS_CHAINS = 2
+"""Chains of the federated NUTS rung (side by side: a round carries every chain's leapfrog step), so
+its split R-hat compares chains as well as halves."""
 
+
+# the rungs' own options a caller may set through nf.fit: option -> the rungs that take it (the
+# ladder sets the others itself: the start, the checks, the draws, the data's layout)
+RUNG_OPTIONS = {
+    "tol": ("laplace",),
+    "inner_steps": ("laplace", "mwg"),
+    "local_blocks": ("laplace", "mwg"),
+    "local_moves": ("mwg",),
+    "local_steps": ("mwg",),
+    "local_step_size": ("mwg",),
+    "step_size": ("nuts",),
+    "adapt_step_size": ("nuts",),
+    "adapt_mass_matrix": ("nuts",),
+    "target_accept_prob": ("nuts",),
+    "max_tree_depth": ("nuts",),
+}
+"""The options :func:`fit` passes to its rungs' classes: name -> the rungs that take it
+(``"laplace"``: :class:`~numpyro_fed.factor.Laplace`; ``"mwg"``: federated
+Metropolis-within-Gibbs; ``"nuts"``: :class:`~numpyro_fed.FederatedNUTS`)."""
+
+_UNKNOWN_OPTION = (
+    "nf.fit: no rung takes {names} and no backend runs with it. A rung's options (each passed to the rungs that take "
+    "it): {rungs}; the run options (passed to every rung): {run}; and fit's own arguments (exact, num_samples, "
+    "num_warmup, num_chains, model_kwargs, row_plate, client_mapping, progress_bar)"
+)
+
+
+def _run_options():
+    from .inference import RUN_OPTIONS
+
+    return RUN_OPTIONS
+
+
+def split_options(options: Dict[str, Any]):
+    """``(rung options, run options)`` of :func:`fit`'s keyword options (see :data:`RUNG_OPTIONS`);
+    a name in neither raises ``TypeError`` naming both lists."""
+    rung = {k: v for k, v in options.items() if k in RUNG_OPTIONS}
+    run = {k: v for k, v in options.items() if k not in RUNG_OPTIONS}
+    unknown = sorted(set(run) - set(_run_options()))
+    if unknown:
+        raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS), run=sorted(_run_options())))
+    return rung, run
+
+
+_UNMIXED = (
+    "nf.fit: the exact answer's {chains} chain(s) of federated NUTS have not mixed at {sites} (split R-hat above "
+    "{r_hat} or bulk ESS under {ess}): their draws do not represent the posterior there. Run longer (num_warmup=, "
+    "num_samples=), raise target_accept_prob= (e.g. 0.95) where NUTS diverged, or reparameterise (a non-centred "
+    "hierarchy)"
+)
 
 _NETWORK_CLIENT = (
     "Fit.get_samples(client={client!r}): this fit ran over a network backend, and a client's local draws are "
@@ -184,7 +238,7 @@ def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the sear
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
         num_warmup: Optional[int] = None, num_chains: Optional[int] = None, model_kwargs: Optional[dict] = None,
         row_plate: Optional[str] = None, client_mapping: str = "auto", progress_bar: Optional[bool] = None,
-        **run_options: Any) -> Fit:
+        **options: Any) -> Fit:
     """Fit ``model`` to the federation ``clients``: the posterior of its global sites, checked.
 
     Tries the Laplace approximation (a few Newton rounds), keeps it when the fit checks pass,
@@ -205,11 +259,14 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         num_warmup: the samplers' warmup (default: :data:`MWG_WARMUP` for Metropolis-within-Gibbs;
             for NUTS :data:`WARM_WARMUP` from the Laplace fit, 500 from no mode).
         num_chains: the samplers' chains (default: :data:`MWG_CHAINS` for
-            Metropolis-within-Gibbs, whose chains share each round; 1 for NUTS).
+            Metropolis-within-Gibbs, :data:`NUTS_CHAINS` for NUTS; the chains share each round).
         model_kwargs, row_plate, client_mapping: as every family's.
         progress_bar: show each rung's progress (default: the families' default, on).
-        **run_options: the backend's run options (``backend``, ``record_transcript``,
-            ``availability``, ``on_nonfinite``, ...), passed to every rung.
+        **options: a rung's own options (:func:`rung_options`: e.g. ``target_accept_prob``,
+            ``max_tree_depth``, ``step_size`` for federated NUTS; ``inner_steps``, ``local_blocks``
+            for the Laplace search and Metropolis-within-Gibbs; ``tol`` for the Laplace search),
+            each passed to the rungs that take it; and the backend's run options (``backend``,
+            ``record_transcript``, ``availability``, ``on_nonfinite``, ...), passed to every rung.
 
     Returns:
         a :class:`Fit`.
@@ -217,6 +274,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     Raises:
         ValueError: the posterior is improper (no mode; naming the sites), or the model is one
             no rung can fit (as the families' own errors say).
+        TypeError: an option no rung takes and no backend runs with (naming the accepted ones).
 
     Example:
         >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
@@ -231,9 +289,10 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         >>> result.method, result.check.verdict
         ('laplace', 'ok')
     """
+    rung_options, run_options = split_options(options)
     ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
                     model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
-                    progress_bar=progress_bar)
+                    progress_bar=progress_bar, **rung_options)
     return ladder.run(rng_key, clients, **run_options)
 
 
@@ -247,7 +306,8 @@ class Ladder:
     started from the Laplace fit, that fit's mode and covariance, which are global), and every
     party builds the same inference object from it with :meth:`rung`.
 
-    Args: those of :func:`fit` but the model's data and the run options.
+    Args: those of :func:`fit` but the model's data and the run options (a rung's own options,
+    such as ``target_accept_prob``, by keyword).
     """
 
     #: an open-ended family (runs until it is done): a Flower task passes no round count
@@ -258,8 +318,13 @@ class Ladder:
                  num_warmup: Optional[int] = None, num_chains: Optional[int] = None,
                  model_kwargs: Optional[dict] = None,
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
-                 progress_bar: Optional[bool] = None) -> None:
+                 progress_bar: Optional[bool] = None, **rung_options: Any) -> None:
+        unknown = sorted(set(rung_options) - set(RUNG_OPTIONS))
+        if unknown:
+            raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS),
+                                                   run=sorted(_run_options())))
         self.model, self.exact = model, bool(exact)
+        self.rung_options = dict(rung_options)
         self.num_samples, self.num_warmup = int(num_samples), num_warmup
         self.num_chains = None if num_chains is None else int(num_chains)
         self.model_kwargs, self.row_plate, self.client_mapping = dict(model_kwargs or {}), row_plate, client_mapping
@@ -296,10 +361,10 @@ class Ladder:
         warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
         if spec["rung"] == "laplace":
             if spec.get("check", True):
-                inference = Laplace(self.model, widen=WIDEN, **common)
+                inference = Laplace(self.model, widen=WIDEN, **common, **self._own("laplace"))
                 inference.check_draws = CORRECT_DRAWS  # both checks: one compiled program
             else:  # the exact rungs' start: the mode and covariance only
-                inference = Laplace(self.model, check_fit=False, **common)
+                inference = Laplace(self.model, check_fit=False, **common, **self._own("laplace"))
         elif spec["rung"] == "mwg":
             if warm is None:
                 raise ValueError("Ladder.rung: the 'mwg' rung starts from a (mean, cov): Ladder.stage('mwg', warm)")
@@ -307,11 +372,12 @@ class Ladder:
             samples = spec.get("num_samples", self.num_samples)
             inference = FederatedMwG(self.model, num_warmup=warmup, num_samples=samples,
                                      num_chains=MWG_CHAINS if self.num_chains is None else self.num_chains,
-                                     init=warm, **common)
+                                     init=warm, **common, **self._own("mwg"))
         elif spec["rung"] == "nuts":
             warmup = (WARM_WARMUP if warm is not None else 500) if self.num_warmup is None else self.num_warmup
             inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=self.num_samples,
-                                      num_chains=1 if self.num_chains is None else self.num_chains, **common)
+                                      num_chains=NUTS_CHAINS if self.num_chains is None else self.num_chains, **common,
+                                      **self._own("nuts"))
             if warm is not None:
                 inference._warm_start = warm
         else:
@@ -319,6 +385,10 @@ class Ladder:
         if self.progress_bar is not None:
             inference.progress_bar = bool(self.progress_bar)
         return inference
+
+    def _own(self, rung: str) -> Dict[str, Any]:
+        """The options of :attr:`rung_options` that ``rung``'s class takes."""
+        return {k: v for k, v in self.rung_options.items() if rung in RUNG_OPTIONS[k]}
 
     # ------------------------------------------------------------------ run
     def run(self, rng_key: jax.Array, clients: Any, **run_options: Any) -> Fit:
@@ -399,6 +469,8 @@ class Ladder:
                 continue
             for w in caught:  # the answer's own warnings reach the caller
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if rung == "nuts":
+                _warn_unmixed(sampler, result)
             return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
                        num_samples=self.num_samples, clients=None if network else clients, results=results)
         raise AssertionError("unreachable: the last rung returns")
@@ -466,20 +538,31 @@ def _disagreeing(check, wide, weighted: bool = False) -> List[str]:
 
 
 def _mcmc_check(sampler, result) -> Dict[str, float]:
-    """The chains' check over the global scalars: ``{"divergences" (NUTS) / "acceptance"
-    (MwG), "min_n_eff", "max_r_hat"}``."""
-    from numpyro.diagnostics import summary as numpyro_summary
+    """The chains' check over the global scalars (:func:`~numpyro_fed.mcmc.diagnostics.chain_report`:
+    scalars that never move left out): ``{"divergences" (NUTS) / "acceptance" (MwG), "min_n_eff",
+    "max_r_hat"}``."""
+    from .mcmc.diagnostics import chain_report
 
     if hasattr(sampler, "mixing"):  # Metropolis-within-Gibbs
         report = sampler.mixing(result)
         return {"acceptance": report["acceptance"], "min_n_eff": report["min_n_eff"],
                 "max_r_hat": report["max_r_hat"]}
-    draws = {k: np.asarray(v) for k, v in sampler.get_samples(result, group_by_chain=True).items()}
-    stats = numpyro_summary(draws, group_by_chain=True)
-    n_eff = min(float(np.min(s["n_eff"])) for s in stats.values())
-    r_hat = max(float(np.nanmax(s["r_hat"])) for s in stats.values())
-    return {"divergences": float(sampler.sample_stats(result)["diverging"].sum()), "min_n_eff": n_eff,
-            "max_r_hat": r_hat}
+    report = chain_report({k: np.asarray(v) for k, v in sampler.get_samples(result, group_by_chain=True).items()})
+    return {"divergences": float(sampler.sample_stats(result)["diverging"].sum()), "min_n_eff": report.min_n_eff,
+            "max_r_hat": report.max_r_hat}
+
+
+def _warn_unmixed(sampler, result) -> None:
+    """Warn, naming the scalars, where the exact answer's chains have a split R-hat above
+    :data:`~numpyro_fed.mcmc.diagnostics.R_HAT_LIMIT` or a bulk ESS under
+    :data:`~numpyro_fed.mcmc.diagnostics.MIN_ESS` (Metropolis-within-Gibbs warns of it itself)."""
+    from .mcmc.diagnostics import MIN_ESS, R_HAT_LIMIT, chain_report, describe_unmixed
+    from .warnings import MCMCDiagnosticWarning
+
+    report = chain_report({k: np.asarray(v) for k, v in sampler.get_samples(result, group_by_chain=True).items()})
+    if report.unmixed:
+        warnings.warn(_UNMIXED.format(chains=report.num_chains, sites=describe_unmixed(report), r_hat=R_HAT_LIMIT,
+                                      ess=MIN_ESS), MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
 
 def _longer(check: Dict[str, float], num_samples: int) -> Optional[int]:
@@ -493,7 +576,7 @@ def _longer(check: Dict[str, float], num_samples: int) -> Optional[int]:
 
 
 def _r_hat_limit() -> float:
-    from .mcmc.mwg_inference import R_HAT_LIMIT
+    from .mcmc.diagnostics import R_HAT_LIMIT
 
     return R_HAT_LIMIT
 

@@ -21,9 +21,10 @@ import numpy as np
 
 from .._structure import ModelStructure, SiteLayout, trace_model
 from ..clients import ClientData, Clients
+from ..term_identity import TermMismatch, checked_clients, client_term_mismatch, describe_mismatch
 
-__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "pad_client", "plan_clients", "shape_key",
-           "stack_clients", "traced_args", "unpadder"]
+__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "first_term_mismatch", "pad_client",
+           "plan_clients", "shape_key", "stack_clients", "traced_args", "unpadder"]
 
 CLIENT_MAPPINGS = ("auto", "vmap", "loop")
 
@@ -125,7 +126,18 @@ def _find_row_plate(model, kwargs, clients: Clients, row_plate):
 def plan_clients(
     model, kwargs, clients: Clients, structure: ModelStructure, client_mapping: str = "auto", row_plate=None
 ) -> Tuple[ClientPlan, ModelStructure]:
-    """Decide how to map clients and lay out their data."""
+    """Decide how to map clients and lay out their data.
+
+    Every plan is checked before it is returned: each client's term as laid out equals NumPyro's
+    own density of the model on the client's unpadded rows (:mod:`numpyro_fed.term_identity`).
+    Under ``"auto"``, clients of unequal size padded side by side whose model reads the padding
+    (a term outside the row plate) are laid out one by one on their own rows instead; under
+    ``"vmap"`` that is an error naming the client and the term.
+
+    Raises:
+        ValueError: a client's term differs from NumPyro's density on its rows (naming the
+            client, the sites and the fix), or ``"vmap"`` cannot pad these clients.
+    """
     if client_mapping not in CLIENT_MAPPINGS:
         raise ValueError(f"client_mapping={client_mapping!r}: choose one of {CLIENT_MAPPINGS}")
     _check_row_plate(model, kwargs, clients, row_plate)
@@ -133,17 +145,48 @@ def plan_clients(
     rows = np.array([clients.num_rows[n] for n in names])
     if client_mapping != "loop" and np.all(rows == rows[0]):
         data = stack_clients([pad_client(clients[n], int(r)) for n, r in zip(names, rows)])
-        return ClientPlan(names, data, "vmap", row_plate, rows), structure._replace(row_plate=row_plate)
+        return _checked(model, kwargs, clients, ClientPlan(names, data, "vmap", row_plate, rows),
+                        structure._replace(row_plate=row_plate))
     if client_mapping != "loop":
         chosen, reason = _find_row_plate(model, kwargs, clients, row_plate)
         if chosen is not None:
             n_pad = int(rows.max())
             data = stack_clients([pad_client(clients[n], int(r), n_pad) for n, r in zip(names, rows)])
-            return ClientPlan(names, data, "vmap", chosen, rows), structure._replace(row_plate=chosen)
-        if client_mapping == "vmap":
+            plan, padded = ClientPlan(names, data, "vmap", chosen, rows), structure._replace(row_plate=chosen)
+            bad = first_term_mismatch(model, kwargs, clients, plan, padded)
+            if bad is None:
+                return plan, padded
+            if client_mapping == "vmap" or bad.padded_rows == bad.num_rows:
+                raise ValueError(describe_mismatch(bad, chosen))
+            # "auto": the padded rows reach a term; every client on its own rows instead (checked below)
+        elif client_mapping == "vmap":
             raise ValueError(_NO_PLATE.format(reason=reason))
     data = tuple(pad_client(clients[n], int(r)) for n, r in zip(names, rows))
-    return ClientPlan(names, data, "loop", row_plate, rows), structure._replace(row_plate=row_plate)
+    return _checked(model, kwargs, clients, ClientPlan(names, data, "loop", row_plate, rows),
+                    structure._replace(row_plate=row_plate))
+
+
+def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan,
+                        structure: ModelStructure) -> Optional[TermMismatch]:
+    """The first checked client whose laid-out term differs from NumPyro's density on its rows
+    (:mod:`numpyro_fed.term_identity`), or ``None``."""
+    key, cache = jax.random.PRNGKey(0), {}
+    codes = list(structure.group_plates.values())
+    counts = [tuple(int(np.max(clients[n][a])) + 1 for a in codes) for n in plan.names]
+    for j in checked_clients([int(n) for n in plan.num_rows], counts):
+        name = plan.names[j]
+        bad = client_term_mismatch(model, kwargs, structure, client_data(plan, j), clients[name], name,
+                                   jax.random.fold_in(key, j), cache=cache)
+        if bad is not None:
+            return bad
+    return None
+
+
+def _checked(model, kwargs, clients: Clients, plan: ClientPlan, structure: ModelStructure):
+    bad = first_term_mismatch(model, kwargs, clients, plan, structure)
+    if bad is not None:
+        raise ValueError(describe_mismatch(bad, structure.row_plate))
+    return plan, structure
 
 
 def client_data(plan: ClientPlan, index: int):

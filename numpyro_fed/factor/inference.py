@@ -494,17 +494,23 @@ class FactorInference(FederatedInference):
                        "sample_posterior(rng_key, result, num_samples, client=client)")
         return self.sample_posterior(rng_key, result, num_samples, client=client)
 
-    def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client) -> tuple:
+    def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client, corrected: bool = False) -> tuple:
         """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows, at
         the draws of ``sample_posterior(..., client=client)`` (the global draws are the same for every client,
         so the clients' matrices stack into the pooled one). Computed by the client on its
         own rows; federated model comparison sends only sums (:func:`numpyro_fed.federated_loo`).
+        ``corrected=True``: at the draws of ``sample_posterior(rng_key, result, num_samples,
+        corrected=True)`` instead (the client's locals drawn given each).
 
         Returns:
             ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
             (num_samples, *site batch shape)``.
         """
-        _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client)
+        u = None
+        if corrected:
+            u = importance_resample(rng_key, self._check_of(self._state_of(result)),
+                                    check_positive_int("num_samples", num_samples), type(self).__name__)
+        _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client, u)
         return log_lik, predictive
 
     def pointwise_at(self, rng_key: jax.Array, draws: Dict[str, jax.Array], client) -> tuple:
@@ -512,11 +518,11 @@ class FactorInference(FederatedInference):
         every latent site (e.g. EP's ``local_posterior`` draws)."""
         return observed_terms_at(self._fitted(), self.model, self.model_kwargs, rng_key, draws, client)
 
-    def _client_pass(self, rng_key, result, num_samples, client):
+    def _client_pass(self, rng_key, result, num_samples, client, u=None):
         setup = self._fitted()
         return client_pass(setup, self._state_of(result), self.model, self.model_kwargs,
                            lambda local: self._joint(setup.extra.structure, local), type(self).__name__,
-                           rng_key, check_positive_int("num_samples", num_samples), client)
+                           rng_key, check_positive_int("num_samples", num_samples), client, u)
 
     # ------------------------------------------------------------------ the check over a network
     def client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:

@@ -23,6 +23,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
 from .._structure import SiteLayout, latent_supports, make_layout, trace_model
+from .._trace import observed_draws
 from ..backends.mapping import pad_client
 from ..groups import trim_groups
 from ..warnings import ModelComparisonWarning, find_stack_level
@@ -53,13 +54,12 @@ def observed_terms(model: Callable, args: Mapping, kwargs: Mapping, values: Dict
                    rng_key) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
     """``(log_likelihood, predictive)`` at one draw of the latent sites (constrained
     ``values``): each observed site's pointwise log density of the client's data ``args``,
-    and a draw of new data from it."""
+    and a draw of new data from it (:func:`numpyro_fed._trace.observed_draws`: factors and sites
+    NumPyro cannot sample are left out of ``predictive``)."""
     k_trace, k_obs = random.split(rng_key)
     tr = trace(seed(substitute(model, data=values), k_trace)).get_trace(**dict(args), **dict(kwargs))
     observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
-    keys = random.split(k_obs, max(len(observed), 1))
-    log_lik = {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}
-    return log_lik, {n: tr[n]["fn"].sample(k) for n, k in zip(observed, keys)}
+    return {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}, observed_draws(tr, k_obs)
 
 
 def constrained(layout, local, supports, u, v) -> Dict[str, jax.Array]:
@@ -93,12 +93,13 @@ def observed_terms_at(setup, model, model_kwargs, rng_key, draws: Dict[str, jax.
 
 
 def client_pass(setup, state, model, model_kwargs, joint_of: Callable, cls: str, rng_key, num_samples: int,
-                client) -> tuple:
+                client, u=None) -> tuple:
     """``(values, log_likelihood, predictive)`` on ``client``'s rows at ``num_samples`` draws of
     ``q`` (a factor family's fit): the global draws, the client's local draws from the Laplace
     approximation of ``p(v | u, y_j)`` (``joint_of(local layout)`` is its log joint), and its
     observed sites' log densities and new data there. Warns when that approximation fails its
-    own Pareto-k check on the client's rows."""
+    own Pareto-k check on the client's rows. ``u``: the flat unconstrained global draws to use
+    instead of draws of ``q`` (importance-corrected ones), ``(num_samples, d)``."""
     names = list(setup.inputs.names)
     if client not in names:
         hint = f" (names are strings: client={str(client)!r})" if str(client) in names else ""
@@ -108,7 +109,8 @@ def client_pass(setup, state, model, model_kwargs, joint_of: Callable, cls: str,
         raise NotImplementedError(_ENUMERATED.format(cls=cls, names=list(structure.enumerated)))
     q = state.server.q
     d = q.shift.shape[0]
-    u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_samples, d)))
+    if u is None:
+        u = jax.vmap(lambda e: G.sample(q, e))(random.normal(rng_key, (num_samples, d)))
     args = setup.inputs[client]
     data = pad_client(args, int(setup.inputs.num_rows[client]))
     layout = structure.global_latent

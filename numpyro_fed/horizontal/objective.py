@@ -34,7 +34,7 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .._trace import prior_median
+from .._trace import observed_draws, prior_median
 from ..clients import ClientData
 from ..handlers import GLOBAL, LOCAL, site_role
 from .guides import StructuredGuide
@@ -209,8 +209,7 @@ class FederatedObjective:
         k_trace, k_obs = jax.random.split(rng_key)
         _, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout, k_trace)
         observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
-        keys = jax.random.split(k_obs, max(len(observed), 1))
-        predictive = {n: tr[n]["fn"].sample(k) for n, k in zip(observed, keys)}
+        predictive = observed_draws(tr, k_obs)
         if self.structure.enumerated:
             return self._enumerated_log_lik(global_params, local_params, z_global, z_local, args, layout, tr,
                                             observed), predictive

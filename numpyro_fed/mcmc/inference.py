@@ -29,7 +29,7 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .._trace import or_finite_point
+from .._trace import observed_draws, or_finite_point
 from .._validation import check_clients, check_model, check_positive_int, check_positive_number
 from ..backends.mapping import client_data, client_item, plan_clients, unpadder
 from ..clients import Clients
@@ -40,6 +40,7 @@ from ..params import DrawParams
 from ..protocol import RunResult, RunState
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
+from .diagnostics import R_HAT_LIMIT, chain_report
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
 
 __all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup", "pick_draws"]
@@ -59,14 +60,13 @@ _UNFINISHED = (
     "{cls}: the run stopped after {rounds} rounds (num_rounds) before every chain had its draws (iterations done "
     "per chain: {done} of {total}); the draws are incomplete. Raise num_rounds or lower max_tree_depth"
 )
-R_HAT_LIMIT = 1.05
 _DIVERGED = (
     "{cls}: {count} of {total} post-warmup iterations diverged (chains {chains}): the draws may miss part of the "
     "posterior (a funnel or sharp curvature). Raise target_accept_prob (e.g. 0.95) or reparameterise (non-centred "
     "hierarchies); sample_stats(result)['diverging'] and nf.to_arviz show where"
 )
 _R_HAT = (
-    "{cls}: the chains disagree: split R-hat {r_hat:.3f} > {limit} for site '{site}' (unconstrained): they have "
+    "{cls}: the chains disagree: split R-hat up to {r_hat:.3f} > {limit}, at '{site}' (unconstrained): they have "
     "not mixed. Run more warmup and draws, or check for a multimodal posterior"
 )
 _ENUMERATED = (
@@ -245,8 +245,6 @@ class FederatedMCMC(FederatedInference):
     def _warn_diagnostics(self, setup: Setup, result: RunResult) -> None:
         """Warn, as a careful NumPyro user would check, when post-warmup iterations diverged or
         (several chains) a global coordinate's split R-hat is above :data:`R_HAT_LIMIT`."""
-        from numpyro.diagnostics import split_gelman_rubin
-
         cls = type(self).__name__
         diverging = self.sample_stats(result)["diverging"]
         if diverging.any():
@@ -255,13 +253,14 @@ class FederatedMCMC(FederatedInference):
                           MCMCDiagnosticWarning, stacklevel=find_stack_level())
         draws = np.asarray(self._positions(setup, result.state))
         if draws.shape[0] > 1 and draws.shape[1] > 3:
-            r_hat = np.array([float(split_gelman_rubin(draws[..., i])) for i in range(draws.shape[-1])])
-            if np.nanmax(r_hat) > R_HAT_LIMIT:
-                layout = setup.extra.structure.global_latent
-                owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
-                worst = int(np.nanargmax(r_hat))
-                warnings.warn(_R_HAT.format(cls=cls, r_hat=r_hat[worst], site=owners[worst], limit=R_HAT_LIMIT),
-                              MCMCDiagnosticWarning, stacklevel=find_stack_level())
+            layout, at, by_site = setup.extra.structure.global_latent, 0, {}
+            for name, shape in zip(layout.names, layout.shapes):
+                size = int(np.prod(shape))
+                by_site[name], at = draws[..., at:at + size], at + size
+            report = chain_report(by_site)
+            if report.not_converged:
+                warnings.warn(_R_HAT.format(cls=cls, r_hat=report.max_r_hat, site=report.not_converged[0],
+                                            limit=R_HAT_LIMIT), MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ draws
     def _global_draws(self, setup: Setup, z) -> Dict[str, jax.Array]:
@@ -375,9 +374,7 @@ class FederatedMCMC(FederatedInference):
             k_trace, k_obs = random.split(key)
             tr, _ = self._client_trace(setup, th, z, real, args, k_trace)
             observed = [n for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]]
-            obs_keys = random.split(k_obs, max(len(observed), 1))
-            return ({n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed},
-                    {n: tr[n]["fn"].sample(k) for n, k in zip(observed, obs_keys)})
+            return {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}, observed_draws(tr, k_obs)
 
         key = ("pointwise", client)
         if key not in setup.cache:  # compiled once per client and set-up

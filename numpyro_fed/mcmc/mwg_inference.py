@@ -27,14 +27,13 @@ from ..groups import trim_groups
 from ..params import DrawParams
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
+from .diagnostics import MIN_ESS, R_HAT_LIMIT, chain_report  # noqa: F401  (the limits: documented here)
 from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg
 
 __all__ = ["FederatedMwG"]
 
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
-R_HAT_LIMIT = 1.05  # a global scalar's split R-hat above this warns
-MIN_ESS = 100  # a global scalar's bulk ESS below this warns
 
 
 class FederatedMwG(FactorInference):
@@ -180,27 +179,14 @@ class FederatedMwG(FactorInference):
     def mixing(self, result: RunResult) -> Dict:
         """The chains' diagnostics over the global scalars, as a careful NumPyro user would check
         them: ``{"max_r_hat", "min_n_eff", "acceptance", "not_converged", "unmixed"}``;
-        ``not_converged`` names the scalars whose split R-hat is above :data:`R_HAT_LIMIT`
-        (several chains), ``unmixed`` those too and those whose bulk ESS is below :data:`MIN_ESS`."""
-        from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
-
-        unmixed, not_converged, r_hats, ess_all = [], [], [], []
-        for site, x in self.get_samples(result, group_by_chain=True).items():
-            x = np.asarray(x).reshape(x.shape[:2] + (-1,))
-            for k in range(x.shape[-1]):
-                r_hat = float(split_gelman_rubin(x[..., k])) if x.shape[0] > 1 else 1.0
-                ess = float(effective_sample_size(x[..., k]))
-                r_hats.append(r_hat)
-                ess_all.append(ess)
-                name = f"{site}[{k}]" if x.shape[-1] > 1 else site
-                if not r_hat <= R_HAT_LIMIT:
-                    not_converged.append(name)
-                if not (r_hat <= R_HAT_LIMIT and ess >= MIN_ESS):
-                    unmixed.append(f"{name} (R-hat {r_hat:.3g}, ESS {ess:.0f})")
+        ``not_converged`` names the scalars whose split R-hat is above :data:`R_HAT_LIMIT`,
+        ``unmixed`` those too and those whose bulk ESS is below :data:`MIN_ESS`, ``constant``
+        the scalars that never move (left out: :func:`~numpyro_fed.mcmc.diagnostics.chain_report`)."""
+        report = chain_report({k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()})
         accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
-        return {"max_r_hat": max(r_hats), "min_n_eff": min(ess_all),
+        return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
                 "acceptance": float(accepted.mean()) if accepted.size else 0.0,
-                "not_converged": not_converged, "unmixed": unmixed}
+                "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant}
 
     # ------------------------------------------------------------------ API
     def get_samples(self, result: RunResult, group_by_chain: bool = False,

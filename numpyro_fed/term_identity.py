@@ -1,0 +1,274 @@
+"""Every client's term against NumPyro's own density of the model on that client's rows.
+
+A federated fit adds up one term per client. The simulation lays clients out side by side
+(padding unequal clients to the largest, with a row mask), and a term the model computes
+outside its row plate (a ``numpyro.factor`` summing over a client's rows, ``len(y)`` or a
+column's mean in a term) is not masked: it would see the padded rows. Nothing downstream can
+notice, because every check evaluates the same term the fit used. So at set-up, before any
+round, each client's term as laid out is compared with NumPyro's own potential energy
+(:func:`numpyro.infer.util.potential_energy`) of the model on the client's unpadded rows, at
+a few points of the latent sites, value and gradient:
+
+.. math::
+
+    \\log p(z_G) + \\log p(z_{L_j}, y_j \\mid z_G)\\big|_{\\text{laid out, masked}}
+    = -U_{\\text{NumPyro}}(z_G, z_{L_j}; \\text{rows of client } j),
+
+with the Jacobians of the unconstrained values on both sides, and the gradient on every padded
+local entry zero. :func:`~numpyro_fed.backends.mapping.plan_clients` runs it on every plan it
+makes, so it holds for every family whose clients hold rows (SFVI and SFVI-Avg, PVI, EP, BCM,
+the Laplace fit, federated NUTS/HMC and Metropolis-within-Gibbs, ``nf.fit``); under
+``client_mapping="auto"`` a padded layout that fails it is replaced by the clients laid out one
+by one on their own rows, which is then checked again.
+
+Clients checked: one per distinct layout (its row count and, with ``nf.group_plate``, its own
+group counts: what padding depends on), the smallest and the largest first, up to
+:data:`MAX_CHECKED` layouts; clients of one layout share one compiled check. A term that is not
+a sum over rows (a column's mean, ``len(y)``) is a different question, answered per client by
+:func:`split_rows_mismatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.handlers import substitute
+from numpyro.infer.util import potential_energy
+
+from ._structure import ModelStructure, SiteLayout, constrain_params, log_joint
+from ._trace import trace_model
+from .clients import ClientData, Clients
+from .groups import sized_model
+
+__all__ = ["MAX_CHECKED", "POINTS", "TermMismatch", "checked_clients", "client_term_mismatch", "describe_mismatch"]
+
+MAX_CHECKED = 16  # client layouts compared with NumPyro at set-up (see the module's docstring)
+POINTS = 2  # points of the latent sites per client
+RTOL, ATOL = 2e-4, 2e-3  # float32 sums over rows in another order, relative to the term's size
+# run once at set-up: compiled quickly rather than optimised (JAX's jax_disable_most_optimizations)
+_QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+_MISMATCH = (
+    "client '{client}': its term as the federation evaluates it ({what}) differs from NumPyro's own log density of "
+    "the model on the client's {rows} rows ({fed} against {ref}){sites}. {why}"
+)
+_PADDED_WHY = (
+    "The client's {what} to lay unequal clients side by side, and a term outside the plate that masks the "
+    "padding reads the padded entries. Put per-row terms inside the row plate (a factor per row: numpyro.factor "
+    "inside numpyro.plate('{plate}', ...)) and per-group terms inside their nf.group_plate{loop}"
+)
+_OWN_WHY = (
+    "The client's data were not padded, so the federated term itself is wrong for this model; please report it "
+    "with the model"
+)
+
+
+class TermMismatch(NamedTuple):
+    """A client whose federated term differs from NumPyro's density on its rows."""
+
+    client: str
+    what: str  # "value", "gradient of 'site'", or "gradient on padded entries of 'site'"
+    federated: float
+    numpyro: float
+    sites: Tuple[str, ...]  # the sites whose own terms differ (empty when they could not be told apart)
+    padded: bool  # whether the client's rows were padded in the layout checked
+    num_rows: int
+    padded_rows: int
+
+
+def checked_clients(num_rows: Sequence[int], group_counts: Optional[Sequence[tuple]] = None) -> List[int]:
+    """Indices of the clients compared at set-up: one per distinct layout (row count and, for
+    ``nf.group_plate`` models, the client's own group counts), what padding depends on; the
+    smallest and the largest first, at most :data:`MAX_CHECKED`."""
+    first: Dict[tuple, int] = {}
+    for j, n in enumerate(num_rows):
+        first.setdefault((int(n),) + tuple(group_counts[j] if group_counts else ()), j)
+    keys = sorted(first)
+    order = [k for pair in zip(keys, reversed(keys)) for k in pair]  # smallest, largest, next ...
+    picked: List[int] = []
+    for k in order:
+        if first[k] not in picked:
+            picked.append(first[k])
+        if len(picked) == MAX_CHECKED:
+            break
+    return sorted(picked)
+
+
+def _real_index(padded: SiteLayout, real: SiteLayout) -> np.ndarray:
+    """Flat positions in ``padded``'s layout of the real entries, in ``real``'s order (padding
+    is always at the end of an axis: rows past the client's count, groups past its own)."""
+    at = padded.unravel(jnp.arange(padded.size, dtype=jnp.float32))
+    parts = []
+    for name, shape in zip(real.names, real.shapes):
+        full = at[name]
+        if len(shape) != jnp.ndim(full) or any(k > m for k, m in zip(shape, jnp.shape(full))):
+            raise ValueError(f"local site '{name}' has shape {shape} on the client's own rows but "
+                             f"{tuple(jnp.shape(full))} as laid out; the layout cannot hold it")
+        parts.append(np.asarray(full[tuple(slice(0, k) for k in shape)]).reshape(-1))
+    return np.concatenate(parts).astype(int) if parts else np.zeros(0, int)
+
+
+def _enumerated(model, nesting: int):
+    from numpyro.contrib.funsor import enum
+
+    return enum(model, first_available_dim=-nesting - 1)
+
+
+def _nesting(tr) -> int:
+    return max([-f.dim for site in tr.values() if site["type"] == "sample" for f in site["cond_indep_stack"]
+                if f.dim is not None] + [0])
+
+
+class _Terms(NamedTuple):
+    values: Any  # jit-compiled (u[P, d], v_pad[P, m], laid args, row mask, rows) -> values and gradients
+    per_site: Any  # site -> ((u, v_padded) -> federated site term, (u, v_real) -> real site term)
+    d: int
+    padded: SiteLayout
+    index: np.ndarray
+
+
+def _terms(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, rows: Mapping, cache: dict) -> _Terms:
+    base = getattr(model, "__wrapped_model__", model)
+    glob = structure.global_latent
+    tr_laid, tr_real = trace_model(model, laid.args, kwargs), trace_model(base, rows, kwargs)
+    padded, real = structure.local_layout(tr_laid), structure.local_layout(tr_real)
+    params = {
+        **constrain_params({n: u for n, (u, _) in structure.global_param.items()},
+                           {n: c for n, (_, c) in structure.global_param.items()}),
+        **constrain_params(structure.local_param_init(tr_real), structure.local_param_constraints(tr_real)),
+    }
+    d, index = glob.size, _real_index(padded, real)
+
+    def latent(u, v, layout):
+        return {**glob.unravel(u), **layout.unravel(v)}
+
+    def federated(u, v, args, mask, count=lambda s: s["type"] == "sample"):
+        return log_joint(model, args, kwargs, latent(u, v, padded), params, count, structure.row_plate, mask)
+
+    # the model as plain NumPyro runs it on these rows alone (group plates of the client's own size)
+    own = sized_model(base, Clients({"client": rows}), kwargs)
+    reference_model = substitute(own, data=params)
+    if structure.enumerated:
+        reference_model = _enumerated(reference_model, _nesting(tr_real))
+
+    def reference(u, v, real_rows):
+        return -potential_energy(reference_model, (), {**dict(real_rows), **dict(kwargs)}, latent(u, v, real),
+                                 enum=bool(structure.enumerated))
+
+    key = (_shapes(laid.args), _shapes(rows), padded.names, padded.shapes, real.shapes,
+           tuple(sorted(getattr(own, "group_sizes", {}).items())),
+           tuple(sorted((n, np.asarray(v).tobytes()) for n, v in params.items())))
+    if key not in cache:
+        fed_grad = jax.value_and_grad(federated, argnums=(0, 1))
+        ref_grad = jax.value_and_grad(reference, argnums=(0, 1))
+
+        def values(u, v_pad, args, mask, real_rows):
+            (fv, (fu, fv_grad)) = jax.vmap(fed_grad, (0, 0, None, None))(u, v_pad, args, mask)
+            (rv, (ru, rv_grad)) = jax.vmap(ref_grad, (0, 0, None))(u, v_pad[:, index], real_rows)
+            return fv, fu, fv_grad, rv, ru, rv_grad
+
+        cache[key] = jax.jit(values, compiler_options=_QUICK)
+
+    def per_site(name):
+        def own(site):
+            return site["type"] == "sample" and site["name"] == name
+
+        return (lambda u, v: federated(u, v, laid.args, laid.row_mask, own),
+                lambda u, v: log_joint(base, rows, kwargs, latent(u, v, real), params, own))
+
+    return _Terms(cache[key], per_site, d, padded, index)
+
+
+def _shapes(args: Mapping) -> tuple:
+    return tuple(sorted((k, np.shape(v), str(np.asarray(v).dtype)) for k, v in dict(args).items()))
+
+
+def _close(a, b, scale) -> bool:
+    return bool(np.all(np.abs(np.asarray(a) - np.asarray(b)) <= ATOL * (1.0 + scale) + RTOL * np.abs(np.asarray(b))))
+
+
+def _differing_sites(terms: _Terms, tr_sites: Sequence[str], u, v_pad, v_real) -> Tuple[str, ...]:
+    """The sample sites whose own federated term (value) differs from the same term on the real rows."""
+    out = []
+    for name in tr_sites:
+        fed, ref = terms.per_site(name)
+        try:
+            a, b = float(fed(u, v_pad)), float(ref(u, v_real))
+        except ValueError:  # e.g. an enumerated model's sites cannot be counted one at a time
+            return ()
+        if not _close(a, b, abs(b)):
+            out.append(name)
+    return tuple(out)
+
+
+def client_term_mismatch(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, rows: Mapping,
+                         client: str, rng_key, points: int = POINTS, cache: Optional[dict] = None
+                         ) -> Optional[TermMismatch]:
+    """Compare one client's laid-out term with NumPyro's on its own ``rows`` (value and gradient,
+    at ``points`` points of the latent sites drawn uniformly in (-1, 1) of unconstrained space,
+    the padded local entries at other such values); ``None`` when they agree. Jit-compiled once
+    per shape of the client's data (``cache``: shared by clients of the same shapes)."""
+    terms = _terms(model, kwargs, structure, laid, rows, {} if cache is None else cache)
+    num_rows = int(next(iter(dict(rows).values())).shape[0])
+    padded_rows = int(laid.row_mask.shape[0])
+    padded = padded_rows > num_rows or terms.padded.size > terms.index.size
+    pad_entries = np.setdiff1d(np.arange(terms.padded.size), terms.index)
+    ku, kv = jax.random.split(rng_key)
+    us = jax.random.uniform(ku, (points, terms.d), minval=-1.0, maxval=1.0)
+    vs = jax.random.uniform(kv, (points, terms.padded.size), minval=-1.0, maxval=1.0)
+    real_rows = {k: jnp.asarray(v) for k, v in dict(rows).items()}
+    out = [np.asarray(x) for x in terms.values(us, vs, laid.args, laid.row_mask, real_rows)]
+    for p in range(points):
+        fv, fu, fvv, rv, ru, rvv = (float(out[0][p]), out[1][p], out[2][p], float(out[3][p]), out[4][p], out[5][p])
+        if not (np.isfinite(fv) or np.isfinite(rv)):
+            continue  # the model is not defined at this point (as NumPyro's initialisation retries)
+        u, v_pad = us[p], vs[p]
+        scale = abs(rv) if np.isfinite(rv) else 0.0
+
+        def found(what, a, b):
+            names = _differing_sites(
+                terms, [n for n, s in trace_model(model, laid.args, kwargs).items() if s["type"] == "sample"],
+                u, v_pad, v_pad[terms.index])
+            return TermMismatch(client, what, float(a), float(b), names, padded, num_rows, padded_rows)
+
+        if not (np.isfinite(fv) and np.isfinite(rv)) or not _close(fv, rv, scale):
+            return found("value", fv, rv)
+        gscale = float(np.max(np.abs(np.concatenate([ru.reshape(-1), rvv.reshape(-1), np.zeros(1)]))))
+        if not _close(fu, ru, gscale):
+            j = int(np.argmax(np.abs(fu - ru)))
+            return found(f"gradient in global site '{_entry_site(structure.global_latent, j)}'", fu[j], ru[j])
+        fr = fvv[terms.index]
+        if not _close(fr, rvv, gscale):
+            j = int(np.argmax(np.abs(fr - rvv)))
+            return found(f"gradient in local site '{_entry_site(terms.padded, int(terms.index[j]))}'", fr[j], rvv[j])
+        if pad_entries.size and not _close(fvv[pad_entries], 0.0, gscale):
+            j = int(pad_entries[np.argmax(np.abs(fvv[pad_entries]))])
+            return found(f"gradient on a padded entry of local site '{_entry_site(terms.padded, j)}'", fvv[j], 0.0)
+    return None
+
+
+def _entry_site(layout: SiteLayout, flat: int) -> str:
+    at = 0
+    for name, shape in zip(layout.names, layout.shapes):
+        at += int(np.prod(shape))
+        if flat < at:
+            return name
+    return "?"
+
+
+def describe_mismatch(m: TermMismatch, row_plate: Optional[str]) -> str:
+    """The error's text for a mismatch: the client, what differs, the sites, why and the fix."""
+    sites = f"; the differing term{'s' if len(m.sites) > 1 else ''}: {', '.join(repr(s) for s in m.sites)}" \
+        if m.sites else ""
+    if m.padded_rows > m.num_rows:
+        what = f"{m.num_rows} rows were padded to {m.padded_rows}"
+        loop = ", or pass client_mapping='loop' (each client evaluated on its own rows)"
+    else:
+        what = "groups were padded (nf.group_plate entries past its own)"
+        loop = ""
+    why = _PADDED_WHY.format(what=what, plate=row_plate or "rows", loop=loop) if m.padded else _OWN_WHY
+    return _MISMATCH.format(client=m.client, what=m.what, rows=m.num_rows, fed=f"{m.federated:.6g}",
+                            ref=f"{m.numpyro:.6g}", sites=sites, why=why)
