@@ -175,7 +175,8 @@ def run_fit(post: Posterior, ref, num_draws=4000) -> dict:
         warnings.simplefilter("always")
         try:
             fitted = nf.fit(post.model, post.clients, jax.random.PRNGKey(0), progress_bar=False)
-            draws = scalars(fitted.get_samples(num_samples=num_draws), post.sites)
+            draws = scalars(fitted.get_samples() if fitted.answer == "exact"
+                            else fitted.sample_posterior(jax.random.PRNGKey(1), num_draws), post.sites)
         except Exception as err:  # noqa: BLE001 - a refusal or a raised failure is a result here
             row.update(status="refused" if isinstance(err, (ValueError, NotImplementedError)) else "raised",
                        error=f"{type(err).__name__}: {str(err)[:300]}", seconds=time.perf_counter() - start)

@@ -56,15 +56,19 @@ def _add_demo(sub) -> None:
 def _add_flower_demo(sub) -> None:
     fdemo = sub.add_parser(
         "flower-demo",
-        help="a whole Flower federation on this machine: PVI over N SuperNodes, next to the simulation",
-        description="Start a Flower SuperLink and N SuperNodes on 127.0.0.1 (each node holding its own "
-        "client's rows of a Bayesian linear regression), fit it with PVI over Flower, print the result "
-        "beside the simulation backend's and the exact posterior, and stop every process started. "
+        help="a whole Flower federation on this machine: nf.fit over N SuperNodes, next to the simulation",
+        description="Start a Flower SuperLink and N SuperNodes on 127.0.0.1, each node holding its own "
+        "hospital's patients; fit a logistic regression with a random effect per ward (each hospital's "
+        "ward effects stay on its node) by nf.fit over Flower, print the posterior beside the same nf.fit "
+        "in the simulation backend and NumPyro's NUTS on the pooled rows, and stop every process started. "
+        "--method pvi fits a Bayesian linear regression by PVI instead, beside its exact posterior. "
         "Needs pip install numpyro-fed[flower].",
     )
     fdemo.add_argument("--clients", type=int, default=3,
                        help="SuperNodes to start, one client's rows each (default 3)")
-    fdemo.add_argument("--rounds", type=int, default=4, help="PVI rounds (synchronous, default 4)")
+    fdemo.add_argument("--method", choices=("fit", "pvi"), default="fit",
+                       help="nf.fit on the ward model (default), or PVI on a linear regression")
+    fdemo.add_argument("--rounds", type=int, default=4, help="PVI's rounds (synchronous, default 4)")
     fdemo.add_argument("--seed", type=int, default=0,
                        help="the run's key; the simulation next to it uses the same (default 0)")
     fdemo.add_argument("--json", default="", help="also write the figures to this JSON file")
@@ -150,7 +154,8 @@ def _run_flower_demo(args) -> int:
 
     # a SIGTERM unwinds like Ctrl-C, so the federation still stops every process it started
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
-    _write_json(args.json, run_flower_demo(clients=args.clients, rounds=args.rounds, seed=args.seed))
+    _write_json(args.json, run_flower_demo(clients=args.clients, rounds=args.rounds, seed=args.seed,
+                                           method=args.method))
     return 0
 
 

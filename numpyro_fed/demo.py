@@ -143,7 +143,8 @@ def _fit_all(fits, num_rounds, clients, seed, say=print, quiet=False):
             say(f"\n{label} ({what}):", flush=True)
             res, seconds, flagged[name] = _timed(lambda: fit(logistic_glmm, clients, key, exact=name == "fit_exact",
                                                              progress_bar=not quiet))
-            draws[name] = _flatten(res.get_samples(num_samples=4000))
+            exact = res.answer == "exact"  # the chains' draws; else 4000 draws of the Laplace answer
+            draws[name] = _flatten(res.get_samples() if exact else res.sample_posterior(random.PRNGKey(1), 4000))
             comm[name] = dict(rounds=res.rounds, bytes_up=res.bytes_up, bytes_down=res.bytes_down, seconds=seconds)
             if isinstance(res.check, dict):  # a sampler: its rounds per effective sample (worst global scalar)
                 comm[name]["per_draw"] = dict(min_ess=res.check["min_n_eff"],

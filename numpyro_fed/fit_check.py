@@ -43,7 +43,8 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["FitDiagnostic", "MEAN_MARGIN", "PARETO_K_LIMIT", "SD_MARGIN", "SiteMoments", "fit_diagnostic",
+__all__ = ["FitDiagnostic", "MCSE_FACTOR", "MEAN_MARGIN", "PARETO_K_LIMIT", "SD_MARGIN", "SiteMoments", "answer_check",
+           "fit_diagnostic", "within_tolerance",
            "importance_resample", "moment_report", "state_fingerprint"]
 
 PARETO_K_LIMIT = 0.7
@@ -65,7 +66,9 @@ a fit within 15 % is not)."""
 
 CURVATURE_FULL = 12  # dimensions up to which the shape test fits a full quadratic (else diagonal)
 
-_MCSE_FACTOR = 3.0  # the margin never falls below this many Monte Carlo standard errors
+MCSE_FACTOR = 3.0
+"""A check's margin never falls below this many Monte Carlo standard errors, and an accepted fit
+keeps this many of them inside the tolerance (:func:`within_tolerance`)."""
 
 
 class SiteMoments(NamedTuple):
@@ -76,6 +79,8 @@ class SiteMoments(NamedTuple):
     q_sd: float
     weighted_mean: float
     weighted_sd: float
+    se_mean: float = float("nan")  # Monte Carlo standard error of weighted_mean, in weighted sds
+    se_log_sd: float = float("nan")  # Monte Carlo standard error of log(weighted_sd)
 
     @property
     def mean_gap(self) -> float:
@@ -157,16 +162,17 @@ def moment_report(draws: Dict[str, np.ndarray], weights: np.ndarray, ess: float)
         r2 = (x - wm) ** 2
         var = float(np.sum(weights * r2))
         wsd = float(np.sqrt(var))
-        m = SiteMoments(site, float(x.mean()), float(x.std()), wm, wsd)
-        moments.append(m)
         if wsd <= 0:
+            moments.append(SiteMoments(site, float(x.mean()), float(x.std()), wm, wsd))
             continue
         # Monte Carlo standard errors of the self-normalised estimates (Owen, 2013, eq. 9.8; the
         # delta method for the sd): heavy-tailed sites (a scale) get wider margins than 1/sqrt(ESS)
         se_mean = float(np.sqrt(np.sum(weights**2 * r2))) / wsd
         se_log_sd = float(np.sqrt(np.sum(weights**2 * (r2 - var) ** 2))) / (2.0 * var)
-        mean_margin = max(MEAN_MARGIN, _MCSE_FACTOR * se_mean)
-        sd_margin = max(np.log1p(SD_MARGIN), _MCSE_FACTOR * se_log_sd)
+        m = SiteMoments(site, float(x.mean()), float(x.std()), wm, wsd, se_mean, se_log_sd)
+        moments.append(m)
+        mean_margin = max(MEAN_MARGIN, MCSE_FACTOR * se_mean)
+        sd_margin = max(np.log1p(SD_MARGIN), MCSE_FACTOR * se_log_sd)
         if abs(m.mean_gap) > mean_margin or abs(np.log(m.sd_ratio)) > sd_margin:
             biased.append(m)
     return tuple(moments), tuple(biased)
@@ -325,3 +331,27 @@ def describe_biased(biased: Tuple[SiteMoments, ...], limit: int = 6) -> str:
              f"sd {m.weighted_sd:.3g})" for m in biased[:limit]]
     more = len(biased) - limit
     return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+
+
+def within_tolerance(mean: float, sd: float, reference: SiteMoments, se_mean: float = 0.0,
+                     se_log_sd: float = 0.0) -> bool:
+    """Whether ``(mean, sd)`` is within the promised tolerance of the weighted moments of
+    ``reference`` (mean within :data:`MEAN_MARGIN` weighted sds, sd within :data:`SD_MARGIN`) with
+    :data:`MCSE_FACTOR` Monte Carlo standard errors of the estimates to spare (``reference``'s
+    own, and ``se_mean`` / ``se_log_sd`` of the other estimate where it is one too): so an
+    accepted fit never sits on the tolerance it is promised to meet."""
+    if not reference.weighted_sd > 0:
+        return True
+    se_m = float(np.hypot(np.nan_to_num(reference.se_mean), se_mean))
+    se_s = float(np.hypot(np.nan_to_num(reference.se_log_sd), se_log_sd))
+    gap = abs(mean - reference.weighted_mean) / reference.weighted_sd + MCSE_FACTOR * se_m
+    ratio = abs(np.log(max(sd, 1e-300) / reference.weighted_sd)) + MCSE_FACTOR * se_s
+    return bool(gap <= MEAN_MARGIN and ratio <= np.log1p(SD_MARGIN))
+
+
+def answer_check(check: FitDiagnostic) -> FitDiagnostic:
+    """The check of importance-corrected draws resampled from ``check``'s: their moments are the
+    weighted ones (so none is off), with ``check``'s Pareto k and ESS."""
+    moments = tuple(m._replace(q_mean=m.weighted_mean, q_sd=m.weighted_sd) for m in check.moments)
+    unconstrained = tuple(m._replace(q_mean=m.weighted_mean, q_sd=m.weighted_sd) for m in check.unconstrained_moments)
+    return check._replace(moments=moments, biased=(), unconstrained_moments=unconstrained)

@@ -10,12 +10,13 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    (draws from ``q``), and a widened one (draws from ``q`` with its sd times :data:`WIDEN`, which
    reach the tails a too-narrow ``q`` never draws from). ``q`` is accepted when its own verdict is
    ``ok`` (Pareto k at most :data:`ACCEPT_K`, no biased site) and its means and sds agree with the
-   widened check's weighted ones; otherwise the widened check's importance-resampled draws are
-   accepted when its Pareto k is at most :data:`CORRECT_K`, its ESS at least
-   :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`, and both checks' importance-weighted moments
-   agree (where they differ, the posterior's tails reach past what the draws see). Over a
-   network backend (Flower) both checks run on the clients, each computing its own term on its
-   own node.
+   widened check's weighted ones (within the tolerance :func:`fit` promises, means within 0.2 sds
+   and sds within 15 %, with three of the check's Monte Carlo standard errors to spare);
+   otherwise the widened check's importance-resampled draws are accepted when its Pareto k is
+   at most :data:`CORRECT_K`, its ESS at least :data:`CORRECT_MIN_ESS` of :data:`CORRECT_DRAWS`,
+   and both checks' importance-weighted moments agree (where they differ, the posterior's tails
+   reach past what the draws see). Over a network backend (Flower) both checks run on the
+   clients, each computing its own term on its own node.
 3. Otherwise **exact federated Metropolis-within-Gibbs** (:mod:`~numpyro_fed.mcmc.mwg_algorithm`):
    one round per iteration, :data:`MWG_CHAINS` chains side by side, started at the Laplace mode
    and proposing by its covariance, every move corrected by an exact Metropolis-Hastings test,
@@ -26,7 +27,9 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    federated NUTS**, started at the Laplace mode (or the search's last point) and
    preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
    L^T`` the covariance: a dense mass matrix); ``num_warmup`` defaults to :data:`WARM_WARMUP`
-   instead of NumPyro's 500. It pays one round per leapfrog step.
+   instead of NumPyro's 500, ``num_chains`` to :data:`NUTS_CHAINS`. It pays one round per leapfrog
+   step, and warns, naming the scalars, where its chains have a split R-hat above 1.05 or a bulk
+   ESS under 100 (:mod:`~numpyro_fed.mcmc.diagnostics`).
 
 ``exact=True`` skips the Laplace checks: the Laplace search only finds the samplers' start, and
 the answer is rung 3's (or 4's).
@@ -43,7 +46,8 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
-from .warnings import FitWarning, UncheckedFitWarning, find_stack_level
+from .fit_result import Fit, check_text
+from .warnings import FitWarning, find_stack_level
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
            "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "RUNG_KEYS", "RUNG_OPTIONS", "WARM_WARMUP", "WIDEN", "fit",
@@ -128,107 +132,6 @@ _UNMIXED = (
     "num_samples=), raise target_accept_prob= (e.g. 0.95) where NUTS diverged, or reparameterise (a non-centred "
     "hierarchy)"
 )
-
-_NETWORK_CLIENT = (
-    "Fit.get_samples(client={client!r}): this fit ran over a network backend, and a client's local draws are "
-    "computed on its own node from its rows, which the server does not hold; draw them on the client (a fit in "
-    "simulation gives them here)"
-)
-
-
-_CLIENT_UNCORRECTED = (
-    "Fit.get_samples(client={client!r}): this fit's global draws are importance-corrected, but a client's local "
-    "draws are drawn at draws of the Laplace Gaussian, which the check found off (fit.log says where); for exact "
-    "local draws use nf.fit(..., exact=True)"
-)
-
-
-class Fit:
-    """What :func:`fit` returns.
-
-    Attributes:
-        method: ``"laplace"``, ``"laplace (importance-corrected)"``, ``"mwg"`` or ``"nuts"``: the
-            rung whose answer this is.
-        inference: the fitted inference object of that rung; ``result``: its
-            :class:`~numpyro_fed.RunResult`.
-        rounds, bytes: communication rounds and bytes (both ways) of every rung tried;
-            ``bytes_up``, ``bytes_down``: each way.
-        check: the accepted rung's check: a :class:`~numpyro_fed.FitDiagnostic` (Laplace), or
-            for the samplers ``{"acceptance" (MwG) / "divergences" (NUTS), "min_n_eff",
-            "max_r_hat"}`` over the global scalars.
-        log: what was tried, in order, and why the ladder moved on.
-        results: the :class:`~numpyro_fed.RunResult` of every rung that ran, in order (each
-            with its own transcript when run with ``record_transcript=True``).
-
-    After a fit over a network backend (Flower) the server holds no client's rows: a client's
-    local draws and the pointwise log-likelihood are computed on its node, so
-    ``get_samples(client=...)`` raises and ``idata`` has no ``log_likelihood`` group.
-    """
-
-    def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
-                 log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None,
-                 results: Optional[List[Any]] = None) -> None:
-        self.method, self.inference, self.result = method, inference, result
-        self.rounds, self.check, self.log = int(rounds), check, list(log)
-        self.bytes_up, self.bytes_down = (int(b) for b in traffic)
-        self.bytes = self.bytes_up + self.bytes_down
-        self._corrected, self._num_samples = corrected, int(num_samples)
-        self._idata, self._clients = None, clients
-        self.results = list(results) if results is not None else [result]
-
-    def get_samples(self, client: Optional[str] = None, *, num_samples: Optional[int] = None,
-                    rng_key: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
-        """Constrained draws of the global sites (NumPyro's ``get_samples``); with ``client``,
-        that client's local sites at the same draws as well, computed by the client on its
-        own rows (in a deployment, on that client).
-
-        For the samplers: the chains' draws (``num_samples`` ignored; a client's local draws
-        are those its chain recorded); for Laplace: ``num_samples``
-        (default: ``fit``'s) draws of the Gaussian, or of the importance-corrected draws. A
-        client's local draws under an importance-corrected fit are drawn at draws of the
-        Laplace Gaussian (the client's Laplace approximation of its locals given each), not at
-        the corrected ones, and say so with an ``UncheckedFitWarning``."""
-        n = self._num_samples if num_samples is None else int(num_samples)
-        key = jax.random.PRNGKey(1) if rng_key is None else rng_key
-        if client is not None and self._clients is None:
-            raise ValueError(_NETWORK_CLIENT.format(client=client))
-        if self.method in ("nuts", "mwg"):
-            return self.inference.get_samples(self.result, client=client)
-        if client is not None:
-            if self._corrected:
-                warnings.warn(_CLIENT_UNCORRECTED.format(client=client), UncheckedFitWarning,
-                              stacklevel=find_stack_level())
-            return self.inference.sample_posterior(key, self.result, n, client=client)
-        return self.inference.sample_posterior(key, self.result, n, corrected=self._corrected)
-
-    @property
-    def idata(self):
-        """The fit as ``arviz.InferenceData`` (:func:`numpyro_fed.to_arviz`), with every client's
-        pointwise log-likelihood (each computed on its own rows: the simulation holds them)."""
-        if self._idata is None:
-            from .arviz import to_arviz
-
-            extra = {} if self.method in ("nuts", "mwg") else {"num_samples": max(1, self._num_samples // 4),
-                                                       "corrected": self._corrected}
-            self._idata = to_arviz(self.inference, self.result, jax.random.PRNGKey(2), clients=self._clients, **extra)
-        return self._idata
-
-    def print_summary(self, prob: float = 0.9) -> None:
-        """Print :func:`numpyro_fed.summary` of the fit, then the method, its rounds and its check."""
-        from .summary import print_summary
-
-        print_summary(self, prob=prob)
-
-    def __repr__(self) -> str:
-        return (f"Fit(method={self.method!r}, rounds={self.rounds}, bytes={self.bytes}, "
-                f"check={_check_text(self.check)})")
-
-
-def _check_text(check) -> str:
-    if isinstance(check, dict):
-        return ", ".join(f"{k} {v:.3g}" for k, v in check.items())
-    return f"{check.verdict} (Pareto k {check.pareto_k:.2f})" if check is not None else "none"
-
 
 def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the search's communication)
     c = result.communication
@@ -456,7 +359,7 @@ class Ladder:
             done["rounds"] += int(result.communication.rounds)
             done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], _bytes(result)))
             check = _mcmc_check(sampler, result)
-            log.append(f"{rung}: {int(result.communication.rounds)} rounds; " + _check_text(check))
+            log.append(f"{rung}: {int(result.communication.rounds)} rounds; " + check_text(check))
             if rung == "mwg" and not _mixed(check):
                 log.append("mwg: the chains did not converge (split R-hat above "
                            f"{_r_hat_limit()}) or barely moved: moving to federated NUTS")
@@ -484,13 +387,16 @@ def _judge(laplace, result, log: List[str]):
     widened to :data:`WIDEN` times its sd with :data:`CORRECT_DRAWS` draws, whose importance
     weights reach the tails a too-narrow ``q`` never draws from. ``q`` is kept when its verdict
     is ``ok`` and its user-space means and sds agree with the widened check's weighted ones
-    (means within 0.2 sds, sds within 15 %); otherwise the widened check's importance-resampled
-    draws are the answer when its Pareto k is at most :data:`CORRECT_K`, its ESS at least
+    (means within 0.2 sds, sds within 15 %, with three Monte Carlo standard errors of the
+    estimate to spare: an accepted ``q`` never sits on the tolerance); otherwise the widened
+    check's importance-resampled draws are the answer when its Pareto k is at most :data:`CORRECT_K`, its ESS at least
     :data:`CORRECT_MIN_ESS`, and the two checks' importance-weighted moments agree (the same
     margins): two importance estimates of one posterior from proposals of different widths
     differ where its tails reach past the narrower, and may reach past the wider too (a
     precision with a Gamma(0.001, 0.001) prior: the weighted sd from ``q`` half the widened
     one's, itself 0.73 of the posterior's)."""
+    from .fit_check import answer_check
+
     rounds = int(result.communication.rounds)
     check, wide = laplace.last_fit_check, laplace.widened_check
     if check is None:
@@ -516,14 +422,16 @@ def _judge(laplace, result, log: List[str]):
                        f"corrected draws are not offered")
             return None
         log.append("laplace: accepted with importance-corrected draws (from the widened check)")
-        return "laplace (importance-corrected)", laplace.widened_result(result), wide, True
+        return "laplace (importance-corrected)", laplace.widened_result(result), answer_check(wide), True
     return None
 
 
 def _disagreeing(check, wide, weighted: bool = False) -> List[str]:
     """The sites whose moments under ``q`` (``check``; ``weighted``: its importance-weighted
-    ones) are off from the widened check's weighted ones (means within 0.2 sds, sds within 15 %)."""
-    from .fit_check import MEAN_MARGIN, SD_MARGIN
+    ones) are not within the promised tolerance of the widened check's weighted ones (means
+    within 0.2 sds, sds within 15 %) with three Monte Carlo standard errors of the estimates to
+    spare (:func:`~numpyro_fed.fit_check.within_tolerance`)."""
+    from .fit_check import within_tolerance
 
     ours = {m.site: m for m in check.moments}
     out = []
@@ -531,8 +439,12 @@ def _disagreeing(check, wide, weighted: bool = False) -> List[str]:
         q = ours.get(m.site)
         if q is None or not m.weighted_sd > 0:
             continue
-        mean, sd = (q.weighted_mean, q.weighted_sd) if weighted else (q.q_mean, q.q_sd)
-        if abs(mean - m.weighted_mean) > MEAN_MARGIN * m.weighted_sd or abs(sd / m.weighted_sd - 1) > SD_MARGIN:
+        if weighted:
+            ok = within_tolerance(q.weighted_mean, q.weighted_sd, m, np.nan_to_num(q.se_mean),
+                                  np.nan_to_num(q.se_log_sd))
+        else:
+            ok = within_tolerance(q.q_mean, q.q_sd, m)
+        if not ok:
             out.append(m.site)
     return out
 

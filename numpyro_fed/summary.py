@@ -67,9 +67,13 @@ def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_sample
 
 
 def _check_line(inference, result) -> str:
-    if _is_fit(inference):
-        return f"{inference.method}, {inference.rounds} rounds; " + (
-            _verdict_text(inference.check) if inference.method not in _SAMPLERS else "")
+    if _is_fit(inference):  # what the returned answer is, and its own check (fit.log: what was set aside)
+        head = f"{inference.method} ({inference.answer}), {inference.rounds} rounds; "
+        if inference.method in _SAMPLERS:
+            c = inference.check
+            return head + (f"exact sampler: min ESS {c['min_n_eff']:.0f}, max split R-hat {c['max_r_hat']:.3f} over "
+                           f"the global scalars")
+        return head + _verdict_text(inference.check)
     if getattr(inference, "draws_are_chains", False):
         return ""
     diagnose = getattr(inference, "diagnose", None)

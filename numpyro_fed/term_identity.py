@@ -43,7 +43,8 @@ from ._trace import trace_model
 from .clients import ClientData, Clients
 from .groups import sized_model
 
-__all__ = ["MAX_CHECKED", "POINTS", "TermMismatch", "checked_clients", "client_term_mismatch", "describe_mismatch"]
+__all__ = ["MAX_CHECKED", "POINTS", "TermMismatch", "checked_clients", "client_term_mismatch", "describe_mismatch",
+           "split_rows_mismatch"]
 
 MAX_CHECKED = 16  # client layouts compared with NumPyro at set-up (see the module's docstring)
 POINTS = 2  # points of the latent sites per client
@@ -272,3 +273,104 @@ def describe_mismatch(m: TermMismatch, row_plate: Optional[str]) -> str:
     why = _PADDED_WHY.format(what=what, plate=row_plate or "rows", loop=loop) if m.padded else _OWN_WHY
     return _MISMATCH.format(client=m.client, what=m.what, rows=m.num_rows, fed=f"{m.federated:.6g}",
                             ref=f"{m.numpyro:.6g}", sites=sites, why=why)
+
+
+_DATA_FREE = (
+    "client '{client}': the model's term{s} {sites} {does} not depend on the client's rows (a term of the global "
+    "sites alone, outside every plate): every client adds its own term, so a federated fit would count it once "
+    "per client, not once. Express it through the prior instead (a soft constraint as a parameterisation, e.g. "
+    "effects that sum to zero as concatenate([a, -a.sum()])), or make it a sample site with its own prior"
+)
+_NOT_A_SUM = (
+    "client '{client}': the model's term{s} {sites} {is_} not a sum over the client's rows: at the same values of the "
+    "latent sites it adds up to {halves:.6g} on two halves of the client's {rows} rows (every other row) and to "
+    "{whole:.6g} on all of them. A federated fit adds each client's term, so the model it fits is not the model of "
+    "the pooled rows: a statistic of the client's own rows (its mean or sd of a column, len(y) beyond a per-row "
+    "count) or a term linking rows (a series) would be the client's, not the pooled data's. Compute such a "
+    "statistic over the pooled data once and pass it as model_kwargs=, or write the term per row inside the row "
+    "plate"
+)
+
+
+def _observed(site) -> bool:
+    return site["type"] == "sample" and site["is_observed"]
+
+
+def split_rows_mismatch(model, kwargs: Mapping, structure: ModelStructure, rows: Mapping, client: str,
+                        rng_key) -> Optional[str]:
+    """The error text when ``client``'s observed terms (likelihoods and factors) are not a sum
+    over its rows, else ``None``: its term on two halves of its rows (every other row), summed,
+    against its term on all of them, at one point of the latent sites (globals drawn uniformly in
+    (-1, 1) of unconstrained space; local sites with one entry per row cut with the rows, the
+    others kept), in double precision. Each client can run it alone, on its own rows. Skipped
+    (``None``) for a client of fewer than 4 rows, where a local site's shape on half the rows is
+    not its shape on all of them cut along the rows, or where the model cannot run in double
+    precision."""
+    rows = {k: np.asarray(v) for k, v in dict(rows).items()}
+    n = int(next(iter(rows.values())).shape[0])
+    if n < 4:
+        return None
+    base = getattr(model, "__wrapped_model__", model)
+    own = sized_model(base, Clients({client: rows}), kwargs)  # halves keep the client's groups
+    halves = [{k: v[i::2] for k, v in rows.items()} for i in (0, 1)]
+    traces = [trace_model(own, a, kwargs) for a in [rows] + halves]
+    glob = structure.global_latent
+    ku, kv = jax.random.split(rng_key)
+    u = glob.unravel(jax.random.uniform(ku, (glob.size,), minval=-1.0, maxval=1.0))
+    full_local = {}
+    for j, name in enumerate(structure.local_latent_names):
+        shape = jnp.shape(_unconstrained_value(traces[0][name]))
+        full_local[name] = jax.random.uniform(jax.random.fold_in(kv, j), shape, minval=-1.0, maxval=1.0)
+    latents = [{**u, **full_local}]
+    for i, tr in enumerate(traces[1:]):
+        cut = {}
+        for name, value in full_local.items():
+            want = jnp.shape(_unconstrained_value(tr[name]))
+            axes = [a for a, (w, f) in enumerate(zip(want, value.shape)) if w != f]
+            if len(want) != value.ndim or any(value.shape[a] != n for a in axes):
+                return None  # a local site not cut along the rows: its halves cannot be told
+            cut[name] = value
+            for a in axes:
+                cut[name] = jnp.take(cut[name], jnp.arange(i, n, 2), axis=a)
+        latents.append({**u, **cut})
+    params = constrain_params({m: v for m, (v, _) in structure.global_param.items()},
+                              {m: c for m, (_, c) in structure.global_param.items()})
+    sites = [m for m, s in traces[0].items() if _observed(s)]
+    summed_out = set(structure.enumerated)  # discrete local sites summed out with the rows they explain
+
+    def terms(args, latent):  # each observed site's term (with the sites summed out with it)
+        def one(name):
+            def count(s):
+                return (_observed(s) and s["name"] == name) or s["name"] in summed_out
+            return log_joint(own, args, kwargs, latent, params, count)
+        return jnp.stack([one(m) for m in sites])
+
+    try:
+        with jax.enable_x64(True):  # in double precision: a sum over rows in another order is exact to 1e-12
+            wide = jax.jit(terms, compiler_options=_QUICK)
+            as64 = [{k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in a.items()}
+                    for a in [rows] + halves]
+            lat64 = [jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), lat) for lat in latents]
+            whole, first, second = (np.asarray(wide(a, lat), np.float64) for a, lat in zip(as64, lat64))
+    except (TypeError, ValueError):  # the model cannot run in double precision: not judged here
+        return None
+    split = first + second
+    off = ~(np.abs(split - whole) <= 1e-7 * (1.0 + np.abs(whole)))
+    if not (np.all(np.isfinite(whole)) and np.all(np.isfinite(split))) or not off.any():
+        return None
+    bad = [m for m, o in zip(sites, off) if o]
+    free = [m for m, o, a, b, w in zip(sites, off, first, second, whole) if o and abs(a - w) <= 1e-7 * (1 + abs(w))
+            and abs(b - w) <= 1e-7 * (1 + abs(w))]
+    if free:
+        return _DATA_FREE.format(client=client, s="s" if len(free) > 1 else "", sites=", ".join(repr(m) for m in free),
+                                 does="do" if len(free) > 1 else "does")
+    return _NOT_A_SUM.format(client=client, s="s" if len(bad) > 1 else "", sites=", ".join(repr(m) for m in bad),
+                             is_="are" if len(bad) > 1 else "is", halves=float(split.sum()),
+                             whole=float(whole.sum()), rows=n)
+
+
+def _unconstrained_value(site):
+    """A latent site's unconstrained value (its shape is the layout's)."""
+    from numpyro.distributions.transforms import biject_to
+
+    return biject_to(site["fn"].support).inv(site["value"])

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,9 +59,12 @@ def test_readme_example_runs_and_does_not_warn(capsys):
         warnings.simplefilter("error", nf.FederatedWarning)
         exec(compile(code, "README.md", "exec"), namespace)
     out = capsys.readouterr().out
-    assert "tau" in out and "laplace, 5 rounds" in out  # the rounds README quotes
+    assert "tau" in out and "laplace (as is), 5 rounds" in out  # the rounds README quotes
     draws = namespace["fit"].get_samples()
     assert abs(float(draws["beta"][:, 1].mean()) - 1.0) < 0.3  # the simulated slope
+    new = namespace["new"]["y"]  # hospital 0's new patients: 0/1 draws, the second likelier to be 1 (x = 1)
+    assert new.shape == (1000, 2) and set(np.unique(np.asarray(new))) <= {0.0, 1.0}
+    assert float(new[:, 1].mean()) > float(new[:, 0].mean())
 
 
 def test_cli_help_and_small_demo(tmp_path):

@@ -163,3 +163,47 @@ def test_padded_models_whose_terms_are_all_in_plates_pass_the_identity(model):
     plan, structure = plan_clients(sized, {}, clients, structure)
     assert plan.mapping == "vmap" and plan.row_plate == "rows"
     assert first_term_mismatch(sized, {}, clients, plan, structure) is None
+
+
+def standardised(x, y, in_plate):
+    """Outcomes standardised by the client's own mean and sd: a different model per client."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, PRIOR).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(beta[0] + beta[1] * x, SIGMA), obs=(y - y.mean()) / y.std())
+
+
+def test_a_term_that_is_not_a_sum_over_rows_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"client '2'.*term 'y' is not a sum over the client's rows.*model_kwargs="):
+        nf.EP(standardised).run(jax.random.PRNGKey(0), unequal_clients(), 1)
+
+
+@pytest.mark.parametrize("model", [half_in_factor, counted_by_len, in_plate_only])
+def test_sums_over_rows_pass_the_split_check(model):
+    from numpyro_fed.term_identity import split_rows_mismatch
+
+    clients = unequal_clients()
+    structure = analyse_model(model, clients, {})
+    assert split_rows_mismatch(model, {}, structure, clients["2"], "2", jax.random.PRNGKey(0)) is None
+
+
+def test_group_effects_are_kept_whole_on_each_half():
+    from numpyro_fed.term_identity import split_rows_mismatch
+
+    rng = np.random.default_rng(0)
+    clients = nf.Clients({"a": dict(ward=np.arange(12) % 3, y=rng.normal(size=12))})
+    sized = sized_model(wards, clients, {})
+    structure = analyse_model(sized, clients, {})
+    assert split_rows_mismatch(sized, {}, structure, clients["a"], "a", jax.random.PRNGKey(0)) is None
+
+
+def soft_constraint(x, y, in_plate):
+    """A factor of the global sites alone (no data): every client would add it."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, PRIOR).expand([2]).to_event(1))
+    numpyro.factor("sum_to_zero", -0.5 * (jnp.sum(beta) / 0.1) ** 2)
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(beta[0] + beta[1] * x, SIGMA), obs=y)
+
+
+def test_a_term_of_the_global_sites_alone_is_refused_as_counted_once_per_client():
+    with pytest.raises(ValueError, match=r"'sum_to_zero' does not depend on the client's rows.*once per client"):
+        nf.fit(soft_constraint, unequal_clients(), jax.random.PRNGKey(0), progress_bar=False)

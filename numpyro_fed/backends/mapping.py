@@ -21,9 +21,16 @@ import numpy as np
 
 from .._structure import ModelStructure, SiteLayout, trace_model
 from ..clients import ClientData, Clients
-from ..term_identity import TermMismatch, checked_clients, client_term_mismatch, describe_mismatch
+from ..term_identity import (
+    TermMismatch,
+    checked_clients,
+    client_term_mismatch,
+    describe_mismatch,
+    split_rows_mismatch,
+)
 
-__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "client_data", "client_item", "first_term_mismatch", "pad_client",
+__all__ = ["CLIENT_MAPPINGS", "ClientPlan", "check_sums_over_rows", "client_data", "client_item", "first_term_mismatch",
+           "pad_client",
            "plan_clients", "shape_key", "stack_clients", "traced_args", "unpadder"]
 
 CLIENT_MAPPINGS = ("auto", "vmap", "loop")
@@ -128,19 +135,23 @@ def plan_clients(
 ) -> Tuple[ClientPlan, ModelStructure]:
     """Decide how to map clients and lay out their data.
 
-    Every plan is checked before it is returned: each client's term as laid out equals NumPyro's
-    own density of the model on the client's unpadded rows (:mod:`numpyro_fed.term_identity`).
+    The model's observed terms must be sums over a client's rows (else the federated model is not
+    the pooled one; :func:`check_sums_over_rows`), and every plan is checked before it is
+    returned: each client's term as laid out equals NumPyro's own density of the model on the
+    client's unpadded rows (:mod:`numpyro_fed.term_identity`).
     Under ``"auto"``, clients of unequal size padded side by side whose model reads the padding
     (a term outside the row plate) are laid out one by one on their own rows instead; under
     ``"vmap"`` that is an error naming the client and the term.
 
     Raises:
-        ValueError: a client's term differs from NumPyro's density on its rows (naming the
-            client, the sites and the fix), or ``"vmap"`` cannot pad these clients.
+        ValueError: a client's term differs from NumPyro's density on its rows, or is not a sum
+            over its rows (naming the client, the sites and the fix), or ``"vmap"`` cannot pad
+            these clients.
     """
     if client_mapping not in CLIENT_MAPPINGS:
         raise ValueError(f"client_mapping={client_mapping!r}: choose one of {CLIENT_MAPPINGS}")
     _check_row_plate(model, kwargs, clients, row_plate)
+    check_sums_over_rows(model, kwargs, clients, structure)
     names = clients.names
     rows = np.array([clients.num_rows[n] for n in names])
     if client_mapping != "loop" and np.all(rows == rows[0]):
@@ -187,6 +198,17 @@ def _checked(model, kwargs, clients: Clients, plan: ClientPlan, structure: Model
     if bad is not None:
         raise ValueError(describe_mismatch(bad, structure.row_plate))
     return plan, structure
+
+
+def check_sums_over_rows(model, kwargs, clients: Clients, structure: ModelStructure) -> None:
+    """Raise when the model's observed terms are not a sum over a client's rows
+    (:func:`~numpyro_fed.term_identity.split_rows_mismatch`, on the client with the most rows):
+    then the federated model would not be the model of the pooled rows."""
+    rows = clients.num_rows
+    name = max(rows, key=rows.get)
+    error = split_rows_mismatch(model, kwargs, structure, clients[name], name, jax.random.PRNGKey(1))
+    if error is not None:
+        raise ValueError(error)
 
 
 def client_data(plan: ClientPlan, index: int):
