@@ -185,6 +185,18 @@ def run_one(name):
             "fit_seconds": fit_seconds, "pooled_nuts_seconds": nuts_seconds}
 
 
+def table_rows(results: dict) -> list:
+    """The rows of docs/benchmarks.md's table, from the results JSON (a test holds the docs to them)."""
+    rows = []
+    for r in results["models"]:
+        sizes = ", ".join(str(n) for n in r["clients"].values())
+        lo, hi = r["sd_ratio_range"]
+        rows.append(f"| {r['posterior']} | {sizes} | {r['method']} | {r['rounds']} | {r['max_abs_z']:.2f} | "
+                    f"{lo:.2f}-{hi:.2f} | {'yes' if r['within'] else 'no'} | {'yes' if r['silent_wrong'] else 'no'} | "
+                    f"{', '.join(g for g in r['idata_groups'] if g in ('log_likelihood', 'posterior_predictive'))} |")
+    return rows
+
+
 def main():
     out = [run_one(name) for name in MODELS]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -333,17 +333,14 @@ def describe_biased(biased: Tuple[SiteMoments, ...], limit: int = 6) -> str:
     return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
 
 
-def within_tolerance(mean: float, sd: float, reference: SiteMoments, se_mean: float = 0.0,
-                     se_log_sd: float = 0.0) -> bool:
+def within_tolerance(mean: float, sd: float, reference: SiteMoments) -> bool:
     """Whether ``(mean, sd)`` is within the promised tolerance of the weighted moments of
     ``reference`` (mean within :data:`MEAN_MARGIN` weighted sds, sd within :data:`SD_MARGIN`) with
-    :data:`MCSE_FACTOR` Monte Carlo standard errors of the estimates to spare (``reference``'s
-    own, and ``se_mean`` / ``se_log_sd`` of the other estimate where it is one too): so an
-    accepted fit never sits on the tolerance it is promised to meet."""
+    :data:`MCSE_FACTOR` Monte Carlo standard errors of that estimate to spare: so an accepted
+    fit never sits on the tolerance it is promised to meet."""
     if not reference.weighted_sd > 0:
         return True
-    se_m = float(np.hypot(np.nan_to_num(reference.se_mean), se_mean))
-    se_s = float(np.hypot(np.nan_to_num(reference.se_log_sd), se_log_sd))
+    se_m, se_s = float(np.nan_to_num(reference.se_mean)), float(np.nan_to_num(reference.se_log_sd))
     gap = abs(mean - reference.weighted_mean) / reference.weighted_sd + MCSE_FACTOR * se_m
     ratio = abs(np.log(max(sd, 1e-300) / reference.weighted_sd)) + MCSE_FACTOR * se_s
     return bool(gap <= MEAN_MARGIN and ratio <= np.log1p(SD_MARGIN))

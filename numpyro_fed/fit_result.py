@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import jax
 
-from .warnings import FederatedDeprecationWarning, UncheckedFitWarning, find_stack_level
+from .warnings import FederatedDeprecationWarning, find_stack_level
 
 __all__ = ["ANSWERS", "Fit", "check_text"]
 
@@ -27,11 +27,6 @@ _NETWORK_CLIENT = (
     "Fit.{verb}(client={client!r}): this fit ran over a network backend, and a client's local draws are "
     "computed on its own node from its rows, which the server does not hold; draw them on the client (a fit in "
     "simulation gives them here)"
-)
-_CLIENT_UNCORRECTED = (
-    "Fit.{verb}(client={client!r}): this fit's global draws are importance-corrected, but a client's local "
-    "draws are drawn at draws of the Laplace Gaussian, which the check found off (fit.log says where); for exact "
-    "local draws use nf.fit(..., exact=True)"
 )
 _OLD_GET_SAMPLES = (
     "Fit.get_samples({old}) is deprecated and goes in {removed}: use {new} (get_samples takes "
@@ -91,9 +86,9 @@ class Fit:
         The samplers: the chains' draws, ``(chains * draws, ...)`` or grouped ``(chains, draws,
         ...)``. Laplace: ``num_samples`` of :func:`~numpyro_fed.fit` draws of its answer (the
         Gaussian, or the importance-corrected draws), the same ones every call, as one chain when
-        grouped. ``sample_posterior`` draws anew. A client's local draws under an
-        importance-corrected fit are drawn at draws of the Laplace Gaussian, not at the corrected
-        ones, and say so with an ``UncheckedFitWarning``."""
+        grouped; a client's local sites are drawn given each of them from the Laplace
+        approximation of ``p(v | theta, y_j)`` on the client's rows (which warns where that
+        approximation fails its own check there). ``sample_posterior`` draws anew."""
         from ._deprecations import REMOVED_IN
 
         if isinstance(group_by_chain, str):  # the old get_samples(client)
@@ -126,12 +121,8 @@ class Fit:
 
     def _laplace_draws(self, verb: str, key, num_samples: int, client: Optional[str]) -> Dict[str, jax.Array]:
         self._need_rows(verb, client)
-        if client is None:
-            return self.inference.sample_posterior(key, self.result, int(num_samples), corrected=self._corrected)
-        if self._corrected:
-            warnings.warn(_CLIENT_UNCORRECTED.format(verb=verb, client=client), UncheckedFitWarning,
-                          stacklevel=find_stack_level())
-        return self.inference.sample_posterior(key, self.result, int(num_samples), client=client)
+        return self.inference.sample_posterior(key, self.result, int(num_samples), client=client,
+                                               corrected=self._corrected)
 
     def _need_rows(self, verb: str, client: Optional[str]) -> None:
         if client is not None and self._clients is None:

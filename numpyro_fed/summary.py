@@ -29,8 +29,8 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
     if _is_fit(inference):  # nf.fit's answer: its accepted rung's draws
         if inference.method in _SAMPLERS:
             return _draws(inference.inference, inference.result, num_samples, rng_key)
-        return {k: np.asarray(v)[None] for k, v in inference.get_samples(num_samples=num_samples,
-                                                                        rng_key=rng_key).items()}
+        key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        return {k: np.asarray(v)[None] for k, v in inference.sample_posterior(key, num_samples).items()}
     if getattr(inference, "draws_are_chains", False):
         return {k: np.asarray(v) for k, v in inference.get_samples(result, group_by_chain=True).items()}
     if not hasattr(inference, "sample_posterior"):
@@ -68,7 +68,8 @@ def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_sample
 
 def _check_line(inference, result) -> str:
     if _is_fit(inference):  # what the returned answer is, and its own check (fit.log: what was set aside)
-        head = f"{inference.method} ({inference.answer}), {inference.rounds} rounds; "
+        answer = "" if inference.answer in inference.method else f" ({inference.answer})"
+        head = f"{inference.method}{answer}, {inference.rounds} rounds; "
         if inference.method in _SAMPLERS:
             c = inference.check
             return head + (f"exact sampler: min ESS {c['min_n_eff']:.0f}, max split R-hat {c['max_r_hat']:.3f} over "

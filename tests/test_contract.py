@@ -136,16 +136,17 @@ def test_each_family_builds_the_set_up_its_class_declares(make):
 @pytest.mark.parametrize("cls", FAMILIES, ids=lambda c: c.__name__)
 def test_every_family_reads_its_posterior_one_way(cls):
     """``sample_posterior(rng_key, result, num_samples=None, *, client=None)`` and
-    ``get_samples(result, *, client=None)`` on every family."""
+    ``get_samples(result, group_by_chain=False, *, client=None)`` on every family."""
     sig = inspect.signature(cls.sample_posterior)
     params = list(sig.parameters.values())
     assert [p.name for p in params[:4]] == ["self", "rng_key", "result", "num_samples"], cls.__name__
     assert params[3].default is None
     assert sig.parameters["client"].kind is inspect.Parameter.KEYWORD_ONLY
     assert sig.parameters["client"].default is None
+    params = list(inspect.signature(cls.get_samples).parameters.values())
+    assert [p.name for p in params[:3]] == ["self", "result", "group_by_chain"], cls.__name__
     client = inspect.signature(cls.get_samples).parameters["client"]
-    assert client.default is None and client.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    assert client.default is None and client.kind is inspect.Parameter.KEYWORD_ONLY, cls.__name__
 
 
 @pytest.mark.parametrize("name", [*families.FAMILIES, *families.MCMC_FAMILIES])
@@ -170,6 +171,19 @@ def test_every_familys_result_gives_draws_of_the_globals_and_of_a_clients_own_si
     again = inference.get_samples(result)
     for k, v in inference.get_samples(result).items():
         np.testing.assert_array_equal(np.asarray(v), np.asarray(again[k]))
+
+
+def test_nf_fits_fit_has_the_families_reading_signatures_without_the_result():
+    """``Fit.sample_posterior(rng_key, num_samples=None, *, client=None)`` and
+    ``Fit.get_samples(group_by_chain=False, *, client=None)``: the families' own, less ``result``."""
+    from numpyro_fed.fit_result import Fit
+
+    for verb in ("sample_posterior", "get_samples"):
+        ours = inspect.signature(getattr(Fit, verb)).parameters
+        theirs = inspect.signature(getattr(nf.FederatedNUTS, verb)).parameters
+        want = [(n, p.kind, p.default) for n, p in theirs.items() if n != "result"]
+        assert [(n, p.kind, p.default) for n, p in ours.items()][:len(want)] == want, verb
+    assert callable(Fit.print_summary) and isinstance(Fit.idata, property) and callable(Fit.predict)
 
 
 def test_nf_fits_result_reads_the_same_way():

@@ -59,7 +59,7 @@ def test_readme_example_runs_and_does_not_warn(capsys):
         warnings.simplefilter("error", nf.FederatedWarning)
         exec(compile(code, "README.md", "exec"), namespace)
     out = capsys.readouterr().out
-    assert "tau" in out and "laplace (as is), 5 rounds" in out  # the rounds README quotes
+    assert "tau" in out and "laplace (importance-corrected), 5 rounds" in out  # what README says
     draws = namespace["fit"].get_samples()
     assert abs(float(draws["beta"][:, 1].mean()) - 1.0) < 0.3  # the simulated slope
     new = namespace["new"]["y"]  # hospital 0's new patients: 0/1 draws, the second likelier to be 1 (x = 1)

@@ -150,5 +150,6 @@ def test_nf_fits_warning_names_the_users_file_and_line():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1
-        fit.get_samples(client="0")  # a client's local draws under corrected global draws: warned
-    assert [(w.category, w.filename, w.lineno) for w in caught] == [(nf.UncheckedFitWarning, __file__, line)]
+        fit.get_samples("0")  # the old positional client: warned, naming the keyword
+    assert [(w.category, w.filename, w.lineno) for w in caught] == [
+        (nf.warnings.FederatedDeprecationWarning, __file__, line)]

@@ -560,16 +560,15 @@ class FactorInference(FederatedInference):
         draw (:mod:`numpyro_fed.factor.pointwise`; the client's own computation, on its own rows).
 
         ``corrected=True``: PSIS-corrected draws instead, the last fit check's draws
-        resampled by their importance weights (needs that check, with Pareto k <= 0.7)."""
+        resampled by their importance weights (needs that check, with Pareto k <= 0.7); with
+        ``client``, that client's local sites drawn given each of them, as above."""
         setup = self._fitted()
         num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
-        if client is not None:
-            if corrected:
-                raise ValueError(f"{type(self).__name__}.sample_posterior: corrected=True gives the global sites' "
-                                 f"draws only (a client's local draws are not reweighted); drop client= or "
-                                 f"corrected=True")
-            return self._client_pass(rng_key, result, num_samples, client)[0]
         state = self._state_of(result)
+        if client is not None:  # (corrected: the client's locals drawn given each corrected global draw)
+            u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__) \
+                if corrected else None
+            return self._client_pass(rng_key, result, num_samples, client, u)[0]
         q = state.server.q
         if corrected:
             u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__)

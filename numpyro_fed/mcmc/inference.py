@@ -280,7 +280,7 @@ class FederatedMCMC(FederatedInference):
             setup.cache["global_draws"] = jax.jit(jax.vmap(jax.vmap(draws)))
         return setup.cache["global_draws"](z)
 
-    def get_samples(self, result: Union[RunResult, RunState], group_by_chain: bool = False,
+    def get_samples(self, result: Union[RunResult, RunState], group_by_chain: bool = False, *,
                     client: Optional[str] = None) -> Dict[str, jax.Array]:
         """The draws, constrained, as NumPyro's ``MCMC.get_samples``: the global sites (and the
         deterministic sites of the global sites alone); with ``client``, that client's local

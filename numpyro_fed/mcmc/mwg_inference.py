@@ -189,7 +189,7 @@ class FederatedMwG(FactorInference):
                 "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant}
 
     # ------------------------------------------------------------------ API
-    def get_samples(self, result: RunResult, group_by_chain: bool = False,
+    def get_samples(self, result: RunResult, group_by_chain: bool = False, *,
                     client: Optional[str] = None) -> Dict[str, jax.Array]:
         """The global draws per site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
         ``(num_chains, num_samples, ...)``); with ``client``, that client's local sites at the
