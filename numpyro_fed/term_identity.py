@@ -159,19 +159,22 @@ def _terms(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, 
         return -potential_energy(reference_model, (), {**dict(real_rows), **dict(kwargs)}, latent(u, v, real),
                                  enum=bool(structure.enumerated))
 
-    key = (_shapes(laid.args), _shapes(rows), padded.names, padded.shapes, real.shapes,
-           tuple(sorted(getattr(own, "group_sizes", {}).items())),
-           tuple(sorted((n, np.asarray(v).tobytes()) for n, v in params.items())))
-    if key not in cache:
-        fed_grad = jax.value_and_grad(federated, argnums=(0, 1))
-        ref_grad = jax.value_and_grad(reference, argnums=(0, 1))
+    param_key = tuple(sorted((n, np.asarray(v).tobytes()) for n, v in params.items()))
+    fed_key = ("federated", _shapes(laid.args), padded.names, padded.shapes, param_key)
+    ref_key = ("reference", _shapes(rows), real.names, real.shapes,
+               tuple(sorted(getattr(own, "group_sizes", {}).items())), param_key)
+    if fed_key not in cache:  # the laid-out term: one compile for every client of this layout
+        cache[fed_key] = jax.jit(jax.vmap(jax.value_and_grad(federated, argnums=(0, 1)), (0, 0, None, None)),
+                                 compiler_options=_QUICK)
+    if ref_key not in cache:  # NumPyro's on the real rows: one per row count, whatever the layout checked
+        cache[ref_key] = jax.jit(jax.vmap(jax.value_and_grad(reference, argnums=(0, 1)), (0, 0, None)),
+                                 compiler_options=_QUICK)
+    fed_fn, ref_fn = cache[fed_key], cache[ref_key]
 
-        def values(u, v_pad, args, mask, real_rows):
-            (fv, (fu, fv_grad)) = jax.vmap(fed_grad, (0, 0, None, None))(u, v_pad, args, mask)
-            (rv, (ru, rv_grad)) = jax.vmap(ref_grad, (0, 0, None))(u, v_pad[:, index], real_rows)
-            return fv, fu, fv_grad, rv, ru, rv_grad
-
-        cache[key] = jax.jit(values, compiler_options=_QUICK)
+    def values(u, v_pad, args, mask, real_rows):
+        fv, (fu, fv_grad) = fed_fn(u, v_pad, args, mask)
+        rv, (ru, rv_grad) = ref_fn(u, v_pad[:, index], real_rows)
+        return fv, fu, fv_grad, rv, ru, rv_grad
 
     def per_site(name):
         def own(site):
@@ -180,7 +183,7 @@ def _terms(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, 
         return (lambda u, v: federated(u, v, laid.args, laid.row_mask, own),
                 lambda u, v: log_joint(base, rows, kwargs, latent(u, v, real), params, own))
 
-    return _Terms(cache[key], per_site, d, padded, index)
+    return _Terms(values, per_site, d, padded, index)
 
 
 def _shapes(args: Mapping) -> tuple:

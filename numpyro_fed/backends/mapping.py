@@ -154,17 +154,18 @@ def plan_clients(
     check_sums_over_rows(model, kwargs, clients, structure)
     names = clients.names
     rows = np.array([clients.num_rows[n] for n in names])
+    cache: dict = {}  # compiled checks, shared by the layouts tried (NumPyro's side is the same for both)
     if client_mapping != "loop" and np.all(rows == rows[0]):
         data = stack_clients([pad_client(clients[n], int(r)) for n, r in zip(names, rows)])
         return _checked(model, kwargs, clients, ClientPlan(names, data, "vmap", row_plate, rows),
-                        structure._replace(row_plate=row_plate))
+                        structure._replace(row_plate=row_plate), cache)
     if client_mapping != "loop":
         chosen, reason = _find_row_plate(model, kwargs, clients, row_plate)
         if chosen is not None:
             n_pad = int(rows.max())
             data = stack_clients([pad_client(clients[n], int(r), n_pad) for n, r in zip(names, rows)])
             plan, padded = ClientPlan(names, data, "vmap", chosen, rows), structure._replace(row_plate=chosen)
-            bad = first_term_mismatch(model, kwargs, clients, plan, padded)
+            bad = first_term_mismatch(model, kwargs, clients, plan, padded, cache)
             if bad is None:
                 return plan, padded
             if client_mapping == "vmap" or bad.padded_rows == bad.num_rows:
@@ -174,14 +175,14 @@ def plan_clients(
             raise ValueError(_NO_PLATE.format(reason=reason))
     data = tuple(pad_client(clients[n], int(r)) for n, r in zip(names, rows))
     return _checked(model, kwargs, clients, ClientPlan(names, data, "loop", row_plate, rows),
-                    structure._replace(row_plate=row_plate))
+                    structure._replace(row_plate=row_plate), cache)
 
 
-def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan,
-                        structure: ModelStructure) -> Optional[TermMismatch]:
+def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan, structure: ModelStructure,
+                        cache: Optional[dict] = None) -> Optional[TermMismatch]:
     """The first checked client whose laid-out term differs from NumPyro's density on its rows
-    (:mod:`numpyro_fed.term_identity`), or ``None``."""
-    key, cache = jax.random.PRNGKey(0), {}
+    (:mod:`numpyro_fed.term_identity`), or ``None``. ``cache``: compiled checks to reuse."""
+    key, cache = jax.random.PRNGKey(0), {} if cache is None else cache
     codes = list(structure.group_plates.values())
     counts = [tuple(int(np.max(clients[n][a])) + 1 for a in codes) for n in plan.names]
     for j in checked_clients([int(n) for n in plan.num_rows], counts):
@@ -193,8 +194,8 @@ def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan,
     return None
 
 
-def _checked(model, kwargs, clients: Clients, plan: ClientPlan, structure: ModelStructure):
-    bad = first_term_mismatch(model, kwargs, clients, plan, structure)
+def _checked(model, kwargs, clients: Clients, plan: ClientPlan, structure: ModelStructure, cache: dict):
+    bad = first_term_mismatch(model, kwargs, clients, plan, structure, cache)
     if bad is not None:
         raise ValueError(describe_mismatch(bad, structure.row_plate))
     return plan, structure
