@@ -25,4 +25,5 @@ def test_the_terms_outside_plates_table_is_its_results():
     assert f"commit {results['commit']}" in text and results["date"] in text
     flat = " ".join(text.split())
     for r in results["models"]:  # the times quoted under the table
-        assert f"{r['posterior']} {r['fit_seconds']:.0f} s against {r['pooled_nuts_seconds']:.0f} s" in flat, r["posterior"]
+        quoted = f"{r['posterior']} {r['fit_seconds']:.0f} s against {r['pooled_nuts_seconds']:.0f} s"
+        assert quoted in flat, r["posterior"]
