@@ -301,11 +301,7 @@ class Ladder:
         from .backends.base import NetworkBackend
         from .factor.laplace_inference import NoModeError
 
-        if run_options.get("checkpoint") is not None or run_options.get("init_state") is not None:
-            raise ValueError("nf.fit takes no checkpoint= or init_state= (it runs several rungs, each from its start); "
-                             "checkpoint a family's run instead")
-        run_options = {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every",
-                                                                         "init_state")}
+        run_options = _without_checkpoints(run_options)
         backend = run_options.get("backend")
         network = isinstance(backend, NetworkBackend)
         log: List[str] = []
@@ -379,6 +375,14 @@ class Ladder:
             return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
                        num_samples=self.num_samples, clients=None if network else clients, results=results)
         raise AssertionError("unreachable: the last rung returns")
+
+
+def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
+    """The run options every rung takes: nf.fit refuses a checkpoint or a state to resume from."""
+    if run_options.get("checkpoint") is not None or run_options.get("init_state") is not None:
+        raise ValueError("nf.fit takes no checkpoint= or init_state= (it runs several rungs, each from its start); "
+                         "checkpoint a family's run instead")
+    return {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every", "init_state")}
 
 
 def _judge(laplace, result, log: List[str]):
