@@ -279,9 +279,10 @@ def describe_mismatch(m: TermMismatch, row_plate: Optional[str]) -> str:
 
 
 _DATA_FREE = (
-    "client '{client}': the model's term{s} {sites} {does} not depend on the client's rows (a term of the global "
-    "sites alone, outside every plate): every client adds its own term, so a federated fit would count it once "
-    "per client, not once. Express it through the prior instead (a soft constraint as a parameterisation, e.g. "
+    "client '{client}': the model's term{s} {sites} {does} not depend on the client's rows: a term outside every "
+    "plate, which every client adds once. Of the global sites alone, a federated fit would count it once per "
+    "client, not once; of the client's own effects (a sum-to-zero constraint over its group effects), it is the "
+    "client's, not the pooled model's. Express such a constraint through the prior (a parameterisation, e.g. "
     "effects that sum to zero as concatenate([a, -a.sum()])), or make it a sample site with its own prior"
 )
 _NOT_A_SUM = (

@@ -114,7 +114,8 @@ def test_the_identity_catches_a_padding_that_is_counted():
 
 
 def sum_to_zero(ward, y):
-    """A soft sum-to-zero constraint over a client's ward effects, outside the ward plate."""
+    """A soft sum-to-zero constraint over a client's ward effects, outside the ward plate: the
+    client's own term, not a sum over its rows."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
     with nf.group_plate("wards", ward), nf.local_site():
         a = numpyro.sample("a", dist.Normal(0.0, 1.0))
@@ -123,14 +124,31 @@ def sum_to_zero(ward, y):
         numpyro.sample("y", dist.Normal(mu + a[ward], 0.5), obs=y)
 
 
-def test_a_term_over_padded_groups_is_refused_naming_it():
+def reads_padded_groups(ward, y):
+    """A sum over rows outside the plates that reads every group effect (the padded ones too)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with nf.group_plate("wards", ward), nf.local_site():
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    numpyro.factor("shrink", -0.01 * jnp.sum(y**2) * jnp.sum(a**2))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + a[ward], 0.5), obs=y)
+
+
+def _two_hospitals():
     rng = np.random.default_rng(0)
     hospital = np.repeat([0, 1], [6, 12])
     ward = np.concatenate([np.arange(6) % 2, np.arange(12) % 4])
-    y = rng.normal(size=18).astype(np.float32)
-    clients = nf.Clients.split(hospital, ward=ward, y=y)
-    with pytest.raises(ValueError, match=r"client '0'.*'sum_to_zero'.*groups were padded"):
-        Laplace(sum_to_zero).run(jax.random.PRNGKey(0), clients, 2)
+    return nf.Clients.split(hospital, ward=ward, y=rng.normal(size=18).astype(np.float32))
+
+
+def test_a_term_over_padded_groups_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"client '0'.*'shrink'.*groups were padded"):
+        Laplace(reads_padded_groups).run(jax.random.PRNGKey(0), _two_hospitals(), 2)
+
+
+def test_a_clients_own_constraint_over_its_effects_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"'sum_to_zero' does not depend on the client's rows.*client's own effects"):
+        Laplace(sum_to_zero).run(jax.random.PRNGKey(0), _two_hospitals(), 2)
 
 
 def enumerated_mixture(y):

@@ -13,11 +13,14 @@ on it (see :mod:`numpyro_fed.checkpoint`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional, Tuple
+import hashlib
+import weakref
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpyro.primitives import Messenger
 
 from .._structure import ModelStructure, SiteLayout, trace_model
 from ..clients import ClientData, Clients
@@ -181,7 +184,15 @@ def plan_clients(
 def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan, structure: ModelStructure,
                         cache: Optional[dict] = None) -> Optional[TermMismatch]:
     """The first checked client whose laid-out term differs from NumPyro's density on its rows
-    (:mod:`numpyro_fed.term_identity`), or ``None``. ``cache``: compiled checks to reuse."""
+    (:mod:`numpyro_fed.term_identity`), or ``None``. ``cache``: compiled checks to reuse. The
+    verdict is remembered for the same model, data and layout."""
+    masks = np.asarray(plan.data.row_mask) if plan.mapping == "vmap" else [np.asarray(d.row_mask) for d in plan.data]
+    what = ("terms", plan.mapping, plan.names, masks)
+    return _remembered(model, what, clients, kwargs, structure,
+                       lambda: _first_term_mismatch(model, kwargs, clients, plan, structure, cache))
+
+
+def _first_term_mismatch(model, kwargs, clients, plan, structure, cache) -> Optional[TermMismatch]:
     key, cache = jax.random.PRNGKey(0), {} if cache is None else cache
     codes = list(structure.group_plates.values())
     counts = [tuple(int(np.max(clients[n][a])) + 1 for a in codes) for n in plan.names]
@@ -207,9 +218,67 @@ def check_sums_over_rows(model, kwargs, clients: Clients, structure: ModelStruct
     then the federated model would not be the model of the pooled rows."""
     rows = clients.num_rows
     name = max(rows, key=rows.get)
-    error = split_rows_mismatch(model, kwargs, structure, clients[name], name, jax.random.PRNGKey(1))
+    error = _remembered(model, ("sums", name), clients, kwargs, structure, lambda: split_rows_mismatch(
+        model, kwargs, structure, clients[name], name, jax.random.PRNGKey(1)))
     if error is not None:
         raise ValueError(error)
+
+
+# The checks' verdicts, per user model (held weakly) and fingerprint of the data, settings and layout
+# checked: the rungs of nf.fit, and every family fitted to the same model and clients in a process,
+# check once. A verdict depends on nothing else: the model's code, its data and the layout.
+_VERDICTS: "weakref.WeakKeyDictionary[Callable, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _user_model(model):
+    fn = getattr(model, "__wrapped_model__", model)
+    while isinstance(fn, Messenger) and fn.fn is not None:
+        fn = fn.fn
+    return fn
+
+
+def _fingerprint(*parts) -> Optional[str]:
+    """A digest of arrays (their bytes, shapes and dtypes) and plain values, or ``None`` when some
+    value has no faithful text (then nothing is remembered)."""
+    digest = hashlib.sha256()
+
+    def add(x):
+        if isinstance(x, Mapping):
+            for k in sorted(x, key=str):
+                digest.update(str(k).encode())
+                if not add(x[k]):
+                    return False
+            return True
+        if isinstance(x, (tuple, list)):
+            return all(add(v) for v in x)
+        if isinstance(x, (np.ndarray, jax.Array, np.generic)):
+            a = np.asarray(x)
+            digest.update(f"{a.shape}{a.dtype}".encode())
+            digest.update(np.ascontiguousarray(a).tobytes())
+            return True
+        if x is None or isinstance(x, (bool, int, float, str)):
+            digest.update(repr(x).encode())
+            return True
+        return False
+
+    return digest.hexdigest() if add(parts) else None
+
+
+def _remembered(model, what: tuple, clients: Clients, kwargs, structure: ModelStructure, compute: Callable):
+    """``compute()``, remembered per user model and fingerprint of what the verdict depends on."""
+    key = _fingerprint(what, {n: dict(clients[n]) for n in clients.names}, dict(kwargs),
+                       dict(getattr(model, "group_sizes", {})), structure.row_plate, structure.global_latent.names,
+                       structure.local_latent_names, {n: u for n, (u, _) in structure.global_param.items()})
+    user = _user_model(model)
+    try:
+        memo = _VERDICTS.setdefault(user, {})
+    except TypeError:  # not weakly referable: not remembered
+        memo, key = {}, None
+    if key is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 def client_data(plan: ClientPlan, index: int):

@@ -66,7 +66,7 @@ _DIVERGED = (
     "hierarchies); sample_stats(result)['diverging'] and nf.to_arviz show where"
 )
 _R_HAT = (
-    "{cls}: the chains disagree: split R-hat up to {r_hat:.3f} > {limit}, at '{site}' (unconstrained): they have "
+    "{cls}: the chains disagree: split R-hat {r_hat:.3f} > {limit} for site '{site}' (unconstrained): they have "
     "not mixed. Run more warmup and draws, or check for a multimodal posterior"
 )
 _ENUMERATED = (
