@@ -16,14 +16,13 @@ a few points of the latent sites, value and gradient:
 
 with the Jacobians of the unconstrained values on both sides, and the gradient on every padded
 local entry zero. :func:`~numpyro_fed.backends.mapping.plan_clients` runs it on every plan it
-makes that pads a client (a client laid out on its own rows and groups has nothing padded to
-leak), so it holds for every family whose clients hold rows (SFVI and SFVI-Avg, PVI, EP, BCM,
+makes, so it holds for every family whose clients hold rows (SFVI and SFVI-Avg, PVI, EP, BCM,
 the Laplace fit, federated NUTS/HMC and Metropolis-within-Gibbs, ``nf.fit``); under
 ``client_mapping="auto"`` a padded layout that fails it is replaced by the clients laid out one
 by one on their own rows, which is then checked again.
 
-Clients checked: the padded ones, one per distinct layout (its row count and, with
-``nf.group_plate``, its own group counts: what padding depends on), the smallest and the largest first, up to
+Clients checked: one per distinct layout (its row count and, with ``nf.group_plate``, its own
+group counts: what padding depends on), the smallest and the largest first, up to
 :data:`MAX_CHECKED` layouts; clients of one layout share one compiled check. A term that is not
 a sum over rows (a column's mean, ``len(y)``) is a different question, answered per client by
 :func:`split_rows_mismatch`.
@@ -50,7 +49,6 @@ __all__ = ["MAX_CHECKED", "POINTS", "TermMismatch", "checked_clients", "client_t
 MAX_CHECKED = 16  # client layouts compared with NumPyro at set-up (see the module's docstring)
 POINTS = 2  # points of the latent sites per client
 RTOL, ATOL = 2e-4, 2e-3  # float32 sums over rows in another order, relative to the term's size
-TIGHT = (1e-8, 1e-8)  # the same in double precision
 # run once at set-up: compiled quickly rather than optimised (JAX's jax_disable_most_optimizations)
 _QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -192,19 +190,8 @@ def _shapes(args: Mapping) -> tuple:
     return tuple(sorted((k, np.shape(v), str(np.asarray(v).dtype)) for k, v in dict(args).items()))
 
 
-def close(a, b, scale, rtol: float = 2e-4, atol: float = 2e-3) -> bool:
-    """``|a - b| <= atol (1 + scale) + rtol |b|`` everywhere."""
-    return bool(np.all(np.abs(np.asarray(a) - np.asarray(b)) <= atol * (1.0 + scale) + rtol * np.abs(np.asarray(b))))
-
-
 def _close(a, b, scale) -> bool:
-    return close(a, b, scale, RTOL, ATOL)
-
-
-def _as64(tree):
-    """Float leaves of ``tree`` in double precision (inside ``jax.enable_x64``)."""
-    return jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x, tree)
+    return bool(np.all(np.abs(np.asarray(a) - np.asarray(b)) <= ATOL * (1.0 + scale) + RTOL * np.abs(np.asarray(b))))
 
 
 def _differing_sites(terms: _Terms, tr_sites: Sequence[str], u, v_pad, v_real) -> Tuple[str, ...]:
@@ -237,18 +224,7 @@ def client_term_mismatch(model, kwargs: Mapping, structure: ModelStructure, laid
     us = jax.random.uniform(ku, (points, terms.d), minval=-1.0, maxval=1.0)
     vs = jax.random.uniform(kv, (points, terms.padded.size), minval=-1.0, maxval=1.0)
     real_rows = {k: jnp.asarray(v) for k, v in dict(rows).items()}
-    try:  # in double precision: a sum in another order is then exact to round-off, so the margin is tight
-        with jax.enable_x64(True):
-            out = [np.asarray(x) for x in terms.values(*(_as64(a) for a in (us, vs, laid.args, laid.row_mask,
-                                                                              real_rows)))]
-        tol = TIGHT
-    except (TypeError, ValueError):  # the model cannot run in double precision: float32, a float32 margin
-        out = [np.asarray(x) for x in terms.values(us, vs, laid.args, laid.row_mask, real_rows)]
-        tol = (RTOL, ATOL)
-
-    def _close(a, b, scale):
-        return close(a, b, scale, *tol)
-
+    out = [np.asarray(x) for x in terms.values(us, vs, laid.args, laid.row_mask, real_rows)]
     for p in range(points):
         fv, fu, fvv, rv, ru, rvv = (float(out[0][p]), out[1][p], out[2][p], float(out[3][p]), out[4][p], out[5][p])
         if not (np.isfinite(fv) or np.isfinite(rv)):
@@ -366,41 +342,35 @@ def split_rows_mismatch(model, kwargs: Mapping, structure: ModelStructure, rows:
     sites = [m for m, s in traces[0].items() if _observed(s)]
     summed_out = set(structure.enumerated)  # discrete local sites summed out with the rows they explain
 
-    def count(s, name=None):
-        mine = _observed(s) or s["name"] in summed_out
-        return mine if name is None else mine and (s["name"] == name or s["name"] in summed_out)
+    def terms(args, latent):  # each observed site's term (with the sites summed out with it)
+        def one(name):
+            def count(s):
+                return (_observed(s) and s["name"] == name) or s["name"] in summed_out
+            return log_joint(own, args, kwargs, latent, params, count)
+        return jnp.stack([one(m) for m in sites])
 
-    def terms(args, latent, name=None):  # the observed terms (those of site ``name``), with the sites summed out
-        return log_joint(own, args, kwargs, latent, params, lambda s: count(s, name))
-
-    def evaluate(name=None):  # (all rows, first half, second half): one compiled program
+    try:
         with jax.enable_x64(True):  # in double precision: a sum over rows in another order is exact to 1e-12
-            three = jax.jit(lambda args, lats: jnp.stack([terms(a, lat, name) for a, lat in zip(args, lats)]),
-                            compiler_options=_QUICK)
+            wide = jax.jit(terms, compiler_options=_QUICK)
             as64 = [{k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in a.items()}
                     for a in [rows] + halves]
             lat64 = [jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), lat) for lat in latents]
-            return [float(x) for x in three(as64, lat64)]
-
-    try:
-        whole, first, second = evaluate()
+            whole, first, second = (np.asarray(wide(a, lat), np.float64) for a, lat in zip(as64, lat64))
     except (TypeError, ValueError):  # the model cannot run in double precision: not judged here
         return None
-    if not (np.isfinite(whole) and np.isfinite(first + second)) or _sums(whole, first, second):
+    split = first + second
+    off = ~(np.abs(split - whole) <= 1e-7 * (1.0 + np.abs(whole)))
+    if not (np.all(np.isfinite(whole)) and np.all(np.isfinite(split))) or not off.any():
         return None
-    per_site = {m: evaluate(m) for m in sites}  # which terms: only when the sum does not add up
-    bad = [m for m, (w, a, b) in per_site.items() if not _sums(w, a, b)]
-    free = [m for m in bad if all(abs(x - per_site[m][0]) <= 1e-7 * (1 + abs(per_site[m][0])) for x in per_site[m])]
+    bad = [m for m, o in zip(sites, off) if o]
+    free = [m for m, o, a, b, w in zip(sites, off, first, second, whole) if o and abs(a - w) <= 1e-7 * (1 + abs(w))
+            and abs(b - w) <= 1e-7 * (1 + abs(w))]
     if free:
         return _DATA_FREE.format(client=client, s="s" if len(free) > 1 else "", sites=", ".join(repr(m) for m in free),
                                  does="do" if len(free) > 1 else "does")
-    bad = bad or ["(the observed terms together)"]
     return _NOT_A_SUM.format(client=client, s="s" if len(bad) > 1 else "", sites=", ".join(repr(m) for m in bad),
-                             is_="are" if len(bad) > 1 else "is", halves=first + second, whole=whole, rows=n)
-
-
-def _sums(whole: float, first: float, second: float) -> bool:
-    return abs(first + second - whole) <= 1e-7 * (1.0 + abs(whole))
+                             is_="are" if len(bad) > 1 else "is", halves=float(split.sum()),
+                             whole=float(whole.sum()), rows=n)
 
 
 def _unconstrained_value(site):

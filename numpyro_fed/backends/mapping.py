@@ -139,10 +139,9 @@ def plan_clients(
     """Decide how to map clients and lay out their data.
 
     The model's observed terms must be sums over a client's rows (else the federated model is not
-    the pooled one; :func:`check_sums_over_rows`), and every plan that pads a client (its rows,
-    or its groups of an ``nf.group_plate``) is checked before it is returned: each padded
-    client's term as laid out equals NumPyro's own density of the model on the client's unpadded
-    rows (:mod:`numpyro_fed.term_identity`).
+    the pooled one; :func:`check_sums_over_rows`), and every plan is checked before it is
+    returned: each client's term as laid out equals NumPyro's own density of the model on the
+    client's unpadded rows (:mod:`numpyro_fed.term_identity`).
     Under ``"auto"``, clients of unequal size padded side by side whose model reads the padding
     (a term outside the row plate) are laid out one by one on their own rows instead; under
     ``"vmap"`` that is an error naming the client and the term.
@@ -195,17 +194,9 @@ def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan, struc
 
 def _first_term_mismatch(model, kwargs, clients, plan, structure, cache) -> Optional[TermMismatch]:
     key, cache = jax.random.PRNGKey(0), {} if cache is None else cache
-    plates = list(structure.group_plates.items())
-    sizes = dict(getattr(model, "group_sizes", {}))
-    counts = [tuple(int(np.max(clients[n][a])) + 1 for _, a in plates) for n in plan.names]
-    n_pad = int(plan.data.row_mask.shape[-1]) if plan.mapping == "vmap" else 0
-    padded = [int(r) < n_pad or any(c < sizes.get(p, c) for (p, _), c in zip(plates, g))
-              for r, g in zip(plan.num_rows, counts)]
-    if not any(padded):  # every client laid out on its own rows and groups: nothing to compare
-        return None
+    codes = list(structure.group_plates.values())
+    counts = [tuple(int(np.max(clients[n][a])) + 1 for a in codes) for n in plan.names]
     for j in checked_clients([int(n) for n in plan.num_rows], counts):
-        if not padded[j]:
-            continue
         name = plan.names[j]
         bad = client_term_mismatch(model, kwargs, structure, client_data(plan, j), clients[name], name,
                                    jax.random.fold_in(key, j), cache=cache)
