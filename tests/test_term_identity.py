@@ -129,7 +129,7 @@ def reads_padded_groups(ward, y):
     mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
     with nf.group_plate("wards", ward), nf.local_site():
         a = numpyro.sample("a", dist.Normal(0.0, 1.0))
-    numpyro.factor("shrink", -0.01 * jnp.sum(y**2) * jnp.sum(a**2))
+    numpyro.factor("shrink", -jnp.sum(y**2) * jnp.sum(a**2))
     with numpyro.plate("rows", y.shape[0]):
         numpyro.sample("y", dist.Normal(mu + a[ward], 0.5), obs=y)
 
