@@ -88,14 +88,64 @@ def _slow_ids():
         return {line.split("#")[0].strip() for line in fh} - {""}
 
 
+def _slow_seconds():
+    """Seconds measured for each listed slow test (the number after ``#`` on its line, else None)."""
+    out = {}
+    if os.path.exists(_SLOW_LIST):
+        with open(_SLOW_LIST) as fh:
+            for line in fh:
+                test, _, note = line.partition("#")
+                seconds = note.strip().split(" ")[0] if note.strip() else ""
+                if test.strip():
+                    out[test.strip()] = float(seconds) if seconds.replace(".", "", 1).isdigit() else None
+    return out
+
+
+UNTIMED_SECONDS = 120.0  # what a slow test with no measured time is assumed to take, for the shards
+
+
+def slow_shards(nodeids, count: int):
+    """The slow tests dealt into ``count`` shards of about equal measured time: whole files (a
+    file's tests share module fixtures, e.g. one Flower deployment), the longest file first into
+    the shard with the least time so far. Returns one set of nodeids per shard."""
+    seconds = _slow_seconds()
+    files = {}
+    for nodeid in nodeids:
+        t = seconds.get(nodeid)
+        files.setdefault(nodeid.split("::")[0], []).append((nodeid, UNTIMED_SECONDS if t is None else t))
+    shards = [(0.0, i, set()) for i in range(count)]
+    for name, tests in sorted(files.items(), key=lambda kv: (-sum(t for _, t in kv[1]), kv[0])):
+        total, i, members = min(shards)
+        members.update(n for n, _ in tests)
+        shards[i] = (total + sum(t for _, t in tests), i, members)
+    return [members for _, _, members in shards]
+
+
 def pytest_collection_modifyitems(config, items):
     """``slow``: the tests listed in tests/slow_tests.txt (the slowest of a measured full run,
     written by ``tools/jax_test_profile.py --write-slow``) and every real Flower run. README's
-    test command runs them all; ``pytest -m "not slow"`` is the quick loop while developing."""
+    test command runs them all; ``pytest -m "not slow"`` is the quick loop while developing.
+
+    ``NUMPYRO_FED_SLOW_SHARD=K/N`` (1 <= K <= N) keeps, of the slow tests, only shard K of N
+    (:func:`slow_shards`); the others are deselected. CI runs one shard per commit in turn."""
     slow = _slow_ids()
     for item in items:
         if item.nodeid in slow or item.get_closest_marker("flower") is not None:
             item.add_marker(pytest.mark.slow)
+    shard = os.environ.get("NUMPYRO_FED_SLOW_SHARD", "").strip()
+    if not shard:
+        return
+    k, _, n = shard.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"NUMPYRO_FED_SLOW_SHARD={shard!r}: write K/N with 1 <= K <= N, e.g. 1/2")
+    marked = [item.nodeid for item in items if item.get_closest_marker("slow") is not None]
+    keep = slow_shards(marked, int(n))[int(k) - 1]
+    kept = [item for item in items if item.get_closest_marker("slow") is None or item.nodeid in keep]
+    kept_ids = {id(item) for item in kept}
+    dropped = [item for item in items if id(item) not in kept_ids]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def _tracers():

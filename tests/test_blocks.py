@@ -91,20 +91,22 @@ def test_the_block_path_equals_the_dense_path(model):
 
 
 def test_coupled_entries_give_an_invalid_update_that_names_the_fix():
-    """A local site whose entries are coupled (a random walk) in a plate the layout would
-    split into blocks: each client's check fails, its update is invalid, and the run (every
-    update invalid) raises saying to pass local_blocks=False; with it, the fit is valid."""
+    """A local site whose entries are coupled (a random walk over a client's wards) in a plate
+    the layout would split into blocks: each client's check fails, its update is invalid, and
+    the run (every update invalid) raises saying to pass local_blocks=False; with it, the fit
+    is valid. (The rows' terms are a sum over rows: each row reads its own ward's value.)"""
 
-    def model(y):
+    def model(ward, y):
         s = numpyro.sample("s", dist.LogNormal(-1.0, 0.5))
+        with nf.group_plate("wards", ward), nf.local_site():
+            z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+        walk = jnp.cumsum(s * z)  # coupled across the wards
         with numpyro.plate("rows", y.shape[0]):
-            with nf.local_site():
-                z = numpyro.sample("z", dist.Normal(0.0, 1.0))
-            walk = jnp.cumsum(s * z)  # coupled across rows
-            numpyro.sample("y", dist.Normal(walk, 0.3), obs=y)
+            numpyro.sample("y", dist.Normal(walk[ward], 0.3), obs=y)
 
-    y = np.cumsum(0.3 * _rng.normal(size=20)).astype(np.float32)
-    clients = nf.Clients.split(np.arange(20) // 10, y=y)
+    ward = np.tile(np.repeat(np.arange(5), 2), 2).astype(np.int32)  # 5 wards of 2 rows per client
+    y = (np.cumsum(0.3 * _rng.normal(size=10))[ward] + 0.3 * _rng.normal(size=20)).astype(np.float32)
+    clients = nf.Clients.split(np.arange(20) // 10, ward=ward, y=y)
     inference = nf.EP(model, check_fit=False)
     with warnings.catch_warnings(), pytest.raises(ValueError, match="check of the block structure failed"):
         warnings.simplefilter("ignore")  # every update invalid: the run raises, naming the fix

@@ -27,3 +27,18 @@ def test_the_terms_outside_plates_table_is_its_results():
     for r in results["models"]:  # the times quoted under the table
         quoted = f"{r['posterior']} {r['fit_seconds']:.0f} s against {r['pooled_nuts_seconds']:.0f} s"
         assert quoted in flat, r["posterior"]
+
+
+def test_the_test_suites_time_is_its_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "test_suite_time.json").read_text())
+    flat = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    ci, slow, parts = results["ci_run_last"], results["slow_in_place"], results["ci_parts"]
+    passed, seconds = ci["readme_test_command_pytest"].split(" passed in ")
+    assert f"**{passed} passed in {float(seconds.split()[0]):.0f} s**" in flat
+    assert f"({ci['readme_test_command_seconds_install_included']} s with the install" in flat
+    assert f"**{slow['summed_test_seconds']} s** summed over {slow['tests_timed']} of the {slow['tests']} tests" in flat
+    sums = [p["summed_test_seconds"] for p in parts["per_part"]]
+    assert f"**{', '.join(str(s) for s in sums[:-1])} and {sums[-1]} s**" in flat
+    assert f"NUMPYRO_FED_SLOW_SHARD=K/{parts['parts']}" in flat
+    ci_script = (ROOT / ".ci" / "run").read_text()
+    assert f"parts={parts['parts']}" in ci_script

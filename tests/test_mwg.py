@@ -189,7 +189,7 @@ def test_simulation_based_calibration_of_mwg_ranks_are_uniform(tmp_path):
 
     script = pathlib.Path(__file__).with_name("sbc_mwg.py")
     out = subprocess.run([sys.executable, str(script), "100", "7", str(tmp_path / "cache")], capture_output=True,
-                         text=True, timeout=1500, check=True)
+                         text=True, timeout=2400, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     for site, ranks in got["ranks"].items():
         ranks = np.asarray(ranks)

@@ -4,7 +4,7 @@ exist: a renamed or removed test must leave the list too, or the quick loop sile
 import ast
 from pathlib import Path
 
-from .conftest import _slow_ids
+from .conftest import UNTIMED_SECONDS, _slow_ids, _slow_seconds, slow_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,3 +47,24 @@ def test_the_check_finds_a_missing_test():
     wrong = ["tests/test_slow_list.py::no_such_test[a]", "tests/no_such_file.py::test_x",
              "numpyro_fed/factor/ep_inference.py::numpyro_fed.factor.ep_inference.NoSuchClass"]
     assert _missing([here, doctest, *wrong]) == sorted(wrong)
+
+
+def test_the_shards_deal_every_slow_test_once_keeping_files_whole():
+    listed = sorted(_slow_ids())
+    for count in (1, 2, 3):
+        shards = slow_shards(listed, count)
+        assert len(shards) == count
+        assert sorted(n for shard in shards for n in shard) == listed  # each test in exactly one shard
+        for shard in shards:
+            for other in shards:
+                if other is not shard:
+                    assert not {n.split("::")[0] for n in shard} & {n.split("::")[0] for n in other}
+
+
+def test_the_shards_are_balanced_by_measured_time():
+    seconds = {k: (UNTIMED_SECONDS if v is None else v) for k, v in _slow_seconds().items()}
+    a, b = slow_shards(sorted(seconds), 2)
+    ta, tb = sum(seconds[n] for n in a), sum(seconds[n] for n in b)
+    biggest_file = max(sum(t for n, t in seconds.items() if n.split("::")[0] == f) for f in
+                       {n.split("::")[0] for n in seconds})
+    assert abs(ta - tb) <= biggest_file + 1e-9, (ta, tb)  # greedy: within one file's time of each other
