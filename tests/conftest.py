@@ -81,13 +81,6 @@ def _seed_and_leaks():
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
 
 
-def _slow_ids():
-    if not os.path.exists(_SLOW_LIST):
-        return set()
-    with open(_SLOW_LIST) as fh:
-        return {line.split("#")[0].strip() for line in fh} - {""}
-
-
 def _slow_seconds():
     """Seconds measured for each listed slow test (the number after ``#`` on its line, else None)."""
     out = {}
@@ -99,6 +92,10 @@ def _slow_seconds():
                 if test.strip():
                     out[test.strip()] = float(seconds) if seconds.replace(".", "", 1).isdigit() else None
     return out
+
+
+def _slow_ids():
+    return set(_slow_seconds())
 
 
 UNTIMED_SECONDS = 120.0  # what a slow test with no measured time is assumed to take, for the shards
@@ -123,8 +120,8 @@ def slow_shards(nodeids, count: int):
 
 def pytest_collection_modifyitems(config, items):
     """``slow``: the tests listed in tests/slow_tests.txt (the slowest of a measured full run,
-    written by ``tools/jax_test_profile.py --write-slow``) and every real Flower run. README's
-    test command runs them all; ``pytest -m "not slow"`` is the quick loop while developing.
+    each with its seconds) and every real Flower run. README's test command,
+    ``pytest -m "not slow"``, leaves them out; ``pytest -m slow`` runs them.
 
     ``NUMPYRO_FED_SLOW_SHARD=K/N`` (1 <= K <= N) keeps, of the slow tests, only shard K of N
     (:func:`slow_shards`); the others are deselected. CI runs one shard per commit in turn."""
