@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
-from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
@@ -125,11 +124,17 @@ def make_layout(entries) -> SiteLayout:
     axes = tuple(e[2] for e in entries)
     groups = tuple(e[3] if len(e) > 3 else () for e in entries)
     plates = tuple(e[4] if len(e) > 4 else () for e in entries)
-    _, unravel = ravel_pytree({n: jnp.zeros(s) for n, s in zip(names, shapes)})
-    size = int(sum(int(np.prod(s)) for s in shapes))
+    sizes = [int(np.prod(s)) for s in shapes]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int) if names else np.zeros(1, int)
+    size = int(sum(sizes))
 
     def unravel_ordered(flat):
-        return unravel(flat) if names else {}
+        # the inverse of SiteLayout.ravel: sites in ``names`` order (not the sorted order of a dict's
+        # pytree flattening, which would scramble sites whose names are not in sorted order)
+        if jnp.shape(flat) != (size,):
+            raise ValueError(f"a flat vector of shape {jnp.shape(flat)} cannot be laid out as {dict(zip(names, shapes))}"
+                             f" (size {size})")
+        return {n: jnp.reshape(flat[int(a):int(a) + k], s) for n, s, a, k in zip(names, shapes, starts, sizes)}
 
     return SiteLayout(names, shapes, axes, size, unravel_ordered, groups if any(groups) else (),
                       plates if any(plates) else ())

@@ -225,3 +225,42 @@ def soft_constraint(x, y, in_plate):
 def test_a_term_of_the_global_sites_alone_is_refused_as_counted_once_per_client():
     with pytest.raises(ValueError, match=r"'sum_to_zero' does not depend on the client's rows.*once per client"):
         nf.fit(soft_constraint, unequal_clients(), jax.random.PRNGKey(0), progress_bar=False)
+
+
+def test_a_layout_unravels_its_sites_in_the_order_it_ravels_them():
+    """Sites traced in an order that is not sorted (``theta`` before ``sigma``, as in the HM2
+    model): a flat vector laid out and read back gives every site its own entries, and a padded
+    client's local entries cut to its rows keep their sites (a dict's pytree order would give
+    ``sigma`` the first entry of ``theta``)."""
+    from numpyro_fed._structure import make_layout
+    from numpyro_fed.backends.mapping import unpadder
+
+    padded = make_layout([("theta", (6, 3), 0), ("sigma", (), None), ("b", (2,), None)])
+    real = make_layout([("theta", (4, 3), 0), ("sigma", (), None), ("b", (2,), None)])
+    values = {"theta": jnp.arange(18.0).reshape(6, 3), "sigma": jnp.asarray(-7.0), "b": jnp.asarray([100.0, 200.0])}
+    back = padded.unravel(padded.ravel(values))
+    for name, v in values.items():
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(v))
+    cut = real.unravel(unpadder(padded, real, 4)(padded.ravel(values)))
+    np.testing.assert_array_equal(np.asarray(cut["theta"]), np.arange(12.0).reshape(4, 3))
+    assert float(cut["sigma"]) == -7.0
+    np.testing.assert_array_equal(np.asarray(cut["b"]), [100.0, 200.0])
+    with pytest.raises(ValueError, match="cannot be laid out"):
+        padded.unravel(jnp.zeros(3))
+
+
+def test_local_sites_traced_out_of_sorted_order_pass_the_identity():
+    """The HM2 regression's local sites are traced ``theta`` then ``sigma``; each client's term
+    equals NumPyro's density on its rows (equal and unequal clients)."""
+    from numpyro_fed.models import hm2_regression
+
+    rng = np.random.default_rng(3)
+    for sizes in [(30, 30), (7, 30)]:
+        n = sum(sizes)
+        x = rng.normal(size=(n, 2)).astype(np.float32)
+        y = (x @ np.array([1.0, -1.0]) + 0.5 * rng.normal(size=n)).astype(np.float32)
+        clients = nf.Clients.split(np.repeat(np.arange(len(sizes)), sizes), x=x, y=y)
+        structure = analyse_model(hm2_regression, clients, {})
+        assert structure.local_latent_names == ("theta", "sigma")
+        plan, _ = plan_clients(hm2_regression, {}, clients, structure)
+        assert len(plan.names) == len(sizes)
