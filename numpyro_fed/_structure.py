@@ -132,8 +132,8 @@ def make_layout(entries) -> SiteLayout:
         # the inverse of SiteLayout.ravel: sites in ``names`` order (not the sorted order of a dict's
         # pytree flattening, which would scramble sites whose names are not in sorted order)
         if jnp.shape(flat) != (size,):
-            raise ValueError(f"a flat vector of shape {jnp.shape(flat)} cannot be laid out as {dict(zip(names, shapes))}"
-                             f" (size {size})")
+            raise ValueError(f"a flat vector of shape {jnp.shape(flat)} cannot be laid out as "
+                             f"{dict(zip(names, shapes))} (size {size})")
         return {n: jnp.reshape(flat[int(a):int(a) + k], s) for n, s, a, k in zip(names, shapes, starts, sizes)}
 
     return SiteLayout(names, shapes, axes, size, unravel_ordered, groups if any(groups) else (),
