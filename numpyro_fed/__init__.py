@@ -16,8 +16,10 @@ from . import algorithms, checkpoint, dp, models, protocol, transcript, warnings
 from ._deprecations import module_attribute as _deprecated
 from .arviz import to_arviz
 from .backends import NonFiniteError, SimulationBackend
+from .budget import RoundBudgetError
 from .clients import Clients
 from .comparison import federated_compare, federated_loo
+from .compilation_cache import use_compilation_cache
 from .dp import PrivacyReport, dp_noise
 from .factor import BCM, EP, PVI, gaussian
 from .groups import group_plate
@@ -73,6 +75,7 @@ __all__ = [
     "NonFiniteWarning",
     "PVI",
     "PrivacyReport",
+    "RoundBudgetError",
     "RunResult",
     "RunState",
     "SimulationBackend",
@@ -100,6 +103,7 @@ __all__ = [
     "print_summary",
     "protocol",
     "summary",
+    "use_compilation_cache",
     "to_arviz",
     "transcript",
     "vertical_split",

@@ -23,11 +23,16 @@ def make_bar(total: Optional[int], desc: str):
     return tqdm(total=total, desc=desc, unit="round", dynamic_ncols=True)
 
 
-def show_chunk(bar, algorithm: Any, server_state: Any, rounds: int, figures: Any) -> None:
+def show_chunk(bar, algorithm: Any, server_state: Any, rounds: int, figures: Any,
+               projected: Optional[float] = None) -> None:
     """Move a chunked run's bar by the chunk's ``rounds``, with the algorithm's own words
-    (its ``describe``) and the mean of the chunk's per-round ``figures``."""
+    (its ``describe``), the rounds the whole run is ``projected`` to need (an open-ended sampler:
+    :func:`~numpyro_fed.budget.projection_text`) and the mean of the chunk's per-round ``figures``."""
+    from .budget import projection_text
+
     bar.update(rounds)
     words = algorithm.describe(server_state) if algorithm.describe is not None else ""
     figure = np.asarray(figures)[: max(rounds, 1)]
     mean = float(np.mean(figure[np.isfinite(figure)])) if np.isfinite(figure).any() else float("nan")
-    bar.set_postfix_str(", ".join(p for p in (words, f"{algorithm.monitor_name}: {mean:.4g}") if p))
+    ahead = projection_text(projected) if projected is not None else ""
+    bar.set_postfix_str(", ".join(p for p in (words, ahead, f"{algorithm.monitor_name}: {mean:.4g}") if p))

@@ -45,7 +45,8 @@ class Fit:
         inference: the fitted inference object of that rung; ``result``: its
             :class:`~numpyro_fed.RunResult`.
         rounds, bytes: communication rounds and bytes (both ways) of every rung tried;
-            ``bytes_up``, ``bytes_down``: each way.
+            ``bytes_up``, ``bytes_down``: each way; :attr:`rounds_per_draw`: an exact answer's rounds
+            per effective draw.
         check: the check of the answer returned: a :class:`~numpyro_fed.FitDiagnostic` (Laplace:
             ``q``'s own check; importance-corrected: the check of the corrected draws, whose
             verdict is ``"ok"`` since the ladder accepted them), or for the samplers
@@ -71,6 +72,14 @@ class Fit:
         self._corrected, self._num_samples = corrected, int(num_samples)
         self._idata, self._clients = None, clients
         self.results = list(results) if results is not None else [result]
+
+    @property
+    def rounds_per_draw(self) -> Optional[float]:
+        """An exact sampler's answer: :attr:`rounds` (every rung's, the start's included) per effective
+        draw of its worst global scalar (the smallest bulk ESS); ``None`` for a Laplace answer."""
+        if not self._chains:
+            return None
+        return self.rounds / max(float(self.check["min_n_eff"]), 1.0)
 
     @property
     def _chains(self) -> bool:

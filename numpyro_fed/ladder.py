@@ -19,10 +19,14 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    clients, each computing its own term on its own node.
 3. Otherwise **exact federated Metropolis-within-Gibbs** (:mod:`~numpyro_fed.mcmc.mwg_algorithm`):
    one round per iteration, :data:`MWG_CHAINS` chains side by side, started at the Laplace mode
-   and proposing by its covariance, every move corrected by an exact Metropolis-Hastings test,
-   the local latents moved on their clients; :data:`MWG_WARMUP` warmup rounds. Kept unless its
-   chains disagree (split R-hat above 1.05) or barely move (acceptance under 5 %); chains short
-   of :data:`MWG_MIN_ESS` effective draws at a global scalar run on once to reach it.
+   and proposing by its covariance (4 candidates a round, resampled by their importance weights, or
+   a random walk with a Metropolis-Hastings test: every move exact),
+   the local latents moved on their clients; :data:`MWG_WARMUP` warmup rounds. Then by cost:
+   chains that barely move (acceptance under 5 %) go to NUTS; chains short of
+   :data:`MWG_MIN_ESS` effective draws at a global scalar, or not converged (split R-hat above
+   1.05), run on once where their own rounds per effective draw are at most
+   :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW`, and go to NUTS where they cost more or
+   still disagree after running on.
 4. Otherwise (or where the Laplace search found no mode on a proper posterior) **exact
    federated NUTS**, started at the Laplace mode (or the search's last point) and
    preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
@@ -30,6 +34,10 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    instead of NumPyro's 500, ``num_chains`` to :data:`NUTS_CHAINS`. It pays one round per leapfrog
    step, and warns, naming the scalars, where its chains have a split R-hat above 1.05 or a bulk
    ESS under 100 (:mod:`~numpyro_fed.mcmc.diagnostics`).
+
+Every rung together spends at most ``max_rounds`` rounds (:data:`~numpyro_fed.budget.MAX_ROUNDS`
+by default): a sampler whose pace projects more stops before spending them and :func:`fit`
+raises :class:`~numpyro_fed.budget.RoundBudgetError` (:mod:`numpyro_fed.budget`).
 
 ``exact=True`` skips the Laplace checks: the Laplace search only finds the samplers' start, and
 the answer is rung 3's (or 4's).
@@ -46,6 +54,8 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
+from ._validation import check_positive_int
+from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, network_time
 from .fit_result import Fit, check_text
 from .warnings import FitWarning, MCMCDiagnosticWarning, find_stack_level
 
@@ -92,6 +102,7 @@ RUNG_OPTIONS = {
     "local_moves": ("mwg",),
     "local_steps": ("mwg",),
     "local_step_size": ("mwg",),
+    "candidates": ("mwg",),
     "step_size": ("nuts",),
     "adapt_step_size": ("nuts",),
     "adapt_mass_matrix": ("nuts",),
@@ -141,7 +152,7 @@ def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the sear
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
         num_warmup: Optional[int] = None, num_chains: Optional[int] = None, model_kwargs: Optional[dict] = None,
         row_plate: Optional[str] = None, client_mapping: str = "auto", progress_bar: Optional[bool] = None,
-        **options: Any) -> Fit:
+        max_rounds: Optional[int] = MAX_ROUNDS, **options: Any) -> Fit:
     """Fit ``model`` to the federation ``clients``: the posterior of its global sites, checked.
 
     Tries the Laplace approximation (a few Newton rounds), keeps it when the fit checks pass,
@@ -166,7 +177,13 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         model_kwargs: non-data keyword arguments of the model, as every family's.
         row_plate: the plate that indexes rows, when padding is ambiguous, as every family's.
         client_mapping: how the simulation lays clients out, as every family's.
-        progress_bar: show each rung's progress (default: the families' default, on).
+        progress_bar: show each rung's progress (default: the families' default, on); a sampler's
+            bar shows the rounds its whole run is projected to need, from its own pace.
+        max_rounds: the bound on the rounds of every rung together (default
+            :data:`~numpyro_fed.budget.MAX_ROUNDS`, about 20 minutes over a network at 58 ms a
+            round; ``None``: no bound). A sampler whose pace projects more stops before it spends
+            them and ``fit`` raises :class:`~numpyro_fed.budget.RoundBudgetError` with the
+            projection, the draws it has and what to do.
         **options: a rung's own options (:func:`rung_options`: e.g. ``target_accept_prob``,
             ``max_tree_depth``, ``step_size`` for federated NUTS; ``inner_steps``, ``local_blocks``
             for the Laplace search and Metropolis-within-Gibbs; ``tol`` for the Laplace search),
@@ -179,6 +196,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     Raises:
         ValueError: the posterior is improper (no mode; naming the sites), or the model is one
             no rung can fit (as the families' own errors say).
+        RoundBudgetError: the answer would need more than ``max_rounds`` rounds.
         TypeError: an option no rung takes and no backend runs with (naming the accepted ones).
 
     Example:
@@ -197,7 +215,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     rung_options, run_options = split_options(options)
     ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
                     model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
-                    progress_bar=progress_bar, **rung_options)
+                    progress_bar=progress_bar, max_rounds=max_rounds, **rung_options)
     return ladder.run(rng_key, clients, **run_options)
 
 
@@ -223,7 +241,8 @@ class Ladder:
                  num_warmup: Optional[int] = None, num_chains: Optional[int] = None,
                  model_kwargs: Optional[dict] = None,
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
-                 progress_bar: Optional[bool] = None, **rung_options: Any) -> None:
+                 progress_bar: Optional[bool] = None, max_rounds: Optional[int] = MAX_ROUNDS,
+                 **rung_options: Any) -> None:
         unknown = sorted(set(rung_options) - set(RUNG_OPTIONS))
         if unknown:
             raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS),
@@ -234,6 +253,7 @@ class Ladder:
         self.num_chains = None if num_chains is None else int(num_chains)
         self.model_kwargs, self.row_plate, self.client_mapping = dict(model_kwargs or {}), row_plate, client_mapping
         self.progress_bar = progress_bar
+        self.max_rounds = None if max_rounds is None else check_positive_int("max_rounds", max_rounds)
 
     # ------------------------------------------------------------------ rungs
     @staticmethod
@@ -345,36 +365,125 @@ class Ladder:
                        "covariance")
         done = {"rounds": rounds, "bytes": bytes_}
         samplers = [("mwg", None), ("nuts", None)] if mode else [("nuts", None)]
+        return self._sample(samplers, warm, {"mwg": k_mwg, "nuts": k_nuts}, clients, run_options, announce, done,
+                            log, results, network)
+
+    def _sample(self, samplers, warm, keys, clients, run_options, announce, done, log, results, network) -> Fit:
+        """The exact rungs, in turn (:meth:`_mwg_next` decides after Metropolis-within-Gibbs): the first
+        whose answer stands is returned; every rung's rounds count against ``max_rounds``."""
         while samplers:
             rung, samples = samplers.pop(0)
             stage = self.stage(rung, warm, num_samples=samples)
             announce(stage)
             sampler = self.rung(stage)
-            with warnings.catch_warnings(record=True) as caught:  # the ladder acts on MwG's mixing itself
-                warnings.simplefilter("always")
-                result = sampler.run(k_nuts if rung == "nuts" else k_mwg, clients, **run_options)
+            left = None if self.max_rounds is None else self.max_rounds - done["rounds"]
+            if rung == "mwg" and left is not None and sampler.num_warmup + sampler.num_samples + 1 > left:
+                planned = sampler.num_warmup + sampler.num_samples + 1  # one round per iteration: known before it runs
+                raise self._over_budget(RoundBudgetError("", rounds=0, max_rounds=left, projected_rounds=planned),
+                                        rung, done, log)
+            try:
+                with warnings.catch_warnings(record=True) as caught:  # the ladder acts on MwG's mixing itself
+                    warnings.simplefilter("always")
+                    result = sampler.run(keys[rung], clients,
+                                         **({} if left is None else {"num_rounds": max(left, 1)}), **run_options)
+            except RoundBudgetError as err:
+                raise self._over_budget(err, rung, done, log) from err
             results.append(result)
-            done["rounds"] += int(result.communication.rounds)
+            spent = int(result.communication.rounds)
+            done["rounds"] += spent
             done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], _bytes(result)))
             check = _mcmc_check(sampler, result)
-            log.append(f"{rung}: {int(result.communication.rounds)} rounds; " + check_text(check))
-            if rung == "mwg" and not _mixed(check):
-                log.append("mwg: the chains did not converge (split R-hat above "
-                           f"{_r_hat_limit()}) or barely moved: moving to federated NUTS")
-                continue
-            longer = _longer(check, sampler.num_samples) if rung == "mwg" and samples is None else None
-            if longer is not None:  # the same chains run on (the same keys): their first draws are these
-                log.append(f"mwg: the worst global scalar's ESS ({check['min_n_eff']:.0f}) is under {MWG_MIN_ESS}: "
-                           f"running the chains on to {longer} draws each")
-                samplers.insert(0, ("mwg", longer))
-                continue
+            log.append(f"{rung}: {spent} rounds; " + check_text(check)
+                       + f"; {_per_draw(spent, check):.3g} rounds per effective draw")
+            if rung == "mwg":
+                longer = self._mwg_next(sampler, check, spent, samples is not None, done["rounds"], log)
+                if longer == "nuts":
+                    continue
+                if longer is not None:  # the same chains run on (the same keys): their first draws are these
+                    samplers.insert(0, ("mwg", longer))
+                    continue
             for w in caught:  # the answer's own warnings reach the caller
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             if rung == "nuts":
                 _warn_unmixed(sampler, result)
+            log.append(f"{rung}: the answer, {done['rounds']} rounds in all (every rung), "
+                       f"{_per_draw(done['rounds'], check):.3g} rounds per effective draw of the worst global scalar")
             return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
                        num_samples=self.num_samples, clients=None if network else clients, results=results)
         raise AssertionError("unreachable: the last rung returns")
+
+
+    def _mwg_next(self, sampler, check: Dict[str, float], spent: int, ran_on: bool, total: int, log: List[str]):
+        """After a Metropolis-within-Gibbs run: ``None`` (its answer stands), ``"nuts"`` (move on), or the
+        draws per chain to run the same chains on to. By projected cost: chains that moved but have not
+        converged (split R-hat) or are short of :data:`MWG_MIN_ESS` effective draws run on where their own
+        rounds per effective draw are at most :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW` (the fewest
+        federated NUTS has needed) and the run fits in ``max_rounds``; chains that barely moved, or cost
+        more, move to federated NUTS."""
+        from .mcmc.mwg_inference import LOW_ACCEPT
+
+        per_draw = _per_draw(spent, check)
+        if check["acceptance"] < LOW_ACCEPT:
+            log.append(f"mwg: the chains barely moved (acceptance {check['acceptance']:.1%}): moving to federated "
+                       f"NUTS")
+            return "nuts"
+        converged = check["max_r_hat"] <= _r_hat_limit()
+        if converged and not check["min_n_eff"] < MWG_MIN_ESS:
+            return None
+        if ran_on or per_draw > NUTS_ROUNDS_PER_DRAW:
+            if converged:  # enough to answer (its low ESS is warned of)
+                return None
+            log.append(f"mwg: the chains did not converge (split R-hat {check['max_r_hat']:.3g} above "
+                       f"{_r_hat_limit()})" + ("" if ran_on else f" and cost {per_draw:.3g} rounds per effective "
+                                               f"draw, more than federated NUTS's {NUTS_ROUNDS_PER_DRAW:.0f}")
+                       + ": moving to federated NUTS")
+            return "nuts"
+        warmup = sampler.num_warmup
+        want = int(np.ceil(sampler.num_samples * min(MWG_MAX_LONGER, 1.2 * MWG_MIN_ESS / max(check["min_n_eff"], 1.0))))
+        if not converged:
+            want = max(want, 2 * sampler.num_samples)
+        left = None if self.max_rounds is None else self.max_rounds - total
+        afford = want if left is None else min(want, left - warmup - 1)
+        if afford <= sampler.num_samples:
+            if converged:
+                log.append(f"mwg: max_rounds leaves no room to run the chains on (ESS {check['min_n_eff']:.0f})")
+                return None
+            log.append("mwg: the chains did not converge and max_rounds leaves no room to run them on: moving to "
+                       "federated NUTS")
+            return "nuts"
+        why = (f"the worst global scalar's ESS ({check['min_n_eff']:.0f}) is under {MWG_MIN_ESS}" if converged else
+               f"the chains have not converged (split R-hat {check['max_r_hat']:.3g}) but move at {per_draw:.3g} "
+               f"rounds per effective draw, fewer than federated NUTS's {NUTS_ROUNDS_PER_DRAW:.0f}")
+        log.append(f"mwg: {why}: running the chains on to {afford} draws each ({warmup + afford + 1} rounds)")
+        return afford
+
+    def _over_budget(self, err: RoundBudgetError, rung: str, done: Dict[str, Any], log: List[str]):
+        """``nf.fit``'s :class:`~numpyro_fed.budget.RoundBudgetError`: the rung's, over every rung's rounds."""
+        rounds, traffic = done["rounds"] + err.rounds, sum(done["bytes"]) + err.bytes
+        name = {"mwg": "federated Metropolis-within-Gibbs", "nuts": "federated NUTS"}[rung]
+        if err.projected_rounds is not None:
+            need = done["rounds"] + err.projected_rounds
+            why = (f"{name} would need about {need:,.0f} rounds in all ({network_time(need)} over a network at 58 ms "
+                   f"a round), more than max_rounds={self.max_rounds:,}")
+        else:
+            why = f"{name} reached max_rounds={self.max_rounds:,} before its pace was measured"
+        kept = next(iter(err.samples.values())).shape[1] if err.samples else 0
+        have = (f"the {kept} draws per chain it has are in error.samples (a chain's first draws: check them before "
+                f"use)") if kept else ("it stopped in warmup, with no draws" if err.rounds else "did not start it")
+        log = log + [f"{rung}: " + (f"stopped after {err.rounds} rounds" if err.rounds else "not started") + f": {why}"]
+        message = (f"nf.fit: {why}; it stopped after {rounds:,} rounds ({traffic / 1e6:,.1f} MB), and {have}. What "
+                   f"was tried: " + "; ".join(log) + ". To pay for it, raise max_rounds= (None: no bound); to need "
+                   "fewer rounds, reparameterise the model (a non-centred hierarchy; a scale with a lighter-tailed "
+                   "prior), or ask for fewer draws (num_samples=)")
+        return RoundBudgetError(message, rounds=rounds, max_rounds=self.max_rounds or 0,
+                                projected_rounds=None if err.projected_rounds is None
+                                else done["rounds"] + err.projected_rounds,
+                                samples=err.samples, log=log, bytes=traffic)
+
+
+def _per_draw(rounds: int, check: Dict[str, float]) -> float:
+    """Rounds per effective draw of the worst global scalar."""
+    return float(rounds) / max(float(check["min_n_eff"]), 1.0)
 
 
 def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
@@ -483,25 +592,7 @@ def _warn_unmixed(sampler, result) -> None:
                                       ess=MIN_ESS), MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
 
-def _longer(check: Dict[str, float], num_samples: int) -> Optional[int]:
-    """The draws per chain to reach :data:`MWG_MIN_ESS` at the ESS per draw measured (with a
-    fifth to spare, at most :data:`MWG_MAX_LONGER` times as many), or ``None`` where it is reached."""
-    ess = check["min_n_eff"]
-    if not ess < MWG_MIN_ESS:
-        return None
-    factor = min(MWG_MAX_LONGER, 1.2 * MWG_MIN_ESS / max(ess, 1.0))
-    return int(np.ceil(num_samples * factor))
-
-
 def _r_hat_limit() -> float:
     from .mcmc.diagnostics import R_HAT_LIMIT
 
     return R_HAT_LIMIT
-
-
-def _mixed(check: Dict[str, float]) -> bool:
-    """MwG's chains are kept unless they disagree (split R-hat) or barely moved; a low ESS
-    alone is kept (and warned of): NUTS would pay more rounds for the same draws."""
-    from .mcmc.mwg_inference import LOW_ACCEPT
-
-    return check["max_r_hat"] <= _r_hat_limit() and check["acceptance"] >= LOW_ACCEPT

@@ -112,6 +112,10 @@ class FederatedAlgorithm(NamedTuple):
             stops after that round (``num_rounds`` is then an upper bound).
         describe: ``server_state -> str``, or ``None``: a few words on the run's progress
             for the progress bar (federated MCMC: the chains' iterations).
+        progress: ``server_state -> (iterations done, warmup iterations, iterations in all)``,
+            or ``None``: an open-ended sampler's progress, from which the backend projects the
+            rounds the run needs (:class:`~numpyro_fed.budget.Pace`), shows them, and stops a
+            run whose projection exceeds ``num_rounds``.
     """
 
     init_server: Callable
@@ -125,6 +129,7 @@ class FederatedAlgorithm(NamedTuple):
     name: str = ""
     done: Callable = None
     describe: Callable = None
+    progress: Callable = None
 
 
 def all_clients(num_clients: int) -> Callable:
@@ -227,6 +232,9 @@ class RunResult(NamedTuple):
         rounds_answered: per round, how many clients answered.
         fitted_by: the class name of the inference object whose ``run`` made it (another
             family's methods refuse it, naming both).
+        projected_rounds: an open-ended sampler's projection of the rounds its whole run needs,
+            from its own pace (:class:`~numpyro_fed.budget.Pace`), when it was stopped because
+            that exceeds ``num_rounds``; ``None`` otherwise.
     """
 
     params: Any
@@ -238,6 +246,7 @@ class RunResult(NamedTuple):
     transcript: Optional[Transcript] = None
     rounds_answered: Optional[Any] = None
     fitted_by: str = ""
+    projected_rounds: Optional[float] = None
 
     @property
     def losses(self) -> jax.Array:

@@ -73,7 +73,7 @@ def _check_line(inference, result) -> str:
         if inference.method in _SAMPLERS:
             c = inference.check
             return head + (f"exact sampler: min ESS {c['min_n_eff']:.0f}, max split R-hat {c['max_r_hat']:.3f} over "
-                           f"the global scalars")
+                           f"the global scalars; {inference.rounds_per_draw:.3g} rounds per effective draw")
         return head + _verdict_text(inference.check)
     if getattr(inference, "draws_are_chains", False):
         return ""

@@ -24,4 +24,6 @@ def test_the_package_keeps_its_design_counts():
     assert found["backend_reads_of_private_inference_state"] == []
     assert found["modules_over_600_lines"] == {}
     # 49 after issue 29; issue 30 added FederatedNUTS, FederatedHMC and MCMCDiagnosticWarning
-    assert found["public_names"] <= 56  # 52, print_summary, summary, SiteRoleWarning and fit
+    # 52, print_summary, summary, SiteRoleWarning and fit; then RoundBudgetError (the bound on a fit's rounds)
+    # and use_compilation_cache (the persistent compilation cache's one setting)
+    assert found["public_names"] <= 58

@@ -58,12 +58,43 @@ def test_the_external_suites_fit_table_is_its_results():
     flat = " ".join(text.split())
     assert (f"**{totals['within']} of {totals['posteriors']} within, {totals['warned']} outside tolerance with a "
             f"warning, {totals['silent_wrong']} wrong without a word**") in flat
-    assert f"`fit.idata` built on {totals['idata']} of {totals['posteriors']}" in flat
+    assert f"{totals['bounded']} stopped at `max_rounds`" in flat
+    assert f"`fit.idata` built on {totals['idata']} of {totals['posteriors'] - totals['bounded']}" in flat
     assert f"commit {results['commit']}" in flat and results["date"]  # the date in the JSON, not the docs
     readme = " ".join((ROOT / "README.md").read_text().split())
-    fits = [r for r in results["pairs"] if r["family"] == "fit"]
+    fits = [r for r in results["pairs"] if r["family"] == "fit" and r["status"] != "bounded"]
     median = sorted(r["rounds"] for r in fits)
     median = (median[(len(median) - 1) // 2] + median[len(median) // 2]) / 2
     assert f"external suite of {totals['posteriors']} posteriors" in readme
     assert f"within tolerance on {totals['within']} of {totals['posteriors']}" in readme
     assert f"median {median:g} rounds" in readme
+
+
+def test_the_external_suites_exact_table_is_its_results():
+    """``nf.fit(..., exact=True)`` on the external suite: every row of docs/benchmarks.md's table and
+    the counts above it as ``benchmarks/posteriordb_suite.py --exact-table`` renders them, and
+    README's summary of them; none spent more than the default bound on rounds."""
+    from numpyro_fed.budget import MAX_ROUNDS
+
+    suite = _benchmark("posteriordb_suite")
+    results = json.loads((ROOT / "benchmarks" / "results" / "posteriordb_suite.json").read_text())
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = suite.exact_table_rows(results)
+    totals = suite.exact_totals(results)
+    fit_names = {r["posterior"] for r in results["pairs"] if r["family"] == "fit"}
+    exact_names = {r["posterior"] for r in results["pairs"] if r["family"] == "exact"}
+    assert len(rows) == totals["posteriors"] >= 8 and exact_names <= fit_names
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    flat = " ".join(text.split())
+    assert (f"**{totals['within']} of {totals['posteriors']} within, {totals['bounded']} stopped at "
+            f"`max_rounds`, {totals['silent_wrong']} wrong without a word**") in flat
+    assert (f"{totals['at_most_10_per_draw']} of {totals['posteriors']} at 10 rounds per effective draw or fewer "
+            f"(median {totals['median_per_draw']:.3g}, most {totals['max_per_draw']:.3g})") in flat
+    exact = [r for r in results["pairs"] if r["family"] == "exact"]
+    assert all(r["rounds"] <= MAX_ROUNDS for r in exact if "rounds" in r)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    per_draw = sorted(r["rounds_per_draw"] for r in exact if r.get("rounds_per_draw") is not None)
+    assert (f"`nf.fit(..., exact=True)` on the {totals['posteriors']} posteriors with local latents or no usable "
+            f"mode: within on {totals['within']} of {totals['posteriors']}, {per_draw[0]:.2g} to {per_draw[-1]:.2g} "
+            f"rounds per effective draw (median {totals['median_per_draw']:.2g})") in readme

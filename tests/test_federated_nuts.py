@@ -282,7 +282,7 @@ def test_clear_errors():
 
     with pytest.raises(ValueError, match=r"numpyro.param sites \['s'\]"):
         nf.FederatedNUTS(with_param, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
-    with pytest.raises(RuntimeError, match=r"stopped after 100 rounds \(num_rounds\) before every chain"):
+    with pytest.raises(nf.RoundBudgetError, match=r"reached num_rounds=100 first, with \[\d+\] of 1500 iterations"):
         nf.FederatedNUTS(model).run(random.PRNGKey(0), clients, 100)  # a cap too small for the draws
 
     def impossible(y):
@@ -292,7 +292,7 @@ def test_clear_errors():
 
     with pytest.raises(ValueError, match="found no starting point with a finite potential"):
         nf.FederatedNUTS(impossible, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
-    with pytest.raises(RuntimeError, match=r"stopped after 30 rounds \(num_rounds\)"):
+    with pytest.raises(nf.RoundBudgetError, match=r"reached num_rounds=30 first"):
         nf.FederatedNUTS(model, num_warmup=20, num_samples=20).run(random.PRNGKey(0), clients, 30)
 
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 from numpyro.diagnostics import effective_sample_size
 
 import numpyro_fed as nf
@@ -88,8 +89,8 @@ def test_a_round_a_client_misses_is_repeated_and_the_chain_stays_exact():
 
 
 def test_privacy_audit_of_federated_mwg():
-    """Up: one scalar per chain (and its finite flag) from each client; down: the chains'
-    proposals and current globals, the decisions and draw slots. No client's data, local latent,
+    """Up: one scalar per candidate and chain (and its finite flag) from each client; down: the
+    chains' candidates and current globals, the decisions and draw slots. No client's data, local latent,
     local draw or Laplace map, and no client key, appears in any message or in the server's state."""
     from .test_privacy import _slots, contains, haystacks
 
@@ -106,9 +107,9 @@ def test_privacy_audit_of_federated_mwg():
     t = result.transcript
     assert {e.name for e in t.entries if e.receiver == "server"} == {"['ell']", "['ok']"}
     assert {e.name for e in t.entries if e.sender == "server"} == {
-        f"shared['{k}']" for k in ("proposal", "current", "accept", "slot", "decided")}
-    for e in t.entries:  # nothing scales with a client's rows or locals: (chains, d) at most
-        assert int(np.prod(e.shape)) <= 2 * 1, e
+        f"shared['{k}']" for k in ("proposal", "current", "choice", "slot", "decided")}
+    for e in t.entries:  # nothing scales with a client's rows or locals: (chains, candidates, d) at most
+        assert int(np.prod(e.shape)) <= 2 * mwg.candidates * 1, e
     floats, ints = haystacks(result)
     secrets = [np.asarray(v) for c in clients.names for v in list(clients[c].values())
                + [result.client_states[c].draws]]
@@ -152,11 +153,7 @@ def _from_exact_draws(clients, mean, sd):
 
 def test_chains_started_at_exact_posterior_draws_stay_at_the_posterior(monkeypatch):
     """The posterior is a fixed point of the chain: 200 chains started at exact draws of mu's
-    posterior keep its mean and sd (within 4 standard errors; 5 %) over 20 iterations. The same
-    run with the Metropolis-Hastings test skipped (every proposal accepted: the uniform draw
-    patched to 0) leaves the posterior: the test fails when the exact correction is missing."""
-    from numpyro_fed.mcmc import mwg_algorithm
-
+    posterior keep its mean and sd (within 4 standard errors; 5 %) over 20 iterations."""
     clients, means = _data()
     mean, sd = _exact_mu(means)
     mu = _from_exact_draws(clients, mean, sd)
@@ -164,11 +161,30 @@ def test_chains_started_at_exact_posterior_draws_stay_at_the_posterior(monkeypat
     assert abs(mu.mean() - mean) < 4 * sd / np.sqrt(n), (mu.mean(), mean)
     assert abs(mu.std() / sd - 1) < 0.05, mu.std() / sd
 
+
+@pytest.mark.parametrize("mutant", ["every random walk accepted", "candidates weighted by pi, not pi / q"])
+def test_a_broken_acceptance_test_leaves_the_posterior(monkeypatch, mutant):
+    """The same run as the fixed-point test with one of the two moves' corrections broken leaves
+    the posterior (the sd of mu off by more than 15 %): the random walk's Metropolis-Hastings test
+    skipped (the uniform draw patched to 0: every proposal accepted), or the independence move's
+    resampling weights missing the proposal density (``pi`` instead of ``pi / q``: draws from ``pi
+    q``). The fixed-point test would fail on either."""
     import types
 
-    skip = types.SimpleNamespace(**{k: getattr(jax.random, k) for k in dir(jax.random) if not k.startswith("_")})
-    skip.uniform = lambda key, shape=(), dtype=float: jnp.zeros(shape, dtype)  # log 0 < any ratio: all accepted
-    monkeypatch.setattr(mwg_algorithm, "random", skip)
+    from numpyro_fed.mcmc import mwg_algorithm
+
+    clients, means = _data()
+    mean, sd = _exact_mu(means)
+    if mutant.startswith("every"):
+        skip = types.SimpleNamespace(**{k: getattr(jax.random, k) for k in dir(jax.random) if not k.startswith("_")})
+        skip.uniform = lambda key, shape=(), dtype=float: jnp.zeros(shape, dtype)  # log 0 < any ratio
+        monkeypatch.setattr(mwg_algorithm, "random", skip)
+    else:
+        class NoDensity(dist.MultivariateStudentT):
+            def log_prob(self, value):
+                return jnp.zeros(jnp.shape(value)[:-1], jnp.result_type(float))
+
+        monkeypatch.setattr(mwg_algorithm, "dist", types.SimpleNamespace(MultivariateStudentT=NoDensity))
     wrong = _from_exact_draws(clients, mean, sd)
     assert abs(wrong.std() / sd - 1) > 0.15, wrong.std() / sd
 
@@ -197,3 +213,54 @@ def test_simulation_based_calibration_of_mwg_ranks_are_uniform(tmp_path):
         counts = np.bincount(ranks * 10 // (got["draws"] + 1), minlength=10)
         p = stats.chisquare(counts).pvalue
         assert p > 0.001, (site, counts.tolist(), p)
+
+
+def _scale_model(g, y):
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with nf.group_plate("groups", g):
+        with nf.local_site():
+            th = numpyro.sample("th", dist.Normal(0.0, tau))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(th[g], 1.0), obs=y)
+
+
+def _tau_posterior(means):
+    """tau's posterior on a grid (each group's mean ~ N(0, tau^2 + 1/R), a half-normal prior): its
+    mean and sd by quadrature, independent of the sampler."""
+    tau = np.linspace(1e-4, 6.0, 60001)
+    var = tau[:, None] ** 2 + 1.0 / R
+    log_p = -0.5 * tau**2 + np.sum(-0.5 * np.log(var) - 0.5 * means[None, :] ** 2 / var, axis=1)
+    w = np.exp(log_p - log_p.max())
+    w /= w.sum()
+    mean = float(np.sum(w * tau))
+    return mean, float(np.sqrt(np.sum(w * (tau - mean) ** 2)))
+
+
+@pytest.mark.parametrize("drop_jacobian", [False, True])
+def test_the_local_maps_jacobian_matters_where_the_locals_scale_moves_with_a_global(monkeypatch, drop_jacobian):
+    """A scale ``tau`` and its groups' effects (local): the locals' Laplace map ``L_j(tau)`` changes
+    with ``tau``, and the move is exact only with its Jacobian ``|L_j(tau')| / |L_j(tau)|``. The
+    chains match tau's posterior by quadrature (mean within 4 Monte Carlo standard errors, sd
+    within 10 %); with the Jacobian dropped (``log|L|`` patched to 0) they do not."""
+    from numpyro_fed.mcmc import mwg_algorithm
+
+    rng = np.random.default_rng(4)
+    G = (6, 5, 4)
+    g = np.concatenate([np.repeat(np.arange(n), R) for n in G])
+    cl = np.concatenate([np.full(n * R, j) for j, n in enumerate(G)])
+    th = 0.8 * rng.normal(size=g.size // R)
+    y = (np.repeat(th, R) + rng.normal(size=g.size)).astype(np.float32)
+    mean, sd = _tau_posterior(y.reshape(-1, R).mean(1))
+    if drop_jacobian:
+        monkeypatch.setattr(mwg_algorithm, "_log_det", lambda lam: jnp.zeros((), jnp.result_type(float)))
+    mwg = FederatedMwG(_scale_model, num_warmup=150, num_samples=500, num_chains=4)
+    mwg.progress_bar = False
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = mwg.run(jax.random.PRNGKey(2), nf.Clients.split(cl, g=g, y=y))
+    grouped = np.asarray(mwg.get_samples(result, group_by_chain=True)["tau"])
+    ess = float(effective_sample_size(grouped))
+    right = abs(grouped.mean() - mean) < 4 * sd / np.sqrt(ess) and abs(grouped.std() / sd - 1) < 0.1
+    assert right != drop_jacobian, (grouped.mean(), mean, grouped.std(), sd, ess)

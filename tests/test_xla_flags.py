@@ -53,3 +53,34 @@ def test_xla_flags_are_left_alone(case):
         got = _probe(before="import jax.numpy as jnp; jnp.ones(2).sum()")
     assert not got["applied"] and _xla.FLAG not in got["flags"]
     assert got["ynn"]  # YNN's reduce fusion is XLA's default here: the probe sees the difference
+
+
+CACHE_PROBE = r"""
+import json, jax
+import numpyro_fed as nf
+f = jax.jit(lambda a: a * 2.0 + 1.0)
+f(jax.numpy.ones(3)).block_until_ready()
+print(json.dumps(dict(dir=nf.compilation_cache.cache_dir, config=jax.config.jax_compilation_cache_dir,
+                      min_time=jax.config.jax_persistent_cache_min_compile_time_secs)))
+"""
+
+
+def test_one_setting_turns_the_persistent_compilation_cache_on(tmp_path):
+    """``NUMPYRO_FED_COMPILATION_CACHE`` set: JAX's persistent cache points there, keeps every
+    program (however quick its compilation), and a compiled program is written to it; unset:
+    nothing changes."""
+    from numpyro_fed.compilation_cache import ENV
+
+    def probe(env):
+        base = {k: v for k, v in os.environ.items() if k not in (ENV, "JAX_COMPILATION_CACHE_DIR")}
+        out = subprocess.run([sys.executable, "-c", CACHE_PROBE], capture_output=True, text=True, env=base | env,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cache = tmp_path / "cache"
+    on = probe({ENV: str(cache)})
+    assert on["dir"] == on["config"] == str(cache) and on["min_time"] == 0.0
+    assert any(cache.iterdir())  # the program was written
+    off = probe({})
+    assert off["dir"] is None and not off["config"]

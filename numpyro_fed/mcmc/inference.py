@@ -32,6 +32,7 @@ from .._structure import (
 from .._trace import observed_draws, or_finite_point
 from .._validation import check_clients, check_model, check_positive_int, check_positive_number
 from ..backends.mapping import client_data, client_item, plan_clients, unpadder
+from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
@@ -57,8 +58,8 @@ _FAILED_INIT = (
     "data (a likelihood that is -inf everywhere, an observed value outside its distribution's support)"
 )
 _UNFINISHED = (
-    "{cls}: the run stopped after {rounds} rounds (num_rounds) before every chain had its draws (iterations done "
-    "per chain: {done} of {total}); the draws are incomplete. Raise num_rounds or lower max_tree_depth"
+    "Raise num_rounds, or make the trees shorter: a reparameterisation (a non-centred hierarchy) or a lower "
+    "max_tree_depth (the draws then mix more slowly)"
 )
 _DIVERGED = (
     "{cls}: {count} of {total} post-warmup iterations diverged (chains {chains}): the draws may miss part of the "
@@ -122,6 +123,7 @@ class FederatedMCMC(FederatedInference):
     params_type = DrawParams
     open_ended = True
     draws_are_chains = True
+    _num_rounds = 0  # the bound of the last run (its num_rounds)
 
     def __init__(
         self,
@@ -165,12 +167,15 @@ class FederatedMCMC(FederatedInference):
 
     # ------------------------------------------------------------------ run
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
-        """``run``'s ``num_rounds`` is a cap (default: enough for every tree at ``max_tree_depth``):
+        """``run``'s ``num_rounds`` is a bound (default: enough for every tree at ``max_tree_depth``):
         the run ends when every chain has its ``num_warmup + num_samples`` iterations, one
-        leapfrog step per round; a run that reaches the cap first raises."""
+        leapfrog step per round; a run whose pace projects more rounds than the bound stops
+        before it spends them (:class:`~numpyro_fed.budget.Pace`) and raises
+        :class:`~numpyro_fed.budget.RoundBudgetError` with the draws it has."""
         if num_rounds is None:  # every tree at full depth (HMC: 1024 steps), the set-up's retries, the last round
             per_iteration = 2 ** self.max_tree_depth if self.algo == "NUTS" else (self.num_steps or 2 ** 10)
             num_rounds = (self.num_warmup + self.num_samples) * per_iteration + MAX_INIT_TRIES + 2
+        self._num_rounds = int(num_rounds)
         return num_rounds
 
     # ------------------------------------------------------------------ set-up
@@ -238,8 +243,14 @@ class FederatedMCMC(FederatedInference):
                                                 tries=MAX_INIT_TRIES))
         done = np.asarray(result.state.server.iteration)
         if np.any(phase < DONE):
-            raise RuntimeError(_UNFINISHED.format(cls=cls, rounds=int(result.communication.rounds),
-                                                  done=done.tolist(), total=self.num_warmup + self.num_samples))
+            positions = partial_draws(self._positions(setup, result.state), done, self.num_warmup)
+            raise RoundBudgetError(
+                stopped_message(cls, int(result.communication.rounds), self._num_rounds, result.projected_rounds,
+                                done.tolist(), self.num_warmup + self.num_samples, self.num_warmup, _UNFINISHED,
+                                traffic(result)),
+                rounds=int(result.communication.rounds), max_rounds=self._num_rounds,
+                projected_rounds=result.projected_rounds, bytes=traffic(result),
+                samples=self._global_draws(setup, jnp.asarray(positions)) if positions.shape[1] else {})
         self._warn_diagnostics(setup, result)
 
     def _warn_diagnostics(self, setup: Setup, result: RunResult) -> None:

@@ -4,31 +4,39 @@ The target is the pooled posterior of the flat unconstrained global sites ``u`` 
 client's local latents ``v_j``, ``p(u) prod_j p(y_j, v_j | u)``. One iteration is two moves,
 each leaving that posterior invariant:
 
-1. **A joint move of the globals, the locals carried along** (Metropolis-Hastings). The server
-   proposes ``u'``: three times in four an independence draw from a Student-t whose location and
-   covariance (times 1.1^2) are the posterior's, from a Laplace fit and then from every chain's
-   warmup draws; every fourth a random walk scaled by them. Each client
-   carries its locals with ``u``: with ``m_j(u)`` the mode of ``v_j | u`` (a fixed number of
-   Newton steps from a fixed start, so a deterministic function of ``u``) and ``L_j(u)`` a square
-   root of the inverse of the absolute curvature there (block by block where the locals lie in
-   a plate), it maps
+1. **A joint move of the globals, the locals carried along.** Each client carries its locals with
+   ``u``: with ``m_j(u)`` the mode of ``v_j | u`` (a fixed number of Newton steps from a fixed
+   start, so a deterministic function of ``u``) and ``L_j(u)`` a square root of the inverse of the
+   absolute curvature there (block by block where the locals lie in a plate), it maps
 
    .. math:: v_j' = m_j(u') + L_j(u') L_j(u)^{-1} (v_j - m_j(u)),
 
-   a bijection for each pair ``(u, u')`` and its own inverse with the pair swapped; so the
-   Metropolis-Hastings ratio of the move is exact with its Jacobian ``|L_j(u')| / |L_j(u)|``.
-   Each client returns one scalar, ``log p(y_j, v_j' | u') - log p(y_j, v_j | u) + log|L_j(u')|
-   - log|L_j(u)|``; the server adds the prior and the proposal's terms and decides. Where
-   ``v_j | u`` is Gaussian the map is exact (the standardised locals are unchanged) and the move
-   is the marginal chain of ``u`` (no funnel between a scale and its effects); elsewhere it is
-   exact all the same, only its acceptance falls.
+   a bijection for each pair ``(u, u')`` and its own inverse with the pair swapped: the move keeps
+   the standardised locals ``e_j = L_j(u)^{-1} (v_j - m_j(u))`` and targets ``u``'s conditional
+   given them, whose density is ``p(u) prod_j p(y_j, m_j(u) + L_j(u) e_j | u) |L_j(u)|``. For
+   each point ``u'`` the server sends, each client returns one scalar, ``log p(y_j, v_j' | u') -
+   log p(y_j, v_j | u) + log|L_j(u')| - log|L_j(u)|``; with the prior, the server has that
+   conditional's ratio at every point. Three times in four the move is **iterated sampling
+   importance resampling** (i-SIR; Andrieu, Lee & Vihola, 2018, "Uniform ergodicity of the
+   iterated conditional SMC and geometric ergodicity of particle Gibbs samplers", Bernoulli 24(2),
+   arXiv:1312.6432; Tjelmeland, 2004, "Using all Metropolis-Hastings proposals"): ``candidates``
+   independent draws of a Student-t whose location and covariance (times 1.1^2) are the
+   posterior's, from a Laplace fit and then from every chain's warmup draws, and the next state
+   picked among them and the current point with probabilities proportional to ``pi / q`` (the
+   conditional density over the Student-t's): a Gibbs step on an extended space, exact for any
+   number of candidates, which moves far whenever one of them lands where the posterior is. Every
+   fourth move is a random walk scaled by the same covariance, by Metropolis-Hastings (its one
+   point is sent in every row). Where ``v_j | u`` is Gaussian the map is exact (the standardised
+   locals are unchanged) and the move is of the marginal chain of ``u`` (no funnel between a
+   scale and its effects); elsewhere it is exact all the same, only it moves less often.
 2. **The locals given the globals** (Gibbs): each client moves its own ``v_j`` by Hamiltonian
    Monte Carlo on ``p(v_j | u, y_j)`` in the coordinates ``L_j(u)`` whitens, with its own key,
    no communication.
 
-One round: the server broadcasts the proposal and its decision about the previous one; each
-client applies the decision, records its locals, moves them given ``u`` and answers the
-proposal's scalar. Only ``u'`` (``d`` numbers), a decision bit and one scalar per client cross;
+One round: the server broadcasts the candidates and its decision about the previous ones (the
+candidate chosen, or none); each client applies the decision, records its locals, moves them
+given ``u`` and answers each candidate's scalar. Only the candidates (``d`` numbers each), the
+decision and one scalar per candidate and client cross;
 the locals, their draws, momenta and keys stay on the clients. A round in which a client did not
 answer is repeated: the server decides nothing on part of the sum and sends its last decision
 again with the same proposal; a client applies each decision once (they are counted), so one
@@ -74,12 +82,13 @@ class MwGConfig(NamedTuple):
     local_steps: int  # leapfrog steps per local move
     local_step_size: float  # in whitened coordinates
     num_chains: int = 1
+    candidates: int = 4  # the independence move's candidates per round (iterated sampling importance resampling)
 
 
 class MwGServerState(NamedTuple):
     u: jax.Array  # the chain's global position
-    proposal: jax.Array  # the proposal the clients are evaluating
-    kind: jax.Array  # 0: independence, 1: random walk
+    proposal: jax.Array  # (candidates, d): the points the clients are evaluating (a random walk: the first)
+    kind: jax.Array  # 0: independence (candidates drawn from the Student-t), 1: random walk
     log_prior: jax.Array  # log p(u)
     mean: jax.Array  # the proposal's location
     chol: jax.Array  # its scale (lower Cholesky factor of the covariance)
@@ -89,7 +98,7 @@ class MwGServerState(NamedTuple):
     draws: jax.Array  # (num_samples, d)
     accepted: jax.Array  # (num_warmup + num_samples,) each iteration's decision
     kinds: jax.Array  # (num_warmup + num_samples,) each iteration's proposal kind
-    sent: jax.Array  # (accept, slot) of the last decision sent: sent again while a round is repeated
+    sent: jax.Array  # (choice, slot) of the last decision sent: sent again while a round is repeated
 
 
 class MwGClientState(NamedTuple):
@@ -98,7 +107,7 @@ class MwGClientState(NamedTuple):
     mode: jax.Array  # m_j(u)
     lam: jax.Array  # |eigenvalues| of the curvature at m_j(u) (per block)
     vec: jax.Array  # its eigenvectors
-    pending: tuple  # (v', value', mode', lam', vec') for the proposal being decided
+    pending: tuple  # (v', value', mode', lam', vec') for each candidate being decided (stacked)
     draws: jax.Array  # (num_samples, n) the client's local draws
     local_accept: jax.Array  # the mean acceptance of its local moves
     applied: jax.Array  # how many of the server's decisions it has applied (a repeated one is not applied twice)
@@ -196,8 +205,9 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
     f = log_joint_of(data)
     b = broadcast.shared
     new = b["decided"] > s.applied  # (a repeated round carries a decision this client may have applied)
-    take = new & b["accept"]
-    pv, pval, pmode, plam, pvec = s.pending
+    take = new & (b["choice"] >= 0)
+    chosen = jnp.clip(b["choice"], 0, s.pending[1].shape[0] - 1)
+    pv, pval, pmode, plam, pvec = (x[chosen] for x in s.pending)
     v, value, mode, lam, vec = (jnp.where(take, new, old) for new, old in
                                 ((pv, s.v), (pval, s.value), (pmode, s.mode), (plam, s.lam), (pvec, s.vec)))
     slot = b["slot"]
@@ -206,43 +216,61 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
     local_acc = s.local_accept
     if v.shape[0]:
         v, value, local_acc = _local_moves(rng_key, f, u, v, value, mode, lam, vec, index, config)
-    u_new = b["proposal"]
-    if v.shape[0]:
-        m2, lam2, vec2 = laplace_map(f, u_new, v_start, config.inner_steps, index)
-        v2 = m2 + _colour(_whiten(v - mode, lam, vec, index), lam2, vec2, index)
-        jac = _log_det(lam2) - _log_det(lam)
-    else:
-        m2, lam2, vec2, v2, jac = mode, lam, vec, v, jnp.zeros((), v.dtype)
-    value2 = f(u_new, v2)
-    ell = value2 - value + jac
+    eps = _whiten(v - mode, lam, vec, index) if v.shape[0] else v  # the standardised locals, carried along
+
+    def carry(u_new):  # the locals carried to a candidate, and the log ratio of the joint terms
+        if v.shape[0]:
+            m2, lam2, vec2 = laplace_map(f, u_new, v_start, config.inner_steps, index)
+            v2 = m2 + _colour(eps, lam2, vec2, index)
+            jac = _log_det(lam2) - _log_det(lam)
+        else:
+            m2, lam2, vec2, v2, jac = mode, lam, vec, v, jnp.zeros((), v.dtype)
+        value2 = f(u_new, v2)
+        return (v2, value2, m2, lam2, vec2), value2 - value + jac
+
+    pending, ell = jax.vmap(carry)(b["proposal"])
     ok = jnp.isfinite(ell)
-    state = MwGClientState(v, value, mode, lam, vec, (v2, value2, m2, lam2, vec2), draws, local_acc,
-                           jnp.maximum(s.applied, b["decided"]))
+    state = MwGClientState(v, value, mode, lam, vec, pending, draws, local_acc, jnp.maximum(s.applied, b["decided"]))
     return state, {"ell": jnp.where(ok, ell, jnp.zeros((), ell.dtype)), "ok": ok}
 
 
 def _propose(key, s: MwGServerState, kind):
-    d = s.u.shape[0]
+    """``(candidates, d)``: independent draws of the Student-t (``kind`` 0), or the random walk's
+    proposal in every row (1: only the first is decided on)."""
+    n, d = s.proposal.shape
     k_t, k_w = random.split(key)
-    t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol).sample(k_t)
+    t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol).sample(k_t, (n,))
     walk = s.u + jnp.exp(s.log_step) * (s.chol @ random.normal(k_w, (d,), s.u.dtype))
-    return jnp.where(kind == 0, t, walk)
+    return jnp.where(kind == 0, t, jnp.broadcast_to(walk, (n, d)))
 
 
 def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Callable, config: MwGConfig):
     k_accept, k_next = random.split(rng_key)
     complete = jnp.all(view.answered)
     total = config.num_warmup + config.num_samples
-    ok = complete & jnp.all(messages["ok"])
-    lp_new = log_prior(s.proposal)
+    ok = complete & jnp.all(messages["ok"], axis=0)  # (candidates,)
+    lp_new = jax.vmap(log_prior)(s.proposal)
+    gain = jnp.sum(messages["ell"], axis=0) + lp_new - s.log_prior  # log pi(candidate) / pi(current)
+    gain = jnp.where(ok & jnp.isfinite(gain), gain, -jnp.inf)
+    # a random walk: Metropolis-Hastings on its one proposal (the first row)
+    walk_ratio = gain[0]
+    # the independence move: iterated sampling importance resampling over the current point and the
+    # candidates, each weighted by pi / q (the current point's weight relative to itself: 1 / q(u))
     t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol)
-    q_term = jnp.where(s.kind == 0, t.log_prob(s.u) - t.log_prob(s.proposal), 0.0)
-    log_ratio = jnp.sum(messages["ell"]) + lp_new - s.log_prior + q_term
-    log_ratio = jnp.where(ok & jnp.isfinite(log_ratio), log_ratio, -jnp.inf)
+    log_w = jnp.concatenate([-t.log_prob(s.u)[None], gain - t.log_prob(s.proposal)])
+    log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
+    pick = random.categorical(k_accept, log_w) - 1  # -1: stay
+    move = 1.0 - jnp.exp(log_w[0] - jax.scipy.special.logsumexp(log_w))  # the chance of moving
+    walk_take = jnp.log(random.uniform(k_accept, (), s.u.dtype)) < walk_ratio
+    choice = jnp.where(s.kind == 0, pick, jnp.where(walk_take, 0, -1))
+    log_ratio = jnp.where(s.kind == 0, jnp.log(jnp.maximum(move, 1e-300)), walk_ratio)
     # (the closing round, after the last iteration, only delivers that iteration's decision: it decides nothing)
-    accept = complete & (s.iteration < total) & (jnp.log(random.uniform(k_accept, (), s.u.dtype)) < log_ratio)
-    u = jnp.where(accept, s.proposal, s.u)
-    lp = jnp.where(accept, lp_new, s.log_prior)
+    decide = complete & (s.iteration < total)
+    choice = jnp.where(decide, choice, -1).astype(jnp.int32)
+    accept = choice >= 0
+    at = jnp.clip(choice, 0, s.proposal.shape[0] - 1)
+    u = jnp.where(accept, s.proposal[at], s.u)
+    lp = jnp.where(accept, lp_new[at], s.log_prior)
     it = s.iteration
     warm = it < config.num_warmup
     # warmup: the random walk's step towards TARGET_ACCEPT; the proposal's moments from the second half's draws
@@ -269,10 +297,10 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     # a client that did not answer: the same round again: no decision, and the last one sent again
     # (a client that missed it applies it now; one that had it does not apply it twice)
     slot = jnp.where(complete, jnp.where(keep, slot_index, -1), s.sent[1]).astype(jnp.int32)
-    sent_accept = jnp.where(complete, accept, s.sent[0].astype(bool))
+    sent_choice = jnp.where(complete, choice, s.sent[0]).astype(jnp.int32)
     new = MwGServerState(u, proposal, kind, lp, mean, chol, log_step, stats, it_new, draws, accepted, kinds,
-                         jnp.stack([sent_accept.astype(jnp.int32), slot]))
-    broadcast = Broadcast({"proposal": proposal, "current": u, "accept": sent_accept, "slot": slot,
+                         jnp.stack([sent_choice, slot]))
+    broadcast = Broadcast({"proposal": proposal, "current": u, "choice": sent_choice, "slot": slot,
                            "decided": it_new.astype(jnp.int32)})
     info = MwGInfo(accept, s.kind, log_ratio, view.answered.sum())
     return new, broadcast, info
@@ -329,7 +357,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
     def log_joint_of(data):
         return lambda u, v: log_joint(jnp.concatenate([u, v]), data)
 
-    C = config.num_chains
+    C, N = config.num_chains, config.candidates
     chol0 = jnp.linalg.cholesky(jnp.asarray(scale, dtype))
     # the chains' starts: the first at ``start``, the others a draw of N(start, scale) each, from a key
     # every party knows (the starts are global quantities, and each client needs them to start its locals)
@@ -337,13 +365,13 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
     starts = start + noise @ chol0.T
 
     def init_chain(rng_key, u0):
-        s = MwGServerState(u0, u0, jnp.zeros((), jnp.int32), log_prior(u0), start, chol0,
+        s = MwGServerState(u0, jnp.broadcast_to(u0, (N, d)), jnp.zeros((), jnp.int32), log_prior(u0), start, chol0,
                            jnp.log(jnp.asarray(2.38 / jnp.sqrt(d), dtype)), jnp.zeros(1 + d + d * d, dtype),
                            jnp.zeros((), jnp.int32), jnp.zeros((config.num_samples, d), dtype),
-                           jnp.zeros(total, bool), jnp.zeros(total, jnp.int32), jnp.asarray([0, -1], jnp.int32))
+                           jnp.zeros(total, bool), jnp.zeros(total, jnp.int32), jnp.asarray([-1, -1], jnp.int32))
         proposal = _propose(rng_key, s, jnp.zeros((), jnp.int32))
         s = s._replace(proposal=proposal)
-        return s, {"proposal": proposal, "current": u0, "accept": jnp.asarray(False),
+        return s, {"proposal": proposal, "current": u0, "choice": jnp.asarray(-1, jnp.int32),
                    "slot": jnp.asarray(-1, jnp.int32), "decided": jnp.zeros((), jnp.int32)}
 
     def init_server(rng_key):
@@ -356,7 +384,8 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         else:
             mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
         value = f(u0, mode)
-        return MwGClientState(mode, value, mode, lam, vec, (mode, value, mode, lam, vec),
+        pending = tuple(jnp.broadcast_to(x, (N,) + x.shape) for x in (mode, value, mode, lam, vec))
+        return MwGClientState(mode, value, mode, lam, vec, pending,
                               jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype),
                               jnp.zeros((), jnp.int32))
 
@@ -392,4 +421,5 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         monitor=lambda info: jnp.mean(info.accepted.astype(dtype)), monitor_name="accepted", name="mwg",
         done=lambda s: jnp.all(s.iteration > total),  # one round more: the clients record the last locals
         describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",
+        progress=lambda s: (min(int(jnp.min(s.iteration)), total), config.num_warmup, total),
     )

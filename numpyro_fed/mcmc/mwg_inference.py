@@ -18,6 +18,7 @@ from numpyro.distributions.transforms import biject_to
 from .._structure import trace_model
 from .._validation import check_positive_int
 from ..backends.mapping import client_data, unpadder
+from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..factor import gaussian as G
 from ..factor.blocks import local_blocks as propose_blocks
 from ..factor.inference import FactorInference
@@ -58,6 +59,8 @@ class FederatedMwG(FactorInference):
             (a posterior it finds no mode of raises its ``NoModeError``: use
             :class:`~numpyro_fed.FederatedNUTS` there).
         inner_steps: Newton steps of each client's Laplace map of its locals.
+        candidates: points of the independence move per round (iterated sampling importance
+            resampling: each client answers one scalar per candidate and chain).
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
             iteration, leapfrog steps per move, and step size in whitened coordinates (default
             ``min(0.6, 1.5 n^-1/4)``, ``n`` the client's locals).
@@ -67,11 +70,13 @@ class FederatedMwG(FactorInference):
     method = "mwg"
     params_type = DrawParams
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
+    _num_rounds = 0  # the bound of the last run (its num_rounds)
     open_ended = True
     draws_are_chains = True
 
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
+                 candidates: int = 4,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
         super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
@@ -84,20 +89,23 @@ class FederatedMwG(FactorInference):
         self.local_moves = check_positive_int("local_moves", local_moves)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.local_step_size = local_step_size
+        self.candidates = check_positive_int("candidates", candidates)
         self.local_blocks = bool(local_blocks)
         self.laplace_result: Optional[RunResult] = None
         self.start_communication = None  # the Laplace start's rounds and bytes
         self._laplace = None
 
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
-        """``run``'s ``num_rounds`` is a cap (default: ``num_warmup + num_samples + 1``, the rounds
+        """``run``'s ``num_rounds`` is a bound (default: ``num_warmup + num_samples + 1``, the rounds
         when every client answers every round (the last records the locals), 20 times that under
-        simulated ``availability=``: a round a client misses is repeated); a run that reaches it
-        unfinished raises."""
-        if num_rounds is not None:
-            return num_rounds
-        total = self.num_warmup + self.num_samples + 1
-        return total if options.get("availability") is None else 20 * total
+        simulated ``availability=``: a round a client misses is repeated); a run that would not
+        finish within it stops (:class:`~numpyro_fed.budget.Pace`) and raises
+        :class:`~numpyro_fed.budget.RoundBudgetError` with the draws it has."""
+        if num_rounds is None:
+            total = self.num_warmup + self.num_samples + 1
+            num_rounds = total if options.get("availability") is None else 20 * total
+        self._num_rounds = int(num_rounds)
+        return num_rounds
 
     def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
         """The chains' start: a federated Laplace fit first when ``init`` is ``None`` (its result
@@ -139,7 +147,7 @@ class FederatedMwG(FactorInference):
         n = max(terms.num_local, 1)
         step = self.local_step_size if self.local_step_size is not None else min(0.6, 1.5 * n ** -0.25)
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
-                           float(step), self.num_chains)
+                           float(step), self.num_chains, self.candidates)
         dtype = jnp.result_type(float)
         start = getattr(self, "_start", None)
         if start is None:  # a party that does not run (a Flower node) builds from init
@@ -158,13 +166,20 @@ class FederatedMwG(FactorInference):
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
     def _check_result(self, setup, result: RunResult) -> RunResult:
-        done = int(np.min(np.asarray(result.state.server.iteration)))
+        iterations = np.asarray(result.state.server.iteration)
         total = self.num_warmup + self.num_samples
-        if done <= total:
+        if int(np.min(iterations)) <= total:
             rounds = int(result.communication.rounds)
-            raise RuntimeError(f"{type(self).__name__}: the run stopped after {rounds} rounds with {min(done, total)} "
-                               f"of {total} iterations done (rounds a client did not answer are repeated); raise "
-                               f"num_rounds")
+            done = np.minimum(iterations, total)
+            kept = partial_draws(result.state.server.draws, done, self.num_warmup)
+            user = self._user_space(kept.reshape(-1, kept.shape[-1])) if kept.shape[1] else {}
+            raise RoundBudgetError(
+                stopped_message(type(self).__name__, rounds, self._num_rounds, result.projected_rounds,
+                                done.tolist(), total, self.num_warmup,
+                                "Raise num_rounds (rounds a client did not answer are repeated)", traffic(result)),
+                rounds=rounds, max_rounds=self._num_rounds, projected_rounds=result.projected_rounds,
+                bytes=traffic(result),
+                samples={k: jnp.asarray(v).reshape(kept.shape[:2] + v.shape[1:]) for k, v in user.items()})
         report = self.mixing(result)
         if report["unmixed"]:
             warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(report['unmixed'][:6])}: "

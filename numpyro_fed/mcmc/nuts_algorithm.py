@@ -446,6 +446,12 @@ def describe(state: MCMCServerState, *, config: MCMCConfig) -> str:
     return f"{phase} {done}/{config.num_warmup + config.num_samples}, step size {eps:.3g}{rate}"
 
 
+def progress(state: MCMCServerState, *, config: MCMCConfig) -> tuple:
+    """``(iterations the slowest chain has done, warmup, iterations in all)``: the run's pace
+    (:class:`~numpyro_fed.budget.Pace`)."""
+    return int(np.min(np.asarray(state.iteration))), config.num_warmup, config.num_warmup + config.num_samples
+
+
 def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
     """Federated NUTS (``config.algo == "NUTS"``) or HMC as a
     :class:`~numpyro_fed.protocol.FederatedAlgorithm`: one exchange per round, every client
@@ -460,5 +466,6 @@ def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
     return FederatedAlgorithm(
         partial(init_server, config=config), partial(init_client, config=config), all_clients(config.num_clients),
         (exchange,), num_selected=config.num_clients, monitor=lambda info: jnp.mean(info.potential_energy),
-        monitor_name="potential_energy", done=chains_done, describe=partial(describe, config=config))
+        monitor_name="potential_energy", done=chains_done, describe=partial(describe, config=config),
+        progress=partial(progress, config=config))
 
