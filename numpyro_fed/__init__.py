@@ -103,9 +103,9 @@ __all__ = [
     "print_summary",
     "protocol",
     "summary",
-    "use_compilation_cache",
     "to_arviz",
     "transcript",
+    "use_compilation_cache",
     "vertical_split",
     "warnings",
 ]
