@@ -56,7 +56,9 @@ import numpyro_fed as nf
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "posteriordb"))
+sys.path.insert(0, str(HERE))
 from pdb_models import DB, Posterior, suite  # noqa: E402  (the translations: posteriordb/pdb_models.py)
+from provenance import provenance  # noqa: E402
 
 RESULTS = HERE / "results" / "posteriordb_suite.json"
 MEAN_TOL, SD_TOL = 0.3, 0.2
@@ -290,18 +292,6 @@ def run_pair(post: Posterior, family: str, ref, num_draws=4000, rounds=None) -> 
                                                              corrected=True)), ref)
     row["status"] = "within" if row["q"]["within"] else ("warned" if fed else "SILENT WRONG")
     return row
-
-
-def provenance() -> dict:
-    """The commit (and whether the tree had changes) and the date of this run."""
-    import datetime
-    import subprocess
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", ".")),
-            "date": datetime.date.today().isoformat()}
 
 
 def table(results: dict) -> str:

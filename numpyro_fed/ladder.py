@@ -371,21 +371,29 @@ class Ladder:
     def _sample(self, samplers, warm, keys, clients, run_options, announce, done, log, results, network) -> Fit:
         """The exact rungs, in turn (:meth:`_mwg_next` decides after Metropolis-within-Gibbs): the first
         whose answer stands is returned; every rung's rounds count against ``max_rounds``."""
+        last_mwg = None  # MwG's last result: chains run on continue from it (in simulation)
+        chain_rounds = 0
         while samplers:
             rung, samples = samplers.pop(0)
             stage = self.stage(rung, warm, num_samples=samples)
             announce(stage)
             sampler = self.rung(stage)
             left = None if self.max_rounds is None else self.max_rounds - done["rounds"]
-            if rung == "mwg" and left is not None and sampler.num_warmup + sampler.num_samples + 1 > left:
-                planned = sampler.num_warmup + sampler.num_samples + 1  # one round per iteration: known before it runs
-                raise self._over_budget(RoundBudgetError("", rounds=0, max_rounds=left, projected_rounds=planned),
-                                        rung, done, log)
+            # the same chains run on from where they stopped (over a network, where each client keeps its
+            # own state, they run again from the start: the same keys give the same first draws)
+            go_on = rung == "mwg" and samples is not None and last_mwg is not None and not network
+            options = dict(run_options, init_state=sampler.run_on(last_mwg)) if go_on else run_options
+            if rung == "mwg" and left is not None:
+                planned = (sampler._rounds_to_run_on(last_mwg) if go_on else  # one round per iteration: known
+                           sampler.num_warmup + sampler.num_samples + 1)
+                if planned > left:
+                    raise self._over_budget(RoundBudgetError("", rounds=0, max_rounds=left, projected_rounds=planned),
+                                            rung, done, log)
             try:
                 with warnings.catch_warnings(record=True) as caught:  # the ladder acts on MwG's mixing itself
                     warnings.simplefilter("always")
                     result = sampler.run(keys[rung], clients,
-                                         **({} if left is None else {"num_rounds": max(left, 1)}), **run_options)
+                                         **({} if left is None else {"num_rounds": max(left, 1)}), **options)
             except RoundBudgetError as err:
                 raise self._over_budget(err, rung, done, log) from err
             results.append(result)
@@ -393,10 +401,13 @@ class Ladder:
             done["rounds"] += spent
             done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], _bytes(result)))
             check = _mcmc_check(sampler, result)
-            log.append(f"{rung}: {spent} rounds; " + check_text(check)
-                       + f"; {_per_draw(spent, check):.3g} rounds per effective draw")
+            chain_rounds = chain_rounds + spent if go_on else spent  # the rounds of these chains' draws
+            log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
+                       + f"; {_per_draw(chain_rounds, check):.3g} rounds per effective draw")
             if rung == "mwg":
-                longer = self._mwg_next(sampler, check, spent, samples is not None, done["rounds"], log)
+                last_mwg = result
+                longer = self._mwg_next(sampler, check, chain_rounds, samples is not None, done["rounds"], log,
+                                        go_on=not network)
                 if longer == "nuts":
                     continue
                 if longer is not None:  # the same chains run on (the same keys): their first draws are these
@@ -413,13 +424,16 @@ class Ladder:
         raise AssertionError("unreachable: the last rung returns")
 
 
-    def _mwg_next(self, sampler, check: Dict[str, float], spent: int, ran_on: bool, total: int, log: List[str]):
+    def _mwg_next(self, sampler, check: Dict[str, float], spent: int, ran_on: bool, total: int, log: List[str],
+                  go_on: bool = True):
         """After a Metropolis-within-Gibbs run: ``None`` (its answer stands), ``"nuts"`` (move on), or the
         draws per chain to run the same chains on to. By projected cost: chains that moved but have not
         converged (split R-hat) or are short of :data:`MWG_MIN_ESS` effective draws run on where their own
-        rounds per effective draw are at most :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW` (the fewest
-        federated NUTS has needed) and the run fits in ``max_rounds``; chains that barely moved, or cost
-        more, move to federated NUTS."""
+        rounds per effective draw (``spent``: the rounds of their draws) are at most
+        :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW` (the fewest federated NUTS has needed) and the run
+        fits in ``max_rounds``; chains that barely moved, or cost more, move to federated NUTS. ``go_on``: the
+        chains continue from where they stopped (one round per draw added), else they run again from the
+        start (a network backend)."""
         from .mcmc.mwg_inference import LOW_ACCEPT
 
         per_draw = _per_draw(spent, check)
@@ -443,7 +457,7 @@ class Ladder:
         if not converged:
             want = max(want, 2 * sampler.num_samples)
         left = None if self.max_rounds is None else self.max_rounds - total
-        afford = want if left is None else min(want, left - warmup - 1)
+        afford = want if left is None else min(want, sampler.num_samples + left if go_on else left - warmup - 1)
         if afford <= sampler.num_samples:
             if converged:
                 log.append(f"mwg: max_rounds leaves no room to run the chains on (ESS {check['min_n_eff']:.0f})")
@@ -454,7 +468,9 @@ class Ladder:
         why = (f"the worst global scalar's ESS ({check['min_n_eff']:.0f}) is under {MWG_MIN_ESS}" if converged else
                f"the chains have not converged (split R-hat {check['max_r_hat']:.3g}) but move at {per_draw:.3g} "
                f"rounds per effective draw, fewer than federated NUTS's {NUTS_ROUNDS_PER_DRAW:.0f}")
-        log.append(f"mwg: {why}: running the chains on to {afford} draws each ({warmup + afford + 1} rounds)")
+        rounds = afford - sampler.num_samples if go_on else warmup + afford + 1
+        log.append(f"mwg: {why}: running the chains on to {afford} draws each ({rounds} rounds"
+                   + (")" if go_on else ", again from the start)"))
         return afford
 
     def _over_budget(self, err: RoundBudgetError, rung: str, done: Dict[str, Any], log: List[str]):

@@ -98,3 +98,42 @@ def test_the_external_suites_exact_table_is_its_results():
     assert (f"`nf.fit(..., exact=True)` on the {totals['posteriors']} posteriors with local latents or no usable "
             f"mode: within on {totals['within']} of {totals['posteriors']}, {per_draw[0]:.2g} to {per_draw[-1]:.2g} "
             f"rounds per effective draw (median {totals['median_per_draw']:.2g})") in readme
+
+
+def test_the_cold_start_table_is_its_results():
+    """``nf.fit`` and EP cold, a second call and a second process with the cache, against pooled NUTS,
+    each in a fresh process: docs/benchmarks.md's rows and ratios as the benchmark renders them."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "fit_cold_start.json").read_text())
+    rows = _benchmark("fit_cold_start").table_rows(results)
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    flat = " ".join(text.split())
+    ratios = results["seconds_over_pooled_nuts"]
+    assert f"commit {results['commit']}" in flat
+    assert f"`nf.fit`'s first call is {ratios['fit_cold']:.1f} times pooled NUTS's" in flat
+    assert f"({ratios['fit_second']:.1f} times NUTS's second run)" in flat
+    assert f"(load average {results['load_average_at_start'][0]:.1f} at the start)" in flat
+
+
+def test_the_demos_table_is_its_results():
+    """docs/index.md's table of the demo (README's Quickstart command) as
+    ``benchmarks/demo_figures.py`` renders it from the demo's run, and the figures quoted under it."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "demo.json").read_text())
+    demo = _benchmark("demo_figures")
+    rows = demo.table_rows(results)
+    text = (ROOT / "docs" / "index.md").read_text()
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    flat = " ".join(text.split())
+    comm = results["demo"]["communication"]
+    exact, nuts = comm["fit_exact"]["per_draw"], comm["fed_nuts"]["per_draw"]
+    assert f"commit {results['commit']}" in flat
+    per = f"{demo.per_draw(exact['rounds_per_ess'])} rounds per effective draw"
+    assert f"{per} against federated NUTS's {demo.per_draw(nuts['rounds_per_ess'])}" in flat
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{comm['fit_exact']['rounds']:,} rounds: {per} on the demo" in readme
+    assert f"{comm['fed_nuts']['rounds']:,} on the demo ({demo.per_draw(nuts['rounds_per_ess'])} per effective draw)" \
+        in readme
+    assert f"{comm['ep']['rounds']} on the demo (max \\|z\\| {results['demo']['max_abs_z']['ep']:.2f} against NUTS)" \
+        in readme

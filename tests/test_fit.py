@@ -172,9 +172,10 @@ def test_exact_samples_by_mwg_from_the_laplace_search_without_its_checks():
 
 
 def test_chains_short_of_400_effective_draws_run_on_once():
-    """300 draws a chain give the regression's worst scalar fewer than 400 effective draws: the
-    ladder runs the same chains on (the same keys: their first draws are the short run's) to the
-    length that reaches it, says so in its log, and answers with the longer run."""
+    """100 draws a chain give the regression's worst scalar fewer than 400 effective draws: the
+    ladder runs the same chains on, continued where they stopped (their first draws are the short
+    run's, and the run on takes one round per draw added), to the length that reaches it, says so
+    in its log, and answers with the longer run."""
     from numpyro_fed.ladder import MWG_MIN_ESS
 
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
@@ -184,6 +185,8 @@ def test_chains_short_of_400_effective_draws_run_on_once():
     short, long = fit.results[1], fit.results[2]
     assert fit.inference.num_samples > 100 and fit.check["min_n_eff"] >= MWG_MIN_ESS
     np.testing.assert_array_equal(np.asarray(long.params.samples["a"])[:, :100], np.asarray(short.params.samples["a"]))
+    assert int(long.communication.rounds) == fit.inference.num_samples - 100  # no round repeated
+    assert any(line.startswith("mwg: ran on ") for line in fit.log), fit.log
 
 
 @pytest.mark.parametrize("report, rungs", [

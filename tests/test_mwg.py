@@ -57,6 +57,63 @@ def test_mwg_draws_the_analytic_posterior_of_a_gaussian_hierarchy_in_one_round_p
     assert mwg.acceptance(result)["independence"] > 0.3
 
 
+def test_chains_run_on_continue_where_they_stopped_and_stay_exact():
+    """``run_on``: a finished run of 100 kept draws continued to 400 costs 300 rounds (one per draw
+    added, none repeated), keeps the first run's draws (globals and a client's locals) as they were,
+    and the draws added follow the analytic posterior: mu's, and a group effect's (its mean and sd
+    given mu's posterior), within 4 MCSE and 10 %."""
+    clients, means = _data()
+    first = FederatedMwG(_model, num_warmup=150, num_samples=100, num_chains=4)
+    first.progress_bar = False
+    before = first.run(jax.random.PRNGKey(0), clients)
+    more = FederatedMwG(_model, num_warmup=150, num_samples=400, num_chains=4, init=first._start)
+    more.progress_bar = False
+    after = more.run(jax.random.PRNGKey(5), clients, init_state=more.run_on(before))
+    assert int(after.communication.rounds) == 300
+    name = clients.names[0]
+    for site, old, new in (("mu", first.get_samples(before, group_by_chain=True)["mu"],
+                            more.get_samples(after, group_by_chain=True)["mu"]),
+                           ("th", first.get_samples(before, client=name)["th"].reshape(4, 100, -1),
+                            more.get_samples(after, client=name)["th"].reshape(4, 400, -1))):
+        np.testing.assert_array_equal(np.asarray(new)[:, :100], np.asarray(old), err_msg=site)
+    var = TAU**2 + 1.0 / R
+    post_prec = 1.0 / 25.0 + means.size / var
+    mean, sd = means.sum() / var / post_prec, post_prec**-0.5
+    shrink = (1.0 / TAU**2) / (1.0 / TAU**2 + R)  # a group effect given mu: N(shrink mu + (1 - shrink) ybar, s^2)
+    th_mean = shrink * mean + (1 - shrink) * means[0]
+    th_sd = np.sqrt(1.0 / (1.0 / TAU**2 + R) + shrink**2 * sd**2)
+    added = {"mu": (np.asarray(more.get_samples(after, group_by_chain=True)["mu"])[:, 100:], mean, sd),
+             "th[0]": (np.asarray(more.get_samples(after, client=name)["th"]).reshape(4, 400, -1)[:, 100:, 0],
+                       th_mean, th_sd)}
+    for site, (draws, want_mean, want_sd) in added.items():
+        ess = float(effective_sample_size(draws))
+        assert abs(draws.mean() - want_mean) < 4 * want_sd / np.sqrt(ess), (site, draws.mean(), want_mean, ess)
+        assert abs(draws.std() / want_sd - 1) < 0.1, (site, draws.std(), want_sd)
+    with pytest.raises(ValueError, match="not more than"):
+        first.run_on(before)
+
+
+def test_local_latents_that_have_not_mixed_are_warned_of_naming_the_client():
+    """Local moves too short to move the locals (one HMC move a round of 5 steps of 0.01): the
+    globals still mix, but the clients' local draws do not, and the run warns, naming the clients
+    and the entries (split R-hat, ESS); at the defaults the same run's locals mix and it does not."""
+    import warnings
+
+    clients, _ = _data()
+    for step, warned in ((0.01, True), (None, False)):
+        mwg = FederatedMwG(_model, num_warmup=100, num_samples=300, num_chains=4, local_moves=1,
+                           local_step_size=step)
+        mwg.progress_bar = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = mwg.run(jax.random.PRNGKey(0), clients)
+        text = [str(w.message) for w in caught if "local latents' chains have not mixed" in str(w.message)]
+        assert bool(text) == warned, text
+        assert bool(mwg.local_mixing(result)) == warned
+        if warned:
+            assert all(f"client {name!r}" in text[0] for name in clients.names) and "ESS" in text[0], text
+
+
 def test_a_round_a_client_misses_is_repeated_and_the_chain_stays_exact():
     """Each client answers a round with probability 0.85 (simulated dropout): a round some client
     missed decides nothing and is repeated, its decision sent again and applied once by every
@@ -177,7 +234,8 @@ def test_a_broken_acceptance_test_leaves_the_posterior(monkeypatch, mutant):
     mean, sd = _exact_mu(means)
     if mutant.startswith("every"):
         skip = types.SimpleNamespace(**{k: getattr(jax.random, k) for k in dir(jax.random) if not k.startswith("_")})
-        skip.uniform = lambda key, shape=(), dtype=float: jnp.zeros(shape, dtype)  # log 0 < any ratio
+        # every uniform at its lower end: log 0 < any ratio (the local moves' step jitter at its least)
+        skip.uniform = lambda key, shape=(), dtype=float, minval=0.0, maxval=1.0: jnp.full(shape, minval, dtype)
         monkeypatch.setattr(mwg_algorithm, "random", skip)
     else:
         class NoDensity(dist.MultivariateStudentT):
@@ -192,7 +250,7 @@ def test_a_broken_acceptance_test_leaves_the_posterior(monkeypatch, mutant):
 def test_simulation_based_calibration_of_mwg_ranks_are_uniform(tmp_path):
     """Simulation-based calibration (Talts et al., 2018, arXiv:1804.06788) on a small
     hierarchical model with an unknown location and noise scale and local group effects (3
-    clients): 100 replicates, each a prior draw, its data, and a FederatedMwG run from a federated
+    clients): 100 replicates (two processes of 50), each a prior draw, its data, and a FederatedMwG run from a federated
     Laplace fit (``tests/sbc_mwg.py``). The rank of the truth among 100 thinned draws is binned
     into 10 bins; a chi-square test of uniformity per site at level 0.001 (Bonferroni over the two
     sites: a false-alarm rate of 0.2 % for an exact sampler)."""
@@ -204,9 +262,23 @@ def test_simulation_based_calibration_of_mwg_ranks_are_uniform(tmp_path):
     from scipy import stats
 
     script = pathlib.Path(__file__).with_name("sbc_mwg.py")
-    out = subprocess.run([sys.executable, str(script), "100", "7", str(tmp_path / "cache")], capture_output=True,
-                         text=True, timeout=2400, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # two processes of 50 replicates each (seeds 7 and 8), side by side: a replicate's cost is
+    # mostly tracing its new set-up, one core each
+    workers = [subprocess.Popen([sys.executable, str(script), "50", str(seed), str(tmp_path / f"cache{seed}")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (7, 8)]
+    parts = []
+    try:
+        for worker in workers:
+            out, err = worker.communicate(timeout=2400)
+            assert worker.returncode == 0, err[-2000:]
+            parts.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for worker in workers:  # stopped by their own handles
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    got = {"draws": parts[0]["draws"], "ranks": {site: sum((p["ranks"][site] for p in parts), [])
+                                                   for site in parts[0]["ranks"]}}
     for site, ranks in got["ranks"].items():
         ranks = np.asarray(ranks)
         assert ranks.size == 100 and ranks.min() >= 0 and ranks.max() <= got["draws"]

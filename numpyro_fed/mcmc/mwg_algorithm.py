@@ -69,6 +69,7 @@ T_SCALE = 1.1 * ((T_DF - 2.0) / T_DF) ** 0.5  # its scale: a covariance 1.1^2 ti
 TARGET_ACCEPT = 0.3  # the random walk's target acceptance during warmup
 START_KEY = 0x6D77  # the chains' starts (global, known to every party)
 RW_EVERY = 4  # every 4th global move a random walk (the others independence draws)
+STEP_JITTER = 0.2  # each local HMC move's step is the set step times a uniform draw in [0.8, 1.2]
 FLAT = 1e-10  # a curvature at most this is no curvature (a padded local latent)
 
 
@@ -171,13 +172,15 @@ def _local_moves(key, f: Callable, u, v, value, mode, lam, vec, index, config: M
         return -f(u, mode + _colour(w, lam, vec, index))
 
     grad = jax.grad(potential)
-    eps = config.local_step_size
     free = (lam > 0) if index is None else scatter_blocks(lam > 0, index, v.shape[0])  # (flat ones stay)
 
     def move(carry, k):
         w, pot, acc = carry
-        k_p, k_a = random.split(k)
+        k_p, k_a, k_e = random.split(k, 3)
         p = random.normal(k_p, w.shape, w.dtype) * free
+        # the step jittered (drawn apart from the state: the move stays reversible): a fixed trajectory
+        # near half the whitened target's period sends w to about -w, and two such moves back to w
+        eps = config.local_step_size * random.uniform(k_e, (), w.dtype, 1.0 - STEP_JITTER, 1.0 + STEP_JITTER)
 
         def leapfrog(state, _):
             x, r = state
@@ -423,3 +426,42 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",
         progress=lambda s: (min(int(jnp.min(s.iteration)), total), config.num_warmup, total),
     )
+
+
+def run_on_state(state, num_warmup: int, num_samples: int):
+    """A finished run's :class:`~numpyro_fed.protocol.RunState` as the start of the same chains run on
+    to ``num_samples`` kept iterations (more than it kept): the draw buffers grown, nothing else
+    changed, so the next round continues each chain where it stopped (its adaptation ended with
+    warmup).
+
+    The finished run's last round decided no global move (it delivered the last decision): that
+    iteration's state, the globals unchanged and the locals after their moves, is recorded in the
+    first new slot by every party from its own state (the server its ``u``, each client its ``v``),
+    so the kept draws are the chain's states at consecutive iterations."""
+    s = state.server
+    old = int(s.draws.shape[-2])
+    if s.accepted.shape[-1] != num_warmup + old:
+        raise ValueError(f"run on: the run kept {old} draws after {s.accepted.shape[-1] - old} warmup iterations, "
+                         f"not {num_warmup}: run the same chains on with the same num_warmup")
+    if num_samples <= old:
+        raise ValueError(f"run on: num_samples={num_samples} is not more than the {old} draws the run kept")
+    if not bool(jnp.all(s.iteration == num_warmup + old + 1)):
+        raise ValueError("run on: the run has not finished (every chain's last iteration done): resume it with "
+                         "init_state= instead")
+    pad = num_samples - old
+
+    def grow(x, axis):
+        shape = list(x.shape)
+        shape[axis] = pad
+        return jnp.concatenate([x, jnp.zeros(shape, x.dtype)], axis=axis)
+
+    server = s._replace(draws=grow(s.draws, -2).at[..., old, :].set(s.u), accepted=grow(s.accepted, -1),
+                        kinds=grow(s.kinds, -1).at[..., num_warmup + old].set(s.kind))
+
+    def client(c):  # (a client's key passes as it is)
+        if not isinstance(c, MwGClientState):
+            return c
+        return c._replace(draws=grow(c.draws, -2).at[..., old, :].set(c.v))
+
+    clients = jax.tree_util.tree_map(client, state.clients, is_leaf=lambda x: isinstance(x, MwGClientState))
+    return state._replace(server=server, clients=clients)

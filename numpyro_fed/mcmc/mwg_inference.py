@@ -26,11 +26,11 @@ from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import own_entries
 from ..groups import trim_groups
 from ..params import DrawParams
-from ..protocol import RunResult
+from ..protocol import ClientSlot, RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .diagnostics import MIN_ESS, R_HAT_LIMIT, chain_report  # noqa: F401  (the limits: documented here)
 from .inference import pick_draws
-from .mwg_algorithm import MwGConfig, federated_mwg
+from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
 
 __all__ = ["FederatedMwG"]
 
@@ -63,7 +63,9 @@ class FederatedMwG(FactorInference):
             resampling: each client answers one scalar per candidate and chain).
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
             iteration, leapfrog steps per move, and step size in whitened coordinates (default
-            ``min(0.6, 1.5 n^-1/4)``, ``n`` the client's locals).
+            ``min(pi / (2 local_steps), 1.5 n^-1/4)``, ``n`` the client's locals: a quarter of a
+            standard normal's period, where one move draws about independently; each move's step is
+            jittered by up to 20 %).
         local_blocks, client_mapping, row_plate, model_kwargs: as :class:`~numpyro_fed.factor.Laplace`.
     """
 
@@ -145,7 +147,10 @@ class FederatedMwG(FactorInference):
     def _algorithm(self, terms, plan, num_clients: int):
         blocks = propose_blocks(terms.local) if self.local_blocks and terms.num_local else None
         n = max(terms.num_local, 1)
-        step = self.local_step_size if self.local_step_size is not None else min(0.6, 1.5 * n ** -0.25)
+        # default: a trajectory of a quarter of the whitened (near standard normal) target's period,
+        # where one move draws about independently, shortened as 1.5 n^-1/4 for many locals
+        step = (self.local_step_size if self.local_step_size is not None
+                else min(np.pi / (2 * self.local_steps), 1.5 * n ** -0.25))
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
                            float(step), self.num_chains, self.candidates)
         dtype = jnp.result_type(float)
@@ -181,6 +186,14 @@ class FederatedMwG(FactorInference):
                 bytes=traffic(result),
                 samples={k: jnp.asarray(v).reshape(kept.shape[:2] + v.shape[1:]) for k, v in user.items()})
         report = self.mixing(result)
+        stuck = self.local_mixing(result)
+        if stuck:
+            shown = "; ".join(f"client {name!r}: {', '.join(entries[:3])}" for name, entries in list(stuck.items())[:4])
+            more = f" and {len(stuck) - 4} more clients" if len(stuck) > 4 else ""
+            warnings.warn(f"{type(self).__name__}: the local latents' chains have not mixed on {len(stuck)} client(s) "
+                          f"({shown}{more}; entries of the client's flat unconstrained locals): their draws "
+                          f"(get_samples(client=...)) do not represent the posterior there; run longer (num_samples), "
+                          f"or more local moves (local_moves)", UnreliableFitWarning, stacklevel=find_stack_level())
         if report["unmixed"]:
             warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(report['unmixed'][:6])}: "
                           f"their draws do not represent the posterior there; run longer (num_warmup, num_samples) "
@@ -190,6 +203,20 @@ class FederatedMwG(FactorInference):
                           f"global moves: the chain barely moved and its draws are few effective samples; run "
                           f"FederatedNUTS, or a longer warmup", UnreliableFitWarning, stacklevel=find_stack_level())
         return result
+
+    def run_on(self, result) -> RunState:
+        """The final state of ``result`` (a finished run of the same chains with fewer kept draws: the
+        same model, clients, ``num_warmup``, chains and ``init``) as this sampler's ``init_state``:
+        ``run(key, clients, init_state=mwg.run_on(result))`` continues every chain where it stopped,
+        on to this sampler's ``num_samples`` kept draws, and its result holds the earlier draws
+        too, with no round repeated."""
+        state = result.state if isinstance(result, RunResult) else result
+        return run_on_state(state, self.num_warmup, self.num_samples)
+
+    def _rounds_to_run_on(self, result) -> int:
+        """The rounds :meth:`run_on` from ``result`` takes: one per iteration added."""
+        state = result.state if isinstance(result, RunResult) else result
+        return self.num_samples - int(state.server.draws.shape[-2])
 
     def mixing(self, result: RunResult) -> Dict:
         """The chains' diagnostics over the global scalars, as a careful NumPyro user would check
@@ -202,6 +229,31 @@ class FederatedMwG(FactorInference):
         return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
                 "acceptance": float(accepted.mean()) if accepted.size else 0.0,
                 "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant}
+
+    def local_mixing(self, result: RunResult) -> Dict[str, list]:
+        """The clients whose local latents' chains have not mixed: ``{client: ["entry k (R-hat r, ESS
+        e)", ...]}`` over the entries of each client's flat unconstrained locals (split R-hat above
+        :data:`R_HAT_LIMIT` or bulk ESS below :data:`MIN_ESS`; padded entries, which never move, left
+        out). Computed where the clients' draws are (the simulation's run state); ``{}`` when they
+        stay on the clients' nodes (a network backend)."""
+        from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
+
+        slots = result.state.clients if result.state is not None else None
+        if self._network is not None or not slots or not self._fitted().extra.terms.num_local:
+            return {}
+        states = [slots.state] if isinstance(slots, ClientSlot) else [slot.state for slot in slots]  # stacked / loop
+        draws = np.concatenate([np.asarray(st.draws, np.float64).reshape((-1,) + st.draws.shape[-3:])
+                                for st in states])  # (J, chains, samples, n)
+        if draws.shape[2] < 4:
+            return {}
+        x = np.moveaxis(draws, 0, 2)  # (chains, samples, J, n)
+        moving = x.std(axis=(0, 1)) > 0
+        r_hat = np.asarray(split_gelman_rubin(x))
+        ess = np.asarray(effective_sample_size(x))
+        bad = moving & ~((r_hat <= R_HAT_LIMIT) & (ess >= MIN_ESS))
+        names = list(self._fitted().plan.names)
+        return {names[j]: [f"entry {k} (R-hat {r_hat[j, k]:.3g}, ESS {ess[j, k]:.0f})" for k in np.flatnonzero(bad[j])]
+                for j in np.flatnonzero(bad.any(axis=1))}
 
     # ------------------------------------------------------------------ API
     def get_samples(self, result: RunResult, group_by_chain: bool = False, *,
