@@ -5,8 +5,10 @@ client's local latents ``v_j``, ``p(u) prod_j p(y_j, v_j | u)``. One iteration i
 each leaving that posterior invariant:
 
 1. **A joint move of the globals, the locals carried along.** Each client carries its locals with
-   ``u``: with ``m_j(u)`` the mode of ``v_j | u`` (a fixed number of Newton steps from a fixed
-   start, so a deterministic function of ``u``) and ``L_j(u)`` a square root of the inverse of the
+   ``u``: with ``m_j(u)`` the mode of ``v_j | u`` (a fixed number of Newton steps from the
+   first-order prediction ``m_j(u_0) + S_j (u - u_0)``, ``u_0`` the Laplace start and ``S_j`` the
+   slope of the conditional mode there, both fixed for the run: a deterministic function of
+   ``u``) and ``L_j(u)`` a square root of the inverse of the
    absolute curvature there (block by block where the locals lie in a plate), it maps
 
    .. math:: v_j' = m_j(u') + L_j(u') L_j(u)^{-1} (v_j - m_j(u)),
@@ -59,7 +61,7 @@ import numpyro.distributions as dist
 from jax import random
 
 from ..factor.blocks import block_hessian, scatter_blocks
-from ..factor.tilted import inner_mode
+from ..factor.tilted import conditional_slope, first_descent, inner_mode
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
 __all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg", "laplace_map"]
@@ -78,12 +80,13 @@ class MwGConfig(NamedTuple):
 
     num_warmup: int
     num_samples: int
-    inner_steps: int  # Newton steps of m_j(u) from the fixed start
+    inner_steps: int  # Newton steps of the anchor m_j(u_0) from zero
     local_moves: int  # HMC moves of the locals per iteration
     local_steps: int  # leapfrog steps per local move
     local_step_size: float  # in whitened coordinates
     num_chains: int = 1
     candidates: int = 4  # the independence move's candidates per round (iterated sampling importance resampling)
+    map_steps: int = 3  # Newton steps of m_j(u) from its first-order prediction
 
 
 class MwGServerState(NamedTuple):
@@ -112,6 +115,8 @@ class MwGClientState(NamedTuple):
     draws: jax.Array  # (num_samples, n) the client's local draws
     local_accept: jax.Array  # the mean acceptance of its local moves
     applied: jax.Array  # how many of the server's decisions it has applied (a repeated one is not applied twice)
+    anchor: jax.Array  # (n,) and (n, d): m_j's Newton start at u is anchor + slope @ u (fixed for the run)
+    slope: jax.Array
 
 
 class MwGInfo(NamedTuple):
@@ -161,7 +166,7 @@ def _log_det(lam):
 def laplace_map(f: Callable, u, v0, steps: int, index):
     """``(m(u), lam, vec)``: the deterministic Laplace map of ``v | u`` (``steps`` Newton steps from ``v0``)."""
     neg = lambda v: -f(u, v)  # noqa: E731
-    mode = inner_mode(neg, v0, steps, index)
+    mode = inner_mode(neg, v0, steps, index, search=first_descent)
     lam, vec = _curvature(neg, mode, index)
     return mode, lam, vec
 
@@ -203,7 +208,20 @@ def _local_moves(key, f: Callable, u, v, value, mode, lam, vec, index, config: M
 
 
 # ---------------------------------------------------------------------- one round
-def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_joint_of: Callable, v_start, index,
+def anchor_map(f: Callable, u0, num_local: int, steps: int, index):
+    """``(anchor, slope)`` of a client's map: its locals' conditional mode at ``u0`` (``steps``
+    Newton steps from zero) and the mode's slope there (``dv*/du``, the implicit function theorem;
+    zero where it is not finite), so that ``anchor + slope @ u`` predicts the mode at ``u`` to first
+    order. Computed once per run from ``u0`` alone: the map stays a deterministic function of ``u``."""
+    dtype = u0.dtype
+    d = u0.shape[0]
+    mode = inner_mode(lambda v: -f(u0, v), jnp.zeros(num_local, dtype), steps, index, search=first_descent)
+    slope = conditional_slope(lambda w: f(w[:d], w[d:]), u0, mode, index)
+    slope = jnp.where(jnp.isfinite(slope), slope, 0.0)
+    return mode - slope @ u0, slope
+
+
+def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_joint_of: Callable, index,
                  config: MwGConfig):
     f = log_joint_of(data)
     b = broadcast.shared
@@ -223,7 +241,7 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
 
     def carry(u_new):  # the locals carried to a candidate, and the log ratio of the joint terms
         if v.shape[0]:
-            m2, lam2, vec2 = laplace_map(f, u_new, v_start, config.inner_steps, index)
+            m2, lam2, vec2 = laplace_map(f, u_new, s.anchor + s.slope @ u_new, config.map_steps, index)
             v2 = m2 + _colour(eps, lam2, vec2, index)
             jac = _log_det(lam2) - _log_det(lam)
         else:
@@ -233,7 +251,8 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
 
     pending, ell = jax.vmap(carry)(b["proposal"])
     ok = jnp.isfinite(ell)
-    state = MwGClientState(v, value, mode, lam, vec, pending, draws, local_acc, jnp.maximum(s.applied, b["decided"]))
+    state = MwGClientState(v, value, mode, lam, vec, pending, draws, local_acc, jnp.maximum(s.applied, b["decided"]),
+                           s.anchor, s.slope)
     return state, {"ell": jnp.where(ok, ell, jnp.zeros((), ell.dtype)), "ok": ok}
 
 
@@ -381,23 +400,27 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         s, shared = jax.vmap(init_chain)(random.split(rng_key, C), starts)
         return s, Broadcast(shared)
 
-    def init_client_chain(f, u0):
+    def init_client_chain(f, anchor, slope, u0):
         if num_local:
-            mode, lam, vec = laplace_map(f, u0, v_start, config.inner_steps, index)
+            mode, lam, vec = laplace_map(f, u0, anchor + slope @ u0, config.map_steps, index)
         else:
             mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
         value = f(u0, mode)
         pending = tuple(jnp.broadcast_to(x, (N,) + x.shape) for x in (mode, value, mode, lam, vec))
         return MwGClientState(mode, value, mode, lam, vec, pending,
                               jnp.zeros((config.num_samples, num_local), dtype), jnp.zeros((), dtype),
-                              jnp.zeros((), jnp.int32))
+                              jnp.zeros((), jnp.int32), anchor, slope)
 
     def init_client(rng_key, data):
         del rng_key
         f = log_joint_of(data)
-        return jax.vmap(partial(init_client_chain, f))(starts)
+        if num_local:  # the map's anchor: at the Laplace start, the same for every chain
+            anchor, slope = anchor_map(f, start, num_local, config.inner_steps, index)
+        else:
+            anchor, slope = v_start, jnp.zeros((0, d), dtype)
+        return jax.vmap(partial(init_client_chain, f, anchor, slope))(starts)
 
-    one_client = partial(_client_step, log_joint_of=log_joint_of, v_start=v_start, index=index, config=config)
+    one_client = partial(_client_step, log_joint_of=log_joint_of, index=index, config=config)
 
     def client_step(rng_key, state, broadcast: Broadcast, data):
         def chain(key, st, shared):

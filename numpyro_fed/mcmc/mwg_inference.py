@@ -58,7 +58,11 @@ class FederatedMwG(FactorInference):
             fit's ``params``); ``None``: ``run`` first runs :class:`~numpyro_fed.factor.Laplace`
             (a posterior it finds no mode of raises its ``NoModeError``: use
             :class:`~numpyro_fed.FederatedNUTS` there).
-        inner_steps: Newton steps of each client's Laplace map of its locals.
+        inner_steps: Newton steps of the Laplace start's and of each client's map's anchor (its
+            locals' conditional mode at the start, from zero).
+        map_steps: Newton steps of each client's map of its locals at a point the server sends,
+            from the anchor's first-order prediction there (more: a map nearer the conditional
+            mode, at a client cost linear in them; the chain is exact for any number).
         candidates: points of the independence move per round (iterated sampling importance
             resampling: each client answers one scalar per candidate and chain).
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
@@ -78,7 +82,7 @@ class FederatedMwG(FactorInference):
 
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
-                 candidates: int = 4,
+                 candidates: int = 4, map_steps: int = 3,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
         super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
@@ -92,6 +96,7 @@ class FederatedMwG(FactorInference):
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.local_step_size = local_step_size
         self.candidates = check_positive_int("candidates", candidates)
+        self.map_steps = check_positive_int("map_steps", map_steps)
         self.local_blocks = bool(local_blocks)
         self.laplace_result: Optional[RunResult] = None
         self.start_communication = None  # the Laplace start's rounds and bytes
@@ -152,7 +157,7 @@ class FederatedMwG(FactorInference):
         step = (self.local_step_size if self.local_step_size is not None
                 else min(np.pi / (2 * self.local_steps), 1.5 * n ** -0.25))
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
-                           float(step), self.num_chains, self.candidates)
+                           float(step), self.num_chains, self.candidates, self.map_steps)
         dtype = jnp.result_type(float)
         start = getattr(self, "_start", None)
         if start is None:  # a party that does not run (a Flower node) builds from init
