@@ -3,6 +3,7 @@ against NumPyro's NUTS on the pooled data, in simulation, in one process.
 
     python benchmarks/federated_mwg.py              # every posterior
     python benchmarks/federated_mwg.py --only eight # posteriors whose name contains it
+    python benchmarks/federated_mwg.py --table      # the docs' table from the last results
 
 Posteriors: the demo's GLMM (six cities, 2 silos), every posterior of the external suite with
 local latents (eight schools, radon, surgical, seeds, rats, the Poisson GLMM) and a synthetic
@@ -50,6 +51,7 @@ sys.path.insert(0, str(HERE / "posteriordb"))
 sys.path.insert(0, str(HERE))
 import pdb_models  # noqa: E402
 from federated_nuts import cold_then_warm, pooled_nuts, timed  # noqa: E402  (NUTS on the pooled data: 4 x (500 + 1000))
+from provenance import provenance  # noqa: E402
 
 RESULTS = HERE / "results" / "federated_mwg.json"
 NUTS_RESULTS = HERE / "results" / "federated_nuts.json"
@@ -220,10 +222,57 @@ def _mwg(name, model, clients, sites, post, ref, cold_pooled, warm_pooled, fed_n
     }
 
 
+LABELS = {"six_cities_glmm": "six-cities GLMM (demo, non-centred)",
+          "eight_schools-eight_schools_noncentered": "eight schools non-centred",
+          "radon_mn-radon_variable_intercept_noncentered": "radon (varying intercept)",
+          "surgical_data-surgical_model": "surgical", "seeds_data-seeds_model": "seeds", "rats_data-rats_model": "rats",
+          "GLMM_Poisson_data-GLMM_Poisson_model": "Poisson GLMM",
+          "logistic_glmm_1000_clients": "logistic GLMM, synthetic"}
+
+
+def table_rows(results: dict) -> list:
+    """docs/benchmarks.md's table (markdown rows) from the results JSON."""
+    rows = ["| posterior | clients | vs pooled: max z / sd ratio | vs reference: max z / sd ratio | min ESS / pooled | "
+            "rounds (Laplace) | rounds per ESS | FederatedNUTS rounds per ESS | kB per ESS (FederatedNUTS) | "
+            "seconds cold / warm / pooled warm / FederatedNUTS warm | ESS/s vs pooled NUTS | ESS/s vs FederatedNUTS |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["results"]:
+        if "error" in r:
+            rows.append(f"| {LABELS.get(r['posterior'], r['posterior'])} | {r['clients']} | {r['error']} |"
+                        + " – |" * 9)
+            continue
+        ref = r.get("reference")
+        if ref:
+            z, ratio = ref["mcse_z"], ref["sd_ratio"]
+            source = "posteriordb" if ref["source"] == "posteriordb" else "own NUTS"
+            vs_ref = (f"{max(z.values()):.2f} / {min(ratio.values()):.2f}-{max(ratio.values()):.2f} ({source})")
+        else:
+            vs_ref = "–"
+        fed = r.get("federated_nuts")
+        fed_per = r.get("federated_nuts_rounds_per_ess")
+        kb = f"{r['bytes_per_ess'] / 1e3:,.1f}" + (f" ({fed['bytes_per_ess'] / 1e3:,.0f})" if fed else "")
+        warm_fed = f"{fed['seconds']['warm']:.1f}" if fed else "–"
+        to_fed = r.get("ess_per_second_ratio_to_federated_nuts")
+        rows.append(
+            f"| {LABELS.get(r['posterior'], r['posterior'])} | {r['clients']} | {r['max_mcse_z']:.2f} / "
+            f"{r['sd_ratio_min']:.2f}-{r['sd_ratio_max']:.2f} | {vs_ref} | "
+            f"{r['min_ess']:.0f} / {r['min_ess_pooled']:.0f} | "
+            f"{r['rounds']:,} ({r['laplace_rounds']}) | **{r['rounds_per_ess']:.2f}** | "
+            f"{f'{fed_per:.1f}' if fed_per else '–'} | {kb} | "
+            f"{r['seconds']['cold']:.1f} / {r['seconds']['warm']:.1f} / "
+            f"{r['seconds_pooled']['warm']:.1f} / {warm_fed} | **{r['ess_per_second_ratio']:.2f}** | "
+            f"{f'**{to_fed:.2f}**' if to_fed else '–'} |")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="")
+    parser.add_argument("--table", action="store_true", help="print the docs' table from the last results")
     args = parser.parse_args(argv)
+    if args.table:
+        print("\n".join(table_rows(json.loads(RESULTS.read_text()))))
+        return
     old = json.loads(RESULTS.read_text()).get("results", []) if RESULTS.exists() else []
     rows = {r["posterior"]: r for r in old}
     for problem in problems():
@@ -232,7 +281,7 @@ def main(argv=None):
         row = bench(*problem)
         rows[row["posterior"]] = row
         print(json.dumps({k: v for k, v in row.items() if k != "ess"}), flush=True)
-    out = {"command": "python benchmarks/federated_mwg.py", "machine": platform.machine(),
+    out = {"command": "python benchmarks/federated_mwg.py", **provenance(), "machine": platform.machine(),
            "cpus": __import__("os").cpu_count(), "jax": jax.__version__,
            "times_include": "cold: the whole run (the Laplace start, compiling, sampling); warm: the same run again, "
                             "compiled; pooled NUTS: MCMC.run, cold and then warm",

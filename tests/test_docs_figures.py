@@ -138,3 +138,36 @@ def test_the_demos_table_is_its_results():
         in readme
     assert f"{comm['ep']['rounds']} on the demo (max \\|z\\| {results['demo']['max_abs_z']['ep']:.2f} against NUTS)" \
         in readme
+
+
+def test_the_federated_mwg_table_is_its_results():
+    """``FederatedMwG`` against pooled NUTS: docs/benchmarks.md's rows as ``benchmarks/federated_mwg.py
+    --table`` renders them, and the ranges quoted under the table and in docs/federated_mcmc.md."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "federated_mwg.json").read_text())
+    rows = _benchmark("federated_mwg").table_rows(results)
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    flat = " ".join(text.split())
+    assert f"commit {results['commit']}" in flat
+    ran = [r for r in results["results"] if "error" not in r]
+    per = sorted(r["rounds_per_ess"] for r in ran)
+    quoted = f"{per[0]:.2f} to {per[-1]:.2f} rounds per effective sample"
+    assert quoted in flat
+    many = max(ran, key=lambda r: r["clients"])
+    assert f"{many['ess_per_second_ratio']:.2f} of pooled NUTS's ESS per second on {many['clients']} clients" in flat
+    mcmc = " ".join((ROOT / "docs" / "federated_mcmc.md").read_text().split())
+    assert quoted in mcmc
+
+
+def test_the_exact_fit_over_flower_is_its_results():
+    """docs/flower.md's figures of the demo's exact fit over a loopback federation as
+    ``benchmarks/federated_mwg_flower.py`` measured them."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "federated_mwg_flower.json").read_text())
+    r = results["results"] if isinstance(results["results"], dict) else results["results"][0]
+    flat = " ".join((ROOT / "docs" / "flower.md").read_text().split())
+    assert f"commit {results['commit']}): {r['rounds']:,} rounds" in flat
+    assert f"in {r['end_to_end_seconds']:.0f} s from starting the federation" in flat
+    assert f"{r['rounds_per_ess']:.2f} rounds per effective sample" in flat
+    assert f"equal for the first {r['first_round_apart_from_simulation']} rounds" in flat
+    assert f"a warm round {1e3 * r['warm_round_median_seconds']:.1f} ms" in flat
