@@ -12,7 +12,8 @@ from numpyro.diagnostics import effective_sample_size
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
 from numpyro_fed.factor.blocks import local_blocks as propose_blocks
-from numpyro_fed.mcmc.mwg_algorithm import laplace_map
+from numpyro_fed.factor.tilted import first_descent
+from numpyro_fed.mcmc.mwg_algorithm import anchor_map, laplace_map
 from numpyro_fed.mcmc.mwg_inference import FederatedMwG
 
 TAU, R = 0.7, 3  # the groups' known scale; rows per group
@@ -336,3 +337,37 @@ def test_the_local_maps_jacobian_matters_where_the_locals_scale_moves_with_a_glo
     ess = float(effective_sample_size(grouped))
     right = abs(grouped.mean() - mean) < 4 * sd / np.sqrt(ess) and abs(grouped.std() / sd - 1) < 0.1
     assert right != drop_jacobian, (grouped.mean(), mean, grouped.std(), sd, ess)
+
+
+def test_the_line_search_takes_the_longest_step_that_does_not_go_uphill():
+    """``first_descent`` on ``(x - 1)^2`` from 0 along ``+5``: the steps 1 and 1/2 land at 5 and 2.5
+    (uphill), 1/4 at 1.25 (downhill); from the minimum every step is uphill: no move."""
+    neg = lambda x: jnp.sum((x - 1.0) ** 2)  # noqa: E731
+    assert float(first_descent(neg, jnp.zeros(1), -5.0 * jnp.ones(1))[0]) == pytest.approx(1.25)
+    assert float(first_descent(neg, jnp.ones(1), jnp.ones(1))[0]) == 1.0
+    assert float(first_descent(neg, jnp.zeros(1), -1.0 * jnp.ones(1))[0]) == pytest.approx(1.0)
+
+
+def test_a_clients_map_reaches_the_conditional_mode_far_from_its_anchor():
+    """A Poisson client, ``v ~ N(0, 1)``, ``y_k ~ Poisson(exp(a + b v))``: the map's three Newton
+    steps from the anchor's first-order prediction reach the conditional mode of ``v`` (the root of
+    ``v + b sum(exp(a + b v) - y) = 0``, by bisection) to a tenth of the conditional sd at globals
+    far from the anchor's (the chain is exact for any map; a map off the mode only mixes slower)."""
+    y = jnp.asarray([3.0, 5.0, 2.0, 7.0, 4.0])
+
+    def f(u, v):  # log p(y, v | u), written out
+        rate = u[0] + u[1] * v[0]
+        return -0.5 * v[0] ** 2 + jnp.sum(y * rate - jnp.exp(rate))
+
+    anchor, slope = anchor_map(f, jnp.asarray([1.0, 0.5]), 1, 8, None)
+    for u in ([1.0, 0.5], [2.5, 0.2], [-0.5, 1.5], [0.3, -1.0]):
+        u = jnp.asarray(u)
+        mode = float(laplace_map(f, u, anchor + slope @ u, 3, None)[0][0])
+        a, b = (float(x) for x in u)
+        lo, hi = -20.0, 20.0
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            g = mid + b * float(np.sum(np.exp(a + b * mid) - np.asarray(y)))
+            lo, hi = (lo, mid) if g > 0 else (mid, hi)
+        sd = 1 / np.sqrt(1 + b ** 2 * float(np.sum(np.exp(a + b * lo))))
+        assert abs(mode - lo) <= 0.1 * sd, (u, mode, lo, sd)

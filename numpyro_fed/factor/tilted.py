@@ -193,10 +193,8 @@ def _direction(neg: Callable, v: Array, index: Optional[Array]) -> Array:
 
 
 def first_descent(neg: Callable, v: Array, dv: Array) -> Array:
-    """:func:`backtrack`'s step found in order: the step ``1``, then ``1/2``, ... (up to ``1/512``)
-    evaluated one at a time until one does not raise ``neg``, else no move. The same choice as
-    :func:`backtrack` at the cost of the halvings needed (usually none) instead of eleven
-    evaluations; not differentiable in reverse mode (a ``while_loop``)."""
+    """:func:`backtrack`'s choice, its steps tried in order (``1, 1/2, ...``) until one does not raise
+    ``neg``: the halvings needed (usually none), not eleven evaluations. Forward mode only."""
     f0 = neg(v)
     f0 = jnp.where(jnp.isfinite(f0), f0, jnp.inf)
     limit = f0 + 1e-6 * (1 + jnp.abs(f0))

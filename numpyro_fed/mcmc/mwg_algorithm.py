@@ -215,6 +215,8 @@ def anchor_map(f: Callable, u0, num_local: int, steps: int, index):
     order. Computed once per run from ``u0`` alone: the map stays a deterministic function of ``u``."""
     dtype = u0.dtype
     d = u0.shape[0]
+    if not num_local:
+        return jnp.zeros(0, dtype), jnp.zeros((0, d), dtype)
     mode = inner_mode(lambda v: -f(u0, v), jnp.zeros(num_local, dtype), steps, index, search=first_descent)
     slope = conditional_slope(lambda w: f(w[:d], w[d:]), u0, mode, index)
     slope = jnp.where(jnp.isfinite(slope), slope, 0.0)
@@ -414,10 +416,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
     def init_client(rng_key, data):
         del rng_key
         f = log_joint_of(data)
-        if num_local:  # the map's anchor: at the Laplace start, the same for every chain
-            anchor, slope = anchor_map(f, start, num_local, config.inner_steps, index)
-        else:
-            anchor, slope = v_start, jnp.zeros((0, d), dtype)
+        anchor, slope = anchor_map(f, start, num_local, config.inner_steps, index)  # the same for every chain
         return jax.vmap(partial(init_client_chain, f, anchor, slope))(starts)
 
     one_client = partial(_client_step, log_joint_of=log_joint_of, index=index, config=config)
