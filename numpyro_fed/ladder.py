@@ -92,6 +92,7 @@ RUNG_OPTIONS = {
     "local_steps": ("mwg",),
     "local_step_size": ("mwg",),
     "candidates": ("mwg",),
+    "map_steps": ("mwg",),
     "step_size": ("nuts",),
     "adapt_step_size": ("nuts",),
     "adapt_mass_matrix": ("nuts",),

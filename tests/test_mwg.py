@@ -2,6 +2,7 @@
 draws follow the pooled posterior, checked against the analytic one."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -346,6 +347,32 @@ def test_the_line_search_takes_the_longest_step_that_does_not_go_uphill():
     assert float(first_descent(neg, jnp.zeros(1), -5.0 * jnp.ones(1))[0]) == pytest.approx(1.25)
     assert float(first_descent(neg, jnp.ones(1), jnp.ones(1))[0]) == 1.0
     assert float(first_descent(neg, jnp.zeros(1), -1.0 * jnp.ones(1))[0]) == pytest.approx(1.0)
+
+
+def _primitives(jaxpr):
+    """Every primitive's name in ``jaxpr`` and the jaxprs nested in it."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def test_a_vmapped_line_search_decides_each_step_once():
+    """Under ``vmap`` a loop's batched predicate is evaluated in the loop's condition and again in
+    its body, compiled apart; a comparison at a tie can then differ between the two and the loop
+    never ends (the clients' maps hung with XLA's optimisations off). The line search's loop
+    condition reads a carried flag: the objective is evaluated in the body only."""
+    neg = lambda x: jnp.sum(jnp.sin(x) ** 2)  # noqa: E731
+    batched = jax.make_jaxpr(jax.vmap(lambda v: first_descent(neg, v, v)))(jnp.ones((3, 2)))
+    loops = [eqn for eqn in batched.jaxpr.eqns if eqn.primitive.name == "while"]
+    assert len(loops) == 1
+    assert "sin" not in _primitives(loops[0].params["cond_jaxpr"].jaxpr)
+    assert "sin" in _primitives(loops[0].params["body_jaxpr"].jaxpr)
+    x = jax.vmap(lambda v: first_descent(neg, v, v))(jnp.asarray([[0.5, 0.2], [0.0, 0.0], [3.0, 1.0]]))
+    for v, got in zip(([0.5, 0.2], [0.0, 0.0], [3.0, 1.0]), np.asarray(x)):  # each lane as alone
+        np.testing.assert_allclose(got, np.asarray(first_descent(neg, jnp.asarray(v), jnp.asarray(v))), rtol=1e-6)
 
 
 def test_a_clients_map_reaches_the_conditional_mode_far_from_its_anchor():

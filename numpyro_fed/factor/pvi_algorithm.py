@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
+from .._steps import carried_while
 from ..dp.mechanisms import add_gradient, dp_sgd_transform, fixed_size_subset
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
@@ -111,7 +112,7 @@ def _optimise(init, moments, optim, steps, rng_key, gradient, max_chunks=1):
 
     loc0, cov0, _ = moments(init)
     start = (0, init, optim.init(init), rng_key, jnp.full((), jnp.inf, loc0.dtype), (loc0, cov0))
-    _, _, _, _, stat, (loc, cov_) = jax.lax.while_loop(more, chunk, start)
+    _, _, _, _, stat, (loc, cov_) = carried_while(more, chunk, start)
     return G.from_moments(loc, cov_), FitCheck(stat <= 1.0, stat, jnp.full((), jnp.nan, stat.dtype))
 
 

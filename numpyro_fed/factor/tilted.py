@@ -33,6 +33,7 @@ import optax
 from jax import random
 from numpyro.infer.hmc import hmc
 
+from .._steps import carried_while
 from .._typing import Array
 from ..fit_check import PARETO_K_LIMIT  # Vehtari et al. (2024): above it the fit is unreliable
 from . import gaussian as G
@@ -203,7 +204,7 @@ def first_descent(neg: Callable, v: Array, dv: Array) -> Array:
         val = neg(v - _STEPS.astype(v.dtype)[k] * dv)
         return ~(jnp.where(jnp.isfinite(val), val, jnp.inf) <= limit)
 
-    k = jax.lax.while_loop(lambda k: (k < _STEPS.shape[0] - 1) & worse(k), lambda k: k + 1, jnp.zeros((), jnp.int32))
+    k = carried_while(lambda k: (k < _STEPS.shape[0] - 1) & worse(k), lambda k: k + 1, jnp.zeros((), jnp.int32))
     return v - _STEPS.astype(v.dtype)[k] * dv
 
 
@@ -415,7 +416,7 @@ def _outer_mode(problem: TiltedProblem, w0, steps: int, grad_tol: float):
     zero = jnp.zeros((), w0.dtype)
     start = (jnp.zeros((), jnp.int32), w0[:d], w0[d:], jnp.zeros(d, w0.dtype), -jnp.eye(d, dtype=w0.dtype), zero,
              jnp.zeros((num_local, d), w0.dtype), jnp.asarray(True))
-    _, mode, v_mode, g, h, dec, slope, _ = jax.lax.while_loop(cond, body, start)
+    _, mode, v_mode, g, h, dec, slope, _ = carried_while(cond, body, start)
     return mode, v_mode, g, h, dec, slope
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from .._steps import carried_while
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
@@ -326,7 +327,7 @@ def _damping(config: FactorConfig, acceptable: Callable):
         delta, halvings = carry
         return (~acceptable(delta)) & (halvings < config.max_halvings)
 
-    return jax.lax.while_loop(keep_halving, halve, (jnp.asarray(config.damping, config.prior.shift.dtype), 0))
+    return carried_while(keep_halving, halve, (jnp.asarray(config.damping, config.prior.shift.dtype), 0))
 
 
 def _refine_prior_site(config: FactorConfig, rng_key, q, site):
