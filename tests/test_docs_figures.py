@@ -42,6 +42,9 @@ def test_the_test_suites_time_is_its_results():
     assert f"NUMPYRO_FED_SLOW_SHARD=K/{parts['parts']}" in flat
     ci_script = (ROOT / ".ci" / "run").read_text()
     assert f"parts={parts['parts']}" in ci_script
+    readme = " ".join((ROOT / "README.md").read_text().split())  # the newcomer's check, as measured
+    minutes = round(results["fresh_clone_check"]["test_command_seconds_install_included"] / 60)
+    assert f"about {minutes} minutes on this 2-core machine with the install" in readme
 
 
 def test_the_external_suites_fit_table_is_its_results():

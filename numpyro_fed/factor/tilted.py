@@ -196,8 +196,7 @@ def _direction(neg: Callable, v: Array, index: Optional[Array]) -> Array:
 def first_descent(neg: Callable, v: Array, dv: Array) -> Array:
     """:func:`backtrack`'s choice, its steps tried in order (``1, 1/2, ...``) until one does not raise
     ``neg``: the halvings needed (usually none), not eleven evaluations. Forward mode only."""
-    f0 = neg(v)
-    f0 = jnp.where(jnp.isfinite(f0), f0, jnp.inf)
+    f0 = jnp.where(jnp.isfinite(f0 := neg(v)), f0, jnp.inf)
     limit = f0 + 1e-6 * (1 + jnp.abs(f0))
 
     def worse(k):
