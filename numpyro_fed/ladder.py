@@ -43,6 +43,10 @@ raises :class:`~numpyro_fed.budget.RoundBudgetError` (:mod:`numpyro_fed.budget`)
 the answer is rung 3's (or 4's).
 
 What was tried, in order, and why the ladder moved on is in :attr:`Fit.log`.
+
+In simulation, a second :func:`fit` of the same model, options and data (by content) in the same
+process runs the rungs the first built, which compiles nothing (:mod:`numpyro_fed.fit_cache`: the
+model is traced once first, so that one reading a changed global builds anew).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import numpy as np
 
 from ._validation import check_positive_int
 from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, network_time
+from .fit_cache import kept_rungs
 from .fit_result import Fit, check_text
 from .laplace_verdict import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
 from .warnings import FitWarning, MCMCDiagnosticWarning, find_stack_level
@@ -244,6 +249,7 @@ class Ladder:
         self.model_kwargs, self.row_plate, self.client_mapping = dict(model_kwargs or {}), row_plate, client_mapping
         self.progress_bar = progress_bar
         self.max_rounds = None if max_rounds is None else check_positive_int("max_rounds", max_rounds)
+        self._kept = None  # (run: the rungs kept for this model, options and data, numpyro_fed.fit_cache)
 
     # ------------------------------------------------------------------ rungs
     @staticmethod
@@ -301,6 +307,23 @@ class Ladder:
             inference.progress_bar = bool(self.progress_bar)
         return inference
 
+    def _settings(self) -> Dict[str, Any]:
+        """What :meth:`rung` builds from beside the rung options and ``model_kwargs``."""
+        return {"MWG_WARMUP": MWG_WARMUP, "MWG_CHAINS": MWG_CHAINS, "NUTS_CHAINS": NUTS_CHAINS,
+                "WARM_WARMUP": WARM_WARMUP, "WIDEN": WIDEN, "CORRECT_DRAWS": CORRECT_DRAWS, "exact": self.exact,
+                "num_samples": self.num_samples, "num_warmup": self.num_warmup, "num_chains": self.num_chains,
+                "row_plate": self.row_plate, "client_mapping": self.client_mapping, "progress_bar": self.progress_bar}
+
+    def _rung_of(self, stage: str):
+        """:meth:`rung`, or the object an earlier fit of the same model, options and data built for
+        ``stage`` (:mod:`numpyro_fed.fit_cache`), its compiled programs kept."""
+        kept = self._kept
+        if kept is None:
+            return self.rung(stage)
+        if stage not in kept:
+            kept[stage] = self.rung(stage)
+        return kept[stage]
+
     def _own(self, rung: str) -> Dict[str, Any]:
         """The options of :attr:`rung_options` that ``rung``'s class takes."""
         return {k: v for k, v in self.rung_options.items() if rung in RUNG_OPTIONS[k]}
@@ -312,6 +335,8 @@ class Ladder:
         from .factor.laplace_inference import NoModeError
 
         run_options = _without_checkpoints(run_options)
+        self._kept = kept_rungs(self, clients, run_options, self._settings())  # an earlier equal fit's rungs
+        clients = clients if self._kept is None else self._kept["clients"]
         backend = run_options.get("backend")
         network = isinstance(backend, NetworkBackend)
         log: List[str] = []
@@ -326,7 +351,7 @@ class Ladder:
 
         stage = self.stage("laplace", check=not self.exact)
         announce(stage)
-        laplace = self.rung(stage)
+        laplace = self._rung_of(stage)
         mode = False
         try:
             with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
@@ -367,7 +392,7 @@ class Ladder:
             rung, samples = samplers.pop(0)
             stage = self.stage(rung, warm, num_samples=samples)
             announce(stage)
-            sampler = self.rung(stage)
+            sampler = self._rung_of(stage)
             left = None if self.max_rounds is None else self.max_rounds - done["rounds"]
             # the same chains run on from where they stopped (over a network, where each client keeps its
             # own state, they run again from the start: the same keys give the same first draws)

@@ -45,6 +45,8 @@ _FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "")
 from numpyro_fed.inference import FederatedInference  # noqa: E402
 
 FederatedInference.progress_bar = False
+from numpyro_fed import fit_cache  # noqa: E402
+
 jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 
 
@@ -65,7 +67,9 @@ def _xla_optimised(request):
 @pytest.fixture(autouse=True)
 def _seed_and_leaks():
     np.random.seed(0)
+    fit_cache.clear()  # each test's nf.fit builds its own rungs (a test may patch what they compile)
     yield
+    fit_cache.clear()
     # no tracer may outlive a test (a leaked tracer means impure code under jit)
     if not _tracers():  # the usual case: no cache clearing or full collection needed
         return

@@ -1,0 +1,138 @@
+"""``nf.fit``'s rungs kept for the process: a second fit of the same model on the same data reuses
+what the first compiled.
+
+Each rung of :func:`~numpyro_fed.fit` (the Laplace search and its checks, the samplers) is an
+inference object whose set-up traces the model and compiles its round and check programs, which is
+most of a first fit's time. ``nf.fit`` keeps the rung objects of its last :data:`SIZE` ladders in
+this process, keyed by what decides them: the model, every option of the ladder, the clients' data
+(its content, not the object: a new :class:`~numpyro_fed.Clients` with the same arrays is the same
+data) and the model's own values on the data. A second ``nf.fit`` with all of these equal runs the
+kept objects, which skip tracing and compilation; anything else builds anew.
+
+The model's values guard what a key of the function alone would miss: a model that reads a global
+variable (a prior's scale set in a notebook cell) traces to another program when that variable
+changes. Before reusing, the model is traced once on its first and last clients' data at a fixed
+point (every latent site at the same unconstrained value, :func:`~numpyro_fed._trace.trace_model`)
+and every site's value and log density there is compared with the kept trace's; any difference
+builds anew. Only the simulation is kept (a network backend's parties build their own rungs).
+
+:func:`clear` drops every kept ladder (and what they hold: their clients' data and compiled
+programs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Optional
+
+import jax
+import numpy as np
+
+__all__ = ["SIZE", "clear", "kept_rungs"]
+
+SIZE = 4
+"""Ladders kept (the least recently used is dropped)."""
+
+_KEPT: "OrderedDict[tuple, Dict[str, Any]]" = OrderedDict()
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def clear() -> None:
+    """Drop every kept ladder's rungs: the next ``nf.fit`` of any model builds and compiles anew."""
+    _KEPT.clear()
+
+
+def _update(digest, value) -> bool:
+    """Feed ``value`` (a number, text, array or a mapping / sequence of them) to ``digest``;
+    ``False`` for anything else (a value that cannot be compared by content)."""
+    if isinstance(value, _SIMPLE):
+        digest.update(repr(value).encode())
+        return True
+    if isinstance(value, dict):
+        digest.update(b"{")
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return all(_update(digest, k) and _update(digest, v) for k, v in items)
+    if isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        return all(_update(digest, v) for v in value)
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001  (not array-like: not comparable by content)
+        return False
+    if array.dtype.kind not in "biuf":
+        return False
+    digest.update(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return True
+
+
+def _content(value) -> Optional[str]:
+    digest = hashlib.sha256()
+    return digest.hexdigest() if _update(digest, value) else None
+
+
+def _data(clients) -> Optional[str]:
+    """The clients' content: names, arguments, arrays and recoded groups (``None``: not a
+    :class:`~numpyro_fed.Clients`)."""
+    if not (hasattr(clients, "names") and hasattr(clients, "group_values")):
+        return None
+    return _content([[name, dict(clients[name]), dict(clients.group_values.get(name, {}))] for name in clients.names])
+
+
+def _model_values(model: Callable, clients, model_kwargs: dict) -> Optional[str]:
+    """Every site's value and log density of ``model`` traced at a fixed point on the first and last
+    clients' rows (``None`` where the model cannot be traced outside a fit)."""
+    from ._trace import trace_model
+    from .groups import sized_model
+
+    digest = hashlib.sha256()
+    try:
+        sized = sized_model(model, clients, model_kwargs)
+        for name in dict.fromkeys((clients.names[0], clients.names[-1])):
+            for site_name, site in trace_model(sized, clients[name], model_kwargs).items():
+                if site["type"] not in ("sample", "deterministic"):
+                    continue
+                density = site["fn"].log_prob(site["value"]) if site["type"] == "sample" else 0.0
+                if site.get("scale") is not None:
+                    density = density * site["scale"]
+                if not _update(digest, [site_name, np.asarray(site["value"]), np.sum(np.asarray(density))]):
+                    return None
+    except Exception:  # noqa: BLE001  (any failure: nothing is reused)
+        return None
+    return digest.hexdigest()
+
+
+def kept_rungs(ladder, clients, run_options: dict, settings: dict) -> Optional[Dict[str, Any]]:
+    """The rung objects ``ladder`` may reuse on ``clients``: a dict ``stage -> inference object`` (and
+    ``"clients"``: the content-equal clients they were built with), shared with every earlier ladder
+    whose key is equal, to which the ladder adds the rungs it builds. ``settings``: every number or
+    text the ladder builds its rungs from beside its ``rung_options`` and ``model_kwargs`` (its
+    options and defaults). ``None`` where nothing is kept
+    (a network backend, options not comparable by content, or a model that cannot be traced alone)."""
+    from .backends.base import NetworkBackend
+
+    if isinstance(run_options.get("backend"), NetworkBackend):
+        return None
+    settings = {"x64": bool(jax.config.jax_enable_x64), **settings}
+    if not all(isinstance(v, _SIMPLE) for v in (*settings.values(), *ladder.rung_options.values())):
+        return None
+    data, kwargs = _data(clients), _content(ladder.model_kwargs)
+    if data is None or kwargs is None:
+        return None
+    values = _model_values(ladder.model, clients, ladder.model_kwargs)
+    if values is None:
+        return None
+    key = (ladder.model, json.dumps([settings, sorted(ladder.rung_options.items())]), kwargs, data, values)
+    try:
+        hash(key)
+    except TypeError:  # (a model object that is not hashable)
+        return None
+    kept = _KEPT.pop(key, None)
+    if kept is None:
+        kept = {"clients": clients}
+    _KEPT[key] = kept
+    while len(_KEPT) > SIZE:
+        _KEPT.popitem(last=False)
+    return kept
