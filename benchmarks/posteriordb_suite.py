@@ -443,6 +443,7 @@ def main(argv=None):
                 continue
             row = run_pair(post, family, ref)
             row["reference"] = source
+            row["commit"] = provenance()["commit"]  # (the JSON's own commit is its last run's; rows kept keep theirs)
             rows.append(row)
             print(json.dumps(row), flush=True)
     order = {p.name: i for i, p in enumerate(suite())}
