@@ -106,3 +106,18 @@ def test_changed_data_or_options_build_anew_and_clear_drops_everything():
     again = _fit(x, y)
     assert again.inference is not first.inference
     _check(again, x, y, 10.0)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_kept_rung_run_with_another_key_gives_what_a_fresh_one_gives(exact):
+    """Nothing of the first run leaks into the next: the kept objects run with key 1 give the draws
+    new objects give with key 1 (the Laplace rung and its checks; the exact sampler and its start)."""
+    x, y = _data()
+    clients = _clients(x, y)
+    nf.fit(model, clients, jax.random.PRNGKey(0), progress_bar=False, exact=exact)
+    kept = nf.fit(model, _clients(x, y), jax.random.PRNGKey(1), progress_bar=False, exact=exact)
+    fit_cache.clear()
+    fresh = nf.fit(model, _clients(x, y), jax.random.PRNGKey(1), progress_bar=False, exact=exact)
+    assert kept.method == fresh.method and kept.rounds == fresh.rounds
+    np.testing.assert_array_equal(np.asarray(kept.get_samples()["b"]), np.asarray(fresh.get_samples()["b"]))
+    _check(fresh, x, y, 10.0)
