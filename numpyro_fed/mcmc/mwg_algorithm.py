@@ -97,7 +97,7 @@ class MwGServerState(NamedTuple):
     mean: jax.Array  # the proposal's location
     chol: jax.Array  # its scale (lower Cholesky factor of the covariance)
     log_step: jax.Array  # the random walk's log step (times chol)
-    stats: jax.Array  # (count, sum (d), outer sum (d, d)) of warmup draws, flattened
+    stats: jax.Array  # (count, sum (d), outer sum (d, d)) of the window's warmup draws minus ``mean``, flattened
     iteration: jax.Array
     draws: jax.Array  # (num_samples, d)
     accepted: jax.Array  # (num_warmup + num_samples,) each iteration's decision
@@ -304,8 +304,11 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     d = u.shape[0]
     count, total_sum, outer = s.stats[0], s.stats[1:1 + d], s.stats[1 + d:].reshape(d, d)
     collect = warm & complete
+    # the window's moments about the proposal's location (fixed within a window, the same in every chain): raw
+    # moments about zero lose a posterior whose sd is small against its mean to float32 cancellation
+    c = u - s.mean
     count, total_sum, outer = (jnp.where(collect, a, b) for a, b in
-                               ((count + 1, count), (total_sum + u, total_sum), (outer + jnp.outer(u, u), outer)))
+                               ((count + 1, count), (total_sum + c, total_sum), (outer + jnp.outer(c, c), outer)))
     mean, chol = s.mean, s.chol  # (refreshed from every chain's warmup draws by the caller: _pooled_refresh)
     slot_index = it - config.num_warmup
     keep = complete & (slot_index >= 0) & (slot_index < config.num_samples)
@@ -342,8 +345,9 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
     W = config.num_warmup
     end = (it == W // 8) | (it == W // 4) | (it == W // 2) | (it == W)
     refresh = end & (count > d + 2)
-    mean = total_sum / jnp.maximum(count, 1.0)
-    cov = outer / jnp.maximum(count, 1.0) - jnp.outer(mean, mean)
+    shift = total_sum / jnp.maximum(count, 1.0)  # (the sums are about the window's location, state.mean)
+    cov = outer / jnp.maximum(count, 1.0) - jnp.outer(shift, shift)
+    mean = state.mean[0] + shift
     prior_weight = 10.0
     cov0 = state.chol[0] @ state.chol[0].T
     cov = (count * cov + prior_weight * cov0) / (count + prior_weight) + 1e-9 * jnp.eye(d, dtype=cov.dtype)
