@@ -13,6 +13,7 @@ refused at once, naming it.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import Callable, Mapping, Optional
 
@@ -26,7 +27,7 @@ from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
 __all__ = ["INIT_TRIES", "finite_point", "is_factor", "observed_draws", "or_finite_point", "prior_median",
-           "trace_model", "unconstrained_shape"]
+           "program_digest", "trace_model", "unconstrained_shape"]
 
 INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
 _INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
@@ -198,3 +199,67 @@ def observed_draws(tr, rng_key) -> dict:
         except (TypeError, NotImplementedError, ValueError, IndexError):
             continue
     return out
+
+
+def _feed(digest, value) -> bool:
+    """Feed an array or plain value to ``digest`` (``False``: not comparable by content)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        digest.update(repr(value).encode())
+        return True
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+        value = jax.random.key_data(value)
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001
+        return False
+    if array.dtype.kind not in "biuf":
+        return False
+    digest.update(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return True
+
+
+MAX_KINDS = 16  # client kinds traced for a program digest (the set-up checks compare as many layouts)
+
+
+def program_digest(model: Callable, clients, kwargs: Mapping, max_kinds: int = MAX_KINDS) -> Optional[str]:
+    """A digest of the programs ``model`` traces to on the clients' rows at a fixed point (every
+    latent site as :func:`trace_model` sets it): each site's value and log density as a JAX
+    program, its text and constants, traced on one client of each kind (the same array shapes and
+    other arguments trace to the same program; at most ``max_kinds`` kinds, the smallest and the
+    largest first, as the set-up checks choose the layouts they compare). The data enter as inputs: the digest is of the
+    model's code and of everything it reads beside its arguments (a global a notebook cell sets, on
+    any branch the clients' shapes take). Traced, not run: nothing is compiled. ``None`` where the
+    model cannot be traced so (a Python branch on a data value, for one)."""
+
+    def values(arrays, others):
+        out = {}
+        for name, site in trace_model(model, {**arrays, **others}, kwargs).items():
+            if site["type"] not in ("sample", "deterministic"):
+                continue
+            density = site["fn"].log_prob(site["value"]) if site["type"] == "sample" else 0.0
+            if site.get("scale") is not None:
+                density = density * site["scale"]
+            out[name] = (site["value"], jnp.sum(density))
+        return out
+
+    digest = hashlib.sha256()
+    try:
+        kinds = {}  # kind -> (its first client's arrays, other arguments, its size)
+        for name in clients.names:
+            args = dict(clients[name])
+            arrays = {k: v for k, v in args.items() if isinstance(v, (jax.Array, np.ndarray))}
+            others = {k: v for k, v in args.items() if k not in arrays}
+            kind = repr(sorted((k, np.shape(v), str(v.dtype)) for k, v in arrays.items())) + repr(sorted(others.items()))
+            kinds.setdefault(kind, (arrays, others, sum(np.size(v) for v in arrays.values())))
+        by_size = sorted(kinds.values(), key=lambda kind: kind[2])
+        ends = [k for pair in zip(by_size, reversed(by_size)) for k in pair]  # smallest, largest, next ...
+        picked = list({id(k): k for k in ends}.values())[:max_kinds]
+        for arrays, others, _ in picked:
+            closed = jax.make_jaxpr(lambda a, _o=others: values(a, _o))(arrays)
+            digest.update(str(closed.jaxpr).encode())
+            if not all(_feed(digest, const) for const in closed.consts):
+                return None
+    except Exception:  # noqa: BLE001  (not traceable so: the caller compares nothing)
+        return None
+    return digest.hexdigest()

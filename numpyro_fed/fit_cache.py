@@ -11,8 +11,8 @@ kept objects, which skip tracing and compilation; anything else builds anew.
 
 The model's values guard what a key of the function alone would miss: a model that reads a global
 variable (a prior's scale set in a notebook cell) traces to another program when that variable
-changes. Before reusing, the model is traced (not run: nothing is compiled) on its first and last
-clients' data at a fixed point (every latent site at the same unconstrained value,
+changes. Before reusing, the model is traced (not run: nothing is compiled) on one client of each
+kind (array shapes and other arguments) at a fixed point (every latent site at the same unconstrained value,
 :func:`~numpyro_fed._trace.trace_model`) into the JAX program of every site's value and log
 density; a program or constant that differs from the kept one's builds anew. Only the simulation is kept (a network backend's parties build their own rungs).
 
@@ -82,41 +82,16 @@ def _data(clients) -> Optional[str]:
 
 
 def _model_values(model: Callable, clients, model_kwargs: dict) -> Optional[str]:
-    """The program ``model`` traces to on its first and last clients' rows at a fixed point: every
-    site's value and log density as a JAX program (its text and constants; the data enter as
-    inputs, compared apart by :func:`_data`). Traced, not run, so the guard compiles nothing.
-    ``None`` where the model cannot be traced outside a fit."""
-    from ._trace import trace_model
+    """:func:`~numpyro_fed._trace.program_digest` of the model as the rungs run it (sized to the
+    clients' groups)."""
+    from ._trace import program_digest
     from .groups import sized_model
 
-    def values(arrays, others):
-        out = {}
-        for site_name, site in trace_model(sized, {**arrays, **others}, model_kwargs).items():
-            if site["type"] not in ("sample", "deterministic"):
-                continue
-            density = site["fn"].log_prob(site["value"]) if site["type"] == "sample" else 0.0
-            if site.get("scale") is not None:
-                density = density * site["scale"]
-            out[site_name] = (site["value"], jax.numpy.sum(density))
-        return out
-
-    digest = hashlib.sha256()
     try:
         sized = sized_model(model, clients, model_kwargs)
-        for name in dict.fromkeys((clients.names[0], clients.names[-1])):
-            args = dict(clients[name])
-            arrays = {k: v for k, v in args.items() if isinstance(v, (jax.Array, np.ndarray))}
-            others = {k: v for k, v in args.items() if k not in arrays}
-            closed = jax.make_jaxpr(lambda a, _o=others: values(a, _o))(arrays)
-            digest.update(str(closed.jaxpr).encode())
-            for const in closed.consts:
-                if jax.dtypes.issubdtype(getattr(const, "dtype", None), jax.dtypes.prng_key):
-                    const = jax.random.key_data(const)
-                if not _update(digest, np.asarray(const)):
-                    return None
     except Exception:  # noqa: BLE001  (any failure: nothing is reused)
         return None
-    return digest.hexdigest()
+    return program_digest(sized, clients, model_kwargs)
 
 
 def kept_rungs(ladder, clients, run_options: dict, settings: dict) -> Optional[Dict[str, Any]]:

@@ -93,6 +93,40 @@ def test_a_changed_global_the_model_reads_builds_anew():
     assert second.inference is not first.inference
 
 
+NOISE = {"sd": 1.0}  # read only on the middle client's rows (a branch on its number of rows)
+
+
+def branching_model(x, y):
+    b = numpyro.sample("b", dist.Normal(0.0, 10.0))
+    sd = NOISE["sd"] if y.shape[0] == 20 else 1.0
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(b * x, sd), obs=y)
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_changed_global_read_only_on_a_middle_clients_rows_builds_anew(cleared):
+    """The guard traces one client of each kind, not only the first and last: the global here is
+    read on the 20-row client alone. ``cleared``: with the kept rungs dropped between the fits, the
+    set-up checks' remembered verdicts (padding these clients gives each its own terms) must not be
+    reused either: padded to 30 rows, the 20-row client's branch is never taken. Checked against the
+    analytic posterior with each row's sd."""
+    x, y = _data()
+    fits = []
+    for noise in (1.0, 0.2):
+        NOISE["sd"] = noise
+        if cleared:
+            fit_cache.clear()
+        fits.append(nf.fit(branching_model, _clients(x, y), jax.random.PRNGKey(0), progress_bar=False))
+    NOISE["sd"] = 1.0
+    assert fits[1].inference is not fits[0].inference
+    sd = np.where(np.repeat([0, 1, 2], [10, 20, 30]) == 1, 0.2, 1.0)
+    precision = np.sum(x ** 2 / sd ** 2) + 1.0 / 100.0
+    mean, post_sd = np.sum(x * y / sd ** 2) / precision, precision ** -0.5
+    draws = np.asarray(fits[1].get_samples()["b"])
+    assert abs(draws.mean() - mean) < 0.1 * post_sd, (draws.mean(), mean, post_sd)
+    assert abs(draws.std() / post_sd - 1.0) < 0.1, (draws.std(), post_sd)
+
+
 def test_changed_data_or_options_build_anew_and_clear_drops_everything():
     x, y = _data()
     first = _fit(x, y)

@@ -23,6 +23,7 @@ import numpy as np
 from numpyro.primitives import Messenger
 
 from .._structure import ModelStructure, SiteLayout, trace_model
+from .._trace import program_digest
 from ..clients import ClientData, Clients
 from ..term_identity import (
     TermMismatch,
@@ -185,7 +186,7 @@ def first_term_mismatch(model, kwargs, clients: Clients, plan: ClientPlan, struc
                         cache: Optional[dict] = None) -> Optional[TermMismatch]:
     """The first checked client whose laid-out term differs from NumPyro's density on its rows
     (:mod:`numpyro_fed.term_identity`), or ``None``. ``cache``: compiled checks to reuse. The
-    verdict is remembered for the same model, data and layout."""
+    verdict is remembered for the same model program, data and layout."""
     masks = np.asarray(plan.data.row_mask) if plan.mapping == "vmap" else [np.asarray(d.row_mask) for d in plan.data]
     what = ("terms", plan.mapping, plan.names, masks)
     return _remembered(model, what, clients, kwargs, structure,
@@ -224,9 +225,10 @@ def check_sums_over_rows(model, kwargs, clients: Clients, structure: ModelStruct
         raise ValueError(error)
 
 
-# The checks' verdicts, per user model (held weakly) and fingerprint of the data, settings and layout
-# checked: the rungs of nf.fit, and every family fitted to the same model and clients in a process,
-# check once. A verdict depends on nothing else: the model's code, its data and the layout.
+# The checks' verdicts, per user model (held weakly) and fingerprint of the data, settings, layout
+# and the program the model traces to (its code and every global it reads: a notebook cell may
+# change one between two fits): the rungs of nf.fit, and every family fitted to the same model and
+# clients in a process, check once. A verdict depends on nothing else.
 _VERDICTS: "weakref.WeakKeyDictionary[Callable, Dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
@@ -266,7 +268,8 @@ def _fingerprint(*parts) -> Optional[str]:
 
 def _remembered(model, what: tuple, clients: Clients, kwargs, structure: ModelStructure, compute: Callable):
     """``compute()``, remembered per user model and fingerprint of what the verdict depends on."""
-    key = _fingerprint(what, {n: dict(clients[n]) for n in clients.names}, dict(kwargs),
+    program = program_digest(model, clients, kwargs)
+    key = None if program is None else _fingerprint(what, program, {n: dict(clients[n]) for n in clients.names}, dict(kwargs),
                        dict(getattr(model, "group_sizes", {})), structure.row_plate, structure.global_latent.names,
                        structure.local_latent_names, {n: u for n, (u, _) in structure.global_param.items()})
     user = _user_model(model)
