@@ -160,6 +160,35 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
     assert fit.get_samples()["tau"].shape == (4 * n,) and set(fit.check) == {"acceptance", "min_n_eff", "max_r_hat"}
     assert fit.check["max_r_hat"] <= 1.05 and fit.check["min_n_eff"] >= 400
     assert fit.get_samples(client="3")["eta"].shape == (4 * n,)  # school 3's own effect, from its chain
+    # the answer: posteriordb's reference (Stan, 10,000 draws) for mu, tau and every school's theta
+    draws = fit.get_samples(group_by_chain=True)
+    theta = {f"theta[{j + 1}]": draws["mu"] + draws["tau"] * fit.get_samples(client=str(j), group_by_chain=True)["eta"]
+             for j in range(8)}
+    _assert_matches_reference({"mu": draws["mu"], "tau": draws["tau"], **theta}, _posteriordb_summary(
+        "eight_schools-eight_schools_noncentered"))
+
+
+def _posteriordb_summary(name):
+    """posteriordb's reference means and sds of ``name`` (vendored: benchmarks/posteriordb/reference)."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "posteriordb" / "reference" / f"{name}.json"
+    return json.loads(path.read_text())["summary"]
+
+
+def _assert_matches_reference(draws, summary):
+    """Every scalar's mean within 4 Monte Carlo standard errors of the reference's (its ESS from
+    the chains), and its sd within 4 standard errors (at least 10 %)."""
+    from numpyro.diagnostics import effective_sample_size
+
+    for name, x in draws.items():
+        x = np.asarray(x)
+        ess = float(effective_sample_size(x))
+        ref = summary[name]
+        z = (x.mean() - ref["mean"]) / (ref["sd"] / np.sqrt(ess))
+        assert abs(z) < 4, (name, float(x.mean()), ref["mean"], ess)
+        assert abs(x.std(ddof=1) / ref["sd"] - 1) < max(0.1, 4 / np.sqrt(2 * ess)), (name, float(x.std()), ref["sd"])
 
 
 def test_exact_samples_by_mwg_from_the_laplace_search_without_its_checks():
@@ -169,6 +198,10 @@ def test_exact_samples_by_mwg_from_the_laplace_search_without_its_checks():
     assert int(fit.result.communication.rounds) == 100 + fit.inference.num_samples + 1
     assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
     assert "log_likelihood" in fit.idata.groups() and "r_hat" in nf.summary(fit)["a"]
+    mean, sd = _analytic(3.0)  # the answer: the conjugate posterior
+    draws = fit.get_samples(group_by_chain=True)
+    _assert_matches_reference({"a": draws["a"], "b[0]": draws["b"][..., 0], "b[1]": draws["b"][..., 1]},
+                              {k: {"mean": m, "sd": v} for k, m, v in zip(("a", "b[0]", "b[1]"), mean, sd)})
 
 
 def test_chains_short_of_400_effective_draws_run_on_once():
