@@ -43,7 +43,7 @@ from numpyro.diagnostics import effective_sample_size
 
 import numpyro_fed as nf
 from numpyro_fed.datasets import load_six_cities, six_cities_silos
-from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+from numpyro_fed.mcmc import FederatedMwG
 from numpyro_fed.models import logistic_glmm
 
 HERE = pathlib.Path(__file__).parent

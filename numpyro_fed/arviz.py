@@ -105,7 +105,7 @@ def to_arviz(
 
     from .factor.inference import FactorInference
     from .mcmc.inference import FederatedMCMC
-    from .mcmc.mwg_inference import FederatedMwG
+    from .mcmc import FederatedMwG
     from .vertical.inference import VerticalInference
     if isinstance(svi, (FederatedMCMC, FederatedMwG)):
         return _mcmc_to_arviz(svi, result, rng_key, client, clients, corrected)

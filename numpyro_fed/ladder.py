@@ -275,7 +275,7 @@ class Ladder:
         """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first)."""
         from .factor import Laplace
         from .mcmc import FederatedNUTS
-        from .mcmc.mwg_inference import FederatedMwG
+        from .mcmc import FederatedMwG
 
         spec = json.loads(stage) if stage else {"rung": "laplace", **({"check": False} if self.exact else {})}
         common = dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping)
@@ -298,9 +298,7 @@ class Ladder:
             warmup = (WARM_WARMUP if warm is not None else 500) if self.num_warmup is None else self.num_warmup
             inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=self.num_samples,
                                       num_chains=NUTS_CHAINS if self.num_chains is None else self.num_chains, **common,
-                                      **self._own("nuts"))
-            if warm is not None:
-                inference._warm_start = warm
+                                      init=warm, **self._own("nuts"))
         else:
             raise ValueError(f"Ladder.rung: no rung {spec['rung']!r} (its rungs: 'laplace', 'mwg', 'nuts')")
         if self.progress_bar is not None:
@@ -399,7 +397,7 @@ class Ladder:
             go_on = rung == "mwg" and samples is not None and last_mwg is not None and not network
             options = dict(run_options, init_state=sampler.run_on(last_mwg)) if go_on else run_options
             if rung == "mwg" and left is not None:
-                planned = (sampler._rounds_to_run_on(last_mwg) if go_on else  # one round per iteration: known
+                planned = (sampler.rounds_to_run_on(last_mwg) if go_on else  # one round per iteration: known
                            sampler.num_warmup + sampler.num_samples + 1)
                 if planned > left:
                     raise self._over_budget(RoundBudgetError("", rounds=0, max_rounds=left, projected_rounds=planned),
@@ -526,18 +524,10 @@ def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _mcmc_check(sampler, result) -> Dict[str, float]:
-    """The chains' check over the global scalars (:func:`~numpyro_fed.mcmc.diagnostics.chain_report`:
-    scalars that never move left out): ``{"divergences" (NUTS) / "acceptance" (MwG), "min_n_eff",
-    "max_r_hat"}``."""
-    from .mcmc.diagnostics import chain_report
-
-    if hasattr(sampler, "mixing"):  # Metropolis-within-Gibbs
-        report = sampler.mixing(result)
-        return {"acceptance": report["acceptance"], "min_n_eff": report["min_n_eff"],
-                "max_r_hat": report["max_r_hat"]}
-    report = chain_report({k: np.asarray(v) for k, v in sampler.get_samples(result, group_by_chain=True).items()})
-    return {"divergences": float(sampler.sample_stats(result)["diverging"].sum()), "min_n_eff": report.min_n_eff,
-            "max_r_hat": report.max_r_hat}
+    """The chains' check over the global scalars (the sampler's ``mixing``: scalars that never move
+    left out): ``{"divergences" (NUTS) / "acceptance" (MwG), "min_n_eff", "max_r_hat"}``."""
+    report = sampler.mixing(result)
+    return {k: report[k] for k in ("divergences", "acceptance", "min_n_eff", "max_r_hat") if k in report}
 
 
 def _warn_unmixed(sampler, result) -> None:

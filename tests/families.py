@@ -129,7 +129,7 @@ def nuts():
 
 def mwg():
     """Federated Metropolis-within-Gibbs from a given start (every party builds the same chains)."""
-    from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+    from numpyro_fed.mcmc import FederatedMwG
 
     init = (np.array([0.5]), 0.1 * np.eye(1))
     return FederatedMwG(ep_model, num_warmup=16, num_samples=16, num_chains=2, init=init), horizontal_data()

@@ -22,7 +22,7 @@ import numpyro
 import numpyro.distributions as dist
 
 import numpyro_fed as nf
-from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+from numpyro_fed.mcmc import FederatedMwG
 
 GROUPS, ROWS, CLIENTS, TAU = 4, 3, 3, 0.7
 WARMUP, SAMPLES, CHAINS, THIN = 100, 100, 4, 4

@@ -16,7 +16,7 @@ from jax import random
 
 import numpyro_fed as nf
 from numpyro_fed.inference import FederatedInference
-from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+from numpyro_fed.mcmc import FederatedMwG
 from numpyro_fed.params import DrawParams, GaussianParams, GuideParams, HM1Params, VerticalParams
 
 from . import families

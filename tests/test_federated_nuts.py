@@ -342,3 +342,45 @@ def test_a_missing_answer_repeats_the_round():
     for c in SIZES:  # every client recorded each draw once, at its own position
         local = np.asarray(nuts.get_samples(flaky, client=c)["a"])
         assert np.all(local != 0.0) and np.unique(local).size > 100
+
+
+def _line(x, y):
+    a = numpyro.sample("a", dist.Normal(0.0, 10.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 10.0))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(a + b * x, 0.1), obs=y)
+
+
+def test_init_starts_the_chains_at_a_mean_and_preconditions_them_by_a_covariance():
+    """``init=(mean, cov)``: a posterior of sds 0.25 and 0.023 with correlation -0.9996 (x far from 0),
+    sampled with no warmup at a fixed step of 1: preconditioned by its covariance (``u = mean + L
+    w``) the chains draw the analytic posterior (means within 4 MCSE, sds within 15 %); the same
+    step without ``init`` cannot move (nearly every proposal rejected). A malformed ``init`` is
+    refused naming the sites."""
+    from numpyro.diagnostics import effective_sample_size
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(10.0, 11.0, 200)
+    y = 1.0 + 0.5 * x + 0.1 * rng.normal(size=200)
+    design = np.column_stack([np.ones(200), x])
+    cov = np.linalg.inv(design.T @ design / 0.01 + np.eye(2) / 100.0)
+    mean = cov @ design.T @ y / 0.01
+    clients = nf.Clients.split(np.arange(200) % 2, x=x.astype(np.float32), y=y.astype(np.float32))
+    options = dict(num_warmup=0, num_samples=300, num_chains=2, step_size=1.0, adapt_step_size=False,
+                   adapt_mass_matrix=False)
+    nuts = nf.FederatedNUTS(_line, init=(mean, cov), **options)
+    result = nuts.run(random.PRNGKey(0), clients)
+    draws = nuts.get_samples(result, group_by_chain=True)
+    for k, site in enumerate("ab"):
+        d = np.asarray(draws[site])
+        ess = float(effective_sample_size(d))
+        sd = np.sqrt(cov[k, k])
+        assert abs(d.mean() - mean[k]) < 4 * sd / np.sqrt(ess), (site, d.mean(), mean[k], ess)
+        assert abs(d.std() / sd - 1) < 0.15, (site, d.std(), sd)
+    assert nuts.sample_stats(result)["accept_prob"].mean() > 0.5
+    plain = nf.FederatedNUTS(_line, **options)
+    assert plain.sample_stats(plain.run(random.PRNGKey(0), clients))["accept_prob"].mean() < 0.05
+    with pytest.raises(ValueError, match=r"init's mean has shape \(3,\).*\(a, b\) have 2 entries"):
+        nf.FederatedNUTS(_line, init=(np.zeros(3), np.ones(3)), **options).run(random.PRNGKey(0), clients)
+    with pytest.raises(ValueError, match="a finite 1-d mean"):
+        nf.FederatedNUTS(_line, init=(mean, np.ones((2, 3))))

@@ -235,7 +235,7 @@ def test_the_ladder_moves_from_mwg_to_nuts_when_mwgs_chains_disagree_or_stick(mo
     caller (the ladder acted on them). MwG's diagnostics are set to fail here (the chains
     themselves mix on this model): the rule is what is tested; the diagnostics themselves are
     tested in tests/test_mwg.py."""
-    from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+    from numpyro_fed.mcmc import FederatedMwG
 
     real = FederatedMwG.mixing
     monkeypatch.setattr(FederatedMwG, "mixing", lambda self, result: {**real(self, result), **report})
@@ -366,8 +366,8 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     cov = np.array([[1.0 / 3.0, 0.1], [0.1, 2.0 / 7.0]])
     nuts = ladder.rung(Ladder.stage("nuts", (mean, cov)))
     assert isinstance(nuts, nf.FederatedNUTS) and nuts.num_warmup == WARM_WARMUP and nuts.num_samples == 50
-    np.testing.assert_array_equal(nuts._warm_start[0], mean)
-    np.testing.assert_array_equal(nuts._warm_start[1], cov)
+    np.testing.assert_array_equal(nuts.init[0], mean)
+    np.testing.assert_array_equal(nuts.init[1], cov)
     assert ladder.rung(Ladder.stage("nuts")).num_warmup == 500
     first = ladder.rung()
     assert isinstance(first, nf.factor.Laplace) and first.widen == WIDEN

@@ -89,7 +89,7 @@ def test_one_stuck_chain_is_judged_by_its_halves():
 def test_a_weak_nuts_answer_warns_naming_the_site(monkeypatch):
     """The NUTS rung's answer from one short chain warns (split R-hat above 1.05 or ESS under
     100), naming the scalar and what nf.fit accepts to fix it."""
-    from numpyro_fed.mcmc.mwg_inference import FederatedMwG
+    from numpyro_fed.mcmc import FederatedMwG
 
     real = FederatedMwG.mixing
     monkeypatch.setattr(FederatedMwG, "mixing", lambda self, result: {**real(self, result), "max_r_hat": 1.3})

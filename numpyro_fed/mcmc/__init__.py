@@ -1,7 +1,9 @@
 """Exact federated MCMC: NUTS and HMC on the pooled posterior, one leapfrog step per round
 (:mod:`~numpyro_fed.mcmc.nuts_algorithm`), the class layer in
-:mod:`~numpyro_fed.mcmc.inference`."""
+:mod:`~numpyro_fed.mcmc.inference`; exact Metropolis-within-Gibbs, one round per iteration
+(:class:`FederatedMwG`, :mod:`~numpyro_fed.mcmc.mwg_algorithm`)."""
 
 from .inference import FederatedHMC, FederatedNUTS
+from .mwg_inference import FederatedMwG
 
-__all__ = ["FederatedHMC", "FederatedNUTS"]
+__all__ = ["FederatedHMC", "FederatedMwG", "FederatedNUTS"]

@@ -115,6 +115,26 @@ def _potential_weight(prior_share: float):
     return weight
 
 
+def _checked_init(cls: str, init) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """``init`` as ``(mean, scale)`` arrays: a 1-d finite mean and, of the same size, a vector of
+    positive variances or a square covariance (``None`` stays ``None``)."""
+    if init is None:
+        return None
+    try:
+        mean, scale = init
+    except (TypeError, ValueError):
+        raise ValueError(f"{cls}: init must be a pair (mean, cov) of the flat unconstrained global sites, "
+                         f"e.g. a Laplace fit's (params.mean, params.cov)") from None
+    mean, scale = np.asarray(mean), np.asarray(scale)
+    d = mean.shape[0] if mean.ndim == 1 else -1
+    if d < 0 or not np.all(np.isfinite(mean)) or scale.shape not in ((d,), (d, d)) or not np.all(np.isfinite(scale)):
+        raise ValueError(f"{cls}: init=(mean, cov) needs a finite 1-d mean and, of its size, finite variances "
+                         f"(a vector) or a covariance (a square matrix); got shapes {mean.shape} and {scale.shape}")
+    if scale.ndim == 1 and not np.all(scale > 0):
+        raise ValueError(f"{cls}: init's variances must be positive")
+    return mean, scale
+
+
 class FederatedMCMC(FederatedInference):
     """Base class of :class:`FederatedNUTS` and :class:`FederatedHMC` (not used directly)."""
 
@@ -142,6 +162,7 @@ class FederatedMCMC(FederatedInference):
         client_mapping: str = "auto",
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
+        init: Optional[Tuple[Any, Any]] = None,
     ) -> None:
         check_model(model)
         self.model = with_improper_values(model)
@@ -160,9 +181,7 @@ class FederatedMCMC(FederatedInference):
         self.trajectory_length = None if self.num_steps is not None else float(trajectory_length)
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
-        # (position, diagonal M^-1 or a covariance) of the global sites to start the chains from (nf.fit: a
-        # Laplace fit's mode and covariance: the chains then run preconditioned by it; see MCMCSetup)
-        self._warm_start: Tuple[Any, Any] = (None, None)
+        self.init = _checked_init(type(self).__name__, init)
         self._init_inference()
 
     # ------------------------------------------------------------------ run
@@ -203,7 +222,11 @@ class FederatedMCMC(FederatedInference):
         def local_mask(data):
             return layout_of(data).flat_mask(data.row_mask, data.args)
 
-        start, scale, affine = *self._warm_start, None
+        start, scale, affine = *(self.init or (None, None)), None
+        if self.init is not None and np.shape(start) != (structure.global_latent.size,):
+            raise ValueError(f"{type(self).__name__}: init's mean has shape {np.shape(start)}; the model's flat "
+                             f"unconstrained global sites ({', '.join(structure.global_latent.names)}) have "
+                             f"{structure.global_latent.size} entries")
         if scale is not None and np.ndim(scale) == 2:  # a dense covariance: run the chains in w, u = m + L w
             dtype = jnp.result_type(float)
             m, chol = jnp.asarray(start, dtype), jnp.linalg.cholesky(jnp.asarray(scale, dtype))
@@ -412,6 +435,17 @@ class FederatedMCMC(FederatedInference):
                 "rounds_per_draw": comm.rounds / n, "bytes_per_draw": total_bytes / n,
                 "rounds_per_ess": comm.rounds / ess, "bytes_per_ess": total_bytes / ess}
 
+    def mixing(self, result: RunResult) -> Dict:
+        """The chains' diagnostics over the global scalars, as :meth:`FederatedMwG.mixing
+        <numpyro_fed.mcmc.FederatedMwG.mixing>` gives them: ``{"max_r_hat", "min_n_eff",
+        "divergences", "not_converged", "unmixed", "constant"}`` (split R-hat, bulk ESS and the
+        scalars that never move: :func:`~numpyro_fed.mcmc.diagnostics.chain_report`; the post-warmup
+        divergent iterations, summed over the chains)."""
+        report = chain_report({k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()})
+        return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
+                "divergences": float(self.sample_stats(result)["diverging"].sum()),
+                "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant}
+
     def sample_stats(self, result: Union[RunResult, RunState]) -> Dict[str, np.ndarray]:
         """Per chain and post-warmup iteration, as NumPyro's MCMC reports them (``diverging``,
         ``accept_prob``, ``num_steps``, ``tree_depth``, ``energy``, ``potential_energy``,
@@ -451,6 +485,12 @@ class FederatedNUTS(FederatedMCMC):
         client_mapping: how the simulation maps clients (see :class:`~numpyro_fed.FederatedSVI`).
         row_plate: the plate that indexes rows, when padding is ambiguous.
         model_kwargs: non-data keyword arguments passed to every call of the model.
+        init: ``(mean, cov)`` of the flat unconstrained global sites (in the model's site order),
+            e.g. a :class:`~numpyro_fed.factor.Laplace` fit's ``(params.mean, params.cov)``: every
+            chain starts at ``mean`` and runs preconditioned by ``cov`` (a covariance matrix: the
+            chains move ``w`` with the global sites ``mean + L w``, ``L L^T = cov``, a constant
+            Jacobian; a vector: the initial diagonal inverse mass matrix). ``None``: NumPyro's
+            start, a uniform draw in (-2, 2) of the unconstrained space.
 
     Example:
         >>> import numpy as np, jax, numpyro, numpyro.distributions as dist
@@ -473,11 +513,12 @@ class FederatedNUTS(FederatedMCMC):
     def __init__(self, model: Callable, *, num_warmup: int = 500, num_samples: int = 1000, num_chains: int = 1,
                  step_size: float = 1.0, adapt_step_size: bool = True, adapt_mass_matrix: bool = True,
                  target_accept_prob: float = 0.8, max_tree_depth: int = 10, client_mapping: str = "auto",
-                 row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
+                 row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
+                 init: Optional[Tuple[Any, Any]] = None) -> None:
         super().__init__(model, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                          step_size=step_size, adapt_step_size=adapt_step_size, adapt_mass_matrix=adapt_mass_matrix,
                          target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth,
-                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs)
+                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs, init=init)
 
 
 class FederatedHMC(FederatedMCMC):
@@ -493,9 +534,9 @@ class FederatedHMC(FederatedMCMC):
                  step_size: float = 1.0, adapt_step_size: bool = True, adapt_mass_matrix: bool = True,
                  target_accept_prob: float = 0.8, trajectory_length: float = 2 * np.pi,
                  num_steps: Optional[int] = None, client_mapping: str = "auto", row_plate: Optional[str] = None,
-                 model_kwargs: Optional[dict] = None) -> None:
+                 model_kwargs: Optional[dict] = None, init: Optional[Tuple[Any, Any]] = None) -> None:
         super().__init__(model, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                          step_size=step_size, adapt_step_size=adapt_step_size, adapt_mass_matrix=adapt_mass_matrix,
                          target_accept_prob=target_accept_prob, trajectory_length=trajectory_length,
                          num_steps=num_steps, client_mapping=client_mapping, row_plate=row_plate,
-                         model_kwargs=model_kwargs)
+                         model_kwargs=model_kwargs, init=init)

@@ -218,7 +218,7 @@ class FederatedMwG(FactorInference):
         state = result.state if isinstance(result, RunResult) else result
         return run_on_state(state, self.num_warmup, self.num_samples)
 
-    def _rounds_to_run_on(self, result) -> int:
+    def rounds_to_run_on(self, result) -> int:
         """The rounds :meth:`run_on` from ``result`` takes: one per iteration added."""
         state = result.state if isinstance(result, RunResult) else result
         return self.num_samples - int(state.server.draws.shape[-2])
