@@ -44,7 +44,19 @@ def test_the_test_suites_time_is_its_results():
     assert f"parts={parts['parts']}" in ci_script
     readme = " ".join((ROOT / "README.md").read_text().split())  # the newcomer's check, as measured
     minutes = round(results["fresh_clone_check"]["test_command_seconds_install_included"] / 60)
-    assert f"about {minutes} minutes on this 2-core machine with the install" in readme
+    passed = results["fresh_clone_check"]["test_command_pytest"].split(" passed")[0]
+    assert f"{passed} tests, about {minutes} minutes on this 2-core machine with the install" in readme
+
+
+def test_readmes_count_of_long_checks_is_what_pytest_collects():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "-p", "no:cacheprovider"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)  # README's command: from the root
+    collected = next(line for line in out.stdout.splitlines() if "tests collected" in line).split("/")[0]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"simulation-based calibration; {collected} tests) run with" in readme, out.stdout[-500:]
 
 
 def test_the_external_suites_fit_table_is_its_results():
@@ -71,6 +83,11 @@ def test_the_external_suites_fit_table_is_its_results():
     assert f"external suite of {totals['posteriors']} posteriors" in readme
     assert f"within tolerance on {totals['within']} of {totals['posteriors']}" in readme
     assert f"median {median:g} rounds" in readme
+    laplace = sorted(r["rounds"] for r in fits if r["method"].startswith("laplace"))
+    sampled = sorted(r["rounds"] for r in fits if not r["method"].startswith("laplace"))
+    assert (f"{laplace[0]}-{laplace[-1]} Newton rounds where the Laplace fit passes its checks ({len(laplace)} of the "
+            f"{totals['posteriors']} suite posteriors); else an exact sampler from it: one round per iteration "
+            f"({sampled[0]:,}-{sampled[-1]:,} rounds in the suite)") in readme
 
 
 def test_the_external_suites_exact_table_is_its_results():
@@ -174,3 +191,24 @@ def test_the_exact_fit_over_flower_is_its_results():
     assert f"{r['rounds_per_ess']:.2f} rounds per effective sample" in flat
     assert f"equal for the first {r['first_round_apart_from_simulation']} rounds" in flat
     assert f"a warm round {1e3 * r['warm_round_median_seconds']:.1f} ms" in flat
+
+
+def test_readmes_suite_summary_is_its_results():
+    """README's other figures of the external suite and of federated NUTS: the median wall time of
+    ``nf.fit`` against pooled NUTS, how many posteriors the approximate families got within, and
+    federated NUTS's worst |z| against NumPyro's NUTS."""
+    import numpy as np
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "posteriordb_suite.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    fits = [r for r in results["pairs"] if r["family"] == "fit" and r["status"] != "bounded"]
+    ratio = float(np.median([r["seconds"] / r["pooled_nuts_seconds"] for r in fits]))
+    assert f"median wall time {ratio:.1f}x NUTS on the pooled data" in readme
+    approximate = ("sfvi", "sfvi_avg", "pvi", "ep", "vertical")
+    within = [sum(r["family"] == f and r["status"] == "within" for r in results["pairs"]) for f in approximate]
+    assert f"on {min(within)} to {max(within)} posteriors each" in readme
+    assert not any(r["status"] == "SILENT WRONG" for r in results["pairs"] if r["family"] in approximate)
+    nuts = json.loads((ROOT / "benchmarks" / "results" / "federated_nuts.json").read_text())["results"]
+    worst = max(r["max_abs_z"] for r in nuts)
+    assert f"Federated NUTS matched NumPyro's NUTS on all {['one', 'two', 'three', 'four'][len(nuts) - 1]} " \
+           f"posteriors measured (max |z| at most {worst:.2g})" in readme
