@@ -27,3 +27,30 @@ def test_the_package_keeps_its_design_counts():
     # 52, print_summary, summary, SiteRoleWarning and fit; then RoundBudgetError (the bound on a fit's rounds)
     # and use_compilation_cache (the persistent compilation cache's one setting)
     assert found["public_names"] <= 58
+
+
+def test_the_counts_of_private_members_and_of_families_inheriting_families(tmp_path):
+    """The two counts defined by what the code does, not by the names it uses: any ``x._name``
+    whose ``_name`` the module does not define, and any class whose base subclasses
+    ``FederatedInference`` (a family inheriting a family)."""
+    import ast
+
+    root = tmp_path / "pkg"
+    root.mkdir()
+    a = root / "a.py"
+    a.write_text("class FederatedInference:\n    def _fitted(self):\n        return 1\n"
+                 "class Base(FederatedInference):\n    pass\n"
+                 "class Family(Base):\n    pass\n"
+                 "class Other(FederatedInference):\n    pass\n")
+    b = root / "b.py"
+    b.write_text("def f(obj, t):\n    obj._warm = 1\n    t._replace(a=1)\n    return obj._seen\n"
+                 "class C:\n    def g(self):\n        self._mine = 2\n        return self._mine + self._fitted()\n")
+    old_root = design_counts.ROOT
+    design_counts.ROOT = tmp_path
+    try:
+        found = [w.split(" ", 1)[1] for w in design_counts._private_members(b, ast.parse(b.read_text()))]
+    finally:
+        design_counts.ROOT = old_root
+    # obj._warm: set on another module's object (b sets it on obj, not on its own objects)
+    assert sorted(found) == ["obj._seen", "obj._warm", "self._fitted"], found
+    assert design_counts._families_inheriting_families({"a": a, "b": b}) == ["Family -> Base"]

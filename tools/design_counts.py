@@ -19,7 +19,15 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
   of a public class (a name in ``__all__`` of the package or a subpackage), mixins included:
   the classes a reader walks through to find where a method comes from; the warning and error
   classes apart (their bases are what a user's warning filter catches, not code to read);
-- the package's size (modules and lines).
+- the package's size (modules and lines);
+- private members of another module's objects, read or written: ``x._name`` where the module
+  defines ``_name`` nowhere (no function, class or assignment of that name, no attribute of that
+  name set on its own objects), whatever ``x`` is called;
+- families inheriting another family: classes whose base is a subclass of ``FederatedInference``
+  other than ``FederatedInference`` itself.
+
+Runs without the optional extras: a subpackage that cannot be imported (Flower's, without
+``flwr``) is named under ``not_imported`` and its classes are left out of the class chains.
 """
 
 from __future__ import annotations
@@ -67,11 +75,13 @@ def counts() -> dict:
     round_loops: List[str] = []
     stacklevels: List[str] = []
     backend_private: List[str] = []
+    private_members: List[str] = []
     for name, path in modules.items():
         backend = path.parent.name in ("backends", "flower", "runtime")
         shared = path == PACKAGE / "_validation.py"  # the one home of the shared checks
         text = path.read_text()
         tree = ast.parse(text)
+        private_members += _private_members(path, tree)
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
             if backend and isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith(
@@ -135,6 +145,9 @@ def counts() -> dict:
         "import_cycles": cycles,
         "inline_validation": inline,
         "public_names": len(numpyro_fed.__all__),
+        "private_members_across_modules": private_members,
+        "families_inheriting_families": _families_inheriting_families(modules),
+        "not_imported": dict(_NOT_IMPORTED),
     }
 
 
@@ -172,7 +185,11 @@ def _deepest_chain(package, exceptions: bool) -> List[str]:
     for mod_name in _modules():
         if not (PACKAGE / Path(*mod_name.split(".")[1:]) / "__init__.py").exists() and mod_name != "numpyro_fed":
             continue
-        mod = importlib.import_module(mod_name)
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as err:  # an optional extra not installed (Flower): its classes are not counted
+            _NOT_IMPORTED[mod_name] = str(err)
+            continue
         for n in getattr(mod, "__all__", ()):
             obj = getattr(mod, n, None)
             if inspect.isclass(obj) and obj.__module__.startswith("numpyro_fed") and (
@@ -183,6 +200,63 @@ def _deepest_chain(package, exceptions: bool) -> List[str]:
         return [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__ if c.__module__.startswith("numpyro_fed")]
 
     return max((chain(c) for c in sorted(public, key=lambda c: c.__qualname__)), key=len, default=[])
+
+
+_NOT_IMPORTED: Dict[str, str] = {}  # subpackages whose optional dependency is missing here
+
+
+def _defined_private_names(tree) -> Set[str]:
+    """The private names a module defines: its functions and classes, module and class
+    assignments, and attributes it assigns on any object (``self._x = ...``, ``obj._x = ...``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for leaf in ast.walk(target):
+                if isinstance(leaf, ast.Name):
+                    names.add(leaf.id)
+                elif isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id in (
+                        "self", "cls"):
+                    names.add(leaf.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+_NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}  # public, by Python's naming
+
+
+def _private_members(path: Path, tree) -> List[str]:
+    """Reads and writes of a private member (``x._name``, any name) of an object this module did
+    not define it on: ``_name`` is defined nowhere in the module (not as a function, class or
+    assignment, nor as an attribute it sets on its own objects), so it belongs to another module's
+    object. ``self``/``cls`` attributes defined in a base class count too."""
+    own = _defined_private_names(tree) | _NAMEDTUPLE_API
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and node.attr not in own):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def _families_inheriting_families(modules: Dict[str, Path]) -> List[str]:
+    """Classes that subclass another subclass of ``FederatedInference`` (by the class names of
+    the package's source): a family should take what it shares by composition, its one base
+    being ``FederatedInference``."""
+    bases: Dict[str, List[str]] = {}
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
+
+    def is_inference(name: str, seen=()) -> bool:
+        return name == "FederatedInference" or any(
+            is_inference(b, seen + (name,)) for b in bases.get(name, ()) if b not in seen)
+
+    return sorted(f"{c} -> {b}" for c, bs in bases.items() for b in bs
+                  if b != "FederatedInference" and b in bases and is_inference(b))
 
 
 def _docstring_lines(node) -> int:
@@ -255,6 +329,12 @@ def main() -> None:
     for what, where in found["inline_validation"].items():
         print(f"inline validation, {what}: {len(where)}")
     print(f"public names (numpyro_fed.__all__): {found['public_names']}")
+    print(f"private members of another module's objects, read or written: "
+          f"{len(found['private_members_across_modules'])}")
+    print(f"families inheriting another family: {found['families_inheriting_families']}")
+    if found["not_imported"]:
+        print(f"not imported (an optional extra missing; their classes left out of the chains): "
+              f"{sorted(found['not_imported'])}")
 
 
 if __name__ == "__main__":
