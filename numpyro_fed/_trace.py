@@ -250,7 +250,8 @@ def program_digest(model: Callable, clients, kwargs: Mapping, max_kinds: int = M
             args = dict(clients[name])
             arrays = {k: v for k, v in args.items() if isinstance(v, (jax.Array, np.ndarray))}
             others = {k: v for k, v in args.items() if k not in arrays}
-            kind = repr(sorted((k, np.shape(v), str(v.dtype)) for k, v in arrays.items())) + repr(sorted(others.items()))
+            kind = repr(sorted((k, np.shape(v), str(v.dtype)) for k, v in arrays.items()))
+            kind += repr(sorted(others.items()))
             kinds.setdefault(kind, (arrays, others, sum(np.size(v) for v in arrays.values())))
         by_size = sorted(kinds.values(), key=lambda kind: kind[2])
         ends = [k for pair in zip(by_size, reversed(by_size)) for k in pair]  # smallest, largest, next ...

@@ -104,8 +104,8 @@ def to_arviz(
     import arviz as az
 
     from .factor.inference import FactorInference
-    from .mcmc.inference import FederatedMCMC
     from .mcmc import FederatedMwG
+    from .mcmc.inference import FederatedMCMC
     from .vertical.inference import VerticalInference
     if isinstance(svi, (FederatedMCMC, FederatedMwG)):
         return _mcmc_to_arviz(svi, result, rng_key, client, clients, corrected)

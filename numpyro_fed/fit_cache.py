@@ -12,9 +12,11 @@ kept objects, which skip tracing and compilation; anything else builds anew.
 The model's values guard what a key of the function alone would miss: a model that reads a global
 variable (a prior's scale set in a notebook cell) traces to another program when that variable
 changes. Before reusing, the model is traced (not run: nothing is compiled) on one client of each
-kind (array shapes and other arguments) at a fixed point (every latent site at the same unconstrained value,
-:func:`~numpyro_fed._trace.trace_model`) into the JAX program of every site's value and log
-density; a program or constant that differs from the kept one's builds anew. Only the simulation is kept (a network backend's parties build their own rungs).
+kind (array shapes and other arguments) at a fixed point (every latent site at the same
+unconstrained value, :func:`~numpyro_fed._trace.trace_model`) into the JAX program of every
+site's value and log density (:func:`~numpyro_fed._trace.program_digest`); a program or constant
+that differs from the kept one's builds anew. Only the simulation is kept (a network backend's
+parties build their own rungs).
 
 :func:`clear` drops every kept ladder (and what they hold: their clients' data and compiled
 programs).

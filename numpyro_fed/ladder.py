@@ -274,8 +274,7 @@ class Ladder:
     def rung(self, stage: Optional[str] = None):
         """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first)."""
         from .factor import Laplace
-        from .mcmc import FederatedNUTS
-        from .mcmc import FederatedMwG
+        from .mcmc import FederatedMwG, FederatedNUTS
 
         spec = json.loads(stage) if stage else {"rung": "laplace", **({"check": False} if self.exact else {})}
         common = dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping)

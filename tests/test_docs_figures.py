@@ -52,8 +52,8 @@ def test_readmes_count_of_long_checks_is_what_pytest_collects():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "-p", "no:cacheprovider"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)  # README's command: from the root
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "-p", "no:cacheprovider"]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)  # from the root, as README
     collected = next(line for line in out.stdout.splitlines() if "tests collected" in line).split("/")[0]
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"simulation-based calibration; {collected} tests) run with" in readme, out.stdout[-500:]

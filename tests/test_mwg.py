@@ -14,8 +14,8 @@ import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
 from numpyro_fed.factor.blocks import local_blocks as propose_blocks
 from numpyro_fed.factor.tilted import first_descent
-from numpyro_fed.mcmc.mwg_algorithm import anchor_map, laplace_map
 from numpyro_fed.mcmc import FederatedMwG
+from numpyro_fed.mcmc.mwg_algorithm import anchor_map, laplace_map
 
 TAU, R = 0.7, 3  # the groups' known scale; rows per group
 

@@ -269,9 +269,10 @@ def _fingerprint(*parts) -> Optional[str]:
 def _remembered(model, what: tuple, clients: Clients, kwargs, structure: ModelStructure, compute: Callable):
     """``compute()``, remembered per user model and fingerprint of what the verdict depends on."""
     program = program_digest(model, clients, kwargs)
-    key = None if program is None else _fingerprint(what, program, {n: dict(clients[n]) for n in clients.names}, dict(kwargs),
-                       dict(getattr(model, "group_sizes", {})), structure.row_plate, structure.global_latent.names,
-                       structure.local_latent_names, {n: u for n, (u, _) in structure.global_param.items()})
+    key = None if program is None else _fingerprint(
+        what, program, {n: dict(clients[n]) for n in clients.names}, dict(kwargs),
+        dict(getattr(model, "group_sizes", {})), structure.row_plate, structure.global_latent.names,
+        structure.local_latent_names, {n: u for n, (u, _) in structure.global_param.items()})
     user = _user_model(model)
     try:
         memo = _VERDICTS.setdefault(user, {})
