@@ -13,6 +13,7 @@ from .._structure import latent_supports, trace_model
 from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import client_item, pad_client
 from ..groups import trim_groups
+from ..model_terms import local_joint
 from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
@@ -267,7 +268,7 @@ class EP(FactorInference):
 
     def _sampler(self, local, num_samples, num_warmup) -> Callable:
         setup = self._fitted()
-        joint = self._joint(setup.extra.structure, local)
+        joint = local_joint(self.model, self.model_kwargs, setup.extra.structure, local)
         d = setup.extra.structure.global_latent.size
 
         def sample(rng_key, cavity, data):

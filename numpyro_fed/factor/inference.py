@@ -11,6 +11,7 @@ local latent sites) and hands the algorithm to the backend.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
@@ -20,19 +21,15 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 from .._structure import (
-    SiteLayout,
     analyse_model,
     deterministic_of_globals,
     global_deterministic_sites,
-    is_latent,
     latent_supports,
-    log_joint,
     trace_model,
     with_improper_values,
 )
-from .._trace import prior_median
 from .._validation import check_clients, check_positive_int
-from ..backends.mapping import client_data, plan_clients
+from ..backends.mapping import plan_clients
 from ..clients import Clients
 from ..dp.plan import refuse_dp
 from ..fit_check import (
@@ -45,8 +42,8 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..groups import size_group_plates
-from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
+from ..model_terms import ModelTerms, local_joint, model_terms
 from ..params import GaussianParams
 from ..protocol import RunResult, RunState
 from ..warnings import (
@@ -67,34 +64,15 @@ from .check import (
     log_weight_estimator,
 )
 from .messages import ALL_INVALID, K_ADVICE, NEVER_APPLIED, NOT_CHECKED, Q_BIASED, Q_UNRELIABLE, REJECTED, UNCHECKED_FIT
-from .pointwise import client_pass, largest_layout, observed_terms_at, own_entries
-from .prior_site import check_prior_is_data_free, check_prior_is_proper, prior_site_update, split_prior
+from .pointwise import client_pass, observed_terms_at
+from .prior_site import prior_site_update
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
 __all__ = ["FactorInference", "ModelTerms", "latent_supports"]
 
 _PARAMS = "{cls} approximates latent sites only; numpyro.param sites {names} have no prior. Give them one"
-_PRIOR_FIX = (
-    "{cls} keeps q = p * prod_j t_j in one Gaussian family, so every global site needs a "
-    "Gaussian prior in unconstrained space (Normal; LogNormal for positive sites), or use "
-    "nf.FederatedSVI"
-)
 _SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
-
-
-class ModelTerms(NamedTuple):
-    """The protocol's inputs, built from the model (see :meth:`FactorInference._terms`)."""
-
-    prior: G.NaturalGaussian
-    log_lik: Callable  # (u, data) -> log p(y_j | u); global sites only (discrete local ones summed out)
-    log_joint: Callable  # (w = [u, v], data) -> log p(y_j, v | u) with local Jacobians
-    num_local: int
-    local: SiteLayout
-    sites: str
-    log_prior: Callable  # u -> the model's own log p(u) of the global sites (Jacobians included): the check's target
-    residual: Optional[Callable] = None  # u -> log p(u) - log prior(u): the server's site (non-Gaussian priors)
-    layout: Optional[SiteLayout] = None  # the global sites' flat layout
 
 
 class FactorSetup(NamedTuple):
@@ -111,11 +89,13 @@ class FactorInference(FederatedInference):
     setup_extra = FactorSetup  # Setup.extra
     params_type = GaussianParams
     check_draws = 1000  # draws of run's fit check
+    prior_factor = "gaussian"  # model_terms's prior factor: q = p prod_j t_j keeps the prior's Gaussian factor
     _checked_state = None  # the fingerprint of the state the last fit check was of
     _size_group_plates = size_group_plates
 
-    def __init__(self, model, *, family, schedule, damping, subset_size, max_halvings, client_mapping, row_plate,
-                 model_kwargs, check_fit: bool = True) -> None:
+    def __init__(self, model, *, client_mapping, row_plate, model_kwargs, family: str = "full",
+                 schedule: str = "synchronous", damping: float = 1.0, subset_size: int = 1, max_halvings: int = 0,
+                 check_fit: bool = True) -> None:
         if family not in ("full", "diagonal"):
             raise ValueError(f"family={family!r}: choose 'full' or 'diagonal'")
         if schedule not in SCHEDULES:
@@ -158,74 +138,8 @@ class FactorInference(FederatedInference):
 
     # ------------------------------------------------------------------ set-up
     def _terms(self, clients: Clients, plan, structure) -> ModelTerms:
-        layout, kwargs = structure.global_latent, self.model_kwargs
-        d = layout.size
-
-        def prior_on(args):
-            def log_prior(u):
-                return log_joint(self.model, args, kwargs, layout.unravel(u), {},
-                                 lambda s: is_latent(s) and site_role(s) == GLOBAL)
-            return log_prior
-
-        # The Gaussian prior factor is read off the model at set-up by a client on its own
-        # rows (the server never runs the model); a prior that moves with the data is refused.
-        log_prior = prior_on(clients[clients.names[0]])
-        check_prior_is_data_free(log_prior, prior_on(clients[clients.names[-1]]), d, clients.names, layout.names)
-
-        def log_lik(u, data):  # (local sites, if any, are discrete and summed out with the data)
-            return log_joint(self.model, data.args, kwargs, layout.unravel(u), {},
-                             lambda s: s["type"] == "sample" and (s["is_observed"] or site_role(s) == LOCAL),
-                             structure.row_plate, data.row_mask)
-
-        local = largest_layout([structure.local_layout(trace_model(self.model, client_data(plan, j).args, kwargs))
-                                 for j in range(1 if plan.mapping == "vmap" else len(plan.names))])
-        log_joint_local = self._joint(structure, local)
-
-        sites = ", ".join(layout.names)
-        start = prior_median(self.model, clients[clients.names[0]], kwargs, layout)
-        prior, residual = self._prior_factor(log_prior, layout, start)
-        if self.family == "diagonal":
-            if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
-                raise ValueError("family='diagonal' needs independent priors across the global sites")
-            prior = G.NaturalGaussian(prior.shift, jnp.diag(prior.precision))
-        # the check's target: the model's own prior (data-free, checked above), never the Gaussian factor
-        return ModelTerms(prior, log_lik, log_joint_local, local.size, local, sites, log_prior, residual, layout)
-
-    def _prior_factor(self, log_prior: Callable, layout: SiteLayout, start):
-        """``(prior, residual)``: the prior's Gaussian factor (where ``q`` starts) and the
-        non-Gaussian rest, the server's site (``None`` for a Gaussian prior)."""
-        cls, d = type(self).__name__, layout.size
-        try:
-            prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=", ".join(layout.names),
-                                       fix=_PRIOR_FIX.format(cls=cls))
-            check_prior_is_proper(prior, layout, cls)
-            return prior, None
-        except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
-            if "flat" in str(err):
-                raise
-            # a flat site among non-Gaussian ones (a Stan program's unstated prior): no curvature at all
-            hess = np.asarray(jax.hessian(log_prior)(jnp.asarray(start)))
-            check_prior_is_proper(G.NaturalGaussian(jnp.zeros(d), -jnp.asarray(hess)), layout, cls)
-            return split_prior(log_prior, d, layout, cls, start)
-
-    def _joint(self, structure, local: SiteLayout) -> Callable:
-        """``(w = [u, v], data) -> log p(y_j, v | u)`` with the local sites' Jacobians."""
-        layout, d = structure.global_latent, structure.global_latent.size
-
-        def count(site):
-            return site["type"] == "sample" and (site["is_observed"] or site_role(site) == LOCAL)
-
-        def log_joint_local(w, data):
-            u, v = w[:d], w[d:]
-            own = local
-            if local.size:  # a client with fewer local entries than the largest (unpadded, one by one)
-                own = structure.local_layout(trace_model(self.model, data.args, self.model_kwargs))
-            values, real = own_entries(local, own, v, data)
-            lp = log_joint(self.model, data.args, self.model_kwargs, {**layout.unravel(u), **values}, {}, count,
-                           structure.row_plate, data.row_mask)
-            return lp - 0.5 * jnp.sum((1.0 - real) * v**2)  # padded local entries: a proper N(0, 1)
-
-        return log_joint_local
+        return model_terms(self.model, self.model_kwargs, clients, plan, structure, cls=type(self).__name__,
+                           prior_factor=self.prior_factor, diagonal=self.family == "diagonal")
 
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, f"{type(self).__name__}.run/init")
@@ -520,8 +434,8 @@ class FactorInference(FederatedInference):
 
     def _client_pass(self, rng_key, result, num_samples, client, u=None):
         setup = self._fitted()
-        return client_pass(setup, self._state_of(result), self.model, self.model_kwargs,
-                           lambda local: self._joint(setup.extra.structure, local), type(self).__name__,
+        joint = partial(local_joint, self.model, self.model_kwargs, setup.extra.structure)
+        return client_pass(setup, self._state_of(result), self.model, self.model_kwargs, joint, type(self).__name__,
                            rng_key, check_positive_int("num_samples", num_samples), client, u)
 
     # ------------------------------------------------------------------ the check over a network

@@ -11,16 +11,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .._structure import SiteLayout
 from .._trace import prior_median
 from .._validation import check_positive_int
 from ..fit_check import FitDiagnostic, fit_diagnostic, state_fingerprint
 from ..inference import with_exchange_traffic
 from ..protocol import RunResult
-from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .inference import FactorInference
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
@@ -93,13 +90,13 @@ class Laplace(FactorInference):
 
     method = "laplace"
     open_ended = True
+    prior_factor = "none"  # the server evaluates the prior itself each round (flat priors welcome)
     check_draws = 4000  # nf.fit's widened check uses as many: one compiled check serves both
 
     def __init__(self, model: Callable, *, tol: float = 1e-2, inner_steps: int = 8, local_blocks: bool = True,
                  client_mapping: str = "auto", row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
                  check_fit: bool = True, widen: Optional[float] = None) -> None:
-        super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
-                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
+        super().__init__(model, client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
                          check_fit=check_fit)
         if not tol > 0:
             raise ValueError(f"tol={tol}: must be positive")
@@ -118,13 +115,6 @@ class Laplace(FactorInference):
         return 100 if num_rounds is None else num_rounds
 
     # ------------------------------------------------------------------ hooks
-    def _prior_factor(self, log_prior: Callable, layout: SiteLayout, start):
-        # no prior factor: the server evaluates the prior itself each round (flat priors welcome)
-        del start
-        d = layout.size
-        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-        return G.NaturalGaussian(jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), None
-
     def _algorithm(self, terms, plan, num_clients: int):
         from ..backends.mapping import client_data
 

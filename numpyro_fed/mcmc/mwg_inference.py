@@ -19,7 +19,6 @@ from .._structure import trace_model
 from .._validation import check_positive_int
 from ..backends.mapping import client_data, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
-from ..factor import gaussian as G
 from ..factor.blocks import local_blocks as propose_blocks
 from ..factor.inference import FactorInference
 from ..factor.laplace_inference import NoModeError
@@ -74,6 +73,7 @@ class FederatedMwG(FactorInference):
     """
 
     method = "mwg"
+    prior_factor = "none"  # the server evaluates the prior itself
     params_type = DrawParams
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     _num_rounds = 0  # the bound of the last run (its num_rounds)
@@ -85,8 +85,8 @@ class FederatedMwG(FactorInference):
                  candidates: int = 4, map_steps: int = 3,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
-        super().__init__(model, family="full", schedule="synchronous", damping=1.0, subset_size=1, max_halvings=0,
-                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs, check_fit=False)
+        super().__init__(model, client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
+                         check_fit=False)
         self.num_warmup = check_positive_int("num_warmup", num_warmup)
         self.num_samples = check_positive_int("num_samples", num_samples)
         self.num_chains = check_positive_int("num_chains", num_chains)
@@ -143,12 +143,6 @@ class FederatedMwG(FactorInference):
             self._setup_cache = None  # the algorithm starts from its start: a new start builds it anew
 
     # ------------------------------------------------------------------ hooks
-    def _prior_factor(self, log_prior: Callable, layout, start):
-        del log_prior, start  # no prior factor: the server evaluates the prior itself
-        d = layout.size
-        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-        return G.NaturalGaussian(jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), None
-
     def _algorithm(self, terms, plan, num_clients: int):
         blocks = propose_blocks(terms.local) if self.local_blocks and terms.num_local else None
         n = max(terms.num_local, 1)

@@ -1,0 +1,139 @@
+"""An annotated model as the terms a federated family works with: each client's log-likelihood
+of the global sites, its joint with its own local sites (their layout, padded entries and
+Jacobians), the model's prior of the global sites, and that prior's Gaussian factor.
+
+Pure functions of the model, its data and its structure (:func:`~numpyro_fed._structure.analyse_model`,
+:func:`~numpyro_fed.backends.mapping.plan_clients`); a family composes them rather than
+inheriting a family that has them. :func:`model_terms` builds the whole :class:`ModelTerms`;
+:func:`local_joint` a client's joint for any local layout (EP's predictive sampler uses it on a
+new client); :func:`gaussian_prior_factor` the prior's Gaussian factor and the rest, for the
+families that keep ``q ∝ p prod_j t_j`` in one Gaussian family (PVI, EP).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from ._structure import SiteLayout, is_latent, log_joint, trace_model
+from ._trace import prior_median
+from .backends.mapping import client_data
+from .factor import gaussian as G
+from .factor.pointwise import largest_layout, own_entries
+from .factor.prior_site import check_prior_is_data_free, check_prior_is_proper, split_prior
+from .handlers import GLOBAL, LOCAL, site_role
+
+__all__ = ["PRIOR_FACTORS", "ModelTerms", "gaussian_prior_factor", "local_joint", "model_terms"]
+
+PRIOR_FACTORS = ("gaussian", "none")
+"""``model_terms``'s ``prior_factor``: the prior's Gaussian factor read off the model, or none
+(a zero factor: the family's server evaluates the prior itself, flat priors welcome)."""
+
+_PRIOR_FIX = (
+    "{cls} keeps q = p * prod_j t_j in one Gaussian family, so every global site needs a "
+    "Gaussian prior in unconstrained space (Normal; LogNormal for positive sites), or use "
+    "nf.FederatedSVI"
+)
+
+
+class ModelTerms(NamedTuple):
+    """A model's terms over the flat unconstrained global sites ``u`` (and a client's locals ``v``)."""
+
+    prior: G.NaturalGaussian  # the prior's Gaussian factor (zero where the family evaluates the prior itself)
+    log_lik: Callable  # (u, data) -> log p(y_j | u); global sites only (discrete local ones summed out)
+    log_joint: Callable  # (w = [u, v], data) -> log p(y_j, v | u) with local Jacobians
+    num_local: int
+    local: SiteLayout
+    sites: str
+    log_prior: Callable  # u -> the model's own log p(u) of the global sites (Jacobians included): the check's target
+    residual: Optional[Callable] = None  # u -> log p(u) - log prior(u): the server's site (non-Gaussian priors)
+    layout: Optional[SiteLayout] = None  # the global sites' flat layout
+
+
+def model_terms(model: Callable, model_kwargs: Mapping, clients, plan, structure, *, cls: str,
+                prior_factor: str = "gaussian", diagonal: bool = False) -> ModelTerms:
+    """The :class:`ModelTerms` of ``model`` on ``clients`` laid out by ``plan``.
+
+    The prior of the global sites is read off the model by a client on its own rows (the server
+    never runs the model), and a prior that moves with the data is refused. ``prior_factor``:
+    ``"gaussian"`` (its Gaussian factor and the non-Gaussian rest, :func:`gaussian_prior_factor`;
+    ``diagonal`` keeps the diagonal, refusing correlated priors) or ``"none"``. ``cls``: the
+    family's name, for the messages."""
+    if prior_factor not in PRIOR_FACTORS:
+        raise ValueError(f"prior_factor={prior_factor!r}: choose one of {PRIOR_FACTORS}")
+    layout, kwargs = structure.global_latent, dict(model_kwargs)
+    d = layout.size
+
+    def prior_on(args):
+        def log_prior(u):
+            return log_joint(model, args, kwargs, layout.unravel(u), {},
+                             lambda s: is_latent(s) and site_role(s) == GLOBAL)
+        return log_prior
+
+    log_prior = prior_on(clients[clients.names[0]])
+    check_prior_is_data_free(log_prior, prior_on(clients[clients.names[-1]]), d, clients.names, layout.names)
+
+    def log_lik(u, data):  # (local sites, if any, are discrete and summed out with the data)
+        return log_joint(model, data.args, kwargs, layout.unravel(u), {},
+                         lambda s: s["type"] == "sample" and (s["is_observed"] or site_role(s) == LOCAL),
+                         structure.row_plate, data.row_mask)
+
+    local = largest_layout([structure.local_layout(trace_model(model, client_data(plan, j).args, kwargs))
+                            for j in range(1 if plan.mapping == "vmap" else len(plan.names))])
+    if prior_factor == "none":
+        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        prior, residual = G.NaturalGaussian(jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), None
+    else:
+        start = prior_median(model, clients[clients.names[0]], kwargs, layout)
+        prior, residual = gaussian_prior_factor(log_prior, layout, start, cls)
+        if diagonal:
+            if bool(jnp.any(jnp.abs(prior.precision - jnp.diag(jnp.diag(prior.precision))) > 0)):
+                raise ValueError("family='diagonal' needs independent priors across the global sites")
+            prior = G.NaturalGaussian(prior.shift, jnp.diag(prior.precision))
+    # the check's target: the model's own prior (data-free, checked above), never the Gaussian factor
+    return ModelTerms(prior, log_lik, local_joint(model, kwargs, structure, local), local.size, local,
+                      ", ".join(layout.names), log_prior, residual, layout)
+
+
+def gaussian_prior_factor(log_prior: Callable, layout: SiteLayout, start, cls: str):
+    """``(prior, residual)``: the prior's Gaussian factor (where ``q`` starts) and the
+    non-Gaussian rest, the server's site (``None`` for a Gaussian prior). A flat site is refused."""
+    d = layout.size
+    try:
+        prior = G.quadratic_factor(log_prior, d, random.PRNGKey(1), what="the prior", sites=", ".join(layout.names),
+                                   fix=_PRIOR_FIX.format(cls=cls))
+        check_prior_is_proper(prior, layout, cls)
+        return prior, None
+    except ValueError as err:  # not Gaussian (or flat): its Gaussian part, and the rest a server site
+        if "flat" in str(err):
+            raise
+        # a flat site among non-Gaussian ones (a Stan program's unstated prior): no curvature at all
+        hess = np.asarray(jax.hessian(log_prior)(jnp.asarray(start)))
+        check_prior_is_proper(G.NaturalGaussian(jnp.zeros(d), -jnp.asarray(hess)), layout, cls)
+        return split_prior(log_prior, d, layout, cls, start)
+
+
+def local_joint(model: Callable, model_kwargs: Mapping, structure, local: SiteLayout) -> Callable:
+    """``(w = [u, v], data) -> log p(y_j, v | u)`` with the local sites' Jacobians, ``v`` laid out
+    as ``local`` (a client with fewer local entries cuts its own; padded entries are a proper
+    ``N(0, 1)``)."""
+    layout, d, kwargs = structure.global_latent, structure.global_latent.size, dict(model_kwargs)
+
+    def count(site):
+        return site["type"] == "sample" and (site["is_observed"] or site_role(site) == LOCAL)
+
+    def log_joint_local(w, data):
+        u, v = w[:d], w[d:]
+        own = local
+        if local.size:  # a client with fewer local entries than the largest (unpadded, one by one)
+            own = structure.local_layout(trace_model(model, data.args, kwargs))
+        values, real = own_entries(local, own, v, data)
+        lp = log_joint(model, data.args, kwargs, {**layout.unravel(u), **values}, {}, count,
+                       structure.row_plate, data.row_mask)
+        return lp - 0.5 * jnp.sum((1.0 - real) * v**2)  # padded local entries: a proper N(0, 1)
+
+    return log_joint_local
