@@ -80,7 +80,7 @@ def federated_fit(model, method, clients, rounds, lr, local_steps, seed):
                           local_steps=local_steps)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", nf.UnreliableFitWarning)
+        warnings.simplefilter("always", nf.warnings.UnreliableFitWarning)
         res = svi.run(jax.random.PRNGKey(seed), clients, rounds, progress_bar=False)
     seconds = time.perf_counter() - t0
     losses = np.asarray(res.losses)

@@ -135,9 +135,10 @@ def main():
             fits = {"oracle": oracle(clients, omega, noise), "least_squares": least_squares(clients)}
             for name, method in fitters.items():
                 with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always", nf.UnconvergedWarning)
+                    warnings.simplefilter("always", nf.warnings.UnconvergedWarning)
                     fits[name] = method.run(random.PRNGKey(run), clients, 30, truth=theta).theta
-                warned[name] = warned.get(name, 0) + sum(issubclass(w.category, nf.UnconvergedWarning) for w in caught)
+                unconverged = nf.warnings.UnconvergedWarning
+                warned[name] = warned.get(name, 0) + sum(issubclass(w.category, unconverged) for w in caught)
             for name, fit in fits.items():
                 row = rows.setdefault(name, {"rmse_mean": [], "rmse_noisy": [], "theta_error": []})
                 row["rmse_mean"].append(rmse(fit, x_test, mean_test, scored))

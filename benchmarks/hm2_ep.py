@@ -91,9 +91,9 @@ def main():
         clients = nf.Clients.split(np.repeat(np.arange(k), n), x=x.reshape(-1, 4), y=y.reshape(-1))
         t0 = time.time()
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", nf.UnreliableFitWarning)
+            warnings.simplefilter("always", nf.warnings.UnreliableFitWarning)
             res = ep.run(random.PRNGKey(rep), clients, args.rounds)
-        flagged = [str(w.message) for w in caught if issubclass(w.category, nf.UnreliableFitWarning)]
+        flagged = [str(w.message) for w in caught if issubclass(w.category, nf.warnings.UnreliableFitWarning)]
         mean, sd = np.asarray(res.params.mean), np.sqrt(np.diag(np.asarray(res.params.cov)))
         t_ep = time.time() - t0
         t0 = time.time()

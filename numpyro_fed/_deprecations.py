@@ -2,7 +2,7 @@
 
 Each entry maps an old name to ``(where it lives now, the release that removes it)``. Reading an
 old name works and warns once per call site with a
-:class:`~numpyro_fed.FederatedDeprecationWarning` (a ``DeprecationWarning``) naming the new
+:class:`~numpyro_fed.warnings.FederatedDeprecationWarning` (a ``DeprecationWarning``) naming the new
 spelling; nothing else in the package keeps an alias.
 
 Example:
@@ -31,8 +31,10 @@ __all__ = ["MODULE_ATTRIBUTES", "PARAMS_ENTRIES", "REMOVED_IN", "RENAMED_KEYWORD
 REMOVED_IN = "0.3.0"
 
 #: ``numpyro_fed.<old>`` -> ``"module:name"`` where it lives now. The first six are earlier names
-#: of the shared result and state types; the rest are wire and protocol types, which belong in
-#: their subpackages rather than in the package's top level.
+#: of the shared result and state types; the rest are wire and protocol types, the specific
+#: warning classes and the non-finite error, which belong in their subpackages rather than in the
+#: package's top level (``nf.FederatedWarning``, ``nf.FitWarning`` and ``nf.RoundBudgetError`` stay:
+#: what a user's filter or ``except`` most often names).
 MODULE_ATTRIBUTES: Dict[str, str] = {
     "FederatedSVIState": "numpyro_fed.protocol:RunState",
     "PVIState": "numpyro_fed.protocol:RunState",
@@ -54,6 +56,11 @@ MODULE_ATTRIBUTES: Dict[str, str] = {
     "FederatedObjective": "numpyro_fed.horizontal:FederatedObjective",
     "gaussian_barycenter": "numpyro_fed.horizontal:gaussian_barycenter",
     "diagonal_gaussian_barycenter": "numpyro_fed.horizontal:diagonal_gaussian_barycenter",
+    **{name: f"numpyro_fed.warnings:{name}" for name in (
+        "ArvizGroupWarning", "BiasedFitWarning", "FederatedDeprecationWarning", "InvalidUpdateWarning",
+        "MCMCDiagnosticWarning", "MissingClientsWarning", "ModelComparisonWarning", "NonFiniteWarning",
+        "SiteRoleWarning", "UncheckedFitWarning", "UnconvergedWarning", "UnreliableFitWarning")},
+    "NonFiniteError": "numpyro_fed.backends:NonFiniteError",
 }
 
 #: ``RunResult.<name>`` for a field of ``params`` (``result.mean`` for ``result.params.mean``).

@@ -74,7 +74,7 @@ def to_arviz(
     fits. With ``clients=`` and no ``client``, the two groups hold every client's rows side
     by side (the same global draws for all; a simulation, where the caller holds every
     client's data). With neither, they are left out: ``attrs["log_likelihood"]`` says why
-    and an :class:`~numpyro_fed.ArvizGroupWarning` says so once per fit. Every group holds
+    and an :class:`~numpyro_fed.warnings.ArvizGroupWarning` says so once per fit. Every group holds
     constrained (user-space) values. The ELBO trace goes into ``sample_stats`` as
     ``elbo`` with a ``round`` dimension (for SOUL: ``log_joint``, the averaged
     ``log p(theta, z, y)``). Observed data is

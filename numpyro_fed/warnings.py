@@ -31,7 +31,7 @@ Example:
     >>> import numpyro_fed as nf
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     warnings.warn("q is far from the posterior", nf.BiasedFitWarning)
+    ...     warnings.warn("q is far from the posterior", nf.warnings.BiasedFitWarning)
     >>> issubclass(caught[0].category, nf.FederatedWarning)
     True
 """

@@ -128,7 +128,7 @@ def test_beta_and_dirichlet_priors_match_the_analytic_posterior(cls):
     model, clients, truth = _bernoulli_categorical()
     inference = nf.PVI(model) if cls == "PVI" else nf.EP(model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", nf.UnreliableFitWarning)
+        warnings.simplefilter("ignore", nf.warnings.UnreliableFitWarning)
         result = inference.run(jax.random.PRNGKey(1), clients, 10 if cls == "PVI" else 8, progress_bar=False)
     draws = inference.sample_posterior(jax.random.PRNGKey(2), result, 4000)
     for site, (mean, sd) in truth.items():

@@ -116,7 +116,7 @@ def test_coupled_entries_give_an_invalid_update_that_names_the_fix():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = dense.run(jax.random.PRNGKey(0), clients, 2, progress_bar=False)
-    assert not any(issubclass(w.category, nf.InvalidUpdateWarning) for w in caught)
+    assert not any(issubclass(w.category, nf.warnings.InvalidUpdateWarning) for w in caught)
     assert np.all(np.isfinite(np.asarray(result.params.mean)))
 
 

@@ -173,11 +173,11 @@ def test_to_arviz_of_a_factor_fit_has_the_log_likelihood_or_says_why_not(factor_
     pvi, result = out["pvi_intercepts"]
     key = random.PRNGKey(7)
     pvi._warned_log_likelihood = False
-    with pytest.warns(nf.ArvizGroupWarning, match="needs the clients' data. Pass client="):
+    with pytest.warns(nf.warnings.ArvizGroupWarning, match="needs the clients' data. Pass client="):
         bare = nf.to_arviz(pvi, result, key, num_samples=100)
     assert not hasattr(bare, "log_likelihood") and "needs the clients" in bare.attrs["log_likelihood"]
     with warnings.catch_warnings():  # once per fit, not at every call
-        warnings.simplefilter("error", nf.ArvizGroupWarning)
+        warnings.simplefilter("error", nf.warnings.ArvizGroupWarning)
         nf.to_arviz(pvi, result, key, num_samples=100)
     everyone = nf.to_arviz(pvi, result, key, num_samples=100, clients=clients)
     assert everyone.log_likelihood["y"].shape == (4, 100, 36) and everyone.attrs["log_likelihood"] == "included"

@@ -84,7 +84,7 @@ def test_hm1_compiles_once_for_new_clients_of_the_same_shape():
 
     method = nf.HM1(lr=0.002, local_steps=2, batch_size=None)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", nf.UnconvergedWarning)
+        warnings.simplefilter("ignore", nf.warnings.UnconvergedWarning)
         with compiles() as n_first:
             method.run(jax.random.PRNGKey(0), clients(), 5)
         with compiles() as n_next:

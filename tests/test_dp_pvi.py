@@ -136,7 +136,7 @@ def test_withheld_fit_diagnostics_stay_with_the_client_and_are_reported(clients)
     # still climbing after 40 steps (the non-private run flags drift 4.2-6.4 on every client)
     dp = nf.PVI(marked(clip=1e6, noise_multiplier=1e-4), update="optax", optim=optax.adam(0.03), local_steps=40,
                 num_particles=64, dp="optimisation", dp_batch_size=20, schedule="synchronous")
-    with pytest.warns(nf.UnreliableFitWarning, match=r"keep their own fit diagnostics") as record:
+    with pytest.warns(nf.warnings.UnreliableFitWarning, match=r"keep their own fit diagnostics") as record:
         result = dp.run(jax.random.PRNGKey(0), clients, 2)
     flagged = [c for c in "012" if int(result.client_states[c].withheld[1]) > 0]
     assert flagged and f"client(s) {flagged} recorded 0 shard fit(s)" in str(record[0].message)

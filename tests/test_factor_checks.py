@@ -98,7 +98,7 @@ def test_ep_default_matches_the_exact_eight_schools_posterior(form, exact, exact
         warnings.simplefilter("always")
         result = ep.run(random.PRNGKey(1), schools(), 16)
     fit = [w for w in caught if issubclass(w.category, nf.FitWarning)]
-    assert [w.category for w in fit] == [nf.BiasedFitWarning] and "at tau (q mean" in str(fit[0].message)
+    assert [w.category for w in fit] == [nf.warnings.BiasedFitWarning] and "at tau (q mean" in str(fit[0].message)
     tau = np.asarray(ep.sample_posterior(random.PRNGKey(2), result, 4000, corrected=True)["tau"])
     assert abs(tau.mean() - exact_tau[0]) < 0.3 * exact_tau[1] and abs(tau.std() / exact_tau[1] - 1) < 0.2, (
         tau.mean(), tau.std(), exact_tau)
@@ -126,7 +126,8 @@ def test_laplace_check_names_the_client_whose_tilted_distribution_is_not_gaussia
     warned about: once '1''s factor is in its cavity, '0''s tilted density is Gaussian.)"""
     y = np.concatenate([[0.0], 0.05 * np.random.default_rng(0).normal(size=30)]).astype(np.float32)
     clients = nf.Clients.split(np.array([0] + [1] * 30), y=y)
-    with pytest.warns(nf.UnreliableFitWarning, match=r"Laplace approximation .* client\(s\) \['0'\].*Pareto k.*"
+    with pytest.warns(nf.warnings.UnreliableFitWarning,
+                      match=r"Laplace approximation .* client\(s\) \['0'\].*Pareto k.*"
                                                       r"tilted='nuts'"):
         result = nf.EP(contaminated).run(random.PRNGKey(0), clients, 2)  # one sweep: '0', then '1'
     k = np.asarray(result.info.fit_k)
@@ -169,13 +170,14 @@ def test_local_fits_with_default_budgets_are_exact_and_a_short_budget_is_reporte
         return nf.EP(tau_fixed, tilted="vi", optim=optax.adam(0.05), **kw)
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", nf.UnreliableFitWarning)
+        warnings.simplefilter("error", nf.warnings.UnreliableFitWarning)
         result = build(None).run(random.PRNGKey(0), schools(), 16)
     got_mean, got_sd = float(result.params.mean[0]), float(np.sqrt(result.params.cov[0, 0]))
     assert abs(got_mean - mean) < 0.1 * sd and abs(got_sd / sd - 1) < 0.05, (got_mean, got_sd, mean, sd)
 
     setting = "local_steps" if method == "pvi" else "vi_steps"
-    with pytest.warns(nf.UnreliableFitWarning, match=rf"not converged .* client\(s\) \[.*round\(s\) .*{setting}"):
+    with pytest.warns(nf.warnings.UnreliableFitWarning,
+                      match=rf"not converged .* client\(s\) \[.*round\(s\) .*{setting}"):
         result = build(30).run(random.PRNGKey(0), schools(), 16)
     assert (~np.asarray(result.info.fit_ok)).any()
     short_sd = float(np.sqrt(result.params.cov[0, 0]))
@@ -189,12 +191,12 @@ def test_pvi_on_eight_schools_is_right_non_centred_and_warns_centred(exact):
     mean, sd = exact
     model = MODELS["non-centred"]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", nf.UnreliableFitWarning)
+        warnings.simplefilter("error", nf.warnings.UnreliableFitWarning)
         result = nf.PVI(model, update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), schools(), 16)
     got_mean = np.asarray(result.params.mean)
     got_sd = np.sqrt(np.diag(np.asarray(result.params.cov)))
     assert np.all(np.abs(got_mean - mean) < 0.3 * sd) and np.all(np.abs(got_sd / sd - 1) < 0.25), (got_mean, got_sd)
-    with pytest.warns(nf.UnreliableFitWarning, match=r"does not hold the tilted .*LocScaleReparam"):
+    with pytest.warns(nf.warnings.UnreliableFitWarning, match=r"does not hold the tilted .*LocScaleReparam"):
         result = nf.PVI(MODELS["centred"], update="optax", optim=optax.adam(0.05)).run(random.PRNGKey(1), schools(),
                                                                                         16)
     assert np.sqrt(result.params.cov[1, 1]) < 0.75 * sd[1]  # the warned fit is indeed wrong
@@ -206,7 +208,7 @@ def test_nuts_tilted_moments_report_divergences_on_the_centred_funnel():
     over (mu, log tau, theta_j) is a funnel that NUTS cannot follow (0.5-1.5% divergent
     draws per client after warm-up in one sweep). The clients' own check flags it, and the
     warning names the clients and the fix (LocScaleReparam, or the Laplace default)."""
-    with pytest.warns(nf.UnreliableFitWarning, match=r"NUTS had divergent transitions .* client\(s\) \['0'.*"
+    with pytest.warns(nf.warnings.UnreliableFitWarning, match=r"NUTS had divergent transitions .* client\(s\) \['0'.*"
                                                       r"LocScaleReparam.*tilted='laplace'"):
         result = nf.EP(MODELS["centred"], tilted="nuts", num_warmup=200, num_samples=200).run(
             random.PRNGKey(0), schools(), 8)  # one sweep, one school per round

@@ -512,7 +512,7 @@ def test_a_dp_fit_that_blows_up_is_held_by_the_servers_trust_region():
     # region, this seed throws q's mean to the thousands (the control below); the server's default trust region,
     # computed from the released updates alone, keeps every round within d/16 nats and q near the data.
     clients = horizontal_data(sizes=(200, 20, 10, 10))
-    with pytest.warns(nf.InvalidUpdateWarning):
+    with pytest.warns(nf.warnings.InvalidUpdateWarning):
         loose = _perturbed(max_kl=None).run(random.PRNGKey(3), clients, 12, progress_bar=False)
     assert float(jnp.max(jnp.abs(nf.gaussian.to_moments(loose.state.server.q)[0]))) > 100
     held = _perturbed().run(random.PRNGKey(3), clients, 12, progress_bar=False)
@@ -548,7 +548,8 @@ def test_a_trust_region_that_is_not_positive_is_refused(bad):
 def test_a_round_the_server_rejects_is_reported_naming_it():
     # client '0' (2 rows) moves q by about 1.3 nats, client '1' (500 rows) by about 7: past max_kl=2 even halved
     clients = horizontal_data(sizes=(2, 500))
-    with pytest.warns(nf.InvalidUpdateWarning, match=r"rejected the valid update\(s\) of round\(s\) \[2\] \(from "
+    with pytest.warns(nf.warnings.InvalidUpdateWarning,
+                      match=r"rejected the valid update\(s\) of round\(s\) \[2\] \(from "
                                                       r"client\(s\) \['1'\]\).*max_kl=2 nats"):
         res = nf.PVI(linear, schedule="sequential", max_kl=2.0, max_halvings=1).run(
             random.PRNGKey(0), clients, 2, progress_bar=False)

@@ -233,7 +233,7 @@ def test_statistical_match_with_the_reference(name):
         assert abs(x.std(ddof=1) / r["sd"] - 1) < max(0.1, 4 / np.sqrt(2 * ess)), (ours, x.std(), r["sd"])
 
 
-@pytest.mark.filterwarnings("ignore:.*Pareto k:numpyro_fed.ModelComparisonWarning",
+@pytest.mark.filterwarnings("ignore:.*Pareto k:numpyro_fed.warnings.ModelComparisonWarning",
                             "ignore:Estimated shape parameter of Pareto")  # per-row latents: LOO's hard case
 def test_results_like_numpyro_mcmc():
     """Item 3: several (vmapped) chains; global draws, a client's local draws on its own state,
@@ -309,7 +309,7 @@ def test_divergences_and_disagreeing_chains_warn():
 
     clients = nf.Clients({"a": {"y": np.zeros(1)}, "b": {"y": np.zeros(1)}})
     nuts = nf.FederatedNUTS(funnel, num_warmup=50, num_samples=100, target_accept_prob=0.6, max_tree_depth=5)
-    with pytest.warns(nf.MCMCDiagnosticWarning, match=r"post-warmup iterations diverged"):
+    with pytest.warns(nf.warnings.MCMCDiagnosticWarning, match=r"post-warmup iterations diverged"):
         nuts.run(random.PRNGKey(0), clients)
 
     def bimodal(y):
@@ -319,7 +319,7 @@ def test_divergences_and_disagreeing_chains_warn():
 
     clients = nf.Clients({"a": {"y": np.full(20, 3.0)}, "b": {"y": np.full(20, 3.0)}})
     nuts = nf.FederatedNUTS(bimodal, num_warmup=100, num_samples=100, num_chains=4, max_tree_depth=4)
-    with pytest.warns(nf.MCMCDiagnosticWarning, match=r"split R-hat .* site 'm'"):
+    with pytest.warns(nf.warnings.MCMCDiagnosticWarning, match=r"split R-hat .* site 'm'"):
         result = nuts.run(random.PRNGKey(1), clients)
     signs = np.sign(np.asarray(result.params.samples["m"]).mean(axis=1))
     assert len(set(signs)) == 2  # the chains did sit in both modes

@@ -69,7 +69,7 @@ def test_sfvi_narrowing_a_hierarchical_scale_with_small_k_warns(schools):
     # the moment check sees it, names the site, and the run warns
     assert check.verdict == "biased"
     assert "tau" in [m.site for m in check.biased]
-    biased = [w for w in caught if issubclass(w.category, nf.BiasedFitWarning)]
+    biased = [w for w in caught if issubclass(w.category, nf.warnings.BiasedFitWarning)]
     assert len(biased) == 1 and "tau (q mean" in str(biased[0].message)
     assert "corrected=True" in str(biased[0].message)
 
@@ -156,7 +156,7 @@ def test_ep_user_space_bias_is_checked_and_corrected():
     clients = nf.Clients({f"school{j}": dict(y=Y[j:j + 1], sigma=SIGMA[j:j + 1]) for j in range(8)})
     ref = nuts_reference("eight_schools_lognormal", eight_schools_lognormal_pooled, y=Y, sigma=SIGMA, seed=1)
     ep = nf.EP(eight_schools_lognormal)
-    with pytest.warns(nf.BiasedFitWarning, match=r"EP: .*tau \(q mean"):
+    with pytest.warns(nf.warnings.BiasedFitWarning, match=r"EP: .*tau \(q mean"):
         result = ep.run(jax.random.PRNGKey(0), clients, 10)
     assert ep.last_fit_check.verdict == "biased" and ep.last_fit_check.pareto_k < PARETO_K_LIMIT
     _, ratio = _z_and_ratio(ep.sample_posterior(jax.random.PRNGKey(2), result, 4000), ref, "tau")
@@ -291,7 +291,7 @@ def test_vertical_svi_with_a_too_large_rho_warns_with_the_rho_that_would_do():
     model, spec, data = _vertical_regression()
     svi = nf.VerticalSVI(nf.vertical_split(model, clients=spec, rho=0.5, response="y"), nf.VerticalGuide("amortized"),
                          optax.adam(0.02))
-    with pytest.warns(nf.UnreliableFitWarning, match=r"rho = 0.5 is too large .* Use rho <= 0\.\d+"):
+    with pytest.warns(nf.warnings.UnreliableFitWarning, match=r"rho = 0.5 is too large .* Use rho <= 0\.\d+"):
         svi.run(jax.random.PRNGKey(0), num_rounds=1000, progress_bar=False, **data)
     check = svi.last_rho_check
     assert check.shift > 1.0 and check.rho_max < 0.15
@@ -305,7 +305,7 @@ def test_vertical_svi_with_a_too_large_rho_warns_with_the_rho_that_would_do():
     assert not [w for w in caught if "is too large" in str(w.message)]  # the rho rule's warning
     # q is checked against the true model (tests/test_vertical_check.py): no fit goes unchecked
     assert ok.last_fit_check is not None and np.isfinite(ok.last_fit_check.pareto_k)
-    assert not [w for w in caught if issubclass(w.category, nf.UncheckedFitWarning)]
+    assert not [w for w in caught if issubclass(w.category, nf.warnings.UncheckedFitWarning)]
     assert ok.last_rho_check.ok and ok.last_rho_check.shift <= 0.3
 
 
@@ -360,7 +360,7 @@ def test_ep_check_with_non_gaussian_local_latents_samples_them_and_sees_the_bias
     ref = nuts_reference("baseball", baseball_pooled, HITS, n, seed=1)
     ep = nf.EP(baseball, local_blocks=blocks)
     how = "quadrature" if blocks else "importance sampling"
-    with pytest.warns(nf.BiasedFitWarning, match=rf"tau \(q mean.*{how}"):
+    with pytest.warns(nf.warnings.BiasedFitWarning, match=rf"tau \(q mean.*{how}"):
         result = ep.run(jax.random.PRNGKey(0), clients, 20)
     assert ep._local_integral(ep._fitted(), result) == ("quadrature" if blocks else "sampled")
     assert ep.last_fit_check_skipped is None

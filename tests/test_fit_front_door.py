@@ -98,7 +98,7 @@ def test_a_weak_nuts_answer_warns_naming_the_site(monkeypatch):
         fit = nf.fit(_regression, _regression_clients(), jax.random.PRNGKey(0), exact=True, num_chains=1,
                      num_warmup=20, num_samples=30, progress_bar=False)
     assert fit.method == "nuts" and fit.inference.num_chains == 1
-    weak = [str(w.message) for w in caught if issubclass(w.category, nf.MCMCDiagnosticWarning)
+    weak = [str(w.message) for w in caught if issubclass(w.category, nf.warnings.MCMCDiagnosticWarning)
             and "exact answer" in str(w.message)]
     assert len(weak) == 1 and "1 chain(s)" in weak[0] and "b (R-hat" in weak[0] and "num_samples=" in weak[0]
 

@@ -149,7 +149,7 @@ def test_eight_schools_centred_is_flagged(nuts_reference):
     funnel's width better and k fell just below 0.7 on this seed: the check then warns
     ``biased`` at tau, a subclass of ``UnreliableFitWarning``, instead of ``unreliable``.)"""
     svi = nf.FederatedSVI(centred, nf.StructuredGuide(centred), optax.adam(5e-3))
-    with pytest.warns(nf.UnreliableFitWarning, match=r"Pareto k = [\s\S]*(tau|funnel)"):
+    with pytest.warns(nf.warnings.UnreliableFitWarning, match=r"Pareto k = [\s\S]*(tau|funnel)"):
         result = svi.run(random.PRNGKey(1), schools(), 6000, progress_bar=False)
     tau = np.asarray(svi.sample_posterior(random.PRNGKey(2), result, 4000)["tau"])
     ref = nuts_reference["tau"]

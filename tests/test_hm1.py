@@ -119,9 +119,9 @@ def test_a_too_large_step_warns_or_stops(devices):
     """A summed full-batch step with lr too large for the rows blows up: NonFiniteError; a
     run stopped early, while Theta still moves, warns naming the round."""
     clients = devices[0]
-    with pytest.raises(nf.NonFiniteError):
+    with pytest.raises(nf.backends.NonFiniteError):
         nf.HM1(lr=0.5, batch_size=None).run(random.PRNGKey(0), clients, 30)
-    with pytest.warns(nf.UnconvergedWarning, match="round 2"):
+    with pytest.warns(nf.warnings.UnconvergedWarning, match="round 2"):
         nf.HM1(lr=0.001).run(random.PRNGKey(0), clients, 2)
 
 

@@ -179,7 +179,7 @@ def test_an_unmarked_site_whose_entries_each_belong_to_one_client_warns_naming_i
     hosp, x, y = _hospitals()
     clients = nf.Clients.split(hosp, hosp=hosp, x=x, y=y)
     inference = getattr(nf, family)(_hospital_model())
-    with pytest.warns(nf.SiteRoleWarning, match="site 'a' in plate 'hospitals' is global") as caught:
+    with pytest.warns(nf.warnings.SiteRoleWarning, match="site 'a' in plate 'hospitals' is global") as caught:
         inference._setup(clients)
     message = str(caught[0].message)
     assert "nf.local_site()" in message and "nf.group_plate('hospitals', codes)" in message
@@ -191,7 +191,7 @@ def test_a_marked_site_or_a_shared_plate_does_not_warn(mark):
     hosp, x, y = _hospitals()
     clients = nf.Clients.split(hosp, hosp=hosp, x=x, y=y)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", nf.SiteRoleWarning)
+        warnings.simplefilter("error", nf.warnings.SiteRoleWarning)
         nf.EP(_hospital_model(mark))._setup(clients)
         # a plate whose entries every client uses (a coefficient per covariate) is global, rightly
         regions = nf.Clients.split(hosp, hosp=np.arange(120) % 4, x=x, y=y)
@@ -231,7 +231,7 @@ def test_an_exact_fit_is_not_called_unreliable():
     pvi = make_pvi()
     pvi.client_mapping = "loop"  # as the flower demo's simulation: its round-off spreads the log weights by ~2e-5
     with warnings.catch_warnings():
-        warnings.simplefilter("error", nf.UnreliableFitWarning)
+        warnings.simplefilter("error", nf.warnings.UnreliableFitWarning)
         pvi.run(jax.random.PRNGKey(0), clients, 4, progress_bar=False)
     check = pvi.last_fit_check
     assert check.verdict == "ok" and check.ess > 999, check

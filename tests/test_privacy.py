@@ -110,7 +110,7 @@ _BY_DESIGN = {"hm1": ("['theta']",), "vertical_sfvi": ("['z']",), "vertical_soul
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(DP_FAMILIES))
-@pytest.mark.filterwarnings("ignore::numpyro_fed.UnreliableFitWarning", "ignore:.*every update that arrived")
+@pytest.mark.filterwarnings("ignore::numpyro_fed.warnings.UnreliableFitWarning", "ignore:.*every update that arrived")
 def test_privacy_audit_of_every_core(family):
     """No client data value, no local variational parameter and no client PRNG key (at any
     round) appears in any message, or in the server's state or pending broadcast. The DP

@@ -137,7 +137,7 @@ def binary():
 @pytest.mark.parametrize("progress_bar", [False, True])
 def test_exploding_optimiser_stops_with_the_round(binary, progress_bar):
     svi = nf.FederatedSVI(logistic, nf.StructuredGuide(logistic), optax.sgd(1e8))
-    with pytest.raises(nf.NonFiniteError, match=r"round \d+: non-finite values") as err:
+    with pytest.raises(nf.backends.NonFiniteError, match=r"round \d+: non-finite values") as err:
         svi.run(random.PRNGKey(0), binary, 200, progress_bar=progress_bar)
     assert 1 <= err.value.round < 200
     last = err.value.state
@@ -147,7 +147,7 @@ def test_exploding_optimiser_stops_with_the_round(binary, progress_bar):
 
 def test_nonfinite_can_warn_and_keep_the_finite_rounds(binary):
     svi = nf.FederatedSVI(logistic, nf.StructuredGuide(logistic), optax.sgd(1e8))
-    with pytest.warns(nf.NonFiniteWarning, match=r"round (\d+): non-finite"):
+    with pytest.warns(nf.warnings.NonFiniteWarning, match=r"round (\d+): non-finite"):
         res = svi.run(random.PRNGKey(0), binary, 200, progress_bar=False, on_nonfinite="warn")
     assert res.trace.shape[0] == int(res.state.round) < 200
     assert np.isfinite(res.trace).all()
@@ -165,7 +165,7 @@ def test_nonfinite_names_the_client(tmp_path):
     x[15:] = 3e38  # client '3' only
     clients = nf.Clients.split(np.repeat([0, 1, 2, 3], 5), x=x, y=np.ones(20, np.float32))
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01))
-    with pytest.raises(nf.NonFiniteError, match=r"round 1: .*client\(s\) \['3'\]") as err:
+    with pytest.raises(nf.backends.NonFiniteError, match=r"round 1: .*client\(s\) \['3'\]") as err:
         svi.run(random.PRNGKey(0), clients, 5, progress_bar=False)
     assert err.value.clients == ["3"]
 
@@ -179,7 +179,8 @@ def test_pvi_that_never_applies_an_update_raises_and_a_dead_round_warns():
         broken.run(random.PRNGKey(0), clients, 3)
     good = nf.PVI(linear, update="optax", optim=optax.adam(0.05), local_steps=20)
     moved = good.run(random.PRNGKey(0), clients, 1)
-    with pytest.warns(nf.InvalidUpdateWarning, match=r"in round\(s\) \[2, 3\] every update that arrived was invalid"):
+    with pytest.warns(nf.warnings.InvalidUpdateWarning,
+                      match=r"in round\(s\) \[2, 3\] every update that arrived was invalid"):
         broken.run(None, clients, 2, init_state=moved.state)
 
 

@@ -345,7 +345,7 @@ def test_fit_check_over_a_network_equals_the_simulations():
     assert checked.communication.bytes_up == result.communication.bytes_up + 3 * (4000 + 128)
     assert checked.communication.messages_down == result.communication.messages_down + 3
     inference._network = Network({0, 2})
-    with pytest.warns(nf.UnreliableFitWarning, match="some clients did not answer"):
+    with pytest.warns(nf.warnings.UnreliableFitWarning, match="some clients did not answer"):
         inference._check_result(setup, remote)
     assert inference.last_fit_check is None
     inference._network = None

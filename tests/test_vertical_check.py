@@ -94,7 +94,7 @@ def test_a_mean_field_guide_that_narrows_the_slopes_warns_and_corrected_draws_fi
     check = svi.last_fit_check
     assert check.verdict != "ok"  # ... and the check says so, naming them
     fit_warnings = [w for w in caught if issubclass(w.category, nf.FitWarning) and "VerticalSVI" in str(w.message)]
-    assert fit_warnings and not [w for w in caught if issubclass(w.category, nf.UncheckedFitWarning)]
+    assert fit_warnings and not [w for w in caught if issubclass(w.category, nf.warnings.UncheckedFitWarning)]
     if check.verdict == "biased":
         assert {"ba[0]", "ba[1]", "bb"} & {m.site for m in check.biased}
 

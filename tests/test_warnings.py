@@ -63,14 +63,21 @@ def test_every_library_warning_derives_from_the_base_class():
 
 
 def test_warning_classes_are_exported_and_keep_their_old_bases():
+    """Every warning class is ``nf.warnings.<name>``; the two bases a filter names are also
+    ``nf.FederatedWarning`` / ``nf.FitWarning``; the others' old top-level spellings still resolve,
+    with a deprecation warning naming the new one."""
     for name in nf.warnings.__all__:
-        assert getattr(nf, name) is getattr(nf.warnings, name)
-        assert issubclass(getattr(nf, name), nf.FederatedWarning)
-    assert issubclass(nf.UnconvergedWarning, RuntimeWarning)  # what HM1 users filtered on
-    assert issubclass(nf.BiasedFitWarning, nf.UnreliableFitWarning)
+        assert issubclass(getattr(nf.warnings, name), nf.FederatedWarning)
+        if name in ("FederatedWarning", "FitWarning"):
+            assert getattr(nf, name) is getattr(nf.warnings, name)
+            continue
+        with pytest.warns(DeprecationWarning, match=rf"numpyro_fed.{name} is deprecated.*numpyro_fed.warnings.{name}"):
+            assert getattr(nf, name) is getattr(nf.warnings, name)
+    assert issubclass(nf.warnings.UnconvergedWarning, RuntimeWarning)  # what HM1 users filtered on
+    assert issubclass(nf.warnings.BiasedFitWarning, nf.warnings.UnreliableFitWarning)
     from numpyro_fed import flower  # a subpackage imported on demand (it needs flwr)
 
-    assert flower.MissingClientsWarning is nf.MissingClientsWarning
+    assert flower.MissingClientsWarning is nf.warnings.MissingClientsWarning
 
 
 def _enumerated(make):
@@ -117,14 +124,17 @@ def _laplace():  # a skewed posterior: Laplace's q is biased there, and says so
 
 
 # each family's own warning from a short run (its fit check, its MCMC diagnostics, HM1's convergence)
-_WARNS = {"sfvi": (families.sfvi, 1, nf.UnreliableFitWarning),
-          "sfvi_avg": (families.sfvi_avg, 1, nf.UnreliableFitWarning), "pvi": (families.pvi, 1, nf.BiasedFitWarning),
-          "ep": (families.ep, 1, nf.BiasedFitWarning),
-          "laplace": (_laplace, None, nf.BiasedFitWarning), "hm1": (families.hm1, 1, nf.UnconvergedWarning),
-          "vertical_sfvi": (families.vertical_sfvi, 1, nf.UnreliableFitWarning),
-          "vertical_soul": (families.vertical_soul, 1, nf.UnreliableFitWarning),
-          "nuts": (families.nuts, None, nf.MCMCDiagnosticWarning), "mwg": (families.mwg, None, nf.UnreliableFitWarning),
-          "pvi_dp_optimisation": (families.pvi_dp_optimisation, 1, nf.UncheckedFitWarning)}
+_WARNS = {"sfvi": (families.sfvi, 1, nf.warnings.UnreliableFitWarning),
+          "sfvi_avg": (families.sfvi_avg, 1, nf.warnings.UnreliableFitWarning),
+          "pvi": (families.pvi, 1, nf.warnings.BiasedFitWarning),
+          "ep": (families.ep, 1, nf.warnings.BiasedFitWarning),
+          "laplace": (_laplace, None, nf.warnings.BiasedFitWarning),
+          "hm1": (families.hm1, 1, nf.warnings.UnconvergedWarning),
+          "vertical_sfvi": (families.vertical_sfvi, 1, nf.warnings.UnreliableFitWarning),
+          "vertical_soul": (families.vertical_soul, 1, nf.warnings.UnreliableFitWarning),
+          "nuts": (families.nuts, None, nf.warnings.MCMCDiagnosticWarning),
+          "mwg": (families.mwg, None, nf.warnings.UnreliableFitWarning),
+          "pvi_dp_optimisation": (families.pvi_dp_optimisation, 1, nf.warnings.UncheckedFitWarning)}
 
 
 @pytest.mark.parametrize("family", list(_WARNS))

@@ -49,8 +49,8 @@ class HM1(FederatedInference):
     The summed step is stable when ``lr`` times the largest eigenvalue of ``X_b^T X_b``
     stays below 1 (about ``lr * batch_size * E[x^2] < 1`` for standardised covariates):
     scale ``lr`` with ``1 / batch_size``. A run that blows up stops with
-    :class:`~numpyro_fed.NonFiniteError`; one whose ``Theta`` still moves in the last round
-    warns (:class:`~numpyro_fed.UnconvergedWarning`).
+    :class:`~numpyro_fed.backends.NonFiniteError`; one whose ``Theta`` still moves in the last round
+    warns (:class:`~numpyro_fed.warnings.UnconvergedWarning`).
 
     Algorithm 1's prior weight relative to the data depends on ``shrinkage``, ``local_steps``,
     ``batch_size`` and the (unit-free) noise level, so it is not the MAP of §3's ``L``; and
