@@ -414,12 +414,28 @@ def _site_terms(tr, names, count, masks, ladj, log_prob: bool = True) -> jax.Arr
         if _uncounted(weight):
             continue
         term = site["fn"].log_prob(site["value"]) if log_prob else 0.0
-        if name in ladj:
-            term = term + (ladj[name] * masks[name] if name in masks else ladj[name])
+        if name in ladj:  # masked as NumPyro masks it: by the padded rows and by the model's own mask handlers
+            jacobian = ladj[name] * masks[name] if name in masks else ladj[name]
+            term = term + _handler_mask(site["fn"], jacobian)
         if site["scale"] is not None:
             term = term * site["scale"]
         total = total + (1.0 if weight is True else weight) * jnp.sum(term)
     return total
+
+
+def _handler_mask(fn, jacobian):
+    """``jacobian`` times the mask a ``numpyro.handlers.mask`` put on the site's distribution (a
+    masked site's Jacobian is dropped with its density, as NumPyro's potential energy drops the
+    Jacobian factor it adds inside the model's handlers)."""
+    while isinstance(fn, (dist.MaskedDistribution, dist.ExpandedDistribution)):  # (a plate expands a masked site)
+        if isinstance(fn, dist.MaskedDistribution):
+            mask = fn._mask  # (NumPyro keeps it there; a bool or an array over the batch shape)
+            if isinstance(mask, bool):
+                jacobian = jacobian if mask else 0.0 * jacobian
+            else:
+                jacobian = jnp.where(mask, jacobian, 0.0)
+        fn = fn.base_dist
+    return jacobian
 
 
 def _uncounted(weight) -> bool:

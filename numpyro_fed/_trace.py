@@ -27,7 +27,7 @@ from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
 __all__ = ["INIT_TRIES", "finite_point", "is_factor", "observed_draws", "or_finite_point", "prior_median",
-           "program_digest", "trace_model", "unconstrained_shape"]
+           "program_digest", "trace_model", "unconstrained_shape", "update_digest"]
 
 INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
 _INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
@@ -201,16 +201,24 @@ def observed_draws(tr, rng_key) -> dict:
     return out
 
 
-def _feed(digest, value) -> bool:
-    """Feed an array or plain value to ``digest`` (``False``: not comparable by content)."""
+def update_digest(digest, value) -> bool:
+    """Feed ``value`` (a number, text, array, PRNG key or a mapping / sequence of them) to
+    ``digest``, by content; ``False`` for anything else (a value that cannot be compared so)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         digest.update(repr(value).encode())
         return True
+    if isinstance(value, dict):
+        digest.update(b"{")
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return all(update_digest(digest, k) and update_digest(digest, v) for k, v in items)
+    if isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        return all(update_digest(digest, v) for v in value)
     if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
         value = jax.random.key_data(value)
     try:
         array = np.asarray(value)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (not array-like: not comparable by content)
         return False
     if array.dtype.kind not in "biuf":
         return False
@@ -259,7 +267,7 @@ def program_digest(model: Callable, clients, kwargs: Mapping, max_kinds: int = M
         for arrays, others, _ in picked:
             closed = jax.make_jaxpr(lambda a, _o=others: values(a, _o))(arrays)
             digest.update(str(closed.jaxpr).encode())
-            if not all(_feed(digest, const) for const in closed.consts):
+            if not all(update_digest(digest, const) for const in closed.consts):
                 return None
     except Exception:  # noqa: BLE001  (not traceable so: the caller compares nothing)
         return None

@@ -30,7 +30,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional
 
 import jax
-import numpy as np
+
+from ._trace import update_digest
 
 __all__ = ["SIZE", "clear", "kept_rungs"]
 
@@ -46,33 +47,9 @@ def clear() -> None:
     _KEPT.clear()
 
 
-def _update(digest, value) -> bool:
-    """Feed ``value`` (a number, text, array or a mapping / sequence of them) to ``digest``;
-    ``False`` for anything else (a value that cannot be compared by content)."""
-    if isinstance(value, _SIMPLE):
-        digest.update(repr(value).encode())
-        return True
-    if isinstance(value, dict):
-        digest.update(b"{")
-        items = sorted(value.items(), key=lambda kv: str(kv[0]))
-        return all(_update(digest, k) and _update(digest, v) for k, v in items)
-    if isinstance(value, (list, tuple)):
-        digest.update(b"[")
-        return all(_update(digest, v) for v in value)
-    try:
-        array = np.asarray(value)
-    except Exception:  # noqa: BLE001  (not array-like: not comparable by content)
-        return False
-    if array.dtype.kind not in "biuf":
-        return False
-    digest.update(f"{array.dtype.str}{array.shape}".encode())
-    digest.update(np.ascontiguousarray(array).tobytes())
-    return True
-
-
 def _content(value) -> Optional[str]:
     digest = hashlib.sha256()
-    return digest.hexdigest() if _update(digest, value) else None
+    return digest.hexdigest() if update_digest(digest, value) else None
 
 
 def _data(clients) -> Optional[str]:

@@ -4,6 +4,7 @@ client data, one school per client) is fitted right or warned about."""
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -157,3 +158,30 @@ def test_eight_schools_centred_is_flagged(nuts_reference):
     # fit is nearer than it was from 0 (tau's mean 0.27 sd off, its sd 0.81x), but still off
     assert abs(tau.mean() - ref.mean()) > 0.2 * ref.std() or abs(tau.std() / ref.std() - 1) > 0.15, (
         tau.mean(), tau.std(), ref.mean(), ref.std())
+
+
+@pytest.mark.parametrize("mask", [False, True, "array"])
+def test_a_masked_latent_sites_jacobian_is_masked_as_numpyro_masks_it(mask):
+    """``handlers.mask`` drops a latent site's density and, in NumPyro's potential energy, the
+    Jacobian of its unconstrained value too (the factor NumPyro adds runs inside the model's
+    handlers). The federated terms are NumPyro's potential energy, whatever the mask."""
+    from numpyro.infer.util import potential_energy
+
+    from numpyro_fed._structure import log_joint
+
+    m = np.array([True, False, True]) if mask == "array" else mask
+
+    def inside(y):  # the mask inside the plate (the plate then expands the masked distribution)
+        with numpyro.plate("k", 3), handlers.mask(mask=m):
+            s = numpyro.sample("s", dist.LogNormal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(jnp.sum(s), 1.0), obs=y)
+
+    def outside(y):
+        with handlers.mask(mask=m), numpyro.plate("k", 3):
+            s = numpyro.sample("s", dist.LogNormal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(jnp.sum(s), 1.0), obs=y)
+
+    u = {"s": jnp.array([0.3, -0.7, 1.1])}
+    for model in (inside, outside):
+        ours = log_joint(model, {"y": 2.0}, {}, u, {}, lambda site: site["type"] == "sample")
+        np.testing.assert_allclose(ours, -potential_energy(model, (2.0,), {}, u), rtol=1e-6)

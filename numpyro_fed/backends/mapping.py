@@ -23,7 +23,7 @@ import numpy as np
 from numpyro.primitives import Messenger
 
 from .._structure import ModelStructure, SiteLayout, trace_model
-from .._trace import program_digest
+from .._trace import program_digest, update_digest
 from ..clients import ClientData, Clients
 from ..term_identity import (
     TermMismatch,
@@ -243,27 +243,8 @@ def _fingerprint(*parts) -> Optional[str]:
     """A digest of arrays (their bytes, shapes and dtypes) and plain values, or ``None`` when some
     value has no faithful text (then nothing is remembered)."""
     digest = hashlib.sha256()
-
-    def add(x):
-        if isinstance(x, Mapping):
-            for k in sorted(x, key=str):
-                digest.update(str(k).encode())
-                if not add(x[k]):
-                    return False
-            return True
-        if isinstance(x, (tuple, list)):
-            return all(add(v) for v in x)
-        if isinstance(x, (np.ndarray, jax.Array, np.generic)):
-            a = np.asarray(x)
-            digest.update(f"{a.shape}{a.dtype}".encode())
-            digest.update(np.ascontiguousarray(a).tobytes())
-            return True
-        if x is None or isinstance(x, (bool, int, float, str)):
-            digest.update(repr(x).encode())
-            return True
-        return False
-
-    return digest.hexdigest() if add(parts) else None
+    parts = [dict(p) if isinstance(p, Mapping) else p for p in parts]
+    return digest.hexdigest() if update_digest(digest, parts) else None
 
 
 def _remembered(model, what: tuple, clients: Clients, kwargs, structure: ModelStructure, compute: Callable):
