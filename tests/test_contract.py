@@ -31,6 +31,15 @@ def test_every_family_has_the_one_public_contract(cls):
         assert getattr(cls, name) is getattr(FederatedInference, name), f"{cls.__name__}.{name} re-wraps the base's"
 
 
+@pytest.mark.parametrize("name", [*families.FAMILIES, *families.MCMC_FAMILIES])
+def test_no_familys_instance_hides_a_method_of_the_contract(name):
+    """An attribute set in a constructor (a start passed as ``init=``) must not shadow ``init`` or
+    any other method of the contract on the instance."""
+    inference, _ = (families.FAMILIES | families.MCMC_FAMILIES)[name]()
+    for verb in ("init", "update", "run", "save", "load", "sample_posterior", "get_samples"):
+        assert verb not in vars(inference) and callable(getattr(inference, verb)), (name, verb)
+
+
 def test_bcm_is_pvis_one_round_configured():
     bcm = nf.BCM(_model, prior="split")
     assert type(bcm) is nf.PVI and bcm.method == "bcm"

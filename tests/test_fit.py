@@ -153,7 +153,7 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
         fit = nf.fit(model, clients, jax.random.PRNGKey(0), num_samples=300, num_warmup=150, progress_bar=False)
     assert fit.method == "mwg" and fit.log[0].startswith("laplace") and fit.log[-1].startswith("mwg"), fit.log
     laplace = fit.results[0]
-    np.testing.assert_array_equal(fit.inference.init[0], np.asarray(laplace.params.mean))  # started at its mode
+    np.testing.assert_array_equal(fit.inference.init_moments[0], np.asarray(laplace.params.mean))  # started at its mode
     n = fit.inference.num_samples  # 300, or more where the chains ran on to an ESS of 400
     assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
     assert int(fit.result.communication.rounds) == 150 + n + 1  # one round per iteration, one closing
@@ -366,8 +366,8 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     cov = np.array([[1.0 / 3.0, 0.1], [0.1, 2.0 / 7.0]])
     nuts = ladder.rung(Ladder.stage("nuts", (mean, cov)))
     assert isinstance(nuts, nf.FederatedNUTS) and nuts.num_warmup == WARM_WARMUP and nuts.num_samples == 50
-    np.testing.assert_array_equal(nuts.init[0], mean)
-    np.testing.assert_array_equal(nuts.init[1], cov)
+    np.testing.assert_array_equal(nuts.init_moments[0], mean)
+    np.testing.assert_array_equal(nuts.init_moments[1], cov)
     assert ladder.rung(Ladder.stage("nuts")).num_warmup == 500
     first = ladder.rung()
     assert isinstance(first, nf.factor.Laplace) and first.widen == WIDEN
@@ -375,8 +375,8 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     assert isinstance(exact, nf.factor.Laplace) and not exact.check_fit  # the samplers' start only
     mwg = ladder.rung(Ladder.stage("mwg", (mean, cov)))
     assert mwg.num_samples == 50 and mwg.num_chains == 4 and mwg.num_warmup == MWG_WARMUP
-    np.testing.assert_array_equal(mwg.init[0], mean)
-    np.testing.assert_array_equal(mwg.init[1], cov)
+    np.testing.assert_array_equal(mwg.init_moments[0], mean)
+    np.testing.assert_array_equal(mwg.init_moments[1], cov)
     with pytest.raises(ValueError, match="starts from a"):
         ladder.rung(Ladder.stage("mwg"))
     with pytest.raises(ValueError, match="no rung 'pvi'"):

@@ -181,7 +181,7 @@ class FederatedMCMC(FederatedInference):
         self.trajectory_length = None if self.num_steps is not None else float(trajectory_length)
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
-        self.init = _checked_init(type(self).__name__, init)
+        self.init_moments = _checked_init(type(self).__name__, init)
         self._init_inference()
 
     # ------------------------------------------------------------------ run
@@ -222,8 +222,8 @@ class FederatedMCMC(FederatedInference):
         def local_mask(data):
             return layout_of(data).flat_mask(data.row_mask, data.args)
 
-        start, scale, affine = *(self.init or (None, None)), None
-        if self.init is not None and np.shape(start) != (structure.global_latent.size,):
+        start, scale, affine = *(self.init_moments or (None, None)), None
+        if self.init_moments is not None and np.shape(start) != (structure.global_latent.size,):
             raise ValueError(f"{type(self).__name__}: init's mean has shape {np.shape(start)}; the model's flat "
                              f"unconstrained global sites ({', '.join(structure.global_latent.names)}) have "
                              f"{structure.global_latent.size} entries")

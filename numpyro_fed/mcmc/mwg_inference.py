@@ -90,7 +90,7 @@ class FederatedMwG(FactorInference):
         self.num_warmup = check_positive_int("num_warmup", num_warmup)
         self.num_samples = check_positive_int("num_samples", num_samples)
         self.num_chains = check_positive_int("num_chains", num_chains)
-        self.init = init
+        self.init_moments = init
         self.inner_steps = check_positive_int("inner_steps", inner_steps)
         self.local_moves = check_positive_int("local_moves", local_moves)
         self.local_steps = check_positive_int("local_steps", local_steps)
@@ -117,7 +117,7 @@ class FederatedMwG(FactorInference):
     def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
         """The chains' start: a federated Laplace fit first when ``init`` is ``None`` (its result
         is :attr:`laplace_result`), from ``fold_in(rng_key, 1)``."""
-        if self.init is None:
+        if self.init_moments is None:
             from ..factor import Laplace
 
             if self._laplace is None:  # kept: a second run reuses its compiled rounds
@@ -137,7 +137,7 @@ class FederatedMwG(FactorInference):
             self.start_communication = self.laplace_result.communication
             self._start = (np.asarray(self.laplace_result.params.mean), np.asarray(self.laplace_result.params.cov))
         else:
-            self._start = tuple(np.asarray(a) for a in self.init)
+            self._start = tuple(np.asarray(a) for a in self.init_moments)
         built = self._built_start
         if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self._start)):
             self._setup_cache = None  # the algorithm starts from its start: a new start builds it anew
@@ -155,10 +155,10 @@ class FederatedMwG(FactorInference):
         dtype = jnp.result_type(float)
         start = getattr(self, "_start", None)
         if start is None:  # a party that does not run (a Flower node) builds from init
-            if self.init is None:
+            if self.init_moments is None:
                 raise ValueError(f"{type(self).__name__}: over a network backend give init=(mean, cov) (a Laplace "
                                  f"fit's params), so that every party builds the same chains; nf.fit does")
-            start = self._start = tuple(np.asarray(a) for a in self.init)
+            start = self._start = tuple(np.asarray(a) for a in self.init_moments)
         self._built_start = start
         mean, cov = (jnp.asarray(a, dtype) for a in start)
         return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
