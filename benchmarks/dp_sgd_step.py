@@ -34,6 +34,7 @@ from numpyro_fed.backends.mapping import pad_client
 from numpyro_fed.dp.mechanisms import DPSGD, fixed_size_subset
 from numpyro_fed.factor import gaussian as G
 from numpyro_fed.factor.pvi_algorithm import _draws, _gaussian_params, _local_dp_sgd, _optimise
+from numpyro_fed.inference import fitted
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_adult import data, model  # noqa: E402
@@ -50,7 +51,7 @@ def main():
     clients, _, _ = data(0, 1, "balanced")
     pvi = nf.PVI(model, update="optax", optim=optax.adam(0.05), family="diagonal")
     pvi.init(random.PRNGKey(0), clients)
-    terms = pvi._fitted().extra.terms
+    terms = fitted(pvi).extra.terms
     client = clients[clients.names[0]]
     cd = pad_client(client, len(client["y"]))
     prior = terms.prior

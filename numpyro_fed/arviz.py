@@ -10,6 +10,7 @@ import numpy as np
 from jax import random
 
 from ._validation import check_positive_int
+from .inference import fitted
 from .warnings import ArvizGroupWarning, find_stack_level
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -262,7 +263,7 @@ def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, 
     if client is not None:
         names = [client]
     elif clients is not None:
-        names = list(inference._fitted().inputs.names)
+        names = list(fitted(inference).inputs.names)
         if list(clients.names) != names:
             raise ValueError(f"clients= has clients {list(clients.names)}, the fit {names}: pass the fitted clients")
     else:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import jax
 import numpy as np
 
+from .inference import fitted
 from .warnings import ModelComparisonWarning, find_stack_level
 
 __all__ = ["ClientLOO", "FederatedLOO", "client_loo", "federated_compare", "federated_loo"]
@@ -158,7 +159,7 @@ def federated_loo(
     """
     if not hasattr(inference, "log_likelihood"):
         raise TypeError(_NOT_SUPPORTED.format(kind=type(inference).__name__))
-    names = inference._fitted().inputs.names
+    names = fitted(inference).inputs.names
     messages, high = {}, []
     for c in names:
         log_lik = _client_log_lik(inference, result, rng_key, num_samples, c, var_name)
@@ -208,7 +209,7 @@ def federated_compare(
     pointwise: Dict[str, Dict[str, np.ndarray]] = {}
     summaries: Dict[str, FederatedLOO] = {}
     for model, (inference, result) in fits.items():
-        clients = inference._fitted().inputs
+        clients = fitted(inference).inputs
         if names is None:
             names, rows = clients.names, clients.num_rows
         elif clients.names != names or clients.num_rows != rows:

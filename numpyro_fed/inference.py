@@ -74,6 +74,37 @@ RUN_OPTIONS = ("progress_bar", "init_state", "record_transcript", "keep_values",
                "checkpoint_every", "on_nonfinite", "callbacks", "backend")
 
 
+def fitted(inference) -> Setup:
+    """The set-up of ``inference``'s last ``init``/``run`` (its model, clients, plan and compiled
+    algorithm), refused with an error when it has not been fitted."""
+    if inference._setup_cache is None:
+        raise ValueError(f"this needs a fitted {type(inference).__name__}: call run() or init() first")
+    return inference._setup_cache
+
+
+def state_of(inference, result, check_shapes: bool = True) -> RunState:
+    """The run state of ``result`` (a :class:`RunResult` or :class:`RunState`), refused with
+    an error naming both when it is another family's (or another fit's: its server state
+    has another structure than this object's runs give)."""
+    cls = type(inference).__name__
+    if isinstance(result, RunResult):
+        other = result.fitted_by
+        if other and other != cls:
+            raise ValueError(f"{cls} was given a result of {other}.run: each family's state holds its own "
+                             f"parameters, so pass it to the {other} that produced it (or run this {cls})")
+        state = result.state
+    elif isinstance(result, RunState):
+        state = result
+    else:
+        raise TypeError(f"{cls} needs a RunResult or RunState from its own run/init; got {type(result).__name__}")
+    want = fitted(inference).cache.get("server_shapes") if check_shapes else None
+    if want is not None and _shapes(state.server) != want:
+        raise ValueError(f"{cls} was given a state whose server part does not match this {cls}'s fit (another "
+                         f"family's, or a fit of another model or data): pass the result of this object's own "
+                         f"run or init")
+    return state
+
+
 class FederatedInference:
     """Base class of the inference objects (not used directly).
 
@@ -122,7 +153,7 @@ class FederatedInference:
         families, ``KL(q_new || q)`` for PVI and EP, the change in ``Theta`` for HM1)."""
         inputs = self._inputs(clients, data)
         state, info = self._update(state, inputs)
-        return state, self._fitted().algorithm.monitor(info)
+        return state, fitted(self).algorithm.monitor(info)
 
     def run(self, rng_key: jax.Array, clients=None, num_rounds: Optional[int] = None, **kwargs: Any) -> RunResult:
         """Run ``num_rounds`` communication rounds (on the simulation backend unless
@@ -176,7 +207,7 @@ class FederatedInference:
         for the approximate families :data:`NUM_SAMPLES` draws of :meth:`sample_posterior` from a
         key derived from the run's own server key (the same draws at every call; one "chain"
         with ``group_by_chain``)."""
-        key = jax.random.fold_in(self._state_of(result).server_key, 0x5A)
+        key = jax.random.fold_in(state_of(self, result).server_key, 0x5A)
         draws = self.sample_posterior(key, result, client=client)
         return {k: v[None] for k, v in draws.items()} if group_by_chain else draws
 
@@ -197,7 +228,7 @@ class FederatedInference:
         if self._dp is None:
             raise ValueError(f"privacy_report: {type(self).__name__} has no differentially private mechanism "
                              f"(PVI, BCM and FederatedSVI have one: dp=)")
-        return self._dp.report(type(self).__name__, self._fitted().plan.names, result)
+        return self._dp.report(type(self).__name__, fitted(self).plan.names, result)
 
     def print_summary(self, result: RunResult, *, prob: float = 0.9, num_samples: int = 1000,
                       rng_key: Optional[jax.Array] = None) -> None:
@@ -278,34 +309,6 @@ class FederatedInference:
         """Size the model's group plates (:func:`numpyro_fed.group_plate`) for these inputs; the
         families whose model is split by rows set this to :func:`numpyro_fed.groups.size_group_plates`."""
 
-    def _fitted(self) -> Setup:
-        if self._setup_cache is None:
-            raise ValueError(f"this needs a fitted {type(self).__name__}: call run() or init() first")
-        return self._setup_cache
-
-    # ------------------------------------------------------------------ results
-    def _state_of(self, result, check_shapes: bool = True) -> RunState:
-        """The run state of ``result`` (a :class:`RunResult` or :class:`RunState`), refused with
-        an error naming both when it is another family's (or another fit's: its server state
-        has another structure than this object's runs give)."""
-        cls = type(self).__name__
-        if isinstance(result, RunResult):
-            other = result.fitted_by
-            if other and other != cls:
-                raise ValueError(f"{cls} was given a result of {other}.run: each family's state holds its own "
-                                 f"parameters, so pass it to the {other} that produced it (or run this {cls})")
-            state = result.state
-        elif isinstance(result, RunState):
-            state = result
-        else:
-            raise TypeError(f"{cls} needs a RunResult or RunState from its own run/init; got {type(result).__name__}")
-        want = self._fitted().cache.get("server_shapes") if check_shapes else None
-        if want is not None and _shapes(state.server) != want:
-            raise ValueError(f"{cls} was given a state whose server part does not match this {cls}'s fit (another "
-                             f"family's, or a fit of another model or data): pass the result of this object's own "
-                             f"run or init")
-        return state
-
     def _remember_shapes(self, setup: Setup, state: RunState) -> None:
         setup.cache["server_shapes"] = _shapes(state.server)
 
@@ -318,7 +321,7 @@ class FederatedInference:
 
     def _update(self, state: RunState, inputs):
         setup = self._setup(inputs)
-        state = self._state_of(state)
+        state = state_of(self, state)
         self._before_round(setup, state)
         return self._backend.step(setup.algorithm, setup.plan, state)
 
@@ -375,8 +378,8 @@ class FederatedInference:
 
     def save(self, path: str, state: "RunState | RunResult") -> None:
         """Save a run state to ``path`` (an ``.npz`` file; see :mod:`numpyro_fed.checkpoint`)."""
-        setup = self._fitted()
-        state = self._state_of(state)
+        setup = fitted(self)
+        state = state_of(self, state)
         ckpt.save(path, state, setup.plan.names, family=self.method)
 
     def _load(self, path: str, inputs) -> RunState:
@@ -401,7 +404,7 @@ class FederatedInference:
             if isinstance(init_state, RunResult) and init_state.client_states is not None
             else None
         )
-        state = self._state_of(init_state, check_shapes=False)  # conform checks every leaf
+        state = state_of(self, init_state, check_shapes=False)  # conform checks every leaf
         typed = jax.numpy.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
         template = self._template(setup, str(jax.random.key_impl(state.server_key)) if typed else None)
         return ckpt.conform(state, template, setup.plan.names, saved)

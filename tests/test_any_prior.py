@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 
 from .references import nuts_reference
 
@@ -71,7 +72,7 @@ def test_a_non_gaussian_prior_matches_nuts(cls, name, slope):
     model = _regression(scale, slope)
     ref = _nuts(model)
     inference, result, caught = _fit(cls, model)
-    assert inference._fitted().extra.terms.residual is not None  # the prior is not Gaussian: a server site
+    assert fitted(inference).extra.terms.residual is not None  # the prior is not Gaussian: a server site
     assert np.all(np.asarray(result.info.prior_damping) > 0)  # ... refined every round
     draws = inference.sample_posterior(jax.random.PRNGKey(2), result, 4000)
     for site in ("a", "b", "s"):
@@ -83,7 +84,7 @@ def test_a_non_gaussian_prior_matches_nuts(cls, name, slope):
 def test_a_gaussian_prior_has_no_server_site():
     model = _regression(dist.LogNormal(0.0, 1.0))
     inference, result, _ = _fit("PVI", model)
-    assert inference._fitted().extra.terms.residual is None and result.state.server.prior_site is None
+    assert fitted(inference).extra.terms.residual is None and result.state.server.prior_site is None
     assert np.all(np.isnan(np.asarray(result.info.prior_damping)))
 
 

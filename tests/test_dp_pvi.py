@@ -15,6 +15,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.dp.accounting import epsilon
+from numpyro_fed.inference import fitted
 
 from .test_pvi import linear_model
 
@@ -156,7 +157,7 @@ def test_bcm_same_and_split_are_exact_for_a_conjugate_model(clients):
     # the split clients' factors: each is its q_j minus p^(1/J), so q_j = t_j + p / J
     bcm = nf.BCM(linear_model, prior="split")
     res = bcm.run(jax.random.PRNGKey(0), clients, 1)
-    prior = bcm._fitted().extra.terms.prior
+    prior = fitted(bcm).extra.terms.prior
     for c in clients.names:
         st = res.client_states[c]
         q_j = st.factor + st.pending + prior.scale(1.0 / 3)

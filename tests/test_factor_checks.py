@@ -21,6 +21,7 @@ from numpyro.infer.reparam import LocScaleReparam
 from scipy import stats
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 
 Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
 SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
@@ -236,7 +237,7 @@ def test_a_prior_flat_near_zero_and_curved_in_its_tails_is_not_taken_for_gaussia
     inference = nf.EP(_variance_model) if cls == "EP" else nf.PVI(_variance_model, update="optax",
                                                                     optim=optax.adam(0.05))
     state = inference.init(random.PRNGKey(0), clients)
-    assert inference._fitted().extra.terms.residual is not None and state.server.prior_site is not None
+    assert fitted(inference).extra.terms.residual is not None and state.server.prior_site is not None
 
 
 def test_the_check_weighs_q_against_the_models_own_prior():
@@ -249,7 +250,7 @@ def test_the_check_weighs_q_against_the_models_own_prior():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = ep.run(random.PRNGKey(0), schools(), 3, progress_bar=False)
-    setup = ep._fitted()
+    setup = fitted(ep)
     want = ep.diagnose(result, num_draws=200).log_weights
     terms = setup.extra.terms
     mu = np.linspace(-10, 10, 7)

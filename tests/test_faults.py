@@ -20,6 +20,7 @@ from numpyro.distributions import constraints
 import numpyro_fed as nf
 from numpyro_fed.checkpoint import CheckpointError
 from numpyro_fed.flower.server import FlowerBackend
+from numpyro_fed.inference import fitted
 
 from .families import FAMILIES, horizontal_data, linear, run
 
@@ -86,7 +87,7 @@ def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
     whole = _sfvi().run(random.key(0), clients, 6, progress_bar=False)
     np.testing.assert_array_equal(resumed.params.guide["loc"], whole.params.guide["loc"])
     with pytest.raises(ValueError, match="resume with the same kind of key"):  # a raw-key template
-        nf.checkpoint.load(path, again._template(again._fitted()), again._fitted().plan.names)
+        nf.checkpoint.load(path, again._template(fitted(again)), fitted(again).plan.names)
 
 
 # ---------------------------------------------------------------- 2. a damaged checkpoint says so

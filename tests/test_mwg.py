@@ -14,6 +14,7 @@ import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
 from numpyro_fed.factor.blocks import local_blocks as propose_blocks
 from numpyro_fed.factor.tilted import first_descent
+from numpyro_fed.inference import fitted
 from numpyro_fed.mcmc import FederatedMwG
 from numpyro_fed.mcmc.mwg_algorithm import anchor_map, laplace_map
 
@@ -134,7 +135,7 @@ def test_a_round_a_client_misses_is_repeated_and_the_chain_stays_exact():
     assert abs(grouped.std() / sd - 1) < 0.1, (grouped.std(), sd)
     # every client holds the Laplace map of the chains' current globals: it applied every decision
     # (a client that missed an accepted move and was not sent it again would hold the old one)
-    setup = mwg._fitted()
+    setup = fitted(mwg)
     terms = setup.extra.terms
     u = np.asarray(result.state.server.u)
     index = jnp.asarray(propose_blocks(terms.local))

@@ -13,6 +13,7 @@ from .._structure import latent_supports, trace_model
 from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import client_item, pad_client
 from ..groups import trim_groups
+from ..inference import fitted, state_of
 from ..model_terms import local_joint
 from ..protocol import RunResult, RunState
 from . import gaussian as G
@@ -225,10 +226,10 @@ class EP(FactorInference):
         Returns:
             constrained draws of the global sites and the local sites.
         """
-        setup = self._fitted()
+        setup = fitted(self)
         num_samples = check_positive_int("num_samples", num_samples)
         num_warmup = check_positive_int("num_warmup", num_warmup)
-        state = self._state_of(result)
+        state = state_of(self, result)
         names = setup.inputs.names
         if client is not None and client not in names:
             raise ValueError(_CLIENT.format(name=client, names=list(names)))
@@ -262,12 +263,12 @@ class EP(FactorInference):
         Draws ``(phi, theta_new)`` from ``q(phi) p(Y_new | theta_new, phi) p(theta_new | phi)``
         by NUTS on the new client's own data ``data`` (the model's data arguments).
         """
-        self._fitted()
-        state = self._state_of(result)
+        fitted(self)
+        state = state_of(self, result)
         return self._draws(rng_key, state.server.q, data, num_samples, num_warmup)
 
     def _sampler(self, local, num_samples, num_warmup) -> Callable:
-        setup = self._fitted()
+        setup = fitted(self)
         joint = local_joint(self.model, self.model_kwargs, setup.extra.structure, local)
         d = setup.extra.structure.global_latent.size
 
@@ -283,7 +284,7 @@ class EP(FactorInference):
         return sample
 
     def _draws(self, rng_key, cavity, args, num_samples, num_warmup) -> Dict[str, jax.Array]:
-        setup = self._fitted()
+        setup = fitted(self)
         if not bool(G.is_positive_definite(cavity)):
             raise ValueError("this client's cavity q / q_k is not a proper Gaussian; run more (damped) rounds")
         rows = [jnp.shape(v)[0] for v in args.values() if jnp.ndim(v) > 0]
@@ -298,7 +299,7 @@ class EP(FactorInference):
         return trim_groups(self._constrain(w, local, latent_supports(tr)), local, args)  # its own groups only
 
     def _constrain(self, w, local, supports) -> Dict[str, jax.Array]:
-        layout = self._fitted().extra.structure.global_latent
+        layout = fitted(self).extra.structure.global_latent
         d = layout.size
         flat = w.reshape((-1, w.shape[-1]))
         values = {**jax.vmap(layout.unravel)(flat[:, :d]), **jax.vmap(local.unravel)(flat[:, d:])}

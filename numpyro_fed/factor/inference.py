@@ -42,7 +42,7 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..groups import size_group_plates
-from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
+from ..inference import NUM_SAMPLES, FederatedInference, Setup, fitted, state_of, with_exchange_traffic
 from ..model_terms import ModelTerms, local_joint, model_terms
 from ..params import GaussianParams
 from ..protocol import RunResult, RunState
@@ -267,7 +267,7 @@ class FactorInference(FederatedInference):
         terms, plan = setup.extra.terms, setup.plan
         if not terms.num_local:
             return "exact"
-        state = self._state_of(result)
+        state = state_of(self, result)
         if self._blocks_verified(setup, state):
             return "quadrature"
         mean, _ = G.to_moments(state.server.q)
@@ -292,7 +292,7 @@ class FactorInference(FederatedInference):
         if not getattr(self, "local_blocks", True):  # the user's word that the locals are coupled
             return None
         if blocks is None:
-            blocks = propose_blocks(self._fitted().extra.terms.local)
+            blocks = propose_blocks(fitted(self).extra.terms.local)
         return blocks if blocks is not None and blocks.shape[1] in QUADRATURE_NODES else None
 
     def _blocks_verified(self, setup: Setup, state: RunState) -> bool:
@@ -326,7 +326,7 @@ class FactorInference(FederatedInference):
         if self.last_fit_check is not None and self._checked_state == state_fingerprint(
                 state.server):
             return self.last_fit_check
-        if not self.check_fit or state.clients is None or self._local_integral(self._fitted(), state) is None:
+        if not self.check_fit or state.clients is None or self._local_integral(fitted(self), state) is None:
             return None
         return self.diagnose(state, num_draws=self.check_draws)
 
@@ -345,8 +345,8 @@ class FactorInference(FederatedInference):
         Returns:
             a :class:`~numpyro_fed.FitDiagnostic`.
         """
-        setup = self._fitted()
-        state = self._state_of(result)
+        setup = fitted(self)
+        state = state_of(self, result)
         num_draws = check_positive_int("num_draws", num_draws)
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs the simulation's client states")
@@ -365,7 +365,7 @@ class FactorInference(FederatedInference):
                               shape=True)
 
     def _user_space(self, u) -> Dict[str, np.ndarray]:
-        layout, supports = self._fitted().extra.structure.global_latent, self._supports()
+        layout, supports = fitted(self).extra.structure.global_latent, self._supports()
         return {k: np.asarray(biject_to(supports[k])(v)) for k, v in jax.vmap(layout.unravel)(u).items()}
 
     def _check_local_fits(self, setup: Setup, result: RunResult, start: int) -> None:
@@ -422,7 +422,7 @@ class FactorInference(FederatedInference):
         """
         u = None
         if corrected:
-            u = importance_resample(rng_key, self._check_of(self._state_of(result)),
+            u = importance_resample(rng_key, self._check_of(state_of(self, result)),
                                     check_positive_int("num_samples", num_samples), type(self).__name__)
         _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client, u)
         return log_lik, predictive
@@ -430,12 +430,12 @@ class FactorInference(FederatedInference):
     def pointwise_at(self, rng_key: jax.Array, draws: Dict[str, jax.Array], client) -> tuple:
         """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of
         every latent site (e.g. EP's ``local_posterior`` draws)."""
-        return observed_terms_at(self._fitted(), self.model, self.model_kwargs, rng_key, draws, client)
+        return observed_terms_at(fitted(self), self.model, self.model_kwargs, rng_key, draws, client)
 
     def _client_pass(self, rng_key, result, num_samples, client, u=None):
-        setup = self._fitted()
+        setup = fitted(self)
         joint = partial(local_joint, self.model, self.model_kwargs, setup.extra.structure)
-        return client_pass(setup, self._state_of(result), self.model, self.model_kwargs, joint, type(self).__name__,
+        return client_pass(setup, state_of(self, result), self.model, self.model_kwargs, joint, type(self).__name__,
                            rng_key, check_positive_int("num_samples", num_samples), client, u)
 
     # ------------------------------------------------------------------ the check over a network
@@ -459,7 +459,7 @@ class FactorInference(FederatedInference):
         data, traced once per set-up)."""
         if args is not None:
             return latent_supports(trace_model(self.model, args, self.model_kwargs))
-        setup = self._fitted()
+        setup = fitted(self)
         if "supports" not in setup.cache:
             setup.cache["supports"] = self._supports(setup.inputs[setup.inputs.names[0]])
         return setup.cache["supports"]
@@ -476,9 +476,9 @@ class FactorInference(FederatedInference):
         ``corrected=True``: PSIS-corrected draws instead, the last fit check's draws
         resampled by their importance weights (needs that check, with Pareto k <= 0.7); with
         ``client``, that client's local sites drawn given each of them, as above."""
-        setup = self._fitted()
+        setup = fitted(self)
         num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
-        state = self._state_of(result)
+        state = state_of(self, result)
         if client is not None:  # (corrected: the client's locals drawn given each corrected global draw)
             u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__) \
                 if corrected else None

@@ -35,7 +35,7 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..groups import size_group_plates, trim_groups
-from ..inference import NUM_SAMPLES, FederatedInference, Setup, with_exchange_traffic
+from ..inference import NUM_SAMPLES, FederatedInference, Setup, fitted, state_of, with_exchange_traffic
 from ..params import GuideParams
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
@@ -246,13 +246,13 @@ class FederatedSVI(FederatedInference):
         """The server-held parameters, a :class:`~numpyro_fed.params.GuideParams`: the guide's
         (``guide``, in its own unconstrained parametrisation) and the global ``numpyro.param``
         sites (``theta``, constrained, as the model sees them)."""
-        return self._params(self._fitted(), state)
+        return self._params(fitted(self), state)
 
     def client_params(self, result: Union[RunResult, RunState], client: str) -> Dict[str, jax.Array]:
         """A client's own ``numpyro.param`` sites (marked local), constrained: the client's
         computation on its own state."""
-        state = self._state_of(result)
-        setup = self._fitted()
+        state = state_of(self, result)
+        setup = fitted(self)
         if client not in setup.inputs:
             raise KeyError(_UNKNOWN_CLIENT.format(name=client, names=list(setup.inputs.names)))
         j = setup.plan.names.index(client)
@@ -412,8 +412,8 @@ class FederatedSVI(FederatedInference):
             a :class:`FitDiagnostic` (``pareto_k``, ``ess``, ``elbo``, ``log_weights``,
             ``moments``, ``biased``, ``draws``, ``verdict``).
         """
-        setup = self._fitted()
-        state = self._state_of(result)
+        setup = fitted(self)
+        state = state_of(self, result)
         num_draws = check_positive_int("num_draws", num_draws)
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
         if state.clients is None:
@@ -454,9 +454,9 @@ class FederatedSVI(FederatedInference):
                 at most 0.7; only as many distinct values as the check drew (1000).
                 Global sites only (a client's local draws are not reweighted).
         """
-        state = self._state_of(result)
+        state = state_of(self, result)
         num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
-        setup = self._fitted()
+        setup = fitted(self)
         obj = setup.extra
         g = state.server.global_params
         k_g, k_l = random.split(rng_key)
@@ -535,9 +535,9 @@ class FederatedSVI(FederatedInference):
             ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
             (num_samples, *site batch shape)``.
         """
-        state = self._state_of(result)
+        state = state_of(self, result)
         num_samples = check_positive_int("num_samples", num_samples)
-        setup = self._fitted()
+        setup = fitted(self)
         obj = setup.extra
         k_g, k_l = random.split(rng_key)
         g = state.server.global_params

@@ -36,7 +36,7 @@ from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
-from ..inference import FederatedInference, Setup
+from ..inference import FederatedInference, Setup, fitted, state_of
 from ..params import DrawParams
 from ..protocol import RunResult, RunState
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
@@ -325,8 +325,8 @@ class FederatedMCMC(FederatedInference):
             ``{site: (num_chains * num_samples, ...)}``, or ``(num_chains, num_samples, ...)``
             with ``group_by_chain``.
         """
-        state = self._state_of(result)
-        setup = self._fitted()
+        state = state_of(self, result)
+        setup = fitted(self)
         draws = self._global_draws(setup, self._positions(setup, state)) if client is None else self._client_draws(
             setup, state, client)
         if group_by_chain:
@@ -393,8 +393,8 @@ class FederatedMCMC(FederatedInference):
             ``(log_likelihood, posterior_predictive)``: dicts ``observed site ->
             (num_chains * num_samples, *site batch shape)``.
         """
-        state = self._state_of(result)
-        setup = self._fitted()
+        state = state_of(self, result)
+        setup = fitted(self)
         if setup.extra.structure.enumerated:
             raise NotImplementedError(_ENUMERATED.format(cls=type(self).__name__,
                                                          names=list(setup.extra.structure.enumerated)))
@@ -426,7 +426,7 @@ class FederatedMCMC(FederatedInference):
         global scalars, NumPyro's ``effective_sample_size`` over the chains)."""
         from numpyro.diagnostics import effective_sample_size
 
-        draws = np.asarray(self._positions(self._fitted(), self._state_of(result)))  # (chains, samples, d)
+        draws = np.asarray(self._positions(fitted(self), state_of(self, result)))  # (chains, samples, d)
         ess = min(float(effective_sample_size(draws[..., i])) for i in range(draws.shape[-1]))
         comm = result.communication
         total_bytes = comm.bytes_up + comm.bytes_down
@@ -450,7 +450,7 @@ class FederatedMCMC(FederatedInference):
         """Per chain and post-warmup iteration, as NumPyro's MCMC reports them (``diverging``,
         ``accept_prob``, ``num_steps``, ``tree_depth``, ``energy``, ``potential_energy``,
         ``step_size``), ``(num_chains, num_samples)``."""
-        stats = self._state_of(result).server.stats
+        stats = state_of(self, result).server.stats
         return {k: np.asarray(v)[:, self.num_warmup:] for k, v in stats._asdict().items()}
 
 

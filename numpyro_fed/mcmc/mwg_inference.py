@@ -24,6 +24,7 @@ from ..factor.inference import FactorInference
 from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import own_entries
 from ..groups import trim_groups
+from ..inference import fitted
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
@@ -238,7 +239,7 @@ class FederatedMwG(FactorInference):
         from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
 
         slots = result.state.clients if result.state is not None else None
-        if self._network is not None or not slots or not self._fitted().extra.terms.num_local:
+        if self._network is not None or not slots or not fitted(self).extra.terms.num_local:
             return {}
         states = [slots.state] if isinstance(slots, ClientSlot) else [slot.state for slot in slots]  # stacked / loop
         draws = np.concatenate([np.asarray(st.draws, np.float64).reshape((-1,) + st.draws.shape[-3:])
@@ -250,7 +251,7 @@ class FederatedMwG(FactorInference):
         r_hat = np.asarray(split_gelman_rubin(x))
         ess = np.asarray(effective_sample_size(x))
         bad = moving & ~((r_hat <= R_HAT_LIMIT) & (ess >= MIN_ESS))
-        names = list(self._fitted().plan.names)
+        names = list(fitted(self).plan.names)
         return {names[j]: [f"entry {k} (R-hat {r_hat[j, k]:.3g}, ESS {ess[j, k]:.0f})" for k in np.flatnonzero(bad[j])]
                 for j in np.flatnonzero(bad.any(axis=1))}
 
@@ -296,7 +297,7 @@ class FederatedMwG(FactorInference):
     def _client_draws(self, result: RunResult, client: str) -> Dict[str, jax.Array]:
         """``client``'s local draws per site, constrained, ``(num_chains, num_samples, ...)``,
         its padded rows and groups cut off."""
-        setup = self._fitted()
+        setup = fitted(self)
         names = list(setup.plan.names)
         if client not in names:
             raise KeyError(f"client {client!r} is not one of the fitted clients {names}")

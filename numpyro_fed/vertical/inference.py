@@ -23,7 +23,7 @@ from ..fit_check import (
     importance_resample,
     state_fingerprint,
 )
-from ..inference import FederatedInference, Setup, with_exchange_traffic
+from ..inference import FederatedInference, Setup, fitted, state_of, with_exchange_traffic
 from ..params import VerticalParams
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
@@ -153,7 +153,7 @@ class VerticalInference(FederatedInference):
         """``draws`` of every party's sites, or (``client``) of that party's own sites only."""
         if client is None:
             return draws
-        obj = self._fitted().extra.objective
+        obj = fitted(self).extra.objective
         if client not in (SERVER,) + tuple(obj.clients):
             raise ValueError(f"{type(self).__name__}: no party named {client!r}; parties are "
                              f"{[SERVER, *obj.clients]}")
@@ -185,8 +185,8 @@ class VerticalInference(FederatedInference):
         checked on the parties' nodes after ``run``). Without ``rng_key`` each client draws
         from its own key, as on its node, so the check equals the network's; a given
         ``rng_key`` draws every party's values from it."""
-        setup = self._fitted()
-        state = self._state_of(result)
+        setup = fitted(self)
+        state = state_of(self, result)
         check_positive_int("num_draws", num_draws, minimum=2)
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs every party's state (a simulation run)")
@@ -247,7 +247,7 @@ class VerticalInference(FederatedInference):
         check = self.last_fit_check
         if check is None or getattr(self, "_checked_state", None) != state_fingerprint((state.server, state.clients)):
             check = self.diagnose(state)
-        obj = self._fitted().extra.objective
+        obj = fitted(self).extra.objective
         flat = importance_resample(rng_key, check, num_samples, type(self).__name__)
         return constrain_draws(obj, split_flat(obj, flat))
 
@@ -294,7 +294,7 @@ class VerticalInference(FederatedInference):
 
     @property
     def objective(self) -> VerticalObjective:
-        return self._fitted().extra.objective
+        return fitted(self).extra.objective
 
     def _inputs(self, clients, data: dict):
         """The model's data, passed as keyword arguments (a vertical federation has no Clients)."""
@@ -306,5 +306,5 @@ class VerticalInference(FederatedInference):
     def get_params(self, state: RunState) -> VerticalParams:
         """A :class:`~numpyro_fed.params.VerticalParams`: every party's parameters (gathered
         from their states) and the server's."""
-        return self._params(self._fitted(), state)
+        return self._params(fitted(self), state)
 

@@ -10,7 +10,7 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
-from ..inference import NUM_SAMPLES
+from ..inference import NUM_SAMPLES, state_of
 from ..protocol import RunResult
 from .check import gaussian_draws
 from .inference import VerticalInference
@@ -184,7 +184,7 @@ class VerticalSOUL(VerticalInference):
             check_positive_int(name, value)
         check_positive_int("num_warmup", num_warmup, minimum=0)
         setup = self._setup_cache
-        state = self._state_of(result)
+        state = state_of(self, result)
         if corrected:
             return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
         key = ("draws", int(num_samples), int(thinning), int(num_warmup))

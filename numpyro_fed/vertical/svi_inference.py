@@ -11,7 +11,7 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
-from ..inference import NUM_SAMPLES, Setup
+from ..inference import NUM_SAMPLES, Setup, fitted, state_of
 from ..protocol import RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .guides import VerticalGuide
@@ -158,8 +158,8 @@ class VerticalSVI(VerticalInference):
         """How far the augmented posterior is from the true model's at this fit (see
         :mod:`numpyro_fed.vertical.rho`): the server's likelihood curvature at the fitted
         ``z`` (each client's ``z`` at its ``q``'s mean, the z it sends). Simulation only."""
-        state = self._state_of(result)
-        setup = self._fitted()
+        state = state_of(self, result)
+        setup = fitted(self)
         obj = setup.extra.objective
         params = self._held_params(setup, state)
         data, rows = setup.cache["data"], jnp.arange(obj.num_rows)
@@ -209,11 +209,11 @@ class VerticalSVI(VerticalInference):
         ``corrected=True``: the fit check's draws importance-resampled towards the true
         model's posterior (needs the check's Pareto k <= 0.7; a ValueError says why not).
         """
-        state = self._state_of(result)
+        state = state_of(self, result)
         num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
         if corrected:
             return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
-        setup = self._fitted()
+        setup = fitted(self)
         obj = setup.extra.objective
         params_of = self._held_params(setup, state)
         out = {}
