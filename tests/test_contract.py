@@ -46,6 +46,10 @@ def test_bcm_is_pvis_one_round_configured():
     clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
     with pytest.raises(ValueError, match="num_rounds=1"):
         bcm.run(random.PRNGKey(0), clients, 2)
+    for wrong in ({"committee": "other"}, {"committee": "same", "damping": 0.5},
+                  {"committee": "split", "schedule": "sequential"}):
+        with pytest.raises(ValueError, match="BCM's prior is 'same' or 'split'"):
+            nf.PVI(_model, **wrong)
 
 
 def test_the_old_argument_order_and_max_rounds_are_deprecated_spellings():

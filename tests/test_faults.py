@@ -272,7 +272,7 @@ def test_flower_backend_refuses_out_of_range_arguments(kwargs, match):
 
 # ---------------------------------------------------------------- 15. resuming over Flower: what is refused
 def test_a_flower_resume_refuses_a_checkpoint_that_is_not_this_federations(tmp_path):
-    from numpyro_fed.flower.server import SERVER_CHECKPOINT
+    from numpyro_fed.flower.rounds import SERVER_CHECKPOINT, resumed_checkpoint
 
     with pytest.raises(FileNotFoundError, match="resume_from='.*nothing.npz'\\): no checkpoint there"):
         FlowerBackend(_Grid(), resume_from=str(tmp_path / "nothing.npz"))
@@ -281,19 +281,17 @@ def test_a_flower_resume_refuses_a_checkpoint_that_is_not_this_federations(tmp_p
     simulated = str(tmp_path / "simulated.npz")
     inference.save(simulated, res)
     setup = inference._setup_cache
-    backend = FlowerBackend(_Grid(), resume_from=simulated)
     with pytest.raises(ValueError, match="is not a Flower server checkpoint \\(family 'sfvi'\\)"):
-        backend._resumed(setup.algorithm, setup.plan.names, random.PRNGKey(0))
+        resumed_checkpoint(simulated, setup.algorithm, setup.plan.names, random.PRNGKey(0))
     from numpyro_fed import checkpoint
 
     state = res.state._replace(clients=())
     flower = str(tmp_path / "flower.npz")
     checkpoint.save(flower, state, [], family=SERVER_CHECKPOINT, extra={"run_id": 7, "sites": ["a", "b", "c"]})
     with pytest.raises(ValueError, match=r"written with sites \['a', 'b', 'c'\]; this run has \['0', '1', '2'\]"):
-        FlowerBackend(_Grid(), resume_from=flower)._resumed(setup.algorithm, setup.plan.names, random.PRNGKey(0))
+        resumed_checkpoint(flower, setup.algorithm, setup.plan.names, random.PRNGKey(0))
     checkpoint.save(flower, state, [], family=SERVER_CHECKPOINT, extra={"run_id": 7, "sites": ["0", "1", "2"]})
-    back, run_id = FlowerBackend(_Grid(), resume_from=flower)._resumed(setup.algorithm, setup.plan.names,
-                                                                     random.PRNGKey(0))
+    back, run_id = resumed_checkpoint(flower, setup.algorithm, setup.plan.names, random.PRNGKey(0))
     assert run_id == 7 and int(back.round) == 2
     for a, b in zip(jax.tree_util.tree_leaves(back.server), jax.tree_util.tree_leaves(res.state.server)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

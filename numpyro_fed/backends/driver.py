@@ -30,7 +30,7 @@ from ..protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 from ..transcript import Communication, Transcript
 from ..warnings import NonFiniteWarning, find_stack_level
 
-__all__ = ["GUARDS", "NonFinite", "NonFiniteError", "Rounds", "Transport", "drive", "stack_rounds"]
+__all__ = ["GUARDS", "NonFinite", "NonFiniteError", "Rounds", "Transport", "all_finite", "drive", "stack_rounds"]
 
 GUARDS = ("raise", "warn")
 CHECKPOINTS_PER_RUN = 10  # a checkpoint= run without checkpoint_every saves this many times (and at the start)
@@ -97,6 +97,16 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release what :meth:`start` opened (also after an error)."""
+
+
+def all_finite(tree) -> jax.Array:
+    """Are all entries of the tree's floating leaves finite? (A NaN or inf makes a leaf's sum,
+    times zero, NaN: one fused reduction per leaf.)"""
+    total = jnp.zeros(())
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            total = total + jnp.sum(leaf * 0.0)
+    return total == 0.0
 
 
 def stack_rounds(*xs) -> jax.Array:

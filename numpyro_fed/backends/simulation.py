@@ -44,7 +44,7 @@ from ..protocol import (
     last_info,
 )
 from ..transcript import Communication, Transcript, message_bytes
-from .driver import NonFinite, NonFiniteError, Rounds, drive, non_finite_message
+from .driver import NonFinite, NonFiniteError, Rounds, all_finite, drive, non_finite_message
 from .mapping import ClientPlan, client_item
 
 __all__ = ["NonFiniteError", "SimulationBackend"]
@@ -63,15 +63,6 @@ class _Failure(NamedTuple):
     round: jax.Array
     clients: jax.Array
     server: jax.Array
-
-
-def all_finite(tree) -> jax.Array:
-    """Are all entries of the tree's floating leaves finite (see :func:`_finite_rows`)?"""
-    total = jnp.zeros(())
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            total = total + jnp.sum(leaf * 0.0)
-    return total == 0.0
 
 
 def _finite_rows(tree, num: int) -> jax.Array:

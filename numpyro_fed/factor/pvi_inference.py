@@ -131,6 +131,9 @@ class PVI(FactorInference):
             its own rows) and warn
             (``UnreliableFitWarning`` / ``BiasedFitWarning``); kept as ``last_fit_check``.
             Not run under DP.
+        committee: ``None`` (default): PVI. ``"same"`` or ``"split"``: the Bayesian committee
+            machine with that prior (:func:`BCM` builds it so): one synchronous round from the
+            prior with damping 1, and ``method`` is ``"bcm"``.
 
     Examples:
         >>> import jax, numpy as np, numpyro, numpyro.distributions as dist
@@ -178,7 +181,12 @@ class PVI(FactorInference):
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
         check_fit: bool = True,
+        committee: Optional[str] = None,
     ) -> None:
+        if committee is not None and (committee not in ("same", "split") or schedule != "synchronous"
+                                      or damping != 1.0):
+            raise ValueError(f"committee={committee!r}: BCM's prior is 'same' or 'split', and it runs one synchronous "
+                             f"round with damping 1 (use BCM(model, prior=...))")
         super().__init__(
             model,
             family=family,
@@ -217,7 +225,9 @@ class PVI(FactorInference):
                           schedule=schedule, batch_size=self.dp_batch_size, local_steps=self.local_steps,
                           variant=variant, num_shards=self.num_shards)
         self.max_kl = self._trust_region(max_kl)
-        self._committee: Optional[str] = None  # BCM's prior ("same" or "split"); None: PVI
+        self.committee = committee
+        if committee is not None:
+            self.method = "bcm"
 
     def _trust_region(self, max_kl) -> "Optional[float] | str":
         """``max_kl``: ``"auto"`` stays ``"auto"`` until the dimension is known (:meth:`_max_kl`)."""
@@ -308,7 +318,7 @@ class PVI(FactorInference):
             return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
         update = self._choose_update(terms, plan, d)
         private = self._dp.privacy
-        if self._committee == "split":
+        if self.committee == "split":
             common["split_prior"] = True
         return pvi(
             terms.prior,
@@ -359,7 +369,7 @@ class PVI(FactorInference):
 
     # ------------------------------------------------------------------ BCM's one round; privacy
     def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
-        if self._committee is not None and (num_rounds != 1 or options.get("init_state") is not None):
+        if self.committee is not None and (num_rounds != 1 or options.get("init_state") is not None):
             raise ValueError("BCM is one round from the prior: num_rounds=1 and no init_state")
         super()._before_run(rng_key, num_rounds, clients, options)
 
@@ -411,6 +421,4 @@ def BCM(model: Callable, *, prior: str = "same", **kwargs: Any) -> PVI:
     for fixed in ("schedule", "damping", "subset_size", "variant", "num_shards"):
         if fixed in kwargs:
             raise ValueError(f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not apply")
-    committee = PVI(model, schedule="synchronous", damping=1.0, **kwargs)
-    committee.method, committee._committee = "bcm", prior
-    return committee
+    return PVI(model, schedule="synchronous", damping=1.0, committee=prior, **kwargs)

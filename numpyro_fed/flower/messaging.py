@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
 import numpy as np
 
 from .runtime.pace import Pacer
 from .runtime.pull import pull_replies, push_messages
-from .wire import from_record, to_record
+from .wire import Template, from_record, to_record
 
 __all__ = ["Messenger", "server_side_reason"]
 
@@ -36,29 +36,48 @@ def server_side_reason(code: int, reason) -> str:
 
 
 class Messenger:
-    """Sending and gathering for :class:`~numpyro_fed.flower.server.FlowerBackend`, which sets the
-    attributes used here (``grid``, ``nodes``, ``template``, ``poll``, ``reply_timeout``,
-    ``errors``, ``aggregator``, ``_stream``, ``_unavailable``, ``_last_round``)."""
+    """Sending and gathering over a Flower ``Grid``: the small public surface through which a
+    run's transport (:class:`~numpyro_fed.flower.rounds.OverFlower`) and the fit checks reach the
+    nodes: :meth:`send`, :meth:`query` (an idempotent gather), :meth:`secure_sum` and
+    :meth:`client_values`. :class:`~numpyro_fed.flower.server.FlowerBackend` is one.
 
-    def _send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
-              enough: Optional[Callable] = None, grace: float = 2.0):
+    What it knows of the federation is public: ``grid``, ``nodes`` (the clients' node ids, in
+    the template's order), ``template``, ``aggregator``, ``errors`` (client name -> its last
+    error), ``poll`` and ``reply_timeout``. A run's transport sets ``run_stream`` (the run's
+    :class:`~numpyro_fed.flower.runtime.runstream.RunStream`, or ``None``: every message through
+    Flower) and ``last_round`` (per client, the round after which the server holds its state:
+    sent as ``kept`` with a query after the run)."""
+
+    def __init__(self, grid: Any, poll: float, reply_timeout: float) -> None:
+        self.grid, self.poll, self.reply_timeout = grid, poll, reply_timeout
+        self.template: Optional[Template] = None
+        self.nodes: List[int] = []
+        self.errors: Dict[str, str] = {}  # client name -> last error it reported
+        self.aggregator: Optional[int] = None  # the trusted aggregator's node (numpyro-fed-role = "aggregator")
+        self.run_stream = None  # the RunStream while a run streams
+        self.last_round: Optional[List[int]] = None  # per site, during and after a run: see kept()
+        self._unavailable: set = set()  # nodes Flower last answered for with NODE_UNAVAILABLE (late heartbeat)
+
+    def send(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
+             enough: Optional[Callable] = None, grace: float = 2.0):
         """Send one message per node (over the run's stream to a node connected to it, through
         Flower to the others); wait until all answered or ``timeout`` (or, with ``enough``,
         ``grace`` seconds after ``enough(replies)`` first holds). Returns ``{node id: reply}``
         of the nodes that answered without an error."""
-        streamed = [] if self._stream is None else [i for i, n in enumerate(node_ids) if int(n) in self._stream.conns]
-        broken = set() if self._stream is None else {i for i, n in enumerate(node_ids) if int(n) in self._stream.broken}
+        stream = self.run_stream
+        streamed = [] if stream is None else [i for i, n in enumerate(node_ids) if int(n) in stream.conns]
+        broken = set() if stream is None else {i for i, n in enumerate(node_ids) if int(n) in stream.broken}
         for i in broken:  # left out until its site rejoins on a new node (a restarted SuperNode)
-            self.errors[self._name(int(node_ids[i]))] = "its stream to the server broke"
+            self.errors[self.name_of(int(node_ids[i]))] = "its stream to the server broke"
         if not streamed and not broken:
             return self._send_flower(node_ids, contents, message_type, timeout, enough, grace)
         t0 = time.monotonic()
-        got = self._stream.exchange({int(node_ids[i]): (message_type, contents[i]) for i in streamed}, timeout) \
+        got = stream.exchange({int(node_ids[i]): (message_type, contents[i]) for i in streamed}, timeout) \
             if streamed else {}
         replies = {}
         for node, reply in got.items():
             if reply.has_error():
-                self.errors[self._name(node)] = server_side_reason(reply.error.code, reply.error.reason)
+                self.errors[self.name_of(node)] = server_side_reason(reply.error.code, reply.error.reason)
             else:
                 replies[node] = reply
         rest = [i for i in range(len(node_ids)) if i not in set(streamed) and i not in broken]
@@ -69,7 +88,7 @@ class Messenger:
 
     def _send_flower(self, node_ids: Sequence[int], contents: Sequence, message_type: str, timeout: float,
                      enough: Optional[Callable] = None, grace: float = 2.0):
-        """:meth:`_send` through Flower's SuperLink: push, then pull until done."""
+        """:meth:`send` through Flower's SuperLink: push, then pull until done."""
         from flwr.app import Message
 
         messages = [Message(content=c, dst_node_id=int(n), message_type=message_type) for n, c in zip(node_ids,
@@ -85,7 +104,7 @@ class Messenger:
                 if node is None:
                     continue
                 if reply.has_error():
-                    self.errors[self._name(node)] = server_side_reason(reply.error.code, reply.error.reason)
+                    self.errors[self.name_of(node)] = server_side_reason(reply.error.code, reply.error.reason)
                     if int(reply.error.code) == _NODE_UNAVAILABLE:
                         self._unavailable.add(node)
                 else:
@@ -96,9 +115,9 @@ class Messenger:
                 pacer.wait()
         return replies
 
-    def _query(self, node_ids: Sequence[int], contents: Sequence, timeout: float, enough: Optional[Callable] = None,
-               pause: float = 5.0, tries: int = 4):
-        """:meth:`_send` of an idempotent query (hello, set-up, resume). A node for which Flower
+    def query(self, node_ids: Sequence[int], contents: Sequence, timeout: float, enough: Optional[Callable] = None,
+              pause: float = 5.0, tries: int = 4):
+        """:meth:`send` of an idempotent query (hello, set-up, resume). A node for which Flower
         answered NODE_UNAVAILABLE (the SuperLink took it for gone: its heartbeat came late, as on
         a loaded machine, where 2 of 40 nodes failed the hello so) is asked again after
         ``pause`` seconds, up to ``tries`` times in all within ``timeout``; any other failure is
@@ -106,7 +125,7 @@ class Messenger:
         replaced by the error."""
         deadline = time.monotonic() + timeout
         self._unavailable.clear()
-        replies = self._send(node_ids, contents, "query", timeout, enough=enough)
+        replies = self.send(node_ids, contents, "query", timeout, enough=enough)
         for attempt in range(1, tries):
             again = [i for i, n in enumerate(node_ids) if n not in replies and int(n) in self._unavailable]
             if not again or deadline - time.monotonic() <= pause:
@@ -116,17 +135,18 @@ class Messenger:
             time.sleep(pause)
             self._unavailable.clear()
             for i in again:
-                self.errors.pop(self._name(int(node_ids[i])), None)
-            replies.update(self._send([node_ids[i] for i in again], [contents[i] for i in again], "query",
+                self.errors.pop(self.name_of(int(node_ids[i])), None)
+            replies.update(self.send([node_ids[i] for i in again], [contents[i] for i in again], "query",
                                       deadline - time.monotonic(), enough=None))
         return replies
 
-    def _kept(self, j: int) -> Dict[str, int]:
+    def kept(self, j: int) -> Dict[str, int]:
         """``{"kept": round}``: after which round the server holds client ``j``'s state (the last
         round whose every reply from it came in time), for a query after the run; ``{}`` before any."""
-        return {} if self._last_round is None else {"kept": int(self._last_round[j])}
+        return {} if self.last_round is None else {"kept": int(self.last_round[j])}
 
-    def _name(self, node: int) -> str:
+    def name_of(self, node: int) -> str:
+        """The client name of ``node`` (``"node N"`` for one that is not a client's)."""
         if self.template is not None and node in self.nodes:
             return self.template.names[self.nodes.index(node)]
         return f"node {node}"
@@ -143,9 +163,9 @@ class Messenger:
 
         names = self.template.names
         order = sorted(payloads)
-        contents = [RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name, **self._kept(j)}),
+        contents = [RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name, **self.kept(j)}),
                                 "broadcast": to_record(payloads[j])}) for j in order]
-        replies = self._send([self.nodes[j] for j in order], contents, "train", self.reply_timeout)
+        replies = self.send([self.nodes[j] for j in order], contents, "train", self.reply_timeout)
         out = {}
         for j in order:
             if transcript is not None:
@@ -158,7 +178,7 @@ class Messenger:
                     transcript.record(rnd, names[j], "server", out[j], exchange=name)
         return out
 
-    def _secure_sum(self, rnd: int, e: int, J: int, sealed: Dict[int, Any], hidden_like, timeout: float):
+    def secure_sum(self, rnd: int, e: int, J: int, sealed: Dict[int, Any], hidden_like, timeout: float):
         """The trusted aggregator's sum of the sealed parts (zeros when no client answered,
         as the simulation's sum of zero rows)."""
         from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -169,9 +189,9 @@ class Messenger:
         content = RecordDict({"nf": ConfigRecord({"kind": "aggregate", "round": rnd, "exchange": e, "num_clients": J,
                                                   "indices": idx}),
                               "sealed": ArrayRecord([np.asarray(sealed[j]) for j in idx])})
-        reply = self._send([self.aggregator], [content], "train", timeout).get(self.aggregator)
+        reply = self.send([self.aggregator], [content], "train", timeout).get(self.aggregator)
         if reply is None:
             raise RuntimeError(f"round {rnd + 1}: the trusted aggregator returned no sum (its error: "
-                               f"{self.errors.get(self._name(self.aggregator), 'none: it timed out')}); the server "
+                               f"{self.errors.get(self.name_of(self.aggregator), 'none: it timed out')}); the server "
                                f"step cannot run without it")
         return from_record(hidden_like, reply.content["message"])

@@ -4,26 +4,42 @@
 server selects, each exchange goes out to the clients that answered the earlier ones (through
 Flower, or the run's streams) and its server step runs here. The round loop itself (bar,
 callbacks, checkpoints, the non-finite guard, the result) is :func:`~numpyro_fed.backends.driver.drive`'s.
+
+What belongs to one run is the transport's: the set-up, the run's stream, the round each client
+last answered, sites that rejoin on a new node, the server's checkpoints and the privacy ledgers
+asked for at the end. It reaches the nodes only through the backend's public
+:class:`~numpyro_fed.flower.messaging.Messenger` (``send``, ``query``, ``secure_sum``) and reads
+the backend's public settings.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, NamedTuple, Optional
+import warnings
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from ..backends.driver import NonFinite, Rounds, stack_rounds
+from ..backends.driver import NonFinite, Rounds, all_finite, stack_rounds
 from ..backends.mapping import client_item
-from ..backends.simulation import all_finite
 from ..protocol import Broadcast, ClientStates, RunState, ServerView, last_info
 from ..transcript import Communication, Transcript, message_bytes
-from .wire import WireStructures, from_record, to_record, wire_like, wire_structures
+from ..warnings import MissingClientsWarning, find_stack_level
+from .wire import WireStructures, describe, from_record, to_record, wire_like, wire_structures
 
-__all__ = ["OverFlower", "Traffic"]
+__all__ = ["SERVER_CHECKPOINT", "ClientLedger", "OverFlower", "Traffic", "resumed_checkpoint"]
+
+SERVER_CHECKPOINT = "flower.server"  # the family of a Flower run's server checkpoint
+
+
+class ClientLedger(NamedTuple):
+    """What a client reports of its state over Flower at the end of a DP run: its privacy
+    ledger (``releases``: the updates it sent), the input of ``privacy_report``."""
+
+    releases: Any
 
 
 class Traffic:
@@ -84,28 +100,28 @@ class OverFlower:
         self.transcript = transcript
         data = [client_item(self.plan, self.plan.data, j) for j in range(len(names))]
         self.structures: WireStructures = wire_structures(self.algorithm, data, self.plan.server_data)
-        self.setup, resumed, self.alive = backend._set_up(names, self.num_rounds, rng_key, self.algorithm, self.every)
+        self.setup, resumed, self.alive = self._set_up(rng_key)
         if backend.stream is not None:
-            backend._open_stream(names, self.alive)
+            self._open_stream()
         backend.timings["setup"] = time.perf_counter() - t0
         state = first_state(self.algorithm, rng_key, resumed)
         self.start_round = int(state.round)
         self.lost = [not a for a in self.alive]  # did not answer the last time asked: may come back on a new node
-        backend._last_round = [self.start_round] * len(names)  # per site: the last round whose reply came
-        backend._seen = set(backend.nodes) | {backend.aggregator}
+        backend.last_round = [self.start_round] * len(names)  # per site: the last round whose reply came
+        self.seen = set(backend.nodes) | {backend.aggregator}  # nodes asked for their name already
         return state
 
     def rounds(self, state: RunState, n: int) -> Rounds:
         backend, r = self.backend, int(state.round)
         t0 = time.perf_counter()
         if r > self.start_round and any(self.lost):
-            backend._take_back(r, self.setup, self.alive, self.lost)
+            self._take_back(r)
         timeout = backend.first_timeout if r == self.start_round else backend.reply_timeout
         done = self._round(r, state, timeout)
         if isinstance(done, NonFinite):
             return Rounds(state, None, np.zeros(0), None, None, done)
         state, info, figure, asked, answered = done
-        backend._last_round = [r + 1 if a else last for a, last in zip(answered, backend._last_round)]
+        backend.last_round = [r + 1 if a else last for a, last in zip(answered, backend.last_round)]
         backend.round_seconds.append(time.perf_counter() - t0)
         if backend.progress is not None:
             backend.progress(int(state.round), [name for name, a in zip(self.names, answered) if a])
@@ -113,21 +129,174 @@ class OverFlower:
         return Rounds(state, one, np.asarray(figure)[None], asked[None], answered[None])
 
     def save(self, path: str, state: RunState) -> None:
-        self.backend._save(path, state, self.names)
+        """The server's part of a checkpoint: its state, its broadcast and keys, the round, and (in
+        ``meta``) this Flower run's id and its sites. Each client keeps its own part on its node
+        (``numpyro-fed-state-dir``), one file per round it completed."""
+        from .. import checkpoint as ckpt
+
+        ckpt.save(path, state._replace(clients=()), [], family=SERVER_CHECKPOINT,
+                  extra={"run_id": int(self.backend.run_id), "sites": list(self.names)})
 
     def finish(self, start: RunState, state: RunState, log: Rounds):
-        backend = self.backend
-        ledgers = (backend._ledgers(self.structures, self.alive, self.transcript, int(state.round))
-                   if backend.collect_ledgers else {})
+        ledgers = self._ledgers(int(state.round)) if self.backend.collect_ledgers else {}
         for ledger in ledgers.values():  # what crossed the wire
             self.traffic.add_up(message_bytes(ledger._asdict()))
-        backend._warn_missing()
+        self._warn_missing()
         t, names = self.traffic, self.names
         communication = Communication(len(log.figure), t.up, t.down, t.msgs_up, t.msgs_down)
         return communication, ClientStates(names, lambda j: ledger_of(names[j], ledgers))
 
     def close(self) -> None:
-        self.backend._close_stream()
+        stream, self.backend.run_stream = self.backend.run_stream, None
+        if stream is not None:
+            stream.close(self.backend.reply_timeout)
+
+    # ------------------------------------------------------------------ set-up, stream, rejoins
+    def _set_up(self, rng_key) -> tuple:
+        """Every client builds the same algorithm from the template and keys itself (or, resuming,
+        loads its stored state). Returns ``(the set-up records, the resumed server checkpoint or
+        None, which clients answered)``; a client that did not stops the run or is left out
+        (``on_setup_failure``)."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        backend, names = self.backend, self.names
+        text = describe(backend.template)
+        resumed = (resumed_checkpoint(backend.resume_from, self.algorithm, names, rng_key)
+                   if backend.resume_from is not None else None)
+        kind = {"kind": "setup"} if resumed is None else {"kind": "resume", "from_run": resumed[1],
+                                                            "round": int(resumed[0].round)}
+        setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j,
+                                                 "num_rounds": int(self.num_rounds),
+                                                 "aggregator_key": backend.aggregator_key,
+                                                 "checkpoint_every": int(self.every), "stage": backend.stage})})
+                 for j in range(len(names))]
+        ready = backend.query(backend.nodes, setup, backend.first_timeout)
+        alive = [n in ready for n in backend.nodes]
+        self._check_setup(alive)
+        return setup, resumed, alive
+
+    def _check_setup(self, alive: Sequence[bool]) -> None:
+        """A site whose set-up failed stops the run, naming it, its node and the reason;
+        with ``on_setup_failure="absent"`` it is reported absent from every round instead."""
+        backend, names = self.backend, self.names
+        failed = [n for n, ok in zip(names, alive) if not ok]
+        if not failed:
+            return
+        why = "; ".join(f"client {n!r} (node {backend.nodes[names.index(n)]}): "
+                        f"{backend.errors.get(n, 'no answer within first_timeout')}" for n in failed)
+        if backend.on_setup_failure == "raise" or len(failed) == len(names):
+            raise RuntimeError(f"set-up failed on {len(failed)} of {len(names)} client(s): {why}. Fix that node "
+                               f"(its log has the full reason) and run again, or pass on_setup_failure='absent' "
+                               f"(run config 'on-setup-failure') to fit without it")
+        backend.missing.append((0, "setup", failed))
+        warnings.warn(f"client(s) {failed} failed their set-up and are absent from every round of this run "
+                      f"(on_setup_failure='absent'): {why}", MissingClientsWarning, stacklevel=find_stack_level())
+
+    def _open_stream(self) -> None:
+        """Invite every client that answered its set-up (and the trusted aggregator) to the run's
+        stream (:mod:`numpyro_fed.flower.runtime.runstream`); a client that does not connect within
+        ``first_timeout`` is a failed set-up (it stops the run, or is absent with
+        ``on_setup_failure="absent"``)."""
+        from .runtime.runstream import RunStream
+
+        backend, alive = self.backend, self.alive
+        stream = backend.run_stream = RunStream(backend.grid, backend.stream, *backend.stream_tls, poll=backend.poll)
+        t0 = time.perf_counter()
+        aggregator = backend.aggregator
+        nodes = [n for n, a in zip(backend.nodes, alive) if a] + ([aggregator] if aggregator is not None else [])
+        connected = stream.invite(nodes, backend.first_timeout)
+        backend.timings["stream"] = time.perf_counter() - t0
+        if aggregator is not None and aggregator not in connected:
+            raise RuntimeError(f"the trusted aggregator (node {aggregator}) did not connect to the run's stream "
+                               f"at {stream.address} within first_timeout ({backend.first_timeout:.0f} s)")
+        for j, node in enumerate(backend.nodes):
+            if alive[j] and node not in connected:
+                alive[j] = False
+                backend.errors.setdefault(self.names[j], f"did not connect to the run's stream at {stream.address}")
+        self._check_setup(alive)
+
+    def _take_back(self, r: int) -> None:
+        """Before round ``r + 1``: a node that joined since (a restarted SuperNode has a new node id)
+        and answers the hello with the name of a site that stopped answering is that site again. It
+        is sent the site's set-up as a ``rejoin`` (its state comes from its node's own storage), and
+        from then on asked in its place; the old node id is dropped. Recorded in the backend's
+        ``rejoined``."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        backend, names, lost = self.backend, self.names, self.lost
+        new = [int(n) for n in backend.grid.get_node_ids() if int(n) not in self.seen]
+        if not new:
+            return
+        hello = [RecordDict({"nf": ConfigRecord({"kind": "hello"})}) for _ in new]
+        replies = backend.send(new, hello, "query", backend.reply_timeout)
+        for node in new:
+            reply = replies.get(node)
+            if reply is None:  # not ready, or failed: asked again before the next round
+                continue
+            self.seen.add(node)
+            name = str(reply.content["nf"]["name"])
+            if name not in names or not lost[names.index(name)]:
+                continue  # another task's node, or a duplicate of a site that still answers: left out
+            j = names.index(name)
+            content = RecordDict({"nf": ConfigRecord({**dict(self.setup[j]["nf"].items()), "kind": "rejoin",
+                                                      "round": int(backend.last_round[j])})})
+            stream = backend.run_stream
+            if node in backend.send([node], [content], "query", backend.first_timeout) and (
+                    stream is None or node in stream.invite([node], backend.first_timeout)):
+                old, backend.nodes[j] = backend.nodes[j], node
+                self.alive[j], lost[j] = True, False
+                backend.rejoined.append((r + 1, name, old, node))
+            else:
+                backend.errors[name] = backend.errors.pop(f"node {node}", "no answer to its rejoin")
+
+    # ------------------------------------------------------------------ after the last round
+    def _ledgers(self, last_round: int) -> Dict[str, ClientLedger]:
+        """Each client's privacy ledger (its ``releases`` count), asked for after the last
+        round when the algorithm's client state keeps one (the DP families); recorded in the
+        transcript as what it is, a client -> server message."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        backend, names, transcript = self.backend, self.names, self.transcript
+        keeps = [j for j in range(len(names))
+                 if self.alive[j] and hasattr(self.structures.client_states[j], "releases")]
+        if not keeps:
+            return {}
+        query = [RecordDict({"nf": ConfigRecord({"kind": "ledger", **backend.kept(j)})}) for j in keeps]
+        replies = backend.send([backend.nodes[j] for j in keeps], query, "query", backend.reply_timeout)
+        ledgers, lacked = {}, []
+        like = {"releases": jax.ShapeDtypeStruct((), np.int32)}
+        for j in keeps:
+            reply = replies.get(backend.nodes[j])
+            if reply is None:
+                lacked.append(names[j])
+                continue
+            ledgers[names[j]] = ClientLedger(**from_record(like, reply.content["message"]))
+            if transcript is not None:
+                transcript.record(last_round - 1, names[j], "server", ledgers[names[j]]._asdict(), exchange="ledger")
+        if lacked:
+            warnings.warn(f"client(s) {lacked} did not send their privacy ledger after the last round (errors: "
+                          f"{ {n: backend.errors[n] for n in lacked if n in backend.errors} }): privacy_report "
+                          f"cannot cover them; each ledger stays on its node", MissingClientsWarning,
+                          stacklevel=find_stack_level())
+        return ledgers
+
+    def _warn_missing(self) -> None:
+        backend = self.backend
+        if not backend.missing:
+            return
+        by_client: Dict[str, List[int]] = {}
+        for rnd, _, lacked in backend.missing:
+            for name in lacked:
+                by_client.setdefault(name, []).append(rnd)
+        parts = [f"client {n!r} missed round(s) {rs}" + (f" (its error: {backend.errors[n]})"
+                                                          if n in backend.errors else "")
+                 for n, rs in by_client.items()]
+        back = "".join(f"; client {n!r} rejoined before round {rnd} on a new node (its state from its node's "
+                       f"storage)" for rnd, n, _, _ in backend.rejoined)
+        warnings.warn("the fit continued without some clients (the dropout policy: a client that does not "
+                      "answer within the reply timeout is left out of that round's server step): "
+                      + "; ".join(parts) + back + " (round 0 is the set-up)", MissingClientsWarning,
+                      stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ one round
     def _round(self, r: int, state: RunState, timeout: float):
@@ -181,13 +350,13 @@ class OverFlower:
             record = to_record(b)
             nf = {"kind": "exchange", "exchange": e, "round": r}
             if e == 0:  # after which round the server holds its state: a late reply's step is taken back
-                nf["kept"] = int(backend._last_round[j])
+                nf["kept"] = int(backend.last_round[j])
             contents.append(RecordDict({"nf": ConfigRecord(nf), "broadcast": record}))
             traffic.add_down(message_bytes(b))
             if transcript is not None:
                 transcript.record(r, "server", names[j], from_record(structures.broadcasts[e], record),
                                   exchange=str(e))
-        replies = backend._send([backend.nodes[j] for j in to], contents, "train", timeout)
+        replies = backend.send([backend.nodes[j] for j in to], contents, "train", timeout)
         secure = self.algorithm.exchanges[e].secure_sum
         like, direct_like, hidden_like = wire_like(structures.messages[e], secure)
         rows, sealed = [], {}
@@ -210,7 +379,7 @@ class OverFlower:
         stacked = jax.tree_util.tree_map(stack_rounds, *[m if m is not None else zero for m in rows])
         summed = {}
         if secure:
-            summed = backend._secure_sum(r, e, J, sealed, hidden_like, timeout)
+            summed = backend.secure_sum(r, e, J, sealed, hidden_like, timeout)
             if transcript is not None:
                 transcript.record(r, "aggregator", "server", summed, exchange=str(e))
         return stacked, summed
@@ -222,3 +391,26 @@ def ledger_of(name: str, ledgers: dict):
         return ledgers[name]
     raise KeyError(f"client {name!r}: over Flower each client's state stays on its node (context.state); the server "
                    f"has only the privacy ledger of a DP run's clients that answered at its end")
+
+
+def resumed_checkpoint(path: str, algorithm, names: Sequence[str], rng_key) -> tuple:
+    """``(state, run id)`` of the Flower server checkpoint at ``path``, checked against this
+    run's sites and algorithm (every leaf's shape and dtype)."""
+    from .. import checkpoint as ckpt
+
+    meta = ckpt.read_meta(path)
+    if meta.get("family") != SERVER_CHECKPOINT:
+        raise ValueError(f"the checkpoint at {path} is not a Flower server checkpoint (family "
+                         f"{meta.get('family')!r}); write one with checkpoint= in a Flower run")
+    if list(meta.get("sites", ())) != list(names):
+        raise ValueError(f"the checkpoint at {path} was written with sites {meta.get('sites')}; this "
+                         f"run has {list(names)}. Resume with the same sites")
+    key_impl = meta.get("typed_keys", {}).get("server_key")
+    key = jax.random.PRNGKey(0) if key_impl is None else jax.random.key(0, impl=key_impl)
+
+    def init(k):
+        server, broadcast = algorithm.init_server(k)
+        return RunState(jnp.zeros((), jnp.int32), server, k, broadcast, (), k)
+
+    state = ckpt.load(path, jax.eval_shape(init, key), [])
+    return state, int(meta["run_id"])
