@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import jax
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["to_arviz"]
 
+_WARNED_LOG_LIKELIHOOD: "weakref.WeakSet" = weakref.WeakSet()  # fits warned that clients= is needed (once each)
 _NEEDS_CLIENTS = (
     "{cls}: the InferenceData has no log_likelihood group: it needs the clients' data. Pass client= (that "
     "client's rows) or clients= (every client's rows, in a simulation where you hold them), or use "
@@ -268,8 +270,8 @@ def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, 
             raise ValueError(f"clients= has clients {list(clients.names)}, the fit {names}: pass the fitted clients")
     else:
         note = _NEEDS_CLIENTS.format(cls=type(inference).__name__)
-        if not getattr(inference, "_warned_log_likelihood", False):
-            inference._warned_log_likelihood = True
+        if inference not in _WARNED_LOG_LIKELIHOOD:
+            _WARNED_LOG_LIKELIHOOD.add(inference)
             warnings.warn(note, ArvizGroupWarning, stacklevel=find_stack_level())
         return {}, note
     extra = {"corrected": True} if corrected else {}

@@ -68,7 +68,7 @@ class NamedSites(Messenger):
     """A handler that acts on all sites in its scope, or only on those named by ``sites``.
 
     It checks the names (strings, each once) and, on leaving the scope, that every named
-    site was seen (subclasses add names to ``self._seen``; ``self._visited`` lists what the
+    site was seen (subclasses add names to ``seen``; ``visited`` lists what the
     scope saw, for the error)."""
 
     def __init__(
@@ -93,25 +93,25 @@ class NamedSites(Messenger):
                     "name each site once"
                 )
         self.sites = sites
-        self._seen: set = set()
-        self._visited: list = []
+        self.seen: set = set()
+        self.visited: list = []
         super().__init__(fn)
 
     def __enter__(self):
-        self._seen = set()
-        self._visited = []
+        self.seen = set()
+        self.visited = []
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
         super().__exit__(exc_type, exc_value, traceback)
         if exc_type is None and self.sites is not None:
-            missing = [s for s in self.sites if s not in self._seen]
+            missing = [s for s in self.sites if s not in self.seen]
             if missing:
                 raise ValueError(
                     _MISSING.format(
                         handler=type(self).__name__,
                         names=missing,
-                        seen=sorted(set(self._visited)),
+                        seen=sorted(set(self.visited)),
                     )
                 )
 
@@ -138,7 +138,7 @@ class _FederationAnnotation(NamedSites):
         if msg["type"] not in ("sample", "param"):
             return
         name = msg["name"]
-        self._visited.append(name)
+        self.visited.append(name)
         # a site created while a marked site is being processed comes from a
         # reparameterisation of that site (numpyro.handlers.reparam outside this handler):
         # it takes the marked site's role
@@ -157,7 +157,7 @@ class _FederationAnnotation(NamedSites):
             raise ValueError(_TWICE.format(name=name, first=previous, second=self.role))
         infer[FEDERATION_KEY] = self.role
         msg["infer"] = infer
-        self._seen.add(name)
+        self.seen.add(name)
         if not derived:
             self._pending.append(name)
 

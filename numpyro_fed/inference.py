@@ -82,6 +82,19 @@ def fitted(inference) -> Setup:
     return inference._setup_cache
 
 
+def checked_network(inference) -> Optional[NetworkBackend]:
+    """The network backend whose run ``inference`` is checking (set by ``run`` while its
+    ``_check_result`` runs, so that a check may ask the clients for values computed on their
+    nodes); ``None`` in simulation and outside ``run``."""
+    return inference._network
+
+
+def setup_for(inference, inputs) -> Setup:
+    """``inference``'s set-up for ``inputs`` (the clients, or the vertical families' data):
+    the last one when the inputs are the same, else built anew."""
+    return inference._setup(inputs)
+
+
 def state_of(inference, result, check_shapes: bool = True) -> RunState:
     """The run state of ``result`` (a :class:`RunResult` or :class:`RunState`), refused with
     an error naming both when it is another family's (or another fit's: its server state
@@ -137,7 +150,8 @@ class FederatedInference:
     #: the network backend whose run is being checked (set by ``run`` for ``_check_result``)
     _network: Optional[NetworkBackend] = None
 
-    def _init_inference(self) -> None:
+    def __init__(self) -> None:
+        """Every family's ``__init__`` calls this: no set-up yet, the simulation backend."""
         self._setup_cache: Optional[Setup] = None
         self._backend = SimulationBackend()
 

@@ -8,30 +8,40 @@ inheriting a family that has them. :func:`model_terms` builds the whole :class:`
 :func:`local_joint` a client's joint for any local layout (EP's predictive sampler uses it on a
 new client); :func:`gaussian_prior_factor` the prior's Gaussian factor and the rest, for the
 families that keep ``q ∝ p prod_j t_j`` in one Gaussian family (PVI, EP).
+
+:func:`build_terms` is the whole set-up of such a family but its algorithm (the model's
+structure checked, the clients laid out, the terms built): PVI, EP, BCM, the federated Laplace
+fit and federated Metropolis-within-Gibbs all call it. :func:`site_supports` and
+:func:`user_space` take draws of the flat unconstrained global sites back to the model's sites.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
+from numpyro.distributions.transforms import biject_to
 
-from ._structure import SiteLayout, is_latent, log_joint, trace_model
+from ._structure import SiteLayout, analyse_model, is_latent, latent_supports, log_joint, trace_model
 from ._trace import prior_median
-from .backends.mapping import client_data
+from .backends.mapping import client_data, plan_clients
+from .dp.plan import refuse_dp
 from .factor import gaussian as G
 from .factor.pointwise import largest_layout, own_entries
 from .factor.prior_site import check_prior_is_data_free, check_prior_is_proper, split_prior
 from .handlers import GLOBAL, LOCAL, site_role
 
-__all__ = ["PRIOR_FACTORS", "ModelTerms", "gaussian_prior_factor", "local_joint", "model_terms"]
+__all__ = ["PRIOR_FACTORS", "ModelTerms", "TermsSetup", "build_terms", "gaussian_prior_factor", "local_joint",
+           "model_terms", "site_supports", "user_space"]
 
 PRIOR_FACTORS = ("gaussian", "none")
 """``model_terms``'s ``prior_factor``: the prior's Gaussian factor read off the model, or none
 (a zero factor: the family's server evaluates the prior itself, flat priors welcome)."""
+
+_PARAMS = "{cls} approximates latent sites only; numpyro.param sites {names} have no prior. Give them one"
 
 _PRIOR_FIX = (
     "{cls} keeps q = p * prod_j t_j in one Gaussian family, so every global site needs a "
@@ -137,3 +147,57 @@ def local_joint(model: Callable, model_kwargs: Mapping, structure, local: SiteLa
         return lp - 0.5 * jnp.sum((1.0 - real) * v**2)  # padded local entries: a proper N(0, 1)
 
     return log_joint_local
+
+
+class TermsSetup(NamedTuple):
+    """``Setup.extra`` of the families built on a model's terms: its structure and its terms."""
+
+    structure: Any
+    terms: ModelTerms
+
+
+def build_terms(model: Callable, model_kwargs: Mapping, clients, *, cls: str, client_mapping: str,
+                row_plate: Optional[str], prior_factor: str = "gaussian", diagonal: bool = False,
+                offers_dp: bool = False, check_structure: Optional[Callable] = None,
+                adjust_structure: Optional[Callable] = None):
+    """``(plan, TermsSetup)``: ``model`` on ``clients`` as a family of class ``cls`` fits it.
+
+    The model's structure (:func:`~numpyro_fed._structure.analyse_model`) must have global
+    latent sites and no ``numpyro.param`` sites; ``check_structure(structure)`` may refuse more,
+    and ``adjust_structure(clients, structure)`` change it once the clients are laid out
+    (:func:`~numpyro_fed.backends.mapping.plan_clients`, ``client_mapping`` and ``row_plate``
+    as the families take them). A model marked with ``dp_noise`` is refused unless the family
+    ``offers_dp``. ``prior_factor`` and ``diagonal``: as :func:`model_terms`."""
+    if not offers_dp:
+        refuse_dp(cls, model, clients[clients.names[0]], model_kwargs)
+    structure = analyse_model(model, clients, model_kwargs)
+    if structure.global_param or structure.local_param_names:
+        names = sorted(structure.global_param) + list(structure.local_param_names)
+        raise ValueError(_PARAMS.format(cls=cls, names=names))
+    if not structure.global_latent.names:
+        raise ValueError(f"{cls} approximates the global latent sites, and the model has none")
+    if check_structure is not None:
+        check_structure(structure)
+    plan, structure = plan_clients(model, model_kwargs, clients, structure, client_mapping, row_plate)
+    if adjust_structure is not None:
+        structure = adjust_structure(clients, structure)
+    terms = model_terms(model, model_kwargs, clients, plan, structure, cls=cls, prior_factor=prior_factor,
+                        diagonal=diagonal)
+    return plan, TermsSetup(structure, terms)
+
+
+def site_supports(model: Callable, model_kwargs: Mapping, setup, args=None) -> Dict[str, Any]:
+    """The latent sites' supports, from a trace on ``args`` (default: the first client's data of
+    ``setup``, traced once per set-up and kept in ``setup.cache``)."""
+    if args is not None:
+        return latent_supports(trace_model(model, args, model_kwargs))
+    if "supports" not in setup.cache:
+        setup.cache["supports"] = site_supports(model, model_kwargs, setup, setup.inputs[setup.inputs.names[0]])
+    return setup.cache["supports"]
+
+
+def user_space(model: Callable, model_kwargs: Mapping, setup, u) -> Dict[str, np.ndarray]:
+    """Draws ``u`` (``(n, d)``) of the flat unconstrained global sites as the model's sites,
+    constrained: ``{site: (n, *shape)}``."""
+    layout, supports = setup.extra.structure.global_latent, site_supports(model, model_kwargs, setup)
+    return {k: np.asarray(biject_to(supports[k])(v)) for k, v in jax.vmap(layout.unravel)(u).items()}

@@ -7,6 +7,8 @@ no module over 600 lines, no backend reading an inference object's private state
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("design_counts", ROOT / "tools" / "design_counts.py")
 design_counts = importlib.util.module_from_spec(_spec)
@@ -52,3 +54,47 @@ def test_the_counts_of_private_members_and_of_families_inheriting_families(tmp_p
     # obj._warm: set on another module's object (b sets it on obj, not on its own objects)
     assert sorted(found) == ["obj._seen", "obj._warm", "self._fitted"], found
     assert design_counts._families_inheriting_families({"a": a, "b": b}) == ["Family -> Base"]
+
+
+def test_no_module_touches_another_modules_private_members():
+    """No private member of another numpyro_fed module's object is read or written, by any name
+    (the transport reaches Flower through the backend's public messenger; a family reaches its
+    set-up and its state through ``numpyro_fed.inference``'s functions). What is left is other
+    libraries' internals: NumPyro's mask of a masked distribution (it has no public one), and
+    the Flower internals that the opt-in runtime replaces (``flower/runtime/``, pinned to flwr
+    1.41/1.42), and ``os._exit``."""
+    found = design_counts.counts()["private_members_across_modules"]
+    where = sorted(w.split(":")[0] + " " + w.split(" ", 1)[1] for w in found)
+    assert set(where) <= {"numpyro_fed/_structure.py fn._mask", "numpyro_fed/flower/runtime/lifeline.py os._exit",
+                          "numpyro_fed/flower/runtime/pull.py grid._run",
+                          "numpyro_fed/flower/runtime/supernode.py module._push_messages"}, where
+
+
+def test_metropolis_within_gibbs_and_bcm_inherit_no_family():
+    """FederatedMwG composes the model's terms (numpyro_fed.model_terms) instead of subclassing
+    PVI's base; BCM is PVI configured by a public argument. Neither reads or writes another
+    family's private members."""
+    found = design_counts.counts()
+    assert not [c for c in found["families_inheriting_families"] if c.startswith("FederatedMwG ")]
+    assert not [w for w in found["private_members_across_modules"]
+                if w.startswith("numpyro_fed/factor/pvi_inference.py") and "committee" in w]
+    import numpyro_fed as nf
+    from numpyro_fed.factor.inference import FactorInference
+
+    assert FactorInference not in nf.mcmc.FederatedMwG.__mro__
+
+
+@pytest.mark.slow
+def test_one_round_of_the_laplace_rung_and_of_pvi_crosses_at_most_eight_files():
+    """Measured (``tools/round_walk.py``): the package's files on the call stacks from the user's
+    call to a client's evaluation of the model inside a round, each named in
+    docs/architecture.md's walk of that round."""
+    spec = importlib.util.spec_from_file_location("round_walk", ROOT / "tools" / "round_walk.py")
+    round_walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(round_walk)
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    traced = doc[doc.index("## One round, traced"):doc.index("## A client's terms")]
+    for name, walk in round_walk.walk().items():
+        assert len(walk["files"]) <= 8, (name, walk["files"])
+        unnamed = [f for f in walk["files"] if f"numpyro_fed/{f}" not in traced]
+        assert not unnamed, (name, unnamed)

@@ -105,7 +105,7 @@ class dp_noise(NamedSites):
 
     def process_message(self, msg):
         if msg["type"] == "sample":
-            self._visited.append(msg["name"])
+            self.visited.append(msg["name"])
         if msg["type"] != "sample" or (self.sites is not None and msg["name"] not in self.sites):
             return
         if not msg.get("is_observed"):
@@ -117,11 +117,11 @@ class dp_noise(NamedSites):
             raise ValueError(_TWICE.format(name=msg["name"]))
         infer[DP_KEY] = self.spec
         msg["infer"] = infer
-        self._seen.add(msg["name"])
+        self.seen.add(msg["name"])
 
     def postprocess_message(self, msg):
         # plates outside this handler add their frames after it has seen the message
-        if msg["type"] == "sample" and msg["name"] in self._seen and not msg["cond_indep_stack"]:
+        if msg["type"] == "sample" and msg["name"] in self.seen and not msg["cond_indep_stack"]:
             raise ValueError(_NO_PLATE.format(name=msg["name"]))
 
 

@@ -14,13 +14,14 @@ from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import client_item, pad_client
 from ..groups import trim_groups
 from ..inference import fitted, state_of
-from ..model_terms import local_joint
+from ..model_terms import local_joint, site_supports
 from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .ep_algorithm import ep, tilted_moments
 from .inference import FactorInference
 from .messages import K_ADVICE
+from .prior_site import prior_site_step
 from .tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
@@ -204,7 +205,8 @@ class EP(FactorInference):
         self._blocks = propose_blocks(terms.local) if self.local_blocks and self.tilted == "laplace" else None
         return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=self.moments,
                   schedule=self.schedule, damping=self.damping, max_halvings=self.max_halvings,
-                  subset_size=self.subset_size, max_kl=self.max_kl, prior_site=self._prior_site(terms),
+                  subset_size=self.subset_size, max_kl=self.max_kl,
+                  prior_site=prior_site_step(terms, self.family == "diagonal"),
                   blocks=self._blocks)
 
     # ------------------------------------------------------------ local posteriors
@@ -252,7 +254,7 @@ class EP(FactorInference):
         if key not in setup.cache:  # compiled once per set-up and draw counts
             setup.cache[key] = jax.jit(jax.vmap(self._sampler(setup.extra.terms.local, num_samples, num_warmup)))
         w = setup.cache[key](random.split(rng_key, len(names)), cavities, plan.data)
-        return self._constrain(w, setup.extra.terms.local, self._supports())
+        return self._constrain(w, setup.extra.terms.local, site_supports(self.model, self.model_kwargs, setup))
 
     def adapt(
         self, rng_key: jax.Array, result: "RunResult | RunState", data: Mapping[str, Any], *,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Callable, Dict, NamedTuple, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +21,13 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 from .._structure import (
-    analyse_model,
     deterministic_of_globals,
     global_deterministic_sites,
     latent_supports,
-    trace_model,
     with_improper_values,
 )
 from .._validation import check_clients, check_positive_int
-from ..backends.mapping import plan_clients
 from ..clients import Clients
-from ..dp.plan import refuse_dp
 from ..fit_check import (
     MEAN_MARGIN,
     SD_MARGIN,
@@ -42,8 +38,16 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..groups import size_group_plates
-from ..inference import NUM_SAMPLES, FederatedInference, Setup, fitted, state_of, with_exchange_traffic
-from ..model_terms import ModelTerms, local_joint, model_terms
+from ..inference import (
+    NUM_SAMPLES,
+    FederatedInference,
+    Setup,
+    checked_network,
+    fitted,
+    state_of,
+    with_exchange_traffic,
+)
+from ..model_terms import ModelTerms, TermsSetup, build_terms, local_joint, site_supports, user_space
 from ..params import GaussianParams
 from ..protocol import RunResult, RunState
 from ..warnings import (
@@ -65,21 +69,15 @@ from .check import (
 )
 from .messages import ALL_INVALID, K_ADVICE, NEVER_APPLIED, NOT_CHECKED, Q_BIASED, Q_UNRELIABLE, REJECTED, UNCHECKED_FIT
 from .pointwise import client_pass, observed_terms_at
-from .prior_site import prior_site_update
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
 __all__ = ["FactorInference", "ModelTerms", "latent_supports"]
 
-_PARAMS = "{cls} approximates latent sites only; numpyro.param sites {names} have no prior. Give them one"
 _SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
 
 
-class FactorSetup(NamedTuple):
-    """``Setup.extra`` of PVI, EP and BCM: the model's structure and its Gaussian terms."""
-
-    structure: Any
-    terms: ModelTerms
+FactorSetup = TermsSetup  # Setup.extra of PVI, EP, BCM and Laplace: the model's structure and its terms
 
 
 class FactorInference(FederatedInference):
@@ -112,7 +110,7 @@ class FactorInference(FederatedInference):
         self.check_fit = bool(check_fit)
         self.last_fit_check: Optional[FitDiagnostic] = None  # the last run's check of q (check_fit)
         self.last_fit_check_skipped: Optional[str] = None  # why the last run's q was not checked
-        self._init_inference()
+        super().__init__()
 
     # ------------------------------------------------------------------ hooks
     def _check_structure(self, structure) -> None:
@@ -124,12 +122,6 @@ class FactorInference(FederatedInference):
     def _algorithm(self, terms: ModelTerms, plan, num_clients: int):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _prior_site(self, terms: ModelTerms) -> Optional[Callable]:
-        """The server's step for a non-Gaussian prior's residual (``None`` for a Gaussian prior)."""
-        if terms.residual is None:
-            return None
-        return prior_site_update(terms.residual, terms.prior.shift.shape[0], self.family == "diagonal")
-
     def _fit_advice(self) -> Dict[str, Any]:
         """What a failed local-fit check means for this method: ``stat`` (``what``,
         ``stat_name``, ``fix``: the convergence/divergence check), ``k`` (``what``, ``fix``:
@@ -137,32 +129,19 @@ class FactorInference(FederatedInference):
         return {"stat": ("the local fit failed its check", "statistic", ""), "k": K_ADVICE, "invalid": ""}
 
     # ------------------------------------------------------------------ set-up
-    def _terms(self, clients: Clients, plan, structure) -> ModelTerms:
-        return model_terms(self.model, self.model_kwargs, clients, plan, structure, cls=type(self).__name__,
-                           prior_factor=self.prior_factor, diagonal=self.family == "diagonal")
-
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, f"{type(self).__name__}.run/init")
 
     def _build(self, clients: Clients) -> Setup[FactorSetup]:
-        cls = type(self).__name__
         if self.schedule == "subset" and self.subset_size > len(clients):
             raise ValueError(_SUBSET.format(size=self.subset_size, J=len(clients)))
-        if not self.dp_mechanisms:  # EP, Laplace: no DP mechanism
-            refuse_dp(cls, self.model, clients[clients.names[0]], self.model_kwargs)
-        structure = analyse_model(self.model, clients, self.model_kwargs)
-        if structure.global_param or structure.local_param_names:
-            names = sorted(structure.global_param) + list(structure.local_param_names)
-            raise ValueError(_PARAMS.format(cls=cls, names=names))
-        if not structure.global_latent.names:
-            raise ValueError(f"{cls} approximates the global latent sites, and the model has none")
-        self._check_structure(structure)
-        plan, structure = plan_clients(self.model, self.model_kwargs, clients, structure, self.client_mapping,
-                                       self.row_plate)
-        structure = self._adjust_structure(clients, structure)
-        terms = self._terms(clients, plan, structure)
-        algorithm = self._algorithm(terms, plan, len(clients))
-        return Setup(clients, algorithm, plan, FactorSetup(structure, terms), {})
+        plan, extra = build_terms(self.model, self.model_kwargs, clients, cls=type(self).__name__,
+                                  client_mapping=self.client_mapping, row_plate=self.row_plate,
+                                  prior_factor=self.prior_factor, diagonal=self.family == "diagonal",
+                                  offers_dp=bool(self.dp_mechanisms), check_structure=self._check_structure,
+                                  adjust_structure=self._adjust_structure)
+        algorithm = self._algorithm(extra.terms, plan, len(clients))
+        return Setup(clients, algorithm, plan, extra, {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict:
         return GaussianParams(*G.to_moments(state.server.q))
@@ -226,7 +205,7 @@ class FactorInference(FederatedInference):
         if not self.check_fit or self.differentially_private:  # under DP: data-dependent sums
             return result
         if result.state.clients is None:  # a network backend: each client computes its term on its node
-            network = self._network
+            network = checked_network(self)
             log_w, u, why, exchanges = (None, None, "this backend cannot ask the clients", []) if network is None \
                 else self._network_check(network, setup, result)
             result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
@@ -238,8 +217,7 @@ class FactorInference(FederatedInference):
                               f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
                               f"silence this", UncheckedFitWarning, stacklevel=find_stack_level())
                 return result
-            per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
-            check = self.last_fit_check = fit_diagnostic(log_w, self._user_space(u), u, per_site, shape=True)
+            check = self.last_fit_check = q_diagnostic(self.model, self.model_kwargs, setup, log_w, u)
         else:
             if self._local_integral(setup, result) is None:
                 self.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
@@ -360,13 +338,7 @@ class FactorInference(FederatedInference):
                                                             setup.plan.mapping, num_draws, how == "sampled",
                                                             None if index is None else jnp.asarray(index)))
         log_w, u = setup.cache[key](state.server.q, setup.plan.data, rng_key, client_check_keys(setup.plan, state))
-        per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
-        return fit_diagnostic(np.asarray(log_w, np.float64), self._user_space(u), np.asarray(u), per_site,
-                              shape=True)
-
-    def _user_space(self, u) -> Dict[str, np.ndarray]:
-        layout, supports = fitted(self).extra.structure.global_latent, self._supports()
-        return {k: np.asarray(biject_to(supports[k])(v)) for k, v in jax.vmap(layout.unravel)(u).items()}
+        return q_diagnostic(self.model, self.model_kwargs, setup, np.asarray(log_w, np.float64), u)
 
     def _check_local_fits(self, setup: Setup, result: RunResult, start: int) -> None:
         """Warn, naming clients and rounds, when a client's own check failed the local fit
@@ -454,16 +426,6 @@ class FactorInference(FederatedInference):
         ``network`` (:func:`numpyro_fed.factor.network_check.network_check`)."""
         return network_check.network_check(network, setup, result, self.check_draws)
 
-    def _supports(self, args=None) -> Dict[str, Any]:
-        """Latent sites' supports, from a trace on ``args`` (default: the first client's
-        data, traced once per set-up)."""
-        if args is not None:
-            return latent_supports(trace_model(self.model, args, self.model_kwargs))
-        setup = fitted(self)
-        if "supports" not in setup.cache:
-            setup.cache["supports"] = self._supports(setup.inputs[setup.inputs.names[0]])
-        return setup.cache["supports"]
-
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
         """``num_samples`` (default 1000) draws of the global sites from ``q``, constrained, and
@@ -490,7 +452,7 @@ class FactorInference(FederatedInference):
             eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
             u = jax.vmap(lambda e: G.sample(q, e))(eps)
         layout = setup.extra.structure.global_latent
-        supports = self._supports()
+        supports = site_supports(self.model, self.model_kwargs, setup)
         draws = {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
         if "deterministic" not in setup.cache:  # compiled once per set-up
             names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs, layout.names)
@@ -504,3 +466,11 @@ class FactorInference(FederatedInference):
 
 def _shown(rounds):
     return rounds if len(rounds) <= 10 else rounds[:10] + ["..."]
+
+
+def q_diagnostic(model, model_kwargs, setup, log_w, u) -> FitDiagnostic:
+    """The fit check of draws ``u`` (``(n, d)``, flat unconstrained global sites) of ``q`` with
+    log importance weights ``log_w``: Pareto k, and the moments per site and in the model's own
+    sites (:func:`~numpyro_fed.fit_check.fit_diagnostic`)."""
+    per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
+    return fit_diagnostic(log_w, user_space(model, model_kwargs, setup, u), np.asarray(u), per_site, shape=True)

@@ -15,11 +15,12 @@ import numpy as np
 
 from .._trace import prior_median
 from .._validation import check_positive_int
-from ..fit_check import FitDiagnostic, fit_diagnostic, state_fingerprint
-from ..inference import with_exchange_traffic
+from ..fit_check import FitDiagnostic, state_fingerprint
+from ..inference import checked_network, with_exchange_traffic
 from ..protocol import RunResult
+from . import network_check
 from .blocks import local_blocks as propose_blocks
-from .inference import FactorInference
+from .inference import FactorInference, q_diagnostic
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
 
 __all__ = ["Laplace", "NoModeError"]
@@ -166,11 +167,11 @@ class Laplace(FactorInference):
         if wide.clients is not None:
             self.widened_check = self.diagnose(wide, num_draws=self.check_draws)
             return result
-        log_w, u, _, exchanges = self._network_check(self._network, setup, result._replace(state=wide))
+        log_w, u, _, exchanges = network_check.network_check(checked_network(self), setup, result._replace(state=wide),
+                                                             self.check_draws)
         result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
         if log_w is not None:  # (else some client did not answer: no widened check, as the caller sees)
-            per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
-            self.widened_check = fit_diagnostic(log_w, self._user_space(u), u, per_site, shape=True)
+            self.widened_check = q_diagnostic(self.model, self.model_kwargs, setup, log_w, u)
         return result
 
     def _widened(self, state):

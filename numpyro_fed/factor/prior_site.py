@@ -34,7 +34,8 @@ from . import gaussian as G
 from .gaussian import NaturalGaussian
 from .tilted import PARETO_K_LIMIT, backtrack, laplace_moments, moments_to_factor, newton_direction, pareto_k
 
-__all__ = ["PriorSplit", "check_prior_is_data_free", "check_prior_is_proper", "prior_site_update", "split_prior"]
+__all__ = ["PriorSplit", "check_prior_is_data_free", "check_prior_is_proper", "prior_site_step", "prior_site_update",
+           "split_prior"]
 
 _MODE_STEPS = 100
 _NO_MODE = (
@@ -141,6 +142,15 @@ _IMPROPER = (
     "dist.Normal(0, 10) for a location, dist.LogNormal(0, 2) for a scale), or use nf.fit (a Laplace "
     "approximation, checked, else federated NUTS), which needs a proper posterior, not a proper prior"
 )
+
+
+def prior_site_step(terms, diagonal: bool) -> Optional[Callable]:
+    """The server's step for the residual of a non-Gaussian prior of ``terms``
+    (:class:`~numpyro_fed.model_terms.ModelTerms`; :func:`prior_site_update`), ``None`` for a
+    Gaussian prior."""
+    if terms.residual is None:
+        return None
+    return prior_site_update(terms.residual, terms.prior.shift.shape[0], diagonal)
 
 
 def check_prior_is_proper(prior, layout, cls) -> None:

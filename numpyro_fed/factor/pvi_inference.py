@@ -16,6 +16,7 @@ from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
 from .inference import FactorInference
 from .messages import K_ADVICE
+from .prior_site import prior_site_step
 from .pvi_algorithm import pvi
 from .updates import VARIANTS
 
@@ -304,7 +305,7 @@ class PVI(FactorInference):
             max_halvings=self.max_halvings,
             max_kl=self._max_kl(d),
             subset_size=self.subset_size,
-            prior_site=self._prior_site(terms),
+            prior_site=prior_site_step(terms, self.family == "diagonal"),
         )
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             self._use("optax")

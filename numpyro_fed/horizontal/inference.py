@@ -35,7 +35,16 @@ from ..fit_check import (
     state_fingerprint,
 )
 from ..groups import size_group_plates, trim_groups
-from ..inference import NUM_SAMPLES, FederatedInference, Setup, fitted, state_of, with_exchange_traffic
+from ..inference import (
+    NUM_SAMPLES,
+    FederatedInference,
+    Setup,
+    checked_network,
+    fitted,
+    setup_for,
+    state_of,
+    with_exchange_traffic,
+)
 from ..params import GuideParams
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
@@ -187,7 +196,7 @@ class FederatedSVI(FederatedInference):
         self.trusted_aggregator = bool(trusted_aggregator)
         self._dp = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
                           sampling_rate=self.dp_sampling_rate, svi=True)
-        self._init_inference()
+        super().__init__()
 
     # ------------------------------------------------------------------ set-up
     _size_group_plates = size_group_plates
@@ -265,7 +274,7 @@ class FederatedSVI(FederatedInference):
         if not self.check_fit or self.differentially_private:  # under DP: the check sums data-dependent terms
             return None
         if result.state.clients is None:  # a network backend: the clients' states stay on their nodes
-            network = getattr(self, "_network", None)
+            network = checked_network(self)
             log_w = None if network is None else self._network_log_weights(network, setup, result)
             traffic = self._fit_check_traffic(result.communication) if network is not None else None
             result = result if traffic is None else result._replace(communication=traffic)
@@ -384,7 +393,7 @@ class FederatedSVI(FederatedInference):
 
     def evaluate(self, state: RunState, clients: Clients, num_particles: int = 16, rng_key=None):
         """Negative ELBO estimate at ``state``: a server term plus every client's term (jit-compiled)."""
-        setup = self._setup(clients)
+        setup = setup_for(self, clients)
         num_particles = check_positive_int("num_particles", num_particles)
         rng_key = state.server_key if rng_key is None else rng_key
         return -jnp.mean(self._log_weights(setup, state, num_particles, rng_key))

@@ -128,7 +128,7 @@ class HM1(FederatedInference):
         self.subset_size = None if subset_size is None else check_positive_int("subset_size", subset_size)
         self.x, self.y = x, y
         self._truth = None
-        self._init_inference()
+        super().__init__()
 
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, "HM1.run/init")

@@ -182,7 +182,7 @@ class FederatedMCMC(FederatedInference):
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
         self.init_moments = _checked_init(type(self).__name__, init)
-        self._init_inference()
+        super().__init__()
 
     # ------------------------------------------------------------------ run
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:

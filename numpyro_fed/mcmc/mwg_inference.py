@@ -1,8 +1,8 @@
 """``FederatedMwG``: exact federated Metropolis-within-Gibbs, one round per iteration.
 
 The algorithm is :func:`~numpyro_fed.mcmc.mwg_algorithm.federated_mwg`; this class turns a model
-into its inputs (the same flat unconstrained terms as :class:`~numpyro_fed.factor.Laplace`) and
-starts the chain from a federated Laplace fit.
+into its inputs (the same flat unconstrained terms as :class:`~numpyro_fed.factor.Laplace`, built
+by :func:`~numpyro_fed.model_terms.build_terms`) and starts the chain from a federated Laplace fit.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import trace_model
-from .._validation import check_positive_int
+from .._structure import trace_model, with_improper_values
+from .._validation import check_clients, check_positive_int
 from ..backends.mapping import client_data, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..factor.blocks import local_blocks as propose_blocks
-from ..factor.inference import FactorInference
 from ..factor.laplace_inference import NoModeError
-from ..factor.pointwise import own_entries
-from ..groups import trim_groups
-from ..inference import fitted
+from ..factor.pointwise import observed_terms_at, own_entries
+from ..groups import size_group_plates, trim_groups
+from ..inference import FederatedInference, Setup, checked_network, fitted
+from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
@@ -37,7 +37,7 @@ __all__ = ["FederatedMwG"]
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
 
 
-class FederatedMwG(FactorInference):
+class FederatedMwG(FederatedInference):
     """Exact federated Metropolis-within-Gibbs of the pooled posterior (global and local sites).
 
     Each iteration costs one communication round: the server proposes the global sites, every
@@ -74,8 +74,9 @@ class FederatedMwG(FactorInference):
     """
 
     method = "mwg"
-    prior_factor = "none"  # the server evaluates the prior itself
+    setup_extra = TermsSetup
     params_type = DrawParams
+    _size_group_plates = size_group_plates
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     _num_rounds = 0  # the bound of the last run (its num_rounds)
     open_ended = True
@@ -86,8 +87,10 @@ class FederatedMwG(FactorInference):
                  candidates: int = 4, map_steps: int = 3,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
-        super().__init__(model, client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
-                         check_fit=False)
+        super().__init__()
+        self.model = with_improper_values(model)
+        self.client_mapping, self.row_plate = client_mapping, row_plate
+        self.model_kwargs = dict(model_kwargs or {})
         self.num_warmup = check_positive_int("num_warmup", num_warmup)
         self.num_samples = check_positive_int("num_samples", num_samples)
         self.num_chains = check_positive_int("num_chains", num_chains)
@@ -143,7 +146,16 @@ class FederatedMwG(FactorInference):
         if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self._start)):
             self._setup_cache = None  # the algorithm starts from its start: a new start builds it anew
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ set-up
+    def _validate_inputs(self, clients) -> None:
+        check_clients(clients, f"{type(self).__name__}.run/init")
+
+    def _build(self, clients) -> Setup[TermsSetup]:
+        """The model's terms (no prior factor: the server evaluates the prior itself) and the chains."""
+        plan, extra = build_terms(self.model, self.model_kwargs, clients, cls=type(self).__name__,
+                                  client_mapping=self.client_mapping, row_plate=self.row_plate, prior_factor="none")
+        return Setup(clients, self._algorithm(extra.terms, plan, len(clients)), plan, extra, {})
+
     def _algorithm(self, terms, plan, num_clients: int):
         blocks = propose_blocks(terms.local) if self.local_blocks and terms.num_local else None
         n = max(terms.num_local, 1)
@@ -167,7 +179,7 @@ class FederatedMwG(FactorInference):
 
     def _params(self, setup, state) -> Dict:
         draws = state.server.draws  # (chains, samples, d)
-        user = self._user_space(draws.reshape(-1, draws.shape[-1]))
+        user = self._user(draws.reshape(-1, draws.shape[-1]))
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
     def _check_result(self, setup, result: RunResult) -> RunResult:
@@ -177,7 +189,7 @@ class FederatedMwG(FactorInference):
             rounds = int(result.communication.rounds)
             done = np.minimum(iterations, total)
             kept = partial_draws(result.state.server.draws, done, self.num_warmup)
-            user = self._user_space(kept.reshape(-1, kept.shape[-1])) if kept.shape[1] else {}
+            user = self._user(kept.reshape(-1, kept.shape[-1])) if kept.shape[1] else {}
             raise RoundBudgetError(
                 stopped_message(type(self).__name__, rounds, self._num_rounds, result.projected_rounds,
                                 done.tolist(), total, self.num_warmup,
@@ -239,7 +251,7 @@ class FederatedMwG(FactorInference):
         from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
 
         slots = result.state.clients if result.state is not None else None
-        if self._network is not None or not slots or not fitted(self).extra.terms.num_local:
+        if checked_network(self) is not None or not slots or not fitted(self).extra.terms.num_local:
             return {}
         states = [slots.state] if isinstance(slots, ClientSlot) else [slot.state for slot in slots]  # stacked / loop
         draws = np.concatenate([np.asarray(st.draws, np.float64).reshape((-1,) + st.draws.shape[-3:])
@@ -255,7 +267,15 @@ class FederatedMwG(FactorInference):
         return {names[j]: [f"entry {k} (R-hat {r_hat[j, k]:.3g}, ESS {ess[j, k]:.0f})" for k in np.flatnonzero(bad[j])]
                 for j in np.flatnonzero(bad.any(axis=1))}
 
+    def _user(self, u) -> Dict[str, np.ndarray]:
+        return user_space(self.model, self.model_kwargs, fitted(self), u)
+
     # ------------------------------------------------------------------ API
+    def pointwise_at(self, rng_key: jax.Array, draws: Dict[str, jax.Array], client) -> tuple:
+        """``(log_likelihood, predictive)`` of ``client``'s rows at given constrained draws of
+        every latent site."""
+        return observed_terms_at(fitted(self), self.model, self.model_kwargs, rng_key, draws, client)
+
     def get_samples(self, result: RunResult, group_by_chain: bool = False, *,
                     client: Optional[str] = None) -> Dict[str, jax.Array]:
         """The global draws per site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
@@ -312,7 +332,7 @@ class FederatedMwG(FactorInference):
             args = setup.inputs[client]
             real = structure.local_layout(trace_model(self.model, args, self.model_kwargs))
             cut = unpadder(own, real, int(setup.plan.num_rows[j]))
-            supports = self._supports(args)
+            supports = site_supports(self.model, self.model_kwargs, setup, args)
 
             def one(v):
                 values, _ = own_entries(local, own, v, data)

@@ -23,7 +23,7 @@ from ..fit_check import (
     importance_resample,
     state_fingerprint,
 )
-from ..inference import FederatedInference, Setup, fitted, state_of, with_exchange_traffic
+from ..inference import FederatedInference, Setup, checked_network, fitted, state_of, with_exchange_traffic
 from ..params import VerticalParams
 from ..protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
@@ -33,7 +33,8 @@ from .network_check import CHECK_KEY
 from .objective import SERVER, VerticalObjective
 from .protocol import PartyData, vertical_protocol
 
-__all__ = ["VerticalInference", "validate_party_data"]
+__all__ = ["VerticalInference", "check_batch", "checked_result", "corrected_draws", "held_params", "party_draws",
+           "validate_party_data"]
 
 _NO_DATA = "{cls} needs the model's data as keyword arguments, e.g. .run(key, num_rounds=1000, x_a=..., x_b=..., y=...)"
 _BATCH = " no larger than the {n} rows (or None for all rows)"
@@ -131,12 +132,12 @@ class VerticalInference(FederatedInference):
     check_fit: bool = True  # run's fit check (the families' check_fit=)
     _checked_state = None  # the fingerprint of the state the last fit check was of
 
-    def _init_runner(self, optim, batch_size, model_kwargs) -> None:
+    def __init__(self, optim, batch_size, model_kwargs) -> None:
         self.optim = check_optimizer(optim)
         self.batch_size = batch_size
         self.model_kwargs = dict(model_kwargs or {})
         self.last_fit_check: Optional[FitDiagnostic] = None
-        self._init_inference()
+        super().__init__()
 
     def _build_algorithm(self, data):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -148,17 +149,6 @@ class VerticalInference(FederatedInference):
     def _party_draw(self, setup: Setup, num_draws: int) -> Callable:  # pragma: no cover - abstract
         """``draw(party, params, key) -> (u, log_q, point)``: one party's check draws from its ``q``."""
         raise NotImplementedError
-
-    def _party_draws(self, draws: Dict[str, jax.Array], client: Optional[str]) -> Dict[str, jax.Array]:
-        """``draws`` of every party's sites, or (``client``) of that party's own sites only."""
-        if client is None:
-            return draws
-        obj = fitted(self).extra.objective
-        if client not in (SERVER,) + tuple(obj.clients):
-            raise ValueError(f"{type(self).__name__}: no party named {client!r}; parties are "
-                             f"{[SERVER, *obj.clients]}")
-        own = set(obj.layouts[client].names)
-        return {k: v for k, v in draws.items() if k in own}
 
     # ------------------------------------------------------------------ the check over a network
     def client_value_inputs(self, name: str, setup, data) -> Dict[str, Any]:
@@ -200,32 +190,6 @@ class VerticalInference(FederatedInference):
         log_p, log_q, u = setup.cache[key](state, setup.cache["data"], rng_key, own_keys)
         return vertical_fit_check(obj, log_p, log_q, u)
 
-    def _fit_check(self, setup: Setup, result: RunResult) -> RunResult:
-        """Run after every ``run``: the check of the result, kept as ``last_fit_check``, and
-        the warning its verdict calls for. Over a network backend each party computes its
-        part on its node (:mod:`numpyro_fed.vertical.network_check`); the returned result
-        counts that traffic."""
-        self.last_fit_check = None
-        if not self.check_fit:
-            return result
-        cls = type(self).__name__
-        if result.state.clients is None:
-            network = self._network
-            why = _NO_NETWORK_CHECK.get(self.method, "this backend cannot ask the parties")
-            diag, exchanges = None, []
-            if network is not None and self.method not in _NO_NETWORK_CHECK:
-                diag, why, exchanges = self._network_check(network, setup, result)
-            result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
-            if diag is None:
-                warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=find_stack_level())
-                return result
-            self.last_fit_check = diag
-        else:
-            diag = self.last_fit_check = self.diagnose(result)
-        self._checked_state = state_fingerprint((result.state.server, result.state.clients))
-        self._warn_verdict(diag)
-        return result
-
     def _warn_verdict(self, diag: FitDiagnostic) -> None:
         cls = type(self).__name__
         if diag.verdict == "unreliable":
@@ -238,23 +202,6 @@ class VerticalInference(FederatedInference):
                                          mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
                                          sites=describe_biased(diag.biased), why=why, fix=fix),
                           BiasedFitWarning, stacklevel=find_stack_level())
-
-    def _corrected_draws(self, rng_key, state: RunState, num_samples: int) -> Dict[str, jax.Array]:
-        """Every party's sites, importance-resampled from the check of ``state`` (its own
-        check: the run's when ``state`` is the run's result, otherwise computed now)."""
-        if not getattr(self, "check_fit", True) or state.clients is None:
-            raise ValueError(f"{type(self).__name__}: {_NOT_CORRECTABLE_STATE}")
-        check = self.last_fit_check
-        if check is None or getattr(self, "_checked_state", None) != state_fingerprint((state.server, state.clients)):
-            check = self.diagnose(state)
-        obj = fitted(self).extra.objective
-        flat = importance_resample(rng_key, check, num_samples, type(self).__name__)
-        return constrain_draws(obj, split_flat(obj, flat))
-
-    def _check_batch(self, obj: VerticalObjective) -> None:
-        b = self.batch_size
-        if b is not None and check_positive_int("batch_size", b, what=_BATCH.format(n=obj.num_rows)) > obj.num_rows:
-            raise ValueError(f"batch_size={b!r}: must be{_BATCH.format(n=obj.num_rows)}")
 
     def _validate_inputs(self, data) -> None:
         if not data:
@@ -278,16 +225,8 @@ class VerticalInference(FederatedInference):
         def shown(params):
             return {**params, "point": obj.constrain_points(params["point"])} if "point" in params else params
 
-        held = self._held_params(setup, state)
+        held = held_params(setup, state)
         return VerticalParams({c: shown(p) for c, p in held.items() if c != SERVER}, shown(held[SERVER]))
-
-    @staticmethod
-    def _held_params(setup: Setup, state: RunState) -> Dict[str, Any]:
-        """``{party: its parameters}`` as the algorithm holds them (the server's under
-        ``"server"``; over a network each party keeps its own, so only the server's)."""
-        parties = {} if state.clients is None else {
-            c: slot.state.inner.params for c, slot in zip(setup.plan.names, state.clients)}
-        return {**parties, SERVER: state.server.inner.params}
 
     def _client_view(self, setup: Setup, client_state):
         return client_state.inner
@@ -308,3 +247,68 @@ class VerticalInference(FederatedInference):
         from their states) and the server's."""
         return self._params(fitted(self), state)
 
+
+def party_draws(inference, draws: Dict[str, jax.Array], client: Optional[str]) -> Dict[str, jax.Array]:
+    """``draws`` of every party's sites, or (``client``) of that party's own sites only."""
+    if client is None:
+        return draws
+    obj = fitted(inference).extra.objective
+    if client not in (SERVER,) + tuple(obj.clients):
+        raise ValueError(f"{type(inference).__name__}: no party named {client!r}; parties are "
+                         f"{[SERVER, *obj.clients]}")
+    own = set(obj.layouts[client].names)
+    return {k: v for k, v in draws.items() if k in own}
+
+
+def checked_result(inference, setup: Setup, result: RunResult) -> RunResult:
+    """Run after every ``run``: the check of the result, kept as ``last_fit_check``, and
+    the warning its verdict calls for. Over a network backend each party computes its
+    part on its node (:mod:`numpyro_fed.vertical.network_check`); the returned result
+    counts that traffic."""
+    inference.last_fit_check = None
+    if not inference.check_fit:
+        return result
+    cls = type(inference).__name__
+    if result.state.clients is None:
+        network = checked_network(inference)
+        why = _NO_NETWORK_CHECK.get(inference.method, "this backend cannot ask the parties")
+        diag, exchanges = None, []
+        if network is not None and inference.method not in _NO_NETWORK_CHECK:
+            diag, why, exchanges = inference._network_check(network, setup, result)
+        result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
+        if diag is None:
+            warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=find_stack_level())
+            return result
+        inference.last_fit_check = diag
+    else:
+        diag = inference.last_fit_check = inference.diagnose(result)
+    inference._checked_state = state_fingerprint((result.state.server, result.state.clients))
+    inference._warn_verdict(diag)
+    return result
+
+
+def corrected_draws(inference, rng_key, state: RunState, num_samples: int) -> Dict[str, jax.Array]:
+    """Every party's sites, importance-resampled from the check of ``state`` (its own
+    check: the run's when ``state`` is the run's result, otherwise computed now)."""
+    if not getattr(inference, "check_fit", True) or state.clients is None:
+        raise ValueError(f"{type(inference).__name__}: {_NOT_CORRECTABLE_STATE}")
+    check = inference.last_fit_check
+    if check is None or getattr(inference, "_checked_state", None) != state_fingerprint((state.server, state.clients)):
+        check = inference.diagnose(state)
+    obj = fitted(inference).extra.objective
+    flat = importance_resample(rng_key, check, num_samples, type(inference).__name__)
+    return constrain_draws(obj, split_flat(obj, flat))
+
+
+def check_batch(inference, obj: VerticalObjective) -> None:
+    b = inference.batch_size
+    if b is not None and check_positive_int("batch_size", b, what=_BATCH.format(n=obj.num_rows)) > obj.num_rows:
+        raise ValueError(f"batch_size={b!r}: must be{_BATCH.format(n=obj.num_rows)}")
+
+
+def held_params(setup: Setup, state: RunState) -> Dict[str, Any]:
+    """``{party: its parameters}`` as the algorithm holds them (the server's under
+    ``"server"``; over a network each party keeps its own, so only the server's)."""
+    parties = {} if state.clients is None else {
+        c: slot.state.inner.params for c, slot in zip(setup.plan.names, state.clients)}
+    return {**parties, SERVER: state.server.inner.params}

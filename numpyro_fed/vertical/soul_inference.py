@@ -10,10 +10,10 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
-from ..inference import NUM_SAMPLES, state_of
+from ..inference import NUM_SAMPLES, fitted, state_of
 from ..protocol import RunResult
 from .check import gaussian_draws
-from .inference import VerticalInference
+from .inference import VerticalInference, check_batch, checked_result, corrected_draws, party_draws
 from .objective import SERVER, VerticalObjective
 from .soul_algorithm import PointGuide, vertical_soul
 
@@ -116,11 +116,11 @@ class VerticalSOUL(VerticalInference):
         self.step_size = step_size
         self.init_radius = float(init_radius)
         self.check_fit = bool(check_fit)
-        self._init_runner(optim, batch_size, model_kwargs)
+        super().__init__(optim, batch_size, model_kwargs)
 
     def _build_algorithm(self, data):
         obj = VerticalObjective(self.model, PointGuide(), data, self.model_kwargs)
-        self._check_batch(obj)
+        check_batch(self, obj)
         if isinstance(self.step_size, Mapping):
             parties = (SERVER,) + obj.clients
             bad = sorted(set(self.step_size) - set(parties))
@@ -136,7 +136,7 @@ class VerticalSOUL(VerticalInference):
         return obj, alg
 
     def _check_result(self, setup, result: RunResult) -> RunResult:
-        return self._fit_check(setup, result)
+        return checked_result(self, setup, result)
 
     def _check_draws_fn(self, setup, num_draws: int):
         obj = setup.extra.objective
@@ -177,20 +177,21 @@ class VerticalSOUL(VerticalInference):
         Jit-compiled once per set of arguments. ``corrected=True``: draws of the fit check's
         Gaussian importance-resampled towards the true model's posterior (Pareto k <= 0.7).
         """
-        if self._setup_cache is None:
-            raise ValueError(_NOT_FITTED)
+        try:
+            setup = fitted(self)
+        except ValueError:
+            raise ValueError(_NOT_FITTED) from None
         num_samples = NUM_SAMPLES if num_samples is None else num_samples
         for name, value in (("num_samples", num_samples), ("thinning", thinning)):
             check_positive_int(name, value)
         check_positive_int("num_warmup", num_warmup, minimum=0)
-        setup = self._setup_cache
         state = state_of(self, result)
         if corrected:
-            return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
+            return party_draws(self, corrected_draws(self, rng_key, state, int(num_samples)), client)
         key = ("draws", int(num_samples), int(thinning), int(num_warmup))
         if key not in setup.cache:
             setup.cache[key] = jax.jit(self._draws_fn(setup, int(num_samples), int(thinning), int(num_warmup)))
-        return self._party_draws(setup.cache[key](state, setup.cache["data"], rng_key), client)
+        return party_draws(self, setup.cache[key](state, setup.cache["data"], rng_key), client)
 
     @staticmethod
     def _chains_fn(setup, length: int):

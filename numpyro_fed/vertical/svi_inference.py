@@ -11,11 +11,11 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
-from ..inference import NUM_SAMPLES, Setup, fitted, state_of
+from ..inference import NUM_SAMPLES, Setup, fitted, setup_for, state_of
 from ..protocol import RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .guides import VerticalGuide
-from .inference import VerticalInference
+from .inference import VerticalInference, check_batch, checked_result, corrected_draws, held_params, party_draws
 from .network_check import party_check_key
 from .objective import SERVER, VerticalObjective
 from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
@@ -101,11 +101,11 @@ class VerticalSVI(VerticalInference):
         self.check_rho = bool(check_rho)
         self.check_fit = bool(check_fit)
         self.last_rho_check: Optional[AugmentationCheck] = None
-        self._init_runner(optim, batch_size, model_kwargs)
+        super().__init__(optim, batch_size, model_kwargs)
 
     def _build_algorithm(self, data):
         obj = VerticalObjective(self.model, self.guide, data, self.model_kwargs)
-        self._check_batch(obj)
+        check_batch(self, obj)
         return obj, vertical_sfvi(obj, self.optim, self.batch_size)
 
     def _party_draw(self, setup: Setup, num_draws: int):
@@ -126,7 +126,7 @@ class VerticalSVI(VerticalInference):
         draw = self._party_draw(setup, num_draws)
 
         def fn(state, arrays, rng_key, own_keys):
-            params = self._held_params(setup, state)
+            params = held_params(setup, state)
             keys = {SERVER: rng_key}
             if own_keys:  # each client from its own key, as on its node (network_check.party_check_key)
                 keys.update({c: party_check_key(slot.rng_key) for c, slot in zip(obj.clients, state.clients)})
@@ -143,7 +143,7 @@ class VerticalSVI(VerticalInference):
     def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
         self.last_rho_check = None
         obj = setup.extra.objective
-        result = self._fit_check(setup, result)
+        result = checked_result(self, setup, result)
         if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
             return result
         check = self.last_rho_check = self.rho_check(result)
@@ -161,7 +161,7 @@ class VerticalSVI(VerticalInference):
         state = state_of(self, result)
         setup = fitted(self)
         obj = setup.extra.objective
-        params = self._held_params(setup, state)
+        params = held_params(setup, state)
         data, rows = setup.cache["data"], jnp.arange(obj.num_rows)
         z = {}
         for c in obj.clients:
@@ -180,7 +180,7 @@ class VerticalSVI(VerticalInference):
 
     def evaluate(self, state: RunState, num_particles: int = 16, rng_key=None, **data):
         """``-ELBO`` on all rows, averaged over ``num_particles`` draws (jit-compiled)."""
-        setup = self._setup(data)
+        setup = setup_for(self, data)
         rng_key = state.server_key if rng_key is None else rng_key
         key = ("elbo", int(num_particles))
         if key not in setup.cache:  # compile once per set-up and particle count
@@ -212,10 +212,10 @@ class VerticalSVI(VerticalInference):
         state = state_of(self, result)
         num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
         if corrected:
-            return self._party_draws(self._corrected_draws(rng_key, state, int(num_samples)), client)
+            return party_draws(self, corrected_draws(self, rng_key, state, int(num_samples)), client)
         setup = fitted(self)
         obj = setup.extra.objective
-        params_of = self._held_params(setup, state)
+        params_of = held_params(setup, state)
         out = {}
         keys = random.split(rng_key, len(obj.clients) + 1)
         for key, party in zip(keys, (SERVER,) + obj.clients):
@@ -226,5 +226,5 @@ class VerticalSVI(VerticalInference):
             eps = random.normal(key, (num_samples, size))
             u = jax.vmap(lambda e: self.guide.theta.sample(params["theta"], e)[0])(eps)
             out.update(jax.vmap(lambda v: obj.constrain(party, v))(u))
-        return self._party_draws(out, client)
+        return party_draws(self, out, client)
 
