@@ -89,6 +89,12 @@ def checked_network(inference) -> Optional[NetworkBackend]:
     return inference._network
 
 
+def reset_setup(inference) -> None:
+    """Drop ``inference``'s set-up: its next ``init`` or ``run`` builds it anew (for a family whose
+    algorithm depends on more than its inputs, e.g. the start of FederatedMwG's chains)."""
+    inference._setup_cache = None
+
+
 def setup_for(inference, inputs) -> Setup:
     """``inference``'s set-up for ``inputs`` (the clients, or the vertical families' data):
     the last one when the inputs are the same, else built anew."""
@@ -146,7 +152,7 @@ class FederatedInference:
     #: ``run``'s keyword arguments of this family beyond the backend's (HM1: ``truth``)
     family_run_options: ClassVar[tuple] = ()
     #: the family's differential privacy (``numpyro_fed.dp.plan.DPPlan``), held by the families that offer it
-    _dp: Any = None
+    dp_plan: Any = None
     #: the network backend whose run is being checked (set by ``run`` for ``_check_result``)
     _network: Optional[NetworkBackend] = None
 
@@ -229,7 +235,7 @@ class FederatedInference:
     def differentially_private(self) -> bool:
         """Does the fit send differentially private updates (planned at set-up: ``dp=``, or a
         model marked with ``dp_noise``)? Its clients then keep their data-dependent diagnostics."""
-        return self._dp is not None and self._dp.privacy is not None
+        return self.dp_plan is not None and self.dp_plan.privacy is not None
 
     def privacy_report(self, result):
         """Per client: epsilon at ``delta`` for the rows it holds, the mechanism, the
@@ -239,10 +245,10 @@ class FederatedInference:
         state: what it sent, whether or not the server used it); under a trusted aggregator
         each release is charged the noise of the fewest clients that answered in any round
         of the run (a bound, since a client does not know who else answered)."""
-        if self._dp is None:
+        if self.dp_plan is None:
             raise ValueError(f"privacy_report: {type(self).__name__} has no differentially private mechanism "
                              f"(PVI, BCM and FederatedSVI have one: dp=)")
-        return self._dp.report(type(self).__name__, fitted(self).plan.names, result)
+        return self.dp_plan.report(type(self).__name__, fitted(self).plan.names, result)
 
     def print_summary(self, result: RunResult, *, prob: float = 0.9, num_samples: int = 1000,
                       rng_key: Optional[jax.Array] = None) -> None:
@@ -277,7 +283,7 @@ class FederatedInference:
         """Prepare a run before its set-up (a family takes its own run options,
         :attr:`family_run_options`, out of ``options``). A noise calibrated to ``epsilon=``
         plans for this run's rounds (a new plan builds the set-up again)."""
-        if self._dp is not None and self._dp.before_run(inputs, num_rounds, options):
+        if self.dp_plan is not None and self.dp_plan.before_run(inputs, num_rounds, options):
             self._setup_cache = None
 
     def node_setup(self, inputs, num_rounds: int) -> Setup:
@@ -342,8 +348,8 @@ class FederatedInference:
     def _before_round(self, setup: Setup, state: RunState) -> None:
         """Refuse a round before it runs: a private fit's client that has spent its planned
         releases (:meth:`~numpyro_fed.dp.plan.DPPlan.before_round`)."""
-        if self._dp is not None:
-            self._dp.before_round(type(self).__name__, setup.plan.names, state)
+        if self.dp_plan is not None:
+            self.dp_plan.before_round(type(self).__name__, setup.plan.names, state)
 
     def _run(
         self,

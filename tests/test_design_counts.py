@@ -54,6 +54,17 @@ def test_the_counts_of_private_members_and_of_families_inheriting_families(tmp_p
     # obj._warm: set on another module's object (b sets it on obj, not on its own objects)
     assert sorted(found) == ["obj._seen", "obj._warm", "self._fitted"], found
     assert design_counts._families_inheriting_families({"a": a, "b": b}) == ["Family -> Base"]
+    # a subclass in another module writing its base's private state, which its own body does not declare
+    c = root / "c.py"
+    c.write_text("class Sub(Base):\n    _own = 0\n    def g(self):\n        self._fitted = 2\n        self._own = 3\n"
+                 "        self._new = 4\n")
+    design_counts.ROOT = tmp_path
+    try:
+        classes = design_counts._class_table({"a": a, "b": b, "c": c})
+        written = [w.split(" ", 1)[1] for w in design_counts._private_members(c, ast.parse(c.read_text()), classes)]
+    finally:
+        design_counts.ROOT = old_root
+    assert written == ["self._fitted (written; FederatedInference's)"], written
 
 
 def test_no_module_touches_another_modules_private_members():

@@ -22,7 +22,8 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
 - the package's size (modules and lines);
 - private members of another module's objects, read or written: ``x._name`` where the module
   defines ``_name`` nowhere (no function, class or assignment of that name, no attribute of that
-  name set on its own objects), whatever ``x`` is called;
+  name set on its own objects), whatever ``x`` is called; and ``self._name = ...`` in a class
+  whose base, in another module, defines ``_name`` (a subclass writing its base's private state);
 - families inheriting another family: classes whose base is a subclass of ``FederatedInference``
   other than ``FederatedInference`` itself.
 
@@ -38,7 +39,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "numpyro_fed"
@@ -76,12 +77,13 @@ def counts() -> dict:
     stacklevels: List[str] = []
     backend_private: List[str] = []
     private_members: List[str] = []
+    classes = _class_table(modules)
     for name, path in modules.items():
         backend = path.parent.name in ("backends", "flower", "runtime")
         shared = path == PACKAGE / "_validation.py"  # the one home of the shared checks
         text = path.read_text()
         tree = ast.parse(text)
-        private_members += _private_members(path, tree)
+        private_members += _private_members(path, tree, classes)
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
             if backend and isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith(
@@ -227,7 +229,73 @@ def _defined_private_names(tree) -> Set[str]:
 _NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}  # public, by Python's naming
 
 
-def _private_members(path: Path, tree) -> List[str]:
+def _class_table(modules: Dict[str, Path]) -> Dict[str, tuple]:
+    """Every class of the package by name: ``(its file, its bases' names, the private names its
+    body defines or its methods set on ``self``)``."""
+    table = {}
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                table[node.name] = (path, [ast.unparse(b).split(".")[-1] for b in node.bases], _class_private(node))
+    return table
+
+
+def _class_private(node: ast.ClassDef) -> Set[str]:
+    names = set()
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(item.name)
+        for target in item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(
+                item, ast.AnnAssign) else []:
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+    return {n for n in names | set(_self_writes(node)) if n.startswith("_") and not n.startswith("__")}
+
+
+def _self_writes(node) -> Dict[str, int]:
+    """``{name: line}`` of the private attributes ``node``'s code assigns on ``self``."""
+    out = {}
+    for n in ast.walk(node):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+            n, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for leaf in ast.walk(target):
+                if (isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self"
+                        and leaf.attr.startswith("_") and not leaf.attr.startswith("__")):
+                    out.setdefault(leaf.attr, n.lineno)
+    return out
+
+
+def _base_writes(path: Path, tree, classes: Dict[str, tuple]) -> List[str]:
+    """``self._name = ...`` in a class whose ancestor in another module defines ``_name``, and
+    that its own body does not declare."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        declared = {item.name for item in node.body if isinstance(item, (ast.FunctionDef, ast.ClassDef))}
+        declared |= {t.id for item in node.body if isinstance(item, (ast.Assign, ast.AnnAssign))
+                     for t in (item.targets if isinstance(item, ast.Assign) else [item.target])
+                     if isinstance(t, ast.Name)}
+        inherited: Dict[str, str] = {}
+        todo, seen = [b for b in classes.get(node.name, (None, []))[1]], set()
+        while todo:
+            base = todo.pop()
+            if base in seen or base not in classes:
+                continue
+            seen.add(base)
+            where, bases, names = classes[base]
+            if where != path:
+                for name in names:
+                    inherited.setdefault(name, base)
+            todo += bases
+        for name, line in _self_writes(node).items():
+            if name in inherited and name not in declared:
+                found.append(f"{path.relative_to(ROOT)}:{line} self.{name} (written; {inherited[name]}'s)")
+    return found
+
+
+def _private_members(path: Path, tree, classes: Optional[Dict[str, tuple]] = None) -> List[str]:
     """Reads and writes of a private member (``x._name``, any name) of an object this module did
     not define it on: ``_name`` is defined nowhere in the module (not as a function, class or
     assignment, nor as an attribute it sets on its own objects), so it belongs to another module's
@@ -238,7 +306,7 @@ def _private_members(path: Path, tree) -> List[str]:
         if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                 and node.attr not in own):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
-    return found
+    return found + (_base_writes(path, tree, classes) if classes else [])
 
 
 def _families_inheriting_families(modules: Dict[str, Path]) -> List[str]:

@@ -223,7 +223,7 @@ class FactorInference(FederatedInference):
                 self.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
                 return result
             check = self.last_fit_check = self.diagnose(result, num_draws=self.check_draws)
-        self._checked_state = state_fingerprint(result.state.server)
+        keep_fit_check(self, check, result.state.server)
         if check.verdict == "unreliable":
             warnings.warn(Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
                                                local=local_note(setup)), UnreliableFitWarning,
@@ -474,3 +474,9 @@ def q_diagnostic(model, model_kwargs, setup, log_w, u) -> FitDiagnostic:
     sites (:func:`~numpyro_fed.fit_check.fit_diagnostic`)."""
     per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
     return fit_diagnostic(log_w, user_space(model, model_kwargs, setup, u), np.asarray(u), per_site, shape=True)
+
+
+def keep_fit_check(inference, check: FitDiagnostic, server) -> None:
+    """Keep ``check`` as ``inference``'s fit check of the run state whose server part is ``server``:
+    ``last_fit_check``, and what ``sample_posterior(..., corrected=True)`` resamples for that state."""
+    inference.last_fit_check, inference._checked_state = check, state_fingerprint(server)

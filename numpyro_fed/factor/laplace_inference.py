@@ -15,12 +15,12 @@ import numpy as np
 
 from .._trace import prior_median
 from .._validation import check_positive_int
-from ..fit_check import FitDiagnostic, state_fingerprint
+from ..fit_check import FitDiagnostic
 from ..inference import checked_network, with_exchange_traffic
 from ..protocol import RunResult
 from . import network_check
 from .blocks import local_blocks as propose_blocks
-from .inference import FactorInference, q_diagnostic
+from .inference import FactorInference, keep_fit_check, q_diagnostic
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
 
 __all__ = ["Laplace", "NoModeError"]
@@ -184,5 +184,5 @@ class Laplace(FactorInference):
         if self.widened_check is None:
             raise ValueError("Laplace.widened_result needs the widened check of the last run: run with widen=...")
         wide = self._widened(result.state)
-        self.last_fit_check, self._checked_state = self.widened_check, state_fingerprint(wide.server)
+        keep_fit_check(self, self.widened_check, wide.server)
         return result._replace(state=wide)

@@ -222,7 +222,7 @@ class PVI(FactorInference):
         self.max_local_steps = self._local_budget(max_local_steps)
         self.dp_batch_size = None if dp_batch_size is None else int(dp_batch_size)
         self.trusted_aggregator = bool(trusted_aggregator)
-        self._dp = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
+        self.dp_plan = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
                           schedule=schedule, batch_size=self.dp_batch_size, local_steps=self.local_steps,
                           variant=variant, num_shards=self.num_shards)
         self.max_kl = self._trust_region(max_kl)
@@ -318,7 +318,7 @@ class PVI(FactorInference):
             )
             return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
         update = self._choose_update(terms, plan, d)
-        private = self._dp.privacy
+        private = self.dp_plan.privacy
         if self.committee == "split":
             common["split_prior"] = True
         return pvi(
@@ -375,7 +375,7 @@ class PVI(FactorInference):
         super()._before_run(rng_key, num_rounds, clients, options)
 
     def _build(self, clients: Clients):
-        self._dp.plan(clients)
+        self.dp_plan.plan(clients)
         return super()._build(clients)
 
     def _check_result(self, setup, result):

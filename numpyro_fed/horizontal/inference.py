@@ -194,7 +194,7 @@ class FederatedSVI(FederatedInference):
         self.dp = check_sgd_options(method, dp, dp_sampling_rate, trusted_aggregator)
         self.dp_sampling_rate = None if dp_sampling_rate is None else float(dp_sampling_rate)
         self.trusted_aggregator = bool(trusted_aggregator)
-        self._dp = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
+        self.dp_plan = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
                           sampling_rate=self.dp_sampling_rate, svi=True)
         super().__init__()
 
@@ -212,14 +212,14 @@ class FederatedSVI(FederatedInference):
         objective = FederatedObjective(self.model, self.guide, structure, self.model_kwargs, self.stl)
         objective.set_global_start(clients[clients.names[0]])
         J = len(clients)
-        if self._dp.plan(clients) is not None:
+        if self.dp_plan.plan(clients) is not None:
             local = list(structure.local_latent_names) + list(structure.local_param_names)
             if local:
                 raise ValueError(
                     f"dp='sgd' (DP federated SVI) fits models with global sites only; {local} are "
                     f"local. Use nf.PVI(dp=...) or drop the local sites"
                 )
-            p = self._dp.privacy
+            p = self.dp_plan.privacy
             algorithm = dp_sfvi(
                 objective,
                 self.optim,

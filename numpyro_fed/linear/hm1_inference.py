@@ -12,7 +12,7 @@ import numpy as np
 from .._validation import check_clients, check_positive_int
 from ..backends.mapping import ClientPlan
 from ..clients import Clients
-from ..inference import FederatedInference, Setup
+from ..inference import FederatedInference, Setup, reset_setup
 from ..params import HM1Params
 from ..protocol import RunResult, RunState
 from ..warnings import UnconvergedWarning, find_stack_level
@@ -195,7 +195,8 @@ class HM1(FederatedInference):
         same = (truth is None and self._truth is None) or (
             truth is not None and self._truth is not None and np.array_equal(truth, self._truth))
         if not same:
-            self._truth, self._setup_cache = truth, None  # the algorithm tracks another truth
+            self._truth = truth
+            reset_setup(self)  # the algorithm tracks another truth
 
     def _before_run(self, rng_key, num_rounds: int, clients, options: dict) -> None:
         """``run(..., truth=)``: ``(K, d)`` true parameters of a simulation: ``info.distance``

@@ -23,7 +23,7 @@ from ..factor.blocks import local_blocks as propose_blocks
 from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import observed_terms_at, own_entries
 from ..groups import size_group_plates, trim_groups
-from ..inference import FederatedInference, Setup, checked_network, fitted
+from ..inference import FederatedInference, Setup, checked_network, fitted, reset_setup
 from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
@@ -144,7 +144,7 @@ class FederatedMwG(FederatedInference):
             self._start = tuple(np.asarray(a) for a in self.init_moments)
         built = self._built_start
         if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self._start)):
-            self._setup_cache = None  # the algorithm starts from its start: a new start builds it anew
+            reset_setup(self)  # the algorithm starts from its start: a new start builds it anew
 
     # ------------------------------------------------------------------ set-up
     def _validate_inputs(self, clients) -> None:
