@@ -308,7 +308,7 @@ class FederatedInference:
 
     def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
         """Family-specific checks after a run (warn or raise). Over a network backend
-        (``self._network``) a check may ask the clients for values computed on their nodes
+        (:func:`checked_network`) a check may ask the clients for values computed on their nodes
         and return the result with that traffic counted."""
 
     # ------------------------------------------------------------------ set-up
