@@ -145,6 +145,11 @@ class _FederationAnnotation(NamedSites):
         derived = bool(self._pending) and name not in self._pending
         if self.sites is not None and name not in self.sites and not derived:
             return
+        if derived and msg["type"] == "sample" and msg.get("is_observed"):
+            # an observed site created while a marked site is processed is no latent of it: the
+            # log-Jacobian factor NumPyro adds when it substitutes an unconstrained value
+            # (numpyro.infer.util.potential_energy, log_density with unconstrained params)
+            return
         if msg["type"] == "sample" and msg.get("is_observed"):
             if self.sites is None:
                 return  # block form: observed sites are the client's anyway

@@ -1,3 +1,5 @@
+import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
@@ -117,3 +119,28 @@ def test_user_infer_dict_not_mutated():
 
     trace(seed(nf.local_site(m, sites=["z"]), 0)).get_trace()
     assert infer == {"enumerate": None}
+
+
+@pytest.mark.parametrize("handler", ["global_site", "local_site"])
+def test_a_named_constrained_site_keeps_numpyros_potential_energy(handler):
+    """NumPyro's potential energy substitutes an unconstrained value and adds the log-Jacobian as
+    an observed factor while the marked site is processed: the named form leaves that factor
+    alone, so the marked model's potential equals the unmarked one's (NumPyro's own density)."""
+    from numpyro.infer.util import potential_energy
+
+    def plain(y):
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(0.0, tau), obs=y)
+
+    def marked(y):
+        with getattr(nf, handler)(sites=["tau"]):
+            tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(0.0, tau), obs=y)
+
+    y = jnp.array([0.3, -1.2, 0.8])
+    for u in (-1.5, 0.0, 0.7):
+        params = {"tau": jnp.array(u)}
+        np.testing.assert_allclose(potential_energy(marked, (y,), {}, params),
+                                   potential_energy(plain, (y,), {}, params), rtol=1e-6)
