@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import importlib
 import numbers
+import sys
 import warnings
 from typing import Any, Dict, Tuple
 
 from .warnings import FederatedDeprecationWarning, find_stack_level
 
-__all__ = ["MODULE_ATTRIBUTES", "PARAMS_ENTRIES", "REMOVED_IN", "RENAMED_KEYWORDS", "RUN_RESULT_ATTRIBUTES",
-           "module_attribute", "params_entries", "params_entry", "renamed_keyword", "renamed_method",
-           "rounds_before_clients", "warn_params_attribute"]
+__all__ = ["MODULE_ATTRIBUTES", "MOVED_MODULES", "PARAMS_ENTRIES", "REMOVED_IN", "RENAMED_KEYWORDS",
+           "RUN_RESULT_ATTRIBUTES", "module_attribute", "moved_module", "params_entries", "params_entry",
+           "renamed_keyword", "renamed_method", "rounds_before_clients", "warn_params_attribute"]
 
 REMOVED_IN = "0.3.0"
 
@@ -85,6 +86,20 @@ def module_attribute(name: str) -> Any:
     warnings.warn(f"numpyro_fed.{name} is deprecated and goes in {REMOVED_IN}: use {module}.{new}",
                   FederatedDeprecationWarning, stacklevel=find_stack_level())
     return getattr(importlib.import_module(module), new)
+
+
+#: an old module's path -> where it lives now (the fit checks' modules, now in :mod:`numpyro_fed.check`)
+MOVED_MODULES: Dict[str, str] = {"numpyro_fed.fit_check": "numpyro_fed.check.psis",
+                                 "numpyro_fed.mcmc.diagnostics": "numpyro_fed.check.chains"}
+
+
+def moved_module(old: str) -> None:
+    """Make the module ``old`` (a file holding only this call) the module it moved to, with a
+    DeprecationWarning where it is imported."""
+    new = MOVED_MODULES[old]
+    warnings.warn(f"{old} is deprecated and goes in {REMOVED_IN}: import {new}", FederatedDeprecationWarning,
+                  stacklevel=find_stack_level())
+    sys.modules[old] = importlib.import_module(new)
 
 
 #: ``keyword argument -> its new name``, for every method that took it

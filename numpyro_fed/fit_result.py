@@ -52,6 +52,8 @@ class Fit:
             verdict is ``"ok"`` since the ladder accepted them), or for the samplers
             ``{"acceptance" (MwG) / "divergences" (NUTS), "min_n_eff", "max_r_hat"}`` over the
             global scalars that move. The diagnostics of a ``q`` the ladder set aside are in ``log``.
+        verdict: the answer's fit check as every family gives it (``result.verdict``, a
+            :class:`numpyro_fed.check.Verdict`; importance-corrected: the corrected draws' check).
         log: what was tried, in order, and why the ladder moved on.
         results: the :class:`~numpyro_fed.RunResult` of every rung that ran, in order (each
             with its own transcript when run with ``record_transcript=True``).
@@ -72,6 +74,11 @@ class Fit:
         self._corrected, self._num_samples = corrected, int(num_samples)
         self._idata, self._clients = None, clients
         self.results = list(results) if results is not None else [result]
+
+    @property
+    def verdict(self) -> Any:
+        """The answer's fit check (:class:`numpyro_fed.check.Verdict`): ``result.verdict``."""
+        return self.result.verdict
 
     @property
     def rounds_per_draw(self) -> Optional[float]:

@@ -19,6 +19,7 @@ from . import checkpoint as ckpt
 from .backends.base import Backend, NetworkBackend
 from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
+from .check import run_check
 from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 
 __all__ = ["FederatedInference", "NUM_SAMPLES", "Setup"]
@@ -83,9 +84,9 @@ def fitted(inference) -> Setup:
 
 
 def checked_network(inference) -> Optional[NetworkBackend]:
-    """The network backend whose run ``inference`` is checking (set by ``run`` while its
-    ``_check_result`` runs, so that a check may ask the clients for values computed on their
-    nodes); ``None`` in simulation and outside ``run``."""
+    """The network backend whose run ``inference`` is checking (set by ``run`` while its fit
+    check (:func:`numpyro_fed.check.check_for`) runs, so that a check may ask the clients for
+    values computed on their nodes); ``None`` in simulation and outside ``run``."""
     return inference._network
 
 
@@ -132,7 +133,8 @@ class FederatedInference:
     (horizontal families: ``Clients``, passed positionally) or the model's data as keyword
     arguments (vertical families); ``_inputs`` turns what was passed into them. Subclasses
     implement ``_build(inputs) -> Setup`` and may override ``_inputs``, ``_before_run``,
-    ``_params``, ``_client_view`` and ``_check_result``.
+    ``_params`` and ``_client_view``; each family registers its fit check beside its class
+    (:func:`numpyro_fed.check.register_check`), which ``run`` ends with.
     """
 
     method = "federated"
@@ -153,7 +155,7 @@ class FederatedInference:
     family_run_options: ClassVar[tuple] = ()
     #: the family's differential privacy (``numpyro_fed.dp.plan.DPPlan``), held by the families that offer it
     dp_plan: Any = None
-    #: the network backend whose run is being checked (set by ``run`` for ``_check_result``)
+    #: the network backend whose run is being checked (set by ``run`` for the family's fit check)
     _network: Optional[NetworkBackend] = None
 
     def __init__(self) -> None:
@@ -306,11 +308,6 @@ class FederatedInference:
         """What ``RunResult.client_states`` shows of a client's algorithm state."""
         return client_state
 
-    def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
-        """Family-specific checks after a run (warn or raise). Over a network backend
-        (:func:`checked_network`) a check may ask the clients for values computed on their nodes
-        and return the result with that traffic counted."""
-
     # ------------------------------------------------------------------ set-up
     def _setup(self, inputs) -> Setup:
         self._validate_inputs(inputs)
@@ -390,11 +387,10 @@ class FederatedInference:
         )
         self._remember_shapes(setup, result.state)
         self._network = backend if isinstance(backend, NetworkBackend) else None  # a network backend's clients
-        try:
-            result = self._check_result(setup, result) or result
+        try:  # the family's fit check (numpyro_fed.check): it warns or raises, and its verdict goes in the result
+            return run_check(self, result)
         finally:
             self._network = None
-        return result
 
     def save(self, path: str, state: "RunState | RunResult") -> None:
         """Save a run state to ``path`` (an ``.npz`` file; see :mod:`numpyro_fed.checkpoint`)."""

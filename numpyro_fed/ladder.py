@@ -6,7 +6,7 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    local latents integrated on their clients; typically 5-20 rounds. Flat priors are accepted
    where the posterior is proper; an improper posterior (no mode) is refused, naming the sites.
 2. **Two fit checks** of that Gaussian ``q`` against the posterior (Pareto-smoothed importance
-   sampling, each client computing its own term; :mod:`numpyro_fed.fit_check`): ``q``'s own
+   sampling, each client computing its own term; :mod:`numpyro_fed.check.psis`): ``q``'s own
    (draws from ``q``), and a widened one (draws from ``q`` with its sd times :data:`WIDEN`, which
    reach the tails a too-narrow ``q`` never draws from). ``q`` is accepted when its own verdict is
    ``ok`` (Pareto k at most :data:`ACCEPT_K`, no biased site) and its means and sds agree with the
@@ -33,7 +33,7 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    L^T`` the covariance: a dense mass matrix); ``num_warmup`` defaults to :data:`WARM_WARMUP`
    instead of NumPyro's 500, ``num_chains`` to :data:`NUTS_CHAINS`. It pays one round per leapfrog
    step, and warns, naming the scalars, where its chains have a split R-hat above 1.05 or a bulk
-   ESS under 100 (:mod:`~numpyro_fed.mcmc.diagnostics`).
+   ESS under 100 (:mod:`~numpyro_fed.check.chains`).
 
 Every rung together spends at most ``max_rounds`` rounds (:data:`~numpyro_fed.budget.MAX_ROUNDS`
 by default): a sampler whose pace projects more stops before spending them and :func:`fit`
@@ -60,9 +60,9 @@ import numpy as np
 
 from ._validation import check_positive_int
 from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, network_time
+from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
 from .fit_cache import kept_rungs
 from .fit_result import Fit, check_text
-from .laplace_verdict import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
 from .warnings import FitWarning, MCMCDiagnosticWarning, find_stack_level
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
@@ -412,7 +412,7 @@ class Ladder:
             spent = int(result.communication.rounds)
             done["rounds"] += spent
             done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], _bytes(result)))
-            check = _mcmc_check(sampler, result)
+            check = _mcmc_check(result)
             chain_rounds = chain_rounds + spent if go_on else spent  # the rounds of these chains' draws
             log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
                        + f"; {_per_draw(chain_rounds, check):.3g} rounds per effective draw")
@@ -522,26 +522,26 @@ def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every", "init_state")}
 
 
-def _mcmc_check(sampler, result) -> Dict[str, float]:
-    """The chains' check over the global scalars (the sampler's ``mixing``: scalars that never move
+def _mcmc_check(result) -> Dict[str, float]:
+    """The chains' check over the global scalars (their fit check's verdict: scalars that never move
     left out): ``{"divergences" (NUTS) / "acceptance" (MwG), "min_n_eff", "max_r_hat"}``."""
-    report = sampler.mixing(result)
-    return {k: report[k] for k in ("divergences", "acceptance", "min_n_eff", "max_r_hat") if k in report}
+    figures = result.verdict.figures
+    return {k: figures[k] for k in ("divergences", "acceptance", "min_n_eff", "max_r_hat") if k in figures}
 
 
 def _warn_unmixed(sampler, result) -> None:
     """Warn, naming the scalars, where the exact answer's chains have a split R-hat above
-    :data:`~numpyro_fed.mcmc.diagnostics.R_HAT_LIMIT` or a bulk ESS under
-    :data:`~numpyro_fed.mcmc.diagnostics.MIN_ESS` (Metropolis-within-Gibbs warns of it itself)."""
-    from .mcmc.diagnostics import MIN_ESS, R_HAT_LIMIT, chain_report, describe_unmixed
+    :data:`~numpyro_fed.check.chains.R_HAT_LIMIT` or a bulk ESS under
+    :data:`~numpyro_fed.check.chains.MIN_ESS` (Metropolis-within-Gibbs warns of it itself)."""
+    from .check.chains import MIN_ESS, R_HAT_LIMIT, describe_unmixed
 
-    report = chain_report({k: np.asarray(v) for k, v in sampler.get_samples(result, group_by_chain=True).items()})
-    if report.unmixed:
-        warnings.warn(_UNMIXED.format(chains=report.num_chains, sites=describe_unmixed(report), r_hat=R_HAT_LIMIT,
+    unmixed = result.verdict.reports["chains"]["unmixed"]
+    if unmixed:
+        warnings.warn(_UNMIXED.format(chains=sampler.num_chains, sites=describe_unmixed(unmixed), r_hat=R_HAT_LIMIT,
                                       ess=MIN_ESS), MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
 
 def _r_hat_limit() -> float:
-    from .mcmc.diagnostics import R_HAT_LIMIT
+    from .check.chains import R_HAT_LIMIT
 
     return R_HAT_LIMIT

@@ -235,6 +235,8 @@ class RunResult(NamedTuple):
         projected_rounds: an open-ended sampler's projection of the rounds its whole run needs,
             from its own pace (:class:`~numpyro_fed.budget.Pace`), when it was stopped because
             that exceeds ``num_rounds``; ``None`` otherwise.
+        verdict: the family's fit check of this run (:class:`numpyro_fed.check.Verdict`: its
+            ``status``, figures and the sites it names); ``None`` before the check ran.
     """
 
     params: Any
@@ -247,6 +249,7 @@ class RunResult(NamedTuple):
     rounds_answered: Optional[Any] = None
     fitted_by: str = ""
     projected_rounds: Optional[float] = None
+    verdict: Any = None
 
     @property
     def losses(self) -> jax.Array:

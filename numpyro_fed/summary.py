@@ -3,7 +3,7 @@
 For each global site (each scalar of it): mean, sd, median and the central ``prob``
 interval of the posterior draws; for federated MCMC also NumPyro's effective sample size and
 split R-hat per scalar, and for the approximate families the fit check's verdict (Pareto k,
-importance-sampling ESS; see :mod:`numpyro_fed.fit_check`). Every family has it as a method:
+importance-sampling ESS; see :mod:`numpyro_fed.check.psis`). Every family has it as a method:
 ``svi.print_summary(result)``.
 """
 

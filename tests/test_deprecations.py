@@ -37,6 +37,19 @@ def test_each_old_name_warns_naming_the_new_one_and_resolves_to_it(old):
     assert f"`nf.{old}`" in API, f"docs/api.md's table of deprecated names omits nf.{old}"
 
 
+@pytest.mark.parametrize("old", sorted(dep.MOVED_MODULES))
+def test_a_moved_module_warns_naming_its_new_path_and_is_that_module(old):
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)  # imported again: its file runs, and warns
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} is deprecated") + ".*"
+                      + re.escape(f"import {dep.MOVED_MODULES[old]}")):
+        got = importlib.import_module(old)
+    assert got is importlib.import_module(dep.MOVED_MODULES[old])
+    assert f"`import {old}`" in API, f"docs/api.md's table of deprecated names omits {old}"
+
+
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         nf.no_such_name  # noqa: B018

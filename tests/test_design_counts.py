@@ -65,6 +65,10 @@ def test_the_counts_of_private_members_and_of_families_inheriting_families(tmp_p
     finally:
         design_counts.ROOT = old_root
     assert written == ["self._fitted (written; FederatedInference's)"], written
+    # the base class's hooks: its private methods that a family (any depth) defines again
+    d = root / "d.py"
+    d.write_text("class Fam(Base):\n    def _fitted(self):\n        return 2\n    def _own(self):\n        return 3\n")
+    assert design_counts._base_hooks({"a": a, "d": d}) == {"_fitted": ["Fam"]}
 
 
 def test_no_module_touches_another_modules_private_members():

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.fit_check import curvature_report, fit_diagnostic
+from numpyro_fed.check.psis import curvature_report, fit_diagnostic
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(90, 2)).astype(np.float32)

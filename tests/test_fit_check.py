@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.fit_check import PARETO_K_LIMIT, fit_diagnostic
+from numpyro_fed.check.psis import PARETO_K_LIMIT, fit_diagnostic
 from numpyro_fed.inference import fitted
 
 from .references import nuts_reference

@@ -16,8 +16,8 @@ import pytest
 from numpyro.infer import Predictive
 
 import numpyro_fed as nf
+from numpyro_fed.check.chains import chain_report
 from numpyro_fed.ladder import RUNG_OPTIONS, Ladder
-from numpyro_fed.mcmc.diagnostics import chain_report
 
 
 def _regression(x, y=None):

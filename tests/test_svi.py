@@ -312,6 +312,7 @@ def test_fit_check_over_a_network_equals_the_simulations():
     server's sum equals ``diagnose``'s, the traffic is counted, and a client that does not
     answer makes the run warn instead of skipping the check."""
     from numpyro_fed.backends.mapping import client_item
+    from numpyro_fed.check import run_check
 
     from .families import sfvi
 
@@ -338,7 +339,8 @@ def test_fit_check_over_a_network_equals_the_simulations():
 
     remote = result._replace(state=result.state._replace(clients=None))
     inference._network = Network({0, 1, 2})
-    checked = inference._check_result(setup, remote)
+    checked = run_check(inference, remote)
+    assert checked.verdict.check == "psis" and checked.verdict.figures["pareto_k"] == inference.last_fit_check.pareto_k
     np.testing.assert_allclose(inference.last_fit_check.log_weights, want.log_weights, rtol=1e-5, atol=1e-4)
     assert inference.last_fit_check.pareto_k == pytest.approx(want.pareto_k, abs=1e-3)
     # 3 clients x (1000 float32 values + header) up; global params and two keys down
@@ -346,6 +348,6 @@ def test_fit_check_over_a_network_equals_the_simulations():
     assert checked.communication.messages_down == result.communication.messages_down + 3
     inference._network = Network({0, 2})
     with pytest.warns(nf.warnings.UnreliableFitWarning, match="some clients did not answer"):
-        inference._check_result(setup, remote)
-    assert inference.last_fit_check is None
+        unanswered = run_check(inference, remote)
+    assert inference.last_fit_check is None and unanswered.verdict.status == "unchecked"
     inference._network = None

@@ -25,7 +25,10 @@ package's ``__all__``): ``python tools/design_counts.py [--json]``.
   name set on its own objects), whatever ``x`` is called; and ``self._name = ...`` in a class
   whose base, in another module, defines ``_name`` (a subclass writing its base's private state);
 - families inheriting another family: classes whose base is a subclass of ``FederatedInference``
-  other than ``FederatedInference`` itself.
+  other than ``FederatedInference`` itself;
+- the base class's hooks: the private methods ``FederatedInference`` defines that a subclass
+  defines again (the template's steps a family overrides; a family's fit check is registered
+  beside it, ``numpyro_fed.check``, not a hook).
 
 Runs without the optional extras: a subpackage that cannot be imported (Flower's, without
 ``flwr``) is named under ``not_imported`` and its classes are left out of the class chains.
@@ -149,6 +152,7 @@ def counts() -> dict:
         "public_names": len(numpyro_fed.__all__),
         "private_members_across_modules": private_members,
         "families_inheriting_families": _families_inheriting_families(modules),
+        "base_hooks": _base_hooks(modules),
         "not_imported": dict(_NOT_IMPORTED),
     }
 
@@ -327,6 +331,27 @@ def _families_inheriting_families(modules: Dict[str, Path]) -> List[str]:
                   if b != "FederatedInference" and b in bases and is_inference(b))
 
 
+def _base_hooks(modules: Dict[str, Path]) -> Dict[str, List[str]]:
+    """``{hook: [the subclasses that define it again]}`` over the private methods of
+    ``FederatedInference`` (by the package's class definitions)."""
+    bases: Dict[str, List[str]] = {}
+    methods: Dict[str, Set[str]] = {}
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
+                methods[node.name] = {f.name for f in node.body
+                                      if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def is_family(name: str, seen=()) -> bool:
+        return any(b == "FederatedInference" or (b not in seen and is_family(b, seen + (name,)))
+                   for b in bases.get(name, ()))
+
+    own = {m for m in methods.get("FederatedInference", ()) if m.startswith("_") and not m.startswith("__")}
+    hooks = {m: sorted(c for c in bases if is_family(c) and m in methods[c]) for m in sorted(own)}
+    return {m: classes for m, classes in hooks.items() if classes}
+
+
 def _docstring_lines(node) -> int:
     """Lines of a function's docstring (not counted in its length: the issue's counts leave it out)."""
     first = node.body[0] if node.body else None
@@ -400,6 +425,7 @@ def main() -> None:
     print(f"private members of another module's objects, read or written: "
           f"{len(found['private_members_across_modules'])}")
     print(f"families inheriting another family: {found['families_inheriting_families']}")
+    print(f"the base class's hooks that families override: {len(found['base_hooks'])} {sorted(found['base_hooks'])}")
     if found["not_imported"]:
         print(f"not imported (an optional extra missing; their classes left out of the chains): "
               f"{sorted(found['not_imported'])}")

@@ -1,5 +1,5 @@
 """The fit check of PVI and EP: ``log w = log p(u, y) - log q(u)`` at draws ``u ~ q`` of the
-global sites, summed from every client's own term (see :mod:`numpyro_fed.fit_check`).
+global sites, summed from every client's own term (see :mod:`numpyro_fed.check.psis`).
 
 The server draws ``u`` from ``q`` and sends the draws; each client returns one scalar per
 draw, ``log p(y_j | u)``, over its own rows: exact for models whose local sites are

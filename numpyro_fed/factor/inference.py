@@ -27,8 +27,8 @@ from .._structure import (
     with_improper_values,
 )
 from .._validation import check_clients, check_positive_int
-from ..clients import Clients
-from ..fit_check import (
+from ..check import Verdict, from_diagnostic, register_check, unchecked
+from ..check.psis import (
     MEAN_MARGIN,
     SD_MARGIN,
     FitDiagnostic,
@@ -37,6 +37,7 @@ from ..fit_check import (
     importance_resample,
     state_fingerprint,
 )
+from ..clients import Clients
 from ..groups import size_group_plates
 from ..inference import (
     NUM_SAMPLES,
@@ -72,7 +73,7 @@ from .pointwise import client_pass, observed_terms_at
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
-__all__ = ["FactorInference", "ModelTerms", "latent_supports"]
+__all__ = ["FactorInference", "ModelTerms", "factor_check", "latent_supports", "q_check"]
 
 _SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
 
@@ -146,32 +147,6 @@ class FactorInference(FederatedInference):
     def _params(self, setup: Setup, state: RunState) -> Dict:
         return GaussianParams(*G.to_moments(state.server.q))
 
-    def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
-        cls, names = type(self).__name__, setup.plan.names
-        info = result.info
-        answered = np.asarray(info.invalid) + np.asarray(info.valid).sum(axis=-1)
-        damping = np.asarray(info.damping)
-        dead = (answered > 0) & (np.asarray(info.valid).sum(axis=-1) == 0)
-        start = int(result.state.round) - len(damping)
-        # no client's update ever applied: q holds no data (the server's refinement of a non-Gaussian
-        # prior's site may have moved it, but only towards the prior)
-        applied = (np.asarray(info.valid).sum(axis=-1) > 0) & (damping > 0)
-        if not applied.any() and int(result.state.round) == len(damping):
-            why = ""
-            if dead.any():
-                bad = sorted({names[j] for r in np.flatnonzero(dead) for j in range(len(names))
-                              if not np.asarray(info.valid)[r, j]})
-                why = f"Every update was invalid (clients {bad}). {self._fit_advice()['invalid']}"
-            raise ValueError(NEVER_APPLIED.format(cls=cls, rounds=len(damping), why=why))
-        if dead.any():
-            rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
-            warnings.warn(ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
-                                              hint=self._fit_advice()["invalid"]), InvalidUpdateWarning,
-                          stacklevel=find_stack_level())
-        self._warn_rejected(setup, result, start)
-        self._check_local_fits(setup, result, start)
-        return self._check_q(setup, result)
-
     def _max_kl(self, dim: int) -> Optional[float]:
         """The trust region (nats) the server applies to a ``dim``-dimensional ``q``; ``None``: none."""
         value = getattr(self, "max_kl", None)
@@ -197,43 +172,6 @@ class FactorInference(FederatedInference):
                                        clients=clients, halvings=self.max_halvings,
                                        kl=f" or moved it by more than max_kl={max_kl:g} nats" if max_kl else "",
                                        fix=fix), InvalidUpdateWarning, stacklevel=find_stack_level())
-
-    def _check_q(self, setup: Setup, result: RunResult) -> RunResult:
-        """The fit check of the final ``q`` against the full posterior (:meth:`diagnose`), and its warning."""
-        self.last_fit_check, self.last_fit_check_skipped = None, None
-        cls = type(self).__name__
-        if not self.check_fit or self.differentially_private:  # under DP: data-dependent sums
-            return result
-        if result.state.clients is None:  # a network backend: each client computes its term on its node
-            network = checked_network(self)
-            log_w, u, why, exchanges = (None, None, "this backend cannot ask the clients", []) if network is None \
-                else self._network_check(network, setup, result)
-            result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
-            if why == "proposal":
-                self.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
-                return result
-            if log_w is None:
-                warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) needs every "
-                              f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
-                              f"silence this", UncheckedFitWarning, stacklevel=find_stack_level())
-                return result
-            check = self.last_fit_check = q_diagnostic(self.model, self.model_kwargs, setup, log_w, u)
-        else:
-            if self._local_integral(setup, result) is None:
-                self.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
-                return result
-            check = self.last_fit_check = self.diagnose(result, num_draws=self.check_draws)
-        keep_fit_check(self, check, result.state.server)
-        if check.verdict == "unreliable":
-            warnings.warn(Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
-                                               local=local_note(setup)), UnreliableFitWarning,
-                          stacklevel=find_stack_level())
-        elif check.verdict == "biased":
-            warnings.warn(Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights),
-                                           mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
-                                           sites=describe_biased(check.biased), local=local_note(setup)),
-                          BiasedFitWarning, stacklevel=find_stack_level())
-        return result
 
     def _local_integral(self, setup: Setup, result) -> Optional[str]:
         """How the clients compute ``log p(y_j | theta)`` for the check: ``"exact"`` (no
@@ -315,7 +253,7 @@ class FactorInference(FederatedInference):
         corrected where they are not Gaussian given the global sites; see
         :mod:`numpyro_fed.factor.check`), the server adds the prior and ``-log q(u)``. Also
         compares ``q``'s user-space moments with the weighted ones (see
-        :mod:`numpyro_fed.fit_check`). ``run`` calls this (``check_fit=True``) and warns,
+        :mod:`numpyro_fed.check.psis`). ``run`` calls this (``check_fit=True``) and warns,
         unless some client's importance proposal for its local latents fails its own
         check (then ``last_fit_check_skipped`` says why, and a call here gives the
         plain-Laplace, approximate check). Simulation only.
@@ -471,7 +409,7 @@ def _shown(rounds):
 def q_diagnostic(model, model_kwargs, setup, log_w, u) -> FitDiagnostic:
     """The fit check of draws ``u`` (``(n, d)``, flat unconstrained global sites) of ``q`` with
     log importance weights ``log_w``: Pareto k, and the moments per site and in the model's own
-    sites (:func:`~numpyro_fed.fit_check.fit_diagnostic`)."""
+    sites (:func:`~numpyro_fed.check.psis.fit_diagnostic`)."""
     per_site = {k: np.asarray(v) for k, v in jax.vmap(setup.extra.structure.global_latent.unravel)(u).items()}
     return fit_diagnostic(log_w, user_space(model, model_kwargs, setup, u), np.asarray(u), per_site, shape=True)
 
@@ -480,3 +418,77 @@ def keep_fit_check(inference, check: FitDiagnostic, server) -> None:
     """Keep ``check`` as ``inference``'s fit check of the run state whose server part is ``server``:
     ``last_fit_check``, and what ``sample_posterior(..., corrected=True)`` resamples for that state."""
     inference.last_fit_check, inference._checked_state = check, state_fingerprint(server)
+
+
+@register_check(FactorInference)
+def factor_check(inference: FactorInference, result: RunResult) -> Verdict:
+    """The factor families' fit check: raise where no client's update ever applied; warn of rounds
+    whose every update was invalid or refused, of local fits that stopped early; then
+    :func:`q_check`."""
+    setup = fitted(inference)
+    cls, names = type(inference).__name__, setup.plan.names
+    info = result.info
+    answered = np.asarray(info.invalid) + np.asarray(info.valid).sum(axis=-1)
+    damping = np.asarray(info.damping)
+    dead = (answered > 0) & (np.asarray(info.valid).sum(axis=-1) == 0)
+    start = int(result.state.round) - len(damping)
+    # no client's update ever applied: q holds no data (the server's refinement of a non-Gaussian
+    # prior's site may have moved it, but only towards the prior)
+    applied = (np.asarray(info.valid).sum(axis=-1) > 0) & (damping > 0)
+    if not applied.any() and int(result.state.round) == len(damping):
+        why = ""
+        if dead.any():
+            bad = sorted({names[j] for r in np.flatnonzero(dead) for j in range(len(names))
+                          if not np.asarray(info.valid)[r, j]})
+            why = f"Every update was invalid (clients {bad}). {inference._fit_advice()['invalid']}"
+        raise ValueError(NEVER_APPLIED.format(cls=cls, rounds=len(damping), why=why))
+    if dead.any():
+        rounds = [int(start + r + 1) for r in np.flatnonzero(dead)]
+        warnings.warn(ALL_INVALID.format(cls=cls, rounds=_shown(rounds), clients=list(names),
+                                          hint=inference._fit_advice()["invalid"]), InvalidUpdateWarning,
+                      stacklevel=find_stack_level())
+    inference._warn_rejected(setup, result, start)
+    inference._check_local_fits(setup, result, start)
+    return q_check(inference, setup, result)
+
+
+def q_check(inference: FactorInference, setup: Setup, result: RunResult) -> Verdict:
+    """The fit check of the final ``q`` against the full posterior (``diagnose``; over a network
+    backend, each client computing its term on its node), and its warning."""
+    inference.last_fit_check, inference.last_fit_check_skipped = None, None
+    cls = type(inference).__name__
+    if not inference.check_fit:
+        return unchecked("check_fit=False")
+    if inference.differentially_private:  # under DP: data-dependent sums
+        return unchecked("a differentially private fit is not checked (the check sums data-dependent terms)")
+    communication = None
+    if result.state.clients is None:  # a network backend: each client computes its term on its node
+        network = checked_network(inference)
+        log_w, u, why, exchanges = (None, None, "this backend cannot ask the clients", []) if network is None \
+            else inference._network_check(network, setup, result)
+        communication = with_exchange_traffic(result.communication, exchanges)
+        if why == "proposal":
+            inference.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
+            return unchecked(inference.last_fit_check_skipped, communication)
+        if log_w is None:
+            warnings.warn(f"{cls}: the fit check of q (Pareto k and moments against the posterior) needs every "
+                          f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
+                          f"silence this", UncheckedFitWarning, stacklevel=find_stack_level())
+            return unchecked(f"the check needs every client's term, and {why}", communication)
+        check = inference.last_fit_check = q_diagnostic(inference.model, inference.model_kwargs, setup, log_w, u)
+    else:
+        if inference._local_integral(setup, result) is None:
+            inference.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
+            return unchecked(inference.last_fit_check_skipped)
+        check = inference.last_fit_check = inference.diagnose(result, num_draws=inference.check_draws)
+    keep_fit_check(inference, check, result.state.server)
+    if check.verdict == "unreliable":
+        warnings.warn(Q_UNRELIABLE.format(cls=cls, k=check.pareto_k, ess=check.ess, n=len(check.log_weights),
+                                           local=local_note(setup)), UnreliableFitWarning,
+                      stacklevel=find_stack_level())
+    elif check.verdict == "biased":
+        warnings.warn(Q_BIASED.format(cls=cls, k=check.pareto_k, n=len(check.log_weights),
+                                       mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN,
+                                       sites=describe_biased(check.biased), local=local_note(setup)),
+                      BiasedFitWarning, stacklevel=find_stack_level())
+    return from_diagnostic(check, communication)

@@ -15,15 +15,16 @@ import numpy as np
 
 from .._trace import prior_median
 from .._validation import check_positive_int
-from ..fit_check import FitDiagnostic
-from ..inference import checked_network, with_exchange_traffic
+from ..check import Verdict, register_check
+from ..check.psis import FitDiagnostic
+from ..inference import checked_network, fitted, with_exchange_traffic
 from ..protocol import RunResult
 from . import network_check
 from .blocks import local_blocks as propose_blocks
-from .inference import FactorInference, keep_fit_check, q_diagnostic
+from .inference import FactorInference, keep_fit_check, q_check, q_diagnostic
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
 
-__all__ = ["Laplace", "NoModeError"]
+__all__ = ["Laplace", "NoModeError", "laplace_check"]
 
 _NO_MODE = (
     "Laplace: no posterior mode was reached in {rounds} rounds ({why}). The log posterior is flat or rising along "
@@ -124,56 +125,6 @@ class Laplace(FactorInference):
         return federated_laplace(terms.log_prior, terms.log_joint, num_clients, start, num_local=terms.num_local,
                                  blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol)
 
-    def _check_result(self, setup, result: RunResult) -> RunResult:
-        s = result.state.server
-        if not bool(s.converged):
-            layout = setup.extra.structure.global_latent
-            owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
-            # the weakest direction of the curvature, scale-free (unit diagonal): the sites along it
-            precision = -np.asarray(s.hess, np.float64)
-            diag = np.diag(precision)
-            scaled = precision / np.sqrt(np.outer(np.abs(diag), np.abs(diag)) + 1e-300)
-            lam, vec = np.linalg.eigh(scaled)
-            weak = vec[:, 0] ** 2
-            sites = sorted({owners[i] for i in np.flatnonzero((weak > 0.1) | (diag <= 0))})
-            if float(s.decrement) >= 1e30:
-                why = "the curvature of the log posterior at the last point is not negative definite"
-            elif bool(s.stuck):
-                why = f"the step was halved {MAX_HALVINGS} times without the log posterior rising"
-            else:
-                why = f"the last Newton decrement was {float(s.decrement):.3g} posterior sds, above tol={self.tol}"
-            # improper: no curvature along a direction the prior leaves flat (not a mode that Newton's
-            # method did not reach in float precision, which exact NUTS can still sample)
-            prior_hess = np.asarray(jax.hessian(setup.extra.terms.log_prior)(s.u), np.float64)
-            flat = {owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)}
-            improper = bool(set(sites) & flat) and bool(np.any(diag <= 0) or lam[0] <= 1e-6)
-            last = None
-            if np.all(diag > 0) and lam[0] > 0:  # positive definite: its inverse, by the scale-free form
-                inv = np.linalg.inv(scaled) / np.sqrt(np.outer(diag, diag))
-                last = (np.asarray(s.u, np.float64), (inv + inv.T) / 2)
-            err = NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites,
-                              last)
-            err.communication = result.communication  # what the search cost
-            raise err
-        return self._check_q(setup, result)
-
-    def _check_q(self, setup, result: RunResult) -> RunResult:
-        """The fit check of ``q`` (every factor family's), then, with ``widen``, the widened one."""
-        result = super()._check_q(setup, result)
-        self.widened_check = None
-        if self.widen is None or self.last_fit_check is None:
-            return result
-        wide = self._widened(result.state)
-        if wide.clients is not None:
-            self.widened_check = self.diagnose(wide, num_draws=self.check_draws)
-            return result
-        log_w, u, _, exchanges = network_check.network_check(checked_network(self), setup, result._replace(state=wide),
-                                                             self.check_draws)
-        result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
-        if log_w is not None:  # (else some client did not answer: no widened check, as the caller sees)
-            self.widened_check = q_diagnostic(self.model, self.model_kwargs, setup, log_w, u)
-        return result
-
     def _widened(self, state):
         return state._replace(server=state.server._replace(q=state.server.q.scale(1.0 / self.widen**2)))
 
@@ -186,3 +137,58 @@ class Laplace(FactorInference):
         wide = self._widened(result.state)
         keep_fit_check(self, self.widened_check, wide.server)
         return result._replace(state=wide)
+
+
+@register_check(Laplace)
+def laplace_check(inference: Laplace, result: RunResult) -> Verdict:
+    """Laplace's fit check: raise :class:`NoModeError` where no mode was reached (naming the sites
+    along the flat direction, and whether the prior leaves it improper); else the fit check of ``q``
+    (:func:`~numpyro_fed.factor.inference.q_check`), then, with ``widen``, the widened one (the
+    verdict's ``reports["widened"]``; ``None`` where some client did not answer)."""
+    setup = fitted(inference)
+    s = result.state.server
+    if not bool(s.converged):
+        layout = setup.extra.structure.global_latent
+        owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]
+        # the weakest direction of the curvature, scale-free (unit diagonal): the sites along it
+        precision = -np.asarray(s.hess, np.float64)
+        diag = np.diag(precision)
+        scaled = precision / np.sqrt(np.outer(np.abs(diag), np.abs(diag)) + 1e-300)
+        lam, vec = np.linalg.eigh(scaled)
+        weak = vec[:, 0] ** 2
+        sites = sorted({owners[i] for i in np.flatnonzero((weak > 0.1) | (diag <= 0))})
+        if float(s.decrement) >= 1e30:
+            why = "the curvature of the log posterior at the last point is not negative definite"
+        elif bool(s.stuck):
+            why = f"the step was halved {MAX_HALVINGS} times without the log posterior rising"
+        else:
+            why = f"the last Newton decrement was {float(s.decrement):.3g} posterior sds, above tol={inference.tol}"
+        # improper: no curvature along a direction the prior leaves flat (not a mode that Newton's
+        # method did not reach in float precision, which exact NUTS can still sample)
+        prior_hess = np.asarray(jax.hessian(setup.extra.terms.log_prior)(s.u), np.float64)
+        flat = {owners[i] for i in np.flatnonzero(np.abs(np.diag(prior_hess)) <= 1e-12)}
+        improper = bool(set(sites) & flat) and bool(np.any(diag <= 0) or lam[0] <= 1e-6)
+        last = None
+        if np.all(diag > 0) and lam[0] > 0:  # positive definite: its inverse, by the scale-free form
+            inv = np.linalg.inv(scaled) / np.sqrt(np.outer(diag, diag))
+            last = (np.asarray(s.u, np.float64), (inv + inv.T) / 2)
+        err = NoModeError(_NO_MODE.format(rounds=int(s.round), why=why, sites=", ".join(sites)), improper, sites,
+                          last)
+        err.communication = result.communication  # what the search cost
+        raise err
+    verdict = q_check(inference, setup, result)
+    inference.widened_check = None
+    if inference.widen is None or inference.last_fit_check is None:
+        return verdict
+    wide = inference._widened(result.state)
+    if wide.clients is not None:
+        inference.widened_check = inference.diagnose(wide, num_draws=inference.check_draws)
+        return verdict._replace(reports={**verdict.reports, "widened": inference.widened_check})
+    checked = result._replace(state=wide, communication=verdict.communication or result.communication)
+    log_w, u, _, exchanges = network_check.network_check(checked_network(inference), setup, checked,
+                                                         inference.check_draws)
+    communication = with_exchange_traffic(checked.communication, exchanges)
+    if log_w is not None:  # (else some client did not answer: no widened check, as the caller sees)
+        inference.widened_check = q_diagnostic(inference.model, inference.model_kwargs, setup, log_w, u)
+    return verdict._replace(reports={**verdict.reports, "widened": inference.widened_check},
+                            communication=communication)

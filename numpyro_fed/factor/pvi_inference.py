@@ -10,17 +10,19 @@ from jax import random
 
 from .._structure import trace_model
 from .._validation import check_optimizer, check_positive_int
+from ..check import Verdict, register_check
 from ..clients import Clients
 from ..dp.plan import MECHANISMS, DPPlan, check_dp_options, warn_withheld
+from ..protocol import RunResult
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
-from .inference import FactorInference
+from .inference import FactorInference, factor_check
 from .messages import K_ADVICE
 from .prior_site import prior_site_step
 from .pvi_algorithm import pvi
 from .updates import VARIANTS
 
-__all__ = ["BCM", "PVI"]
+__all__ = ["BCM", "PVI", "pvi_check"]
 
 _LOCAL_CONJ = (
     "update='conjugate' has no closed form with local latent sites ({names}); use "
@@ -378,12 +380,6 @@ class PVI(FactorInference):
         self.dp_plan.plan(clients)
         return super()._build(clients)
 
-    def _check_result(self, setup, result):
-        result = super()._check_result(setup, result)
-        if self.differentially_private:
-            warn_withheld(type(self).__name__, result)
-        return result
-
     def _shard_plate(self, clients: Clients, plate: Optional[str]) -> str:
         """The plate that indexes rows, needed to mask a client's shards."""
         for name, rows in clients.num_rows.items():
@@ -423,3 +419,13 @@ def BCM(model: Callable, *, prior: str = "same", **kwargs: Any) -> PVI:
         if fixed in kwargs:
             raise ValueError(f"BCM is one synchronous round with damping 1 on whole clients; {fixed}= does not apply")
     return PVI(model, schedule="synchronous", damping=1.0, committee=prior, **kwargs)
+
+
+@register_check(PVI)
+def pvi_check(inference: PVI, result: RunResult) -> Verdict:
+    """PVI's (and BCM's) fit check: the factor families' (:func:`~numpyro_fed.factor.inference.factor_check`),
+    and under DP a warning naming the clients whose releases were withheld."""
+    verdict = factor_check(inference, result)
+    if inference.differentially_private:
+        warn_withheld(type(inference).__name__, result)
+    return verdict

@@ -35,7 +35,7 @@ from numpyro.infer.hmc import hmc
 
 from .._steps import carried_while
 from .._typing import Array
-from ..fit_check import PARETO_K_LIMIT  # Vehtari et al. (2024): above it the fit is unreliable
+from ..check.psis import PARETO_K_LIMIT  # Vehtari et al. (2024): above it the fit is unreliable
 from . import gaussian as G
 from .blocks import block_hessian, block_logdet, block_solve, quadrature_correction, scatter_blocks
 from .gaussian import NaturalGaussian

@@ -22,9 +22,8 @@ from .._structure import (
 )
 from .._validation import check_clients, check_model, check_optimizer, check_positive_int
 from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args, unpadder
-from ..clients import Clients
-from ..dp.plan import DPPlan, check_sgd_options
-from ..fit_check import (
+from ..check import Verdict, from_diagnostic, register_check, unchecked
+from ..check.psis import (
     MEAN_MARGIN,
     PARETO_K_LIMIT,
     SD_MARGIN,
@@ -34,6 +33,8 @@ from ..fit_check import (
     importance_resample,
     state_fingerprint,
 )
+from ..clients import Clients
+from ..dp.plan import DPPlan, check_sgd_options
 from ..groups import size_group_plates, trim_groups
 from ..inference import (
     NUM_SAMPLES,
@@ -55,7 +56,7 @@ from .objective import FederatedObjective
 from .sfvi_algorithm import sfvi
 from .sfvi_avg_algorithm import OPTIMIZER_STATES, sfvi_avg
 
-__all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning"]
+__all__ = ["FederatedSVI", "FitDiagnostic", "UnreliableFitWarning", "svi_check"]
 
 METHODS = ("sfvi", "sfvi_avg")
 FIT_CHECK_DRAWS = 1000  # draws of the fit check run after a network run (diagnose's default)
@@ -200,6 +201,7 @@ class FederatedSVI(FederatedInference):
 
     # ------------------------------------------------------------------ set-up
     _size_group_plates = size_group_plates
+    _checked_state = None  # the fingerprint of the server state the last fit check judged
 
     def _validate_inputs(self, clients) -> None:
         check_clients(clients, type(self).__name__)
@@ -268,57 +270,6 @@ class FederatedSVI(FederatedInference):
         local = client_item(setup.plan, state.clients, j).state.local_params
         constraints = setup.extra.client_layout(setup.inputs[client])[1]
         return constrain_params(local["theta"], constraints)
-
-    def _check_result(self, setup: Setup, result: RunResult) -> Optional[RunResult]:
-        self.last_fit_check = None
-        if not self.check_fit or self.differentially_private:  # under DP: the check sums data-dependent terms
-            return None
-        if result.state.clients is None:  # a network backend: the clients' states stay on their nodes
-            network = checked_network(self)
-            log_w = None if network is None else self._network_log_weights(network, setup, result)
-            traffic = self._fit_check_traffic(result.communication) if network is not None else None
-            result = result if traffic is None else result._replace(communication=traffic)
-            if log_w is None:
-                why = "this backend cannot ask the clients" if network is None else "some clients did not answer"
-                warnings.warn(
-                    f"{type(self).__name__}: the fit check (Pareto k of q against the posterior) needs every "
-                    f"client's term, and {why}; check the fit in simulation, or pass check_fit=False to "
-                    f"silence this",
-                    UncheckedFitWarning,
-                    stacklevel=find_stack_level(),
-                )
-                return result
-            diag = fit_diagnostic(
-                log_w, *self._check_draws(setup, result.state, FIT_CHECK_DRAWS, random.PRNGKey(0x51)), shape=True
-            )
-        else:
-            diag = self.diagnose(result)
-        self.last_fit_check = diag
-        self._checked_state = state_fingerprint(result.state.server)
-        cls = type(self).__name__
-        if diag.verdict == "unreliable":
-            warnings.warn(
-                _UNRELIABLE.format(
-                    cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess, n=len(diag.log_weights)
-                ),
-                UnreliableFitWarning,
-                stacklevel=find_stack_level(),
-            )
-        elif diag.verdict == "biased":
-            warnings.warn(
-                _BIASED.format(
-                    cls=cls,
-                    k=diag.pareto_k,
-                    limit=PARETO_K_LIMIT,
-                    n=len(diag.log_weights),
-                    mean_margin=MEAN_MARGIN,
-                    sd_margin=SD_MARGIN,
-                    sites=describe_biased(diag.biased),
-                ),
-                BiasedFitWarning,
-                stacklevel=find_stack_level(),
-            )
-        return result
 
     def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
@@ -414,7 +365,7 @@ class FederatedSVI(FederatedInference):
         its means and variances can be far off (e.g. a funnel, a heavy tail, a
         posterior outside the Gaussian family). Below it, the moment check compares
         ``q``'s mean and sd of every global site (user space) with the PSIS-weighted ones
-        of the same draws (``moments``, ``biased``; see :mod:`numpyro_fed.fit_check`).
+        of the same draws (``moments``, ``biased``; see :mod:`numpyro_fed.check.psis`).
         ``run`` calls this and warns (``UnreliableFitWarning``, ``BiasedFitWarning``).
 
         Returns:
@@ -458,7 +409,7 @@ class FederatedSVI(FederatedInference):
             result: a :class:`RunResult` or a :class:`RunState`.
             corrected: PSIS-corrected draws of the global sites instead of draws from
                 ``q``: the last fit check's draws resampled by their smoothed importance
-                weights (:func:`numpyro_fed.fit_check.importance_resample`). Needs the
+                weights (:func:`numpyro_fed.check.psis.importance_resample`). Needs the
                 check of the run that gave ``result`` (``check_fit=True``) with Pareto k
                 at most 0.7; only as many distinct values as the check drew (1000).
                 Global sites only (a client's local draws are not reweighted).
@@ -569,3 +520,41 @@ class FederatedSVI(FederatedInference):
         """Values of a client's observed sites (the client's own data)."""
         tr = trace_model(self.model, clients[client], self.model_kwargs)
         return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+
+
+@register_check(FederatedSVI)
+def svi_check(inference: FederatedSVI, result: RunResult) -> Verdict:
+    """Federated SVI's fit check: ``q`` against the posterior (:meth:`FederatedSVI.diagnose`; over a
+    network backend, each client computing its term on its node), and its warning."""
+    setup = fitted(inference)
+    inference.last_fit_check = None
+    cls = type(inference).__name__
+    if not inference.check_fit:
+        return unchecked("check_fit=False")
+    if inference.differentially_private:  # under DP: the check sums data-dependent terms
+        return unchecked("a differentially private fit is not checked (the check sums data-dependent terms)")
+    communication = None
+    if result.state.clients is None:  # a network backend: the clients' states stay on their nodes
+        network = checked_network(inference)
+        log_w = None if network is None else inference._network_log_weights(network, setup, result)
+        communication = inference._fit_check_traffic(result.communication) if network is not None else None
+        if log_w is None:
+            why = "this backend cannot ask the clients" if network is None else "some clients did not answer"
+            warnings.warn(f"{cls}: the fit check (Pareto k of q against the posterior) needs every client's term, "
+                          f"and {why}; check the fit in simulation, or pass check_fit=False to silence this",
+                          UncheckedFitWarning, stacklevel=find_stack_level())
+            return unchecked(f"the check needs every client's term, and {why}", communication)
+        diag = fit_diagnostic(log_w, *inference._check_draws(setup, result.state, FIT_CHECK_DRAWS,
+                                                             random.PRNGKey(0x51)), shape=True)
+    else:
+        diag = inference.diagnose(result)
+    inference.last_fit_check = diag
+    inference._checked_state = state_fingerprint(result.state.server)
+    if diag.verdict == "unreliable":
+        warnings.warn(_UNRELIABLE.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, ess=diag.ess,
+                                         n=len(diag.log_weights)), UnreliableFitWarning, stacklevel=find_stack_level())
+    elif diag.verdict == "biased":
+        warnings.warn(_BIASED.format(cls=cls, k=diag.pareto_k, limit=PARETO_K_LIMIT, n=len(diag.log_weights),
+                                     mean_margin=MEAN_MARGIN, sd_margin=SD_MARGIN, sites=describe_biased(diag.biased)),
+                      BiasedFitWarning, stacklevel=find_stack_level())
+    return from_diagnostic(diag, communication)

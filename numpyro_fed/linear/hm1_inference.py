@@ -11,6 +11,7 @@ import numpy as np
 
 from .._validation import check_clients, check_positive_int
 from ..backends.mapping import ClientPlan
+from ..check import Verdict, register_check, unchecked
 from ..clients import Clients
 from ..inference import FederatedInference, Setup, reset_setup
 from ..params import HM1Params
@@ -18,7 +19,7 @@ from ..protocol import RunResult, RunState
 from ..warnings import UnconvergedWarning, find_stack_level
 from .hm1_algorithm import GRADIENTS, hm1
 
-__all__ = ["HM1", "UnconvergedWarning"]
+__all__ = ["HM1", "UnconvergedWarning", "hm1_check"]
 
 _MOVING = (
     "HM1: Theta still moved by {rel:.1%} of its root mean square in the last round (round {round}; the "
@@ -175,18 +176,6 @@ class HM1(FederatedInference):
         algorithm = algorithms[key]
         return Setup(clients, algorithm, plan, int(d), {})
 
-    def _check_result(self, setup: Setup, result: RunResult) -> None:
-        """Warn when ``Theta``'s last change exceeds ``convergence_tol`` of its size."""
-        change = np.asarray(result.info.change)
-        if change.size == 0:
-            return
-        theta = np.asarray(result.state.server.theta)
-        size = float(np.sqrt(np.mean(theta ** 2)))
-        rel = float(change[-1]) / max(size, 1e-12)
-        if rel > self.convergence_tol:
-            warnings.warn(_MOVING.format(rel=rel, round=int(result.state.server.round), tol=self.convergence_tol),
-                          UnconvergedWarning, stacklevel=find_stack_level())
-
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
         return HM1Params(state.server.theta, state.server.omega)
 
@@ -221,3 +210,21 @@ class HM1(FederatedInference):
     def as_dict(self, result: RunResult, clients: Clients) -> Dict[str, jax.Array]:
         """``theta_k`` by client name."""
         return {name: result.params.theta[i] for i, name in enumerate(clients.names)}
+
+
+@register_check(HM1)
+def hm1_check(inference: HM1, result: RunResult) -> Verdict:
+    """HM1's check: ``"unconverged"`` (and a warning) when ``Theta``'s last change exceeds
+    ``convergence_tol`` of its size."""
+    change = np.asarray(result.info.change)
+    if change.size == 0:
+        return unchecked("the run had no round")
+    theta = np.asarray(result.state.server.theta)
+    size = float(np.sqrt(np.mean(theta ** 2)))
+    rel = float(change[-1]) / max(size, 1e-12)
+    figures = {"change": rel}
+    if rel > inference.convergence_tol:
+        warnings.warn(_MOVING.format(rel=rel, round=int(result.state.server.round), tol=inference.convergence_tol),
+                      UnconvergedWarning, stacklevel=find_stack_level())
+        return Verdict("unconverged", "convergence", f"Theta's last change was {rel:.3g} of its size", (), figures)
+    return Verdict("ok", "convergence", f"Theta's last change was {rel:.3g} of its size", (), figures)

@@ -33,6 +33,8 @@ from .._trace import observed_draws, or_finite_point
 from .._validation import check_clients, check_model, check_positive_int, check_positive_number
 from ..backends.mapping import client_data, client_item, plan_clients, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
+from ..check import Verdict, register_check
+from ..check.chains import R_HAT_LIMIT, chain_report, chains_verdict
 from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
@@ -41,10 +43,9 @@ from ..params import DrawParams
 from ..protocol import RunResult, RunState
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
-from .diagnostics import R_HAT_LIMIT, chain_report
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
 
-__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup", "pick_draws"]
+__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup", "mcmc_check", "pick_draws"]
 
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
 _PARAMS = (
@@ -258,24 +259,6 @@ class FederatedMCMC(FederatedInference):
         m, chol = setup.extra.affine
         return m + draws @ chol.T
 
-    def _check_result(self, setup: Setup, result: RunResult) -> None:
-        phase = np.asarray(result.state.server.phase)
-        cls = type(self).__name__
-        if np.any(phase == FAILED):
-            raise ValueError(_FAILED_INIT.format(cls=cls, chains=list(np.nonzero(phase == FAILED)[0]),
-                                                tries=MAX_INIT_TRIES))
-        done = np.asarray(result.state.server.iteration)
-        if np.any(phase < DONE):
-            positions = partial_draws(self._positions(setup, result.state), done, self.num_warmup)
-            raise RoundBudgetError(
-                stopped_message(cls, int(result.communication.rounds), self._num_rounds, result.projected_rounds,
-                                done.tolist(), self.num_warmup + self.num_samples, self.num_warmup, _UNFINISHED,
-                                traffic(result)),
-                rounds=int(result.communication.rounds), max_rounds=self._num_rounds,
-                projected_rounds=result.projected_rounds, bytes=traffic(result),
-                samples=self._global_draws(setup, jnp.asarray(positions)) if positions.shape[1] else {})
-        self._warn_diagnostics(setup, result)
-
     def _warn_diagnostics(self, setup: Setup, result: RunResult) -> None:
         """Warn, as a careful NumPyro user would check, when post-warmup iterations diverged or
         (several chains) a global coordinate's split R-hat is above :data:`R_HAT_LIMIT`."""
@@ -439,7 +422,7 @@ class FederatedMCMC(FederatedInference):
         """The chains' diagnostics over the global scalars, as :meth:`FederatedMwG.mixing
         <numpyro_fed.mcmc.FederatedMwG.mixing>` gives them: ``{"max_r_hat", "min_n_eff",
         "divergences", "not_converged", "unmixed", "constant"}`` (split R-hat, bulk ESS and the
-        scalars that never move: :func:`~numpyro_fed.mcmc.diagnostics.chain_report`; the post-warmup
+        scalars that never move: :func:`~numpyro_fed.check.chains.chain_report`; the post-warmup
         divergent iterations, summed over the chains)."""
         report = chain_report({k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()})
         return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
@@ -540,3 +523,28 @@ class FederatedHMC(FederatedMCMC):
                          target_accept_prob=target_accept_prob, trajectory_length=trajectory_length,
                          num_steps=num_steps, client_mapping=client_mapping, row_plate=row_plate,
                          model_kwargs=model_kwargs, init=init)
+
+
+@register_check(FederatedMCMC)
+def mcmc_check(inference: FederatedMCMC, result: RunResult) -> Verdict:
+    """Federated NUTS's and HMC's fit check: raise where a chain found no finite start or the run
+    stopped before every chain finished; warn of divergences and of split R-hat above
+    :data:`~numpyro_fed.check.chains.R_HAT_LIMIT`; the verdict from :meth:`FederatedMCMC.mixing`."""
+    setup = fitted(inference)
+    phase = np.asarray(result.state.server.phase)
+    cls = type(inference).__name__
+    if np.any(phase == FAILED):
+        raise ValueError(_FAILED_INIT.format(cls=cls, chains=list(np.nonzero(phase == FAILED)[0]),
+                                            tries=MAX_INIT_TRIES))
+    done = np.asarray(result.state.server.iteration)
+    if np.any(phase < DONE):
+        positions = partial_draws(FederatedMCMC._positions(setup, result.state), done, inference.num_warmup)
+        raise RoundBudgetError(
+            stopped_message(cls, int(result.communication.rounds), inference._num_rounds, result.projected_rounds,
+                            done.tolist(), inference.num_warmup + inference.num_samples, inference.num_warmup,
+                            _UNFINISHED, traffic(result)),
+            rounds=int(result.communication.rounds), max_rounds=inference._num_rounds,
+            projected_rounds=result.projected_rounds, bytes=traffic(result),
+            samples=inference._global_draws(setup, jnp.asarray(positions)) if positions.shape[1] else {})
+    inference._warn_diagnostics(setup, result)
+    return chains_verdict(inference.mixing(result))

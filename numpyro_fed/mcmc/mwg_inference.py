@@ -19,6 +19,8 @@ from .._structure import trace_model, with_improper_values
 from .._validation import check_clients, check_positive_int
 from ..backends.mapping import client_data, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
+from ..check import Verdict, register_check
+from ..check.chains import MIN_ESS, R_HAT_LIMIT, chain_report, chains_verdict  # noqa: F401  (the limits: documented here)
 from ..factor.blocks import local_blocks as propose_blocks
 from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import observed_terms_at, own_entries
@@ -28,11 +30,10 @@ from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
-from .diagnostics import MIN_ESS, R_HAT_LIMIT, chain_report  # noqa: F401  (the limits: documented here)
 from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
 
-__all__ = ["FederatedMwG"]
+__all__ = ["FederatedMwG", "mwg_check"]
 
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
 
@@ -182,40 +183,6 @@ class FederatedMwG(FederatedInference):
         user = self._user(draws.reshape(-1, draws.shape[-1]))
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
-    def _check_result(self, setup, result: RunResult) -> RunResult:
-        iterations = np.asarray(result.state.server.iteration)
-        total = self.num_warmup + self.num_samples
-        if int(np.min(iterations)) <= total:
-            rounds = int(result.communication.rounds)
-            done = np.minimum(iterations, total)
-            kept = partial_draws(result.state.server.draws, done, self.num_warmup)
-            user = self._user(kept.reshape(-1, kept.shape[-1])) if kept.shape[1] else {}
-            raise RoundBudgetError(
-                stopped_message(type(self).__name__, rounds, self._num_rounds, result.projected_rounds,
-                                done.tolist(), total, self.num_warmup,
-                                "Raise num_rounds (rounds a client did not answer are repeated)", traffic(result)),
-                rounds=rounds, max_rounds=self._num_rounds, projected_rounds=result.projected_rounds,
-                bytes=traffic(result),
-                samples={k: jnp.asarray(v).reshape(kept.shape[:2] + v.shape[1:]) for k, v in user.items()})
-        report = self.mixing(result)
-        stuck = self.local_mixing(result)
-        if stuck:
-            shown = "; ".join(f"client {name!r}: {', '.join(entries[:3])}" for name, entries in list(stuck.items())[:4])
-            more = f" and {len(stuck) - 4} more clients" if len(stuck) > 4 else ""
-            warnings.warn(f"{type(self).__name__}: the local latents' chains have not mixed on {len(stuck)} client(s) "
-                          f"({shown}{more}; entries of the client's flat unconstrained locals): their draws "
-                          f"(get_samples(client=...)) do not represent the posterior there; run longer (num_samples), "
-                          f"or more local moves (local_moves)", UnreliableFitWarning, stacklevel=find_stack_level())
-        if report["unmixed"]:
-            warnings.warn(f"{type(self).__name__}: the chains have not mixed at {', '.join(report['unmixed'][:6])}: "
-                          f"their draws do not represent the posterior there; run longer (num_warmup, num_samples) "
-                          f"or use FederatedNUTS", UnreliableFitWarning, stacklevel=find_stack_level())
-        if report["acceptance"] < LOW_ACCEPT:
-            warnings.warn(f"{type(self).__name__}: the kept iterations accepted {report['acceptance']:.1%} of the "
-                          f"global moves: the chain barely moved and its draws are few effective samples; run "
-                          f"FederatedNUTS, or a longer warmup", UnreliableFitWarning, stacklevel=find_stack_level())
-        return result
-
     def run_on(self, result) -> RunState:
         """The final state of ``result`` (a finished run of the same chains with fewer kept draws: the
         same model, clients, ``num_warmup``, chains and ``init``) as this sampler's ``init_state``:
@@ -235,7 +202,7 @@ class FederatedMwG(FederatedInference):
         them: ``{"max_r_hat", "min_n_eff", "acceptance", "not_converged", "unmixed"}``;
         ``not_converged`` names the scalars whose split R-hat is above :data:`R_HAT_LIMIT`,
         ``unmixed`` those too and those whose bulk ESS is below :data:`MIN_ESS`, ``constant``
-        the scalars that never move (left out: :func:`~numpyro_fed.mcmc.diagnostics.chain_report`)."""
+        the scalars that never move (left out: :func:`~numpyro_fed.check.chains.chain_report`)."""
         report = chain_report({k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()})
         accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
         return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
@@ -347,3 +314,47 @@ class FederatedMwG(FederatedInference):
         acc = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
         kinds = np.asarray(result.state.server.kinds)[:, self.num_warmup:]
         return {"independence": float(acc[kinds == 0].mean()), "random_walk": float(acc[kinds == 1].mean())}
+
+
+@register_check(FederatedMwG)
+def mwg_check(inference: FederatedMwG, result: RunResult) -> Verdict:
+    """Metropolis-within-Gibbs's fit check: raise where the run stopped before every chain finished;
+    warn where the global or a client's local chains have not mixed or the global moves were
+    rarely accepted; the verdict from :meth:`FederatedMwG.mixing` (``"unreliable"`` under
+    :data:`LOW_ACCEPT` acceptance too)."""
+    iterations = np.asarray(result.state.server.iteration)
+    total = inference.num_warmup + inference.num_samples
+    if int(np.min(iterations)) <= total:
+        rounds = int(result.communication.rounds)
+        done = np.minimum(iterations, total)
+        kept = partial_draws(result.state.server.draws, done, inference.num_warmup)
+        user = inference._user(kept.reshape(-1, kept.shape[-1])) if kept.shape[1] else {}
+        raise RoundBudgetError(
+            stopped_message(type(inference).__name__, rounds, inference._num_rounds, result.projected_rounds,
+                            done.tolist(), total, inference.num_warmup,
+                            "Raise num_rounds (rounds a client did not answer are repeated)", traffic(result)),
+            rounds=rounds, max_rounds=inference._num_rounds, projected_rounds=result.projected_rounds,
+            bytes=traffic(result),
+            samples={k: jnp.asarray(v).reshape(kept.shape[:2] + v.shape[1:]) for k, v in user.items()})
+    report = inference.mixing(result)
+    stuck = inference.local_mixing(result)
+    if stuck:
+        shown = "; ".join(f"client {name!r}: {', '.join(entries[:3])}" for name, entries in list(stuck.items())[:4])
+        more = f" and {len(stuck) - 4} more clients" if len(stuck) > 4 else ""
+        warnings.warn(f"{type(inference).__name__}: the local latents' chains have not mixed on {len(stuck)} client(s) "
+                      f"({shown}{more}; entries of the client's flat unconstrained locals): their draws "
+                      f"(get_samples(client=...)) do not represent the posterior there; run longer (num_samples), "
+                      f"or more local moves (local_moves)", UnreliableFitWarning, stacklevel=find_stack_level())
+    if report["unmixed"]:
+        warnings.warn(f"{type(inference).__name__}: the chains have not mixed at {', '.join(report['unmixed'][:6])}: "
+                      f"their draws do not represent the posterior there; run longer (num_warmup, num_samples) "
+                      f"or use FederatedNUTS", UnreliableFitWarning, stacklevel=find_stack_level())
+    if report["acceptance"] < LOW_ACCEPT:
+        warnings.warn(f"{type(inference).__name__}: the kept iterations accepted {report['acceptance']:.1%} of the "
+                      f"global moves: the chain barely moved and its draws are few effective samples; run "
+                      f"FederatedNUTS, or a longer warmup", UnreliableFitWarning, stacklevel=find_stack_level())
+    verdict = chains_verdict(report)
+    if report["acceptance"] < LOW_ACCEPT:
+        verdict = verdict._replace(status="unreliable",
+                                   why=f"the global moves' acceptance was {report['acceptance']:.1%}")
+    return verdict

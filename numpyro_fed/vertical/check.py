@@ -15,7 +15,7 @@ no augmentation noise), split as in training:
 
 Its traffic is ``S (n + 1)`` floats per client (with ``S = 1000``, about as much as 1000
 full-batch iterations send). The weights give Pareto k and the moment check of
-:mod:`numpyro_fed.fit_check` in user space, per site, so one check sees both the guide's
+:mod:`numpyro_fed.check.psis` in user space, per site, so one check sees both the guide's
 error and the augmentation's (a ``rho`` too large for the data). In a deployment the server
 sends the ``S`` normalised weights back and each party compares its own sites' moments; the
 simulation does it in one place.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from ..fit_check import FitDiagnostic, fit_diagnostic
+from ..check.psis import FitDiagnostic, fit_diagnostic
 from .objective import SERVER, VerticalObjective
 
 __all__ = ["CHECK_DRAWS", "check_function", "constrain_draws", "gaussian_draws", "split_flat", "true_log_joint",
@@ -76,7 +76,7 @@ def true_log_joint(obj: VerticalObjective, points: Mapping[str, Mapping], views:
 
 def vertical_fit_check(obj: VerticalObjective, log_p: jax.Array, log_q: jax.Array,
                        u: Mapping[str, jax.Array]) -> FitDiagnostic:
-    """The :class:`~numpyro_fed.fit_check.FitDiagnostic` of the draws ``u`` (``{party: (S, d)}``),
+    """The :class:`~numpyro_fed.check.psis.FitDiagnostic` of the draws ``u`` (``{party: (S, d)}``),
     with the user-space draws of every party's sites for the moment check and the
     unconstrained ones (server first, then the clients in order) for corrected draws."""
     parties = (SERVER,) + obj.clients

@@ -13,8 +13,8 @@ from jax import random
 
 from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import ClientPlan
-from ..dp.plan import refuse_dp
-from ..fit_check import (
+from ..check import Verdict, from_diagnostic, register_check, unchecked
+from ..check.psis import (
     MEAN_MARGIN,
     PARETO_K_LIMIT,
     SD_MARGIN,
@@ -23,6 +23,7 @@ from ..fit_check import (
     importance_resample,
     state_fingerprint,
 )
+from ..dp.plan import refuse_dp
 from ..inference import FederatedInference, Setup, checked_network, fitted, state_of, with_exchange_traffic
 from ..params import VerticalParams
 from ..protocol import RunResult, RunState
@@ -33,7 +34,7 @@ from .network_check import CHECK_KEY
 from .objective import SERVER, VerticalObjective
 from .protocol import PartyData, vertical_protocol
 
-__all__ = ["VerticalInference", "check_batch", "checked_result", "corrected_draws", "held_params", "party_draws",
+__all__ = ["VerticalInference", "check_batch", "corrected_draws", "held_params", "party_draws", "vertical_check",
            "validate_party_data"]
 
 _NO_DATA = "{cls} needs the model's data as keyword arguments, e.g. .run(key, num_rounds=1000, x_a=..., x_b=..., y=...)"
@@ -260,31 +261,34 @@ def party_draws(inference, draws: Dict[str, jax.Array], client: Optional[str]) -
     return {k: v for k, v in draws.items() if k in own}
 
 
-def checked_result(inference, setup: Setup, result: RunResult) -> RunResult:
-    """Run after every ``run``: the check of the result, kept as ``last_fit_check``, and
-    the warning its verdict calls for. Over a network backend each party computes its
-    part on its node (:mod:`numpyro_fed.vertical.network_check`); the returned result
-    counts that traffic."""
+@register_check(VerticalInference)
+def vertical_check(inference, result: RunResult) -> Verdict:
+    """The vertical families' fit check against the true model's posterior (``diagnose``), kept
+    as ``last_fit_check``, and the warning its verdict calls for. Over a network backend each
+    party computes its part on its node (:mod:`numpyro_fed.vertical.network_check`); the
+    verdict counts that traffic."""
+    setup = fitted(inference)
     inference.last_fit_check = None
     if not inference.check_fit:
-        return result
+        return unchecked("check_fit=False")
     cls = type(inference).__name__
+    communication = None
     if result.state.clients is None:
         network = checked_network(inference)
         why = _NO_NETWORK_CHECK.get(inference.method, "this backend cannot ask the parties")
         diag, exchanges = None, []
         if network is not None and inference.method not in _NO_NETWORK_CHECK:
             diag, why, exchanges = inference._network_check(network, setup, result)
-        result = result._replace(communication=with_exchange_traffic(result.communication, exchanges))
+        communication = with_exchange_traffic(result.communication, exchanges)
         if diag is None:
             warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=find_stack_level())
-            return result
+            return unchecked(why, communication)
         inference.last_fit_check = diag
     else:
         diag = inference.last_fit_check = inference.diagnose(result)
     inference._checked_state = state_fingerprint((result.state.server, result.state.clients))
     inference._warn_verdict(diag)
-    return result
+    return from_diagnostic(diag, communication)
 
 
 def corrected_draws(inference, rng_key, state: RunState, num_samples: int) -> Dict[str, jax.Array]:

@@ -11,7 +11,7 @@ Two exchanges after the run, both recorded in the transcript and counted in the 
    moment check of its own sites.
 2. ``vertical_moments``: the server sends the ``S`` normalised PSIS weights and the ESS; each
    client redraws the same ``theta_j`` from the same key and runs the moment check of its own
-   sites (:func:`~numpyro_fed.fit_check.moment_report`, in user and unconstrained space) and
+   sites (:func:`~numpyro_fed.check.psis.moment_report`, in user and unconstrained space) and
    answers, per scalar, only the standardised figures: the mean gap in weighted sds, the sd
    ratio and whether it is off. Its coefficients' values, draws and ``q`` stay on the node, so
    the server's report shows client sites standardised (weighted mean 0, weighted sd 1).
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from ..fit_check import FitDiagnostic, SiteMoments, fit_diagnostic, moment_report, smoothed_weights
+from ..check.psis import FitDiagnostic, SiteMoments, fit_diagnostic, moment_report, smoothed_weights
 from .check import CHECK_CHUNK, CHECK_DRAWS
 from .objective import SERVER, VerticalObjective
 
@@ -46,7 +46,7 @@ def party_check_key(rng_key: jax.Array) -> jax.Array:
 
 
 def _scalar_names(obj: VerticalObjective, party: str) -> Tuple[List[str], List[str]]:
-    """The names of ``party``'s scalars as :func:`~numpyro_fed.fit_check.moment_report` gives
+    """The names of ``party``'s scalars as :func:`~numpyro_fed.check.psis.moment_report` gives
     them, in user space and (with the ``" (unconstrained)"`` suffix) unconstrained."""
     size = obj.layouts[party].size
     zeros = jnp.zeros((size,))
@@ -70,7 +70,7 @@ def _standardised(moments, biased) -> np.ndarray:
 
 
 def _rebuild(names: List[str], rows: np.ndarray) -> Tuple[Tuple[SiteMoments, ...], Tuple[SiteMoments, ...]]:
-    """The standardised :class:`~numpyro_fed.fit_check.SiteMoments` (weighted mean 0 and sd 1)."""
+    """The standardised :class:`~numpyro_fed.check.psis.SiteMoments` (weighted mean 0 and sd 1)."""
     moments = tuple(SiteMoments(n, float(g), float(r), 0.0, 1.0) for n, (g, r, _) in zip(names, rows))
     return moments, tuple(m for m, row in zip(moments, rows) if row[2] > 0.5)
 

@@ -11,9 +11,8 @@ from jax import random
 
 from .._validation import check_positive_int
 from ..inference import NUM_SAMPLES, fitted, state_of
-from ..protocol import RunResult
 from .check import gaussian_draws
-from .inference import VerticalInference, check_batch, checked_result, corrected_draws, party_draws
+from .inference import VerticalInference, check_batch, corrected_draws, party_draws
 from .objective import SERVER, VerticalObjective
 from .soul_algorithm import PointGuide, vertical_soul
 
@@ -134,9 +133,6 @@ class VerticalSOUL(VerticalInference):
             step = float(self.step_size)
         alg = vertical_soul(obj, self.optim, step, self.num_langevin, self.batch_size, self.init_radius)
         return obj, alg
-
-    def _check_result(self, setup, result: RunResult) -> RunResult:
-        return checked_result(self, setup, result)
 
     def _check_draws_fn(self, setup, num_draws: int):
         obj = setup.extra.objective

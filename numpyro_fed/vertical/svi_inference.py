@@ -11,17 +11,18 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
+from ..check import Verdict, register_check
 from ..inference import NUM_SAMPLES, Setup, fitted, setup_for, state_of
 from ..protocol import RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .guides import VerticalGuide
-from .inference import VerticalInference, check_batch, checked_result, corrected_draws, held_params, party_draws
+from .inference import VerticalInference, check_batch, corrected_draws, held_params, party_draws, vertical_check
 from .network_check import party_check_key
 from .objective import SERVER, VerticalObjective
 from .rho import RHO_SHIFT_LIMIT, AugmentationCheck, augmentation_check
 from .sfvi_algorithm import vertical_sfvi
 
-__all__ = ["VerticalSVI"]
+__all__ = ["VerticalSVI", "vertical_svi_check"]
 
 _GUIDE = "guide must be an nf.VerticalGuide (e.g. nf.VerticalGuide('amortized')); got {kind}"
 _RHO_TOO_LARGE = (
@@ -140,20 +141,6 @@ class VerticalSVI(VerticalInference):
 
         return fn
 
-    def _check_result(self, setup: Setup, result: RunResult) -> RunResult:
-        self.last_rho_check = None
-        obj = setup.extra.objective
-        result = checked_result(self, setup, result)
-        if not self.check_rho or obj.form != "augmented" or result.state.clients is None:
-            return result
-        check = self.last_rho_check = self.rho_check(result)
-        if not check.ok:
-            warnings.warn(_RHO_TOO_LARGE.format(rho=check.rho, added=len(obj.clients) * check.rho**2,
-                                                excess=check.excess, curv=check.curvature, shift=check.shift,
-                                                rho_max=check.rho_max, limit=RHO_SHIFT_LIMIT),
-                          UnreliableFitWarning, stacklevel=find_stack_level())
-        return result
-
     def rho_check(self, result) -> AugmentationCheck:
         """How far the augmented posterior is from the true model's at this fit (see
         :mod:`numpyro_fed.vertical.rho`): the server's likelihood curvature at the fitted
@@ -228,3 +215,25 @@ class VerticalSVI(VerticalInference):
             out.update(jax.vmap(lambda v: obj.constrain(party, v))(u))
         return party_draws(self, out, client)
 
+
+@register_check(VerticalSVI)
+def vertical_svi_check(inference: VerticalSVI, result: RunResult) -> Verdict:
+    """Vertical SVI's fit check: the vertical families' (:func:`~numpyro_fed.vertical.inference.vertical_check`),
+    then, in the augmented form, whether ``rho`` moves the augmented posterior too far from the true
+    model's (:meth:`VerticalSVI.rho_check`; simulation only): ``"biased"`` and a warning naming the
+    ``rho`` that would do."""
+    inference.last_rho_check = None
+    obj = fitted(inference).extra.objective
+    verdict = vertical_check(inference, result)
+    if not inference.check_rho or obj.form != "augmented" or result.state.clients is None:
+        return verdict
+    check = inference.last_rho_check = inference.rho_check(result)
+    verdict = verdict._replace(reports={**verdict.reports, "rho": check})
+    if not check.ok:
+        warnings.warn(_RHO_TOO_LARGE.format(rho=check.rho, added=len(obj.clients) * check.rho**2,
+                                            excess=check.excess, curv=check.curvature, shift=check.shift,
+                                            rho_max=check.rho_max, limit=RHO_SHIFT_LIMIT),
+                      UnreliableFitWarning, stacklevel=find_stack_level())
+        verdict = verdict._replace(status="biased" if verdict.status == "ok" else verdict.status,
+                                   why=f"rho={check.rho:g} moves the augmented posterior; {verdict.why}")
+    return verdict

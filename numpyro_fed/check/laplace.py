@@ -28,25 +28,27 @@ WIDEN = 1.5
 def judge(laplace, result, log: List[str]):
     """Accept the Laplace fit (``(method, result, check, corrected)``) or not (``None``), logging why.
 
-    Two checks, both run by :class:`~numpyro_fed.factor.Laplace` (``widen``), each client
-    computing its own term: the fit check of ``q`` itself (its verdict), and one from ``q``
-    widened to :data:`WIDEN` times its sd with :data:`CORRECT_DRAWS` draws, whose importance
-    weights reach the tails a too-narrow ``q`` never draws from. ``q`` is kept when its verdict
-    is ``ok`` and its user-space means and sds agree with the widened check's weighted ones
-    (means within 0.2 sds, sds within 15 %, with three Monte Carlo standard errors of the
-    estimate to spare: an accepted ``q`` never sits on the tolerance); otherwise the widened
-    check's importance-resampled draws are the answer when its Pareto k is at most :data:`CORRECT_K`, its ESS at least
-    :data:`CORRECT_MIN_ESS`, and the two checks' importance-weighted moments agree (the same
-    margins): two importance estimates of one posterior from proposals of different widths
-    differ where its tails reach past the narrower, and may reach past the wider too (a
-    precision with a Gamma(0.001, 0.001) prior: the weighted sd from ``q`` half the widened
-    one's, itself 0.73 of the posterior's)."""
-    from .fit_check import answer_check
+    Two checks, both run by :class:`~numpyro_fed.factor.Laplace` (``widen``; the verdict's
+    ``reports["q"]`` and ``reports["widened"]``), each client computing its own term: the fit check
+    of ``q`` itself (its verdict), and one from ``q`` widened to :data:`WIDEN` times its sd with
+    :data:`CORRECT_DRAWS` draws, whose importance weights reach the tails a too-narrow ``q`` never
+    draws from. ``q`` is kept when its verdict is ``ok`` and its user-space means and sds agree with
+    the widened check's weighted ones (means within 0.2 sds, sds within 15 %, with three Monte Carlo
+    standard errors of the estimate to spare: an accepted ``q`` never sits on the tolerance);
+    otherwise the widened check's importance-resampled draws are the answer when its Pareto k is at
+    most :data:`CORRECT_K`, its ESS at least :data:`CORRECT_MIN_ESS`, and the two checks'
+    importance-weighted moments agree (the same margins): two importance estimates of one posterior
+    from proposals of different widths differ where its tails reach past the narrower, and may reach
+    past the wider too (a precision with a Gamma(0.001, 0.001) prior: the weighted sd from ``q``
+    half the widened one's, itself 0.73 of the posterior's)."""
+    from . import from_diagnostic
+    from .psis import answer_check
 
     rounds = int(result.communication.rounds)
-    check, wide = laplace.last_fit_check, laplace.widened_check
+    verdict = result.verdict
+    check, wide = verdict.reports.get("q"), verdict.reports.get("widened")
     if check is None:
-        log.append(f"laplace: {rounds} rounds; not checked ({laplace.last_fit_check_skipped or 'see its warning'})")
+        log.append(f"laplace: {rounds} rounds; not checked ({verdict.why})")
         return None
     off = f"; biased: {', '.join(m.site for m in check.biased[:4])}" if check.biased else ""
     log.append(f"laplace: {rounds} rounds; check {check.verdict} (Pareto k {check.pareto_k:.2f}{off})")
@@ -68,17 +70,19 @@ def judge(laplace, result, log: List[str]):
                        f"corrected draws are not offered")
             return None
         log.append("laplace: accepted with importance-corrected draws (from the widened check)")
-        return "laplace (importance-corrected)", laplace.widened_result(result), answer_check(wide), True
+        answer = answer_check(wide)
+        corrected = laplace.widened_result(result)._replace(verdict=from_diagnostic(answer, widened=wide))
+        return "laplace (importance-corrected)", corrected, answer, True
     return None
 
 
 def disagreeing(check, wide, weighted: bool = False) -> List[str]:
     """The sites whose moments under ``q`` (``check``) are not within the promised tolerance of
     the widened check's weighted ones (means within 0.2 sds, sds within 15 %) with three Monte
-    Carlo standard errors of that estimate to spare (:func:`~numpyro_fed.fit_check.within_tolerance`);
+    Carlo standard errors of that estimate to spare (:func:`~numpyro_fed.check.psis.within_tolerance`);
     ``weighted``: whose importance-weighted moments under ``q`` are off the widened check's by
     more than the tolerance itself (two estimates of one posterior that disagree)."""
-    from .fit_check import MEAN_MARGIN, SD_MARGIN, within_tolerance
+    from .psis import MEAN_MARGIN, SD_MARGIN, within_tolerance
 
     ours = {m.site: m for m in check.moments}
     out = []
