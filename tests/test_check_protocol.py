@@ -121,3 +121,40 @@ def test_a_check_is_found_by_the_nearest_registered_class_and_must_return_a_verd
     result = nf.factor.Laplace(_normal_mean, check_fit=False).run(random.PRNGKey(0), clients, 3, progress_bar=False)
     with pytest.raises(TypeError, match="returned None, not a Verdict"):
         run_check(Family(), result)
+
+
+def _adding_a_family():
+    """The example family of docs/architecture.md's "Adding a family", as a reader would paste it."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("## Adding a family"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    namespace = {"__name__": "adding_a_family"}
+    exec(compile(code, "docs/architecture.md", "exec"), namespace)
+    return namespace["FederatedIS"]
+
+
+def test_the_documented_new_family_inherits_no_family_and_matches_the_analytic_posterior():
+    """A family written from the architecture page alone: a subclass of FederatedInference with its
+    own algorithm and its registered check, composing the model's terms. Its weighted draws match
+    the analytic posterior, its verdict is ``ok``, and a proposal far from the posterior is
+    ``unreliable``; its messages are counted as every family's."""
+    FederatedIS = _adding_a_family()
+    assert FederatedIS.__mro__[1] is nf.inference.FederatedInference
+    rng = np.random.default_rng(4)
+    y = rng.normal(0.8, 1.0, 40).astype(np.float32)
+    clients = nf.Clients.split(np.arange(40) % 4, y=y)
+    fit = FederatedIS(_normal_mean, (np.array([0.3]), 0.16 * np.eye(1)))  # wider than the posterior, off its mean
+    result = fit.run(random.PRNGKey(0), clients, 1, progress_bar=False)
+    u, log_w = np.asarray(result.params["u"][:, 0], np.float64), np.asarray(result.params["log_w"], np.float64)
+    w = np.exp(log_w - log_w.max())
+    w /= w.sum()
+    mean, sd = _posterior(y)
+    got_mean, got_sd = float(w @ u), float(np.sqrt(w @ (u - w @ u) ** 2))
+    assert abs(got_mean - mean) < 0.1 * sd and abs(got_sd / sd - 1) < 0.1, (got_mean, got_sd, mean, sd)
+    assert result.verdict.status == "ok" and result.verdict.figures["pareto_k"] <= 0.7
+    assert result.communication.rounds == 1 and result.communication.bytes_up >= 4 * 4000 * 4  # 4 clients' values
+    far = FederatedIS(_normal_mean, (np.array([-3.0]), 0.01 * np.eye(1))).run(random.PRNGKey(0), clients, 1,
+                                                                              progress_bar=False)
+    assert far.verdict.status == "unreliable"
