@@ -52,6 +52,21 @@ def test_bcm_is_pvis_one_round_configured():
             nf.PVI(_model, **wrong)
 
 
+def test_laplace_carries_no_settings_of_pvi_and_eps_protocol():
+    """The factor protocol's schedule, damping and halvings are EP's and PVI's settings, checked
+    where they are given; a Laplace search has none (it takes no such argument)."""
+    laplace = nf.factor.Laplace(_model)
+    assert laplace.schedule is None
+    assert not any(hasattr(laplace, name) for name in ("damping", "subset_size", "max_halvings"))
+    ep = nf.EP(_model, schedule="subset", subset_size=2, damping=0.5)
+    assert (ep.schedule, ep.subset_size, ep.damping, ep.max_halvings) == ("subset", 2, 0.5, 10)  # EP's default
+    for cls in (nf.EP, nf.PVI):
+        with pytest.raises(ValueError, match="damping=0: must be in"):
+            cls(_model, damping=0)
+        with pytest.raises(ValueError, match="schedule='often'"):
+            cls(_model, schedule="often")
+
+
 def test_the_old_argument_order_and_max_rounds_are_deprecated_spellings():
     clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
     new = nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), clients, 2, progress_bar=False)

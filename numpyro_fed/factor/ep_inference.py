@@ -19,7 +19,7 @@ from ..protocol import RunResult, RunState
 from . import gaussian as G
 from .blocks import local_blocks as propose_blocks
 from .ep_algorithm import ep, tilted_moments
-from .inference import FactorInference
+from .inference import FactorInference, set_schedule
 from .messages import K_ADVICE
 from .prior_site import prior_site_step
 from .tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
@@ -148,9 +148,9 @@ class EP(FactorInference):
         model_kwargs: Optional[dict] = None,
         check_fit: bool = True,
     ) -> None:
-        super().__init__(model, family=family, schedule=schedule, damping=damping, subset_size=subset_size,
-                         max_halvings=max_halvings, client_mapping=client_mapping, row_plate=row_plate,
+        super().__init__(model, family=family, client_mapping=client_mapping, row_plate=row_plate,
                          model_kwargs=model_kwargs, check_fit=check_fit)
+        set_schedule(self, schedule, damping, subset_size, max_halvings)
         if tilted not in TILTED_METHODS:
             raise ValueError(f"tilted={tilted!r}: choose one of {TILTED_METHODS}")
         if tilted == "vi":

@@ -73,7 +73,7 @@ from .pointwise import client_pass, observed_terms_at
 from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
-__all__ = ["FactorInference", "ModelTerms", "factor_check", "latent_supports", "q_check"]
+__all__ = ["FactorInference", "ModelTerms", "factor_check", "latent_supports", "q_check", "set_schedule"]
 
 _SUBSET = "subset_size={size}: must be between 1 and the {J} clients"
 
@@ -90,22 +90,17 @@ class FactorInference(FederatedInference):
     check_draws = 1000  # draws of run's fit check
     prior_factor = "gaussian"  # model_terms's prior factor: q = p prod_j t_j keeps the prior's Gaussian factor
     _checked_state = None  # the fingerprint of the state the last fit check was of
+    #: the factor protocol's schedule of client updates (EP and PVI set it, :func:`set_schedule`; a Laplace
+    #: search has none)
+    schedule: Optional[str] = None
     _size_group_plates = size_group_plates
 
     def __init__(self, model, *, client_mapping, row_plate, model_kwargs, family: str = "full",
-                 schedule: str = "synchronous", damping: float = 1.0, subset_size: int = 1, max_halvings: int = 0,
                  check_fit: bool = True) -> None:
         if family not in ("full", "diagonal"):
             raise ValueError(f"family={family!r}: choose 'full' or 'diagonal'")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
-        if not 0 < damping <= 1:
-            raise ValueError(f"damping={damping}: must be in (0, 1]")
         self.model = with_improper_values(model)
-        self.family, self.schedule = family, schedule
-        self.damping = float(damping)
-        self.subset_size = check_positive_int("subset_size", subset_size)
-        self.max_halvings = int(max_halvings)
+        self.family = family
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
         self.check_fit = bool(check_fit)
@@ -418,6 +413,20 @@ def keep_fit_check(inference, check: FitDiagnostic, server) -> None:
     """Keep ``check`` as ``inference``'s fit check of the run state whose server part is ``server``:
     ``last_fit_check``, and what ``sample_posterior(..., corrected=True)`` resamples for that state."""
     inference.last_fit_check, inference._checked_state = check, state_fingerprint(server)
+
+
+def set_schedule(inference: FactorInference, schedule: str, damping: float, subset_size: int,
+                 max_halvings: int) -> None:
+    """EP's and PVI's settings of the factor protocol (:func:`~numpyro_fed.factor.updates.factor_protocol`),
+    checked: which clients update each round (``schedule``, ``subset_size``), the damping of their
+    updates and how often the server may halve it."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
+    if not 0 < damping <= 1:
+        raise ValueError(f"damping={damping}: must be in (0, 1]")
+    inference.schedule, inference.damping = schedule, float(damping)
+    inference.subset_size = check_positive_int("subset_size", subset_size)
+    inference.max_halvings = int(max_halvings)
 
 
 @register_check(FactorInference)

@@ -16,7 +16,7 @@ from ..dp.plan import MECHANISMS, DPPlan, check_dp_options, warn_withheld
 from ..protocol import RunResult
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
-from .inference import FactorInference, factor_check
+from .inference import FactorInference, factor_check, set_schedule
 from .messages import K_ADVICE
 from .prior_site import prior_site_step
 from .pvi_algorithm import pvi
@@ -190,18 +190,9 @@ class PVI(FactorInference):
                                       or damping != 1.0):
             raise ValueError(f"committee={committee!r}: BCM's prior is 'same' or 'split', and it runs one synchronous "
                              f"round with damping 1 (use BCM(model, prior=...))")
-        super().__init__(
-            model,
-            family=family,
-            schedule=schedule,
-            damping=damping,
-            subset_size=subset_size,
-            max_halvings=max_halvings,
-            client_mapping=client_mapping,
-            row_plate=row_plate,
-            model_kwargs=model_kwargs,
-            check_fit=check_fit,
-        )
+        super().__init__(model, family=family, client_mapping=client_mapping, row_plate=row_plate,
+                         model_kwargs=model_kwargs, check_fit=check_fit)
+        set_schedule(self, schedule, damping, subset_size, max_halvings)
         if update not in _UPDATES:
             raise ValueError(f"update={update!r}: choose one of {_UPDATES}")
         if variant not in VARIANTS:
