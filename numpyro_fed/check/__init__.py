@@ -29,7 +29,10 @@ function that turns them into a verdict beside its class.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Protocol, Tuple
+
+from ..warnings import FitWarning
 
 __all__ = ["STATUSES", "Check", "Verdict", "check_for", "from_diagnostic", "register_check", "run_check",
            "unchecked"]
@@ -57,6 +60,10 @@ class Verdict(NamedTuple):
             ``"chains"`` (the samplers' ``mixing``), ``"rho"`` (vertical SVI's augmentation check).
         communication: the run's communication with the check's own exchanges added (``None``: the
             check exchanged nothing).
+        warned: every fit warning the check gave (``"Category: message"``; each is also shown as a
+            warning). ``status`` judges the answer; a check may also warn of how the fit got there
+            (a client's local fit, a client's local chains, an invalid update) while the answer
+            passes: read them.
     """
 
     status: str
@@ -66,6 +73,7 @@ class Verdict(NamedTuple):
     figures: Mapping[str, float] = {}
     reports: Mapping[str, Any] = {}
     communication: Any = None
+    warned: Tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -109,13 +117,22 @@ def check_for(inference: Any) -> Check:
 
 
 def run_check(inference: Any, result: Any) -> Any:
-    """``result`` after ``inference``'s check: its ``verdict`` set, the check's traffic counted."""
-    verdict = check_for(inference)(inference, result)
+    """``result`` after ``inference``'s check: its ``verdict`` set (with the fit warnings the check
+    gave), the check's traffic counted."""
+    check, caught = check_for(inference), []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            verdict = check(inference, result)
+    finally:  # every warning reaches the caller as the check gave it, where it pointed
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     if not isinstance(verdict, Verdict) or verdict.status not in STATUSES:
         raise TypeError(f"the fit check of {type(inference).__name__} returned {verdict!r}, not a Verdict whose "
                         f"status is one of {STATUSES}")
     communication = result.communication if verdict.communication is None else verdict.communication
-    return result._replace(verdict=verdict._replace(communication=None), communication=communication)
+    warned = tuple(f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, FitWarning))
+    return result._replace(verdict=verdict._replace(communication=None, warned=warned), communication=communication)
 
 
 def unchecked(why: str, communication: Any = None) -> Verdict:
