@@ -81,10 +81,11 @@ class Verdict(NamedTuple):
         return self.status == "ok"
 
     def __repr__(self) -> str:
-        """The status, the check, its figures and sites; not the reports."""
+        """The status, the check, its figures and sites and how many warnings it gave; not the reports."""
         figures = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.figures.items())
         sites = f", sites={list(self.sites[:6])}" if self.sites else ""
-        return f"Verdict({self.status!r}, check={self.check!r}{', ' + figures if figures else ''}{sites})"
+        warned = f", warned={len(self.warned)}" if self.warned else ""
+        return f"Verdict({self.status!r}, check={self.check!r}{', ' + figures if figures else ''}{sites}{warned})"
 
 
 class Check(Protocol):
