@@ -103,6 +103,7 @@ RUNG_OPTIONS = {
     "adapt_mass_matrix": ("nuts",),
     "target_accept_prob": ("nuts",),
     "max_tree_depth": ("nuts",),
+    "secure_aggregation": ("laplace", "mwg", "nuts"),
 }
 """The options :func:`fit` passes to its rungs' classes: name -> the rungs that take it
 (``"laplace"``: :class:`~numpyro_fed.factor.Laplace`; ``"mwg"``: federated
@@ -112,6 +113,12 @@ _UNKNOWN_OPTION = (
     "nf.fit: no rung takes {names} and no backend runs with it. A rung's options (each passed to the rungs that take "
     "it): {rungs}; the run options (passed to every rung): {run}; and fit's own arguments (exact, num_samples, "
     "num_warmup, num_chains, model_kwargs, row_plate, client_mapping, progress_bar)"
+)
+
+
+_SECURE_OVER_NETWORK = (
+    "nf.fit(secure_aggregation=...) runs in simulation only for now: over a network backend the two fit checks' "
+    "terms are still sent per client. Drop secure_aggregation= there, or fit in simulation"
 )
 
 
@@ -336,6 +343,8 @@ class Ladder:
         clients = clients if self._kept is None else self._kept["clients"]
         backend = run_options.get("backend")
         network = isinstance(backend, NetworkBackend)
+        if network and self.rung_options.get("secure_aggregation") is not None:
+            raise NotImplementedError(_SECURE_OVER_NETWORK)
         log: List[str] = []
         results: List[Any] = []
         rounds, bytes_ = 0, (0, 0)

@@ -78,17 +78,25 @@ class Exchange(NamedTuple):
 
     ``messages`` stacks every client's message along a leading client axis.
 
-    ``secure_sum`` names top-level message fields that go through a trusted aggregator
-    (Heikkilä et al.'s (2023) black-box secure summation, Theorems 11 and 14): the backend sums them over
-    the clients that answered and the server step receives only that sum (no client axis)
-    for those fields; the transcript records each client's part as sent to
-    ``"aggregator"`` and the sum as sent by ``"aggregator"`` to ``"server"``.
+    ``secure_sum`` names top-level message fields the server receives only summed over the
+    clients that answered (no client axis; integer and boolean fields as counts), by
+    ``aggregation`` (:mod:`numpyro_fed.secure`):
+
+    - ``"trusted"``: a trusted aggregator (Heikkilä et al.'s (2023) black-box secure summation,
+      Theorems 11 and 14); the transcript records each client's part as sent to
+      ``"aggregator"`` and the sum as sent by ``"aggregator"`` to ``"server"``;
+    - ``"masking"``: no third party: pairwise masking with dropout recovery (Bonawitz et al.
+      2017, :mod:`numpyro_fed.secure.masking`) on fixed-point terms
+      (:mod:`numpyro_fed.secure.fixed_point`; real fields are summed at a resolution of
+      ``2**-24``); the transcript records the protocol's messages, each client's part only
+      masked.
     """
 
     client_step: ClientStepFn
     server_step: ServerStepFn
     name: str = "exchange"
     secure_sum: Tuple[str, ...] = ()
+    aggregation: str = "trusted"
 
 
 class FederatedAlgorithm(NamedTuple):

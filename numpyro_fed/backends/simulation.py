@@ -43,6 +43,17 @@ from ..protocol import (
     ServerView,
     last_info,
 )
+from ..secure import (
+    SecureAggregationError,
+    decode_message,
+    default_threshold,
+    encode_message,
+    fixed_point_sum,
+    masked_sum,
+    protocol_bytes,
+    sums_like,
+    word_count,
+)
 from ..transcript import Communication, Transcript, message_bytes
 from .driver import NonFinite, NonFiniteError, Rounds, all_finite, drive, non_finite_message
 from .mapping import ClientPlan, client_item
@@ -184,13 +195,23 @@ class SimulationBackend:
             compiled.sizes["down"] = [
                 message_bytes(b.shared) + message_bytes(_row_struct(b.per_client)) for b, _ in traffic
             ]
-            compiled.sizes["up"] = [message_bytes(_row_struct(m)) for _, m in traffic]
+            compiled.sizes["up"], compiled.sizes["masked"] = [], []
+            for (_, m), exchange in zip(traffic, algorithm.exchanges):
+                masked = _masked_fields(exchange, m)
+                direct = {k: v for k, v in _fields(m).items() if k not in masked} if masked else m
+                compiled.sizes["up"].append(message_bytes(_row_struct(direct)) if direct or not masked else 0)
+                compiled.sizes["masked"].append(word_count(_row_struct(masked)) if masked else None)
         asked = np.asarray(outs.asked).sum(axis=-1).astype(np.int64)
         answered = np.asarray(outs.answered).sum(axis=-1).astype(np.int64)
         down, up = compiled.sizes["down"], compiled.sizes["up"]
         n_ex = len(algorithm.exchanges)
         bytes_down = int(np.sum(asked * down[0] + answered * sum(down[1:])))
         bytes_up = int(np.sum(answered * sum(up)))
+        for size in compiled.sizes["masked"]:  # the pairwise-masking protocol's messages, per round
+            if size is not None:
+                for a, k in zip(asked.tolist(), answered.tolist()):
+                    extra_up, extra_down = protocol_bytes(a, k, k, a - k, size)
+                    bytes_up, bytes_down = bytes_up + extra_up, bytes_down + extra_down
         return Communication(
             len(asked), bytes_up, bytes_down, int(np.sum(answered)) * n_ex, int(np.sum(asked + answered * (n_ex - 1)))
         )
@@ -259,15 +280,34 @@ def _no_failure(num_clients: int) -> _Failure:
     return _Failure(jnp.zeros((), bool), jnp.zeros((), jnp.int32), jnp.zeros(num_clients, bool), jnp.zeros((), bool))
 
 
-def aggregate_messages(messages, secure_sum: Tuple[str, ...]):
+def aggregate_messages(messages, secure_sum: Tuple[str, ...], aggregation: str = "trusted"):
     """The messages as the server receives them: the ``secure_sum`` fields summed over the
-    clients (the rows of clients that did not answer are zeros) by the trusted aggregator."""
+    clients (the rows of clients that did not answer are zeros), by the trusted aggregator or,
+    with ``aggregation="masking"``, as the pairwise-masking protocol decodes the sum (the
+    fixed-point sum, :func:`~numpyro_fed.secure.fixed_point_sum`, computed on the host: the
+    masks cancel exactly, so the protocol itself runs only where its messages are recorded)."""
     if not secure_sum:
         return messages
-    return {
-        k: jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), v) if k in secure_sum else v
-        for k, v in messages.items()
-    }
+    fields = _fields(messages)
+    hidden = {k: v for k, v in fields.items() if k in secure_sum}
+    if aggregation == "masking":
+        summed = jax.pure_callback(fixed_point_sum, sums_like(hidden), hidden)
+    else:
+        summed = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), hidden)
+    out = {k: summed[k] if k in secure_sum else v for k, v in fields.items()}
+    return type(messages)(**out) if hasattr(messages, "_fields") else out
+
+
+def _fields(messages) -> dict:
+    """A message's top-level fields by name (a dict's items, or a NamedTuple's)."""
+    return messages._asdict() if hasattr(messages, "_fields") else dict(messages)
+
+
+def _masked_fields(exchange, messages):
+    """The fields of ``messages`` that ``exchange`` sums by pairwise masking (``{}`` if none)."""
+    if not exchange.secure_sum or exchange.aggregation != "masking":
+        return {}
+    return {k: v for k, v in _fields(messages).items() if k in exchange.secure_sum}
 
 
 def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, exchanges) -> None:
@@ -279,20 +319,50 @@ def _record(transcript: Transcript, rnd: int, names, out: RoundOutput, traffic, 
                 part = jax.tree_util.tree_map(lambda x: x[j], broadcast.per_client)
                 transcript.record(rnd, "server", name, Broadcast(broadcast.shared, part), exchange=str(e))
         secure = exchange.secure_sum
-        direct = {k: v for k, v in messages.items() if k not in secure} if secure else messages
-        hidden = {k: v for k, v in messages.items() if k in secure} if secure else None
+        direct = {k: v for k, v in _fields(messages).items() if k not in secure} if secure else messages
+        hidden = {k: v for k, v in _fields(messages).items() if k in secure} if secure else None
+        masking = bool(secure) and exchange.aggregation == "masking"
         for j, name in enumerate(names):
             if answered[j]:
                 if not secure or direct:
                     transcript.record(
                         rnd, name, "server", jax.tree_util.tree_map(lambda x: x[j], direct), exchange=str(e)
                     )
-                if secure:
+                if secure and not masking:
                     transcript.record(
                         rnd, name, "aggregator", jax.tree_util.tree_map(lambda x: x[j], hidden), exchange=str(e)
                     )
-        if secure:
+        if masking:
+            _record_masking(transcript, rnd, names, asked, answered, hidden, str(e))
+        elif secure:
             transcript.record(rnd, "aggregator", "server", aggregate_messages(hidden, secure), exchange=str(e))
+
+
+def _record_masking(transcript: Transcript, rnd: int, names, asked, answered, hidden, exchange: str) -> None:
+    """Run the pairwise-masking protocol among the asked clients on the fields they sent (an
+    asked client that did not answer shares its keys and drops), record its messages, and
+    check that it decodes the sum the server step received."""
+    who = [j for j in range(len(names)) if asked[j]]
+    n, J = len(who), len(names)
+    rows = [encode_message(jax.tree_util.tree_map(lambda x: np.asarray(x)[j], hidden), J) if answered[j] else None
+            for j in who]
+
+    def send(step, sender, receiver, message):
+        src = "server" if sender < 0 else names[who[sender]]
+        dst = "server" if receiver < 0 else names[who[receiver]]
+        transcript.record(rnd, src, dst, {step: message}, exchange=exchange)
+
+    try:
+        total = masked_sum(rows, send=send)
+    except SecureAggregationError:
+        if sum(r is not None for r in rows) < default_threshold(n):  # as the round itself: no sum this round
+            return
+        raise
+    got = decode_message(total, sums_like(hidden), J)
+    used = fixed_point_sum(hidden)
+    if not all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree_util.tree_leaves(got),
+                                                                     jax.tree_util.tree_leaves(used))):
+        raise SecureAggregationError(f"round {rnd}: the masked protocol decoded another sum than the server used")
 
 
 def _same_algorithm(a: FederatedAlgorithm, b: FederatedAlgorithm) -> bool:
@@ -401,8 +471,14 @@ def _one_round(algorithm: FederatedAlgorithm, layout: _Layout, state: RunState, 
             messages = _pick(answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
             slots = _keep(layout, answered, new, slots)
         traffic.append((broadcast, messages))
-        server, broadcast, info = exchange.server_step(key, server, aggregate_messages(messages, exchange.secure_sum),
-                                                       view)
+        seen = view
+        if exchange.secure_sum and exchange.aggregation == "masking" and not everyone:
+            # too few answers to unmask: the round's sum is lost, as if no client had answered
+            unmasked = jnp.sum(answered) >= jnp.sum(asked) // 2 + 1
+            seen = view._replace(answered=answered & unmasked)
+            messages = _pick(seen.answered, messages, jax.tree_util.tree_map(jnp.zeros_like, messages))
+        server, broadcast, info = exchange.server_step(
+            key, server, aggregate_messages(messages, exchange.secure_sum, exchange.aggregation), seen)
         sent_ok = sent_ok & all_finite(broadcast)
         infos.append(info)
     info = (algorithm.round_info or last_info)(tuple(infos))

@@ -44,8 +44,9 @@ from .tilted import (
     newton_direction,
 )
 
-__all__ = ["LaplaceClientState", "LaplaceInfo", "LaplaceServerState", "federated_laplace"]
+__all__ = ["SECURE_FIELDS", "LaplaceClientState", "LaplaceInfo", "LaplaceServerState", "federated_laplace"]
 
+SECURE_FIELDS = ("value", "grad", "hess", "ok", "inner_sq")  # every field, under secure aggregation
 MAX_HALVINGS = 30  # a step halved this often without the log posterior rising: the search is stuck
 
 
@@ -99,7 +100,8 @@ def _inner_start(problem: TiltedProblem, u, v_warm):
     return jnp.where(keep, warm, cold)
 
 
-def _client_step(rng_key, state: LaplaceClientState, broadcast: Broadcast, data, *, problem_of: Callable):
+def _client_step(rng_key, state: LaplaceClientState, broadcast: Broadcast, data, *, problem_of: Callable,
+                 secure: bool = False):
     del rng_key
     problem = problem_of(data)
     u = broadcast.shared["u"]
@@ -110,27 +112,39 @@ def _client_step(rng_key, state: LaplaceClientState, broadcast: Broadcast, data,
     v = jnp.where(jnp.all(jnp.isfinite(v)), v, state.v)
     # a point where the term is not finite is sent as zeros with ok=False (the server halves its step)
     zero = jnp.zeros((), value.dtype)
+    inner = {"inner_sq": jnp.where(ok, dec * dec, zero)} if secure else {"inner": jnp.where(ok, dec, zero)}
     return LaplaceClientState(v), {"value": jnp.where(ok, value, zero), "grad": jnp.where(ok, grad, zero),
-                                   "hess": jnp.where(ok, hess, zero), "inner": jnp.where(ok, dec, zero), "ok": ok}
+                                   "hess": jnp.where(ok, hess, zero), "ok": ok, **inner}
 
 
-def _server_step(rng_key, s: LaplaceServerState, messages, view, *, log_prior: Callable, tol: float):
+def _server_step(rng_key, s: LaplaceServerState, messages, view, *, log_prior: Callable, tol: float,
+                 secure: bool = False):
+    """The Newton step. ``secure``: the clients' fields arrive summed (secure aggregation): the
+    inner decrement is then the root sum of the clients' squares (at least their largest)."""
     del rng_key
     proposal = s.u + s.step * s.direction
     answered = view.answered
-    complete = jnp.all(answered) & jnp.all(messages["ok"])
+    if secure:
+        total = messages
+        complete = total["ok"] == answered.shape[0]
+        inner_now = jnp.sqrt(total["inner_sq"])
+    else:
+        mask = {"value": answered, "grad": answered[:, None], "hess": answered[:, None, None]}
+        total = {k: jnp.sum(jnp.where(m, messages[k], 0.0), 0) for k, m in mask.items()}
+        complete = jnp.all(answered) & jnp.all(messages["ok"])
+        inner_now = jnp.max(jnp.where(answered, messages["inner"], 0.0))
     lp = log_prior(proposal)
-    value = lp + jnp.sum(jnp.where(answered, messages["value"], 0.0))
-    grad = jax.grad(log_prior)(proposal) + jnp.sum(jnp.where(answered[:, None], messages["grad"], 0.0), 0)
+    value = lp + total["value"]
+    grad = jax.grad(log_prior)(proposal) + total["grad"]
     h_prior = jax.hessian(log_prior)(proposal)
-    hess = (h_prior + h_prior.T) / 2 + jnp.sum(jnp.where(answered[:, None, None], messages["hess"], 0.0), 0)
+    hess = (h_prior + h_prior.T) / 2 + total["hess"]
     finite = jnp.isfinite(value) & jnp.all(jnp.isfinite(grad)) & jnp.all(jnp.isfinite(hess))
     # not lower than where it stands, to a relative 1e-6 (rounding never decides between points near the mode)
     accept = complete & finite & (value >= s.value - 1e-6 * (1.0 + jnp.abs(s.value)))
     missing = ~jnp.all(answered)  # a client missing: the same point again next round
     u = jnp.where(accept, proposal, s.u)
     value_, grad_, hess_ = (jnp.where(accept, a, b) for a, b in ((value, s.value), (grad, s.grad), (hess, s.hess)))
-    inner = jnp.where(accept, jnp.max(jnp.where(answered, messages["inner"], 0.0)), s.inner)
+    inner = jnp.where(accept, inner_now, s.inner)
     # Newton's step in the scale-free form D^-1/2 (-H) D^-1/2 (D its diagonal): in float32 an eigen-
     # decomposition of -H itself loses the small eigenvalues of a badly scaled posterior (a covariate in
     # the thousands), which then look negative and the search never stops
@@ -144,7 +158,10 @@ def _server_step(rng_key, s: LaplaceServerState, messages, view, *, log_prior: C
     direction = jnp.where(accept, scale * newton_direction(-scaled, scale * grad_), s.direction)
     halvings = jnp.where(accept, 0, jnp.where(missing, s.halvings, s.halvings + 1))
     step = jnp.where(accept, 1.0, jnp.where(missing, s.step, s.step / 2)).astype(s.step.dtype)
-    converged = proper & (decrement < tol) & (inner < tol)
+    # (before the first accepted point the state holds the start's placeholders, not a mode: a first
+    # round with a client missing must not stop the search there)
+    visited = value_ > jnp.finfo(value_.dtype).min
+    converged = visited & proper & (decrement < tol) & (inner < tol)
     stuck = (halvings > MAX_HALVINGS) & ~converged
     # q: the Laplace approximation at the Newton-predicted mode (one more Newton step, on the server)
     precision = -hess_
@@ -158,7 +175,7 @@ def _server_step(rng_key, s: LaplaceServerState, messages, view, *, log_prior: C
 
 def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clients: int, start: jax.Array, *,
                       num_local: int = 0, blocks: Optional[jax.Array] = None, inner_steps: int = 8,
-                      tol: float = 1e-2) -> FederatedAlgorithm:
+                      tol: float = 1e-2, secure: Optional[str] = None) -> FederatedAlgorithm:
     """Build the federated Laplace approximation's pure functions (see the module docstring).
 
     Args:
@@ -172,6 +189,9 @@ def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clien
         blocks: the local latents' independent blocks (:func:`~numpyro_fed.factor.blocks.local_blocks`).
         inner_steps: Newton steps of a client's inner mode per round (warm-started).
         tol: the Newton decrement (posterior sds) at which the search stops.
+        secure: ``None``, or how the clients' terms are summed so that the server sees only
+            their sum (:mod:`numpyro_fed.secure`): ``"trusted"`` or ``"masking"``. The inner
+            decrement is then the root sum of the clients' squares instead of their largest.
     """
     d = start.shape[0]
     index = None if blocks is None else jnp.asarray(blocks)
@@ -198,8 +218,9 @@ def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clien
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients),
-        (Exchange(partial(_client_step, problem_of=problem_of),
-                  partial(_server_step, log_prior=log_prior, tol=tol), "laplace_newton"),),
+        (Exchange(partial(_client_step, problem_of=problem_of, secure=secure is not None),
+                  partial(_server_step, log_prior=log_prior, tol=tol, secure=secure is not None), "laplace_newton",
+                  SECURE_FIELDS if secure is not None else (), secure or "trusted"),),
         monitor=lambda info: jnp.minimum(info.decrement, 1e3), monitor_name="Newton decrement", name="laplace",
         done=lambda s: s.converged | s.stuck,
         describe=lambda s: f"decrement {float(s.decrement):.3g}",

@@ -19,6 +19,7 @@ from ..check import Verdict, register_check
 from ..check.psis import FitDiagnostic
 from ..inference import checked_network, fitted, with_exchange_traffic
 from ..protocol import RunResult
+from ..secure import check_aggregation
 from . import network_check
 from .blocks import local_blocks as propose_blocks
 from .inference import FactorInference, keep_fit_check, q_check, q_diagnostic
@@ -73,6 +74,12 @@ class Laplace(FactorInference):
             draws from the tails its own check would need to see; the widened draws reach them,
             and their weights correct ``q`` (:meth:`widened_result`). :func:`numpyro_fed.fit`
             uses ``widen=1.5``.
+        secure_aggregation: ``None`` (each client's value, gradient and Hessian reach the
+            server), or how they are summed so that the server sees only their sum each round:
+            ``"masking"`` (pairwise masking with dropout recovery, no third party; Bonawitz et
+            al. 2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
+            The inner decrement the stopping rule reads is then the root sum of the clients'
+            squares.
         client_mapping, row_plate, model_kwargs, check_fit: as :class:`~numpyro_fed.EP`.
 
     Examples:
@@ -97,9 +104,11 @@ class Laplace(FactorInference):
 
     def __init__(self, model: Callable, *, tol: float = 1e-2, inner_steps: int = 8, local_blocks: bool = True,
                  client_mapping: str = "auto", row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
-                 check_fit: bool = True, widen: Optional[float] = None) -> None:
+                 check_fit: bool = True, widen: Optional[float] = None,
+                 secure_aggregation: Optional[str] = None) -> None:
         super().__init__(model, client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
                          check_fit=check_fit)
+        self.secure_aggregation = check_aggregation(secure_aggregation, "Laplace")
         if not tol > 0:
             raise ValueError(f"tol={tol}: must be positive")
         self.tol, self.inner_steps = float(tol), check_positive_int("inner_steps", inner_steps)
@@ -123,7 +132,8 @@ class Laplace(FactorInference):
         self._blocks = propose_blocks(terms.local) if self.local_blocks else None
         start = prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout, exact=True)
         return federated_laplace(terms.log_prior, terms.log_joint, num_clients, start, num_local=terms.num_local,
-                                 blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol)
+                                 blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol,
+                                 secure=self.secure_aggregation)
 
     def _widened(self, state):
         return state._replace(server=state.server._replace(q=state.server.q.scale(1.0 / self.widen**2)))

@@ -182,6 +182,12 @@ class FlowerBackend(Messenger):
 
     def _checked_run(self, algorithm, plan, availability, init_state) -> None:
         """``run``'s options checked against this backend and its connected clients."""
+        masked = [ex.name for ex in algorithm.exchanges if ex.secure_sum and ex.aggregation == "masking"]
+        if masked:
+            raise NotImplementedError(
+                f"exchange(s) {masked} sum their clients' terms by pairwise masking, which runs in simulation only "
+                "for now; over Flower use the trusted aggregator (secure_aggregation='trusted', with "
+                "LocalFederation(aggregator=True))")
         for what, value in (("availability= (dropout is real over Flower)", availability),
                             ("init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on "
                              "their nodes)", init_state)):

@@ -41,6 +41,7 @@ from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import FederatedInference, Setup, fitted, state_of
 from ..params import DrawParams
 from ..protocol import RunResult, RunState
+from ..secure import check_aggregation
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
@@ -164,8 +165,10 @@ class FederatedMCMC(FederatedInference):
         row_plate: Optional[str] = None,
         model_kwargs: Optional[dict] = None,
         init: Optional[Tuple[Any, Any]] = None,
+        secure_aggregation: Optional[str] = None,
     ) -> None:
         check_model(model)
+        self.secure_aggregation = check_aggregation(secure_aggregation, type(self).__name__)
         self.model = with_improper_values(model)
         self.num_warmup = int(num_warmup)
         if self.num_warmup < 0:
@@ -243,7 +246,8 @@ class FederatedMCMC(FederatedInference):
             potential, local_mask, structure.global_latent.size, len(clients), self.num_warmup, self.num_samples,
             self.num_chains, self.algo, self.max_tree_depth, 1000.0, self.target_accept_prob, self.step_size,
             self.adapt_step_size, self.adapt_mass_matrix, self.trajectory_length, self.num_steps,
-            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float), start, scale)
+            jnp.asarray(window_table(self.num_warmup)), jnp.result_type(float), start, scale,
+            self.secure_aggregation)
         return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config, affine), {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
@@ -474,6 +478,10 @@ class FederatedNUTS(FederatedMCMC):
             chains move ``w`` with the global sites ``mean + L w``, ``L L^T = cov``, a constant
             Jacobian; a vector: the initial diagonal inverse mass matrix). ``None``: NumPyro's
             start, a uniform draw in (-2, 2) of the unconstrained space.
+        secure_aggregation: ``None`` (each client's potential terms and gradients reach the
+            server), or how they are summed so that the server sees only their sum each round:
+            ``"masking"`` (pairwise masking with dropout recovery, no third party; Bonawitz et al.
+            2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
 
     Example:
         >>> import numpy as np, jax, numpyro, numpyro.distributions as dist
@@ -497,11 +505,12 @@ class FederatedNUTS(FederatedMCMC):
                  step_size: float = 1.0, adapt_step_size: bool = True, adapt_mass_matrix: bool = True,
                  target_accept_prob: float = 0.8, max_tree_depth: int = 10, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
-                 init: Optional[Tuple[Any, Any]] = None) -> None:
+                 init: Optional[Tuple[Any, Any]] = None, secure_aggregation: Optional[str] = None) -> None:
         super().__init__(model, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                          step_size=step_size, adapt_step_size=adapt_step_size, adapt_mass_matrix=adapt_mass_matrix,
                          target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth,
-                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs, init=init)
+                         client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs, init=init,
+                         secure_aggregation=secure_aggregation)
 
 
 class FederatedHMC(FederatedMCMC):
@@ -517,12 +526,13 @@ class FederatedHMC(FederatedMCMC):
                  step_size: float = 1.0, adapt_step_size: bool = True, adapt_mass_matrix: bool = True,
                  target_accept_prob: float = 0.8, trajectory_length: float = 2 * np.pi,
                  num_steps: Optional[int] = None, client_mapping: str = "auto", row_plate: Optional[str] = None,
-                 model_kwargs: Optional[dict] = None, init: Optional[Tuple[Any, Any]] = None) -> None:
+                 model_kwargs: Optional[dict] = None, init: Optional[Tuple[Any, Any]] = None,
+                 secure_aggregation: Optional[str] = None) -> None:
         super().__init__(model, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                          step_size=step_size, adapt_step_size=adapt_step_size, adapt_mass_matrix=adapt_mass_matrix,
                          target_accept_prob=target_accept_prob, trajectory_length=trajectory_length,
                          num_steps=num_steps, client_mapping=client_mapping, row_plate=row_plate,
-                         model_kwargs=model_kwargs, init=init)
+                         model_kwargs=model_kwargs, init=init, secure_aggregation=secure_aggregation)
 
 
 @register_check(FederatedMCMC)

@@ -53,7 +53,7 @@ a fixed, exact kernel).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -268,13 +268,21 @@ def _propose(key, s: MwGServerState, kind):
     return jnp.where(kind == 0, t, jnp.broadcast_to(walk, (n, d)))
 
 
-def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Callable, config: MwGConfig):
+def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Callable, config: MwGConfig,
+                 secure: bool = False):
+    """One chain's decision. ``secure``: ``messages`` hold the clients' sums (secure aggregation):
+    ``ell`` summed, ``ok`` the count of clients whose term was finite."""
     k_accept, k_next = random.split(rng_key)
     complete = jnp.all(view.answered)
     total = config.num_warmup + config.num_samples
-    ok = complete & jnp.all(messages["ok"], axis=0)  # (candidates,)
+    if secure:
+        ok = complete & (messages["ok"] == view.answered.shape[0])
+        ell = messages["ell"]
+    else:
+        ok = complete & jnp.all(messages["ok"], axis=0)  # (candidates,)
+        ell = jnp.sum(messages["ell"], axis=0)
     lp_new = jax.vmap(log_prior)(s.proposal)
-    gain = jnp.sum(messages["ell"], axis=0) + lp_new - s.log_prior  # log pi(candidate) / pi(current)
+    gain = ell + lp_new - s.log_prior  # log pi(candidate) / pi(current)
     gain = jnp.where(ok & jnp.isfinite(gain), gain, -jnp.inf)
     # a random walk: Metropolis-Hastings on its one proposal (the first row)
     walk_ratio = gain[0]
@@ -362,7 +370,7 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
 
 
 def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: int, start, scale, *,
-                  num_local: int, blocks=None, config: MwGConfig) -> FederatedAlgorithm:
+                  num_local: int, blocks=None, config: MwGConfig, secure: Optional[str] = None) -> FederatedAlgorithm:
     """Build the sampler's pure functions (see the module docstring).
 
     Args:
@@ -374,6 +382,8 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         num_local: the size of ``v`` (padded clients: the largest).
         blocks: the locals' independent blocks (:func:`~numpyro_fed.factor.blocks.local_blocks`).
         config: :class:`MwGConfig`.
+        secure: ``None``, or how the clients' log ratios are summed so that the server sees only
+            their sum (:mod:`numpyro_fed.secure`): ``"trusted"`` or ``"masking"``.
     """
     d = start.shape[0]
     dtype = start.dtype
@@ -431,7 +441,8 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
 
         return jax.vmap(chain)(random.split(rng_key, C), state, broadcast.shared)
 
-    one_server = partial(_server_step, log_prior=log_prior, config=config)
+    one_server = partial(_server_step, log_prior=log_prior, config=config, secure=secure is not None)
+    chain_axis = 0 if secure is not None else 1  # summed messages have no client axis
 
     def server_step(rng_key, state, messages, view):
         def chain(key, st, ell, ok):
@@ -439,14 +450,14 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
             return new, b.shared, info
 
         k_chains, k_refresh = random.split(rng_key)
-        new, shared, info = jax.vmap(chain, in_axes=(0, 0, 1, 1))(random.split(k_chains, C), state,
-                                                                   messages["ell"], messages["ok"])
+        new, shared, info = jax.vmap(chain, in_axes=(0, 0, chain_axis, chain_axis))(
+            random.split(k_chains, C), state, messages["ell"], messages["ok"])
         new, shared = _pooled_refresh(k_refresh, new, shared, config)
         return new, Broadcast(shared), info
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients),
-        (Exchange(client_step, server_step, "mwg"),),
+        (Exchange(client_step, server_step, "mwg", ("ell", "ok") if secure is not None else (), secure or "trusted"),),
         monitor=lambda info: jnp.mean(info.accepted.astype(dtype)), monitor_name="accepted", name="mwg",
         done=lambda s: jnp.all(s.iteration > total),  # one round more: the clients record the last locals
         describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",

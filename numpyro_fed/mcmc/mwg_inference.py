@@ -29,6 +29,7 @@ from ..inference import FederatedInference, Setup, checked_network, fitted, rese
 from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
+from ..secure import check_aggregation
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
@@ -71,6 +72,10 @@ class FederatedMwG(FederatedInference):
             ``min(pi / (2 local_steps), 1.5 n^-1/4)``, ``n`` the client's locals: a quarter of a
             standard normal's period, where one move draws about independently; each move's step is
             jittered by up to 20 %).
+        secure_aggregation: ``None`` (each client's log ratios reach the server), or how they are
+            summed so that the server sees only their sum each round (and in the Laplace start):
+            ``"masking"`` (pairwise masking with dropout recovery, no third party; Bonawitz et al.
+            2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
         local_blocks, client_mapping, row_plate, model_kwargs: as :class:`~numpyro_fed.factor.Laplace`.
     """
 
@@ -87,8 +92,10 @@ class FederatedMwG(FederatedInference):
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
                  candidates: int = 4, map_steps: int = 3,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
-                 row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None) -> None:
+                 row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
+                 secure_aggregation: Optional[str] = None) -> None:
         super().__init__()
+        self.secure_aggregation = check_aggregation(secure_aggregation, "FederatedMwG")
         self.model = with_improper_values(model)
         self.client_mapping, self.row_plate = client_mapping, row_plate
         self.model_kwargs = dict(model_kwargs or {})
@@ -128,7 +135,8 @@ class FederatedMwG(FederatedInference):
             if self._laplace is None:  # kept: a second run reuses its compiled rounds
                 self._laplace = Laplace(self.model, row_plate=self.row_plate, model_kwargs=self.model_kwargs,
                                         client_mapping=self.client_mapping, inner_steps=self.inner_steps,
-                                        local_blocks=self.local_blocks, check_fit=False)
+                                        local_blocks=self.local_blocks, check_fit=False,
+                                        secure_aggregation=self.secure_aggregation)
             laplace = self._laplace
             laplace.progress_bar = self.progress_bar
             own = ("callbacks", "checkpoint", "checkpoint_every", "init_state")  # this chain's, not the start's
@@ -176,7 +184,7 @@ class FederatedMwG(FederatedInference):
         self._built_start = start
         mean, cov = (jnp.asarray(a, dtype) for a in start)
         return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
-                             num_local=terms.num_local, blocks=blocks, config=config)
+                             num_local=terms.num_local, blocks=blocks, config=config, secure=self.secure_aggregation)
 
     def _params(self, setup, state) -> Dict:
         draws = state.server.draws  # (chains, samples, d)

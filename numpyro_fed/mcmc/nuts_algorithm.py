@@ -94,6 +94,7 @@ class MCMCConfig(NamedTuple):
     dtype: object
     init_position: Optional[Array] = None  # (d,): the chains start near it (e.g. a Laplace mode), not uniformly
     init_inv_mass: Optional[Array] = None  # (d,): the global block's starting diagonal M^-1 (e.g. Laplace variances)
+    secure: Optional[str] = None  # how the clients' messages are summed (numpyro_fed.secure), or None: in the clear
 
 
 class IterationStats(NamedTuple):
@@ -386,7 +387,8 @@ def server_chain(rng_key, s: MCMCServerState, totals: MCMCMessage, complete, *, 
 def server_step(rng_key, state: MCMCServerState, messages: MCMCMessage, view, *, config: MCMCConfig):
     """Every chain's server step on the summed messages; an incomplete round is repeated."""
     complete = jnp.all(view.answered)
-    totals = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), messages)
+    # (under secure aggregation the messages arrive summed over the clients)
+    totals = messages if config.secure is not None else jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), messages)
     keys = random.split(rng_key, config.num_chains)
     new = jax.vmap(partial(server_chain, config=config), in_axes=(0, 0, 0, None))(keys, state, totals, complete)
     info = MCMCInfo(new.iteration, new.pe, complete)
@@ -452,6 +454,18 @@ def progress(state: MCMCServerState, *, config: MCMCConfig) -> tuple:
     return int(np.min(np.asarray(state.iteration))), config.num_warmup, config.num_warmup + config.num_samples
 
 
+def _as_dict_message(client, server):
+    """The steps with the client's :class:`MCMCMessage` sent as a dict of its fields."""
+    def client_dict(rng_key, state, broadcast, data):
+        state, message = client(rng_key, state, broadcast, data)
+        return state, message._asdict()
+
+    def server_dict(rng_key, state, messages, view):
+        return server(rng_key, state, MCMCMessage(**messages), view)
+
+    return client_dict, server_dict
+
+
 def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
     """Federated NUTS (``config.algo == "NUTS"``) or HMC as a
     :class:`~numpyro_fed.protocol.FederatedAlgorithm`: one exchange per round, every client
@@ -462,7 +476,11 @@ def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
         Introduction to Hamiltonian Monte Carlo, App. A (multinomial NUTS); NumPyro's
         ``numpyro/infer/hmc_util.py``, followed step for step.
     """
-    exchange = Exchange(partial(client_step, config=config), partial(server_step, config=config), "leapfrog")
+    steps = partial(client_step, config=config), partial(server_step, config=config)
+    if config.secure is not None:  # a secure exchange's message is a dict of its fields, summed by the aggregator
+        steps = _as_dict_message(*steps)
+    exchange = Exchange(*steps, "leapfrog", MCMCMessage._fields if config.secure is not None else (),
+                        config.secure or "trusted")
     return FederatedAlgorithm(
         partial(init_server, config=config), partial(init_client, config=config), all_clients(config.num_clients),
         (exchange,), num_selected=config.num_clients, monitor=lambda info: jnp.mean(info.potential_energy),
