@@ -285,8 +285,10 @@ class FederatedInference:
         """Prepare a run before its set-up (a family takes its own run options,
         :attr:`family_run_options`, out of ``options``). A noise calibrated to ``epsilon=``
         plans for this run's rounds (a new plan builds the set-up again)."""
-        if self.dp_plan is not None and self.dp_plan.before_run(inputs, num_rounds, options):
-            self._setup_cache = None
+        if self.dp_plan is not None:
+            self.dp_plan.ledger = options.pop("ledger", None)  # (run(ledger=...): charged in _run)
+            if self.dp_plan.before_run(inputs, num_rounds, options):
+                self._setup_cache = None
 
     def node_setup(self, inputs, num_rounds: int) -> Setup:
         """The set-up a node of a network deployment builds for its part of a run of
@@ -370,6 +372,8 @@ class FederatedInference:
         if init_state is not None:
             init_state = self._conform(setup, init_state)
         backend = self._backend if backend is None else backend
+        if self.dp_plan is not None:  # a ledger given to this run refuses it before any round
+            self.dp_plan.before_start(type(self).__name__, setup.plan.names, num_rounds)
         result = backend.run(
             setup.algorithm, setup.plan, num_rounds, rng_key, init_state=init_state, progress_bar=progress_bar,
             record_transcript=record_transcript, keep_values=keep_values, checkpoint=checkpoint,
@@ -386,6 +390,8 @@ class FederatedInference:
             fitted_by=type(self).__name__,
         )
         self._remember_shapes(setup, result.state)
+        if self.dp_plan is not None:
+            self.dp_plan.after_run(type(self).__name__, setup.plan.names, result)
         self._network = backend if isinstance(backend, NetworkBackend) else None  # a network backend's clients
         try:  # the family's fit check (numpyro_fed.check): it warns or raises, and its verdict goes in the result
             return run_check(self, result)

@@ -3,6 +3,7 @@ mechanisms, and accounting with ``dp-accounting``."""
 
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon, epsilon_composed
 from .annotation import DPSpec, dp_noise, dp_sites
+from .ledger import PrivacyBudgetError, PrivacyLedger
 
-__all__ = ["ClientPrivacy", "DPSpec", "PrivacyReport", "calibrate_noise_multiplier", "dp_noise", "dp_sites",
-           "epsilon", "epsilon_composed"]
+__all__ = ["ClientPrivacy", "DPSpec", "PrivacyBudgetError", "PrivacyLedger", "PrivacyReport",
+           "calibrate_noise_multiplier", "dp_noise", "dp_sites", "epsilon", "epsilon_composed"]

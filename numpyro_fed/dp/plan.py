@@ -25,8 +25,8 @@ from .annotation import DPSpec, dp_sites
 from .batch import batch_size
 from .mechanisms import DPSGD, update_perturbation
 
-__all__ = ["DPPlan", "MECHANISMS", "Privacy", "check_dp_options", "check_sgd_options", "dp_specs",
-           "plan_privacy", "privacy_report", "refuse_dp"]
+__all__ = ["DPPlan", "MECHANISMS", "Privacy", "check_dp_options", "check_sgd_options", "client_events", "dp_specs",
+           "plan_privacy", "planned_events", "privacy_report", "refuse_dp"]
 
 MECHANISMS = ("optimisation", "update_perturbation")  # PVI's; FederatedSVI's is "sgd"
 
@@ -210,13 +210,15 @@ def plan_privacy(dp_plan: DPPlan, model, clients, model_kwargs) -> Privacy:
     return Privacy(dp, label, spec, float(nm), perturb, dp_sgd, steps, rates, trusted, J)
 
 
-def privacy_report(privacy: Privacy, names, result) -> PrivacyReport:
-    """Per-client guarantees from each client's own ledger (its ``releases``)."""
-    spec, nm = privacy.spec, privacy.noise_multiplier
-    entries = []
+def client_events(privacy: Privacy, names, result) -> Dict[str, list]:
+    """Per client, its releases in ``result`` as ``[(sigma / C, compositions, sampling rate)]``,
+    from its own ledger (its ``releases``); under a trusted aggregator each release is charged the
+    noise of the fewest clients that answered in any round of the run."""
+    nm = privacy.noise_multiplier
     answered = None
     if privacy.trusted:
         answered = np.sort(np.asarray(result.rounds_answered))  # worst case: the emptiest rounds
+    out = {}
     for name in names:
         releases = int(result.client_states[name].releases)
         if privacy.trusted:
@@ -229,11 +231,25 @@ def privacy_report(privacy: Privacy, names, result) -> PrivacyReport:
                 key = nm * math.sqrt(int(m) / privacy.num_aggregated)
                 counts[key] = counts.get(key, 0) + 1
             rate = privacy.sampling_rates[name]
-            events = [(k, c * privacy.steps_per_release, rate) for k, c in counts.items()]
+            out[name] = [(k, c * privacy.steps_per_release, rate) for k, c in counts.items()]
         else:
-            events = [(nm, releases * privacy.steps_per_release, privacy.sampling_rates[name])]
+            out[name] = [(nm, releases * privacy.steps_per_release, privacy.sampling_rates[name])]
+    return out
+
+
+def planned_events(privacy: Privacy, names, schedule: str, num_rounds: int) -> Dict[str, list]:
+    """Per client, the releases a run of ``num_rounds`` rounds plans (every client answering)."""
+    releases = planned_releases(schedule, num_rounds, len(names)) * privacy.steps_per_release
+    return {name: [(privacy.noise_multiplier, releases, privacy.sampling_rates[name])] for name in names}
+
+
+def privacy_report(privacy: Privacy, names, result) -> PrivacyReport:
+    """Per-client guarantees from each client's own ledger (its ``releases``)."""
+    spec, nm = privacy.spec, privacy.noise_multiplier
+    entries = []
+    for name, events in client_events(privacy, names, result).items():
         eps = epsilon_composed(events, spec.delta)
-        entries.append(ClientPrivacy(name, privacy.label, eps, spec.delta, nm, releases * privacy.steps_per_release,
+        entries.append(ClientPrivacy(name, privacy.label, eps, spec.delta, nm, sum(e[1] for e in events),
                                      privacy.sampling_rates[name]))
     return report(entries)
 
@@ -306,6 +322,7 @@ class DPPlan:
         self.local_steps, self.variant, self.num_shards = int(local_steps), variant, int(num_shards)
         self.privacy: Optional[Privacy] = None  # planned at set-up
         self.rounds: Optional[int] = None  # the rounds a calibration to epsilon= plans for
+        self.ledger = None  # the PrivacyLedger the current run is charged to (run(ledger=...))
 
     def plan(self, clients) -> Optional[Privacy]:
         """At set-up: the noise for these clients (``None`` without DP)."""
@@ -339,6 +356,30 @@ class DPPlan:
             spec = self.privacy.spec
             raise ValueError(_BUDGET_SPENT.format(cls=cls, eps=spec.epsilon, delta=spec.delta, rounds=self.rounds,
                                                   planned=planned, clients=_few(spent)))
+
+    def before_start(self, cls: str, names, num_rounds: int) -> None:
+        """(After the set-up, before any round.) With a :class:`~numpyro_fed.dp.ledger.PrivacyLedger`
+        given to this run: refuse it when its planned releases would take a client past its
+        budget."""
+        if self.ledger is None:
+            return
+        if self.privacy is None:
+            raise ValueError(f"{cls}.run(ledger=...): the ledger accounts a differentially private fit, and this "
+                             f"{cls} is not one (no dp=, no dp_noise)")
+        planned = planned_events(self.privacy, names, self.schedule, num_rounds)
+        self.ledger.check(cls, planned)
+        for name, events in planned.items():  # charged now: a run that fails midway stays charged
+            self.ledger.charge(name, events, f"{cls}, {self.privacy.label}, {num_rounds} rounds planned (unfinished)")
+
+    def after_run(self, cls: str, names, result) -> None:
+        """Settle the run's charge on its ledger, if any: its actual releases (each client's own
+        count) replace the planned ones."""
+        ledger, self.ledger = self.ledger, None
+        if ledger is None:
+            return
+        label = f"{cls}, {self.privacy.label}, {int(result.communication.rounds)} rounds"
+        for name, events in client_events(self.privacy, names, result).items():
+            ledger.charge(name, events, label, settle=True)
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         """:func:`privacy_report` of this plan (refused when the fit is not private)."""

@@ -120,7 +120,10 @@ class PVI(FactorInference):
             ``variant="plain"`` and ``dp_batch_size``) or ``"update_perturbation"`` (each
             shard's change in natural parameters clipped to ``clip`` and noised, §4.2; any
             ``variant``). ``None`` (default) with a ``dp_noise``-marked model is an error.
-            See :meth:`privacy_report` and ``docs/differential_privacy.md``.
+            See :meth:`privacy_report` and ``docs/differential_privacy.md``. A private run takes
+            ``ledger=`` (a :class:`~numpyro_fed.dp.ledger.PrivacyLedger`): the run is refused
+            before it starts when it would take a client past its budget over all its runs,
+            and is charged to it.
         dp_batch_size: rows in every DP-SGD step (a fresh uniformly random subset of that
             fixed size, drawn without replacement).
         trusted_aggregator: with ``dp="update_perturbation"`` and ``schedule="synchronous"``:
@@ -153,12 +156,13 @@ class PVI(FactorInference):
 
     References:
         Ashman, Bui, Nguyen, Markou, Weller, Swaroop, Turner (2022), "Partitioned
-        variational inference: a framework for probabilistic federated learning"; paper
-        002 §3.1.
+        variational inference: a framework for probabilistic federated learning"; Heikkilä
+        et al. (2023) §3.1.
     """
 
     method = "pvi"
     dp_mechanisms = MECHANISMS
+    family_run_options = ("ledger",)  # run(..., ledger=PrivacyLedger): one budget per client over runs
 
     def __init__(
         self,

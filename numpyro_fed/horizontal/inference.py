@@ -114,7 +114,10 @@ class FederatedSVI(FederatedInference):
             client sends the sum of its rows' clipped gradients on a fixed-size random
             subset, plus Gaussian noise from its own key (see
             :mod:`~numpyro_fed.horizontal.dp_sfvi_algorithm`). Global sites only;
-            ``method="sfvi"``; the PSIS check is not run (it sums data-dependent terms).
+            ``method="sfvi"``; the PSIS check is not run (it sums data-dependent terms). A
+            private run takes ``ledger=`` (a :class:`~numpyro_fed.dp.ledger.PrivacyLedger`):
+            refused before it starts when it would take a client past its budget over all its
+            runs, and charged to it.
         dp_sampling_rate: ``q``: each client uses ``round(q n_j)`` rows per round.
         trusted_aggregator: the gradients are summed by a trusted aggregator; each of the
             M clients adds noise ``sigma / sqrt(M)`` and the server sees only the sum.
@@ -142,6 +145,7 @@ class FederatedSVI(FederatedInference):
     setup_extra = FederatedObjective  # Setup.extra
     params_type = GuideParams
     dp_mechanisms = ("sgd",)
+    family_run_options = ("ledger",)  # run(..., ledger=PrivacyLedger): one budget per client over runs
 
     def __init__(
         self,
