@@ -3,7 +3,8 @@
 :mod:`~numpyro_fed.mcmc.inference`; exact Metropolis-within-Gibbs, one round per iteration
 (:class:`FederatedMwG`, :mod:`~numpyro_fed.mcmc.mwg_algorithm`)."""
 
+from .dp_mh_inference import DPMetropolis
 from .inference import FederatedHMC, FederatedNUTS
 from .mwg_inference import FederatedMwG
 
-__all__ = ["FederatedHMC", "FederatedMwG", "FederatedNUTS"]
+__all__ = ["DPMetropolis", "FederatedHMC", "FederatedMwG", "FederatedNUTS"]

@@ -1,0 +1,307 @@
+"""``DPMetropolis``: differentially private exact federated MCMC of the global sites.
+
+The sampler is :mod:`~numpyro_fed.mcmc.dp_mh_algorithm` (random-walk Metropolis whose
+acceptance each client feeds with a clipped, noised sum of its rows' log-likelihood ratios, the
+server correcting for the noise by the penalty method). This module turns a ``dp_noise``-marked
+model into its inputs, plans and accounts its privacy (one Gaussian release per chain, round
+and client, accounted with ``dp-accounting``; a :class:`~numpyro_fed.dp.ledger.PrivacyLedger`
+composes runs), and checks the chains.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, substitute, trace
+
+from .._structure import trace_model
+from .._trace import prior_median
+from ..backends.mapping import client_data
+from ..check import Verdict, register_check
+from ..check.chains import chain_report, chains_verdict
+from ..dp.accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon, report
+from ..dp.annotation import dp_sites
+from ..inference import FederatedInference, Setup, fitted
+from ..model_terms import TermsSetup, build_terms, site_supports, user_space
+from ..params import DrawParams
+from ..protocol import RunResult
+from ..warnings import UnreliableFitWarning, find_stack_level
+from .dp_mh_algorithm import DPMHConfig, dp_metropolis
+from .inference import pick_draws
+
+__all__ = ["DPMetropolis", "dp_metropolis_check"]
+
+START_KEY = 0x5D  # the chains' starts are drawn from this public key (every party can rebuild them)
+
+_NO_DP = (
+    "DPMetropolis protects the rows of the model's observed sites, and the model marks none: wrap it in "
+    "nf.dp_noise(model, clip=..., delta=..., epsilon=... or noise_multiplier=...). clip bounds each row's "
+    "log-likelihood ratio between two points the chain compares"
+)
+_LOCALS = (
+    "DPMetropolis samples models whose latent sites are all global for now; the model has local site(s) {names}. "
+    "A local latent is updated on its client from the client's rows, and unless each belongs to one row (and "
+    "moves on its own) its hidden state carries every row's data into each release, so a row-level guarantee "
+    "does not follow from clipping each row's term"
+)
+_OUTSIDE = (
+    "DPMetropolis clips each row's term, and observed site {name!r} is not in the row plate {plate!r} (a "
+    "term over several rows, such as a numpyro.factor outside the plate, has no per-row bound): put it inside "
+    "the plate, or leave it out of the model"
+)
+_CLIPPED = (
+    "{cls}: client(s) {clients} clipped {rows} row log-likelihood ratio(s) in all (|ratio| > clip = {clip:g}): the "
+    "chains then target the posterior with those ratios clipped, not the posterior itself. Raise dp_noise's clip "
+    "(more noise for the same epsilon), or start nearer the mode (init=) with a smaller proposal"
+)
+
+
+def row_log_lik_fn(model: Callable, model_kwargs: Dict, layout, supports, row_plate: str) -> Callable:
+    """``(u, data) -> (rows,)``: each row's log-likelihood (every observed site's log density,
+    summed over the row's entries) at the flat unconstrained global sites ``u``; padded rows 0."""
+
+    def row_log_lik(u, data):
+        values = {k: biject_to(supports[k])(x) for k, x in layout.unravel(u).items()}
+        tr = trace(seed(substitute(model, data=values), 0)).get_trace(**dict(data.args), **dict(model_kwargs))
+        total = 0.0
+        for name, site in tr.items():
+            if site["type"] != "sample" or not site["is_observed"]:
+                continue
+            frames = [f for f in site["cond_indep_stack"] if f.name == row_plate]
+            if not frames:
+                raise ValueError(_OUTSIDE.format(name=name, plate=row_plate))
+            lp = site["fn"].log_prob(site["value"])
+            lp = jnp.broadcast_to(lp, tuple(site["fn"].batch_shape))
+            lp = jnp.moveaxis(lp, frames[0].dim, 0)
+            total = total + jnp.sum(jnp.reshape(lp, (lp.shape[0], -1)), axis=1)
+        mask = data.row_mask if data.row_mask is not None else jnp.ones_like(total)
+        return jnp.where(mask > 0, total, 0.0)
+
+    return row_log_lik
+
+
+class DPMetropolis(FederatedInference):
+    """Differentially private federated random-walk Metropolis of the global sites, exact for
+    its noise (the penalty method of Yildirim & Ermis, 2019).
+
+    Every round is one iteration of every chain: each client releases, per chain, the clipped
+    sum of its rows' log-likelihood ratios between the chain's point and its proposal plus
+    Gaussian noise from its own key; the server accepts by the noisy ratio less half its known
+    variance, which keeps the posterior (with the ratios clipped) the chain's target. See
+    :mod:`~numpyro_fed.mcmc.dp_mh_algorithm`.
+
+    Privacy: the model's ``dp_noise`` says which rows are protected and how much: ``clip`` is
+    ``C``, each row's log-likelihood ratio's bound; ``epsilon`` (the noise calibrated with
+    ``dp-accounting`` for the run's ``(num_warmup + num_samples) * num_chains`` releases per
+    client, under substitution of one row) or ``noise_multiplier`` (``sigma / C``). Only the
+    released sums cross; rows, ratios and the count of clipped rows stay on the client.
+    :meth:`privacy_report` gives each client's guarantee from its own count of releases;
+    ``run(..., ledger=PrivacyLedger)`` composes runs.
+
+    The noise costs acceptance (the server subtracts ``J sigma^2 / 2``): keep ``J sigma^2`` of a
+    few units at most, by a small ``clip`` with a proposal whose steps move each row's
+    log-likelihood by less than ``clip`` (``init=`` a good covariance; the step adapts in
+    warmup).
+
+    Args:
+        model: a ``dp_noise``-marked NumPyro model whose latent sites are all global and whose
+            observed sites lie in the row plate.
+        num_warmup, num_samples, num_chains: as NumPyro's ``MCMC``.
+        init: ``(mean, cov)`` of the flat unconstrained global sites (public): the chains start
+            at draws of ``N(mean, cov / 4)`` from a public key and propose with ``cov``.
+            ``None``: the prior's median and an identity covariance.
+        row_plate: the plate that indexes rows (default: the one the clients are padded along).
+        model_kwargs: keyword arguments of every model call.
+
+    References:
+        Yildirim & Ermis (2019), "Exact MCMC with differentially private moves", Statistics and
+        Computing 29; Ceperley & Dewing (1999), "The penalty method for random walks with
+        uncertain energies", J. Chem. Phys. 110.
+    """
+
+    method = "dp_metropolis"
+    setup_extra = TermsSetup
+    params_type = DrawParams
+    open_ended = True
+    draws_are_chains = True
+    family_run_options = ("ledger",)
+    _penalty = True  # the penalty correction (a test turns it off to show what it corrects)
+
+    def __init__(self, model: Callable, *, num_warmup: int = 1000, num_samples: int = 1000, num_chains: int = 2,
+                 init: Optional[Tuple] = None, row_plate: Optional[str] = None,
+                 model_kwargs: Optional[dict] = None) -> None:
+        super().__init__()
+        self.model, self.row_plate = model, row_plate
+        self.model_kwargs = dict(model_kwargs or {})
+        self.num_warmup, self.num_samples = int(num_warmup), int(num_samples)
+        self.num_chains = int(num_chains)
+        if self.num_warmup < 0 or self.num_samples < 1 or self.num_chains < 1:
+            raise ValueError("DPMetropolis: num_warmup >= 0, num_samples >= 1 and num_chains >= 1")
+        self.init_moments = init
+        self.privacy: Optional[Tuple] = None  # (spec, noise multiplier) planned at set-up
+        self.dp_plan = _SamplerPrivacy(self)
+
+    @property
+    def releases_per_client(self) -> int:
+        """Gaussian releases each client makes in a full run (one per chain and iteration)."""
+        return (self.num_warmup + self.num_samples) * self.num_chains
+
+    def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
+        """``run``'s ``num_rounds`` is a bound (default: ``num_warmup + num_samples``, 20 times that
+        under simulated ``availability=``: a round a client misses is repeated)."""
+        if num_rounds is None:
+            total = self.num_warmup + self.num_samples
+            num_rounds = total if options.get("availability") is None else 20 * total
+        return num_rounds
+
+    def _build(self, clients) -> Setup:
+        specs = dp_sites(trace_model(self.model, clients[clients.names[0]], self.model_kwargs))
+        if not specs:
+            raise ValueError(_NO_DP)
+        if len(set(specs.values())) > 1:
+            raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; mark them with one")
+        spec = next(iter(specs.values()))
+
+        plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPMetropolis", client_mapping="vmap",
+                                  row_plate=self.row_plate, prior_factor="none", offers_dp=True)
+        if extra.terms.num_local:
+            raise ValueError(_LOCALS.format(names=list(extra.terms.local.names)))
+        rows = clients.num_rows
+        for name in clients.names:
+            spec.check_rows(rows[name], name)
+        row_plate = plan.row_plate or extra.structure.row_plate or self.row_plate
+        if row_plate is None:
+            raise ValueError("DPMetropolis: name the plate that indexes rows (row_plate=...)")
+        if spec.epsilon is not None:
+            nm = calibrate_noise_multiplier(spec.epsilon, spec.delta, self.releases_per_client)
+        else:
+            nm = float(spec.noise_multiplier)
+        self.privacy = (spec, nm)
+        layout = extra.structure.global_latent
+        setup = Setup(clients, None, plan, extra, {})
+        supports = site_supports(self.model, self.model_kwargs, setup, client_data(plan, 0).args)
+        row_log_lik = row_log_lik_fn(self.model, self.model_kwargs, layout, supports, row_plate)
+        d = layout.size
+        if self.init_moments is None:
+            mean = jnp.asarray(prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, layout,
+                                            exact=True), jnp.float32)
+            cov = jnp.eye(d, dtype=jnp.float32)
+        else:
+            mean, cov = (jnp.asarray(a, jnp.float32) for a in self.init_moments)
+            cov = (cov + cov.T) / 2
+        noise = jax.random.normal(jax.random.PRNGKey(START_KEY), (self.num_chains, d), jnp.float32)
+        starts = mean + 0.5 * noise @ jnp.linalg.cholesky(cov).T
+        config = DPMHConfig(self.num_warmup, self.num_samples, self.num_chains, float(spec.clip),
+                            float(nm * spec.clip), self._penalty)
+        algorithm = dp_metropolis(extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config)
+        return setup._replace(algorithm=algorithm)
+
+    def _params(self, setup, state) -> DrawParams:
+        draws = state.server.draws  # (chains, samples, d)
+        user = user_space(self.model, self.model_kwargs, setup, draws.reshape(-1, draws.shape[-1]))
+        return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
+
+    def get_samples(self, result: RunResult, group_by_chain: bool = False, *, client: Optional[str] = None):
+        """The draws per global site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
+        ``(num_chains, num_samples, ...)``)."""
+        draws = dict(result.params.samples)
+        return draws if group_by_chain else {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
+
+    def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
+                         client: Optional[str] = None):
+        """``num_samples`` of the chains' draws (all when ``None``), picked without replacement."""
+        return pick_draws(rng_key, self.get_samples(result), num_samples)
+
+    def acceptance(self, result: RunResult) -> float:
+        """The kept iterations' acceptance rate (public: the server's decisions)."""
+        return float(np.asarray(result.state.server.accepted)[:, self.num_warmup:].mean())
+
+    @property
+    def noise_multiplier(self) -> float:
+        """``sigma / C`` of every release, as planned at set-up."""
+        if self.privacy is None:
+            raise ValueError("DPMetropolis.noise_multiplier: run first (the noise is planned at set-up)")
+        return self.privacy[1]
+
+
+class _SamplerPrivacy:
+    """The sampler's privacy plan in the form :class:`~numpyro_fed.inference.FederatedInference`
+    calls it (the ``dp_plan`` hooks: a ledger checked before the run and charged after, the
+    report from each client's own count of releases)."""
+
+    def __init__(self, sampler: DPMetropolis) -> None:
+        self.sampler, self.ledger = sampler, None
+
+    @property
+    def privacy(self):
+        return self.sampler.privacy
+
+    def before_run(self, inputs, num_rounds: int, options) -> bool:
+        return False
+
+    def before_round(self, cls: str, names, state) -> None:
+        pass
+
+    def _events(self, releases: Dict[str, int]) -> Dict[str, list]:
+        nm = self.sampler.privacy[1]
+        return {name: [(nm, int(r), 1.0)] for name, r in releases.items()}
+
+    def before_start(self, cls: str, names, num_rounds: int) -> None:
+        if self.ledger is None:
+            return
+        planned = self._events({n: self.sampler.releases_per_client for n in names})
+        self.ledger.check(cls, planned)
+        for name, events in planned.items():
+            self.ledger.charge(name, events, f"{cls}, {self.sampler.releases_per_client} releases planned "
+                                             f"(unfinished)")
+
+    def after_run(self, cls: str, names, result) -> None:
+        ledger, self.ledger = self.ledger, None
+        if ledger is None:
+            return
+        for name, events in self._events(_releases(names, result)).items():
+            ledger.charge(name, events, f"{cls}, {events[0][1]} releases", settle=True)
+
+    def report(self, cls: str, names, result) -> PrivacyReport:
+        spec, nm = self.sampler.privacy
+        return report([ClientPrivacy(name, "DPMetropolis (clipped log-likelihood ratios, penalty-corrected)",
+                                     epsilon(nm, spec.delta, r), spec.delta, nm, r, 1.0)
+                       for name, r in _releases(names, result).items()])
+
+
+def _releases(names, result) -> Dict[str, int]:
+    return {name: int(result.client_states[name].releases) for name in names}
+
+
+@register_check(DPMetropolis)
+def dp_metropolis_check(inference: DPMetropolis, result: RunResult) -> Verdict:
+    """The chains' split R-hat and ESS (public: the server's draws) and the clients' own counts
+    of clipped ratios (read where the simulation holds the clients' states): a clipped ratio
+    changes the target, so the verdict is then ``"biased"``, with a warning naming the clients."""
+    draws = {k: np.asarray(v) for k, v in inference.get_samples(result, group_by_chain=True).items()}
+    accepted = np.asarray(result.state.server.accepted)[:, inference.num_warmup:]
+    chains = chain_report(draws)
+    verdict = chains_verdict({"max_r_hat": chains.max_r_hat, "min_n_eff": chains.min_n_eff,
+                              "acceptance": float(accepted.mean()), "not_converged": chains.not_converged,
+                              "unmixed": chains.unmixed, "constant": chains.constant})
+    names = list(fitted(inference).plan.names)
+    try:
+        clipped = {n: int(result.client_states[n].clipped) for n in names}
+    except (AttributeError, KeyError, TypeError):  # a network backend: each count stays on its node
+        return verdict
+    bad = [n for n, c in clipped.items() if c > 0]
+    if bad:
+        spec = inference.privacy[0]
+        warnings.warn(_CLIPPED.format(cls=type(inference).__name__, clients=bad, rows=sum(clipped.values()),
+                                      clip=spec.clip), UnreliableFitWarning, stacklevel=find_stack_level())
+        verdict = verdict._replace(status="biased", why=f"{sum(clipped.values())} row ratios were clipped")
+    if chains.unmixed:
+        warnings.warn(f"{type(inference).__name__}: the chains have not mixed at {', '.join(chains.unmixed[:6])}: "
+                      f"run longer (num_warmup, num_samples), or propose with a better covariance (init=)",
+                      UnreliableFitWarning, stacklevel=find_stack_level())
+    return verdict
