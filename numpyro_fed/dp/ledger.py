@@ -145,6 +145,18 @@ class PrivacyLedger:
         if self.path is not None:
             self._save(self.path)
 
+    def open_run(self, cls: str, planned: Mapping[str, Sequence[Event]], label: str) -> None:
+        """Before a run: :meth:`check` its planned releases, then charge them (a run that fails
+        midway stays charged, as an upper bound)."""
+        self.check(cls, planned)
+        for client, events in planned.items():
+            self.charge(client, events, f"{label} planned (unfinished)")
+
+    def close_run(self, actual: Mapping[str, Sequence[Event]], label: str) -> None:
+        """After a run: its actual releases replace the planned ones :meth:`open_run` charged."""
+        for client, events in actual.items():
+            self.charge(client, events, label, settle=True)
+
     # ------------------------------------------------------------------ file
     def _save(self, path: str) -> None:
         body = {"delta": self.delta, "budgets": self.budgets, "default": self.default, "runs": self.runs}

@@ -366,10 +366,8 @@ class DPPlan:
         if self.privacy is None:
             raise ValueError(f"{cls}.run(ledger=...): the ledger accounts a differentially private fit, and this "
                              f"{cls} is not one (no dp=, no dp_noise)")
-        planned = planned_events(self.privacy, names, self.schedule, num_rounds)
-        self.ledger.check(cls, planned)
-        for name, events in planned.items():  # charged now: a run that fails midway stays charged
-            self.ledger.charge(name, events, f"{cls}, {self.privacy.label}, {num_rounds} rounds planned (unfinished)")
+        self.ledger.open_run(cls, planned_events(self.privacy, names, self.schedule, num_rounds),
+                             f"{cls}, {self.privacy.label}, {num_rounds} rounds")
 
     def after_run(self, cls: str, names, result) -> None:
         """Settle the run's charge on its ledger, if any: its actual releases (each client's own
@@ -377,9 +375,8 @@ class DPPlan:
         ledger, self.ledger = self.ledger, None
         if ledger is None:
             return
-        label = f"{cls}, {self.privacy.label}, {int(result.communication.rounds)} rounds"
-        for name, events in client_events(self.privacy, names, result).items():
-            ledger.charge(name, events, label, settle=True)
+        ledger.close_run(client_events(self.privacy, names, result),
+                         f"{cls}, {self.privacy.label}, {int(result.communication.rounds)} rounds")
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         """:func:`privacy_report` of this plan (refused when the fit is not private)."""

@@ -254,18 +254,14 @@ class _SamplerPrivacy:
     def before_start(self, cls: str, names, num_rounds: int) -> None:
         if self.ledger is None:
             return
-        planned = self._events({n: self.sampler.releases_per_client for n in names})
-        self.ledger.check(cls, planned)
-        for name, events in planned.items():
-            self.ledger.charge(name, events, f"{cls}, {self.sampler.releases_per_client} releases planned "
-                                             f"(unfinished)")
+        self.ledger.open_run(cls, self._events({n: self.sampler.releases_per_client for n in names}),
+                             f"{cls}, {self.sampler.releases_per_client} releases")
 
     def after_run(self, cls: str, names, result) -> None:
         ledger, self.ledger = self.ledger, None
         if ledger is None:
             return
-        for name, events in self._events(_releases(names, result)).items():
-            ledger.charge(name, events, f"{cls}, {events[0][1]} releases", settle=True)
+        ledger.close_run(self._events(_releases(names, result)), f"{cls}, {int(result.communication.rounds)} rounds")
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         spec, nm = self.sampler.privacy
