@@ -66,6 +66,38 @@ def test_the_corrected_chain_targets_the_posterior_and_the_uncorrected_one_does_
     wide = np.asarray(wide)
     assert wide.std() / sd - 1 > 4 / np.sqrt(2 * ess) + 0.02
 
+def patients(y):
+    """A random effect per row (a patient with three measurements), local to its client."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    with numpyro.plate("rows", y.shape[0]):
+        with nf.local_site():
+            b = numpyro.sample("b", dist.Normal(mu, 1.0))
+        numpyro.sample("y", dist.Normal(b[:, None], 1.0).to_event(1), obs=y)
+
+
+def test_row_local_latents_stay_home_and_the_chain_targets_the_posterior(data):
+    rng = np.random.default_rng(1)
+    n = 400
+    y = np.clip(rng.normal(0.7, 1.0, n)[:, None] + rng.normal(size=(n, 3)), -4, 5).astype(np.float32)
+    clients = nf.Clients.split(np.repeat([0, 1, 2, 3], [160, 120, 80, 40]), y=y)
+    precision = n / (1 + 1 / 3) + 1 / 25  # each row's mean is N(mu, 1 + 1/3) once b_i is integrated out
+    mean, sd = float(y.mean(1).sum() / (1 + 1 / 3) / precision), float(precision ** -0.5)
+    model = nf.dp_noise(patients, clip=3.0, delta=1e-4, noise_multiplier=0.2)  # V = 4 (0.6)^2 = 1.44
+    dp = sampler(model, mean, sd)
+    result = dp.run(jax.random.PRNGKey(0), clients, progress_bar=False)
+    assert result.verdict.status == "ok", result.verdict.why
+    draws = np.asarray(dp.get_samples(result, group_by_chain=True)["mu"])
+    ess = float(effective_sample_size(draws))
+    assert abs(draws.mean() - mean) < 4 * sd / np.sqrt(ess)
+    assert abs(draws.std() / sd - 1) < 4 / np.sqrt(2 * ess) + 0.02
+    # only one noised scalar per chain leaves a client each round; its rows' effects stay on it
+    short = DPMetropolis(model, num_warmup=10, num_samples=20, num_chains=4, init=dp.init_moments)
+    result = short.run(jax.random.PRNGKey(0), clients, progress_bar=False, record_transcript=True, keep_values=True)
+    up = {e.name for e in result.transcript.entries if e.receiver == "server"}
+    assert up == {"['llr']"}, up
+    assert all(e.shape == (4,) for e in result.transcript.entries if e.receiver == "server")
+
+
 def _independent_epsilon(noise_multiplier, releases):
     accountant = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
     accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier), releases))
@@ -147,7 +179,7 @@ def test_models_it_cannot_protect_are_refused_by_name(data):
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(mu + b, 1.0), obs=y)
 
-    with pytest.raises(ValueError, match=r"latent sites are all global for now; the model has local site\(s\)"):
+    with pytest.raises(ValueError, match=r"local site\(s\) \['b'\] are not in the row plate: a local latent shared"):
         DPMetropolis(nf.dp_noise(with_local, clip=1.0, delta=DELTA, noise_multiplier=1.0)).run(
             jax.random.PRNGKey(0), clients)
 

@@ -186,6 +186,8 @@ def drive(
                 got = transport.rounds(state, min(chunk, num_rounds - done))
                 state, failure = got.state, got.failure
                 done += len(got.figure) + (failure is not None)
+                if log:  # only the last stretch's state is kept (a stepwise run would hold every round's)
+                    log[-1] = log[-1]._replace(state=None)
                 log.append(got)
                 if pace is not None:
                     projected = pace.add(done, algorithm.progress(state.server)[0])

@@ -27,6 +27,18 @@ decides nothing (the same proposal is evaluated again).
 
 The noise costs acceptance: about ``exp(-V / 8)`` of it at ``V`` near 1 (so ``V`` of a few
 units at most is practical: small ``C`` with small steps, many rows per client).
+
+**Local latents that belong to rows** (a patient's random effect, inside the row plate): each
+client keeps its rows' latents ``v_i`` and moves them first, every round, given the chain's
+point ``u``, by ``local_steps`` random-walk Metropolis steps **row by row** (each row accepted
+on its own joint term ``log p(y_i, v_i | u)``, its step adapted in warmup on its own
+acceptance); the release is then the clipped sum of ``log p(y_i, v_i | u') - log p(y_i, v_i |
+u)``. The chain is Metropolis-within-Gibbs on ``(u, v)``. A row's latents never leave its client
+and depend only on that row's data and the public chain of ``u``, so under the substitution
+of one row every other row's contribution has the same distribution given what was released,
+and each release is a mixture of Gaussian mechanisms whose means differ by at most ``2C``:
+by the joint convexity of the hockey-stick divergence it is dominated by the Gaussian
+mechanism, and the releases compose adaptively as it does.
 """
 
 from __future__ import annotations
@@ -40,10 +52,15 @@ from jax import random
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
-__all__ = ["DPMHClientState", "DPMHConfig", "DPMHInfo", "DPMHServerState", "TARGET_ACCEPT", "dp_metropolis"]
+__all__ = ["LOCAL_TARGET_ACCEPT", "DPMHClientState", "DPMHConfig", "DPMHInfo", "DPMHServerState", "RowLocals",
+           "TARGET_ACCEPT", "dp_metropolis"]
 
 TARGET_ACCEPT = 0.234
 """The random walk's target acceptance in warmup (Roberts, Gelman & Gilks 1997)."""
+
+
+LOCAL_TARGET_ACCEPT = 0.44
+"""Each row's local random walk's target acceptance in warmup (one-dimensional optimum)."""
 
 
 class DPMHConfig(NamedTuple):
@@ -53,6 +70,15 @@ class DPMHConfig(NamedTuple):
     clip: float  # C: each row's log-likelihood ratio is clipped to [-C, C]
     sigma: float  # each client's noise sd (sigma = noise multiplier * C)
     correct: bool = True  # the penalty -V/2 (False only to show what it corrects)
+    local_steps: int = 5  # row-wise random-walk steps of the local latents per round
+
+
+class RowLocals(NamedTuple):
+    """The local latents' layout by rows (static): ``row_of[k]`` is the row of entry ``k`` of a
+    client's flat locals; ``num_rows`` the (padded) rows."""
+
+    row_of: jax.Array
+    num_rows: int
 
 
 class DPMHServerState(NamedTuple):
@@ -68,6 +94,9 @@ class DPMHServerState(NamedTuple):
 class DPMHClientState(NamedTuple):
     releases: jax.Array  # noised sums this client has released (its privacy ledger)
     clipped: jax.Array  # rows whose ratio was clipped, summed over releases (never sent)
+    v: jax.Array = None  # (chains, locals) its rows' local latents (never sent)
+    log_step: jax.Array = None  # (chains, rows) each row's local step
+    draws: jax.Array = None  # (chains, num_samples, locals) the kept local draws
 
 
 class DPMHInfo(NamedTuple):
@@ -88,6 +117,55 @@ def _client_step(rng_key, state: DPMHClientState, broadcast: Broadcast, data, *,
 
     released, clipped = jax.vmap(chain)(random.split(rng_key, config.num_chains), b["current"], b["proposal"])
     new = DPMHClientState(state.releases + config.num_chains, state.clipped + jnp.sum(clipped))
+    return new, {"llr": released}
+
+
+def _local_moves(key, v, log_step, u, data, iteration, *, row_joint: Callable, rows: RowLocals,
+                 config: DPMHConfig):
+    """``local_steps`` random-walk Metropolis steps of every row's locals given ``u``, each row
+    accepted on its own term; in warmup each row's step adapts to its own acceptance."""
+    real = data.row_mask > 0  # padded rows never move
+
+    def step(carry, k):
+        v, f, log_step, rate = carry
+        z = random.normal(k, v.shape, v.dtype)
+        proposal = v + jnp.exp(log_step)[rows.row_of] * z
+        f_new = row_joint(u, proposal, data)
+        ratio = jnp.where(jnp.isfinite(f_new), f_new - f, -jnp.inf)
+        accept = real & (jnp.log(random.uniform(jax.random.fold_in(k, 1), f.shape, f.dtype)) < ratio)
+        v = jnp.where(accept[rows.row_of], proposal, v)
+        return (v, jnp.where(accept, f_new, f), log_step, rate + jnp.minimum(jnp.exp(ratio), 1.0)), None
+
+    f0 = row_joint(u, v, data)
+    (v, _, _, rate), _ = jax.lax.scan(step, (v, f0, log_step, jnp.zeros_like(f0)),
+                                      random.split(key, config.local_steps))
+    warm = iteration < config.num_warmup
+    rate = rate / config.local_steps
+    log_step = jnp.where(warm & real, log_step + (rate - LOCAL_TARGET_ACCEPT) / jnp.sqrt(iteration + 1.0), log_step)
+    return v, log_step
+
+
+def _client_step_locals(rng_key, state: DPMHClientState, broadcast: Broadcast, data, *, row_joint: Callable,
+                        rows: RowLocals, config: DPMHConfig):
+    b = broadcast.shared
+    moves = partial(_local_moves, row_joint=row_joint, rows=rows, config=config)
+
+    def chain(key, v, log_step, draws, u, proposal, iteration):
+        k_local, k_noise = random.split(key)
+        v, log_step = moves(k_local, v, log_step, u, data, iteration)
+        ratio = row_joint(proposal, v, data) - row_joint(u, v, data)  # (rows,), padded rows 0
+        clipped = jnp.sum(jnp.abs(ratio) > config.clip)
+        ratio = jnp.where(jnp.isfinite(ratio), ratio, jnp.sign(jnp.nan_to_num(ratio)) * config.clip)
+        total = jnp.sum(jnp.clip(ratio, -config.clip, config.clip))
+        slot = iteration - config.num_warmup  # the locals at the point u of this iteration
+        keep = (slot >= 0) & (slot < config.num_samples)
+        draws = jnp.where(keep, draws.at[jnp.clip(slot, 0, config.num_samples - 1)].set(v), draws)
+        return total + config.sigma * random.normal(k_noise, (), total.dtype), clipped, v, log_step, draws
+
+    released, clipped, v, log_step, draws = jax.vmap(chain)(
+        random.split(rng_key, config.num_chains), state.v, state.log_step, state.draws, b["current"], b["proposal"],
+        b["iteration"])
+    new = DPMHClientState(state.releases + config.num_chains, state.clipped + jnp.sum(clipped), v, log_step, draws)
     return new, {"llr": released}
 
 
@@ -117,17 +195,19 @@ def _decide(key, s: DPMHServerState, llr, complete, *, log_prior: Callable, chol
 
 
 def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, start, scale, *,
-                  config: DPMHConfig) -> FederatedAlgorithm:
+                  config: DPMHConfig, rows: RowLocals = None) -> FederatedAlgorithm:
     """Build the sampler's pure functions (see the module docstring).
 
     Args:
         log_prior: ``u -> log p(u)`` (Jacobians included), evaluated by the server.
         row_log_lik: ``(u, data) -> (rows,)`` each row's log-likelihood (padded rows 0),
-            evaluated by the client on its own rows.
+            evaluated by the client on its own rows; with ``rows``, ``(u, v, data) -> (rows,)``
+            each row's joint term ``log p(y_i, v_i | u)`` (local Jacobians included).
         num_clients: J.
         start: ``(chains, d)`` the chains' first points (public).
         scale: ``(d, d)`` the proposal's covariance before its step.
         config: :class:`DPMHConfig`.
+        rows: the local latents' :class:`RowLocals` (``None``: no local latents).
     """
     start = jnp.asarray(start)
     C, d = start.shape
@@ -144,21 +224,34 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
                                    jnp.zeros(total, bool))
 
         s = jax.vmap(one)(random.split(rng_key, C), start)
-        return s, Broadcast({"current": s.u, "proposal": s.proposal})
+        return s, Broadcast(shared(s))
 
     def init_client(rng_key, data):
         del rng_key, data
-        return DPMHClientState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        zero = jnp.zeros((), jnp.int32)
+        if rows is None:
+            return DPMHClientState(zero, zero)
+        n = rows.row_of.shape[0]
+        return DPMHClientState(zero, zero, jnp.zeros((C, n), dtype), jnp.zeros((C, rows.num_rows), dtype),
+                               jnp.zeros((C, config.num_samples, n), dtype))
+
+    if rows is None:
+        client_step = partial(_client_step, row_log_lik=row_log_lik, config=config)
+    else:
+        client_step = partial(_client_step_locals, row_joint=row_log_lik, rows=rows, config=config)
+
+    def shared(s):
+        return {"current": s.u, "proposal": s.proposal, "iteration": s.iteration}
 
     def server_step(rng_key, state, messages, view):
         complete = jnp.all(view.answered)
         llr = jnp.sum(messages["llr"], axis=0)  # (chains,)
         new, accepted = jax.vmap(decide, in_axes=(0, 0, 0, None))(random.split(rng_key, C), state, llr, complete)
-        return new, Broadcast({"current": new.u, "proposal": new.proposal}), DPMHInfo(accepted, complete)
+        return new, Broadcast(shared(new)), DPMHInfo(accepted, complete)
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients),
-        (Exchange(partial(_client_step, row_log_lik=row_log_lik, config=config), server_step, "dp_metropolis"),),
+        (Exchange(client_step, server_step, "dp_metropolis"),),
         monitor=lambda info: jnp.mean(info.accepted.astype(dtype)), monitor_name="accepted", name="dp_metropolis",
         done=lambda s: jnp.all(s.iteration >= total),
         describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",

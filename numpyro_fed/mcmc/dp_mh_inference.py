@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro.distributions.transforms import biject_to
+from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 
 from .._structure import trace_model
 from .._trace import prior_median
+from .._validation import check_positive_int
 from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..check.chains import chain_report, chains_verdict
@@ -31,7 +33,7 @@ from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import RunResult
 from ..warnings import UnreliableFitWarning, find_stack_level
-from .dp_mh_algorithm import DPMHConfig, dp_metropolis
+from .dp_mh_algorithm import DPMHConfig, RowLocals, dp_metropolis
 from .inference import pick_draws
 
 __all__ = ["DPMetropolis", "dp_metropolis_check"]
@@ -44,10 +46,10 @@ _NO_DP = (
     "log-likelihood ratio between two points the chain compares"
 )
 _LOCALS = (
-    "DPMetropolis samples models whose latent sites are all global for now; the model has local site(s) {names}. "
-    "A local latent is updated on its client from the client's rows, and unless each belongs to one row (and "
-    "moves on its own) its hidden state carries every row's data into each release, so a row-level guarantee "
-    "does not follow from clipping each row's term"
+    "DPMetropolis protects rows, and local site(s) {names} are not in the row plate: a local latent shared by "
+    "several rows (a per-client or per-group effect) is updated on its client from all those rows, so its hidden "
+    "state carries every one of them into each release and a row-level guarantee does not follow from clipping "
+    "each row's term. Local latents that belong to rows (inside the row plate) are supported"
 )
 _OUTSIDE = (
     "DPMetropolis clips each row's term, and observed site {name!r} is not in the row plate {plate!r} (a "
@@ -61,28 +63,58 @@ _CLIPPED = (
 )
 
 
-def row_log_lik_fn(model: Callable, model_kwargs: Dict, layout, supports, row_plate: str) -> Callable:
-    """``(u, data) -> (rows,)``: each row's log-likelihood (every observed site's log density,
-    summed over the row's entries) at the flat unconstrained global sites ``u``; padded rows 0."""
+def row_locals(local, num_rows: int, padded_rows: int) -> RowLocals:
+    """The row of each entry of a client's flat locals (every local site has a row axis)."""
+    del num_rows
+    index = local.unravel(jnp.arange(local.size, dtype=jnp.float32))
+    row_of = np.zeros(local.size, np.int32)
+    for name, axis in zip(local.names, local.row_axes):
+        entries = np.moveaxis(np.asarray(index[name]).astype(np.int64), axis, 0)
+        for i in range(entries.shape[0]):
+            row_of[np.ravel(entries[i])] = i
+    return RowLocals(jnp.asarray(row_of), int(padded_rows))
 
-    def row_log_lik(u, data):
+
+def _per_row(lp, site, row_plate: str, name: str):
+    frames = [f for f in site["cond_indep_stack"] if f.name == row_plate]
+    if not frames:
+        raise ValueError(_OUTSIDE.format(name=name, plate=row_plate))
+    lp = jnp.moveaxis(jnp.broadcast_to(lp, tuple(site["fn"].batch_shape)), frames[0].dim, 0)
+    return jnp.sum(jnp.reshape(lp, (lp.shape[0], -1)), axis=1)
+
+
+def row_log_lik_fn(model: Callable, model_kwargs: Dict, layout, supports, row_plate: str,
+                   local=None) -> Callable:
+    """``(u, data) -> (rows,)``: each row's log-likelihood (every observed site's log density,
+    summed over the row's entries) at the flat unconstrained global sites ``u``; padded rows 0.
+    With ``local`` (the local sites' layout, every one in the row plate): ``(u, v, data) ->
+    (rows,)``, each row's joint term with its local latents ``v`` (their log densities and
+    Jacobians added)."""
+
+    def row_joint(u, v, data):
         values = {k: biject_to(supports[k])(x) for k, x in layout.unravel(u).items()}
+        ladj = {}
+        if local is not None:
+            for k, x in local.unravel(v).items():
+                t = biject_to(supports[k])
+                values[k] = t(x)
+                ladj[k] = t.log_abs_det_jacobian(x, values[k])
         tr = trace(seed(substitute(model, data=values), 0)).get_trace(**dict(data.args), **dict(model_kwargs))
         total = 0.0
         for name, site in tr.items():
-            if site["type"] != "sample" or not site["is_observed"]:
+            if site["type"] != "sample" or not (site["is_observed"] or name in ladj):
                 continue
-            frames = [f for f in site["cond_indep_stack"] if f.name == row_plate]
-            if not frames:
-                raise ValueError(_OUTSIDE.format(name=name, plate=row_plate))
             lp = site["fn"].log_prob(site["value"])
-            lp = jnp.broadcast_to(lp, tuple(site["fn"].batch_shape))
-            lp = jnp.moveaxis(lp, frames[0].dim, 0)
-            total = total + jnp.sum(jnp.reshape(lp, (lp.shape[0], -1)), axis=1)
+            if name in ladj:  # the Jacobian, summed over the site's event dimensions
+                j = ladj[name]
+                lp = lp + sum_rightmost(j, jnp.ndim(j) - jnp.ndim(site["value"]) + len(site["fn"].event_shape))
+            total = total + _per_row(lp, site, row_plate, name)
         mask = data.row_mask if data.row_mask is not None else jnp.ones_like(total)
         return jnp.where(mask > 0, total, 0.0)
 
-    return row_log_lik
+    if local is not None:
+        return row_joint
+    return lambda u, data: row_joint(u, None, data)
 
 
 class DPMetropolis(FederatedInference):
@@ -108,13 +140,21 @@ class DPMetropolis(FederatedInference):
     log-likelihood by less than ``clip`` (``init=`` a good covariance; the step adapts in
     warmup).
 
+    Local latents that belong to rows (inside the row plate: a patient's random effect) stay on
+    their client: every round each row's latents move on their own (``local_steps`` random-walk
+    Metropolis steps on the row's joint term given the chain's point, the step adapted in warmup
+    on that row's acceptance), and the released ratio is the rows' joint terms' (see the
+    algorithm's module for why the guarantee holds). A local latent shared by several rows is
+    refused.
+
     Args:
-        model: a ``dp_noise``-marked NumPyro model whose latent sites are all global and whose
-            observed sites lie in the row plate.
+        model: a ``dp_noise``-marked NumPyro model whose observed sites, and local latent sites
+            if any, lie in the row plate.
         num_warmup, num_samples, num_chains: as NumPyro's ``MCMC``.
         init: ``(mean, cov)`` of the flat unconstrained global sites (public): the chains start
             at draws of ``N(mean, cov / 4)`` from a public key and propose with ``cov``.
             ``None``: the prior's median and an identity covariance.
+        local_steps: each row's local random-walk steps per round.
         row_plate: the plate that indexes rows (default: the one the clients are padded along).
         model_kwargs: keyword arguments of every model call.
 
@@ -133,9 +173,10 @@ class DPMetropolis(FederatedInference):
     _penalty = True  # the penalty correction (a test turns it off to show what it corrects)
 
     def __init__(self, model: Callable, *, num_warmup: int = 1000, num_samples: int = 1000, num_chains: int = 2,
-                 init: Optional[Tuple] = None, row_plate: Optional[str] = None,
+                 init: Optional[Tuple] = None, local_steps: int = 5, row_plate: Optional[str] = None,
                  model_kwargs: Optional[dict] = None) -> None:
         super().__init__()
+        self.local_steps = check_positive_int("local_steps", local_steps)
         self.model, self.row_plate = model, row_plate
         self.model_kwargs = dict(model_kwargs or {})
         self.num_warmup, self.num_samples = int(num_warmup), int(num_samples)
@@ -169,8 +210,10 @@ class DPMetropolis(FederatedInference):
 
         plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPMetropolis", client_mapping="vmap",
                                   row_plate=self.row_plate, prior_factor="none", offers_dp=True)
-        if extra.terms.num_local:
-            raise ValueError(_LOCALS.format(names=list(extra.terms.local.names)))
+        local = extra.terms.local if extra.terms.num_local else None
+        if local is not None and any(axis is None for axis in local.row_axes):
+            shared = [n for n, axis in zip(local.names, local.row_axes) if axis is None]
+            raise ValueError(_LOCALS.format(names=shared))
         rows = clients.num_rows
         for name in clients.names:
             spec.check_rows(rows[name], name)
@@ -185,7 +228,9 @@ class DPMetropolis(FederatedInference):
         layout = extra.structure.global_latent
         setup = Setup(clients, None, plan, extra, {})
         supports = site_supports(self.model, self.model_kwargs, setup, client_data(plan, 0).args)
-        row_log_lik = row_log_lik_fn(self.model, self.model_kwargs, layout, supports, row_plate)
+        row_log_lik = row_log_lik_fn(self.model, self.model_kwargs, layout, supports, row_plate, local)
+        rows = None if local is None else row_locals(local, int(np.max(np.asarray(plan.num_rows))),
+                                                     client_data(plan, 0).row_mask.shape[0])
         d = layout.size
         if self.init_moments is None:
             mean = jnp.asarray(prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, layout,
@@ -197,8 +242,9 @@ class DPMetropolis(FederatedInference):
         noise = jax.random.normal(jax.random.PRNGKey(START_KEY), (self.num_chains, d), jnp.float32)
         starts = mean + 0.5 * noise @ jnp.linalg.cholesky(cov).T
         config = DPMHConfig(self.num_warmup, self.num_samples, self.num_chains, float(spec.clip),
-                            float(nm * spec.clip), self._penalty)
-        algorithm = dp_metropolis(extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config)
+                            float(nm * spec.clip), self._penalty, self.local_steps)
+        algorithm = dp_metropolis(extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
+                                  rows=rows)
         return setup._replace(algorithm=algorithm)
 
     def _params(self, setup, state) -> DrawParams:
