@@ -137,7 +137,8 @@ def test_a_canary_audit_of_the_release_step_stays_within_the_claim_and_catches_h
         y = jnp.concatenate([others, jnp.array([sign * 1000.0])])
         data = ClientData({"y": y}, jnp.ones(10), jnp.asarray(10))
         config = core.DPMHConfig(0, 1, 1, clip, noise_multiplier * clip)
-        b = nf.protocol.Broadcast({"current": jnp.zeros((1, 1)), "proposal": jnp.full((1, 1), 0.1)})
+        b = nf.protocol.Broadcast({"current": jnp.zeros((1, 1)), "proposal": jnp.full((1, 1), 0.1),
+                                   "iteration": jnp.zeros(1, jnp.int32)})
         state = core.DPMHClientState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         return core._client_step(key, state, b, data, row_log_lik=row_log_lik, config=config)[1]["llr"][0]
 

@@ -22,7 +22,7 @@ with differentially private moves", Statistics and Computing 29, §3, its distri
 For Gaussian noise of known variance this acceptance satisfies detailed balance for the
 posterior whose log-likelihood ratios are the clipped ones: where no row's ratio reaches ``C``
 the chain targets the exact posterior. Each client counts, in its own state, the rows whose
-ratio was clipped (never sent); the family warns with the counts. A round some client missed
+ratio was clipped in the kept iterations (never sent); the family warns with the counts. A round some client missed
 decides nothing (the same proposal is evaluated again).
 
 The noise costs acceptance: about ``exp(-V / 8)`` of it at ``V`` near 1 (so ``V`` of a few
@@ -93,7 +93,7 @@ class DPMHServerState(NamedTuple):
 
 class DPMHClientState(NamedTuple):
     releases: jax.Array  # noised sums this client has released (its privacy ledger)
-    clipped: jax.Array  # rows whose ratio was clipped, summed over releases (never sent)
+    clipped: jax.Array  # rows whose ratio was clipped in kept iterations, summed (never sent)
     v: jax.Array = None  # (chains, locals) its rows' local latents (never sent)
     log_step: jax.Array = None  # (chains, rows) each row's local step
     draws: jax.Array = None  # (chains, num_samples, locals) the kept local draws
@@ -104,18 +104,25 @@ class DPMHInfo(NamedTuple):
     complete: jax.Array
 
 
+def _clipped(ratio, iteration, config: DPMHConfig):
+    """Rows whose ratio the clip changes, counted in the kept iterations (the warmup's moves,
+    which adapt the step, change no kept draw)."""
+    return jnp.where(iteration >= config.num_warmup, jnp.sum(jnp.abs(ratio) > config.clip), 0)
+
+
 def _client_step(rng_key, state: DPMHClientState, broadcast: Broadcast, data, *, row_log_lik: Callable,
                  config: DPMHConfig):
     b = broadcast.shared
 
-    def chain(key, u, proposal):
+    def chain(key, u, proposal, iteration):
         ratio = row_log_lik(proposal, data) - row_log_lik(u, data)  # (rows,), padded rows 0
-        clipped = jnp.sum(jnp.abs(ratio) > config.clip)
+        clipped = _clipped(ratio, iteration, config)
         ratio = jnp.where(jnp.isfinite(ratio), ratio, jnp.sign(jnp.nan_to_num(ratio)) * config.clip)
         total = jnp.sum(jnp.clip(ratio, -config.clip, config.clip))
         return total + config.sigma * random.normal(key, (), total.dtype), clipped
 
-    released, clipped = jax.vmap(chain)(random.split(rng_key, config.num_chains), b["current"], b["proposal"])
+    released, clipped = jax.vmap(chain)(random.split(rng_key, config.num_chains), b["current"], b["proposal"],
+                                        b["iteration"])
     new = DPMHClientState(state.releases + config.num_chains, state.clipped + jnp.sum(clipped))
     return new, {"llr": released}
 
@@ -154,7 +161,7 @@ def _client_step_locals(rng_key, state: DPMHClientState, broadcast: Broadcast, d
         k_local, k_noise = random.split(key)
         v, log_step = moves(k_local, v, log_step, u, data, iteration)
         ratio = row_joint(proposal, v, data) - row_joint(u, v, data)  # (rows,), padded rows 0
-        clipped = jnp.sum(jnp.abs(ratio) > config.clip)
+        clipped = _clipped(ratio, iteration, config)
         ratio = jnp.where(jnp.isfinite(ratio), ratio, jnp.sign(jnp.nan_to_num(ratio)) * config.clip)
         total = jnp.sum(jnp.clip(ratio, -config.clip, config.clip))
         slot = iteration - config.num_warmup  # the locals at the point u of this iteration
@@ -194,8 +201,8 @@ def _decide(key, s: DPMHServerState, llr, complete, *, log_prior: Callable, chol
     return DPMHServerState(u, lp, proposal, log_step, it + decide.astype(it.dtype), draws, accepted), accept
 
 
-def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, start, scale, *,
-                  config: DPMHConfig, rows: RowLocals = None) -> FederatedAlgorithm:
+def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, start: jax.Array, scale: jax.Array,
+                  *, config: DPMHConfig, rows: RowLocals = None) -> FederatedAlgorithm:
     """Build the sampler's pure functions (see the module docstring).
 
     Args:

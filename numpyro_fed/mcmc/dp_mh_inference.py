@@ -150,7 +150,9 @@ class DPMetropolis(FederatedInference):
     Args:
         model: a ``dp_noise``-marked NumPyro model whose observed sites, and local latent sites
             if any, lie in the row plate.
-        num_warmup, num_samples, num_chains: as NumPyro's ``MCMC``.
+        num_warmup: iterations (rounds) whose draws are discarded; the step adapts in them.
+        num_samples: iterations kept.
+        num_chains: chains side by side (each costs every client one release per round).
         init: ``(mean, cov)`` of the flat unconstrained global sites (public): the chains start
             at draws of ``N(mean, cov / 4)`` from a public key and propose with ``cov``.
             ``None``: the prior's median and an identity covariance.
