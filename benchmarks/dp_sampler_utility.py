@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import pathlib
 import platform
+import sys
 import time
 import warnings
 
@@ -36,7 +37,6 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
-from provenance import provenance
 
 import numpyro_fed as nf
 from numpyro_fed.datasets import load_six_cities, six_cities_silos
@@ -44,7 +44,11 @@ from numpyro_fed.dp.accounting import calibrate_noise_multiplier
 from numpyro_fed.mcmc import DPMetropolis
 from numpyro_fed.models import logistic_glmm
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "dp_sampler_utility.json"
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from provenance import provenance  # noqa: E402
+
+RESULTS = HERE / "results" / "dp_sampler_utility.json"
 EPSILONS = (0.5, 1.0, 2.0, 4.0)
 DELTA = 1e-5
 WARMUP, SAMPLES, CHAINS = 500, 1000, 2

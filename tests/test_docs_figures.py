@@ -212,3 +212,13 @@ def test_readmes_suite_summary_is_its_results():
     worst = max(r["max_abs_z"] for r in nuts)
     assert f"Federated NUTS matched NumPyro's NUTS on all {['one', 'two', 'three', 'four'][len(nuts) - 1]} " \
            f"posteriors measured (max |z| at most {worst:.2g})" in readme
+
+
+def test_the_dp_sampler_utility_table_is_its_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "dp_sampler_utility.json").read_text())
+    rows = _benchmark("dp_sampler_utility").table_rows(results)
+    text = (ROOT / "docs" / "differential_privacy.md").read_text()
+    assert len(rows) == len(results["runs"]) == 12
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    assert f"commit {results['commit']}" in text
