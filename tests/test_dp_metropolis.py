@@ -204,3 +204,23 @@ def test_models_it_cannot_protect_are_refused_by_name(data):
     with pytest.raises(ValueError, match=r"the model's term 'total' is not a sum over the client's rows"):
         DPMetropolis(nf.dp_noise(other_plate, clip=1.0, delta=DELTA, noise_multiplier=1.0), row_plate="rows").run(
             jax.random.PRNGKey(0), clients)
+
+
+@pytest.mark.filterwarnings("ignore::numpyro_fed.warnings.UnreliableFitWarning")
+def test_where_the_clients_counts_stay_on_their_nodes_the_check_says_it_cannot_see_them(data):
+    """Over a network backend a client's state (its count of clipped ratios) never reaches the
+    server: the check warns and its verdict is "unchecked", never "ok"."""
+    from collections import namedtuple
+
+    from numpyro_fed.check import run_check
+
+    clients, mean, sd = data
+    model = nf.dp_noise(normal_mean, clip=3.0, delta=DELTA, noise_multiplier=0.23)
+    dp = sampler(model, mean, sd)
+    result = dp.run(jax.random.PRNGKey(0), clients, progress_bar=False)
+    assert result.verdict.status == "ok"
+    Ledger = namedtuple("Ledger", "releases")  # what a network backend's result holds per client
+    remote = result._replace(client_states={n: Ledger(result.client_states[n].releases) for n in clients.names})
+    with pytest.warns(nf.warnings.UncheckedFitWarning, match="cannot tell whether the clip bound"):
+        verdict = run_check(dp, remote).verdict
+    assert verdict.status == "unchecked"

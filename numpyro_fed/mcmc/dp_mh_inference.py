@@ -32,7 +32,7 @@ from ..inference import FederatedInference, Setup, fitted
 from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import RunResult
-from ..warnings import UnreliableFitWarning, find_stack_level
+from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .dp_mh_algorithm import DPMHConfig, RowLocals, dp_metropolis
 from .inference import pick_draws
 
@@ -55,6 +55,11 @@ _OUTSIDE = (
     "DPMetropolis clips each row's term, and observed site {name!r} is not in the row plate {plate!r} (a "
     "term over several rows, such as a numpyro.factor outside the plate, has no per-row bound): put it inside "
     "the plate, or leave it out of the model"
+)
+_UNSEEN = (
+    "{cls}: each client's count of clipped row ratios stays on its node (over a network backend), so the server "
+    "cannot tell whether the clip bound; where it did, the chains target the posterior with those ratios clipped. "
+    "Check the same fit in simulation, where the counts are read"
 )
 _CLIPPED = (
     "{cls}: client(s) {clients} clipped {rows} row log-likelihood ratio(s) in all (|ratio| > clip = {clip:g}): the "
@@ -337,7 +342,10 @@ def dp_metropolis_check(inference: DPMetropolis, result: RunResult) -> Verdict:
     try:
         clipped = {n: int(result.client_states[n].clipped) for n in names}
     except (AttributeError, KeyError, TypeError):  # a network backend: each count stays on its node
-        return verdict
+        warnings.warn(_UNSEEN.format(cls=type(inference).__name__), UncheckedFitWarning,
+                      stacklevel=find_stack_level())
+        return verdict._replace(status="unchecked" if verdict.ok else verdict.status,
+                                why=verdict.why + "; whether the clip bound is not known here")
     bad = [n for n, c in clipped.items() if c > 0]
     if bad:
         spec = inference.privacy[0]
