@@ -34,7 +34,7 @@ from .gaussian import NaturalGaussian
 from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
 from .updates import factor_protocol
 
-__all__ = ["ep", "local_update", "tilted_moments"]
+__all__ = ["ep", "local_update", "split_first_round", "tilted_moments"]
 
 
 def tilted_moments(
@@ -77,6 +77,21 @@ def local_update(client_log_lik: Callable, moments: Callable, num_local: int, d:
     return moments_to_factor(mean, cov, diagonal), check
 
 
+def split_first_round(local: Callable, log_prior_factor: NaturalGaussian, num_clients: int) -> Callable:
+    """A local update made under the split prior ``p^(1/J)`` (Tresp, 2000; Heikkilä et al.'s (2023)
+    "BCM split"): in the first round the cavity is ``p``; the client fits under ``p^(1/J)``, i.e.
+    against ``cavity - p^(1 - 1/J)``, and reports ``q_j + p^(1 - 1/J)``, so that its factor is
+    ``q_j / p^(1/J)`` and the server's product is ``prod_j q_j``. PVI's and EP's local fits
+    (with or without local latents) are wrapped by this one function."""
+    rest = log_prior_factor.scale(1.0 - 1.0 / num_clients)
+
+    def update(rng_key, cavity, q, data, kl_weight=1.0):
+        new, check = local(rng_key, cavity - rest, q, data, kl_weight)
+        return new + rest, check
+
+    return update
+
+
 def ep(
     log_prior_factor: NaturalGaussian,
     client_log_lik: Callable,
@@ -91,6 +106,9 @@ def ep(
     max_kl: Optional[float] = None,
     prior_site: Optional[Callable] = None,
     blocks: Optional[Any] = None,
+    perturb: Optional[Callable] = None,
+    trusted_aggregator: bool = False,
+    split_prior: bool = False,
 ) -> FederatedAlgorithm:
     """Build federated EP's pure functions.
 
@@ -115,6 +133,16 @@ def ep(
             structure on its own rows before each update (one exact Hessian-vector product at
             a random point, from its own key); where it fails the update is invalid (NaN),
             never computed on a wrong structure.
+        perturb: update perturbation (Heikkilä et al. (2023) §4.2): the client's change in
+            ``q(phi)``'s natural parameters is clipped and noised from its own key before it
+            leaves (see :func:`~numpyro_fed.factor.updates.factor_protocol`). Only the global
+            factor is released, so local latents, whose fit stays on the client, need no noise
+            of their own: one row changes the clipped release by at most ``2C`` whatever the
+            local fit did with it.
+        trusted_aggregator: with ``perturb``: the noised changes are summed before the server
+            (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
+        split_prior: the first round is a Bayesian committee machine with split prior
+            (:func:`split_first_round`).
 
     References:
         Yue et al. (2022) (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
@@ -126,7 +154,10 @@ def ep(
     client_log_lik = jax.jit(client_log_lik)
     local = partial(local_update, client_log_lik, moments, num_local, log_prior_factor.shift.shape[0],
                     log_prior_factor.diagonal, None if blocks is None else jnp.asarray(blocks))
+    if split_prior:
+        local = split_first_round(local, log_prior_factor, num_clients)
     return factor_protocol(
         log_prior_factor, local, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl, prior_site=prior_site,
+        perturb=perturb, trusted_aggregator=trusted_aggregator,
     )

@@ -46,9 +46,10 @@ from ..protocol import FederatedAlgorithm
 from . import gaussian as G
 from .gaussian import NaturalGaussian
 from .tilted import FitCheck, convergence_stat
+from .ep_algorithm import split_first_round
 from .updates import factor_protocol
 
-__all__ = ["LocalFit", "fit_local", "local_posterior", "pvi"]
+__all__ = ["LocalFit", "fit_local", "pvi"]
 
 
 def _gaussian_params(q: NaturalGaussian):
@@ -173,7 +174,7 @@ def _local_dp_sgd(row_log_lik, data, cavity: NaturalGaussian, q: NaturalGaussian
 
 
 class LocalFit(NamedTuple):
-    """:func:`pvi`'s local fit settings, bound to :func:`local_posterior`."""
+    """:func:`pvi`'s local fit settings, bound to :func:`fit_local`."""
 
     log_prior_factor: NaturalGaussian
     client_log_lik: Callable
@@ -185,16 +186,6 @@ class LocalFit(NamedTuple):
     dp_sgd: Any
     split_prior: bool
     max_chunks: int
-
-
-def local_posterior(fit: LocalFit, rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0):
-    """The client's local fit against its cavity (:func:`fit_local`); in a split-prior first
-    round (a BCM) under ``p^(1/J)``, sending ``q_j - p^(1/J)``."""
-    if fit.split_prior:  # round 1: the cavity is p; fit under p^(1/J), send q_j - p^(1/J)
-        rest = fit.log_prior_factor.scale(1.0 - 1.0 / fit.num_clients)
-        new, check = fit_local(fit, rng_key, cavity - rest, q, data, kl_weight)
-        return new + rest, check
-    return fit_local(fit, rng_key, cavity, q, data, kl_weight)
 
 
 def fit_local(fit: LocalFit, rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0):
@@ -292,8 +283,11 @@ def pvi(
                    split_prior, max(1, (max_local_steps or local_steps) // local_steps))
     if dp_sgd is not None and (update != "optax" or variant != "plain" or perturb is not None):
         raise ValueError("dp_sgd= is the local optimisation of update='optax', variant='plain', without perturb=")
+    local = partial(fit_local, fit)
+    if split_prior:
+        local = split_first_round(local, log_prior_factor, num_clients)
     return factor_protocol(
-        log_prior_factor, partial(local_posterior, fit), num_clients, schedule=schedule, damping=damping,
+        log_prior_factor, local, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, max_kl=max_kl, subset_size=subset_size, variant=variant, num_shards=num_shards,
         perturb=perturb, private_fit=dp_sgd is not None, trusted_aggregator=trusted_aggregator,
         prior_site=prior_site,

@@ -29,6 +29,12 @@ _LOCAL_CONJ = (
     "update='optax', which fits a Gaussian over the global and local sites jointly"
 )
 _LOCAL_VARIANT = "variant={variant!r} is not supported with local latent sites ({names}); use variant='plain'"
+_LOCAL_DP_SGD = (
+    "dp='optimisation' clips each row's gradient of the global sites, but with local latent sites ({names}) the "
+    "local fit is one Gaussian over the global and local sites together, whose shared parameters every row moves, "
+    "so no per-row bound holds; use dp='update_perturbation', which clips and noises the only release, the change "
+    "in q of the global sites (the local fit never leaves the client)"
+)
 _CONJ_FIX = "use update='optax' (stochastic optimisation of the local ELBO)"
 _SHARDS = "client '{client}' has {rows} rows, fewer than num_shards={n}; use fewer shards"
 _SHARD_PLATE = (
@@ -76,7 +82,9 @@ class PVI(FactorInference):
             local sites, which maximises the local ELBO
             ``E_q[log p(y_j, v | theta)] + H[q(theta, v)] - KL``-to-cavity, i.e. minimises
             ``KL(q || cavity * p(y_j, v | theta))`` (needs ``update="optax"`` and
-            ``variant="plain"``); only ``q(theta)``'s factor leaves the client.
+            ``variant="plain"``); only ``q(theta)``'s factor leaves the client. Such a
+            model is private with ``dp="update_perturbation"``: that factor's change, the
+            only release, is clipped and noised, and the local fit needs no noise of its own.
         family: ``"full"`` or ``"diagonal"`` covariance.
         update: ``"auto"`` (default), ``"conjugate"`` or ``"optax"``. ``"conjugate"`` is the
             closed form, for a log-likelihood quadratic in the global sites (Bayesian linear
@@ -117,9 +125,10 @@ class PVI(FactorInference):
         dp: differential privacy (Heikkilä et al. (2023); the model marks its protected rows with
             :class:`~numpyro_fed.dp_noise`, which carries the budget): ``"optimisation"``
             (DP-SGD in each local optimisation, §4.1; needs ``update="optax"``,
-            ``variant="plain"`` and ``dp_batch_size``) or ``"update_perturbation"`` (each
-            shard's change in natural parameters clipped to ``clip`` and noised, §4.2; any
-            ``variant``). ``None`` (default) with a ``dp_noise``-marked model is an error.
+            ``variant="plain"``, ``dp_batch_size`` and global latent sites only) or
+            ``"update_perturbation"`` (each shard's change in natural parameters clipped to
+            ``clip`` and noised, §4.2; any ``variant``, and ``"plain"`` on models with local
+            latent sites). ``None`` (default) with a ``dp_noise``-marked model is an error.
             See :meth:`privacy_report` and ``docs/differential_privacy.md``. A private run takes
             ``ledger=`` (a :class:`~numpyro_fed.dp.ledger.PrivacyLedger`): the run is refused
             before it starts when it would take a client past its budget over all its runs,
@@ -266,11 +275,8 @@ class PVI(FactorInference):
         if not structure.local_latent_names:
             return
         names = list(structure.local_latent_names)
-        if self.dp is not None:
-            raise ValueError(
-                f"dp={self.dp!r} protects models with global latent sites only; {names} are local "
-                "(their fit would need a private mechanism of its own)"
-            )
+        if self.dp == "optimisation":
+            raise ValueError(_LOCAL_DP_SGD.format(names=names))
         if self.update_kind == "conjugate":
             raise ValueError(_LOCAL_CONJ.format(names=names))
         if self.variant != "plain":
@@ -304,6 +310,10 @@ class PVI(FactorInference):
             subset_size=self.subset_size,
             prior_site=prior_site_step(terms, self.family == "diagonal"),
         )
+        private = self.dp_plan.privacy
+        common["split_prior"] = self.committee == "split"
+        common["perturb"] = private.perturb if private else None
+        common["trusted_aggregator"] = self.trusted_aggregator
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             self._use("optax")
             moments = tilted_moments(
@@ -315,9 +325,6 @@ class PVI(FactorInference):
             )
             return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
         update = self._choose_update(terms, plan, d)
-        private = self.dp_plan.privacy
-        if self.committee == "split":
-            common["split_prior"] = True
         return pvi(
             terms.prior,
             terms.log_lik,
@@ -329,9 +336,7 @@ class PVI(FactorInference):
             num_particles=self.num_particles,
             variant=self.variant,
             num_shards=self.num_shards,
-            perturb=private.perturb if private else None,
             dp_sgd=private.dp_sgd if private else None,
-            trusted_aggregator=self.trusted_aggregator,
             **common,
         )
 
