@@ -287,3 +287,37 @@ def test_bcm_split_with_local_latents_fits_each_client_under_the_split_prior():
     assert gap > 0.1, gap  # the two committees differ here
     assert np.max(np.abs(fits["split", "_logistic_with_a_free_local"].mean - fits["split", "_logistic"].mean)) < gap / 4
     assert np.max(np.abs(fits["same", "_logistic_with_a_free_local"].mean - fits["same", "_logistic"].mean)) < gap / 4
+
+
+@pytest.mark.filterwarnings("ignore::numpyro_fed.warnings.UnreliableFitWarning")
+def test_update_perturbation_summed_by_pairwise_masking_is_the_trusted_aggregators(hierarchy):
+    """secure_aggregation='masking' replaces the trusted aggregator by pairwise masking (Bonawitz et
+    al. 2017): the same fit as the trusted aggregator's to the fixed-point resolution, and no
+    message shows a client's own noised update (each is in the trusted run's transcript)."""
+    from numpyro_fed.secure import FRACTION_BITS
+
+    from .test_privacy import contains
+    clients, _, _ = hierarchy
+    model = nf.dp_noise(patients, clip=50.0, delta=1e-4, noise_multiplier=2.0)
+    kw = dict(local_steps=200, dp="update_perturbation")
+    key = jax.random.PRNGKey(0)
+    trusted = nf.PVI(model, trusted_aggregator=True, **kw).run(key, clients, 2, record_transcript=True,
+                                                               keep_values=True)
+    masked = nf.PVI(model, secure_aggregation="masking", **kw).run(key, clients, 2, record_transcript=True,
+                                                                  keep_values=True)
+    np.testing.assert_allclose(masked.params.mean, trusted.params.mean, atol=1e-4)
+    np.testing.assert_allclose(masked.params.cov, trusted.params.cov, rtol=1e-3, atol=1e-7)
+    parts = [e.value for e in trusted.transcript.entries if e.receiver == "aggregator" and e.value is not None
+             and e.value.size > 0 and np.any(e.value != 0)]
+    assert parts
+    allowed = ("['advertise_keys']", "['share_keys']", "['masked_input']", "['unmask_shares']")
+    up = [e for e in masked.transcript.entries if e.receiver == "server"]
+    assert up and all(e.name.startswith(allowed) for e in up), {e.name for e in up}
+    for e in masked.transcript.entries:
+        seen = [e.value]
+        if e.value is not None and e.value.dtype == np.uint64:
+            seen.append(e.value.view(np.int64) / 2.0 ** FRACTION_BITS)
+        for part in parts:
+            assert not any(contains(v, part) for v in seen), (e.round, e.sender, e.name)
+    with pytest.raises(ValueError, match="needs dp='update_perturbation'"):
+        nf.PVI(patients, secure_aggregation="masking")

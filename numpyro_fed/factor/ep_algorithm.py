@@ -109,6 +109,7 @@ def ep(
     perturb: Optional[Callable] = None,
     trusted_aggregator: bool = False,
     split_prior: bool = False,
+    aggregation: str = "trusted",
 ) -> FederatedAlgorithm:
     """Build federated EP's pure functions.
 
@@ -143,6 +144,8 @@ def ep(
             (see :func:`~numpyro_fed.factor.updates.factor_protocol`).
         split_prior: the first round is a Bayesian committee machine with split prior
             (:func:`split_first_round`).
+        aggregation: with ``trusted_aggregator``: ``"trusted"`` or ``"masking"`` (see
+            :func:`~numpyro_fed.factor.updates.factor_protocol`).
 
     References:
         Yue et al. (2022) (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
@@ -159,5 +162,5 @@ def ep(
     return factor_protocol(
         log_prior_factor, local, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl, prior_site=prior_site,
-        perturb=perturb, trusted_aggregator=trusted_aggregator,
+        perturb=perturb, trusted_aggregator=trusted_aggregator, aggregation=aggregation,
     )

@@ -233,6 +233,7 @@ def pvi(
     trusted_aggregator: bool = False,
     split_prior: bool = False,
     prior_site: Optional[Callable] = None,
+    aggregation: str = "trusted",
 ) -> FederatedAlgorithm:
     """Build PVI's pure functions.
 
@@ -266,6 +267,8 @@ def pvi(
             (``update="optax"``, ``variant="plain"``) runs DP-SGD (Heikkilä et al. (2023) §4.1) on the
             per-row log-likelihood ``client_log_lik(u, one_row_data)``.
         trusted_aggregator: see :func:`~numpyro_fed.factor.updates.factor_protocol`.
+        aggregation: with ``trusted_aggregator``: ``"trusted"`` or ``"masking"`` (see
+            :func:`~numpyro_fed.factor.updates.factor_protocol`).
         split_prior: the first round is a Bayesian committee machine with split prior
             (Tresp, 2000; Heikkilä et al.'s (2023) "BCM split" baseline): each client fits its posterior
             under the prior ``p^(1/J)`` and the server multiplies the fits, ``q = prod_j
@@ -290,5 +293,5 @@ def pvi(
         log_prior_factor, local, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, max_kl=max_kl, subset_size=subset_size, variant=variant, num_shards=num_shards,
         perturb=perturb, private_fit=dp_sgd is not None, trusted_aggregator=trusted_aggregator,
-        prior_site=prior_site,
+        prior_site=prior_site, aggregation=aggregation,
     )

@@ -14,6 +14,7 @@ from ..check import Verdict, register_check
 from ..clients import Clients
 from ..dp.plan import MECHANISMS, DPPlan, check_dp_options, warn_withheld
 from ..protocol import RunResult
+from ..secure import check_aggregation
 from . import gaussian as G
 from .ep_algorithm import ep, tilted_moments
 from .inference import FactorInference, factor_check, set_schedule
@@ -34,6 +35,11 @@ _LOCAL_DP_SGD = (
     "local fit is one Gaussian over the global and local sites together, whose shared parameters every row moves, "
     "so no per-row bound holds; use dp='update_perturbation', which clips and noises the only release, the change "
     "in q of the global sites (the local fit never leaves the client)"
+)
+_SECURE = (
+    "secure_aggregation={value!r} sums the clients' noised updates so that the server sees only their sum, the "
+    "form of update perturbation whose noise shrinks with the clients (Heikkilä et al. (2023) Theorems 11, 14): "
+    "it needs dp='update_perturbation' (and schedule='synchronous')"
 )
 _CONJ_FIX = "use update='optax' (stochastic optimisation of the local ELBO)"
 _SHARDS = "client '{client}' has {rows} rows, fewer than num_shards={n}; use fewer shards"
@@ -138,6 +144,11 @@ class PVI(FactorInference):
         trusted_aggregator: with ``dp="update_perturbation"`` and ``schedule="synchronous"``:
             the updates are summed by a trusted aggregator, the server sees only the sum
             and each of the M clients adds noise ``sigma / sqrt(M)`` (Theorems 11, 14).
+        secure_aggregation: who sums the updates under ``trusted_aggregator``: ``"trusted"``
+            (a trusted aggregator; the default of ``trusted_aggregator=True``) or ``"masking"``
+            (no third party: pairwise masking with dropout recovery, Bonawitz et al. 2017; see
+            :mod:`numpyro_fed.secure`). Given, it implies ``trusted_aggregator=True``; it needs
+            ``dp="update_perturbation"``. In simulation; a network backend refuses masking.
         client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
         model_kwargs: non-data keyword arguments of the model.
@@ -198,6 +209,7 @@ class PVI(FactorInference):
         model_kwargs: Optional[dict] = None,
         check_fit: bool = True,
         committee: Optional[str] = None,
+        secure_aggregation: Optional[str] = None,
     ) -> None:
         if committee is not None and (committee not in ("same", "split") or schedule != "synchronous"
                                       or damping != 1.0):
@@ -223,6 +235,11 @@ class PVI(FactorInference):
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.variant, self.num_shards = variant, int(num_shards)
+        self.secure_aggregation = check_aggregation(secure_aggregation, type(self).__name__)
+        if self.secure_aggregation is not None:
+            if dp != "update_perturbation":
+                raise ValueError(_SECURE.format(value=secure_aggregation))
+            trusted_aggregator = True
         self.dp = check_dp_options(dp, dp_batch_size, trusted_aggregator, update_kind=self.update_kind,
                                    variant=variant, schedule=schedule)
         self.max_local_steps = self._local_budget(max_local_steps)
@@ -314,6 +331,7 @@ class PVI(FactorInference):
         common["split_prior"] = self.committee == "split"
         common["perturb"] = private.perturb if private else None
         common["trusted_aggregator"] = self.trusted_aggregator
+        common["aggregation"] = self.secure_aggregation or "trusted"
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             self._use("optax")
             moments = tilted_moments(

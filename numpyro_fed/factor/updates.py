@@ -99,6 +99,7 @@ def factor_protocol(
     private_fit: bool = False,
     trusted_aggregator: bool = False,
     prior_site: Optional[Callable] = None,
+    aggregation: str = "trusted",
 ) -> FederatedAlgorithm:
     """Build the shared protocol around a client's local fit.
 
@@ -132,6 +133,9 @@ def factor_protocol(
             only their sum, so each client's message is its noised change alone, sent as
             it is (no validity flag or zeroing that would depend on the client's own,
             less noised, change); the server checks the sum.
+        aggregation: with ``trusted_aggregator``: who sums the changes, ``"trusted"`` (a
+            trusted aggregator) or ``"masking"`` (pairwise masking, no third party;
+            :mod:`numpyro_fed.secure`).
         prior_site: for a non-Gaussian prior (:mod:`~numpyro_fed.factor.prior_site`):
             ``(rng_key, cavity, q) -> (q_new, ok)``, the server's tilted-moment step for its
             own factor ``t_0`` of the prior's residual, run after the clients' updates of
@@ -149,7 +153,7 @@ def factor_protocol(
     secure = ("delta",) if trusted_aggregator else ()
     return FederatedAlgorithm(
         bind(init_server), bind(init_client), bind(select),
-        (Exchange(bind(client_step), bind(server_step), "factor_update", secure),),
+        (Exchange(bind(client_step), bind(server_step), "factor_update", secure, aggregation),),
         num_selected=num_selected, monitor=lambda info: info.kl, monitor_name="KL(q_new||q)",
     )
 
