@@ -109,3 +109,24 @@ def test_dp_noise_site_errors():
         nf.dp_noise(_model, sites=[1], **spec)
     with pytest.raises(ValueError, match="not below 1/n = 1/4 for client 'a'"):
         nf.dp.DPSpec(1.0, 0.3, epsilon=1.0).check_rows(4, "a")
+
+
+def test_a_vacuous_guarantee_is_reported_by_its_rdp_bound_in_milliseconds():
+    """Little noise composed many times: the PLD needs minutes and gigabytes (0.46 x 800: 130 s,
+    17 GB), so above VACUOUS_EPSILON the report gives the RDP bound, which is an upper bound on
+    the PLD figure (checked against dp-accounting's own PLD where that is affordable)."""
+    import time
+
+    import dp_accounting
+    import dp_accounting.pld
+
+    from numpyro_fed.dp.accounting import VACUOUS_EPSILON, epsilon, epsilon_composed
+
+    start = time.perf_counter()
+    bound = epsilon(2.0, 1e-5, 100)
+    assert time.perf_counter() - start < 5.0 and bound > VACUOUS_EPSILON
+    pld = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
+    pld.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 100))
+    assert pld.get_epsilon(1e-5) <= bound < 1.5 * pld.get_epsilon(1e-5)
+    assert epsilon(0.46, 1e-5, 2600) > 1e3  # returns at all (the PLD ran out of memory here)
+    assert epsilon_composed([(0.46, 100, 1.0), (10.0, 100, 1.0)], 1e-5) >= epsilon(0.46, 1e-5, 100)

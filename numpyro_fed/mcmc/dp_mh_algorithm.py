@@ -25,6 +25,12 @@ the chain targets the exact posterior. Each client counts, in its own state, the
 ratio was clipped in the kept iterations (never sent); the family warns with the counts. A round some client missed
 decides nothing (the same proposal is evaluated again).
 
+**Under secure aggregation** (pairwise masking or a trusted aggregator; :mod:`numpyro_fed.secure`)
+the server sees only ``hat Lambda``, never a client's own release, so the noise the sum needs is
+shared: each client adds ``sigma / sqrt(J)`` and the sum carries ``sigma`` (as update perturbation
+with a trusted aggregator, Heikkilä et al. (2023) Theorems 11 and 14). ``V`` is then ``sigma^2``,
+``J`` times less than with every client's release in clear, for the same guarantee.
+
 The noise costs acceptance: about ``exp(-V / 8)`` of it at ``V`` near 1 (so ``V`` of a few
 units at most is practical: small ``C`` with small steps, many rows per client).
 
@@ -68,9 +74,10 @@ class DPMHConfig(NamedTuple):
     num_samples: int
     num_chains: int
     clip: float  # C: each row's log-likelihood ratio is clipped to [-C, C]
-    sigma: float  # each client's noise sd (sigma = noise multiplier * C)
+    sigma: float  # each client's noise sd (noise multiplier * C; / sqrt(J) under secure aggregation)
     correct: bool = True  # the penalty -V/2 (False only to show what it corrects)
     local_steps: int = 5  # row-wise random-walk steps of the local latents per round
+    secure: str = None  # None, or how the releases are summed before the server ("trusted", "masking")
 
 
 class RowLocals(NamedTuple):
@@ -252,13 +259,14 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
 
     def server_step(rng_key, state, messages, view):
         complete = jnp.all(view.answered)
-        llr = jnp.sum(messages["llr"], axis=0)  # (chains,)
+        llr = messages["llr"] if config.secure else jnp.sum(messages["llr"], axis=0)  # (chains,)
         new, accepted = jax.vmap(decide, in_axes=(0, 0, 0, None))(random.split(rng_key, C), state, llr, complete)
         return new, Broadcast(shared(new)), DPMHInfo(accepted, complete)
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients),
-        (Exchange(client_step, server_step, "dp_metropolis"),),
+        (Exchange(client_step, server_step, "dp_metropolis", ("llr",) if config.secure else (),
+                  config.secure or "trusted"),),
         monitor=lambda info: jnp.mean(info.accepted.astype(dtype)), monitor_name="accepted", name="dp_metropolis",
         done=lambda s: jnp.all(s.iteration >= total),
         describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",

@@ -26,12 +26,13 @@ from .._validation import check_positive_int
 from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..check.chains import chain_report, chains_verdict
-from ..dp.accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon, report
+from ..dp.accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from ..dp.annotation import dp_sites
 from ..inference import FederatedInference, Setup, fitted
 from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import RunResult
+from ..secure import check_aggregation
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .dp_mh_algorithm import DPMHConfig, RowLocals, dp_metropolis
 from .inference import pick_draws
@@ -164,6 +165,13 @@ class DPMetropolis(FederatedInference):
         local_steps: each row's local random-walk steps per round.
         row_plate: the plate that indexes rows (default: the one the clients are padded along).
         model_kwargs: keyword arguments of every model call.
+        secure_aggregation: ``None`` (each client's noised release reaches the server), or how the
+            releases are summed so that the server sees only their sum each round: ``"masking"``
+            (pairwise masking with dropout recovery, Bonawitz et al. 2017) or ``"trusted"`` (a trusted
+            aggregator); see :mod:`numpyro_fed.secure`. Each client then adds ``1 / sqrt(J)`` of the
+            noise and the sum carries all of it, so the noise the server corrects for is ``J`` times
+            smaller for the same guarantee. The report charges each release the noise of the clients
+            that answered in its round (the emptiest rounds, for a client's count).
 
     References:
         Yildirim & Ermis (2019), "Exact MCMC with differentially private moves", Statistics and
@@ -181,8 +189,9 @@ class DPMetropolis(FederatedInference):
 
     def __init__(self, model: Callable, *, num_warmup: int = 1000, num_samples: int = 1000, num_chains: int = 2,
                  init: Optional[Tuple] = None, local_steps: int = 5, row_plate: Optional[str] = None,
-                 model_kwargs: Optional[dict] = None) -> None:
+                 model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
         super().__init__()
+        self.secure_aggregation = check_aggregation(secure_aggregation, "DPMetropolis")
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.model, self.row_plate = model, row_plate
         self.model_kwargs = dict(model_kwargs or {})
@@ -248,8 +257,9 @@ class DPMetropolis(FederatedInference):
             cov = (cov + cov.T) / 2
         noise = jax.random.normal(jax.random.PRNGKey(START_KEY), (self.num_chains, d), jnp.float32)
         starts = mean + 0.5 * noise @ jnp.linalg.cholesky(cov).T
+        share = np.sqrt(len(clients)) if self.secure_aggregation else 1.0  # the sum carries sigma
         config = DPMHConfig(self.num_warmup, self.num_samples, self.num_chains, float(spec.clip),
-                            float(nm * spec.clip), self._penalty, self.local_steps)
+                            float(nm * spec.clip / share), self._penalty, self.local_steps, self.secure_aggregation)
         algorithm = dp_metropolis(extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
                                   rows=rows)
         return setup._replace(algorithm=algorithm)
@@ -300,9 +310,23 @@ class _SamplerPrivacy:
     def before_round(self, cls: str, names, state) -> None:
         pass
 
-    def _events(self, releases: Dict[str, int]) -> Dict[str, list]:
+    def _events(self, releases: Dict[str, int], answered=None) -> Dict[str, list]:
+        """Per client ``[(sigma / C, releases, 1)]``; under secure aggregation, with ``answered`` (each
+        round's count of clients that answered), each release charged the noise of its round's sum,
+        ``sigma sqrt(m / J)`` with ``m`` answering, over the client's emptiest rounds (worst case)."""
         nm = self.sampler.privacy[1]
-        return {name: [(nm, int(r), 1.0)] for name, r in releases.items()}
+        if answered is None or not self.sampler.secure_aggregation:
+            return {name: [(nm, int(r), 1.0)] for name, r in releases.items()}
+        chains, total = self.sampler.num_chains, len(releases)
+        emptiest = np.sort(np.asarray(answered))
+        out = {}
+        for name, r in releases.items():
+            counts: Dict[float, int] = {}
+            for m in emptiest[:int(r) // chains]:
+                key = nm * float(np.sqrt(int(m) / total))
+                counts[key] = counts.get(key, 0) + chains
+            out[name] = [(k, c, 1.0) for k, c in counts.items()]
+        return out
 
     def before_start(self, cls: str, names, num_rounds: int) -> None:
         if self.ledger is None:
@@ -314,13 +338,19 @@ class _SamplerPrivacy:
         ledger, self.ledger = self.ledger, None
         if ledger is None:
             return
-        ledger.close_run(self._events(_releases(names, result)), f"{cls}, {int(result.communication.rounds)} rounds")
+        ledger.close_run(self.events(names, result), f"{cls}, {int(result.communication.rounds)} rounds")
+
+    def events(self, names, result) -> Dict[str, list]:
+        """Each client's releases in ``result`` as ``[(sigma / C, releases, sampling rate)]``."""
+        return self._events(_releases(names, result), result.rounds_answered)
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         spec, nm = self.sampler.privacy
-        return report([ClientPrivacy(name, "DPMetropolis (clipped log-likelihood ratios, penalty-corrected)",
-                                     epsilon(nm, spec.delta, r), spec.delta, nm, r, 1.0)
-                       for name, r in _releases(names, result).items()])
+        label = "DPMetropolis (clipped log-likelihood ratios, penalty-corrected" + (
+            f", summed by {self.sampler.secure_aggregation} aggregation)" if self.sampler.secure_aggregation else ")")
+        events = self.events(names, result)
+        return report([ClientPrivacy(name, label, epsilon_composed(events[name], spec.delta), spec.delta, nm,
+                                     sum(e[1] for e in events[name]), 1.0) for name in names])
 
 
 def _releases(names, result) -> Dict[str, int]:
