@@ -19,7 +19,7 @@ from .warnings import FederatedDeprecationWarning, find_stack_level
 __all__ = ["ANSWERS", "Fit", "check_text"]
 
 ANSWERS = {"laplace": "as is", "laplace (importance-corrected)": "importance-corrected", "mwg": "exact",
-           "nuts": "exact"}
+           "nuts": "exact", "dp_metropolis": "exact (noise-corrected)"}
 """What each rung's answer is: the Laplace Gaussian accepted ``"as is"``, its
 ``"importance-corrected"`` draws, or an ``"exact"`` sampler's chains."""
 
@@ -39,7 +39,8 @@ class Fit:
 
     Attributes:
         method: ``"laplace"``, ``"laplace (importance-corrected)"``, ``"mwg"`` or ``"nuts"``: the
-            rung whose answer this is.
+            rung whose answer this is; ``"dp_metropolis"`` under ``nf.fit(dp=...)`` (the exact DP
+            sampler, see :meth:`privacy_report`).
         answer: what the returned draws are (:data:`ANSWERS`): the Laplace Gaussian accepted
             ``"as is"``, its ``"importance-corrected"`` draws, or an ``"exact"`` sampler's.
         inference: the fitted inference object of that rung; ``result``: its
@@ -65,7 +66,7 @@ class Fit:
 
     def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
                  log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None,
-                 results: Optional[List[Any]] = None) -> None:
+                 results: Optional[List[Any]] = None, privacy: Any = None) -> None:
         self.method, self.inference, self.result = method, inference, result
         self.answer = ANSWERS.get(method, method)
         self.rounds, self.check, self.log = int(rounds), check, list(log)
@@ -74,6 +75,14 @@ class Fit:
         self._corrected, self._num_samples = corrected, int(num_samples)
         self._idata, self._clients = None, clients
         self.results = list(results) if results is not None else [result]
+        self._privacy = privacy
+
+    def privacy_report(self):
+        """A differentially private fit's (``nf.fit(dp=...)``) guarantee per client, both stages composed
+        with ``dp-accounting`` (a :class:`~numpyro_fed.dp.PrivacyReport`)."""
+        if self._privacy is None:
+            raise ValueError("Fit.privacy_report: this fit is not differentially private (nf.fit(dp=...) makes one)")
+        return self._privacy
 
     @property
     def verdict(self) -> Any:
@@ -90,7 +99,7 @@ class Fit:
 
     @property
     def _chains(self) -> bool:
-        return self.method in ("nuts", "mwg")
+        return self.method in ("nuts", "mwg", "dp_metropolis")
 
     # ------------------------------------------------------------------ draws
     def get_samples(self, group_by_chain: bool = False, *, client: Optional[str] = None,

@@ -154,7 +154,7 @@ def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the sear
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
         num_warmup: Optional[int] = None, num_chains: Optional[int] = None, model_kwargs: Optional[dict] = None,
         row_plate: Optional[str] = None, client_mapping: str = "auto", progress_bar: Optional[bool] = None,
-        max_rounds: Optional[int] = MAX_ROUNDS, **options: Any) -> Fit:
+        max_rounds: Optional[int] = MAX_ROUNDS, dp: Any = None, **options: Any) -> Fit:
     """Fit ``model`` to the federation ``clients``: the posterior of its global sites, checked.
 
     Tries the Laplace approximation (a few Newton rounds), keeps it when the fit checks pass,
@@ -186,6 +186,11 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             round; ``None``: no bound). A sampler whose pace projects more stops before it spends
             them and ``fit`` raises :class:`~numpyro_fed.budget.RoundBudgetError` with the
             projection, the draws it has and what to do.
+        dp: a :class:`~numpyro_fed.dp.PrivateFit`: fit the ``dp_noise``-marked model under
+            differential privacy, its budget spent on a private start (PVI with update
+            perturbation) and the exact DP sampler from it (:class:`~numpyro_fed.mcmc.DPMetropolis`),
+            every client's releases composed (:mod:`numpyro_fed.dp.private_fit`;
+            :meth:`Fit.privacy_report`). A ``dp_noise``-marked model without ``dp=`` is refused.
         **options: a rung's own options (:func:`rung_options`: e.g. ``target_accept_prob``,
             ``max_tree_depth``, ``step_size`` for federated NUTS; ``inner_steps``, ``local_blocks``
             for the Laplace search and Metropolis-within-Gibbs; ``tol`` for the Laplace search),
@@ -215,6 +220,16 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         ('laplace', 'ok')
     """
     rung_options, run_options = split_options(options)
+    from .dp.private_fit import _spec, private_fit
+
+    from .clients import Clients
+
+    if dp is not None or (isinstance(clients, Clients)  # a marked model without dp= is refused by _spec
+                          and _spec(model, clients, dict(model_kwargs or {}), None) is not None):
+        return private_fit(model, clients, rng_key, dp, num_samples=num_samples, num_warmup=num_warmup,
+                           num_chains=num_chains, model_kwargs=model_kwargs, row_plate=row_plate,
+                           client_mapping=client_mapping, progress_bar=progress_bar, rung_options=rung_options,
+                           run_options=run_options)
     ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
                     model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
                     progress_bar=progress_bar, max_rounds=max_rounds, **rung_options)

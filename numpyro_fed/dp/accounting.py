@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence, Tuple
 
 from .._validation import check_positive_int
 
-__all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_noise_multiplier", "epsilon", "epsilon_composed"]
+__all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_after", "calibrate_noise_multiplier", "epsilon", "epsilon_composed"]
 
 #: PLD discretisation for reported epsilons (dp-accounting's default).
 REPORT_DISCRETIZATION = 1e-4
@@ -217,3 +217,39 @@ def report(entries: Sequence[ClientPrivacy]) -> PrivacyReport:
     if not entries:
         raise ValueError("a privacy report needs at least one client")
     return PrivacyReport(tuple(entries))
+
+
+def calibrate_after(spent: Sequence[Tuple[float, int, float]], target_epsilon: float, delta: float,
+                    compositions: int, *, tol: float = 1e-3) -> float:
+    """The noise multiplier of ``compositions`` further full-batch Gaussian releases such that,
+    composed with the releases ``spent`` (``[(noise_multiplier, compositions, sampling_rate)]``),
+    the whole is ``(target_epsilon, delta)``-DP (dp-accounting's PLD, substitution of one row). A
+    budget the spent releases already use up raises, naming both."""
+    spent = [(float(nm), int(c), float(r)) for nm, c, r in spent if c > 0]
+    already = epsilon_composed(spent, delta, discretization=CALIBRATION_DISCRETIZATION) if spent else 0.0
+    if not already < target_epsilon:
+        raise ValueError(f"the releases already made spend epsilon={already:.4g} of the target {target_epsilon:g}: "
+                         f"nothing is left for {compositions} more")
+    if compositions == 0:
+        return 0.0
+    dp_accounting = _dp()
+
+    def make(nm):
+        return dp_accounting.ComposedDpEvent([_event(*e) for e in spent] + [_event(nm, compositions, 1.0)])
+
+    def eps(nm):
+        accountant = _accountant(CALIBRATION_DISCRETIZATION)
+        accountant.compose(make(nm))
+        return accountant.get_epsilon(delta)
+
+    hi = 1.0
+    while eps(hi) > target_epsilon:
+        hi *= 2.0
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon={target_epsilon} at delta={delta}")
+    lo = hi / 2.0
+    while lo > 1e-3 and eps(lo) <= target_epsilon:
+        hi, lo = lo, lo / 2.0
+    return float(dp_accounting.calibrate_dp_mechanism(
+        lambda: _accountant(CALIBRATION_DISCRETIZATION), make, target_epsilon, delta,
+        dp_accounting.ExplicitBracketInterval(lo, hi), tol=tol))

@@ -110,6 +110,8 @@ def ep(
     trusted_aggregator: bool = False,
     split_prior: bool = False,
     aggregation: str = "trusted",
+    variant: str = "plain",
+    num_shards: int = 1,
 ) -> FederatedAlgorithm:
     """Build federated EP's pure functions.
 
@@ -146,6 +148,10 @@ def ep(
             (:func:`split_first_round`).
         aggregation: with ``trusted_aggregator``: ``"trusted"`` or ``"masking"`` (see
             :func:`~numpyro_fed.factor.updates.factor_protocol`).
+        variant, num_shards: ``"plain"``, or ``"virtual"`` with ``num_shards`` shards per client,
+            each fitted on its own rows against its own cavity (Heikkilä et al. (2023) Alg. 3; the
+            local latents must each belong to one row). Not ``"local_averaging"``: its ``1/N``
+            weight on the KL does not split from the local sites of a joint fit.
 
     References:
         Yue et al. (2022) (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
@@ -162,5 +168,6 @@ def ep(
     return factor_protocol(
         log_prior_factor, local, num_clients, schedule=schedule, damping=damping,
         max_halvings=max_halvings, subset_size=subset_size, max_kl=max_kl, prior_site=prior_site,
-        perturb=perturb, trusted_aggregator=trusted_aggregator, aggregation=aggregation,
+        perturb=perturb, trusted_aggregator=trusted_aggregator, aggregation=aggregation, variant=variant,
+        num_shards=num_shards,
     )

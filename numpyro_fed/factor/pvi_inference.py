@@ -29,7 +29,16 @@ _LOCAL_CONJ = (
     "update='conjugate' has no closed form with local latent sites ({names}); use "
     "update='optax', which fits a Gaussian over the global and local sites jointly"
 )
-_LOCAL_VARIANT = "variant={variant!r} is not supported with local latent sites ({names}); use variant='plain'"
+_LOCAL_VARIANT = (
+    "variant='local_averaging' weights each shard's KL to the cavity by 1/N, which the joint fit over the global "
+    "and local sites ({names}) does not split; use variant='virtual' (one factor per shard, local latents that "
+    "belong to rows) or 'plain'"
+)
+_SHARED_LOCALS = (
+    "variant='virtual' splits a client's rows into shards, each fitted on its own rows, and local site(s) {names} "
+    "are not in the row plate {plate!r}: a latent shared by rows of several shards would be fitted once per shard. "
+    "Use variant='plain'"
+)
 _LOCAL_DP_SGD = (
     "dp='optimisation' clips each row's gradient of the global sites, but with local latent sites ({names}) the "
     "local fit is one Gaussian over the global and local sites together, whose shared parameters every row moves, "
@@ -296,8 +305,8 @@ class PVI(FactorInference):
             raise ValueError(_LOCAL_DP_SGD.format(names=names))
         if self.update_kind == "conjugate":
             raise ValueError(_LOCAL_CONJ.format(names=names))
-        if self.variant != "plain":
-            raise ValueError(_LOCAL_VARIANT.format(names=names, variant=self.variant))
+        if self.variant == "local_averaging":
+            raise ValueError(_LOCAL_VARIANT.format(names=names))
 
     def _adjust_structure(self, clients: Clients, structure):
         if self.variant == "plain":
@@ -334,6 +343,9 @@ class PVI(FactorInference):
         common["aggregation"] = self.secure_aggregation or "trusted"
         if terms.num_local:  # joint Gaussian over (global, local): KL(q || tilted), see the class doc
             self._use("optax")
+            shared = [n for n, axis in zip(terms.local.names, terms.local.row_axes) if axis is None]
+            if self.variant == "virtual" and shared:
+                raise ValueError(_SHARED_LOCALS.format(names=shared, plate=plan.row_plate))
             moments = tilted_moments(
                 "vi",
                 optim=self.optim,
@@ -341,7 +353,8 @@ class PVI(FactorInference):
                 num_particles=self.num_particles,
                 diagonal=self.family == "diagonal",
             )
-            return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments, **common)
+            return ep(terms.prior, terms.log_joint, num_clients, num_local=terms.num_local, moments=moments,
+                      variant=self.variant, num_shards=self.num_shards, **common)
         update = self._choose_update(terms, plan, d)
         return pvi(
             terms.prior,

@@ -216,8 +216,20 @@ class DPMetropolis(FederatedInference):
             num_rounds = total if options.get("availability") is None else 20 * total
         return num_rounds
 
+    def _row_plate(self, tr, num_rows: int) -> Optional[str]:
+        """The plate that indexes rows: ``row_plate=``, else the one plate of the client's row count
+        that every marked observed site sits in (clients of equal size are not padded, so the
+        layout does not find it)."""
+        if self.row_plate is not None:
+            return self.row_plate
+        marked = [s for s in tr.values() if s["type"] == "sample" and "dp" in (s.get("infer") or {})]
+        plates = set.intersection(*({f.name for f in s["cond_indep_stack"] if f.size == num_rows} for s in marked))
+        return next(iter(plates)) if len(plates) == 1 else None
+
     def _build(self, clients) -> Setup:
-        specs = dp_sites(trace_model(self.model, clients[clients.names[0]], self.model_kwargs))
+        first = clients.names[0]
+        tr = trace_model(self.model, clients[first], self.model_kwargs)
+        specs = dp_sites(tr)
         if not specs:
             raise ValueError(_NO_DP)
         if len(set(specs.values())) > 1:
@@ -225,7 +237,8 @@ class DPMetropolis(FederatedInference):
         spec = next(iter(specs.values()))
 
         plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPMetropolis", client_mapping="vmap",
-                                  row_plate=self.row_plate, prior_factor="none", offers_dp=True)
+                                  row_plate=self._row_plate(tr, clients.num_rows[first]) if specs else None,
+                                  prior_factor="none", offers_dp=True)
         local = extra.terms.local if extra.terms.num_local else None
         if local is not None and any(axis is None for axis in local.row_axes):
             shared = [n for n, axis in zip(local.names, local.row_axes) if axis is None]
