@@ -19,7 +19,7 @@ from .warnings import FederatedDeprecationWarning, find_stack_level
 __all__ = ["ANSWERS", "Fit", "check_text"]
 
 ANSWERS = {"laplace": "as is", "laplace (importance-corrected)": "importance-corrected", "mwg": "exact",
-           "nuts": "exact", "dp_metropolis": "exact (noise-corrected)"}
+           "nuts": "exact", "dp_metropolis": "exact (noise-corrected)", "dp_laplace": "as is (unchecked, private)"}
 """What each rung's answer is: the Laplace Gaussian accepted ``"as is"``, its
 ``"importance-corrected"`` draws, or an ``"exact"`` sampler's chains."""
 

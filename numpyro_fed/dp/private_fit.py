@@ -4,17 +4,18 @@ A ``dp_noise``-marked model says which rows are protected and the whole budget
 ``(epsilon, delta)``; ``nf.fit(..., dp=PrivateFit(start_clip=...))`` spends it in two stages,
 each client's releases composed with ``dp-accounting``:
 
-1. **the start**: ``start_rounds`` synchronous rounds of PVI with update perturbation
-   (Heikkilä et al. (2023) §4.2): each client's change in ``q`` of the global sites, clipped to
-   ``start_clip`` in natural parameters and noised from its own key, its local latents fitted on the
-   client and never sent; ``start_share`` of epsilon, calibrated for those rounds;
+1. **the start**: ``start_rounds`` Newton rounds of :class:`~numpyro_fed.dp.dp_laplace.DPLaplace`:
+   each client releases the sum of its rows' gradients and Hessians of the global sites, each row's
+   clipped to ``start_clip`` and the sum noised from its own key (a row's local latents found on
+   the client, never sent); ``start_share`` of epsilon, calibrated for those rounds;
 2. **the answer**: :class:`~numpyro_fed.mcmc.DPMetropolis` from the start's mean and covariance,
    each row's log-likelihood ratio clipped to the model's ``dp_noise`` clip, the noise calibrated
    so that both stages together spend exactly ``epsilon`` (the penalty method corrects the
    acceptance for it: Yildirim & Ermis (2019), "Exact MCMC with differentially private moves",
    Statistics and Computing 29).
 
-With ``secure_aggregation=`` both stages' releases are summed before the server (pairwise masking
+Where the sampler's chains do not mix (the noise leaves it too few accepted moves), the answer is
+the start, with a warning that says so. With ``secure_aggregation=`` both stages' releases are summed before the server (pairwise masking
 or a trusted aggregator) and each client adds its share of the noise. The answer is the sampler's,
 with its own check: a clip that bound (the chains then target the posterior of clipped ratios)
 is ``"biased"`` and warns naming the clients; chains that did not mix warn.
@@ -22,6 +23,7 @@ is ``"biased"`` and warns naming the clients; chains that did not mix warn.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import jax
@@ -30,7 +32,8 @@ from numpyro.primitives import Messenger
 
 from .._structure import trace_model
 from .._validation import check_positive_int
-from .accounting import ClientPrivacy, calibrate_after, epsilon_composed, report
+from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
+from ..warnings import UnreliableFitWarning, find_stack_level
 from .annotation import DP_KEY, DPSpec, dp_sites
 
 __all__ = ["PrivateFit", "private_fit", "with_spec"]
@@ -51,31 +54,29 @@ _NEEDS_EPSILON = (
 )
 _OPTIONS = "nf.fit(dp=...) runs a private start and DPMetropolis; it takes no {names} (its own: {own})"
 _OWN = ("secure_aggregation", "local_steps")
+_UNMIXED = (
+    "nf.fit(dp=...): the exact DP sampler's chains did not mix ({why}): the noise it corrects for (clip {clip:g}, "
+    "sigma/C {nm:.4g}) leaves it too few accepted moves. The answer is the private start, a Laplace approximation "
+    "that is not checked against the posterior (the budget is spent either way; Fit.results holds both). More epsilon, "
+    "secure_aggregation= (the noise shared among clients), more rows per client, or a smaller dp_noise clip help the "
+    "sampler")
 
 
 class PrivateFit(NamedTuple):
     """How :func:`numpyro_fed.fit` spends a ``dp_noise`` budget (see :mod:`numpyro_fed.dp.private_fit`).
 
     Args:
-        start_clip: the clip of each client's update in the private start (the L2 norm of its
-            change in ``q``'s canonical natural parameters; Heikkilä et al. (2023) §4.2). Choose it
-            near the typical norm of a client's change: below it every update is shrunk towards
-            the prior, above it the noise swamps the signal.
+        start_clip: the clip of each row's ``(gradient, Hessian upper triangle)`` vector in the
+            private start (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`). Choose it above the
+            typical row's norm (a clip that binds shrinks the start towards the prior, and the
+            start's check says so); the noise grows with it.
         start_share: the share of epsilon the start spends (the sampler spends the rest).
-        start_rounds: synchronous rounds of the start (one release per client each).
-        start_local_steps: optimiser steps of each client's local fit in the start (free: only the
-            clipped, noised change leaves the client).
-        start_family: the start's Gaussian, ``"full"`` or ``"diagonal"``; ``"auto"``: full without
-            local latents, diagonal with them (the local fit is then one Gaussian over the global
-            and every local latent of the client, whose full covariance grows as the square of its
-            rows; only the start's covariance, the sampler's proposal, is mean-field).
+        start_rounds: Newton rounds of the start (one release per client each).
     """
 
     start_clip: float
     start_share: float = 0.25
-    start_rounds: int = 3
-    start_local_steps: int = 500
-    start_family: str = "auto"
+    start_rounds: int = 5
 
     def checked(self) -> "PrivateFit":
         if not (np.isfinite(self.start_clip) and self.start_clip > 0):
@@ -83,9 +84,6 @@ class PrivateFit(NamedTuple):
         if not 0 < self.start_share < 1:
             raise ValueError(f"PrivateFit(start_share={self.start_share!r}): must lie in (0, 1)")
         check_positive_int("start_rounds", self.start_rounds)
-        check_positive_int("start_local_steps", self.start_local_steps)
-        if self.start_family not in ("auto", "full", "diagonal"):
-            raise ValueError(f"PrivateFit(start_family={self.start_family!r}): choose 'auto', 'full' or 'diagonal'")
         return self
 
 
@@ -119,14 +117,6 @@ def _spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Optional[
     return spec
 
 
-def _has_locals(model, clients, model_kwargs) -> bool:
-    from .._structure import is_latent
-    from ..handlers import LOCAL, site_role
-
-    tr = trace_model(model, clients[clients.names[0]], model_kwargs)
-    return any(is_latent(s) and site_role(s) == LOCAL for s in tr.values())
-
-
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
                 num_warmup: Optional[int], num_chains: Optional[int], model_kwargs: Optional[dict],
                 row_plate: Optional[str], client_mapping: str, progress_bar: Optional[bool],
@@ -135,11 +125,10 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     :class:`~numpyro_fed.fit_result.Fit` whose :meth:`~numpyro_fed.fit_result.Fit.privacy_report`
     covers both stages."""
     from ..backends.base import NetworkBackend
-    from ..factor import PVI
+    from .dp_laplace import DPLaplace
     from ..fit_result import Fit
     from ..ladder import MWG_WARMUP, _bytes, _mcmc_check
     from ..mcmc import DPMetropolis
-    from .plan import client_events
 
     plan = PrivateFit(*plan).checked()
     model_kwargs = dict(model_kwargs or {})
@@ -157,18 +146,11 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     common = dict(model_kwargs=model_kwargs, row_plate=row_plate)
 
     start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * plan.start_share)
-    family = plan.start_family
-    if family == "auto":
-        family = "diagonal" if _has_locals(model, clients, model_kwargs) else "full"
-    start = PVI(with_spec(model, start_spec), dp="update_perturbation", schedule="synchronous", family=family,
-                local_steps=plan.start_local_steps, secure_aggregation=secure, client_mapping=client_mapping,
-                **common)
+    start = DPLaplace(with_spec(model, start_spec), num_steps=plan.start_rounds, secure_aggregation=secure, **common)
     chains = 2 if num_chains is None else int(num_chains)
     warmup = MWG_WARMUP if num_warmup is None else int(num_warmup)
     releases = (warmup + int(num_samples)) * chains
-    start.dp_plan.rounds = plan.start_rounds  # calibrated for the planned rounds (as its run would)
-    start.dp_plan.plan(clients)
-    nm_start = start.dp_plan.privacy.noise_multiplier
+    nm_start = calibrate_noise_multiplier(start_spec.epsilon, spec.delta, plan.start_rounds)  # as the start does
     start_events = [(nm_start, plan.start_rounds, 1.0)]
     nm = calibrate_after(start_events, spec.epsilon, spec.delta, releases)
     if ledger is not None:  # the whole fit, both stages, refused before anything is sent
@@ -176,11 +158,10 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     log: List[str] = []
     if progress_bar is not None:
         start.progress_bar = bool(progress_bar)
-    first = start.run(jax.random.fold_in(rng_key, 0), clients, plan.start_rounds, ledger=ledger, **run_options)
+    first = start.run(jax.random.fold_in(rng_key, 0), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
-    cov = np.diag(cov) if cov.ndim == 1 else cov  # a diagonal start's variances
-    log.append(f"private start: {plan.start_rounds} rounds of PVI with update perturbation (clip {plan.start_clip:g}, "
-               f"sigma/C {nm_start:.4g}, {plan.start_share:.0%} of epsilon {spec.epsilon:g})")
+    log.append(f"private start: {plan.start_rounds} Newton rounds of DPLaplace (clip {plan.start_clip:g}, sigma/C "
+               f"{nm_start:.4g}, {plan.start_share:.0%} of epsilon {spec.epsilon:g}); verdict {first.verdict.status}")
     sampler_spec = DPSpec(spec.clip, spec.delta, noise_multiplier=nm)
     sampler = DPMetropolis(with_spec(model, sampler_spec), num_warmup=warmup, num_samples=int(num_samples),
                            num_chains=chains, init=(mean, cov), secure_aggregation=secure,
@@ -194,11 +175,17 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     check = _mcmc_check(result)
     log.append(f"dp_metropolis: {int(result.communication.rounds)} rounds from the start (clip {spec.clip:g}, "
                f"sigma/C {nm:.4g}); verdict {result.verdict.status}")
-    started = client_events(start.dp_plan.privacy, names, first)
+    started = start.dp_plan.events(names, first)
     sampled = sampler.dp_plan.events(names, result)
-    label = (f"private start (update perturbation, {plan.start_rounds} rounds) + DPMetropolis"
+    label = (f"private start (DPLaplace, {plan.start_rounds} rounds) + DPMetropolis"
              + (f", {secure} aggregation" if secure else ""))
     privacy = report([ClientPrivacy(n, label, epsilon_composed(started[n] + sampled[n], spec.delta), spec.delta, nm,
                                     sum(e[1] for e in started[n] + sampled[n]), 1.0) for n in names])
+    if result.verdict.status == "unreliable":  # the chains did not mix: the start is the better answer
+        warnings.warn(_UNMIXED.format(why=result.verdict.why, clip=spec.clip, nm=nm), UnreliableFitWarning,
+                      stacklevel=find_stack_level())
+        log.append("the answer: the private start (the sampler's chains did not mix)")
+        return Fit("dp_laplace", start, first, rounds, traffic, None, log, num_samples=int(num_samples),
+                   clients=clients, results=[first, result], privacy=privacy)
     return Fit("dp_metropolis", sampler, result, rounds, traffic, check, log, num_samples=int(num_samples),
                clients=clients, results=[first, result], privacy=privacy)

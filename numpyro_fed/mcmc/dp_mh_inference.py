@@ -69,6 +69,19 @@ _CLIPPED = (
 )
 
 
+def marked_row_plate(row_plate: Optional[str], tr, num_rows: int) -> Optional[str]:
+    """The plate that indexes rows: ``row_plate`` when given, else the one plate of the client's
+    row count that every ``dp_noise``-marked site sits in (clients of equal size are not padded,
+    so the clients' layout does not find it)."""
+    if row_plate is not None:
+        return row_plate
+    marked = [s for s in tr.values() if s["type"] == "sample" and "dp" in (s.get("infer") or {})]
+    if not marked:
+        return None
+    plates = set.intersection(*({f.name for f in s["cond_indep_stack"] if f.size == num_rows} for s in marked))
+    return next(iter(plates)) if len(plates) == 1 else None
+
+
 def row_locals(local, num_rows: int, padded_rows: int) -> RowLocals:
     """The row of each entry of a client's flat locals (every local site has a row axis)."""
     del num_rows
@@ -216,16 +229,6 @@ class DPMetropolis(FederatedInference):
             num_rounds = total if options.get("availability") is None else 20 * total
         return num_rounds
 
-    def _row_plate(self, tr, num_rows: int) -> Optional[str]:
-        """The plate that indexes rows: ``row_plate=``, else the one plate of the client's row count
-        that every marked observed site sits in (clients of equal size are not padded, so the
-        layout does not find it)."""
-        if self.row_plate is not None:
-            return self.row_plate
-        marked = [s for s in tr.values() if s["type"] == "sample" and "dp" in (s.get("infer") or {})]
-        plates = set.intersection(*({f.name for f in s["cond_indep_stack"] if f.size == num_rows} for s in marked))
-        return next(iter(plates)) if len(plates) == 1 else None
-
     def _build(self, clients) -> Setup:
         first = clients.names[0]
         tr = trace_model(self.model, clients[first], self.model_kwargs)
@@ -237,7 +240,7 @@ class DPMetropolis(FederatedInference):
         spec = next(iter(specs.values()))
 
         plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPMetropolis", client_mapping="vmap",
-                                  row_plate=self._row_plate(tr, clients.num_rows[first]) if specs else None,
+                                  row_plate=marked_row_plate(self.row_plate, tr, clients.num_rows[first]),
                                   prior_factor="none", offers_dp=True)
         local = extra.terms.local if extra.terms.num_local else None
         if local is not None and any(axis is None for axis in local.row_axes):
@@ -359,8 +362,9 @@ class _SamplerPrivacy:
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         spec, nm = self.sampler.privacy
-        label = "DPMetropolis (clipped log-likelihood ratios, penalty-corrected" + (
-            f", summed by {self.sampler.secure_aggregation} aggregation)" if self.sampler.secure_aggregation else ")")
+        label = getattr(self.sampler, "privacy_label", "DPMetropolis (clipped log-likelihood ratios, penalty-corrected)")
+        if self.sampler.secure_aggregation:
+            label += f", summed by {self.sampler.secure_aggregation} aggregation"
         events = self.events(names, result)
         return report([ClientPrivacy(name, label, epsilon_composed(events[name], spec.delta), spec.delta, nm,
                                      sum(e[1] for e in events[name]), 1.0) for name in names])

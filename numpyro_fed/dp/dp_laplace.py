@@ -1,0 +1,354 @@
+"""``DPLaplace``: a differentially private Laplace approximation of the global sites, by noised
+Newton steps on clipped per-row terms.
+
+Each round the server sends the point ``u`` (flat, unconstrained global sites). Every client
+computes, on each of its rows ``i``, the row's term ``l_i(u)`` and its gradient ``g_i`` and Hessian
+``h_i`` in ``u``; it clips the vector ``z_i = (g_i, upper triangle of h_i)`` to L2 norm ``C`` and
+releases ``sum_i clip_C(z_i) + sigma xi`` (``xi`` standard normal from its own key): a Gaussian
+mechanism of sensitivity ``2C`` under the substitution of one row, noise multiplier ``sigma / C``.
+The server adds the prior's gradient and Hessian and takes a Newton step (the Hessian made
+positive definite, the step kept within :data:`TRUST` posterior sds). After the last round the
+approximation is ``N(u, (-H)^-1)``.
+
+The noise does not grow with the rows while the sums do: with ``n`` rows a Newton step's error is
+about ``sigma / n`` of the per-row information, so many rows per client make the start accurate at
+a small epsilon (unlike update perturbation of the whole client's change, whose signal is the
+clip itself).
+
+**Local latents that belong to rows** (a patient's random effect): the row's term is its Laplace
+marginal ``l_i(u) = log p(y_i, v_i* | u) - 1/2 log det(-H_vv,i)`` with ``v_i*`` the row's own mode,
+found on the client by Newton steps on the row's block (warm-started from the last round; never
+sent). Its derivatives in ``u`` go through one Newton step from ``v_i*``, which at the mode has the
+implicit derivative ``-H_vv^-1 H_vu``. A row's term depends only on that row's data and the public
+``u``, so clipping it bounds the row's share of the release.
+
+Clipping changes the terms it binds on: each client counts the rows whose ``z_i`` was clipped
+(never sent); the check reports them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import Callable, Dict, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from .._structure import trace_model
+from .._trace import prior_median
+from .._validation import check_positive_int
+from ..backends.mapping import client_data
+from ..check import Verdict, register_check
+from ..inference import FederatedInference, Setup, fitted
+from ..model_terms import TermsSetup, build_terms, site_supports
+from ..params import GaussianParams
+from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
+from ..secure import check_aggregation
+from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
+from .accounting import calibrate_noise_multiplier
+from .annotation import dp_sites
+
+__all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
+
+TRUST = 20.0
+"""A Newton step moves ``u`` by at most this many sds of the current (noised) curvature."""
+INNER_STEPS = 20
+"""Newton steps on each row's local latents per round (warm-started from the last round's mode)."""
+
+_LOCALS = (
+    "DPLaplace clips each row's term, and local site(s) {names} are not in the row plate: a latent shared by "
+    "several rows makes their terms one term, which no per-row clip bounds. Local latents that belong to rows "
+    "(inside the row plate) are supported"
+)
+_UNEVEN = ("DPLaplace: the rows hold different numbers of local entries ({counts}); every row's local latents must "
+           "have the same shape")
+_CLIPPED = (
+    "DPLaplace: client(s) {clients} clipped {rows} row term(s) in the last round (|(gradient, Hessian)| > clip = "
+    "{clip:g}): the approximation is then of the clipped terms, shrunk towards the prior. Raise dp_noise's clip "
+    "(more noise for the same epsilon)"
+)
+
+
+class DPLaplaceConfig(NamedTuple):
+    num_steps: int
+    clip: float
+    sigma: float  # each client's noise sd (/ sqrt(J) under secure aggregation)
+    secure: Optional[str] = None
+
+
+class DPLaplaceServer(NamedTuple):
+    u: jax.Array
+    precision: jax.Array  # (d, d) -(H) made positive definite, at the last point evaluated
+    step: jax.Array
+
+
+class DPLaplaceClient(NamedTuple):
+    releases: jax.Array
+    clipped: jax.Array  # rows clipped in the last round (never sent)
+    v: jax.Array = None  # its rows' local modes (never sent)
+
+
+def _upper(d: int):
+    return np.triu_indices(d)
+
+
+def _row_blocks(f_sum: Callable, v, index, k: int):
+    """The rows' ``k x k`` Hessian blocks of ``f_sum`` in ``v`` (block diagonal by rows): ``k``
+    Hessian-vector products with one slot of every row set."""
+    cols = []
+    for s in range(k):
+        e = jnp.zeros_like(v).at[index[:, s]].set(1.0)
+        hv = jax.jvp(jax.grad(f_sum), (v,), (e,))[1]
+        cols.append(hv[index])  # (rows, k): column s of every block
+    return jnp.stack(cols, axis=-1)
+
+
+def _row_newton(row_joint, u, v, data, index, k: int, mask):
+    """One Newton step on every row's local block (each row's step at most 1 in norm)."""
+    f_sum = lambda x: jnp.sum(row_joint(u, x, data))  # noqa: E731
+    g = jax.grad(f_sum)(v)[index]  # (rows, k)
+    h = _row_blocks(f_sum, v, index, k)
+    h = jnp.where(mask[:, None, None] > 0, h, -jnp.eye(k, dtype=v.dtype))
+    step = jnp.linalg.solve(h, g[..., None])[..., 0]
+    norm = jnp.linalg.norm(step, axis=-1, keepdims=True)
+    step = jnp.where(norm > 1.0, step / norm, step) * (mask[:, None] > 0)
+    return v.at[index].add(-step), h
+
+
+def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start, *, config: DPLaplaceConfig,
+               locals_index=None) -> FederatedAlgorithm:
+    """Build the pure functions (see the module docstring).
+
+    Args:
+        log_prior: ``u -> log p(u)`` (Jacobians included), evaluated by the server.
+        row_term: ``(u, data) -> (rows,)`` each row's log-likelihood; with ``locals_index``
+            ``(u, v, data) -> (rows,)`` each row's joint term with its local latents ``v``.
+        num_clients: J.
+        start: ``(d,)`` the first point (public).
+        config: :class:`DPLaplaceConfig`.
+        locals_index: ``(rows, k)`` the entries of ``v`` of each row (``None``: no local latents).
+    """
+    start = jnp.asarray(start)
+    d, dtype = start.shape[0], start.dtype
+    rows_u, cols_u = _upper(d)
+
+    def terms(u, v, data):
+        """``(rows,)`` each row's term at ``u`` (the local modes ``v`` held fixed)."""
+        if locals_index is None:
+            return row_term(u, data)
+        index = jnp.asarray(locals_index)
+        k = index.shape[1]
+        mask = data.row_mask
+
+        def marginal(u_):
+            v1, h = _row_newton(row_term, u_, v, data, index, k, mask)  # at the mode: the implicit derivative
+            _, logdet = jnp.linalg.slogdet(-h)
+            return jnp.where(mask > 0, row_term(u_, v1, data) - 0.5 * logdet, 0.0)
+
+        return marginal(u)
+
+    def client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data):
+        u = broadcast.shared["u"]
+        v = state.v
+        if locals_index is not None:
+            index = jnp.asarray(locals_index)
+
+            def inner(x, _):
+                return jax.lax.stop_gradient(_row_newton(row_term, u, x, data, index, index.shape[1],
+                                                         data.row_mask)[0]), None
+
+            v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
+        g = jax.jacfwd(lambda x: terms(x, v, data))(u)  # (rows, d)
+        h = jax.jacfwd(jax.jacfwd(lambda x: terms(x, v, data)))(u)  # (rows, d, d)
+        z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
+        z = jnp.where(jnp.isfinite(z), z, 0.0) * (data.row_mask[:, None] > 0)
+        norm = jnp.linalg.norm(z, axis=1)
+        clipped = norm > config.clip
+        z = z * jnp.minimum(1.0, config.clip / jnp.maximum(norm, 1e-30))[:, None]
+        released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], dtype)
+        new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (data.row_mask > 0)).astype(jnp.int32), v)
+        return new, {"z": released}
+
+    def init_server(rng_key):
+        del rng_key
+        eye = jnp.eye(d, dtype=dtype)
+        s = DPLaplaceServer(start, eye, jnp.zeros((), jnp.int32))
+        return s, Broadcast({"u": start})
+
+    def init_client(rng_key, data):
+        del rng_key
+        zero = jnp.zeros((), jnp.int32)
+        if locals_index is None:
+            return DPLaplaceClient(zero, zero)
+        n = int(np.max(np.asarray(locals_index))) + 1
+        return DPLaplaceClient(zero, zero, jnp.zeros(n, dtype))
+
+    def server_step(rng_key, state: DPLaplaceServer, messages, view):
+        del rng_key
+        z = messages["z"] if config.secure else jnp.sum(messages["z"], axis=0)
+        complete = jnp.all(view.answered)
+        u = state.u
+        g = z[:d] + jax.grad(log_prior)(u)
+        upper = jnp.zeros((d, d), dtype).at[rows_u, cols_u].set(z[d:])
+        h = upper + jnp.triu(upper, 1).T + jax.hessian(log_prior)(u)
+        w, vec = jnp.linalg.eigh(-(h + h.T) / 2)
+        w = jnp.maximum(w, jnp.maximum(jnp.max(w), 1.0) * 1e-6)  # positive definite
+        step = vec @ ((vec.T @ g) / w)
+        size = jnp.sqrt(jnp.sum(w * (vec.T @ step) ** 2))  # in sds of the curvature
+        step = jnp.where(size > TRUST, step * TRUST / size, step)
+        ok = complete & jnp.all(jnp.isfinite(step))
+        new = DPLaplaceServer(jnp.where(ok, u + step, u), jnp.where(ok, (vec * w) @ vec.T, state.precision),
+                              state.step + ok.astype(jnp.int32))
+        return new, Broadcast({"u": new.u}), {"moved": size, "complete": complete}
+
+    return FederatedAlgorithm(
+        init_server, init_client, all_clients(num_clients), (Exchange(
+            client_step, server_step, "dp_laplace", ("z",) if config.secure else (), config.secure or "trusted"),),
+        monitor=lambda info: info["moved"], monitor_name="step (sds)", name="dp_laplace",
+        done=lambda s: s.step >= config.num_steps,
+        describe=lambda s: f"Newton step {int(s.step)} of {config.num_steps}",
+    )
+
+
+class DPLaplace(FederatedInference):
+    """A differentially private Laplace approximation of the global sites: ``num_steps`` Newton
+    rounds on each client's clipped, noised sums of its rows' gradients and Hessians (see
+    :mod:`numpyro_fed.dp.dp_laplace`). :func:`numpyro_fed.fit` uses it as the private start of
+    ``dp=``.
+
+    Privacy: the model's ``dp_noise``: ``clip`` bounds each row's ``(gradient, Hessian upper
+    triangle)`` vector in L2 norm; ``epsilon`` (calibrated with ``dp-accounting`` for ``num_steps``
+    releases per client, substitution of one row) or ``noise_multiplier``. With
+    ``secure_aggregation`` the server sees only the sum and each client adds ``1 / sqrt(J)`` of the
+    noise. Local latents that belong to rows stay on their client (their modes found there).
+
+    Args:
+        model: a ``dp_noise``-marked NumPyro model (observed sites, and local latent sites if any,
+            in the row plate).
+        num_steps: Newton rounds (one release per client each).
+        init: the first point, flat unconstrained (default: the prior's median; public).
+        row_plate: the plate that indexes rows (default: the one plate of the row count that every
+            marked site is in).
+        model_kwargs: keyword arguments of every model call.
+        secure_aggregation: ``None``, ``"trusted"`` or ``"masking"`` (:mod:`numpyro_fed.secure`).
+    """
+
+    method = "dp_laplace"
+    setup_extra = TermsSetup
+    params_type = GaussianParams
+    family_run_options = ("ledger",)
+
+    def __init__(self, model: Callable, *, num_steps: int = 5, init=None, row_plate: Optional[str] = None,
+                 model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
+        from ..mcmc.dp_mh_inference import _SamplerPrivacy
+
+        super().__init__()
+        self.model, self.row_plate = model, row_plate
+        self.model_kwargs = dict(model_kwargs or {})
+        self.num_steps = check_positive_int("num_steps", num_steps)
+        self.init = init
+        self.secure_aggregation = check_aggregation(secure_aggregation, "DPLaplace")
+        self.num_chains = 1
+        self.privacy = None
+        self.privacy_label = "DPLaplace (clipped per-row gradients and Hessians, Newton steps)"
+        self.dp_plan = _SamplerPrivacy(self)
+
+    @property
+    def releases_per_client(self) -> int:
+        return self.num_steps
+
+    def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
+        if num_rounds is None:
+            return self.num_steps if options.get("availability") is None else 20 * self.num_steps
+        return num_rounds
+
+    def _build(self, clients) -> Setup:
+        from ..mcmc.dp_mh_inference import _NO_DP, marked_row_plate, row_locals, row_log_lik_fn
+
+        first = clients.names[0]
+        tr = trace_model(self.model, clients[first], self.model_kwargs)
+        specs = dp_sites(tr)
+        if not specs:
+            raise ValueError(_NO_DP.replace("DPMetropolis", "DPLaplace").replace(
+                "log-likelihood ratio between two points the chain compares", "(gradient, Hessian) vector"))
+        if len(set(specs.values())) > 1:
+            raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; mark them with one")
+        spec = next(iter(specs.values()))
+        row_plate = marked_row_plate(self.row_plate, tr, clients.num_rows[first])
+        plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPLaplace", client_mapping="vmap",
+                                  row_plate=row_plate, prior_factor="none", offers_dp=True)
+        local = extra.terms.local if extra.terms.num_local else None
+        if local is not None and any(axis is None for axis in local.row_axes):
+            raise ValueError(_LOCALS.format(names=[n for n, a in zip(local.names, local.row_axes) if a is None]))
+        for name in clients.names:
+            spec.check_rows(clients.num_rows[name], name)
+        row_plate = plan.row_plate or extra.structure.row_plate or row_plate
+        if row_plate is None:
+            raise ValueError("DPLaplace: name the plate that indexes rows (row_plate=...)")
+        nm = (calibrate_noise_multiplier(spec.epsilon, spec.delta, self.num_steps) if spec.epsilon is not None
+              else float(spec.noise_multiplier))
+        self.privacy = (spec, nm)
+        layout = extra.structure.global_latent
+        setup = Setup(clients, None, plan, extra, {})
+        supports = site_supports(self.model, self.model_kwargs, setup, client_data(plan, 0).args)
+        row_term = row_log_lik_fn(self.model, self.model_kwargs, layout, supports, row_plate, local)
+        index = None
+        if local is not None:
+            padded = client_data(plan, 0).row_mask.shape[0]
+            row_of = np.asarray(row_locals(local, padded, padded).row_of)
+            counts = np.bincount(row_of, minlength=padded)
+            if len(set(counts.tolist())) != 1:
+                raise ValueError(_UNEVEN.format(counts=sorted(set(counts.tolist()))))
+            index = np.stack([np.flatnonzero(row_of == i) for i in range(padded)])
+        start = (jnp.asarray(self.init, jnp.float32) if self.init is not None else
+                 jnp.asarray(prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, layout,
+                                          exact=True), jnp.float32))
+        share = np.sqrt(len(clients)) if self.secure_aggregation else 1.0
+        config = DPLaplaceConfig(self.num_steps, float(spec.clip), float(nm * spec.clip / share),
+                                 self.secure_aggregation)
+        algorithm = dp_laplace(extra.terms.log_prior, row_term, len(clients), start, config=config,
+                               locals_index=index)
+        return setup._replace(algorithm=algorithm)
+
+    def _params(self, setup, state) -> GaussianParams:
+        s = state.server
+        return GaussianParams(s.u, jnp.linalg.inv(s.precision))
+
+    def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
+                         client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
+        """Draws of ``N(mean, cov)``, constrained (the global sites only; ``corrected``: no importance
+        correction exists under DP, it would cost privacy)."""
+        if corrected:
+            raise ValueError("DPLaplace: no importance-corrected draws (the correction's terms would cost privacy)")
+        from ..model_terms import user_space
+
+        if client is not None:
+            raise ValueError("DPLaplace: a client's local latents stay on it (their modes are never sent)")
+        mean, cov = result.params.mean, result.params.cov
+        n = 1000 if num_samples is None else int(num_samples)
+        draws = random.multivariate_normal(rng_key, mean, cov, (n,))
+        return user_space(self.model, self.model_kwargs, fitted(self), draws)
+
+
+@register_check(DPLaplace)
+def dp_laplace_check(inference: DPLaplace, result: RunResult) -> Verdict:
+    """No check against the posterior (it would cost privacy); the clients' own counts of clipped
+    rows in the last round (read where the simulation holds the clients' states): ``"biased"``
+    where a clip bound, ``"unchecked"`` otherwise."""
+    names = list(fitted(inference).plan.names)
+    try:
+        clipped = {n: int(result.client_states[n].clipped) for n in names}
+    except (AttributeError, KeyError, TypeError):
+        warnings.warn("DPLaplace: each client's count of clipped rows stays on its node over a network backend",
+                      UncheckedFitWarning, stacklevel=find_stack_level())
+        return Verdict("unchecked", "none", "a private fit is not checked against the posterior")
+    bad = [n for n, c in clipped.items() if c > 0]
+    if bad:
+        spec = inference.privacy[0]
+        warnings.warn(_CLIPPED.format(clients=bad, rows=sum(clipped.values()), clip=spec.clip), UnreliableFitWarning,
+                      stacklevel=find_stack_level())
+        return Verdict("biased", "none", f"{sum(clipped.values())} row terms were clipped in the last round")
+    return Verdict("unchecked", "none", "a private fit is not checked against the posterior (no clip bound)")
