@@ -190,7 +190,9 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             differential privacy, its budget spent on a private start (PVI with update
             perturbation) and the exact DP sampler from it (:class:`~numpyro_fed.mcmc.DPMetropolis`),
             every client's releases composed (:mod:`numpyro_fed.dp.private_fit`;
-            :meth:`Fit.privacy_report`). A ``dp_noise``-marked model without ``dp=`` is refused.
+            :meth:`Fit.privacy_report`; ``ledger=`` a :class:`~numpyro_fed.dp.PrivacyLedger` refuses the
+            fit before it starts where it would take a client past its budget, and is charged both
+            stages). A ``dp_noise``-marked model without ``dp=`` is refused.
         **options: a rung's own options (:func:`rung_options`: e.g. ``target_accept_prob``,
             ``max_tree_depth``, ``step_size`` for federated NUTS; ``inner_steps``, ``local_blocks``
             for the Laplace search and Metropolis-within-Gibbs; ``tol`` for the Laplace search),
@@ -219,6 +221,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         >>> result.method, result.check.verdict
         ('laplace', 'ok')
     """
+    ledger = options.pop("ledger", None)  # a private fit's run option (nf.dp.PrivacyLedger)
     rung_options, run_options = split_options(options)
     from .dp.private_fit import _spec, private_fit
 
@@ -229,7 +232,10 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         return private_fit(model, clients, rng_key, dp, num_samples=num_samples, num_warmup=num_warmup,
                            num_chains=num_chains, model_kwargs=model_kwargs, row_plate=row_plate,
                            client_mapping=client_mapping, progress_bar=progress_bar, rung_options=rung_options,
-                           run_options=run_options)
+                           run_options=dict(run_options, ledger=ledger))
+    if ledger is not None:
+        raise ValueError("nf.fit(ledger=...) accounts a differentially private fit: mark the model with dp_noise and "
+                         "pass dp=nf.dp.PrivateFit(...)")
     ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
                     model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
                     progress_bar=progress_bar, max_rounds=max_rounds, **rung_options)
