@@ -14,11 +14,11 @@ Posteriors (each with a random effect per row, local to the client holding the r
 Methods, each spending the whole epsilon:
 
 - ``nf.fit(dp)``: ``nf.fit(model, clients, key, dp=nf.dp.PrivateFit(start_clip=3))``: a quarter of
-  epsilon on 5 Newton rounds of ``DPLaplace`` (each row's gradient and Hessian clipped to 3), the
+  epsilon on 8 Newton rounds of ``DPLaplace`` (each row's gradient and Hessian clipped to 3), the
   rest on ``DPMetropolis`` from it (2 chains of 200 warmup and 500 kept iterations), its ratio clip
   set from public quantities so that the corrected noise is ``V = sigma^2 = 2``; where its chains do
   not mix the answer is the start (``method`` says which);
-- ``DPLaplace``: the start alone, at the whole epsilon (5 rounds, clip 3);
+- ``DPLaplace``: the start alone, at the whole epsilon (8 rounds, clip 3);
 - ``DP-PVI``: ``nf.PVI(dp="update_perturbation", secure_aggregation="masking")`` (Heikkilä et al.
   (2023) §4.2, the trusted-aggregator form, mean-field over the global and local sites), 3
   synchronous rounds of 500 local steps, with the **best clip of {30, 300, 3000} chosen against

@@ -6,9 +6,9 @@ computes, on each of its rows ``i``, the row's term ``l_i(u)`` and its gradient 
 ``h_i`` in ``u``; it clips the vector ``z_i = (g_i, upper triangle of h_i)`` to L2 norm ``C`` and
 releases ``sum_i clip_C(z_i) + sigma xi`` (``xi`` standard normal from its own key): a Gaussian
 mechanism of sensitivity ``2C`` under the substitution of one row, noise multiplier ``sigma / C``.
-The server adds the prior's gradient and Hessian and takes a Newton step (the Hessian made
-positive definite, the step kept within :data:`TRUST` posterior sds). After the last round the
-approximation is ``N(u, (-H)^-1)``.
+The server adds the prior's gradient and Hessian and takes a saddle-free Newton step (the
+Hessian's eigenvalues by their absolute values, at least the prior's least curvature; the step at
+most :data:`TRUST` long). After the last round the approximation is ``N(u, (-H)^-1)``.
 
 The noise does not grow with the rows while the sums do: with ``n`` rows a Newton step's error is
 about ``sigma / n`` of the per-row information, so many rows per client make the start accurate at
@@ -53,8 +53,8 @@ from .annotation import dp_sites
 
 __all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
 
-TRUST = 20.0
-"""A Newton step moves ``u`` by at most this many sds of the current (noised) curvature."""
+TRUST = 2.0
+"""A Newton step moves ``u`` by at most this far (Euclidean, unconstrained space)."""
 INNER_STEPS = 20
 """Newton steps on each row's local latents per round (warm-started from the last round's mode)."""
 
@@ -134,6 +134,9 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     start = jnp.asarray(start)
     d, dtype = start.shape[0], start.dtype
     rows_u, cols_u = _upper(d)
+    # the smallest curvature a step trusts: the prior's least, at the start (at most 1)
+    prior_floor = jnp.minimum(jnp.min(jnp.abs(jnp.linalg.eigvalsh(-jax.hessian(log_prior)(start)))), 1.0)
+    prior_floor = jnp.maximum(prior_floor, 1e-4)
 
     def terms(u, v, data):
         """``(rows,)`` each row's term at ``u`` (the local modes ``v`` held fixed)."""
@@ -144,7 +147,10 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
         mask = data.row_mask
 
         def marginal(u_):
-            v1, h = _row_newton(row_term, u_, v, data, index, k, mask)  # at the mode: the implicit derivative
+            v1, _ = _row_newton(row_term, u_, v, data, index, k, mask)  # at the mode: the implicit derivative
+            # the curvature at (u_, v1(u_)): its log-determinant moves with the mode as well
+            h = _row_blocks(lambda x: jnp.sum(row_term(u_, x, data)), v1, index, k)
+            h = jnp.where(mask[:, None, None] > 0, h, -jnp.eye(k, dtype=h.dtype))
             _, logdet = jnp.linalg.slogdet(-h)
             return jnp.where(mask > 0, row_term(u_, v1, data) - 0.5 * logdet, 0.0)
 
@@ -195,9 +201,11 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
         upper = jnp.zeros((d, d), dtype).at[rows_u, cols_u].set(z[d:])
         h = upper + jnp.triu(upper, 1).T + jax.hessian(log_prior)(u)
         w, vec = jnp.linalg.eigh(-(h + h.T) / 2)
-        w = jnp.maximum(w, jnp.maximum(jnp.max(w), 1.0) * 1e-6)  # positive definite
+        # saddle-free Newton (Dauphin et al. 2014): |curvature|, so a direction where the noised or
+        # far-from-the-mode Hessian is not concave still goes uphill; floored at the prior's
+        w = jnp.maximum(jnp.abs(w), prior_floor)
         step = vec @ ((vec.T @ g) / w)
-        size = jnp.sqrt(jnp.sum(w * (vec.T @ step) ** 2))  # in sds of the curvature
+        size = jnp.linalg.norm(step)  # in the unconstrained space
         step = jnp.where(size > TRUST, step * TRUST / size, step)
         ok = complete & jnp.all(jnp.isfinite(step))
         new = DPLaplaceServer(jnp.where(ok, u + step, u), jnp.where(ok, (vec * w) @ vec.T, state.precision),
@@ -241,7 +249,7 @@ class DPLaplace(FederatedInference):
     params_type = GaussianParams
     family_run_options = ("ledger",)
 
-    def __init__(self, model: Callable, *, num_steps: int = 5, init=None, row_plate: Optional[str] = None,
+    def __init__(self, model: Callable, *, num_steps: int = 8, init=None, row_plate: Optional[str] = None,
                  model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
         from ..mcmc.dp_mh_inference import _SamplerPrivacy
 

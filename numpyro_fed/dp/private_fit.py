@@ -76,7 +76,7 @@ class PrivateFit(NamedTuple):
 
     start_clip: float
     start_share: float = 0.25
-    start_rounds: int = 5
+    start_rounds: int = 8
 
     def checked(self) -> "PrivateFit":
         if not (np.isfinite(self.start_clip) and self.start_clip > 0):
