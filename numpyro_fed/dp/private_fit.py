@@ -14,8 +14,8 @@ each client's releases composed with ``dp-accounting``:
    acceptance for it: Yildirim & Ermis (2019), "Exact MCMC with differentially private moves",
    Statistics and Computing 29).
 
-Where the sampler's chains do not mix (the noise leaves it too few accepted moves), the answer is
-the start, with a warning that says so. With ``secure_aggregation=`` both stages' releases are summed before the server (pairwise masking
+Where the sampler's verdict is not ``"ok"`` (its chains did not mix, or a clip bound, so that they
+sampled another posterior), the answer is the start, with a warning that says so. With ``secure_aggregation=`` both stages' releases are summed before the server (pairwise masking
 or a trusted aggregator) and each client adds its share of the noise. The answer is the sampler's,
 with its own check: a clip that bound (the chains then target the posterior of clipped ratios)
 is ``"biased"`` and warns naming the clients; chains that did not mix warn.
@@ -54,12 +54,12 @@ _NEEDS_EPSILON = (
 )
 _OPTIONS = "nf.fit(dp=...) runs a private start and DPMetropolis; it takes no {names} (its own: {own})"
 _OWN = ("secure_aggregation", "local_steps")
-_UNMIXED = (
-    "nf.fit(dp=...): the exact DP sampler's chains did not mix ({why}): the noise it corrects for (clip {clip:g}, "
-    "sigma/C {nm:.4g}) leaves it too few accepted moves. The answer is the private start, a Laplace approximation "
-    "that is not checked against the posterior (the budget is spent either way; Fit.results holds both). More epsilon, "
-    "secure_aggregation= (the noise shared among clients), more rows per client, or a smaller dp_noise clip help the "
-    "sampler")
+_NOT_OK = (
+    "nf.fit(dp=...): the exact DP sampler's verdict is {status!r} ({why}): with clip {clip:g} and sigma/C {nm:.4g} its "
+    "chains either did not mix (the noise it corrects for leaves too few accepted moves) or sampled the posterior of "
+    "clipped ratios. The answer is the private start, a Laplace approximation that is not checked against the "
+    "posterior (the budget is spent either way; Fit.results holds both runs). More epsilon, secure_aggregation= (the "
+    "noise shared among clients) or more rows per client help the sampler")
 
 
 class PrivateFit(NamedTuple):
@@ -181,10 +181,10 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
              + (f", {secure} aggregation" if secure else ""))
     privacy = report([ClientPrivacy(n, label, epsilon_composed(started[n] + sampled[n], spec.delta), spec.delta, nm,
                                     sum(e[1] for e in started[n] + sampled[n]), 1.0) for n in names])
-    if result.verdict.status == "unreliable":  # the chains did not mix: the start is the better answer
-        warnings.warn(_UNMIXED.format(why=result.verdict.why, clip=spec.clip, nm=nm), UnreliableFitWarning,
-                      stacklevel=find_stack_level())
-        log.append("the answer: the private start (the sampler's chains did not mix)")
+    if result.verdict.status != "ok":  # not mixed, or its clip bound (another target): the start answers
+        warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=spec.clip, nm=nm),
+                      UnreliableFitWarning, stacklevel=find_stack_level())
+        log.append(f"the answer: the private start (the sampler's verdict: {result.verdict.status})")
         return Fit("dp_laplace", start, first, rounds, traffic, None, log, num_samples=int(num_samples),
                    clients=clients, results=[first, result], privacy=privacy)
     return Fit("dp_metropolis", sampler, result, rounds, traffic, check, log, num_samples=int(num_samples),
