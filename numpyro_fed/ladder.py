@@ -187,9 +187,10 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             them and ``fit`` raises :class:`~numpyro_fed.budget.RoundBudgetError` with the
             projection, the draws it has and what to do.
         dp: a :class:`~numpyro_fed.dp.PrivateFit`: fit the ``dp_noise``-marked model under
-            differential privacy, its budget spent on a private start (PVI with update
-            perturbation) and the exact DP sampler from it (:class:`~numpyro_fed.mcmc.DPMetropolis`),
-            every client's releases composed (:mod:`numpyro_fed.dp.private_fit`;
+            differential privacy: its whole budget on a private Laplace fit
+            (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`), or with ``exact=True`` on a private
+            start and the exact DP sampler from it (:class:`~numpyro_fed.mcmc.DPMetropolis`), every
+            client's releases composed (:mod:`numpyro_fed.dp.private_fit`;
             :meth:`Fit.privacy_report`; ``ledger=`` a :class:`~numpyro_fed.dp.PrivacyLedger` refuses the
             fit before it starts where it would take a client past its budget, and is charged both
             stages). A ``dp_noise``-marked model without ``dp=`` is refused.
@@ -232,7 +233,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         return private_fit(model, clients, rng_key, dp, num_samples=num_samples, num_warmup=num_warmup,
                            num_chains=num_chains, model_kwargs=model_kwargs, row_plate=row_plate,
                            client_mapping=client_mapping, progress_bar=progress_bar, rung_options=rung_options,
-                           run_options=dict(run_options, ledger=ledger))
+                           run_options=dict(run_options, ledger=ledger), exact=exact)
     if ledger is not None:
         raise ValueError("nf.fit(ledger=...) accounts a differentially private fit: mark the model with dp_noise and "
                          "pass dp=nf.dp.PrivateFit(...)")

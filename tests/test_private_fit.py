@@ -76,7 +76,7 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
     plan = nf.dp.PrivateFit(start_clip=3.0, start_share=0.25, start_rounds=4)
     ledger = PrivacyLedger(epsilon=3.5, delta=DELTA)
     with pytest.warns(nf.warnings.FitWarning):  # the sampler's clip binds, or its chains cannot mix here
-        fit = nf.fit(model, clients, jax.random.PRNGKey(0), dp=plan, num_warmup=50, num_samples=100,
+        fit = nf.fit(model, clients, jax.random.PRNGKey(0), dp=plan, exact=True, num_warmup=50, num_samples=100,
                      progress_bar=False, ledger=ledger)
     start, sampler = fit.results
     report = fit.privacy_report()
@@ -88,8 +88,14 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
     assert ledger.spent("0") == pytest.approx(report.clients[0].epsilon, rel=2e-3)
     assert fit.method in ("dp_metropolis", "dp_laplace") and "private start" in fit.log[0]
     with pytest.raises(PrivacyBudgetError, match="client '0' past its privacy budget"):
-        nf.fit(model, clients, jax.random.PRNGKey(1), dp=plan, num_warmup=50, num_samples=100, progress_bar=False,
-               ledger=ledger)  # two fits compose past 3.5: refused before anything is sent
+        nf.fit(model, clients, jax.random.PRNGKey(1), dp=plan, exact=True, num_warmup=50, num_samples=100,
+               progress_bar=False, ledger=ledger)  # two fits compose past 3.5: refused before anything is sent
+    laplace = nf.fit(model, clients, jax.random.PRNGKey(2), dp=plan, progress_bar=False)  # the whole budget on it
+    assert laplace.method == "dp_laplace" and len(laplace.results) == 1
+    whole = nf.dp.calibrate_noise_multiplier(3.0, DELTA, 4)
+    assert laplace.privacy_report().epsilon == pytest.approx(_pld([(whole, 4)]), rel=2e-3)
+    draws = np.asarray(laplace.get_samples()["mu"])
+    assert abs(draws.mean() - mean) < 3 * sd and abs(draws.std() / sd - 1) < 0.2
     with pytest.raises(ValueError, match=r"pass dp=nf.dp.PrivateFit\(start_clip=...\)"):
         nf.fit(model, clients, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="wrap its observed site"):
@@ -108,7 +114,7 @@ def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered()
     chains cannot move, and the answer is the start, with a warning that says so."""
     clients, mean, sd = hierarchy(20000)
     plan = nf.dp.PrivateFit(start_clip=3.0)
-    kw = dict(dp=plan, secure_aggregation="masking", num_warmup=200, num_samples=500, progress_bar=False)
+    kw = dict(dp=plan, exact=True, secure_aggregation="masking", num_warmup=200, num_samples=500, progress_bar=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", nf.warnings.FitWarning)  # a few of the sampler's ratios may reach its clip
         good = nf.fit(nf.dp_noise(patients, clip=0.02, delta=DELTA, epsilon=4.0), clients, jax.random.PRNGKey(0),

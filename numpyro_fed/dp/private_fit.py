@@ -1,8 +1,11 @@
-"""``nf.fit`` under differential privacy: a private start, then the exact DP sampler from it.
+"""``nf.fit`` under differential privacy: a private Laplace fit, or (``exact=True``) a private
+start and the exact DP sampler from it.
 
 A ``dp_noise``-marked model says which rows are protected and the whole budget
-``(epsilon, delta)``; ``nf.fit(..., dp=PrivateFit(start_clip=...))`` spends it in two stages,
-each client's releases composed with ``dp-accounting``:
+``(epsilon, delta)``. ``nf.fit(..., dp=PrivateFit(start_clip=...))`` spends all of it on the
+private Laplace fit of stage 1 (an approximation, not checked against the posterior: a check would
+cost privacy); ``nf.fit(..., dp=..., exact=True)`` spends it in two stages, each client's releases
+composed with ``dp-accounting``:
 
 1. **the start**: ``start_rounds`` Newton rounds of :class:`~numpyro_fed.dp.dp_laplace.DPLaplace`:
    each client releases the sum of its rows' gradients and Hessians of the global sites, each row's
@@ -120,10 +123,11 @@ def _spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Optional[
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
                 num_warmup: Optional[int], num_chains: Optional[int], model_kwargs: Optional[dict],
                 row_plate: Optional[str], client_mapping: str, progress_bar: Optional[bool],
-                rung_options: Dict[str, Any], run_options: Dict[str, Any]):
+                rung_options: Dict[str, Any], run_options: Dict[str, Any], exact: bool = False):
     """:func:`numpyro_fed.fit` with ``dp=plan`` (see the module docstring); returns a
     :class:`~numpyro_fed.fit_result.Fit` whose :meth:`~numpyro_fed.fit_result.Fit.privacy_report`
-    covers both stages."""
+    covers every stage. ``exact=False``: the private Laplace fit alone, at the whole epsilon;
+    ``exact=True``: the start at ``start_share`` of it, then the DP sampler."""
     from ..backends.base import NetworkBackend
     from .dp_laplace import DPLaplace
     from ..fit_result import Fit
@@ -145,23 +149,32 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     names = list(clients.names)
     common = dict(model_kwargs=model_kwargs, row_plate=row_plate)
 
-    start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * plan.start_share)
+    share = plan.start_share if exact else 1.0
+    start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * share)
     start = DPLaplace(with_spec(model, start_spec), num_steps=plan.start_rounds, secure_aggregation=secure, **common)
     chains = 2 if num_chains is None else int(num_chains)
     warmup = MWG_WARMUP if num_warmup is None else int(num_warmup)
     releases = (warmup + int(num_samples)) * chains
     nm_start = calibrate_noise_multiplier(start_spec.epsilon, spec.delta, plan.start_rounds)  # as the start does
     start_events = [(nm_start, plan.start_rounds, 1.0)]
-    nm = calibrate_after(start_events, spec.epsilon, spec.delta, releases)
-    if ledger is not None:  # the whole fit, both stages, refused before anything is sent
-        ledger.check("nf.fit", {n: start_events + [(nm, releases, 1.0)] for n in names})
+    nm = calibrate_after(start_events, spec.epsilon, spec.delta, releases) if exact else None
+    if ledger is not None:  # the whole fit, every stage, refused before anything is sent
+        ledger.check("nf.fit", {n: start_events + ([(nm, releases, 1.0)] if exact else []) for n in names})
     log: List[str] = []
     if progress_bar is not None:
         start.progress_bar = bool(progress_bar)
     first = start.run(jax.random.fold_in(rng_key, 0), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
-    log.append(f"private start: {plan.start_rounds} Newton rounds of DPLaplace (clip {plan.start_clip:g}, sigma/C "
-               f"{nm_start:.4g}, {plan.start_share:.0%} of epsilon {spec.epsilon:g}); verdict {first.verdict.status}")
+    log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
+               f"{plan.start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
+               f"{first.verdict.status}")
+    if not exact:  # the approximate answer at the whole budget (as nf.fit's Laplace rung, unchecked)
+        started = start.dp_plan.events(names, first)
+        privacy = report([ClientPrivacy(n, f"DPLaplace ({plan.start_rounds} rounds)", epsilon_composed(started[n],
+                                        spec.delta), spec.delta, nm_start, sum(e[1] for e in started[n]), 1.0)
+                          for n in names])
+        return Fit("dp_laplace", start, first, int(first.communication.rounds), _bytes(first), None, log,
+                   num_samples=int(num_samples), clients=clients, results=[first], privacy=privacy)
     sampler_spec = DPSpec(spec.clip, spec.delta, noise_multiplier=nm)
     sampler = DPMetropolis(with_spec(model, sampler_spec), num_warmup=warmup, num_samples=int(num_samples),
                            num_chains=chains, init=(mean, cov), secure_aggregation=secure,
