@@ -94,8 +94,7 @@ def run_fit(case, epsilon, exact):
     return {"method": "nf.fit(dp, exact)" if exact else "nf.fit(dp)", "answer": fit.method,
             "clip": clip if exact else START.start_clip, "rounds": fit.rounds,
             "verdict": fit.results[-1].verdict.status, "reported_epsilon": fit.privacy_report().epsilon,
-            "seconds": seconds, "warnings": warned, **distance(scalars(fit.get_samples(num_samples=4000)
-                                                                       if False else fit.get_samples()), ref)}
+            "seconds": seconds, "warnings": warned, **distance(scalars(fit.get_samples()), ref)}
 
 
 def run_pvi(case, epsilon):
