@@ -222,3 +222,14 @@ def test_the_dp_sampler_utility_table_is_its_results():
     missing = [row for row in rows if row not in text]
     assert not missing, missing
     assert f"commit {results['commit']}" in text
+
+
+def test_the_private_fit_utility_table_and_plot_are_their_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "dp_fit_utility.json").read_text())
+    rows = _benchmark("dp_fit_utility").table_rows(results)
+    text = (ROOT / "docs" / "differential_privacy.md").read_text()
+    assert len(rows) == len(results["runs"]) == 36
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    assert f"commit {results['commit']}" in text and not results["dirty"]
+    assert "images/dp_fit_utility.png" in text and (ROOT / "docs" / "images" / "dp_fit_utility.png").exists()

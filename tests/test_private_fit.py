@@ -150,3 +150,41 @@ def test_dp_laplace_without_noise_reaches_the_laplace_mode_of_a_logistic_glmm():
     sd = np.sqrt(np.diag(np.asarray(ref.params.cov)))
     np.testing.assert_array_less(np.abs(np.asarray(got.params.mean) - np.asarray(ref.params.mean)) / sd, 0.01)
     np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(got.params.cov))), sd, rtol=0.15)
+
+
+def test_a_canary_audit_of_the_private_starts_release_stays_within_the_claim_and_catches_halved_noise():
+    """Neighbours differ in one canary row far out on either side (its gradient and Hessian far
+    above the clip, in opposite directions); the statistic is the released gradient sum of the
+    client's real step on the real model's rows, 200,000 runs on each."""
+    from numpyro_fed.clients import ClientData
+    from numpyro_fed.dp.audit import empirical_epsilon
+    from numpyro_fed.dp.dp_laplace import DPLaplaceClient, DPLaplaceConfig, dp_laplace
+    from numpyro_fed.mcmc.dp_mh_inference import row_log_lik_fn
+
+    from .test_dp_metropolis import _layout, normal_mean
+
+    clip, runs, target = 1.0, 200_000, 2.0
+    nm = nf.dp.calibrate_noise_multiplier(target, DELTA, 1)
+    claimed = _pld([(nm, 1)])
+    row_term = row_log_lik_fn(normal_mean, {}, _layout(), {"mu": dist.constraints.real}, "rows")
+    others = jax.numpy.linspace(-1.0, 1.0, 9)
+
+    def release(key, sign, noise_multiplier):
+        algorithm = dp_laplace(lambda u: -0.5 * jax.numpy.sum(u ** 2), row_term, 1, jax.numpy.zeros(1),
+                               config=DPLaplaceConfig(1, clip, noise_multiplier * clip))
+        y = jax.numpy.concatenate([others, jax.numpy.array([sign * 1000.0])])
+        data = ClientData({"y": y}, jax.numpy.ones(10), jax.numpy.asarray(10))
+        state = DPLaplaceClient(jax.numpy.zeros((), jax.numpy.int32), jax.numpy.zeros((), jax.numpy.int32))
+        broadcast = nf.protocol.Broadcast({"u": jax.numpy.zeros(1)})
+        return algorithm.exchanges[0].client_step(key, state, broadcast, data)[1]["z"][0]
+
+    run = jax.jit(jax.vmap(release, in_axes=(0, None, None)))
+
+    def audit(noise_multiplier, seed):
+        keys = jax.random.split(jax.random.PRNGKey(seed), 2 * runs)
+        return empirical_epsilon(np.asarray(run(keys[:runs], 1.0, noise_multiplier)),
+                                 np.asarray(run(keys[runs:], -1.0, noise_multiplier)), DELTA)
+
+    honest, broken = audit(nm, 0), audit(nm / 2, 1)
+    assert honest <= claimed <= target + 1e-3
+    assert broken > claimed, (honest, broken, claimed)
