@@ -16,7 +16,7 @@ import jax
 
 from .warnings import FederatedDeprecationWarning, find_stack_level
 
-__all__ = ["ANSWERS", "Fit", "check_text"]
+__all__ = ["ANSWERS", "Fit", "chain_check", "check_text", "traffic"]
 
 ANSWERS = {"laplace": "as is", "laplace (importance-corrected)": "importance-corrected", "mwg": "exact",
            "nuts": "exact", "dp_metropolis": "exact (noise-corrected)", "dp_laplace": "as is (unchecked, private)"}
@@ -229,3 +229,17 @@ def check_text(check) -> str:
     if isinstance(check, dict):
         return ", ".join(f"{k} {v:.3g}" for k, v in check.items())
     return f"{check.verdict} (Pareto k {check.pareto_k:.2f})" if check is not None else "none"
+
+
+def traffic(result) -> tuple:
+    """``(bytes up, bytes down)`` of a run (a RunResult, or a NoModeError carrying the search's
+    communication)."""
+    c = result.communication
+    return (int(c.bytes_up), int(c.bytes_down)) if c is not None else (0, 0)
+
+
+def chain_check(result) -> Dict[str, float]:
+    """The chains' check over the global scalars (their fit check's verdict: scalars that never move
+    left out): ``{"divergences" (NUTS) / "acceptance" (MwG), "min_n_eff", "max_r_hat"}``."""
+    figures = result.verdict.figures
+    return {k: figures[k] for k in ("divergences", "acceptance", "min_n_eff", "max_r_hat") if k in figures}

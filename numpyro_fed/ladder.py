@@ -62,7 +62,7 @@ from ._validation import check_positive_int
 from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, network_time
 from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
 from .fit_cache import kept_rungs
-from .fit_result import Fit, check_text
+from .fit_result import Fit, chain_check, check_text, traffic
 from .warnings import FitWarning, MCMCDiagnosticWarning, find_stack_level
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
@@ -146,10 +146,6 @@ _UNMIXED = (
     "hierarchy)"
 )
 
-def _bytes(result) -> tuple:  # (a RunResult, or a NoModeError carrying the search's communication)
-    c = result.communication
-    return (int(c.bytes_up), int(c.bytes_down)) if c is not None else (0, 0)
-
 
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
         num_warmup: Optional[int] = None, num_chains: Optional[int] = None, model_kwargs: Optional[dict] = None,
@@ -224,16 +220,16 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     """
     ledger = options.pop("ledger", None)  # a private fit's run option (nf.dp.PrivacyLedger)
     rung_options, run_options = split_options(options)
-    from .dp.private_fit import _spec, private_fit
+    from .backends.base import NetworkBackend
+    from .dp.private_fit import marked_spec, private_fit
 
-    from .clients import Clients
-
-    if dp is not None or (isinstance(clients, Clients)  # a marked model without dp= is refused by _spec
-                          and _spec(model, clients, dict(model_kwargs or {}), None) is not None):
+    network = isinstance(run_options.get("backend"), NetworkBackend)
+    if dp is not None or (not network  # a marked model without dp= is refused by marked_spec
+                          and marked_spec(model, clients, dict(model_kwargs or {}), None) is not None):
         return private_fit(model, clients, rng_key, dp, num_samples=num_samples, num_warmup=num_warmup,
                            num_chains=num_chains, model_kwargs=model_kwargs, row_plate=row_plate,
                            client_mapping=client_mapping, progress_bar=progress_bar, rung_options=rung_options,
-                           run_options=dict(run_options, ledger=ledger), exact=exact)
+                           run_options=dict(run_options, ledger=ledger), exact=exact, default_warmup=MWG_WARMUP)
     if ledger is not None:
         raise ValueError("nf.fit(ledger=...) accounts a differentially private fit: mark the model with dp_noise and "
                          "pass dp=nf.dp.PrivateFit(...)")
@@ -389,12 +385,12 @@ class Ladder:
             if err.improper:
                 raise
             warm = err.last
-            rounds, bytes_ = int(err.communication.rounds), _bytes(err)
+            rounds, bytes_ = int(err.communication.rounds), traffic(err)
             log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
                        + (", preconditioned by the curvature at the last point" if warm is not None else ""))
         else:
             results.append(result)
-            rounds, bytes_ = int(result.communication.rounds), _bytes(result)
+            rounds, bytes_ = int(result.communication.rounds), traffic(result)
             warm, mode = (np.asarray(result.params.mean), np.asarray(result.params.cov)), True
             if self.exact:
                 log.append(f"laplace: {rounds} rounds; mode found (the exact sampler's start)")
@@ -442,8 +438,8 @@ class Ladder:
             results.append(result)
             spent = int(result.communication.rounds)
             done["rounds"] += spent
-            done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], _bytes(result)))
-            check = _mcmc_check(result)
+            done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], traffic(result)))
+            check = chain_check(result)
             chain_rounds = chain_rounds + spent if go_on else spent  # the rounds of these chains' draws
             log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
                        + f"; {_per_draw(chain_rounds, check):.3g} rounds per effective draw")
@@ -551,13 +547,6 @@ def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError("nf.fit takes no checkpoint= or init_state= (it runs several rungs, each from its start); "
                          "checkpoint a family's run instead")
     return {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every", "init_state")}
-
-
-def _mcmc_check(result) -> Dict[str, float]:
-    """The chains' check over the global scalars (their fit check's verdict: scalars that never move
-    left out): ``{"divergences" (NUTS) / "acceptance" (MwG), "min_n_eff", "max_r_hat"}``."""
-    figures = result.verdict.figures
-    return {k: figures[k] for k in ("divergences", "acceptance", "min_n_eff", "max_r_hat") if k in figures}
 
 
 def _warn_unmixed(sampler, result) -> None:

@@ -9,9 +9,9 @@
 """
 
 import jax
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
-import numpy as np
 import optax
 import pytest
 

@@ -107,7 +107,6 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
         nf.fit(model, clients, jax.random.PRNGKey(0), dp=plan, target_accept_prob=0.9)
 
 
-@pytest.mark.slow
 def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered():
     """20,000 patients over four clients, the releases summed by pairwise masking: at epsilon 4 the
     answer is within 0.5 sd of the analytic mean and 20 % of its sd; at epsilon 0.5 the sampler's
@@ -130,7 +129,6 @@ def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered()
     assert abs(draws.mean() - mean) < 5 * sd  # the start: noisier, still near
 
 
-@pytest.mark.slow
 def test_dp_laplace_without_noise_reaches_the_laplace_mode_of_a_logistic_glmm():
     """The demo's six-cities GLMM (a standardised intercept per child, local to its silo): without
     noise DPLaplace's Newton rounds on the rows' Laplace marginals reach the federated Laplace

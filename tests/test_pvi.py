@@ -200,7 +200,8 @@ def test_clear_errors(linear):
 
     with pytest.raises(ValueError, match=r"no closed form with local latent sites \(\['b'\]\)"):
         nf.PVI(with_local, update="conjugate").init(random.PRNGKey(0), clients)
-    with pytest.raises(ValueError, match=r"variant='virtual' splits a client's rows into shards.*local site\(s\) \['b'\] are not in the row plate"):
+    with pytest.raises(ValueError, match=r"variant='virtual' splits a client's rows into shards.*local site\(s\) "
+                                         r"\['b'\] are not in the row plate"):
         nf.PVI(with_local, update="optax", optim=optax.adam(0.01), variant="virtual", num_shards=2).init(
             random.PRNGKey(0), clients
         )

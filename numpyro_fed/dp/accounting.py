@@ -27,7 +27,8 @@ from typing import NamedTuple, Sequence, Tuple
 
 from .._validation import check_positive_int
 
-__all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_after", "calibrate_noise_multiplier", "epsilon", "epsilon_composed"]
+__all__ = ["ClientPrivacy", "PrivacyReport", "calibrate_after", "calibrate_noise_multiplier", "epsilon",
+           "epsilon_composed"]
 
 #: PLD discretisation for reported epsilons (dp-accounting's default).
 REPORT_DISCRETIZATION = 1e-4
@@ -77,10 +78,10 @@ def _vacuous(events, delta: float):
     sensitivity 1, which RDP accounts (add-or-remove, sensitivity 1). Sampled events: ``None``."""
     if any(r < 1 for _, _, r in events):
         return None
-    dp_accounting = _dp()
-    import dp_accounting.rdp  # noqa: F401
+    from dp_accounting.rdp import RdpAccountant
 
-    accountant = dp_accounting.rdp.RdpAccountant()
+    dp_accounting = _dp()
+    accountant = RdpAccountant()
     accountant.compose(dp_accounting.ComposedDpEvent(
         [dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(nm / 2.0), int(c)) for nm, c, _ in events]))
     bound = float(accountant.get_epsilon(delta))

@@ -63,6 +63,11 @@ _LOCALS = (
     "several rows makes their terms one term, which no per-row clip bounds. Local latents that belong to rows "
     "(inside the row plate) are supported"
 )
+_NO_DP = (
+    "DPLaplace protects the rows of the model's observed sites, and the model marks none: wrap it in "
+    "nf.dp_noise(model, clip=..., delta=..., epsilon=... or noise_multiplier=...). clip bounds each row's "
+    "(gradient, Hessian) vector"
+)
 _UNEVEN = ("DPLaplace: the rows hold different numbers of local entries ({counts}); every row's local latents must "
            "have the same shape")
 _CLIPPED = (
@@ -118,6 +123,49 @@ def _row_newton(row_joint, u, v, data, index, k: int, mask):
     return v.at[index].add(-step), h
 
 
+def _terms(row_term: Callable, locals_index, u, v, data):
+    """``(rows,)`` each row's term at ``u`` (its local modes ``v`` held fixed): its log-likelihood,
+    or with local latents its Laplace marginal."""
+    if locals_index is None:
+        return row_term(u, data)
+    index = jnp.asarray(locals_index)
+    k, mask = index.shape[1], data.row_mask
+    v1, _ = _row_newton(row_term, u, v, data, index, k, mask)  # at the mode: the implicit derivative
+    # the curvature at (u, v1(u)): its log-determinant moves with the mode as well
+    h = _row_blocks(lambda x: jnp.sum(row_term(u, x, data)), v1, index, k)
+    h = jnp.where(mask[:, None, None] > 0, h, -jnp.eye(k, dtype=h.dtype))
+    _, logdet = jnp.linalg.slogdet(-h)
+    return jnp.where(mask > 0, row_term(u, v1, data) - 0.5 * logdet, 0.0)
+
+
+def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *, row_term: Callable,
+                 config: DPLaplaceConfig, locals_index):
+    """The client's release: its rows' clipped ``(gradient, Hessian)`` vectors summed, noised from its key."""
+    u = broadcast.shared["u"]
+    v = state.v
+    if locals_index is not None:
+        index = jnp.asarray(locals_index)
+
+        def inner(x, _):
+            return jax.lax.stop_gradient(_row_newton(row_term, u, x, data, index, index.shape[1],
+                                                     data.row_mask)[0]), None
+
+        v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
+    terms = partial(_terms, row_term, locals_index, v=v, data=data)
+    d = u.shape[0]
+    rows_u, cols_u = _upper(d)
+    g = jax.jacfwd(terms)(u)  # (rows, d)
+    h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
+    z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
+    z = jnp.where(jnp.isfinite(z), z, 0.0) * (data.row_mask[:, None] > 0)
+    norm = jnp.linalg.norm(z, axis=1)
+    clipped = norm > config.clip
+    z = z * jnp.minimum(1.0, config.clip / jnp.maximum(norm, 1e-30))[:, None]
+    released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], u.dtype)
+    new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (data.row_mask > 0)).astype(jnp.int32), v)
+    return new, {"z": released}
+
+
 def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start, *, config: DPLaplaceConfig,
                locals_index=None) -> FederatedAlgorithm:
     """Build the pure functions (see the module docstring).
@@ -138,45 +186,7 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     prior_floor = jnp.minimum(jnp.min(jnp.abs(jnp.linalg.eigvalsh(-jax.hessian(log_prior)(start)))), 1.0)
     prior_floor = jnp.maximum(prior_floor, 1e-4)
 
-    def terms(u, v, data):
-        """``(rows,)`` each row's term at ``u`` (the local modes ``v`` held fixed)."""
-        if locals_index is None:
-            return row_term(u, data)
-        index = jnp.asarray(locals_index)
-        k = index.shape[1]
-        mask = data.row_mask
-
-        def marginal(u_):
-            v1, _ = _row_newton(row_term, u_, v, data, index, k, mask)  # at the mode: the implicit derivative
-            # the curvature at (u_, v1(u_)): its log-determinant moves with the mode as well
-            h = _row_blocks(lambda x: jnp.sum(row_term(u_, x, data)), v1, index, k)
-            h = jnp.where(mask[:, None, None] > 0, h, -jnp.eye(k, dtype=h.dtype))
-            _, logdet = jnp.linalg.slogdet(-h)
-            return jnp.where(mask > 0, row_term(u_, v1, data) - 0.5 * logdet, 0.0)
-
-        return marginal(u)
-
-    def client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data):
-        u = broadcast.shared["u"]
-        v = state.v
-        if locals_index is not None:
-            index = jnp.asarray(locals_index)
-
-            def inner(x, _):
-                return jax.lax.stop_gradient(_row_newton(row_term, u, x, data, index, index.shape[1],
-                                                         data.row_mask)[0]), None
-
-            v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
-        g = jax.jacfwd(lambda x: terms(x, v, data))(u)  # (rows, d)
-        h = jax.jacfwd(jax.jacfwd(lambda x: terms(x, v, data)))(u)  # (rows, d, d)
-        z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
-        z = jnp.where(jnp.isfinite(z), z, 0.0) * (data.row_mask[:, None] > 0)
-        norm = jnp.linalg.norm(z, axis=1)
-        clipped = norm > config.clip
-        z = z * jnp.minimum(1.0, config.clip / jnp.maximum(norm, 1e-30))[:, None]
-        released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], dtype)
-        new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (data.row_mask > 0)).astype(jnp.int32), v)
-        return new, {"z": released}
+    client_step = partial(_client_step, row_term=row_term, config=config, locals_index=locals_index)
 
     def init_server(rng_key):
         del rng_key
@@ -251,7 +261,7 @@ class DPLaplace(FederatedInference):
 
     def __init__(self, model: Callable, *, num_steps: int = 8, init=None, row_plate: Optional[str] = None,
                  model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
-        from ..mcmc.dp_mh_inference import _SamplerPrivacy
+        from ..mcmc.dp_mh_inference import SamplerPrivacy
 
         super().__init__()
         self.model, self.row_plate = model, row_plate
@@ -262,7 +272,7 @@ class DPLaplace(FederatedInference):
         self.num_chains = 1
         self.privacy = None
         self.privacy_label = "DPLaplace (clipped per-row gradients and Hessians, Newton steps)"
-        self.dp_plan = _SamplerPrivacy(self)
+        self.dp_plan = SamplerPrivacy(self)
 
     @property
     def releases_per_client(self) -> int:
@@ -274,14 +284,13 @@ class DPLaplace(FederatedInference):
         return num_rounds
 
     def _build(self, clients) -> Setup:
-        from ..mcmc.dp_mh_inference import _NO_DP, marked_row_plate, row_locals, row_log_lik_fn
+        from ..mcmc.dp_mh_inference import marked_row_plate, row_locals, row_log_lik_fn
 
         first = clients.names[0]
         tr = trace_model(self.model, clients[first], self.model_kwargs)
         specs = dp_sites(tr)
         if not specs:
-            raise ValueError(_NO_DP.replace("DPMetropolis", "DPLaplace").replace(
-                "log-likelihood ratio between two points the chain compares", "(gradient, Hessian) vector"))
+            raise ValueError(_NO_DP)
         if len(set(specs.values())) > 1:
             raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; mark them with one")
         spec = next(iter(specs.values()))

@@ -17,11 +17,11 @@ composed with ``dp-accounting``:
    acceptance for it: Yildirim & Ermis (2019), "Exact MCMC with differentially private moves",
    Statistics and Computing 29).
 
-Where the sampler's verdict is not ``"ok"`` (its chains did not mix, or a clip bound, so that they
-sampled another posterior), the answer is the start, with a warning that says so. With ``secure_aggregation=`` both stages' releases are summed before the server (pairwise masking
-or a trusted aggregator) and each client adds its share of the noise. The answer is the sampler's,
-with its own check: a clip that bound (the chains then target the posterior of clipped ratios)
-is ``"biased"`` and warns naming the clients; chains that did not mix warn.
+With ``secure_aggregation=`` the releases of every stage are summed before the server (pairwise
+masking or a trusted aggregator) and each client adds its share of the noise. The answer is the
+sampler's where its verdict is ``"ok"``; where it is not (its chains did not mix, or a clip bound,
+so that they sampled the posterior of clipped ratios) the answer is the start, with a warning that
+says so (the sampler's own check names the clients whose clips bound).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from numpyro.primitives import Messenger
 
 from .._structure import trace_model
 from .._validation import check_positive_int
-from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
 from ..warnings import UnreliableFitWarning, find_stack_level
+from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DP_KEY, DPSpec, dp_sites
 
-__all__ = ["PrivateFit", "private_fit", "with_spec"]
+__all__ = ["PrivateFit", "marked_spec", "private_fit", "with_spec"]
 
 _UNMARKED = (
     "nf.fit(dp=...) fits a model whose protected rows are marked: wrap its observed site(s) in "
@@ -103,7 +103,7 @@ class with_spec(Messenger):
             msg["infer"] = {**infer, DP_KEY: self.spec}
 
 
-def _spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Optional[DPSpec]:
+def marked_spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Optional[DPSpec]:
     """The model's one ``dp_noise`` spec (``None``: unmarked and no ``dp=``), checked against ``plan``."""
     specs = dp_sites(trace_model(model, clients[clients.names[0]], model_kwargs))
     if plan is None:
@@ -123,20 +123,20 @@ def _spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Optional[
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
                 num_warmup: Optional[int], num_chains: Optional[int], model_kwargs: Optional[dict],
                 row_plate: Optional[str], client_mapping: str, progress_bar: Optional[bool],
-                rung_options: Dict[str, Any], run_options: Dict[str, Any], exact: bool = False):
+                rung_options: Dict[str, Any], run_options: Dict[str, Any], exact: bool = False,
+                default_warmup: int = 300):
     """:func:`numpyro_fed.fit` with ``dp=plan`` (see the module docstring); returns a
     :class:`~numpyro_fed.fit_result.Fit` whose :meth:`~numpyro_fed.fit_result.Fit.privacy_report`
     covers every stage. ``exact=False``: the private Laplace fit alone, at the whole epsilon;
     ``exact=True``: the start at ``start_share`` of it, then the DP sampler."""
     from ..backends.base import NetworkBackend
-    from .dp_laplace import DPLaplace
-    from ..fit_result import Fit
-    from ..ladder import MWG_WARMUP, _bytes, _mcmc_check
+    from ..fit_result import Fit, chain_check, traffic
     from ..mcmc import DPMetropolis
+    from .dp_laplace import DPLaplace
 
     plan = PrivateFit(*plan).checked()
     model_kwargs = dict(model_kwargs or {})
-    spec = _spec(model, clients, model_kwargs, plan)
+    spec = marked_spec(model, clients, model_kwargs, plan)
     other = sorted(set(rung_options) - set(_OWN))
     if other:
         raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
@@ -153,7 +153,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * share)
     start = DPLaplace(with_spec(model, start_spec), num_steps=plan.start_rounds, secure_aggregation=secure, **common)
     chains = 2 if num_chains is None else int(num_chains)
-    warmup = MWG_WARMUP if num_warmup is None else int(num_warmup)
+    warmup = default_warmup if num_warmup is None else int(num_warmup)
     releases = (warmup + int(num_samples)) * chains
     nm_start = calibrate_noise_multiplier(start_spec.epsilon, spec.delta, plan.start_rounds)  # as the start does
     start_events = [(nm_start, plan.start_rounds, 1.0)]
@@ -173,7 +173,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
         privacy = report([ClientPrivacy(n, f"DPLaplace ({plan.start_rounds} rounds)", epsilon_composed(started[n],
                                         spec.delta), spec.delta, nm_start, sum(e[1] for e in started[n]), 1.0)
                           for n in names])
-        return Fit("dp_laplace", start, first, int(first.communication.rounds), _bytes(first), None, log,
+        return Fit("dp_laplace", start, first, int(first.communication.rounds), traffic(first), None, log,
                    num_samples=int(num_samples), clients=clients, results=[first], privacy=privacy)
     sampler_spec = DPSpec(spec.clip, spec.delta, noise_multiplier=nm)
     sampler = DPMetropolis(with_spec(model, sampler_spec), num_warmup=warmup, num_samples=int(num_samples),
@@ -184,8 +184,8 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
         sampler.progress_bar = bool(progress_bar)
     result = sampler.run(jax.random.fold_in(rng_key, 1), clients, ledger=ledger, **run_options)
     rounds = int(first.communication.rounds) + int(result.communication.rounds)
-    traffic = tuple(a + b for a, b in zip(_bytes(first), _bytes(result)))
-    check = _mcmc_check(result)
+    traffic = tuple(a + b for a, b in zip(traffic(first), traffic(result)))
+    check = chain_check(result)
     log.append(f"dp_metropolis: {int(result.communication.rounds)} rounds from the start (clip {spec.clip:g}, "
                f"sigma/C {nm:.4g}); verdict {result.verdict.status}")
     started = start.dp_plan.events(names, first)

@@ -44,9 +44,9 @@ from .._steps import carried_while
 from ..dp.mechanisms import add_gradient, dp_sgd_transform, fixed_size_subset
 from ..protocol import FederatedAlgorithm
 from . import gaussian as G
+from .ep_algorithm import split_first_round
 from .gaussian import NaturalGaussian
 from .tilted import FitCheck, convergence_stat
-from .ep_algorithm import split_first_round
 from .updates import factor_protocol
 
 __all__ = ["LocalFit", "fit_local", "pvi"]

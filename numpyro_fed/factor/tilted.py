@@ -75,8 +75,7 @@ def _tilted(log_lik: Callable, cavity: NaturalGaussian, d: int) -> Callable:
 
 
 def _marginal(mean: Array, cov: Array, d: int) -> Tuple[Array, Array]:
-    """The first ``d`` coordinates' mean and covariance (``cov`` a matrix, or a diagonal's vector)."""
-    return mean[:d], jnp.diag(cov[:d]) if cov.ndim == 1 else cov[:d, :d]
+    return mean[:d], jnp.diag(cov[:d]) if cov.ndim == 1 else cov[:d, :d]  # cov: a matrix, or the variances
 
 
 class FitCheck(NamedTuple):
@@ -574,8 +573,7 @@ def gaussian_vi_moments(
         updates, opt_state = optim.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         r = root(params)
-        # diagonal: the variances alone (a matrix per step is n^2 floats: 5,000 rows' effects, 500 steps, 50 GB)
-        return (params, opt_state), (params["loc"], r**2 if diagonal else r @ r.T, value)
+        return (params, opt_state), (params["loc"], r**2 if diagonal else r @ r.T, value)  # diagonal: variances
 
     fit_key, check_key = random.split(rng_key)
     _, (locs, covs, values) = jax.lax.scan(step, (init, optim.init(init)), random.split(fit_key, steps))
@@ -589,14 +587,10 @@ def gaussian_vi_moments(
 
 
 def gaussian_pareto_k(log_density: Callable, mean: Array, cov: Array, rng_key: Array, num_draws: int) -> Array:
-    """The Pareto ``k`` of ``exp(log_density) / N(mean, cov)`` over ``num_draws`` draws of the
-    Gaussian (PSIS's check of an approximation; Yao et al., 2018); ``cov`` a matrix, or the
-    variances of a diagonal one."""
+    """The Pareto ``k`` of ``exp(log_density) / N(mean, cov)`` (``cov``: a matrix, or the variances)
+    over ``num_draws`` draws of the Gaussian (PSIS's check of an approximation; Yao et al., 2018)."""
     eps = random.normal(rng_key, (num_draws, mean.shape[0]))
-    if cov.ndim == 1:
-        draws = mean + eps * jnp.sqrt(cov)
-    else:
-        draws = mean + eps @ jnp.linalg.cholesky((cov + cov.T) / 2).T
+    draws = mean + (eps * jnp.sqrt(cov) if cov.ndim == 1 else eps @ jnp.linalg.cholesky((cov + cov.T) / 2).T)
     log_w = jax.vmap(log_density)(draws) + 0.5 * jnp.sum(eps**2, 1)  # up to a constant
     return pareto_k(log_w)
 

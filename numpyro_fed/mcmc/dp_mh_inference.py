@@ -214,7 +214,7 @@ class DPMetropolis(FederatedInference):
             raise ValueError("DPMetropolis: num_warmup >= 0, num_samples >= 1 and num_chains >= 1")
         self.init_moments = init
         self.privacy: Optional[Tuple] = None  # (spec, noise multiplier) planned at set-up
-        self.dp_plan = _SamplerPrivacy(self)
+        self.dp_plan = SamplerPrivacy(self)
 
     @property
     def releases_per_client(self) -> int:
@@ -308,7 +308,7 @@ class DPMetropolis(FederatedInference):
         return self.privacy[1]
 
 
-class _SamplerPrivacy:
+class SamplerPrivacy:
     """The sampler's privacy plan in the form :class:`~numpyro_fed.inference.FederatedInference`
     calls it (the ``dp_plan`` hooks: a ledger checked before the run and charged after, the
     report from each client's own count of releases)."""
@@ -362,7 +362,8 @@ class _SamplerPrivacy:
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         spec, nm = self.sampler.privacy
-        label = getattr(self.sampler, "privacy_label", "DPMetropolis (clipped log-likelihood ratios, penalty-corrected)")
+        label = getattr(self.sampler, "privacy_label",
+                        "DPMetropolis (clipped log-likelihood ratios, penalty-corrected)")
         if self.sampler.secure_aggregation:
             label += f", summed by {self.sampler.secure_aggregation} aggregation"
         events = self.events(names, result)
