@@ -186,3 +186,18 @@ def test_a_canary_audit_of_the_private_starts_release_stays_within_the_claim_and
     honest, broken = audit(nm, 0), audit(nm / 2, 1)
     assert honest <= claimed <= target + 1e-3
     assert broken > claimed, (honest, broken, claimed)
+
+
+def test_the_private_answers_refuse_a_clients_local_draws_instead_of_leaving_them_out():
+    clients, _, _ = hierarchy(400)
+    model = nf.dp_noise(patients, clip=3.0, delta=DELTA, noise_multiplier=5.0)
+    laplace = DPLaplace(model, num_steps=2)
+    fitted = laplace.run(jax.random.PRNGKey(0), clients, progress_bar=False)
+    with pytest.raises(ValueError, match="local latents stay on it"):
+        laplace.sample_posterior(jax.random.PRNGKey(1), fitted, 10, client="0")
+    sampler = nf.mcmc.DPMetropolis(model, num_warmup=2, num_samples=3)
+    result = sampler.run(jax.random.PRNGKey(0), clients, progress_bar=False)
+    with pytest.raises(ValueError, match="local latents are drawn on it and never sent"):
+        sampler.get_samples(result, client="0")
+    with pytest.raises(ValueError, match="local latents are drawn on it and never sent"):
+        sampler.sample_posterior(jax.random.PRNGKey(1), result, client="0")

@@ -62,6 +62,10 @@ _UNSEEN = (
     "cannot tell whether the clip bound; where it did, the chains target the posterior with those ratios clipped. "
     "Check the same fit in simulation, where the counts are read"
 )
+_LOCAL_DRAWS = (
+    "DPMetropolis: client {client!r}'s local latents are drawn on it and never sent, and reading them back is not "
+    "offered: the draws here are the global sites'"
+)
 _CLIPPED = (
     "{cls}: client(s) {clients} clipped {rows} row log-likelihood ratio(s) in all (|ratio| > clip = {clip:g}): the "
     "chains then target the posterior with those ratios clipped, not the posterior itself. Raise dp_noise's clip "
@@ -287,14 +291,17 @@ class DPMetropolis(FederatedInference):
 
     def get_samples(self, result: RunResult, group_by_chain: bool = False, *, client: Optional[str] = None):
         """The draws per global site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
-        ``(num_chains, num_samples, ...)``)."""
+        ``(num_chains, num_samples, ...)``). A client's local draws stay on it (``client=`` raises)."""
+        if client is not None:
+            raise ValueError(_LOCAL_DRAWS.format(client=client))
         draws = dict(result.params.samples)
         return draws if group_by_chain else {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
 
     def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None):
-        """``num_samples`` of the chains' draws (all when ``None``), picked without replacement."""
-        return pick_draws(rng_key, self.get_samples(result), num_samples)
+        """``num_samples`` of the chains' draws (all when ``None``), picked without replacement (the
+        global sites; ``client=`` raises, as for :meth:`get_samples`)."""
+        return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
 
     def acceptance(self, result: RunResult) -> float:
         """The kept iterations' acceptance rate (public: the server's decisions)."""
