@@ -29,7 +29,7 @@ sds), the range of sd ratios, the rounds, the verdict, the epsilon each client's
 
     python benchmarks/dp_fit_utility.py
 
-Writes ``benchmarks/results/dp_fit_utility.json`` and ``docs/images/dp_fit_utility.png``.
+Writes ``benchmarks/results/dp_fit_utility.json`` and ``docs/img/dp_fit_utility.png``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dp_sampler_utility import patients_case, scalars, six_cities_case  # noqa: 
 from provenance import provenance  # noqa: E402
 
 RESULTS = HERE / "results" / "dp_fit_utility.json"
-FIGURE = HERE.parent / "docs" / "images" / "dp_fit_utility.png"
+FIGURE = HERE.parent / "docs" / "img" / "dp_fit_utility.png"
 EPSILONS = (0.5, 1.0, 2.0, 4.0)
 DELTA = 1e-5
 START = nf.dp.PrivateFit(start_clip=3.0)

@@ -232,4 +232,4 @@ def test_the_private_fit_utility_table_and_plot_are_their_results():
     missing = [row for row in rows if row not in text]
     assert not missing, missing
     assert f"commit {results['commit']}" in text and not results["dirty"]
-    assert "images/dp_fit_utility.png" in text and (ROOT / "docs" / "images" / "dp_fit_utility.png").exists()
+    assert "img/dp_fit_utility.png" in text and (ROOT / "docs" / "img" / "dp_fit_utility.png").exists()

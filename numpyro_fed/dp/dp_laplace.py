@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +259,8 @@ class DPLaplace(FederatedInference):
     params_type = GaussianParams
     family_run_options = ("ledger",)
 
-    def __init__(self, model: Callable, *, num_steps: int = 8, init=None, row_plate: Optional[str] = None,
+    def __init__(self, model: Callable, *, num_steps: int = 8, init: Optional[Any] = None,
+                 row_plate: Optional[str] = None,
                  model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
         from ..mcmc.dp_mh_inference import SamplerPrivacy
 

@@ -68,7 +68,7 @@ _NOT_OK = (
 class PrivateFit(NamedTuple):
     """How :func:`numpyro_fed.fit` spends a ``dp_noise`` budget (see :mod:`numpyro_fed.dp.private_fit`).
 
-    Args:
+    Attributes:
         start_clip: the clip of each row's ``(gradient, Hessian upper triangle)`` vector in the
             private start (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`). Choose it above the
             typical row's norm (a clip that binds shrinks the start towards the prior, and the

@@ -148,10 +148,11 @@ def ep(
             (:func:`split_first_round`).
         aggregation: with ``trusted_aggregator``: ``"trusted"`` or ``"masking"`` (see
             :func:`~numpyro_fed.factor.updates.factor_protocol`).
-        variant, num_shards: ``"plain"``, or ``"virtual"`` with ``num_shards`` shards per client,
-            each fitted on its own rows against its own cavity (Heikkilä et al. (2023) Alg. 3; the
-            local latents must each belong to one row). Not ``"local_averaging"``: its ``1/N``
-            weight on the KL does not split from the local sites of a joint fit.
+        variant: ``"plain"``, or ``"virtual"``: ``num_shards`` shards per client, each fitted on
+            its own rows against its own cavity (Heikkilä et al. (2023) Alg. 3; the local latents
+            must each belong to one row). Not ``"local_averaging"``: its ``1/N`` weight on the KL
+            does not split from the local sites of a joint fit.
+        num_shards: shards per client for ``"virtual"``.
 
     References:
         Yue et al. (2022) (Algorithms 2 and 3); Vehtari et al. (2020), "Expectation propagation as
