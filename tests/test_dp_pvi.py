@@ -19,6 +19,7 @@ import numpyro_fed as nf
 from numpyro_fed.dp.accounting import epsilon
 from numpyro_fed.inference import fitted
 
+from .test_dp_metropolis import patients
 from .test_pvi import linear_model
 
 
@@ -190,15 +191,6 @@ def test_families_without_a_dp_mechanism_refuse_a_marked_model(clients):
     plain = nf.vertical_split(vertical_model, clients=SPEC, rho=0.5, response="y")
     nf.VerticalSVI(plain, nf.VerticalGuide("meanfield"), optax.adam(0.05)).init(jax.random.PRNGKey(0),
                                                                               **vertical_data())
-
-
-def patients(y):
-    """A random effect per row (a patient with three measurements), local to its client."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    with numpyro.plate("rows", y.shape[0]):
-        with nf.local_site():
-            b = numpyro.sample("b", dist.Normal(mu, 1.0))
-        numpyro.sample("y", dist.Normal(b[:, None], 1.0).to_event(1), obs=y)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import dp_accounting
 import dp_accounting.pld
 import jax
 import numpy as np
-import numpyro
 import numpyro.distributions as dist
 import pytest
 
@@ -22,16 +21,9 @@ import numpyro_fed as nf
 from numpyro_fed.dp import PrivacyBudgetError, PrivacyLedger
 from numpyro_fed.dp.dp_laplace import DPLaplace
 
+from .test_dp_metropolis import patients
+
 DELTA = 1e-5
-
-
-def patients(y):
-    """A random effect per row (a patient with three measurements), local to its client."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    with numpyro.plate("rows", y.shape[0]):
-        with nf.local_site():
-            b = numpyro.sample("b", dist.Normal(mu, 1.0))
-        numpyro.sample("y", dist.Normal(b[:, None], 1.0).to_event(1), obs=y)
 
 
 def hierarchy(n, seed=1):

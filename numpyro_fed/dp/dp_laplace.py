@@ -37,19 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from .._structure import trace_model
 from .._trace import prior_median
 from .._validation import check_positive_int
 from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..inference import FederatedInference, Setup, fitted
-from ..model_terms import TermsSetup, build_terms, site_supports
+from ..model_terms import TermsSetup
 from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..secure import check_aggregation
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
-from .accounting import calibrate_noise_multiplier
-from .annotation import dp_sites
 
 __all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
 
@@ -285,34 +282,13 @@ class DPLaplace(FederatedInference):
         return num_rounds
 
     def _build(self, clients) -> Setup:
-        from ..mcmc.dp_mh_inference import marked_row_plate, row_locals, row_log_lik_fn
+        from ..mcmc.dp_mh_inference import row_locals, row_terms
 
-        first = clients.names[0]
-        tr = trace_model(self.model, clients[first], self.model_kwargs)
-        specs = dp_sites(tr)
-        if not specs:
-            raise ValueError(_NO_DP)
-        if len(set(specs.values())) > 1:
-            raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; mark them with one")
-        spec = next(iter(specs.values()))
-        row_plate = marked_row_plate(self.row_plate, tr, clients.num_rows[first])
-        plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPLaplace", client_mapping="vmap",
-                                  row_plate=row_plate, prior_factor="none", offers_dp=True)
-        local = extra.terms.local if extra.terms.num_local else None
-        if local is not None and any(axis is None for axis in local.row_axes):
-            raise ValueError(_LOCALS.format(names=[n for n, a in zip(local.names, local.row_axes) if a is None]))
-        for name in clients.names:
-            spec.check_rows(clients.num_rows[name], name)
-        row_plate = plan.row_plate or extra.structure.row_plate or row_plate
-        if row_plate is None:
-            raise ValueError("DPLaplace: name the plate that indexes rows (row_plate=...)")
-        nm = (calibrate_noise_multiplier(spec.epsilon, spec.delta, self.num_steps) if spec.epsilon is not None
-              else float(spec.noise_multiplier))
+        terms = row_terms("DPLaplace", self.model, self.model_kwargs, clients, self.row_plate, self.num_steps, _NO_DP,
+                          _LOCALS)
+        spec, nm, setup, local, row_term = terms.spec, terms.noise_multiplier, terms.setup, terms.local, terms.row_term
         self.privacy = (spec, nm)
-        layout = extra.structure.global_latent
-        setup = Setup(clients, None, plan, extra, {})
-        supports = site_supports(self.model, self.model_kwargs, setup, client_data(plan, 0).args)
-        row_term = row_log_lik_fn(self.model, self.model_kwargs, layout, supports, row_plate, local)
+        plan, layout = setup.plan, setup.extra.structure.global_latent
         index = None
         if local is not None:
             padded = client_data(plan, 0).row_mask.shape[0]
@@ -327,7 +303,7 @@ class DPLaplace(FederatedInference):
         share = np.sqrt(len(clients)) if self.secure_aggregation else 1.0
         config = DPLaplaceConfig(self.num_steps, float(spec.clip), float(nm * spec.clip / share),
                                  self.secure_aggregation)
-        algorithm = dp_laplace(extra.terms.log_prior, row_term, len(clients), start, config=config,
+        algorithm = dp_laplace(setup.extra.terms.log_prior, row_term, len(clients), start, config=config,
                                locals_index=index)
         return setup._replace(algorithm=algorithm)
 

@@ -11,7 +11,7 @@ composes runs), and checks the chains.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,48 @@ _CLIPPED = (
     "chains then target the posterior with those ratios clipped, not the posterior itself. Raise dp_noise's clip "
     "(more noise for the same epsilon), or start nearer the mode (init=) with a smaller proposal"
 )
+
+
+class RowTerms(NamedTuple):
+    """What a per-row private family builds from a ``dp_noise``-marked model (:func:`row_terms`)."""
+
+    spec: Any  # the model's one DPSpec
+    noise_multiplier: float  # sigma / C, calibrated to the spec's epsilon for the releases, or given
+    setup: Setup  # the clients' layout and the model's terms (no algorithm yet)
+    local: Any  # the local latents' layout, or None
+    row_term: Callable  # (u, data) -> (rows,), or (u, v, data) -> (rows,) with local latents
+
+
+def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate: Optional[str], releases: int,
+              no_dp: str, shared_locals: str) -> RowTerms:
+    """Check a ``dp_noise``-marked model for a family that clips each row's term (one spec; local
+    latents, if any, in the row plate; ``delta`` below ``1/n``), lay the clients out, plan the noise
+    for ``releases`` releases per client, and build each row's term."""
+    first = clients.names[0]
+    tr = trace_model(model, clients[first], model_kwargs)
+    specs = dp_sites(tr)
+    if not specs:
+        raise ValueError(no_dp)
+    if len(set(specs.values())) > 1:
+        raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; mark them with one")
+    spec = next(iter(specs.values()))
+    plan, extra = build_terms(model, model_kwargs, clients, cls=cls, client_mapping="vmap",
+                              row_plate=marked_row_plate(row_plate, tr, clients.num_rows[first]),
+                              prior_factor="none", offers_dp=True)
+    local = extra.terms.local if extra.terms.num_local else None
+    if local is not None and any(axis is None for axis in local.row_axes):
+        raise ValueError(shared_locals.format(names=[n for n, a in zip(local.names, local.row_axes) if a is None]))
+    for name in clients.names:
+        spec.check_rows(clients.num_rows[name], name)
+    row_plate = plan.row_plate or extra.structure.row_plate or row_plate
+    if row_plate is None:
+        raise ValueError(f"{cls}: name the plate that indexes rows (row_plate=...)")
+    nm = (calibrate_noise_multiplier(spec.epsilon, spec.delta, releases) if spec.epsilon is not None
+          else float(spec.noise_multiplier))
+    setup = Setup(clients, None, plan, extra, {})
+    supports = site_supports(model, model_kwargs, setup, client_data(plan, 0).args)
+    row_term = row_log_lik_fn(model, model_kwargs, extra.structure.global_latent, supports, row_plate, local)
+    return RowTerms(spec, nm, setup, local, row_term)
 
 
 def marked_row_plate(row_plate: Optional[str], tr, num_rows: int) -> Optional[str]:
@@ -234,37 +276,12 @@ class DPMetropolis(FederatedInference):
         return num_rounds
 
     def _build(self, clients) -> Setup:
-        first = clients.names[0]
-        tr = trace_model(self.model, clients[first], self.model_kwargs)
-        specs = dp_sites(tr)
-        if not specs:
-            raise ValueError(_NO_DP)
-        if len(set(specs.values())) > 1:
-            raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; mark them with one")
-        spec = next(iter(specs.values()))
-
-        plan, extra = build_terms(self.model, self.model_kwargs, clients, cls="DPMetropolis", client_mapping="vmap",
-                                  row_plate=marked_row_plate(self.row_plate, tr, clients.num_rows[first]),
-                                  prior_factor="none", offers_dp=True)
-        local = extra.terms.local if extra.terms.num_local else None
-        if local is not None and any(axis is None for axis in local.row_axes):
-            shared = [n for n, axis in zip(local.names, local.row_axes) if axis is None]
-            raise ValueError(_LOCALS.format(names=shared))
-        rows = clients.num_rows
-        for name in clients.names:
-            spec.check_rows(rows[name], name)
-        row_plate = plan.row_plate or extra.structure.row_plate or self.row_plate
-        if row_plate is None:
-            raise ValueError("DPMetropolis: name the plate that indexes rows (row_plate=...)")
-        if spec.epsilon is not None:
-            nm = calibrate_noise_multiplier(spec.epsilon, spec.delta, self.releases_per_client)
-        else:
-            nm = float(spec.noise_multiplier)
+        terms = row_terms("DPMetropolis", self.model, self.model_kwargs, clients, self.row_plate,
+                          self.releases_per_client, _NO_DP, _LOCALS)
+        spec, nm, setup, local, row_log_lik = terms.spec, terms.noise_multiplier, terms.setup, terms.local, \
+            terms.row_term
         self.privacy = (spec, nm)
-        layout = extra.structure.global_latent
-        setup = Setup(clients, None, plan, extra, {})
-        supports = site_supports(self.model, self.model_kwargs, setup, client_data(plan, 0).args)
-        row_log_lik = row_log_lik_fn(self.model, self.model_kwargs, layout, supports, row_plate, local)
+        plan, layout = setup.plan, setup.extra.structure.global_latent
         rows = None if local is None else row_locals(local, int(np.max(np.asarray(plan.num_rows))),
                                                      client_data(plan, 0).row_mask.shape[0])
         d = layout.size
@@ -280,7 +297,7 @@ class DPMetropolis(FederatedInference):
         share = np.sqrt(len(clients)) if self.secure_aggregation else 1.0  # the sum carries sigma
         config = DPMHConfig(self.num_warmup, self.num_samples, self.num_chains, float(spec.clip),
                             float(nm * spec.clip / share), self._penalty, self.local_steps, self.secure_aggregation)
-        algorithm = dp_metropolis(extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
+        algorithm = dp_metropolis(setup.extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
                                   rows=rows)
         return setup._replace(algorithm=algorithm)
 
