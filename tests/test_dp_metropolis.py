@@ -142,6 +142,12 @@ def test_a_canary_audit_of_the_release_step_stays_within_the_claim_and_catches_h
         state = core.DPMHClientState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         return core._client_step(key, state, b, data, row_log_lik=row_log_lik, config=config)[1]["llr"][0]
 
+    canary_audit(release, nm, claimed, target, runs)
+
+
+def canary_audit(release, nm, claimed, target, runs):
+    """The audit of ``release(key, sign, noise_multiplier)`` (its statistic on the neighbour with the
+    canary at ``sign``): within the claim at ``nm``, and refuting it at ``nm / 2``."""
     run = jax.jit(jax.vmap(release, in_axes=(0, None, None)))
 
     def audit(noise_multiplier, seed):

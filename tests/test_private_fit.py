@@ -147,11 +147,10 @@ def test_a_canary_audit_of_the_private_starts_release_stays_within_the_claim_and
     above the clip, in opposite directions); the statistic is the released gradient sum of the
     client's real step on the real model's rows, 200,000 runs on each."""
     from numpyro_fed.clients import ClientData
-    from numpyro_fed.dp.audit import empirical_epsilon
     from numpyro_fed.dp.dp_laplace import DPLaplaceClient, DPLaplaceConfig, dp_laplace
     from numpyro_fed.mcmc.dp_mh_inference import row_log_lik_fn
 
-    from .test_dp_metropolis import _layout, normal_mean
+    from .test_dp_metropolis import _layout, canary_audit, normal_mean
 
     clip, runs, target = 1.0, 200_000, 2.0
     nm = nf.dp.calibrate_noise_multiplier(target, DELTA, 1)
@@ -168,16 +167,7 @@ def test_a_canary_audit_of_the_private_starts_release_stays_within_the_claim_and
         broadcast = nf.protocol.Broadcast({"u": jax.numpy.zeros(1)})
         return algorithm.exchanges[0].client_step(key, state, broadcast, data)[1]["z"][0]
 
-    run = jax.jit(jax.vmap(release, in_axes=(0, None, None)))
-
-    def audit(noise_multiplier, seed):
-        keys = jax.random.split(jax.random.PRNGKey(seed), 2 * runs)
-        return empirical_epsilon(np.asarray(run(keys[:runs], 1.0, noise_multiplier)),
-                                 np.asarray(run(keys[runs:], -1.0, noise_multiplier)), DELTA)
-
-    honest, broken = audit(nm, 0), audit(nm / 2, 1)
-    assert honest <= claimed <= target + 1e-3
-    assert broken > claimed, (honest, broken, claimed)
+    canary_audit(release, nm, claimed, target, runs)
 
 
 def test_the_private_answers_refuse_a_clients_local_draws_instead_of_leaving_them_out():

@@ -67,6 +67,11 @@ _NO_DP = (
 )
 _UNEVEN = ("DPLaplace: the rows hold different numbers of local entries ({counts}); every row's local latents must "
            "have the same shape")
+_UNCHECKED = (
+    "DPLaplace: the private Laplace approximation is not checked against the posterior (the check's terms would "
+    "cost privacy), and no row's term was clipped. Where the posterior is far from Gaussian in the global sites it "
+    "can be off without a sign: check the same model on non-private or synthetic data of the same shape"
+)
 _CLIPPED = (
     "DPLaplace: client(s) {clients} clipped {rows} row term(s) in the last round (|(gradient, Hessian)| > clip = "
     "{clip:g}): the approximation is then of the clipped terms, shrunk towards the prior. Raise dp_noise's clip "
@@ -331,7 +336,7 @@ class DPLaplace(FederatedInference):
 def dp_laplace_check(inference: DPLaplace, result: RunResult) -> Verdict:
     """No check against the posterior (it would cost privacy); the clients' own counts of clipped
     rows in the last round (read where the simulation holds the clients' states): ``"biased"``
-    where a clip bound, ``"unchecked"`` otherwise."""
+    where a clip bound (a warning names the clients), ``"unchecked"`` otherwise (a warning says so)."""
     names = list(fitted(inference).plan.names)
     try:
         clipped = {n: int(result.client_states[n].clipped) for n in names}
@@ -345,4 +350,5 @@ def dp_laplace_check(inference: DPLaplace, result: RunResult) -> Verdict:
         warnings.warn(_CLIPPED.format(clients=bad, rows=sum(clipped.values()), clip=spec.clip), UnreliableFitWarning,
                       stacklevel=find_stack_level())
         return Verdict("biased", "none", f"{sum(clipped.values())} row terms were clipped in the last round")
+    warnings.warn(_UNCHECKED, UncheckedFitWarning, stacklevel=find_stack_level())
     return Verdict("unchecked", "none", "a private fit is not checked against the posterior (no clip bound)")

@@ -35,7 +35,7 @@ from numpyro.primitives import Messenger
 
 from .._structure import trace_model
 from .._validation import check_positive_int
-from ..warnings import UnreliableFitWarning, find_stack_level
+from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DP_KEY, DPSpec, dp_sites
 
@@ -163,7 +163,10 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     log: List[str] = []
     if progress_bar is not None:
         start.progress_bar = bool(progress_bar)
-    first = start.run(jax.random.fold_in(rng_key, 0), clients, ledger=ledger, **run_options)
+    with warnings.catch_warnings():
+        if exact:  # the start's own "not checked" is moot: the sampler checks, or the fallback warns
+            warnings.filterwarnings("ignore", category=UncheckedFitWarning)
+        first = start.run(jax.random.fold_in(rng_key, 0), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
                f"{plan.start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
