@@ -70,6 +70,12 @@ def _spec(clip, delta, noise_multiplier, epsilon) -> DPSpec:
                   None if epsilon is None else float(epsilon))
 
 
+def _jacobian_factor(name: str, visited) -> bool:
+    """Is ``name`` the factor NumPyro adds for the Jacobian of a latent site it evaluates in
+    unconstrained space (``_{site}_log_det``, right after ``site``; its ``potential_energy``)?"""
+    return name.startswith("_") and name.endswith("_log_det") and name[1:-len("_log_det")] in visited
+
+
 class dp_noise(NamedSites):
     """Mark observed sites whose rows are protected by differential privacy.
 
@@ -108,6 +114,8 @@ class dp_noise(NamedSites):
             self.visited.append(msg["name"])
         if msg["type"] != "sample" or (self.sites is not None and msg["name"] not in self.sites):
             return
+        if self.sites is None and _jacobian_factor(msg["name"], self.visited):
+            return  # NumPyro's Jacobian term of a latent site it runs unconstrained: not rows; left alone
         if not msg.get("is_observed"):
             if self.sites is None:
                 return  # block form: latent sites inside are not rows; left alone

@@ -8,7 +8,8 @@ releases ``sum_i clip_C(z_i) + sigma xi`` (``xi`` standard normal from its own k
 mechanism of sensitivity ``2C`` under the substitution of one row, noise multiplier ``sigma / C``.
 The server adds the prior's gradient and Hessian and takes a saddle-free Newton step (the
 Hessian's eigenvalues by their absolute values, at least the prior's least curvature; the step at
-most :data:`TRUST` long). After the last round the approximation is ``N(u, (-H)^-1)``.
+most :data:`TRUST` long, the limit halved after a step the new gradient says overshot). After the
+last round the approximation is ``N(u, (-H)^-1)``.
 
 The noise does not grow with the rows while the sums do: with ``n`` rows a Newton step's error is
 about ``sigma / n`` of the per-row information, so many rows per client make the start accurate at
@@ -90,6 +91,8 @@ class DPLaplaceServer(NamedTuple):
     u: jax.Array
     precision: jax.Array  # (d, d) -(H) made positive definite, at the last point evaluated
     step: jax.Array
+    radius: jax.Array  # the trust region's radius: halved when a step overshot, regrown when not
+    last: jax.Array  # (d,) the last step taken
 
 
 class DPLaplaceClient(NamedTuple):
@@ -193,7 +196,7 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     def init_server(rng_key):
         del rng_key
         eye = jnp.eye(d, dtype=dtype)
-        s = DPLaplaceServer(start, eye, jnp.zeros((), jnp.int32))
+        s = DPLaplaceServer(start, eye, jnp.zeros((), jnp.int32), jnp.asarray(TRUST, dtype), jnp.zeros(d, dtype))
         return s, Broadcast({"u": start})
 
     def init_client(rng_key, data):
@@ -217,11 +220,14 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
         # far-from-the-mode Hessian is not concave still goes uphill; floored at the prior's
         w = jnp.maximum(jnp.abs(w), prior_floor)
         step = vec @ ((vec.T @ g) / w)
+        # the gradient here against the last step (public, released sums only): negative, it overshot
+        radius = jnp.where(g @ state.last < 0, state.radius / 2, jnp.minimum(state.radius * 1.5, TRUST))
         size = jnp.linalg.norm(step)  # in the unconstrained space
-        step = jnp.where(size > TRUST, step * TRUST / size, step)
+        step = jnp.where(size > radius, step * radius / size, step)
         ok = complete & jnp.all(jnp.isfinite(step))
         new = DPLaplaceServer(jnp.where(ok, u + step, u), jnp.where(ok, (vec * w) @ vec.T, state.precision),
-                              state.step + ok.astype(jnp.int32))
+                              state.step + ok.astype(jnp.int32), jnp.where(ok, radius, state.radius),
+                              jnp.where(ok, step, state.last))
         return new, Broadcast({"u": new.u}), {"moved": size, "complete": complete}
 
     return FederatedAlgorithm(
