@@ -148,7 +148,6 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     ledger = run_options.pop("ledger", None)
     names = list(clients.names)
     common = dict(model_kwargs=model_kwargs, row_plate=row_plate)
-
     share = plan.start_share if exact else 1.0
     start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * share)
     start = DPLaplace(with_spec(model, start_spec), num_steps=plan.start_rounds, secure_aggregation=secure, **common)
