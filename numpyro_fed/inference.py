@@ -49,10 +49,17 @@ def _shapes(tree) -> tuple:
 
 def with_exchange_traffic(comm, exchanges):
     """``comm`` plus the messages of the after-run exchanges (``[(sent, got), ...]``, each
-    ``{client: message}``), as serialised: a fit check's traffic over a network backend."""
+    ``{client: message}``, as serialised; or a protocol's counted traffic, with ``up``,
+    ``down``, ``msgs_up`` and ``msgs_down``): a fit check's traffic over a network backend."""
     from .transcript import message_bytes
 
-    for sent, got in exchanges:
+    for exchange in exchanges:
+        if hasattr(exchange, "msgs_up"):
+            comm = comm._replace(bytes_up=comm.bytes_up + exchange.up, bytes_down=comm.bytes_down + exchange.down,
+                                 messages_up=comm.messages_up + exchange.msgs_up,
+                                 messages_down=comm.messages_down + exchange.msgs_down)
+            continue
+        sent, got = exchange
         comm = comm._replace(bytes_up=comm.bytes_up + sum(message_bytes(m) for m in got.values()),
                              bytes_down=comm.bytes_down + sum(message_bytes(m) for m in sent.values()),
                              messages_up=comm.messages_up + len(got), messages_down=comm.messages_down + len(sent))

@@ -116,12 +116,6 @@ _UNKNOWN_OPTION = (
 )
 
 
-_SECURE_OVER_NETWORK = (
-    "nf.fit(secure_aggregation=...) runs in simulation only for now: over a network backend the two fit checks' "
-    "terms are still sent per client. Drop secure_aggregation= there, or fit in simulation"
-)
-
-
 def _run_options():
     from .inference import RUN_OPTIONS
 
@@ -361,8 +355,6 @@ class Ladder:
         clients = clients if self._kept is None else self._kept["clients"]
         backend = run_options.get("backend")
         network = isinstance(backend, NetworkBackend)
-        if network and self.rung_options.get("secure_aggregation") is not None:
-            raise NotImplementedError(_SECURE_OVER_NETWORK)
         log: List[str] = []
         results: List[Any] = []
         rounds, bytes_ = 0, (0, 0)

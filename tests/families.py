@@ -173,6 +173,47 @@ DP_FAMILIES = {f.__name__: f for f in (pvi_dp_optimisation, pvi_dp_local_averagi
                                        svi_dp_trusted)}
 
 
+def laplace_masking():
+    """Laplace's gradients and Hessians summed by pairwise masking (no trusted party)."""
+    return nf.factor.Laplace(ep_model, secure_aggregation="masking"), horizontal_data()
+
+
+def pvi_dp_masking():
+    """DP-PVI by update perturbation on a model with a local latent per row, the noised updates
+    summed by pairwise masking."""
+    model = nf.dp_noise(hierarchical, clip=5.0, delta=1e-3, noise_multiplier=1.0)
+    return nf.PVI(model, damping=0.5, local_steps=30, dp="update_perturbation",
+                  secure_aggregation="masking"), horizontal_data()
+
+
+def mwg_masking():
+    """Federated Metropolis-within-Gibbs whose per-chain log-likelihood scalars are masked."""
+    from numpyro_fed.mcmc import FederatedMwG
+
+    init = (np.array([0.5]), 0.1 * np.eye(1))
+    return FederatedMwG(ep_model, num_warmup=16, num_samples=16, num_chains=2, init=init,
+                        secure_aggregation="masking"), horizontal_data()
+
+
+def dp_laplace_masking():
+    """The private Laplace fit (nf.fit(dp=...)'s start) on a model with a local latent per row, its
+    clipped, noised releases summed by pairwise masking."""
+    from numpyro_fed.dp.dp_laplace import DPLaplace
+
+    model = nf.dp_noise(hierarchical, clip=20.0, delta=1e-3, noise_multiplier=1.0)
+    return DPLaplace(model, num_steps=4, secure_aggregation="masking"), horizontal_data()
+
+
+def fit_masking():
+    """nf.fit's ladder with every exchange, and both fit checks, summed by pairwise masking."""
+    return nf.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="masking"), horizontal_data()
+
+
+#: families whose client terms reach the server only as a pairwise-masked sum
+MASKED_FAMILIES = {f.__name__: f for f in (laplace_masking, pvi_dp_masking, dp_laplace_masking, mwg_masking,
+                                           fit_masking)}
+
+
 def run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
     options.setdefault("progress_bar", False)

@@ -120,6 +120,13 @@ def marked_spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Opt
     return spec
 
 
+_NOT_OVER_NETWORK = (
+    "nf.fit(dp=...) runs in simulation only for now: its two stages are not yet announced to a network backend's "
+    "nodes. Over Flower run its families on their own (numpyro_fed.dp.dp_laplace.DPLaplace, then "
+    "nf.mcmc.DPMetropolis from its answer)"
+)
+
+
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
                 num_warmup: Optional[int], num_chains: Optional[int], model_kwargs: Optional[dict],
                 row_plate: Optional[str], client_mapping: str, progress_bar: Optional[bool],
@@ -141,8 +148,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     if other:
         raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
     if isinstance(run_options.get("backend"), NetworkBackend):
-        raise NotImplementedError("nf.fit(dp=...) runs in simulation only for now (DPMetropolis's clip counts and "
-                                  "the start's masking are not yet carried over a network backend)")
+        raise NotImplementedError(_NOT_OVER_NETWORK)
     secure = rung_options.get("secure_aggregation")
     run_options = dict(run_options)
     ledger = run_options.pop("ledger", None)

@@ -58,7 +58,8 @@ def client_value(name: str, setup, data, payload, rng_key) -> Dict[str, Any]:
             terms.log_joint, d, terms.num_local, payload["mean"], data, random.PRNGKey(5))
         k = jax.jit(local_integral_k, static_argnums=(0, 1, 2))(terms.log_joint, d, terms.num_local,
                                                                 payload["mean"], data, key)
-        return {"gaussian": jnp.asarray(gaussian, jnp.int32), "k": jnp.asarray(k, jnp.float32)}
+        return {"gaussian": jnp.asarray(gaussian, jnp.int32), "k": jnp.asarray(k, jnp.float32),
+                "k_ok": jnp.asarray(k <= PARETO_K_LIMIT, jnp.int32)}
     sampled = bool(int(payload["sampled"]))
     cache = ("client_check", sampled)
     if cache not in setup.cache:
@@ -74,29 +75,40 @@ def network_check(network, setup, result, num_draws: int
                   ) -> Tuple[Optional[np.ndarray], Optional[np.ndarray], str, list]:
     """``(log_w, u, why, exchanges)``: the check's log weights and ``num_draws`` draws computed
     with the clients over ``network`` (``log_w`` None when some client did not answer, or ``why``
-    says the check cannot be trusted), and the ``(sent, got)`` messages of each exchange."""
+    says the check cannot be trusted), and each exchange's traffic (its ``(sent, got)`` messages,
+    or the masking protocol's ``Traffic``). When the run summed its clients' terms securely, so
+    does the check: each of its two exchanges is one sum over the clients by pairwise masking
+    (the server learns how many clients' local integrals are Gaussian and have a Pareto k within
+    the limit, and the sum of their log-likelihoods per draw)."""
     terms, J = setup.extra.terms, len(setup.plan.names)
     q = result.state.server.q
     mean, _ = G.to_moments(q)
     mean = jnp.asarray(mean, jnp.float32)
     rnd, exchanges = int(result.communication.rounds), []
+    secure = any(ex.secure_sum for ex in setup.algorithm.exchanges)
 
-    def ask(name, payload):
+    def ask(name, payload):  # the sum over the clients of each field, or None
         payloads = {j: payload for j in range(J)}
-        like = ({"gaussian": jax.ShapeDtypeStruct((), jnp.int32), "k": jax.ShapeDtypeStruct((), jnp.float32)}
+        like = ({"gaussian": jax.ShapeDtypeStruct((), jnp.int32), "k": jax.ShapeDtypeStruct((), jnp.float32),
+                 "k_ok": jax.ShapeDtypeStruct((), jnp.int32)}
                 if name == "local_integral" else {"values": jax.ShapeDtypeStruct((num_draws,), jnp.float32)})
+        if secure:
+            total, traffic = network.masked_values(name, payloads, like, result.transcript, rnd)
+            exchanges.append(traffic)
+            return total
         got = network.client_values(name, payloads, like, result.transcript, rnd)
         exchanges.append((payloads, got))
-        return got if len(got) == J else None
+        if len(got) < J:
+            return None
+        return {k: sum(got[j][k] for j in range(J)) for k in like}  # in client order, as the simulation sums
 
     sampled = False
     if terms.num_local:
         got = ask("local_integral", {"mean": mean})
         if got is None:
             return None, None, "some clients did not answer", exchanges
-        if not all(int(got[j]["gaussian"]) for j in range(J)):
-            k = [float(got[j]["k"]) for j in range(J)]
-            if not all(v <= PARETO_K_LIMIT for v in k):
+        if int(got["gaussian"]) < J:
+            if int(got["k_ok"]) < J:
                 return None, None, "proposal", exchanges
             sampled = True
     d = mean.shape[0]
@@ -105,6 +117,5 @@ def network_check(network, setup, result, num_draws: int
                               "sampled": jnp.asarray(int(sampled), jnp.int32)})
     if got is None:
         return None, None, "some clients did not answer", exchanges
-    values = sum(got[j]["values"] for j in range(J))  # in client order, as the simulation sums them
     server = jax.vmap(lambda x: terms.log_prior(x) - G.log_prob(q, x))(u)  # the model's own prior
-    return np.asarray(server + values, np.float64), np.asarray(u), "", exchanges
+    return np.asarray(server + got["values"], np.float64), np.asarray(u), "", exchanges

@@ -14,6 +14,10 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
   ``client_step`` and answers its message. A round's first exchange also says after which
   round the server holds this client's state (``kept``): a client whose last step's reply
   came too late takes that step back first (:func:`_counted`);
+- ``train`` / ``mask_keys``, ``mask_share``, ``mask_unmask``: the steps of pairwise masking
+  (:mod:`numpyro_fed.flower.masking`) around an exchange or a fit-check value whose sum the
+  server must learn and no client's part: the exchange's message then carries the shares
+  addressed to this client, and the client answers those fields masked;
 - ``train`` / ``stream``: the server's invitation to its stream (address and token,
   :mod:`numpyro_fed.flower.runtime.stream`): the client connects and answers the run's further
   messages over it with these same handlers and ``context`` until the server closes it.
@@ -51,6 +55,7 @@ from jax import random
 from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
 from ..warnings import MissingClientsWarning, UncheckedFitWarning, find_stack_level
+from . import masking
 from . import node_store as stored
 from .node_store import STATE_DIR_KEY
 from .runtime.stream import Frame, FrameError, FrameReply
@@ -63,6 +68,10 @@ __all__ = ["client_key", "make_client_app"]
 #: node_config key for reproducing the simulation's client keys (tests and studies only:
 #: with it the client's key derives from this seed as in ``SimulationBackend.init``)
 SEED_KEY = "numpyro-fed-seed"
+#: node_config key, a testing aid for fault-tolerance studies: ``"STEP:ROUND"`` makes this node
+#: fail its message of that step in that round (1-based) as a client that crashed there, e.g.
+#: ``"exchange:3"`` (its step of round 3) or ``"mask_unmask:2"`` (its unmasking shares of round 2)
+FAULT_KEY = "numpyro-fed-fault"
 # the simulation's secure sum (backends.simulation.aggregate_messages)
 _SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))
 
@@ -363,7 +372,12 @@ def _exchange(message, context):
         stored.store(context, built, slot, rnd + 1)
         stored.store_round(context, built, slot, rnd + 1)
     secure = built.algorithm.exchanges[e].secure_sum
-    if secure:  # sealed for the trusted aggregator; the server only relays it
+    if secure and built.algorithm.exchanges[e].aggregation == "masking":  # masked words, no third party
+        hidden = {k: v for k, v in out.items() if k in secure}
+        words = masking.client_masked_input(context, message.content["nf"], message.content, hidden,
+                                            len(built.structures.client_states))
+        out = {"direct": {k: v for k, v in out.items() if k not in secure}, "masked": words}
+    elif secure:  # sealed for the trusted aggregator; the server only relays it
         if not built.aggregator_key:
             raise ValueError("this exchange goes through a trusted aggregator, and the set-up named none")
         hidden = message_to_bytes({k: v for k, v in out.items() if k in secure})
@@ -386,6 +400,9 @@ def _client_value(message, context):
     payload = from_record(like, message.content["broadcast"])
     slot = _slot(built, context)  # its own key stays here: the family may draw from it
     value = built.inference.client_value(name, built.setup, slot.state, built.data, payload, rng_key=slot.rng_key)
+    if "shared" in message.content["nf"]:  # summed with the other clients' by pairwise masking
+        value = {"masked": masking.client_masked_input(context, message.content["nf"], message.content, value,
+                                                       len(built.structures.client_states))}
     return _reply(message, arrays=to_record(value))
 
 
@@ -421,6 +438,23 @@ def _aggregate(message, context):
     return _reply(message, arrays=to_record(summed))  # the leaves in the order the parts held them
 
 
+def _mask_step(step):
+    """The handler of a pairwise-masking step (:mod:`numpyro_fed.flower.masking`): its message
+    from this node's own secrets for the aggregation."""
+
+    def handler(message, context):
+        cfg = message.content["nf"]
+        if step == "mask_keys":
+            out = masking.client_keys(context, cfg)
+        elif step == "mask_share":
+            out = masking.client_share(context, cfg, message.content)
+        else:
+            out = masking.client_unmask(context, cfg, message.content)
+        return _reply(message, arrays=to_record(out))
+
+    return handler
+
+
 def _ledger(message, context):
     """At the end of a run: this client's privacy ledger (``releases``: the updates it sent,
     the accounting's input; the server saw them arrive), nothing else. Fit diagnostics it
@@ -453,6 +487,9 @@ FAILED = {
     "ledger": "reading its privacy ledger failed",
     "exchange": "its step failed",
     "aggregate": "the secure sum failed",
+    "mask_keys": "its secure-aggregation keys failed",
+    "mask_share": "sharing its secure-aggregation keys failed",
+    "mask_unmask": "its unmasking shares failed",
     "client_value": "its fit-check term failed",
     "task": "its executor could not run the task",
     "unknown": "it received a message it does not know",
@@ -495,7 +532,19 @@ def _unknown(message, context):
 
 
 _QUERIES = {"hello": _hello, "setup": _setup, "rejoin": _rejoin, "resume": _resume, "ledger": _ledger}
-_TRAINS = {"aggregate": _aggregate, "client_value": _client_value}
+_TRAINS = {"aggregate": _aggregate, "client_value": _client_value, **{k: _mask_step(k) for k in masking.STEPS}}
+
+
+def _faulted(kind: str, handler):
+    """``handler``, failing as a client that crashed at the step :data:`FAULT_KEY` names."""
+
+    def run(message, context):
+        fault, rnd = context.node_config.get(FAULT_KEY), message.content["nf"].get("round")
+        if fault is not None and rnd is not None and str(fault) == f"{kind}:{int(rnd) + 1}":
+            raise RuntimeError(f"this node's config names this step as a fault ({FAULT_KEY} = {str(fault)!r})")
+        return handler(message, context)
+
+    return run
 
 
 def _dispatch(message_type: str, message, context):
@@ -506,7 +555,8 @@ def _dispatch(message_type: str, message, context):
         return _guarded(kind if kind in _QUERIES else "unknown", _QUERIES.get(kind, _unknown), message, context)
     if kind == "stream" and not isinstance(message, Frame):
         return _guarded("stream", _stream, message, context)
-    return _guarded(kind if kind in _TRAINS else "exchange", _TRAINS.get(kind, _exchange), message, context)
+    stage = kind if kind in _TRAINS else "exchange"
+    return _guarded(stage, _faulted(stage, _TRAINS.get(kind, _exchange)), message, context)
 
 
 def _stream(message, context):

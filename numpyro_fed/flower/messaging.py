@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
+from ..transcript import message_bytes
 from .runtime.pace import Pacer
 from .runtime.pull import pull_replies, push_messages
 from .wire import Template, from_record, to_record
@@ -177,6 +178,42 @@ class Messenger:
                 if transcript is not None:
                     transcript.record(rnd, names[j], "server", out[j], exchange=name)
         return out
+
+    def masked_values(self, name: str, payloads: Dict[int, Any], like: Any, transcript=None, rnd: int = 0):
+        """As :meth:`client_values`, each client's value summed with the others' by pairwise
+        masking (:mod:`numpyro_fed.flower.masking`), so that the server learns only the sum over the
+        clients in ``payloads``. Returns ``(the sum in the structure of like, or None when some
+        client did not answer; the exchange's Traffic)``: a sum over fewer than every client asked
+        is not the check's, so one dropout loses it."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        from .masking import MaskedAggregation, Traffic, masked_like
+
+        names, traffic = self.template.names, Traffic()
+        protocol = MaskedAggregation(self, transcript, traffic, names, rnd, name, self.reply_timeout)
+        order = protocol.keys(sorted(payloads))
+        if len(order) < len(payloads):
+            return None, traffic
+        contents = []
+        for j in order:
+            extra, arrays = protocol.payload(j)
+            contents.append(RecordDict({"nf": ConfigRecord({"kind": "client_value", "name": name, "round": rnd,
+                                                            "exchange": name, **extra, **self.kept(j)}),
+                                        "broadcast": to_record(payloads[j]), "shares": to_record(arrays["shares"])}))
+            traffic.add_down(message_bytes(payloads[j]))
+            if transcript is not None:
+                transcript.record(rnd, "server", names[j], payloads[j], exchange=name)
+        replies = self.send([self.nodes[j] for j in order], contents, "train", self.reply_timeout)
+        wire = masked_like(like, tuple(like))[0]["masked"]
+        masked = {}
+        for j in order:
+            reply = replies.get(self.nodes[j])
+            if reply is not None:
+                masked[j] = from_record({"masked": wire}, reply.content["message"])["masked"]
+                traffic.add_up(message_bytes(masked[j]))
+        if len(masked) < len(order):
+            return None, traffic
+        return protocol.unmask(masked, like, len(names)), traffic
 
     def secure_sum(self, rnd: int, e: int, J: int, sealed: Dict[int, Any], hidden_like, timeout: float):
         """The trusted aggregator's sum of the sealed parts (zeros when no client answered,

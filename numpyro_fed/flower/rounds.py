@@ -28,6 +28,7 @@ from ..backends.mapping import client_item
 from ..protocol import Broadcast, ClientStates, RunState, ServerView, last_info
 from ..transcript import Communication, Transcript, message_bytes
 from ..warnings import MissingClientsWarning, find_stack_level
+from .masking import MaskedAggregation, Traffic, masked_like
 from .wire import WireStructures, describe, from_record, to_record, wire_like, wire_structures
 
 __all__ = ["SERVER_CHECKPOINT", "ClientLedger", "OverFlower", "Traffic", "resumed_checkpoint"]
@@ -40,19 +41,6 @@ class ClientLedger(NamedTuple):
     ledger (``releases``: the updates it sent), the input of ``privacy_report``."""
 
     releases: Any
-
-
-class Traffic:
-    """Bytes and messages that crossed the wire in a run, each way (``Communication``)."""
-
-    def __init__(self) -> None:
-        self.up = self.down = self.msgs_up = self.msgs_down = 0
-
-    def add_up(self, nbytes: int) -> None:
-        self.up, self.msgs_up = self.up + nbytes, self.msgs_up + 1
-
-    def add_down(self, nbytes: int) -> None:
-        self.down, self.msgs_down = self.down + nbytes, self.msgs_down + 1
 
 
 class _ServerSide(NamedTuple):
@@ -311,12 +299,12 @@ class OverFlower:
         answered = asked.copy()
         round_infos, sent = [], []
         for e, (exchange, key) in enumerate(zip(exchanges, k_ex)):
-            stacked, summed = self._exchange(r, e, broadcast, answered, timeout)
+            stacked, summed, seen = self._exchange(r, e, broadcast, answered, timeout)
             sent.append(stacked)
-            if exchange.secure_sum:  # the secure_sum fields arrive summed by the trusted aggregator
+            if exchange.secure_sum:  # the secure_sum fields arrive summed (aggregator or masking)
                 stacked = {**stacked, **summed}
             server, broadcast, info = server_side.steps[e](key, server, stacked,
-                                                           ServerView(jnp.asarray(answered), self.plan.server_data))
+                                                           ServerView(jnp.asarray(seen), self.plan.server_data))
             round_infos.append(info)
         for j in range(J):
             if asked[j]:
@@ -336,30 +324,46 @@ class OverFlower:
     def _exchange(self, r: int, e: int, broadcast: Broadcast, answered, timeout: float) -> tuple:
         """Exchange ``e`` of round ``r`` over the wire: each client in ``answered`` gets its
         broadcast, and ``answered`` is cleared for those whose reply did not come. Returns
-        ``(the messages stacked, zeros for a client that did not answer; the trusted aggregator's
-        sum of the secure_sum fields, or {})``."""
+        ``(the messages stacked, zeros for a client that did not answer; the sum of the
+        secure_sum fields, by the trusted aggregator or pairwise masking, or {}; the clients the
+        server step sees)``. Under masking, too few answers to remove the masks lose the round's
+        sum, as in the simulation: the server step then sees no client."""
         from flwr.app import ConfigRecord, RecordDict
 
         backend, structures = self.backend, self.structures
         names, J, transcript, traffic = self.names, len(self.names), self.transcript, self.traffic
+        exchange = self.algorithm.exchanges[e]
+        secure = exchange.secure_sum
+        masking = bool(secure) and exchange.aggregation == "masking"
+        protocol = MaskedAggregation(backend, transcript, traffic, names, r, e, timeout) if masking else None
         to = [j for j in range(J) if answered[j]]
+        if masking:  # the protocol's first two steps: keys advertised and shared
+            shared = set(protocol.keys(to))
+            for j in to:
+                answered[j] = j in shared
+            to = sorted(shared)
         contents = []
-        shared, per_client = jax.tree_util.tree_map(np.asarray, (broadcast.shared, broadcast.per_client))
+        shared_b, per_client = jax.tree_util.tree_map(np.asarray, (broadcast.shared, broadcast.per_client))
         for j in to:
-            b = Broadcast(shared, jax.tree_util.tree_map(lambda x, j=j: x[j], per_client))
+            b = Broadcast(shared_b, jax.tree_util.tree_map(lambda x, j=j: x[j], per_client))
             record = to_record(b)
             nf = {"kind": "exchange", "exchange": e, "round": r}
             if e == 0:  # after which round the server holds its state: a late reply's step is taken back
                 nf["kept"] = int(backend.last_round[j])
-            contents.append(RecordDict({"nf": ConfigRecord(nf), "broadcast": record}))
+            content = RecordDict({"broadcast": record})
+            if masking:  # the ciphertexts addressed to j, in the same message
+                extra, arrays = protocol.payload(j)
+                nf.update(extra)
+                content["shares"] = to_record(arrays["shares"])
+            content["nf"] = ConfigRecord(nf)
+            contents.append(content)
             traffic.add_down(message_bytes(b))
             if transcript is not None:
                 transcript.record(r, "server", names[j], from_record(structures.broadcasts[e], record),
                                   exchange=str(e))
-        replies = backend.send([backend.nodes[j] for j in to], contents, "train", timeout)
-        secure = self.algorithm.exchanges[e].secure_sum
-        like, direct_like, hidden_like = wire_like(structures.messages[e], secure)
-        rows, sealed = [], {}
+        replies = backend.send([backend.nodes[j] for j in to], contents, "train", timeout) if to else {}
+        like, direct_like, hidden_like = (masked_like if masking else wire_like)(structures.messages[e], secure)
+        rows, hidden = [], {}
         for j in range(J):
             reply = replies.get(backend.nodes[j]) if answered[j] else None
             if reply is None:
@@ -368,21 +372,32 @@ class OverFlower:
                 continue
             message = from_record(like, reply.content["message"])
             traffic.add_up(message_bytes(message))
-            if secure:  # the direct fields, and the sealed part the server relays unread
-                message, sealed[j] = message["direct"], message["sealed"]
+            if secure:  # the direct fields; the sealed part the server relays unread, or the masked words
+                message, hidden[j] = message["direct"], message["masked" if masking else "sealed"]
             if transcript is not None and (message or not secure):
                 transcript.record(r, names[j], "server", message, exchange=str(e))
-            if transcript is not None and secure:
-                transcript.record(r, names[j], "aggregator", {"sealed": sealed[j]}, exchange=str(e))
+            if transcript is not None and secure and not masking:
+                transcript.record(r, names[j], "aggregator", {"sealed": hidden[j]}, exchange=str(e))
             rows.append(message)
         zero = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), direct_like)
         stacked = jax.tree_util.tree_map(stack_rounds, *[m if m is not None else zero for m in rows])
-        summed = {}
-        if secure:
-            summed = backend.secure_sum(r, e, J, sealed, hidden_like, timeout)
+        summed, seen = {}, answered.copy()
+        if masking:
+            summed = protocol.unmask(hidden, hidden_like, J)
+            if summed is None:  # too few to unmask: no client's message reaches the server step
+                seen[:] = False
+                stacked = jax.tree_util.tree_map(np.zeros_like, stacked)
+                summed = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, _summed_dtype(s)), hidden_like)
+        elif secure:
+            summed = backend.secure_sum(r, e, J, hidden, hidden_like, timeout)
             if transcript is not None:
                 transcript.record(r, "aggregator", "server", summed, exchange=str(e))
-        return stacked, summed
+        return stacked, summed, seen
+
+
+def _summed_dtype(like) -> np.dtype:
+    """A sum's dtype: counts (``int32``) for integer and boolean fields, as ``jnp.sum``'s."""
+    return np.dtype(np.int32) if np.dtype(like.dtype).kind in "biu" else np.dtype(like.dtype)
 
 
 def ledger_of(name: str, ledgers: dict):

@@ -182,12 +182,6 @@ class FlowerBackend(Messenger):
 
     def _checked_run(self, algorithm, plan, availability, init_state) -> None:
         """``run``'s options checked against this backend and its connected clients."""
-        masked = [ex.name for ex in algorithm.exchanges if ex.secure_sum and ex.aggregation == "masking"]
-        if masked:
-            raise NotImplementedError(
-                f"exchange(s) {masked} sum their clients' terms by pairwise masking, which runs in simulation only "
-                "for now; over Flower use the trusted aggregator (secure_aggregation='trusted', with "
-                "LocalFederation(aggregator=True))")
         for what, value in (("availability= (dropout is real over Flower)", availability),
                             ("init_state= (resume with FlowerBackend(resume_from=...): the clients' states are on "
                              "their nodes)", init_state)):
@@ -198,7 +192,8 @@ class FlowerBackend(Messenger):
         names = list(plan.names)
         if names != self.template.names:
             raise ValueError(f"the plan's clients {names} are not the connected clients {self.template.names}")
-        if any(ex.secure_sum for ex in algorithm.exchanges) and self.aggregator is None:
+        trusted = [ex for ex in algorithm.exchanges if ex.secure_sum and ex.aggregation != "masking"]
+        if trusted and self.aggregator is None:
             raise ValueError("this algorithm sends parts of its messages through a trusted aggregator (secure_sum, "
                              "e.g. trusted_aggregator=True), and no SuperNode is one: start a SuperNode with "
                              f"node_config '{ROLE_KEY}=\"aggregator\"' (LocalFederation(..., aggregator=True))")
