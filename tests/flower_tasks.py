@@ -28,7 +28,22 @@ def _task(name):
     return FlowerTask(lambda: ALL[name]()[0], load_client)
 
 
+def _with_ledger(name):
+    """Task ``name`` run with ``ledger=``: a PrivacyLedger kept in the file ``NUMPYRO_FED_TEST_LEDGER`` names
+    (budget ``NUMPYRO_FED_TEST_BUDGET`` per client, delta 1e-3), so that it composes over runs."""
+    import dataclasses
+    import os
+
+    from numpyro_fed.dp import PrivacyLedger
+
+    ledger = PrivacyLedger(epsilon=float(os.environ["NUMPYRO_FED_TEST_BUDGET"]), delta=1e-3,
+                           path=os.environ["NUMPYRO_FED_TEST_LEDGER"])
+    return dataclasses.replace(_task(name), run_options={"ledger": ledger})
+
+
 def __getattr__(name):
     if name in ALL:
         return _task(name)
+    if name.endswith("_with_ledger") and name[:-len("_with_ledger")] in ALL:
+        return _with_ledger(name[:-len("_with_ledger")])
     raise AttributeError(name)

@@ -233,3 +233,22 @@ def test_the_private_fit_utility_table_and_plot_are_their_results():
     assert not missing, missing
     assert f"commit {results['commit']}" in text and not results["dirty"]
     assert "img/dp_fit_utility.png" in text and (ROOT / "docs" / "img" / "dp_fit_utility.png").exists()
+
+    runs, flat = results["runs"], " ".join(text.split())
+
+    def z(posterior, method):
+        return [r["max_abs_z"] for r in runs if r["posterior"].startswith(posterior) and r["method"] == method]
+
+    # the figures the prose quotes
+    big, small = z("patients (n = 20,000)", "nf.fit(dp)"), z("patients (n = 2,000)", "nf.fit(dp)")
+    assert f"within {min(big):.2f} to {max(big):.2f} sds" in flat
+    assert f"within {min(small):.2f} to {max(small):.2f} sds" in flat
+    pvi = z("patients", "DP-PVI")
+    assert f"DP-PVI: {min(pvi):.0f} to {max(pvi):.0f} sds off" in flat
+    cities = [r["max_abs_z"] for r in runs if r["posterior"].startswith("six cities")]
+    assert f"every method is {min(cities):.1f} to {max(cities):.0f} sds off" in flat
+    exact = [r for r in runs if r["method"] == "nf.fit(dp, exact)"]
+    assert all(r["answer"] == "dp_laplace" for r in exact) and "in no run did the sampler's verdict" in flat
+    plain = {(r["posterior"], r["epsilon"]): r["max_abs_z"] for r in runs if r["method"] == "nf.fit(dp)"}
+    ratio = max(r["max_abs_z"] / plain[r["posterior"], r["epsilon"]] for r in exact if r["posterior"].startswith("pat"))
+    assert f"up to {ratio:.1f} times further off" in flat

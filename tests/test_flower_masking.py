@@ -6,6 +6,7 @@ masked input had arrived). Each run (Laplace, DP-PVI with a local latent per row
 Laplace fit, Metropolis-within-Gibbs, nf.fit with its fit checks) equals the simulation with
 client 2 absent from round 2, and the server's transcript holds no client's term."""
 
+import os
 import warnings
 
 import numpy as np
@@ -28,12 +29,26 @@ PROTOCOL = ("['advertise_keys']", "['share_keys']", "['masked_input']", "['unmas
 FAULTS = {2: "exchange:2", 1: "mask_unmask:3"}  # node -> the step it fails
 
 
+BUDGET = 25.0  # each client's epsilon budget in the ledger test: one run of pvi_dp_masking fits (21.4), two do not
+
+
 @pytest.fixture(scope="module")
-def federation():
+def federation(tmp_path_factory):
     configs = [{"partition-id": i, "numpyro-fed-seed": 0, **({FAULT_KEY: FAULTS[i]} if i in FAULTS else {})}
                for i in range(3)]
-    with LocalFederation(configs, app_files=APP_FILES) as fed:
-        yield fed
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.json"  # the ServerApp's ledger (tests/flower_tasks.py)
+    saved = {k: os.environ.get(k) for k in ("NUMPYRO_FED_TEST_LEDGER", "NUMPYRO_FED_TEST_BUDGET")}
+    os.environ.update(NUMPYRO_FED_TEST_LEDGER=str(ledger), NUMPYRO_FED_TEST_BUDGET=str(BUDGET))
+    try:
+        with LocalFederation(configs, app_files=APP_FILES) as fed:  # its processes inherit the two
+            fed.ledger = ledger
+            yield fed
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _simulate(family, num_rounds, schedule, secure_aggregation=None):
@@ -165,3 +180,25 @@ def test_nf_fit_under_masking_over_flower_equals_the_simulation_with_its_checks_
                     assert not (e.sender == name and contains(e.value, value)), name
     # the check and the widened check: each client's two masked inputs in each
     assert checks.count("local_integral") == checks.count("log_weights") == 2 * 3
+
+
+def test_a_ledger_over_flower_refuses_the_run_past_a_clients_budget_and_covers_both(federation):
+    """Composition over Flower: the ServerApp's run takes ``ledger=`` (a PrivacyLedger kept in a
+    file, so that it composes over runs). The first DP-PVI run fits each client's budget and is
+    charged its releases; the same run again would take the clients past it and is refused
+    before any round, naming the client, the epsilon spent and the epsilon asked; the ledger's
+    report covers the first run, as its own privacy report does, and nothing of the second."""
+    import dp_accounting  # noqa: F401  (the accounting's library, as the report's)
+
+    from numpyro_fed.dp import PrivacyLedger
+    from numpyro_fed.flower.runtime.launcher import FederationError
+
+    first = federation.run("flower_tasks:pvi_dp_masking_with_ledger", 4, seed=0, num_clients=3, keep_values=True,
+                           reply_timeout=30.0)
+    own = {c.client: c.epsilon for c in first["privacy_report"].clients}
+    assert max(own.values()) < BUDGET  # the first run fits
+    with pytest.raises(FederationError, match=r"past its privacy budget: it has spent epsilon=[\d.]+ in 1 earlier "
+                                              r"run\(s\), this run asks for epsilon=[\d.]+"):
+        federation.run("flower_tasks:pvi_dp_masking_with_ledger", 4, seed=0, num_clients=3, reply_timeout=30.0)
+    report = PrivacyLedger(BUDGET, 1e-3, path=str(federation.ledger)).report()
+    assert {c.client: round(c.epsilon, 6) for c in report.clients} == {k: round(v, 6) for k, v in own.items()}
