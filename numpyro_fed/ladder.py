@@ -243,20 +243,23 @@ class Ladder:
     started from the Laplace fit, that fit's mode and covariance, which are global), and every
     party builds the same inference object from it with :meth:`rung`.
 
+    With ``dp=`` (a :class:`~numpyro_fed.dp.PrivateFit`, on a ``dp_noise``-marked model) it is
+    :func:`fit`'s private form (:mod:`numpyro_fed.dp.private_fit`): its stages, the private start
+    and the exact DP sampler, are announced and built the same way.
+
     Args: those of :func:`fit` but the model's data and the run options (a rung's own options,
     such as ``target_accept_prob``, by keyword).
     """
 
     #: an open-ended family (runs until it is done): a Flower task passes no round count
     open_ended = True
-    differentially_private = False  # nf.fit fits no differentially private model
 
     def __init__(self, model: Callable, *, exact: bool = False, num_samples: int = 1000,
                  num_warmup: Optional[int] = None, num_chains: Optional[int] = None,
                  model_kwargs: Optional[dict] = None,
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
                  progress_bar: Optional[bool] = None, max_rounds: Optional[int] = MAX_ROUNDS,
-                 **rung_options: Any) -> None:
+                 dp: Optional[Any] = None, **rung_options: Any) -> None:
         unknown = sorted(set(rung_options) - set(RUNG_OPTIONS))
         if unknown:
             raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS),
@@ -269,6 +272,14 @@ class Ladder:
         self.progress_bar = progress_bar
         self.max_rounds = None if max_rounds is None else check_positive_int("max_rounds", max_rounds)
         self._kept = None  # (run: the rungs kept for this model, options and data, numpyro_fed.fit_cache)
+        from .dp.private_fit import PrivateFit
+
+        self.dp = None if dp is None else PrivateFit(*dp).checked()
+
+    @property
+    def differentially_private(self) -> bool:
+        """Whether this is :func:`fit`'s private form (``dp=``)."""
+        return self.dp is not None
 
     # ------------------------------------------------------------------ rungs
     @staticmethod
@@ -295,6 +306,11 @@ class Ladder:
         from .factor import Laplace
         from .mcmc import FederatedMwG, FederatedNUTS
 
+        if self.dp is not None:  # a private fit's stage
+            from .dp.private_fit import private_rung
+
+            return private_rung(self.model, stage, model_kwargs=self.model_kwargs, row_plate=self.row_plate,
+                                rung_options=self.rung_options)
         spec = json.loads(stage) if stage else {"rung": "laplace", **({"check": False} if self.exact else {})}
         common = dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping)
         warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
@@ -348,6 +364,15 @@ class Ladder:
     def run(self, rng_key: jax.Array, clients: Any, **run_options: Any) -> Fit:
         """Climb the ladder on ``clients`` (see :func:`fit`); ``run_options`` go to every rung."""
         from .backends.base import NetworkBackend
+
+        if self.dp is not None:
+            from .dp.private_fit import private_fit
+
+            return private_fit(self.model, clients, rng_key, self.dp, num_samples=self.num_samples,
+                               num_warmup=self.num_warmup, num_chains=self.num_chains, model_kwargs=self.model_kwargs,
+                               row_plate=self.row_plate, client_mapping=self.client_mapping,
+                               progress_bar=self.progress_bar, rung_options=self.rung_options,
+                               run_options=run_options, exact=self.exact, default_warmup=MWG_WARMUP)
         from .factor.laplace_inference import NoModeError
 
         run_options = _without_checkpoints(run_options)

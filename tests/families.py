@@ -209,9 +209,17 @@ def fit_masking():
     return nf.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="masking"), horizontal_data()
 
 
+def fit_dp_masking():
+    """nf.fit(dp=..., exact=True): the private start, then the exact DP sampler from it, every release
+    summed by pairwise masking."""
+    model = nf.dp_noise(hierarchical, clip=2.0, delta=1e-3, epsilon=8.0)
+    return nf.ladder.Ladder(model, dp=nf.dp.PrivateFit(start_clip=20.0, start_rounds=4), exact=True, num_warmup=20,
+                            num_samples=20, secure_aggregation="masking"), horizontal_data()
+
+
 #: families whose client terms reach the server only as a pairwise-masked sum
 MASKED_FAMILIES = {f.__name__: f for f in (laplace_masking, pvi_dp_masking, dp_laplace_masking, mwg_masking,
-                                           fit_masking)}
+                                           fit_masking, fit_dp_masking)}
 
 
 def run(inference, inputs, rng_key, num_rounds, **options):

@@ -202,3 +202,53 @@ def test_a_ledger_over_flower_refuses_the_run_past_a_clients_budget_and_covers_b
         federation.run("flower_tasks:pvi_dp_masking_with_ledger", 4, seed=0, num_clients=3, reply_timeout=30.0)
     report = PrivacyLedger(BUDGET, 1e-3, path=str(federation.ledger)).report()
     assert {c.client: round(c.epsilon, 6) for c in report.clients} == {k: round(v, 6) for k, v in own.items()}
+
+
+def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_release(federation):
+    """``nf.fit(dp=..., exact=True, secure_aggregation="masking")`` as a Flower task (its
+    ``make_inference`` returns ``Ladder(model, dp=PrivateFit(...))``): the server announces each
+    stage, the private start and the exact DP sampler from it, and every node builds it from that
+    text (the noise the server calibrated, the start's mean and covariance). Client 2 drops in round
+    2 of each stage, as above; a round a client misses is repeated, as in the simulation. The
+    ladder takes the simulation's steps in as many rounds, its privacy report over both stages is
+    the simulation's, and no client's noised release (as it would reach a trusted aggregator) is
+    in any message at the server."""
+    import re
+
+    ladder, inputs = MASKED_FAMILIES["fit_dp_masking"]()
+    ladder.client_mapping, ladder.progress_bar = "loop", False
+    table = _schedule(800)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim = ladder.run(random.PRNGKey(0), inputs, availability=table)
+        trusted, _ = MASKED_FAMILIES["fit_dp_masking"]()
+        trusted.rung_options["secure_aggregation"] = "trusted"
+        trusted.client_mapping, trusted.progress_bar = "loop", False
+        clear = trusted.run(random.PRNGKey(0), inputs, availability=table, record_transcript=True, keep_values=True)
+    flower = federation.run("flower_tasks:fit_dp_masking", 1, seed=0, num_clients=3, keep_values=True,
+                            reply_timeout=30.0)
+    got = flower["fit"]
+    masked = lambda log: [re.sub(r"-?\d+(\.\d+)?(e[+-]\d+)?", "#", line) for line in log]  # noqa: E731
+    # the one difference: each client's count of clipped rows stays on its node, so over the network the start's
+    # verdict is "unchecked" where the simulation, which reads the counts, says whether a clip bound ("biased")
+    want_log = [re.sub(r"verdict (biased|ok)$", "verdict unchecked", line) if line.startswith("private start") else line
+                for line in sim.log]
+    assert got["method"] == sim.method and masked(got["log"]) == masked(want_log), got["log"]
+    assert any("count of clipped rows stays on its node, so whether the start's clip bound is not known" in w
+               for w in flower["warnings"])
+    assert got["rounds"] == sim.rounds and len(got["transcripts"]) == 2
+    want = sim.get_samples()
+    for k in want:
+        np.testing.assert_allclose(got["samples"][k], np.asarray(want[k]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose([c.epsilon for c in flower["privacy_report"].clients],
+                               [c.epsilon for c in sim.privacy_report().clients], rtol=1e-9)
+    assert [(r, names) for r, kind, names in flower["missing"] if kind == "round"] == [(2, ["2"])] * 2
+    releases = [e.value for r in clear.results for e in r.transcript.entries
+                if e.receiver == "aggregator" and e.value is not None and np.any(e.value != 0)]
+    assert releases
+    for transcript in got["transcripts"]:
+        up = [e for e in transcript.entries if e.receiver == "server" and e.exchange != "ledger"]
+        assert up and all(e.name.startswith(PROTOCOL) for e in up), {e.name for e in up}
+        for e in transcript.entries:
+            for release in releases:
+                assert not any(contains(v, release) for v in _words(e.value)), (e.round, e.sender, e.name)

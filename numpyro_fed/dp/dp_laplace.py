@@ -288,8 +288,10 @@ class DPLaplace(FederatedInference):
         return self.num_steps
 
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
-        if num_rounds is None:
-            return self.num_steps if options.get("availability") is None else 20 * self.num_steps
+        from ..mcmc.dp_mh_inference import may_drop
+
+        if num_rounds is None:  # a round a client misses is repeated, where one may
+            return 20 * self.num_steps if may_drop(options) else self.num_steps
         return num_rounds
 
     def _build(self, clients) -> Setup:

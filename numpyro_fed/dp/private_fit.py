@@ -26,6 +26,7 @@ says so (the sampler's own check names the clients whose clips bound).
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
@@ -39,7 +40,7 @@ from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_lev
 from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DP_KEY, DPSpec, dp_sites
 
-__all__ = ["PrivateFit", "marked_spec", "private_fit", "with_spec"]
+__all__ = ["STAGE_KEYS", "PrivateFit", "marked_spec", "private_fit", "private_rung", "stage_text", "with_spec"]
 
 _UNMARKED = (
     "nf.fit(dp=...) fits a model whose protected rows are marked: wrap its observed site(s) in "
@@ -63,6 +64,9 @@ _NOT_OK = (
     "clipped ratios. The answer is the private start, a Laplace approximation that is not checked against the "
     "posterior (the budget is spent either way; Fit.results holds both runs). More epsilon, secure_aggregation= (the "
     "noise shared among clients) or more rows per client help the sampler")
+
+_UNSEEN = ("; over a network backend each client's count of clipped rows stays on its node, so whether the start's "
+           "clip bound is not known here")
 
 
 class PrivateFit(NamedTuple):
@@ -120,11 +124,39 @@ def marked_spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Opt
     return spec
 
 
-_NOT_OVER_NETWORK = (
-    "nf.fit(dp=...) runs in simulation only for now: its two stages are not yet announced to a network backend's "
-    "nodes. Over Flower run its families on their own (numpyro_fed.dp.dp_laplace.DPLaplace, then "
-    "nf.mcmc.DPMetropolis from its answer)"
-)
+STAGE_KEYS = {"dp_laplace": 0, "dp_metropolis": 1}
+"""Each stage's key: the fit's key folded with this number (a seeded Flower node derives its own so)."""
+
+
+def stage_text(rung: str, spec: DPSpec, **settings: Any) -> str:
+    """The text naming one stage of a private fit: ``rung`` (``"dp_laplace"`` or
+    ``"dp_metropolis"``), its ``dp_noise`` settings and the stage's own (the start's rounds; the
+    sampler's chains and its start's mean and covariance), all public. A network backend's nodes
+    build the stage from it (:func:`private_rung`), as the server does."""
+    return json.dumps({"rung": rung, "key": STAGE_KEYS[rung], "spec": list(spec), **settings})
+
+
+def private_rung(model: Callable, stage: Optional[str], *, model_kwargs: Optional[dict] = None,
+                 row_plate: Optional[str] = None, rung_options: Optional[Dict[str, Any]] = None):
+    """The inference object of the stage ``stage`` names (:func:`stage_text`; ``None``: the
+    model's own ``dp_noise`` settings in a ``DPLaplace``, as a node asks before any stage)."""
+    from ..mcmc import DPMetropolis
+    from .dp_laplace import DPLaplace
+
+    options = dict(rung_options or {})
+    common = dict(model_kwargs=model_kwargs, row_plate=row_plate, secure_aggregation=options.get("secure_aggregation"))
+    if not stage:
+        return DPLaplace(model, **common)
+    settings = json.loads(stage)
+    marked = with_spec(model, DPSpec(*settings["spec"]))
+    if settings["rung"] == "dp_laplace":
+        return DPLaplace(marked, num_steps=int(settings["num_steps"]), **common)
+    if settings["rung"] == "dp_metropolis":
+        init = (np.asarray(settings["mean"], np.float64), np.asarray(settings["cov"], np.float64))
+        return DPMetropolis(marked, num_warmup=int(settings["num_warmup"]), num_samples=int(settings["num_samples"]),
+                            num_chains=int(settings["num_chains"]), init=init,
+                            **({"local_steps": options["local_steps"]} if "local_steps" in options else {}), **common)
+    raise ValueError(f"private_rung: no stage {settings['rung']!r} (its stages: {sorted(STAGE_KEYS)})")
 
 
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
@@ -138,25 +170,27 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     ``exact=True``: the start at ``start_share`` of it, then the DP sampler."""
     from ..backends.base import NetworkBackend
     from ..fit_result import Fit, chain_check, traffic
-    from ..mcmc import DPMetropolis
-    from .dp_laplace import DPLaplace
-
     plan = PrivateFit(*plan).checked()
     model_kwargs = dict(model_kwargs or {})
     spec = marked_spec(model, clients, model_kwargs, plan)
     other = sorted(set(rung_options) - set(_OWN))
     if other:
         raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
-    if isinstance(run_options.get("backend"), NetworkBackend):
-        raise NotImplementedError(_NOT_OVER_NETWORK)
+    backend = run_options.get("backend")
+    network = isinstance(backend, NetworkBackend)
     secure = rung_options.get("secure_aggregation")
+
+    def rung(stage: str):  # one stage, as every party builds it (a network backend's nodes from its text)
+        if network:
+            backend.stage = stage
+        return private_rung(model, stage, model_kwargs=model_kwargs, row_plate=row_plate, rung_options=rung_options)
+
     run_options = dict(run_options)
     ledger = run_options.pop("ledger", None)
     names = list(clients.names)
-    common = dict(model_kwargs=model_kwargs, row_plate=row_plate)
     share = plan.start_share if exact else 1.0
     start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * share)
-    start = DPLaplace(with_spec(model, start_spec), num_steps=plan.start_rounds, secure_aggregation=secure, **common)
+    start = rung(stage_text("dp_laplace", start_spec, num_steps=plan.start_rounds))
     chains = 2 if num_chains is None else int(num_chains)
     warmup = default_warmup if num_warmup is None else int(num_warmup)
     releases = (warmup + int(num_samples)) * chains
@@ -171,7 +205,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     with warnings.catch_warnings():
         if exact:  # the start's own "not checked" is moot: the sampler checks, or the fallback warns
             warnings.filterwarnings("ignore", category=UncheckedFitWarning)
-        first = start.run(jax.random.fold_in(rng_key, 0), clients, ledger=ledger, **run_options)
+        first = start.run(jax.random.fold_in(rng_key, STAGE_KEYS["dp_laplace"]), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
                f"{plan.start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
@@ -182,15 +216,14 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
                                         spec.delta), spec.delta, nm_start, sum(e[1] for e in started[n]), 1.0)
                           for n in names])
         return Fit("dp_laplace", start, first, int(first.communication.rounds), traffic(first), None, log,
-                   num_samples=int(num_samples), clients=clients, results=[first], privacy=privacy)
-    sampler_spec = DPSpec(spec.clip, spec.delta, noise_multiplier=nm)
-    sampler = DPMetropolis(with_spec(model, sampler_spec), num_warmup=warmup, num_samples=int(num_samples),
-                           num_chains=chains, init=(mean, cov), secure_aggregation=secure,
-                           **({"local_steps": rung_options["local_steps"]} if "local_steps" in rung_options else {}),
-                           **common)
+                   num_samples=int(num_samples), clients=None if network else clients, results=[first],
+                   privacy=privacy)
+    sampler = rung(stage_text("dp_metropolis", DPSpec(spec.clip, spec.delta, noise_multiplier=nm), num_warmup=warmup,
+                              num_samples=int(num_samples), num_chains=chains, mean=mean.tolist(), cov=cov.tolist()))
     if progress_bar is not None:
         sampler.progress_bar = bool(progress_bar)
-    result = sampler.run(jax.random.fold_in(rng_key, 1), clients, ledger=ledger, **run_options)
+    k_sampler = jax.random.fold_in(rng_key, STAGE_KEYS["dp_metropolis"])
+    result = sampler.run(k_sampler, clients, ledger=ledger, **run_options)
     rounds = int(first.communication.rounds) + int(result.communication.rounds)
     traffic = tuple(a + b for a, b in zip(traffic(first), traffic(result)))
     check = chain_check(result)
@@ -203,10 +236,10 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     privacy = report([ClientPrivacy(n, label, epsilon_composed(started[n] + sampled[n], spec.delta), spec.delta, nm,
                                     sum(e[1] for e in started[n] + sampled[n]), 1.0) for n in names])
     if result.verdict.status != "ok":  # not mixed, or its clip bound (another target): the start answers
-        warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=spec.clip, nm=nm),
-                      UnreliableFitWarning, stacklevel=find_stack_level())
+        warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=spec.clip, nm=nm)
+                      + (_UNSEEN if network else ""), UnreliableFitWarning, stacklevel=find_stack_level())
         log.append(f"the answer: the private start (the sampler's verdict: {result.verdict.status})")
         return Fit("dp_laplace", start, first, rounds, traffic, None, log, num_samples=int(num_samples),
-                   clients=clients, results=[first, result], privacy=privacy)
+                   clients=None if network else clients, results=[first, result], privacy=privacy)
     return Fit("dp_metropolis", sampler, result, rounds, traffic, check, log, num_samples=int(num_samples),
-               clients=clients, results=[first, result], privacy=privacy)
+               clients=None if network else clients, results=[first, result], privacy=privacy)

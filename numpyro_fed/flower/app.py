@@ -145,8 +145,8 @@ def _outcome(run, inference, template, backend, caught) -> dict:
         warnings=[f"{w.category.__name__}: {w.message}" for w in caught],
         fit_check=fit.check if fit is not None else getattr(inference, "last_fit_check", None),
     )
-    if backend.collect_ledgers:  # from the ledgers the clients sent after the last round
-        out["privacy_report"] = inference.privacy_report(run)
+    if backend.collect_ledgers:  # from the ledgers the clients sent after the last round (every stage's)
+        out["privacy_report"] = fit.privacy_report() if fit is not None else inference.privacy_report(run)
     return out
 
 

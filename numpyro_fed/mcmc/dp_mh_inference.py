@@ -269,10 +269,11 @@ class DPMetropolis(FederatedInference):
 
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
         """``run``'s ``num_rounds`` is a bound (default: ``num_warmup + num_samples``, 20 times that
-        under simulated ``availability=``: a round a client misses is repeated)."""
+        where clients may drop, under simulated ``availability=`` or a network backend: a round a
+        client misses is repeated)."""
         if num_rounds is None:
             total = self.num_warmup + self.num_samples
-            num_rounds = total if options.get("availability") is None else 20 * total
+            num_rounds = 20 * total if may_drop(options) else total
         return num_rounds
 
     def _build(self, clients) -> Setup:
@@ -330,6 +331,14 @@ class DPMetropolis(FederatedInference):
         if self.privacy is None:
             raise ValueError("DPMetropolis.noise_multiplier: run first (the noise is planned at set-up)")
         return self.privacy[1]
+
+
+def may_drop(options: dict) -> bool:
+    """Whether a run with these options may miss clients in a round: simulated ``availability=``,
+    or a network backend, where dropout is real."""
+    from ..backends.base import NetworkBackend
+
+    return options.get("availability") is not None or isinstance(options.get("backend"), NetworkBackend)
 
 
 class SamplerPrivacy:
