@@ -215,21 +215,19 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     ledger = options.pop("ledger", None)  # a private fit's run option (nf.dp.PrivacyLedger)
     rung_options, run_options = split_options(options)
     from .backends.base import NetworkBackend
-    from .dp.private_fit import marked_spec, private_fit
+    from .dp.private_fit import marked_spec
 
     network = isinstance(run_options.get("backend"), NetworkBackend)
-    if dp is not None or (not network  # a marked model without dp= is refused by marked_spec
-                          and marked_spec(model, clients, dict(model_kwargs or {}), None) is not None):
-        return private_fit(model, clients, rng_key, dp, num_samples=num_samples, num_warmup=num_warmup,
-                           num_chains=num_chains, model_kwargs=model_kwargs, row_plate=row_plate,
-                           client_mapping=client_mapping, progress_bar=progress_bar, rung_options=rung_options,
-                           run_options=dict(run_options, ledger=ledger), exact=exact, default_warmup=MWG_WARMUP)
+    if dp is None and not network:  # a marked model without dp= is refused by marked_spec
+        marked_spec(model, clients, dict(model_kwargs or {}), None)
     if ledger is not None:
-        raise ValueError("nf.fit(ledger=...) accounts a differentially private fit: mark the model with dp_noise and "
-                         "pass dp=nf.dp.PrivateFit(...)")
+        if dp is None:
+            raise ValueError("nf.fit(ledger=...) accounts a differentially private fit: mark the model with dp_noise "
+                             "and pass dp=nf.dp.PrivateFit(...)")
+        run_options = dict(run_options, ledger=ledger)
     ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
                     model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
-                    progress_bar=progress_bar, max_rounds=max_rounds, **rung_options)
+                    progress_bar=progress_bar, max_rounds=max_rounds, dp=dp, **rung_options)
     return ladder.run(rng_key, clients, **run_options)
 
 

@@ -26,6 +26,7 @@ from jax import random
 from ..backends.driver import NonFinite, Rounds, all_finite, stack_rounds
 from ..backends.mapping import client_item
 from ..protocol import Broadcast, ClientStates, RunState, ServerView, last_info
+from ..secure.fixed_point import decode_message, word_count
 from ..transcript import Communication, Transcript, message_bytes
 from ..warnings import MissingClientsWarning, find_stack_level
 from .masking import MaskedAggregation, Traffic, masked_like
@@ -387,17 +388,13 @@ class OverFlower:
             if summed is None:  # too few to unmask: no client's message reaches the server step
                 seen[:] = False
                 stacked = jax.tree_util.tree_map(np.zeros_like, stacked)
-                summed = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, _summed_dtype(s)), hidden_like)
+                summed = decode_message(np.zeros(word_count(hidden_like), np.uint64), hidden_like, J)  # zero sums
         elif secure:
             summed = backend.secure_sum(r, e, J, hidden, hidden_like, timeout)
             if transcript is not None:
                 transcript.record(r, "aggregator", "server", summed, exchange=str(e))
         return stacked, summed, seen
 
-
-def _summed_dtype(like) -> np.dtype:
-    """A sum's dtype: counts (``int32``) for integer and boolean fields, as ``jnp.sum``'s."""
-    return np.dtype(np.int32) if np.dtype(like.dtype).kind in "biu" else np.dtype(like.dtype)
 
 
 def ledger_of(name: str, ledgers: dict):
