@@ -204,6 +204,12 @@ def dp_laplace_masking():
     return DPLaplace(model, num_steps=4, secure_aggregation="masking"), horizontal_data()
 
 
+def nuts_masking():
+    """Federated NUTS whose per-chain potential energies and gradients are masked."""
+    return nf.FederatedNUTS(hierarchical, num_warmup=2, num_samples=3, max_tree_depth=2,
+                            secure_aggregation="masking"), horizontal_data()
+
+
 def fit_masking():
     """nf.fit's ladder with every exchange, and both fit checks, summed by pairwise masking."""
     return nf.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="masking"), horizontal_data()
@@ -219,7 +225,7 @@ def fit_dp_masking():
 
 #: families whose client terms reach the server only as a pairwise-masked sum
 MASKED_FAMILIES = {f.__name__: f for f in (laplace_masking, pvi_dp_masking, dp_laplace_masking, mwg_masking,
-                                           fit_masking, fit_dp_masking)}
+                                           nuts_masking, fit_masking, fit_dp_masking)}
 
 
 def run(inference, inputs, rng_key, num_rounds, **options):

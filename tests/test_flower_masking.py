@@ -3,7 +3,7 @@ SuperNodes on 127.0.0.1, no trusted party. Two of the nodes fail one protocol st
 (``numpyro-fed-fault``): node 2 its masked input in round 2 (it had shared its keys: the server
 must rebuild its mask key from the others' shares), node 1 its unmasking shares in round 3 (its
 masked input had arrived). Each run (Laplace, DP-PVI with a local latent per row, the private
-Laplace fit, Metropolis-within-Gibbs, nf.fit with its fit checks) equals the simulation with
+Laplace fit, Metropolis-within-Gibbs, NUTS, nf.fit with its fit checks, nf.fit under DP) equals the simulation with
 client 2 absent from round 2, and the server's transcript holds no client's term."""
 
 import os
@@ -82,7 +82,8 @@ def _words(value):
 
 
 @pytest.mark.parametrize("family, num_rounds", [("laplace_masking", 10), ("pvi_dp_masking", 4),
-                                                ("dp_laplace_masking", 20), ("mwg_masking", 100)])
+                                                ("dp_laplace_masking", 20), ("mwg_masking", 100),
+                                                ("nuts_masking", 500)])
 def test_masking_over_flower_recovers_dropouts_equals_the_simulation_and_shows_no_client_term(federation, family,
                                                                                              num_rounds):
     """Equal to the simulation (every server leaf, to 1e-6) with client 2 absent from round 2;
