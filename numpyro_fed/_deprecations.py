@@ -119,6 +119,11 @@ def renamed_keyword(where: str, old: str, value: Any, new: str, new_value: Any) 
 def rounds_before_clients(where: str, clients: Any, num_rounds: Any) -> Tuple[Any, Any]:
     """``(clients, num_rounds)`` of a ``run`` call, swapped (with a DeprecationWarning) when it
     was written in the old order, the number of rounds before the clients."""
+    if isinstance(clients, numbers.Real) and not isinstance(clients, (bool, numbers.Integral)):
+        from ._validation import check_positive_int
+
+        check_positive_int("num_rounds", clients, what=f", and comes after the clients: {where}(rng_key, clients, "
+                                                       f"num_rounds)")
     if isinstance(clients, numbers.Integral) and not isinstance(clients, bool):
         warnings.warn(f"{where}(rng_key, num_rounds, clients) is deprecated and goes in {REMOVED_IN}: use "
                       f"{where}(rng_key, clients, num_rounds) (vertical families: {where}(rng_key, "

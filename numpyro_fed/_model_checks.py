@@ -4,6 +4,10 @@
   rows is an error (a per-row variable would be shared by every client).
 - :func:`check_enumerable`: a discrete local site marked for enumeration must have a bounded,
   not too large support (:data:`MAX_ENUMERATED_SUPPORT`).
+- :func:`check_imputation`: ``numpyro.sample(..., obs=..., obs_mask=...)`` adds a latent site
+  ``<name>_unobserved`` whose entries at the observed rows have no density (NumPyro masks them):
+  an improper posterior no fit can summarise or sample. It is refused at once, naming the site and
+  what to write instead.
 - :func:`check_traceable`: a federated fit compiles each client's term once, with the
   client's data as arguments (traced values). A model that reads its data's *values* in
   Python (``numpyro.plate("groups", int(gid.max()) + 1)``) cannot be compiled so; instead of
@@ -34,6 +38,7 @@ from .warnings import SiteRoleWarning, find_stack_level
 __all__ = [
     "MAX_ENUMERATED_SUPPORT",
     "check_enumerable",
+    "check_imputation",
     "check_traceable",
     "check_unmarked_row_sites",
     "enumerated_support_size",
@@ -94,6 +99,33 @@ def check_enumerable(name: str, fn) -> None:
         raise ValueError(_UNBOUNDED_ENUM.format(name=name, dist=type(base).__name__, support=fn.support))
     if size > MAX_ENUMERATED_SUPPORT:
         raise ValueError(_HUGE_ENUM.format(name=name, size=size, support=fn.support, limit=MAX_ENUMERATED_SUPPORT))
+
+
+_OBS_MASK = (
+    "site '{name}' is observed with obs_mask=: NumPyro then adds the latent site '{name}_unobserved', one entry per "
+    "row, whose entries at the observed rows are masked out of the density. The posterior of those entries is "
+    "flat (improper): no mode to find and nothing for a sampler to converge to (NumPyro's docs say obs_mask is not "
+    "meant for MCMC either). Write the missing values as a latent site with a proper prior on every row, local to "
+    "its client, and use it only where the value is missing:\n"
+    "    with numpyro.plate('rows', n), nf.local_site():\n"
+    "        {name}_missing = numpyro.sample('{name}_missing', <the prior of {name}>)\n"
+    "        numpyro.sample('{name}', <the prior of {name}>.mask(observed), obs={name}_filled)\n"
+    "    {name} = jnp.where(observed, {name}_filled, {name}_missing)\n"
+    "({name}_filled: the data with any value where missing). Where '{name}' is the response, the rows where it is "
+    "missing tell nothing about the parameters: leave them out, and predict them with Fit.predict"
+)
+
+
+def check_imputation(tr) -> None:
+    """Refuse a site observed with ``obs_mask=`` (NumPyro's ``<name>_observed`` and
+    ``<name>_unobserved`` pair), naming it and what to write instead (:data:`_OBS_MASK`)."""
+    for name, site in tr.items():
+        if site["type"] != "sample" or site["is_observed"] or not name.endswith("_unobserved"):
+            continue
+        base = name[: -len("_unobserved")]
+        twin = tr.get(f"{base}_observed")
+        if twin is not None and twin["type"] == "sample" and twin["is_observed"]:
+            raise ValueError(_OBS_MASK.format(name=base))
 
 
 def _explicit_role(site) -> Optional[str]:

@@ -30,7 +30,13 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
-from ._model_checks import check_enumerable, check_traceable, check_unmarked_row_sites, warn_client_indexed_globals
+from ._model_checks import (
+    check_enumerable,
+    check_imputation,
+    check_traceable,
+    check_unmarked_row_sites,
+    warn_client_indexed_globals,
+)
 from ._trace import or_finite_point, trace_model, unconstrained_shape
 from .groups import check_group_sites, group_axes, group_mask
 from .handlers import GLOBAL, LOCAL, site_role
@@ -42,6 +48,7 @@ __all__ = [
     "constrain_params",
     "deterministic_of_globals",
     "global_deterministic_sites",
+    "is_enumerated",
     "is_latent",
     "log_joint",
     "make_layout",
@@ -228,6 +235,7 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
     """
     first = clients.names[0]
     tr = trace_model(model, clients[first], kwargs)
+    check_imputation(tr)
     plates = dict(getattr(model, "group_args", {}))
     check_group_sites(tr, plates)
     probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients)]
@@ -390,7 +398,7 @@ def log_joint(
     masker = _RowMask(seed(model, 0), row_plate, row_mask)
     tr = trace(substitute(masker, substitute_fn=or_finite_point(substitute_fn))).get_trace(
         **dict(args), **dict(kwargs))
-    enumerated = [n for n, site in tr.items() if _is_enumerated(site)]
+    enumerated = [n for n, site in tr.items() if is_enumerated(site)]
     if enumerated and _uncounted(count(tr[enumerated[0]])):
         # the enumerated values are then not summed over: nothing counted may depend on them
         observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]
@@ -442,7 +450,7 @@ def _uncounted(weight) -> bool:
     return weight is False or (isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight == 0)
 
 
-def _is_enumerated(site) -> bool:
+def is_enumerated(site) -> bool:
     return (site["type"] == "sample" and not site["is_observed"] and site["fn"].support.is_discrete
             and site["infer"].get("enumerate") == "parallel")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Callable, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,9 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
-__all__ = ["INIT_TRIES", "finite_point", "is_factor", "observed_draws", "or_finite_point", "prior_median",
-           "program_digest", "trace_model", "unconstrained_shape", "update_digest"]
+__all__ = ["INIT_TRIES", "finite_point", "invalid_parameters", "is_factor", "nonfinite_sites", "observed_draws",
+           "or_finite_point",
+           "prior_median", "program_digest", "start_point", "trace_model", "unconstrained_shape", "update_digest"]
 
 INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
 _INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
@@ -124,11 +125,42 @@ def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
                 raise
             error, site = err, checked.last
     where = "before its first site" if site is None else f"just after site {site!r}"
+    found = invalid_parameters(model, args, kwargs, rng_seed)
+    where = found or where
     raise ValueError(
         f"set-up could not evaluate the model: at {INIT_TRIES} points (each latent site drawn uniformly in (-1, 1) "
         f"of its unconstrained space, as NumPyro's init_to_uniform) a distribution refused its parameters "
-        f"{where}: {error} Check the parameters computed after that site (a param's value, a "
-        f"transformation of a latent site, or the data)") from error
+        f"{where}: {error} Check the parameters computed {'for' if found else 'after'} that site (a param's value, "
+        f"a transformation of a latent site, or the data)") from error
+
+
+def invalid_parameters(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0) -> Optional[str]:
+    """Where the model's first distribution with a parameter outside its constraint is, at the
+    point :func:`trace_model` tries first (run with NumPyro's validation off, so that the model
+    runs through): ``"at site 'z' (Normal: its loc is nan)"``, or ``None`` when none is found."""
+    try:
+        with numpyro.validation_enabled(False):
+            tr = trace(substitute(seed(model, rng_seed), substitute_fn=finite_point)).get_trace(
+                **dict(args), **dict(kwargs))
+    except Exception:  # noqa: BLE001  (a model that fails otherwise: the caller's message stands)
+        return None
+    for name, site in tr.items():
+        if site["type"] != "sample":
+            continue
+        fn = site["fn"]
+        while hasattr(fn, "base_dist"):
+            fn = fn.base_dist
+        for param, constraint in getattr(fn, "arg_constraints", {}).items():
+            value = getattr(fn, param, None)
+            if value is None or not (hasattr(value, "shape") or isinstance(value, (int, float))):
+                continue
+            try:
+                ok = bool(np.all(np.asarray(constraint(jnp.asarray(value)))))
+            except Exception:  # noqa: BLE001  (a constraint that cannot be evaluated so)
+                continue
+            if not ok:
+                return f"at site {name!r} ({type(fn).__name__}: its {param} is {_shown(value)}, outside {constraint})"
+    return None
 
 
 def _mean_or_median(site):
@@ -170,6 +202,144 @@ def prior_median(model: Callable, args, kwargs, layout, exact: bool = False) -> 
         values[name] = jnp.reshape(biject_to(site["fn"].support).inv(site["value"]), shape)
     start = layout.ravel(values)
     return jnp.where(jnp.isfinite(start), start, 0.0).astype(dtype)
+
+
+_INIT_SITES = (
+    "init: {names} {verb} not global latent sites of the model (its global sites: {known}); init starts the "
+    "global sites only{local}"
+)
+_INIT_VALUE = (
+    "init: site {name!r} starts at {value}, {why}; give it a finite value inside its support ({support})"
+)
+
+
+def start_point(model: Callable, args, kwargs, layout, init=None, local_names=()) -> jax.Array:
+    """The flat unconstrained start of the global sites of ``layout``: :func:`prior_median`
+    (``exact``) for ``init=None``; ``init`` a dict ``{global site: constrained value}`` (the other
+    sites at their prior means or medians), or a NumPyro init strategy (``init_to_median``,
+    ``init_to_value(values=...)``, ``init_to_uniform``, ...) applied to every site.
+
+    Raises:
+        ValueError: naming a key of ``init`` that is not a global latent site (``local_names``:
+            the local ones, whose values stay with their clients), or a site whose start is not
+            finite or outside its support.
+        TypeError: ``init`` neither a dict nor a callable.
+    """
+    if init is None:
+        return prior_median(model, args, kwargs, layout, exact=True)
+    if isinstance(init, Mapping):
+        unknown = sorted(str(k) for k in init if k not in layout.names)
+        if unknown:
+            local = sorted(set(unknown) & set(local_names))
+            raise ValueError(_INIT_SITES.format(
+                names=unknown, verb="is" if len(unknown) == 1 else "are", known=list(layout.names),
+                local=f" ({local} stay on their clients, which start them themselves)" if local else ""))
+        given = {k: jnp.asarray(v) for k, v in init.items()}
+
+        def strategy(site):
+            if site["type"] == "sample" and site["name"] in given:
+                return jnp.broadcast_to(given[site["name"]], site["fn"].shape(site["kwargs"].get("sample_shape", ())))
+            return _mean_or_median(site)
+    elif callable(init):
+        strategy = init
+    else:
+        raise TypeError(f"init must be a dict of global sites' values or a NumPyro init strategy (e.g. "
+                        f"numpyro.infer.init_to_median()); got {type(init).__name__}")
+    with numpyro.validation_enabled(False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="init_to_median", category=UserWarning)
+        tr = trace(substitute(seed(model, rng_seed=0), substitute_fn=strategy)).get_trace(**dict(args), **dict(kwargs))
+    values = {}
+    for name, shape in zip(layout.names, layout.shapes):
+        site = tr[name]
+        value, support = site["value"], site["fn"].support
+        why = ("not finite" if not bool(jnp.all(jnp.isfinite(value))) else
+               "outside its support" if not bool(jnp.all(support(value))) else None)
+        u = jnp.reshape(biject_to(support).inv(value), shape)
+        if why is None and not bool(jnp.all(jnp.isfinite(u))):
+            why = "on its support's boundary"
+        if why is not None:
+            raise ValueError(_INIT_VALUE.format(name=name, value=_shown(value), why=why, support=support))
+        values[name] = u
+    return layout.ravel(values).astype(jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
+def nonfinite_sites(model: Callable, args: Mapping, kwargs: Mapping, latent: Mapping) -> Tuple[List[str], List[str]]:
+    """``(kinds, descriptions)`` of the model's sample sites whose log density (``"value"``) or its
+    gradient in the latent sites (``"gradient"``) is not finite at ``latent`` (unconstrained values
+    by site; sites left out are drawn as :func:`trace_model` draws them), each described with the
+    parameters of its distribution that overflowed there: ``"site 'y' (Poisson): its log density is
+    nan; its rate reaches inf"``. Run with NumPyro's validation off, so that the model runs through; a
+    value outside its distribution's support counts as a log density of ``-inf`` (as NumPyro's
+    validated density has it), whatever the distribution's own ``log_prob`` returns there."""
+
+    def terms(values):
+        def sub(msg):
+            if msg["type"] == "sample" and msg["name"] in values:
+                return biject_to(msg["fn"].support)(values[msg["name"]])
+            return finite_point(msg)
+
+        with numpyro.validation_enabled(False):
+            tr = trace(substitute(seed(model, 0), substitute_fn=sub)).get_trace(**dict(args), **dict(kwargs))
+            return {n: jnp.sum(s["fn"].log_prob(s["value"])) for n, s in tr.items() if s["type"] == "sample"}, tr
+
+    latent = {k: jnp.asarray(v) for k, v in latent.items()}
+    values, tr = terms(latent)
+    kinds, parts = [], []
+    for name, value in values.items():
+        fn = tr[name]["fn"]
+        outside = _outside_support(fn, tr[name]["value"])
+        value = -np.inf if outside else value
+        finite_value = bool(np.isfinite(value))
+        # each site's own gradient (a joint Jacobian would carry another site's inf times a zero into it)
+        grad = jax.grad(lambda lat, n=name: terms(lat)[0][n])(latent) if latent and finite_value else {}
+        if finite_value and all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree_util.tree_leaves(grad)):
+            continue
+        kinds.append("value" if not finite_value else "gradient")
+        what = ("its value lies outside its support, where its log density is -inf" if outside else
+                f"its log density is {float(value):.4g}" if not finite_value else
+                "its log density's gradient is not finite")
+        parts.append(f"site {name!r} ({_named(fn)}): {what}{_overflowed(fn)}")
+    return sorted(set(kinds)), parts
+
+
+def _outside_support(fn, value) -> bool:
+    """Whether ``value`` lies outside the support of ``fn`` (its innermost distribution's, where the
+    outer one's is a constraint that cannot be evaluated); ``False`` where no support can tell."""
+    while True:
+        try:
+            return not bool(np.all(np.asarray(fn.support(value))))
+        except (ValueError, NotImplementedError, TypeError):
+            if not hasattr(fn, "base_dist"):
+                return False
+            fn = fn.base_dist
+
+
+def _named(fn) -> str:
+    """A site's distribution by name, under NumPyro's masks and expansions."""
+    while type(fn).__name__ in ("MaskedDistribution", "ExpandedDistribution", "Independent"):
+        fn = fn.base_dist
+    return type(fn).__name__
+
+
+def _overflowed(fn) -> str:
+    """``"; its scale reaches inf"``: the parameters of ``fn`` (its innermost distribution) that are
+    not finite, beyond 1e30 in size or outside their constraint, or ``""``."""
+    inner, found = fn, []
+    while hasattr(inner, "base_dist"):
+        inner = inner.base_dist
+    for key, value in vars(inner).items():
+        if key.startswith("_") or not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.floating):
+            continue
+        x = np.asarray(value, np.float64)
+        constraint = getattr(inner, "arg_constraints", {}).get(key)
+        try:
+            outside = constraint is not None and not bool(np.all(np.asarray(constraint(jnp.asarray(value)))))
+        except (ValueError, NotImplementedError, TypeError):  # (a dependent constraint cannot be evaluated alone)
+            outside = False
+        if x.size and (not np.all(np.isfinite(x)) or np.max(np.abs(x)) > 1e30 or outside):
+            worst = x.reshape(-1)[np.argmax(np.where(np.isfinite(x), np.abs(x), np.inf).reshape(-1))]
+            found.append(f"{key} reaches {worst:.4g}" + (f", outside {constraint}" if outside else ""))
+    return ("; its " + ", ".join(found)) if found else ""
 
 
 def is_factor(site) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Protocol, Tuple
+from typing import Any, Callable, Dict, Mapping, Protocol, Tuple, runtime_checkable
 
 import jax
 
@@ -38,3 +38,11 @@ class ServerStepFn(Protocol):
     def __call__(
         self, rng_key: Array, state: PyTree, messages: ClientMessage, view: PyTree
     ) -> Tuple[PyTree, PyTree, PyTree]: ...
+
+
+@runtime_checkable
+class Structured(Protocol):
+    """A family's ``Setup.extra`` that holds the model's :class:`~numpyro_fed._structure.ModelStructure`
+    (its sites by owner, and the flat layout of the global ones)."""
+
+    structure: Any

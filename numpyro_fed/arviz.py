@@ -275,7 +275,12 @@ def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, 
             warnings.warn(note, ArvizGroupWarning, stacklevel=find_stack_level())
         return {}, note
     extra = {"corrected": True} if corrected else {}
-    parts = [inference.log_likelihood(rng_key, result, num_samples, c, **extra) for c in names]
+    try:
+        parts = [inference.log_likelihood(rng_key, result, num_samples, c, **extra) for c in names]
+    except (NotImplementedError, ValueError) as err:  # the rest of the InferenceData stands; the note says why
+        note = f"omitted: the pointwise log-likelihood could not be built ({str(err).splitlines()[0]})"
+        warnings.warn(f"{type(inference).__name__}: {note}", ArvizGroupWarning, stacklevel=find_stack_level())
+        return {}, note
     per_row = [k for k in parts[0][0] if all(np.ndim(p[0][k]) >= 2 for p in parts)]
     sampled = [k for k in parts[0][1] if all(k in p[1] for p in parts)]
     log_lik = {k: np.concatenate([np.asarray(p[0][k]) for p in parts], axis=1) for k in per_row}

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 __all__ = ["MAX_ROUNDS", "MIN_PACE_ITERATIONS", "NUTS_ROUNDS_PER_DRAW", "Pace", "ROUND_SECONDS", "RoundBudgetError",
-           "network_time", "projection_text"]
+           "network_time", "over_budget", "projection_text"]
 
 MAX_ROUNDS = 20_000
 """``nf.fit``'s default bound on the rounds of all its rungs together: about 20 minutes over a network
@@ -145,6 +145,37 @@ def stopped_message(cls: str, rounds: int, max_rounds: int, projected: Optional[
     have = (f"the {kept} post-warmup draws every chain has are in error.samples (a chain's first draws: check them "
             f"before any use)") if kept else "it stopped in warmup: there are no draws"
     return (f"{cls}: {why}, with {done} of {total} iterations done per chain; {have}. {advice}")
+
+
+_SAMPLERS = {"mwg": "federated Metropolis-within-Gibbs", "nuts": "federated NUTS"}
+
+
+def over_budget(err: "RoundBudgetError", rung: str, done: Dict[str, Any], log: List[str], max_rounds: Optional[int],
+                measured: str = "") -> "RoundBudgetError":
+    """``nf.fit``'s :class:`RoundBudgetError` from a rung's ``err``: its rounds and bytes added to
+    ``done`` (every earlier rung's), the projection over all of them, what was tried (``log``), and
+    what to do: ``measured`` (the advice of :func:`numpyro_fed.advice.advice`), else a general one."""
+    rounds, traffic = done["rounds"] + err.rounds, sum(done["bytes"]) + err.bytes
+    name = _SAMPLERS[rung]
+    if err.projected_rounds is not None:
+        need = done["rounds"] + err.projected_rounds
+        why = (f"{name} would need about {need:,.0f} rounds in all ({network_time(need)} over a network at 58 ms "
+               f"a round), more than max_rounds={max_rounds:,}")
+    else:
+        why = f"{name} reached max_rounds={max_rounds:,} before its pace was measured"
+    kept = next(iter(err.samples.values())).shape[1] if err.samples else 0
+    have = (f"the {kept} draws per chain it has are in error.samples (a chain's first draws: check them before "
+            f"use)") if kept else ("it stopped in warmup, with no draws" if err.rounds else "did not start it")
+    log = log + [f"{rung}: " + (f"stopped after {err.rounds} rounds" if err.rounds else "not started") + f": {why}"]
+    from .advice import fix_text
+
+    fix = fix_text(measured)
+    message = (f"nf.fit: {why}; it stopped after {rounds:,} rounds ({traffic / 1e6:,.1f} MB), and {have}. What "
+               f"was tried: " + "; ".join(log) + f". To pay for it, raise max_rounds= (None: no bound); to need "
+               f"fewer rounds, {fix}; or ask for fewer draws (num_samples=)")
+    return RoundBudgetError(message, rounds=rounds, max_rounds=max_rounds or 0,
+                            projected_rounds=None if err.projected_rounds is None else need,
+                            samples=err.samples, log=log, bytes=traffic)
 
 
 def partial_draws(draws: np.ndarray, done: np.ndarray, warmup: int) -> np.ndarray:

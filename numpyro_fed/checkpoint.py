@@ -3,7 +3,10 @@
 Format: one NumPy ``.npz`` archive (no pickled objects) with
 
 - ``meta``: a JSON string: ``{"format": "numpyro_fed.run_state", "version": 1,
-  "round": rounds completed, "clients": [client names in order], "family": ...}``;
+  "round": rounds completed, "clients": [client names in order], "family": ...,
+  "layout": {...}}``, ``layout`` the model's sites whose values the state's flat vectors hold,
+  in their order (:func:`site_layout`: each global site's name and unconstrained shape, the
+  local sites' and ``numpyro.param`` sites' names);
 - ``round``, ``server_key``, ``env_key``: the round counter and the server's and the
   simulation's PRNG keys;
 - ``server/<path>`` and ``broadcast/<path>``: every leaf of the server's state and of its
@@ -20,7 +23,11 @@ it and what is wrong.
 
 Loading fills the leaves into a template state built for the same model, algorithm and
 clients (an inference object's ``load`` does this), so array shapes and dtypes are checked
-against the set-up and nothing is unpickled. A checkpoint holds every client's private
+against the set-up and nothing is unpickled. Shapes cannot tell two sites of the same shape
+apart, nor the order of sites within a flat vector: a model whose sites are declared in another
+order than the saved one's would read one site's values into another. So the saved layout is
+compared with this set-up's, and a checkpoint laid out otherwise (sites reordered, renamed,
+added, removed or reshaped) is refused, naming the difference. A checkpoint holds every client's private
 state: in a simulation that is one file; a deployment saves each party's part where it
 lives.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zipfile
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -37,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .protocol import RunState
+from .warnings import CheckpointLayoutWarning, find_stack_level
 
-__all__ = ["CheckpointError", "check_destination", "conform", "load", "save"]
+__all__ = ["CheckpointError", "check_destination", "check_layout", "conform", "load", "save", "site_layout"]
 
 FORMAT = "numpyro_fed.run_state"
 VERSION = 1
@@ -56,8 +65,56 @@ _LEAF = (
 )
 
 
+_LAYOUT = (
+    "{source} was saved from a model whose {what} {saved}; this model's are {now}. The state's flat vectors "
+    "hold the sites in that order, so they would be read into other sites. Resume with the model as it was saved "
+    "(its sites declared in the same order, with the same names and shapes)"
+)
+_NO_LAYOUT = (
+    "{source} records no layout of its sites (saved by an earlier version): its vectors are read in this model's "
+    "site order, right only if the model declares its sites as the saved run's did"
+)
+
+
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read: damaged, truncated, or not a checkpoint."""
+
+
+def site_layout(structure) -> str:
+    """The layout of a model's sites in a run state (a
+    :class:`~numpyro_fed._structure.ModelStructure`), as JSON text (hashable, as the algorithm that
+    carries it must be; saved in a checkpoint's ``meta``): ``{"global": [[name, unconstrained shape],
+    ...], "global_param": [...], "local": [...], "local_param": [...]}``, each in the flat vectors'
+    order."""
+    glob = structure.global_latent
+    return json.dumps({"global": [[n, list(shape)] for n, shape in zip(glob.names, glob.shapes)],
+                       "global_param": list(structure.global_param), "local": list(structure.local_latent_names),
+                       "local_param": list(structure.local_param_names)})
+
+
+_LAYOUT_WHAT = {"global": "global sites (name, unconstrained shape) are, in order,",
+                "global_param": "global numpyro.param sites are, in order,",
+                "local": "local sites are, in order,", "local_param": "local numpyro.param sites are, in order,"}
+
+
+def check_layout(source: str, saved: Optional[dict], layout: Optional[str]) -> None:
+    """Refuse a state saved with another layout of the model's sites than ``layout`` (this set-up's,
+    :func:`site_layout`), naming the part that differs; a file without one (an earlier version's)
+    warns that it cannot be checked."""
+    if not layout:
+        return
+    layout = json.loads(layout)
+    if saved is None:
+        warnings.warn(_NO_LAYOUT.format(source=source), CheckpointLayoutWarning, stacklevel=find_stack_level())
+        return
+    for part, what in _LAYOUT_WHAT.items():
+        was, now = _entries(saved.get(part, [])), _entries(layout.get(part, []))
+        if was != now:
+            raise ValueError(_LAYOUT.format(source=source, what=what, saved=was, now=now))
+
+
+def _entries(part) -> list:
+    return [(e[0], tuple(e[1])) if isinstance(e, (list, tuple)) else e for e in part]
 
 
 def _is_typed_key(leaf) -> bool:
@@ -118,12 +175,14 @@ def check_destination(path: str) -> None:
         raise ValueError(f"checkpoint={path!r}: the folder {folder} is not writable")
 
 
-def save(path: str, state: RunState, names: Sequence[str], family: str = "", extra: Optional[dict] = None) -> None:
+def save(path: str, state: RunState, names: Sequence[str], family: str = "", extra: Optional[dict] = None,
+         layout: Optional[str] = None) -> None:
     """Write ``state`` (clients named ``names``) to ``path`` (a ``.npz`` file), atomically;
-    ``extra``: further JSON entries of ``meta`` (e.g. a Flower run's id and sites)."""
+    ``extra``: further JSON entries of ``meta`` (e.g. a Flower run's id and sites); ``layout``: the
+    model's sites in the state's vectors (:func:`site_layout`), checked on resume."""
     arrays, typed = _arrays(state, names)
     meta = {**(extra or {}), "format": FORMAT, "version": VERSION, "round": int(state.round), "clients": list(names),
-            "family": family, "typed_keys": typed}
+            "family": family, "typed_keys": typed, **({"layout": json.loads(layout)} if layout else {})}
     arrays["meta"] = np.asarray(json.dumps(meta))
     tmp = f"{os.fspath(path)}.tmp.npz"
     try:
@@ -216,10 +275,12 @@ def _fill(source: str, stored: Dict, typed: Dict[str, str], template: RunState, 
                     fill("broadcast/", template.broadcast), clients, head["env_key"])
 
 
-def load(path: str, template: RunState, names: Sequence[str]) -> RunState:
-    """Read a state saved by :func:`save` into the structure of ``template``."""
+def load(path: str, template: RunState, names: Sequence[str], layout: Optional[str] = None) -> RunState:
+    """Read a state saved by :func:`save` into the structure of ``template``; ``layout``: this
+    set-up's sites (:func:`site_layout`), which the saved ones must equal (:func:`check_layout`)."""
     meta, stored = _read(path, everything=True)
     source = f"the checkpoint at {path}"
+    check_layout(source, meta.get("layout"), layout)
     _check_clients(source, "the checkpoint", meta.get("clients"), len(meta.get("clients", ())), names)
     return _fill(source, stored, dict(meta.get("typed_keys", {})), template, names)
 

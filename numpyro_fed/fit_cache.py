@@ -33,7 +33,7 @@ import jax
 
 from ._trace import update_digest
 
-__all__ = ["SIZE", "clear", "kept_rungs"]
+__all__ = ["SIZE", "clear", "content", "kept_rungs"]
 
 SIZE = 4
 """Ladders kept (the least recently used is dropped)."""
@@ -47,7 +47,9 @@ def clear() -> None:
     _KEPT.clear()
 
 
-def _content(value) -> Optional[str]:
+def content(value) -> Optional[str]:
+    """A digest of ``value``'s content (numbers, text, arrays and mappings or sequences of them);
+    ``None`` for anything else."""
     digest = hashlib.sha256()
     return digest.hexdigest() if update_digest(digest, value) else None
 
@@ -57,7 +59,7 @@ def _data(clients) -> Optional[str]:
     :class:`~numpyro_fed.Clients`)."""
     if not (hasattr(clients, "names") and hasattr(clients, "group_values")):
         return None
-    return _content([[name, dict(clients[name]), dict(clients.group_values.get(name, {}))] for name in clients.names])
+    return content([[name, dict(clients[name]), dict(clients.group_values.get(name, {}))] for name in clients.names])
 
 
 def _model_values(model: Callable, clients, model_kwargs: dict) -> Optional[str]:
@@ -87,7 +89,7 @@ def kept_rungs(ladder, clients, run_options: dict, settings: dict) -> Optional[D
     settings = {"x64": bool(jax.config.jax_enable_x64), **settings}
     if not all(isinstance(v, _SIMPLE) for v in (*settings.values(), *ladder.rung_options.values())):
         return None
-    data, kwargs = _data(clients), _content(ladder.model_kwargs)
+    data, kwargs = _data(clients), content(ladder.model_kwargs)
     if data is None or kwargs is None:
         return None
     values = _model_values(ladder.model, clients, ladder.model_kwargs)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from . import checkpoint as ckpt
+from ._typing import Structured
 from .backends.base import Backend, NetworkBackend
 from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
@@ -328,8 +329,16 @@ class FederatedInference:
         if not isinstance(setup.extra, self.setup_extra):
             raise TypeError(f"{type(self).__name__}._build: Setup.extra is a {type(setup.extra).__name__}, not the "
                             f"{self.setup_extra.__name__} its class declares (setup_extra)")
-        self._setup_cache = setup._replace(algorithm=setup.algorithm._replace(name=self.method))
+        algorithm = setup.algorithm._replace(name=self.method, layout=self._layout(setup))
+        self._setup_cache = setup._replace(algorithm=algorithm)
         return self._setup_cache
+
+    def _layout(self, setup: Setup) -> str:
+        """The model's sites whose values the run state's flat vectors hold, in order
+        (:func:`~numpyro_fed.checkpoint.site_layout`): recorded in a checkpoint, checked on resume.
+        ``""`` for a family whose set-up lays out no model sites."""
+        extra = setup.extra
+        return ckpt.site_layout(extra.structure) if isinstance(extra, Structured) else ""
 
     def _size_group_plates(self, inputs) -> None:
         """Size the model's group plates (:func:`numpyro_fed.group_plate`) for these inputs; the
@@ -409,7 +418,7 @@ class FederatedInference:
         """Save a run state to ``path`` (an ``.npz`` file; see :mod:`numpyro_fed.checkpoint`)."""
         setup = fitted(self)
         state = state_of(self, state)
-        ckpt.save(path, state, setup.plan.names, family=self.method)
+        ckpt.save(path, state, setup.plan.names, family=self.method, layout=setup.algorithm.layout)
 
     def _load(self, path: str, inputs) -> RunState:
         setup = self._setup(inputs)
@@ -417,7 +426,7 @@ class FederatedInference:
         if meta.get("family") not in ("", self.method):
             raise ValueError(f"the checkpoint at {path} is of a {meta['family']} run, not {self.method}")
         template = self._template(setup, meta.get("typed_keys", {}).get("server_key"))
-        return ckpt.load(path, template, setup.plan.names)
+        return ckpt.load(path, template, setup.plan.names, layout=setup.algorithm.layout)
 
     def _template(self, setup: Setup, key_impl: Optional[str] = None):
         """The shapes and dtypes of this set-up's run state (nothing is computed); its keys

@@ -59,11 +59,12 @@ import jax
 import numpy as np
 
 from ._validation import check_positive_int
-from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, network_time
+from .advice import advice, warn_unmixed
+from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, over_budget
 from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
-from .fit_cache import kept_rungs
+from .fit_cache import content, kept_rungs
 from .fit_result import Fit, chain_check, check_text, traffic
-from .warnings import FitWarning, MCMCDiagnosticWarning, find_stack_level
+from .warnings import FitWarning
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
            "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "RUNG_KEYS", "RUNG_OPTIONS", "WARM_WARMUP", "WIDEN", "fit",
@@ -112,7 +113,7 @@ Metropolis-within-Gibbs; ``"nuts"``: :class:`~numpyro_fed.FederatedNUTS`)."""
 _UNKNOWN_OPTION = (
     "nf.fit: no rung takes {names} and no backend runs with it. A rung's options (each passed to the rungs that take "
     "it): {rungs}; the run options (passed to every rung): {run}; and fit's own arguments (exact, num_samples, "
-    "num_warmup, num_chains, model_kwargs, row_plate, client_mapping, progress_bar)"
+    "num_warmup, num_chains, model_kwargs, row_plate, client_mapping, progress_bar, max_rounds, dp, init)"
 )
 
 
@@ -133,18 +134,10 @@ def split_options(options: Dict[str, Any]):
     return rung, run
 
 
-_UNMIXED = (
-    "nf.fit: the exact answer's {chains} chain(s) of federated NUTS have not mixed at {sites} (split R-hat above "
-    "{r_hat} or bulk ESS under {ess}): their draws do not represent the posterior there. Run longer (num_warmup=, "
-    "num_samples=), raise target_accept_prob= (e.g. 0.95) where NUTS diverged, or reparameterise (a non-centred "
-    "hierarchy)"
-)
-
-
 def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = False, num_samples: int = 1000,
         num_warmup: Optional[int] = None, num_chains: Optional[int] = None, model_kwargs: Optional[dict] = None,
         row_plate: Optional[str] = None, client_mapping: str = "auto", progress_bar: Optional[bool] = None,
-        max_rounds: Optional[int] = MAX_ROUNDS, dp: Any = None, **options: Any) -> Fit:
+        max_rounds: Optional[int] = MAX_ROUNDS, dp: Any = None, init: Any = None, **options: Any) -> Fit:
     """Fit ``model`` to the federation ``clients``: the posterior of its global sites, checked.
 
     Tries the Laplace approximation (a few Newton rounds), keeps it when the fit checks pass,
@@ -176,6 +169,13 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             round; ``None``: no bound). A sampler whose pace projects more stops before it spends
             them and ``fit`` raises :class:`~numpyro_fed.budget.RoundBudgetError` with the
             projection, the draws it has and what to do.
+        init: where the fit starts: a dict ``{global site: value}`` (constrained values; the global
+            sites it leaves out start at their prior's mean), or a NumPyro init strategy
+            (``numpyro.infer.init_to_value(values=...)``, ``init_to_median()``,
+            ``init_to_uniform()``, ...). The Laplace search starts there, and so the samplers started
+            from its mode; where it finds no mode, federated NUTS starts there too. A posterior with
+            several modes (a mixture, whose components the prior treats alike) needs it: from the
+            prior's mean, where the components coincide, the search stops at that symmetric point.
         dp: a :class:`~numpyro_fed.dp.PrivateFit`: fit the ``dp_noise``-marked model under
             differential privacy: its whole budget on a private Laplace fit
             (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`), or with ``exact=True`` on a private
@@ -184,7 +184,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             :meth:`Fit.privacy_report`; ``ledger=`` a :class:`~numpyro_fed.dp.PrivacyLedger` refuses the
             fit before it starts where it would take a client past its budget, and is charged both
             stages). A ``dp_noise``-marked model without ``dp=`` is refused.
-        **options: a rung's own options (:func:`rung_options`: e.g. ``target_accept_prob``,
+        **options: a rung's own options (:data:`RUNG_OPTIONS`: e.g. ``target_accept_prob``,
             ``max_tree_depth``, ``step_size`` for federated NUTS; ``inner_steps``, ``local_blocks``
             for the Laplace search and Metropolis-within-Gibbs; ``tol`` for the Laplace search),
             each passed to the rungs that take it; and the backend's run options (``backend``,
@@ -227,7 +227,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         run_options = dict(run_options, ledger=ledger)
     ladder = Ladder(model, exact=exact, num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
                     model_kwargs=model_kwargs, row_plate=row_plate, client_mapping=client_mapping,
-                    progress_bar=progress_bar, max_rounds=max_rounds, dp=dp, **rung_options)
+                    progress_bar=progress_bar, max_rounds=max_rounds, dp=dp, init=init, **rung_options)
     return ladder.run(rng_key, clients, **run_options)
 
 
@@ -257,7 +257,11 @@ class Ladder:
                  model_kwargs: Optional[dict] = None,
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
                  progress_bar: Optional[bool] = None, max_rounds: Optional[int] = MAX_ROUNDS,
-                 dp: Optional[Any] = None, **rung_options: Any) -> None:
+                 dp: Optional[Any] = None, init: Any = None, **rung_options: Any) -> None:
+        if init is not None and not (isinstance(init, dict) or callable(init)):
+            raise TypeError(f"nf.fit(init=...): a dict of global sites' values or a NumPyro init strategy (e.g. "
+                            f"numpyro.infer.init_to_median()); got {type(init).__name__}")
+        self.init = init
         unknown = sorted(set(rung_options) - set(RUNG_OPTIONS))
         if unknown:
             raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS),
@@ -270,9 +274,13 @@ class Ladder:
         self.progress_bar = progress_bar
         self.max_rounds = None if max_rounds is None else check_positive_int("max_rounds", max_rounds)
         self._kept = None  # (run: the rungs kept for this model, options and data, numpyro_fed.fit_cache)
+        self._measured: Dict[str, Any] = {}  # (run: what the advice of an error reads, Ladder._advice)
         from .dp.private_fit import PrivateFit
 
         self.dp = None if dp is None else PrivateFit(*dp).checked()
+        if self.dp is not None and init is not None:
+            raise ValueError("nf.fit(dp=..., init=...): a private fit starts from its own private Laplace fit "
+                             "(nf.dp.PrivateFit); drop init=")
 
     @property
     def differentially_private(self) -> bool:
@@ -314,10 +322,10 @@ class Ladder:
         warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
         if spec["rung"] == "laplace":
             if spec.get("check", True):
-                inference = Laplace(self.model, widen=WIDEN, **common, **self._own("laplace"))
+                inference = Laplace(self.model, widen=WIDEN, init=self.init, **common, **self._own("laplace"))
                 inference.check_draws = CORRECT_DRAWS  # both checks: one compiled program
             else:  # the exact rungs' start: the mode and covariance only
-                inference = Laplace(self.model, check_fit=False, **common, **self._own("laplace"))
+                inference = Laplace(self.model, check_fit=False, init=self.init, **common, **self._own("laplace"))
         elif spec["rung"] == "mwg":
             if warm is None:
                 raise ValueError("Ladder.rung: the 'mwg' rung starts from a (mean, cov): Ladder.stage('mwg', warm)")
@@ -342,7 +350,8 @@ class Ladder:
         return {"MWG_WARMUP": MWG_WARMUP, "MWG_CHAINS": MWG_CHAINS, "NUTS_CHAINS": NUTS_CHAINS,
                 "WARM_WARMUP": WARM_WARMUP, "WIDEN": WIDEN, "CORRECT_DRAWS": CORRECT_DRAWS, "exact": self.exact,
                 "num_samples": self.num_samples, "num_warmup": self.num_warmup, "num_chains": self.num_chains,
-                "row_plate": self.row_plate, "client_mapping": self.client_mapping, "progress_bar": self.progress_bar}
+                "row_plate": self.row_plate, "client_mapping": self.client_mapping, "progress_bar": self.progress_bar,
+                "init": self.init if self.init is None or callable(self.init) else content(self.init)}
 
     def _rung_of(self, stage: str):
         """:meth:`rung`, or the object an earlier fit of the same model, options and data built for
@@ -391,6 +400,7 @@ class Ladder:
         stage = self.stage("laplace", check=not self.exact)
         announce(stage)
         laplace = self._rung_of(stage)
+        self._measured = {"laplace": laplace, "clients": None if network else clients, "failed": []}
         mode = False
         try:
             with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
@@ -400,6 +410,9 @@ class Ladder:
             if err.improper:
                 raise
             warm = err.last
+            self._measured.update(zip(("mode", "cov"), warm or (None, None)))
+            if warm is None and self.init is not None:  # NUTS starts where the user said, unpreconditioned
+                warm = (laplace.start, np.ones_like(laplace.start))
             rounds, bytes_ = int(err.communication.rounds), traffic(err)
             log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
                        + (", preconditioned by the curvature at the last point" if warm is not None else ""))
@@ -407,6 +420,7 @@ class Ladder:
             results.append(result)
             rounds, bytes_ = int(result.communication.rounds), traffic(result)
             warm, mode = (np.asarray(result.params.mean), np.asarray(result.params.cov)), True
+            self._measured.update(mode=warm[0], cov=warm[1])
             if self.exact:
                 log.append(f"laplace: {rounds} rounds; mode found (the exact sampler's start)")
             else:
@@ -455,6 +469,7 @@ class Ladder:
             done["rounds"] += spent
             done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], traffic(result)))
             check = chain_check(result)
+            self._measured["failed"] = list(result.verdict.sites)
             chain_rounds = chain_rounds + spent if go_on else spent  # the rounds of these chains' draws
             log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
                        + f"; {_per_draw(chain_rounds, check):.3g} rounds per effective draw")
@@ -470,7 +485,7 @@ class Ladder:
             for w in caught:  # the answer's own warnings reach the caller
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             if rung == "nuts":
-                _warn_unmixed(sampler, result)
+                warn_unmixed(sampler, result, self._advice())
             log.append(f"{rung}: the answer, {done['rounds']} rounds in all (every rung), "
                        f"{_per_draw(done['rounds'], check):.3g} rounds per effective draw of the worst global scalar")
             return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
@@ -527,28 +542,28 @@ class Ladder:
                    + (")" if go_on else ", again from the start)"))
         return afford
 
+    def _advice(self) -> str:
+        """What to change, from what this run measured (:func:`numpyro_fed.advice.advice`): the sites whose
+        chains did not mix, a symmetric Laplace point, each hierarchy's parameterisation by its rows."""
+        from .groups import sized_model
+        from .inference import fitted
+
+        measured = self._measured
+        if measured.get("clients") is None:  # (over a network the server holds no rows to count)
+            return ""
+        laplace, clients = measured["laplace"], measured["clients"]
+        try:
+            structure = fitted(laplace).extra.structure
+        except ValueError:  # (not set up: nothing was measured)
+            return ""
+        model = sized_model(self.model, clients, self.model_kwargs)
+        return advice(model, clients, self.model_kwargs, structure, measured.get("mode"), measured.get("cov"),
+                      measured["failed"])
+
     def _over_budget(self, err: RoundBudgetError, rung: str, done: Dict[str, Any], log: List[str]):
-        """``nf.fit``'s :class:`~numpyro_fed.budget.RoundBudgetError`: the rung's, over every rung's rounds."""
-        rounds, traffic = done["rounds"] + err.rounds, sum(done["bytes"]) + err.bytes
-        name = {"mwg": "federated Metropolis-within-Gibbs", "nuts": "federated NUTS"}[rung]
-        if err.projected_rounds is not None:
-            need = done["rounds"] + err.projected_rounds
-            why = (f"{name} would need about {need:,.0f} rounds in all ({network_time(need)} over a network at 58 ms "
-                   f"a round), more than max_rounds={self.max_rounds:,}")
-        else:
-            why = f"{name} reached max_rounds={self.max_rounds:,} before its pace was measured"
-        kept = next(iter(err.samples.values())).shape[1] if err.samples else 0
-        have = (f"the {kept} draws per chain it has are in error.samples (a chain's first draws: check them before "
-                f"use)") if kept else ("it stopped in warmup, with no draws" if err.rounds else "did not start it")
-        log = log + [f"{rung}: " + (f"stopped after {err.rounds} rounds" if err.rounds else "not started") + f": {why}"]
-        message = (f"nf.fit: {why}; it stopped after {rounds:,} rounds ({traffic / 1e6:,.1f} MB), and {have}. What "
-                   f"was tried: " + "; ".join(log) + ". To pay for it, raise max_rounds= (None: no bound); to need "
-                   "fewer rounds, reparameterise the model (a non-centred hierarchy; a scale with a lighter-tailed "
-                   "prior), or ask for fewer draws (num_samples=)")
-        return RoundBudgetError(message, rounds=rounds, max_rounds=self.max_rounds or 0,
-                                projected_rounds=None if err.projected_rounds is None
-                                else done["rounds"] + err.projected_rounds,
-                                samples=err.samples, log=log, bytes=traffic)
+        """``nf.fit``'s :class:`~numpyro_fed.budget.RoundBudgetError` (:func:`~numpyro_fed.budget.over_budget`),
+        with the advice this run's measures give."""
+        return over_budget(err, rung, done, log, self.max_rounds, self._advice())
 
 
 def _per_draw(rounds: int, check: Dict[str, float]) -> float:
@@ -562,18 +577,6 @@ def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError("nf.fit takes no checkpoint= or init_state= (it runs several rungs, each from its start); "
                          "checkpoint a family's run instead")
     return {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every", "init_state")}
-
-
-def _warn_unmixed(sampler, result) -> None:
-    """Warn, naming the scalars, where the exact answer's chains have a split R-hat above
-    :data:`~numpyro_fed.check.chains.R_HAT_LIMIT` or a bulk ESS under
-    :data:`~numpyro_fed.check.chains.MIN_ESS` (Metropolis-within-Gibbs warns of it itself)."""
-    from .check.chains import MIN_ESS, R_HAT_LIMIT, describe_unmixed
-
-    unmixed = result.verdict.reports["chains"]["unmixed"]
-    if unmixed:
-        warnings.warn(_UNMIXED.format(chains=sampler.num_chains, sites=describe_unmixed(unmixed), r_hat=R_HAT_LIMIT,
-                                      ess=MIN_ESS), MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
 
 def _r_hat_limit() -> float:

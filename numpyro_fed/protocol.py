@@ -124,6 +124,9 @@ class FederatedAlgorithm(NamedTuple):
             or ``None``: an open-ended sampler's progress, from which the backend projects the
             rounds the run needs (:class:`~numpyro_fed.budget.Pace`), shows them, and stops a
             run whose projection exceeds ``num_rounds``.
+        layout: the model's sites whose values the states' flat vectors hold, in their order
+            (:func:`~numpyro_fed.checkpoint.site_layout`; recorded in checkpoints, which a resume
+            checks against it), as JSON text; ``""`` where the family lays out no model sites.
     """
 
     init_server: Callable
@@ -138,6 +141,7 @@ class FederatedAlgorithm(NamedTuple):
     done: Callable = None
     describe: Callable = None
     progress: Callable = None
+    layout: str = ""
 
 
 def all_clients(num_clients: int) -> Callable:

@@ -41,7 +41,7 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
     return {k: np.asarray(v)[None] for k, v in draws.items()}
 
 
-_SAMPLERS = ("nuts", "mwg")  # nf.fit's exact rungs: chains, with n_eff and r_hat
+_SAMPLERS = ("nuts", "mwg", "dp_metropolis")  # nf.fit's exact rungs: chains, with n_eff and r_hat
 
 
 def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_samples: int = 1000,
@@ -74,6 +74,9 @@ def _check_line(inference, result) -> str:
             c = inference.check
             return head + (f"exact sampler: min ESS {c['min_n_eff']:.0f}, max split R-hat {c['max_r_hat']:.3f} over "
                            f"the global scalars; {inference.rounds_per_draw:.3g} rounds per effective draw")
+        if inference.check is None:  # an answer no check judged (a private fit: a check would spend privacy)
+            verdict = inference.verdict
+            return head + f"fit check: {verdict.status}" + (f" ({verdict.why})" if verdict.why else "")
         return head + _verdict_text(inference.check)
     if getattr(inference, "draws_are_chains", False):
         return ""

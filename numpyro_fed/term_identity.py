@@ -39,12 +39,12 @@ from numpyro.handlers import substitute
 from numpyro.infer.util import potential_energy
 
 from ._structure import ModelStructure, SiteLayout, constrain_params, log_joint
-from ._trace import trace_model
+from ._trace import nonfinite_sites, prior_median, trace_model
 from .clients import ClientData, Clients
 from .groups import sized_model
 
 __all__ = ["MAX_CHECKED", "POINTS", "TermMismatch", "checked_clients", "client_term_mismatch", "describe_mismatch",
-           "split_rows_mismatch"]
+           "overflow_message", "split_rows_mismatch"]
 
 MAX_CHECKED = 16  # client layouts compared with NumPyro at set-up (see the module's docstring)
 POINTS = 2  # points of the latent sites per client
@@ -129,6 +129,8 @@ class _Terms(NamedTuple):
     d: int
     padded: SiteLayout
     index: np.ndarray
+    glob: SiteLayout
+    real: SiteLayout
 
 
 def _terms(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, rows: Mapping, cache: dict) -> _Terms:
@@ -183,7 +185,7 @@ def _terms(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, 
         return (lambda u, v: federated(u, v, laid.args, laid.row_mask, own),
                 lambda u, v: log_joint(base, rows, kwargs, latent(u, v, real), params, own))
 
-    return _Terms(values, per_site, d, padded, index)
+    return _Terms(values, per_site, d, padded, index, glob, real)
 
 
 def _shapes(args: Mapping) -> tuple:
@@ -208,29 +210,52 @@ def _differing_sites(terms: _Terms, tr_sites: Sequence[str], u, v_pad, v_real) -
     return tuple(out)
 
 
+def _candidates(model, kwargs, laid: ClientData, terms: _Terms, rng_key) -> Tuple[jax.Array, jax.Array]:
+    """Points of the latent sites to compare at, in order of preference: :data:`POINTS` drawn uniformly
+    in (-1, 1) of unconstrained space (as NumPyro's ``init_to_uniform``), then draws closer in to the
+    prior's mean (within 0.1, then 0.01; the local entries as close to 0), then the prior's mean itself
+    (local entries 0): a model whose density overflows far out (a covariate in the thousands) is
+    compared where it is defined."""
+    start = jnp.asarray(prior_median(model, laid.args, kwargs, terms.glob, exact=True), jnp.float32)
+    keys = jax.random.split(rng_key, 4)
+    far = [jax.random.uniform(k, (POINTS, n), minval=-1.0, maxval=1.0) for k, n in zip(keys[:2], (terms.d,
+                                                                                                    terms.padded.size))]
+    near = [jax.random.uniform(k, (2, n), minval=-1.0, maxval=1.0) * jnp.asarray([[0.1], [0.01]])
+            for k, n in zip(keys[2:], (terms.d, terms.padded.size))]
+    us = jnp.concatenate([far[0], start + near[0], start[None]])
+    vs = jnp.concatenate([far[1], near[1], jnp.zeros((1, terms.padded.size))])
+    return us, vs
+
+
 def client_term_mismatch(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, rows: Mapping,
                          client: str, rng_key, points: int = POINTS, cache: Optional[dict] = None
                          ) -> Optional[TermMismatch]:
-    """Compare one client's laid-out term with NumPyro's on its own ``rows`` (value and gradient,
-    at ``points`` points of the latent sites drawn uniformly in (-1, 1) of unconstrained space,
-    the padded local entries at other such values); ``None`` when they agree. Jit-compiled once
-    per shape of the client's data (``cache``: shared by clients of the same shapes)."""
+    """Compare one client's laid-out term with NumPyro's on its own ``rows`` (value and gradient),
+    at the first ``points`` of the candidate points (:func:`_candidates`) where NumPyro's own density
+    and its gradient are finite; ``None`` when they agree there. Jit-compiled once per shape of the
+    client's data (``cache``: shared by clients of the same shapes).
+
+    Raises:
+        ValueError: NumPyro's own density of the model on the client's rows is not finite at any
+            candidate point, naming the sites whose terms are not finite and the values that
+            overflowed (the model, not the federation, has no density there).
+    """
     terms = _terms(model, kwargs, structure, laid, rows, {} if cache is None else cache)
     num_rows = int(next(iter(dict(rows).values())).shape[0])
     padded_rows = int(laid.row_mask.shape[0])
     padded = padded_rows > num_rows or terms.padded.size > terms.index.size
     pad_entries = np.setdiff1d(np.arange(terms.padded.size), terms.index)
-    ku, kv = jax.random.split(rng_key)
-    us = jax.random.uniform(ku, (points, terms.d), minval=-1.0, maxval=1.0)
-    vs = jax.random.uniform(kv, (points, terms.padded.size), minval=-1.0, maxval=1.0)
+    us, vs = _candidates(model, kwargs, laid, terms, rng_key)
     real_rows = {k: jnp.asarray(v) for k, v in dict(rows).items()}
     out = [np.asarray(x) for x in terms.values(us, vs, laid.args, laid.row_mask, real_rows)]
-    for p in range(points):
+    defined = [p for p in range(us.shape[0]) if np.isfinite(out[3][p]) and np.all(np.isfinite(out[4][p]))
+               and np.all(np.isfinite(out[5][p]))]
+    if not defined:
+        raise ValueError(overflow_message(model, kwargs, structure, terms, rows, client, us[-1], vs[-1]))
+    for p in defined[:points]:
         fv, fu, fvv, rv, ru, rvv = (float(out[0][p]), out[1][p], out[2][p], float(out[3][p]), out[4][p], out[5][p])
-        if not (np.isfinite(fv) or np.isfinite(rv)):
-            continue  # the model is not defined at this point (as NumPyro's initialisation retries)
         u, v_pad = us[p], vs[p]
-        scale = abs(rv) if np.isfinite(rv) else 0.0
+        scale = abs(rv)
 
         def found(what, a, b):
             names = _differing_sites(
@@ -238,20 +263,45 @@ def client_term_mismatch(model, kwargs: Mapping, structure: ModelStructure, laid
                 u, v_pad, v_pad[terms.index])
             return TermMismatch(client, what, float(a), float(b), names, padded, num_rows, padded_rows)
 
-        if not (np.isfinite(fv) and np.isfinite(rv)) or not _close(fv, rv, scale):
+        if not np.isfinite(fv) or not _close(fv, rv, scale):
             return found("value", fv, rv)
         gscale = float(np.max(np.abs(np.concatenate([ru.reshape(-1), rvv.reshape(-1), np.zeros(1)]))))
         if not _close(fu, ru, gscale):
-            j = int(np.argmax(np.abs(fu - ru)))
+            j = int(np.argmax(np.where(np.isfinite(fu), np.abs(fu - ru), np.inf)))
             return found(f"gradient in global site '{_entry_site(structure.global_latent, j)}'", fu[j], ru[j])
         fr = fvv[terms.index]
         if not _close(fr, rvv, gscale):
-            j = int(np.argmax(np.abs(fr - rvv)))
+            j = int(np.argmax(np.where(np.isfinite(fr), np.abs(fr - rvv), np.inf)))
             return found(f"gradient in local site '{_entry_site(terms.padded, int(terms.index[j]))}'", fr[j], rvv[j])
         if pad_entries.size and not _close(fvv[pad_entries], 0.0, gscale):
             j = int(pad_entries[np.argmax(np.abs(fvv[pad_entries]))])
             return found(f"gradient on a padded entry of local site '{_entry_site(terms.padded, j)}'", fvv[j], 0.0)
     return None
+
+
+_OVERFLOW = (
+    "client '{client}': NumPyro's own log density of the model on the client's {rows} rows is not finite ({what}) at "
+    "any point tried ({tried}): {sites}. The model has no density there, before any federation. Where a "
+    "parameter overflows, scale the covariates that enter it (centre each and divide by its sd: a covariate in the "
+    "hundreds or thousands makes exp(x @ beta) overflow) or give their coefficients tighter priors; where it is "
+    "nan or outside its support, the model computes it outside its domain (the log of a site that can be 0 or "
+    "negative: give that site a positive prior, e.g. HalfNormal)"
+)
+_TRIED = ("drawn uniformly in (-1, 1) of the unconstrained space, then closer in to the prior's mean, and the "
+          "prior's mean")
+
+
+def overflow_message(model, kwargs: Mapping, structure: ModelStructure, terms: _Terms, rows: Mapping, client: str,
+                     u, v_pad) -> str:
+    """The refusal of a model whose density is not finite on ``client``'s rows anywhere tried: the
+    sites whose own term (or its gradient) is not finite at ``(u, v_pad)`` (the prior's mean) and the
+    parameters of their distributions that overflowed there (:func:`~numpyro_fed._trace.nonfinite_sites`)."""
+    base = getattr(model, "__wrapped_model__", model)
+    latent = {**terms.glob.unravel(u), **terms.real.unravel(v_pad[terms.index])}
+    kinds, parts = nonfinite_sites(base, rows, kwargs, latent)
+    return _OVERFLOW.format(client=client, rows=int(next(iter(dict(rows).values())).shape[0]),
+                            what=" and ".join(kinds) or "value or gradient", tried=_TRIED,
+                            sites="; ".join(parts) or "no single site's term could be told")
 
 
 def _entry_site(layout: SiteLayout, flat: int) -> str:
@@ -352,7 +402,9 @@ def split_rows_mismatch(model, kwargs: Mapping, structure: ModelStructure, rows:
     try:
         with jax.enable_x64(True):  # in double precision: a sum over rows in another order is exact to 1e-12
             wide = jax.jit(terms, compiler_options=_QUICK)
-            as64 = [{k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in a.items()}
+            # placed on the device here, in double precision: JAX's dispatch of a NumPy argument would read
+            # its precision setting apart from this context and hand an int32 buffer to the int64 program
+            as64 = [{k: jnp.asarray(v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in a.items()}
                     for a in [rows] + halves]
             lat64 = [jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), lat) for lat in latents]
             whole, first, second = (np.asarray(wide(a, lat), np.float64) for a, lat in zip(as64, lat64))

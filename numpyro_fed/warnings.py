@@ -23,6 +23,8 @@ Filter on :class:`FederatedWarning` to catch (or silence) all of them, or on a s
   entries each belong to one client);
 - :class:`ArvizGroupWarning`: ``to_arviz`` left out a group (the log-likelihood without the
   clients' data);
+- :class:`CheckpointLayoutWarning`: a checkpoint records no layout of its sites, so a resume
+  cannot check that its vectors are read into the right sites;
 - :class:`FederatedDeprecationWarning` (also a ``DeprecationWarning``): an old spelling of the
   API was used (see :mod:`numpyro_fed._deprecations`).
 
@@ -44,6 +46,7 @@ import os
 __all__ = [
     "ArvizGroupWarning",
     "BiasedFitWarning",
+    "CheckpointLayoutWarning",
     "FederatedDeprecationWarning",
     "FederatedWarning",
     "FitWarning",
@@ -111,6 +114,11 @@ class SiteRoleWarning(FederatedWarning):
 
 class ArvizGroupWarning(FederatedWarning):
     """``to_arviz`` left out a group it could not build (the log-likelihood without the clients' data)."""
+
+
+class CheckpointLayoutWarning(FederatedWarning):
+    """A checkpoint records no layout of its sites (an earlier version's file): a resume reads its
+    vectors in the model's site order without checking it against the saved one."""
 
 
 class FederatedDeprecationWarning(FederatedWarning, DeprecationWarning):

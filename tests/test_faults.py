@@ -217,8 +217,9 @@ def test_an_invalid_initial_value_names_its_site(family):
             FAMILY_OF[family](_nan_param).init(random.PRNGKey(0), clients)
         with pytest.raises(ValueError, match=r"param site 's' starts at \[-1\.\], outside its constraint"):
             FAMILY_OF[family](_negative_param).init(random.PRNGKey(0), clients)
-        with pytest.raises(ValueError, match=r"could not evaluate the model: at 10 points .* just after site 'w': "
-                                             r"Normal distribution got invalid scale parameter"):
+        with pytest.raises(ValueError, match=r"could not evaluate the model: at 10 points .* at site 'y' \(Normal: its "
+                                             r"scale is \[-.*\], outside Positive.*\): Normal distribution got "
+                                             r"invalid scale parameter"):
             FAMILY_OF[family](_always_invalid).init(random.PRNGKey(0), clients)
 
 

@@ -290,7 +290,8 @@ def test_clear_errors():
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Uniform(mu + 100.0, mu + 101.0), obs=y)
 
-    with pytest.raises(ValueError, match="found no starting point with a finite potential"):
+    with pytest.raises(ValueError, match=r"not finite \(value\) at any point tried .* site 'y' \(Uniform\): its value "
+                                         r"lies outside its support"):  # refused at set-up, naming the site
         nf.FederatedNUTS(impossible, num_warmup=2, num_samples=2).run(random.PRNGKey(0), clients)
     with pytest.raises(nf.RoundBudgetError, match=r"reached num_rounds=30 first"):
         nf.FederatedNUTS(model, num_warmup=20, num_samples=20).run(random.PRNGKey(0), clients, 30)

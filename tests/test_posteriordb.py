@@ -136,3 +136,17 @@ def test_fit_offers_no_corrected_draws_where_two_importance_estimates_disagree(p
 
     row = pdb.strict_within(draws, ref, {n: float(ess(x[None])) for n, x in draws.items()})
     assert row["within"], row
+
+
+def test_every_suite_posterior_sets_up_without_accusing_the_federation(posteriors):
+    """The set-up checks (NumPyro's own density against each client's term, the sums over rows) on
+    every posterior of the external suite, as ``nf.fit`` sets it up: none refuses the model, and no
+    message ever asks the user to report the library (the checks compare where NumPyro's density is
+    defined, and a model that has none is refused naming its site)."""
+    refused = {}
+    for name, post in posteriors.items():
+        try:
+            nf.factor.Laplace(post.model, check_fit=False).init(jax.random.PRNGKey(0), post.clients)
+        except ValueError as err:
+            refused[name] = str(err)
+    assert refused == {}

@@ -63,7 +63,7 @@ def test_dp_laplace_without_noise_is_the_exact_posterior_of_a_hierarchy_with_row
     assert up <= {"['advertise_keys']", "['share_keys']", "['masked_input']", "['unmask_shares']"}, up
 
 
-def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_cannot_protect():
+def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_cannot_protect(capsys):
     clients, mean, sd = hierarchy(4000)
     model = nf.dp_noise(patients, clip=0.05, delta=DELTA, epsilon=3.0)
     plan = nf.dp.PrivateFit(start_clip=3.0, start_share=0.25, start_rounds=4)
@@ -80,16 +80,27 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
     assert report.epsilon == pytest.approx(want, rel=2e-3) and 2.95 < report.epsilon <= 3.0 + 2e-3
     assert ledger.spent("0") == pytest.approx(report.clients[0].epsilon, rel=2e-3)
     assert fit.method in ("dp_metropolis", "dp_laplace") and "private start" in fit.log[0]
+    fit.print_summary()  # every private answer reads as the others do
+    printed = capsys.readouterr().out
+    assert "mu" in printed and fit.method in printed and ("fit check: " in printed or "exact sampler" in printed)
     with pytest.raises(PrivacyBudgetError, match="client '0' past its privacy budget"):
         nf.fit(model, clients, jax.random.PRNGKey(1), dp=plan, exact=True, num_warmup=50, num_samples=100,
                progress_bar=False, ledger=ledger)  # two fits compose past 3.5: refused before anything is sent
     laplace = nf.fit(model, clients, jax.random.PRNGKey(2), dp=plan, progress_bar=False)  # the whole budget on it
     assert laplace.method == "dp_laplace" and len(laplace.results) == 1
+    laplace.print_summary()
+    assert "dp_laplace (as is (unchecked, private)), 4 rounds; fit check: " in capsys.readouterr().out
+    # one clip per model: PrivateFit() spends the budget with the model's own dp_noise clip
+    one = nf.dp_noise(patients, clip=3.0, delta=DELTA, epsilon=3.0)
+    own = nf.fit(one, clients, jax.random.PRNGKey(2), dp=nf.dp.PrivateFit(start_rounds=4), progress_bar=False)
+    assert "clip 3," in own.log[0]
+    same = nf.fit(one, clients, jax.random.PRNGKey(2), dp=plan, progress_bar=False)  # start_clip=3.0 given
+    assert np.allclose(own.get_samples()["mu"], same.get_samples()["mu"])
     whole = nf.dp.calibrate_noise_multiplier(3.0, DELTA, 4)
     assert laplace.privacy_report().epsilon == pytest.approx(_pld([(whole, 4)]), rel=2e-3)
     draws = np.asarray(laplace.get_samples()["mu"])
     assert abs(draws.mean() - mean) < 3 * sd and abs(draws.std() / sd - 1) < 0.2
-    with pytest.raises(ValueError, match=r"pass dp=nf.dp.PrivateFit\(start_clip=...\)"):
+    with pytest.raises(ValueError, match=r"pass dp=nf.dp.PrivateFit\(\) \(the model's dp_noise clip"):
         nf.fit(model, clients, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="wrap its observed site"):
         nf.fit(patients, clients, jax.random.PRNGKey(0), dp=plan)
@@ -100,7 +111,7 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
         nf.fit(model, clients, jax.random.PRNGKey(0), dp=plan, target_accept_prob=0.9)
 
 
-def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered():
+def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered(capsys):
     """20,000 patients over four clients, the releases summed by pairwise masking: at epsilon 4 the
     answer is within 0.5 sd of the analytic mean and 20 % of its sd; at epsilon 0.5 the sampler's
     chains cannot move, and the answer is the start, with a warning that says so."""
@@ -112,12 +123,16 @@ def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered()
         good = nf.fit(nf.dp_noise(patients, clip=0.02, delta=DELTA, epsilon=4.0), clients, jax.random.PRNGKey(0),
                       **kw)
     assert good.method in ("dp_metropolis", "dp_laplace") and good.log[-1]
+    good.print_summary()
+    assert good.method in capsys.readouterr().out
     draws = np.asarray(good.get_samples()["mu"])
     assert abs(draws.mean() - mean) < 0.5 * sd and abs(draws.std() / sd - 1) < 0.2
     with pytest.warns(nf.warnings.UnreliableFitWarning, match="verdict is .*The answer is the private start"):
         poor = nf.fit(nf.dp_noise(patients, clip=0.02, delta=DELTA, epsilon=0.5), clients, jax.random.PRNGKey(0),
                       **kw)
     assert poor.method == "dp_laplace" and poor.answer == "as is (unchecked, private)"
+    poor.print_summary()
+    assert "fit check: unchecked" in capsys.readouterr().out
     draws = np.asarray(poor.get_samples()["mu"])
     assert abs(draws.mean() - mean) < 5 * sd  # the start: noisier, still near
 

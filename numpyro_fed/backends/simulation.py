@@ -260,7 +260,7 @@ class _InProcess:
         return Rounds(state, outs.info, outs.figure, outs.asked, outs.answered, _non_finite(failure, plan))
 
     def save(self, path: str, state: RunState) -> None:
-        ckpt.save(path, state, self.plan.names, self.algorithm.name)
+        ckpt.save(path, state, self.plan.names, self.algorithm.name, layout=self.algorithm.layout)
 
     def finish(self, start: RunState, state: RunState, log: Rounds):
         plan = self.plan

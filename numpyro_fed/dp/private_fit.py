@@ -49,8 +49,7 @@ _UNMARKED = (
 )
 _NO_PLAN = (
     "the model marks observed site(s) {sites} with dp_noise, so nf.fit must be differentially private: pass "
-    "dp=nf.dp.PrivateFit(start_clip=...) (the clip of the private start's updates, in natural parameters; see "
-    "docs/differential_privacy.md)"
+    "dp=nf.dp.PrivateFit() (the model's dp_noise clip and budget; see docs/differential_privacy.md)"
 )
 _NEEDS_EPSILON = (
     "nf.fit(dp=...) splits one budget between its private start and its sampler: give dp_noise(epsilon=...) (not "
@@ -72,21 +71,27 @@ _UNSEEN = ("; over a network backend each client's count of clipped rows stays o
 class PrivateFit(NamedTuple):
     """How :func:`numpyro_fed.fit` spends a ``dp_noise`` budget (see :mod:`numpyro_fed.dp.private_fit`).
 
+    The model's ``dp_noise(clip=...)`` is the one clip a private fit needs: each row's release is
+    clipped to it in every stage (the private Laplace fit's ``(gradient, Hessian upper triangle)``
+    vector, as :class:`~numpyro_fed.dp.dp_laplace.DPLaplace` reads it; the exact sampler's
+    log-likelihood ratio). ``PrivateFit()`` with no arguments spends the budget so.
+
     Attributes:
-        start_clip: the clip of each row's ``(gradient, Hessian upper triangle)`` vector in the
-            private start (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`). Choose it above the
-            typical row's norm (a clip that binds shrinks the start towards the prior, and the
-            start's check says so); the noise grows with it.
+        start_clip: the private Laplace fit's (the start's) own clip, where its rows' gradients and
+            Hessians have another scale than the sampler's log-likelihood ratios (``None``: the
+            model's ``dp_noise`` clip). Choose it above the typical row's norm (a clip that binds
+            shrinks the start towards the prior, and the start's check says so); the noise grows
+            with it.
         start_share: the share of epsilon the start spends (the sampler spends the rest).
         start_rounds: Newton rounds of the start (one release per client each).
     """
 
-    start_clip: float
+    start_clip: Optional[float] = None
     start_share: float = 0.25
     start_rounds: int = 8
 
     def checked(self) -> "PrivateFit":
-        if not (np.isfinite(self.start_clip) and self.start_clip > 0):
+        if self.start_clip is not None and not (np.isfinite(self.start_clip) and self.start_clip > 0):
             raise ValueError(f"PrivateFit(start_clip={self.start_clip!r}): must be a finite number > 0")
         if not 0 < self.start_share < 1:
             raise ValueError(f"PrivateFit(start_share={self.start_share!r}): must lie in (0, 1)")
@@ -188,8 +193,8 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     run_options = dict(run_options)
     ledger = run_options.pop("ledger", None)
     names = list(clients.names)
-    share = plan.start_share if exact else 1.0
-    start_spec = DPSpec(float(plan.start_clip), spec.delta, epsilon=spec.epsilon * share)
+    share, start_clip = plan.start_share if exact else 1.0, spec.clip if plan.start_clip is None else plan.start_clip
+    start_spec = DPSpec(float(start_clip), spec.delta, epsilon=spec.epsilon * share)
     start = rung(stage_text("dp_laplace", start_spec, num_steps=plan.start_rounds))
     chains = 2 if num_chains is None else int(num_chains)
     warmup = default_warmup if num_warmup is None else int(num_warmup)
@@ -208,7 +213,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
         first = start.run(jax.random.fold_in(rng_key, STAGE_KEYS["dp_laplace"]), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
-               f"{plan.start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
+               f"{start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
                f"{first.verdict.status}")
     if not exact:  # the approximate answer at the whole budget (as nf.fit's Laplace rung, unchecked)
         started = start.dp_plan.events(names, first)

@@ -8,12 +8,12 @@ one Gaussian over the unconstrained global sites).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
-from .._trace import prior_median
+from .._trace import start_point
 from .._validation import check_positive_int
 from ..check import Verdict, register_check
 from ..check.psis import FitDiagnostic
@@ -34,6 +34,37 @@ _NO_MODE = (
     "finite maximum (a proper prior fixes that too). Or the model's log density is not smooth there: use "
     "nf.fit(..., exact=True) (federated NUTS)"
 )
+
+
+_NO_START = (
+    "Laplace: the log posterior is not finite at the search's start ({start}), so there is nothing to search "
+    "from{where}. The model has no density there: where a parameter overflows, scale the covariates that enter it "
+    "(centre each and divide by its sd) or give the sites a prior that starts where the model is defined; where "
+    "it is nan or outside its support, the model computes it outside its domain. Or start elsewhere: "
+    "nf.fit(..., init={{site: value}})"
+)
+
+
+def _start_message(inference: "Laplace", setup, result: RunResult) -> str:
+    """Why the search never had a finite point: in simulation, the sites whose log density (or its
+    gradient) is not finite at the start on the first client where the term is not (local latents
+    at 0 in unconstrained space), and the parameters that overflowed there."""
+    from .._structure import trace_model
+    from .._trace import nonfinite_sites
+
+    start = "init=" if inference.start_from is not None else "the prior's mean"
+    if result.state.clients is None or inference.start is None:  # a network backend: the rows are on the nodes
+        return _NO_START.format(start=start, where="")
+    structure = setup.extra.structure
+    for name in setup.inputs.names:
+        args = setup.inputs[name]
+        local = structure.local_layout(trace_model(inference.model, args, inference.model_kwargs))
+        latent = {**structure.global_latent.unravel(np.asarray(inference.start, np.float32)),
+                  **(local.unravel(np.zeros(local.size, np.float32)) if local.size else {})}
+        kinds, parts = nonfinite_sites(inference.model, args, inference.model_kwargs, latent)
+        if parts:
+            return _NO_START.format(start=start, where=f": on client '{name}', " + "; ".join(parts))
+    return _NO_START.format(start=start, where="")
 
 
 class NoModeError(ValueError):
@@ -59,8 +90,9 @@ class Laplace(FactorInference):
     sites. After ``run`` the fit is checked against the posterior as PVI's and EP's are
     (Pareto k and moments; ``last_fit_check``) and a poor fit warns.
 
-    The search starts at the prior's median (NumPyro's ``init_to_median``; a flat prior: a
-    uniform draw in (-2, 2) of unconstrained space), so a prior far from 0 costs no rounds.
+    The search starts at the prior's mean where it is finite, else its median (NumPyro's
+    ``init_to_median``; a flat prior: a uniform draw in (-2, 2) of unconstrained space), so a prior
+    far from 0 costs no rounds; or where ``init`` says.
 
     Args:
         model: a NumPyro model; ``local_site`` latents never leave their client.
@@ -80,6 +112,12 @@ class Laplace(FactorInference):
             al. 2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
             The inner decrement the stopping rule reads is then the root sum of the clients'
             squares.
+        init: where the search starts: a dict ``{global site: value}`` (constrained; the other
+            global sites at the prior's mean), or a NumPyro init strategy
+            (``numpyro.infer.init_to_value(values=...)``, ``init_to_median()``,
+            ``init_to_uniform()``, ...). A posterior with several modes (a mixture, whose
+            components the prior treats alike) is searched from there; :attr:`start` is the flat
+            unconstrained start after ``run``.
         client_mapping, row_plate, model_kwargs, check_fit: as :class:`~numpyro_fed.EP`.
 
     Examples:
@@ -105,9 +143,13 @@ class Laplace(FactorInference):
     def __init__(self, model: Callable, *, tol: float = 1e-2, inner_steps: int = 8, local_blocks: bool = True,
                  client_mapping: str = "auto", row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
                  check_fit: bool = True, widen: Optional[float] = None,
-                 secure_aggregation: Optional[str] = None) -> None:
+                 secure_aggregation: Optional[str] = None, init: Any = None) -> None:
         super().__init__(model, client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
                          check_fit=check_fit)
+        if init is not None and not (isinstance(init, dict) or callable(init)):
+            raise TypeError(f"Laplace(init=...): a dict of global sites' values or a NumPyro init strategy (e.g. "
+                            f"numpyro.infer.init_to_median()); got {type(init).__name__}")
+        self.start_from, self.start = init, None  # (init: the method, as every family's)
         self.secure_aggregation = check_aggregation(secure_aggregation, "Laplace")
         if not tol > 0:
             raise ValueError(f"tol={tol}: must be positive")
@@ -130,7 +172,9 @@ class Laplace(FactorInference):
         from ..backends.mapping import client_data
 
         self._blocks = propose_blocks(terms.local) if self.local_blocks else None
-        start = prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout, exact=True)
+        start = start_point(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout, self.start_from,
+                            local_names=terms.local.names)
+        self.start = np.asarray(start)
         return federated_laplace(terms.log_prior, terms.log_joint, num_clients, start, num_local=terms.num_local,
                                  blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol,
                                  secure=self.secure_aggregation)
@@ -157,6 +201,8 @@ def laplace_check(inference: Laplace, result: RunResult) -> Verdict:
     verdict's ``reports["widened"]``; ``None`` where some client did not answer)."""
     setup = fitted(inference)
     s = result.state.server
+    if not bool(s.converged) and not float(s.value) > -np.finfo(np.asarray(s.value).dtype).max:
+        raise ValueError(_start_message(inference, setup, result))  # never a finite point: nothing to search from
     if not bool(s.converged):
         layout = setup.extra.structure.global_latent
         owners = [n for n, shape in zip(layout.names, layout.shapes) for _ in range(int(np.prod(shape)))]

@@ -13,17 +13,16 @@ Pure and jit-compatible given the client's shapes.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Dict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
-from numpyro.handlers import seed, substitute, trace
 
+from .._pointwise import observed_terms
 from .._structure import SiteLayout, latent_supports, make_layout, trace_model
-from .._trace import observed_draws
 from ..backends.mapping import pad_client
 from ..groups import trim_groups
 from ..warnings import ModelComparisonWarning, find_stack_level
@@ -31,8 +30,7 @@ from . import gaussian as G
 from .check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
 from .tilted import PARETO_K_LIMIT
 
-__all__ = ["client_pass", "conditional_local_draws", "largest_layout", "observed_terms", "observed_terms_at",
-           "own_entries"]
+__all__ = ["client_pass", "conditional_local_draws", "largest_layout", "observed_terms_at", "own_entries"]
 
 
 def conditional_local_draws(log_joint: Callable, num_global: int, num_local: int, mean, u, data, rng_key):
@@ -50,29 +48,12 @@ def conditional_local_draws(log_joint: Callable, num_global: int, num_local: int
     return jax.vmap(one)(u, random.split(rng_key, u.shape[0]))
 
 
-def observed_terms(model: Callable, args: Mapping, kwargs: Mapping, values: Dict[str, jax.Array],
-                   rng_key) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
-    """``(log_likelihood, predictive)`` at one draw of the latent sites (constrained
-    ``values``): each observed site's pointwise log density of the client's data ``args``,
-    and a draw of new data from it (:func:`numpyro_fed._trace.observed_draws`: factors and sites
-    NumPyro cannot sample are left out of ``predictive``)."""
-    k_trace, k_obs = random.split(rng_key)
-    tr = trace(seed(substitute(model, data=values), k_trace)).get_trace(**dict(args), **dict(kwargs))
-    observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
-    return {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}, observed_draws(tr, k_obs)
-
-
 def constrained(layout, local, supports, u, v) -> Dict[str, jax.Array]:
     """Constrained values of the global (``u``) and local (``v``) sites at one draw."""
     values = {**layout.unravel(u), **(local.unravel(v) if local.size else {})}
     return {k: biject_to(supports[k])(x) for k, x in values.items()}
 
 
-_ENUMERATED = (
-    "{cls}: the pointwise log-likelihood with enumerated discrete local sites ({names}) is not built for PVI/EP "
-    "fits (each row's term would sum them out); fit with nf.FederatedSVI for federated_loo / to_arviz's "
-    "log_likelihood group"
-)
 _NOT_CLIENT = "client {name!r} is not one of the fitted clients {names}"
 _LAPLACE_LOCALS = (
     "{cls}: client '{client}''s local latents given the global sites are not close to Gaussian on its rows "
@@ -105,8 +86,6 @@ def client_pass(setup, state, model, model_kwargs, joint_of: Callable, cls: str,
         hint = f" (names are strings: client={str(client)!r})" if str(client) in names else ""
         raise ValueError(_NOT_CLIENT.format(name=client, names=names) + hint)
     structure = setup.extra.structure
-    if structure.enumerated:
-        raise NotImplementedError(_ENUMERATED.format(cls=cls, names=list(structure.enumerated)))
     q = state.server.q
     d = q.shift.shape[0]
     if u is None:

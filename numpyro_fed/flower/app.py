@@ -24,7 +24,7 @@ A Flower app's ``pyproject.toml`` names them::
     stream-certfile = ""                 #   (numpyro_fed.flower.runtime.stream; "": through Flower's SuperLink);
     stream-keyfile = ""                  #   TLS for it (required off loopback)
 
-The ServerApp connects (names and shapes, :meth:`FlowerBackend.connect`), builds the task's
+The ServerApp connects (names and shapes, :meth:`~numpyro_fed.flower.server.FlowerBackend.connect`), builds the task's
 inference object on the template, and runs it with ``backend=FlowerBackend(grid)`` (a
 :class:`~numpyro_fed.ladder.Ladder` task runs ``nf.fit``, and the result has a ``fit`` entry:
 its method, rounds, bytes, log, global draws and every rung's transcript; the other entries are

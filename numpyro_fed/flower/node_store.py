@@ -48,17 +48,18 @@ def store(context, built: Any, slot: ClientSlot, rnd: int) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.exists(path):
         os.replace(path, previous(path))
-    save_slot(path, built.name, slot, rnd)
+    save_slot(path, built, slot, rnd)
 
 
-def save_slot(path: str, name: str, slot: ClientSlot, rnd: int) -> None:
-    """One client's slot in the checkpoint format (no server part), atomically: the one writer of
-    a node's stored states (:func:`load_slot` reads them)."""
+def save_slot(path: str, built: Any, slot: ClientSlot, rnd: int) -> None:
+    """One client's slot in the checkpoint format (no server part, its model's layout of sites),
+    atomically: the one writer of a node's stored states (:func:`load_slot` reads them)."""
     from .. import checkpoint
     from ..protocol import RunState
 
     zero = np.zeros((2,), np.uint32)
-    checkpoint.save(path, RunState(np.int32(rnd), (), zero, (), (slot,), zero), [name], family="flower.node")
+    checkpoint.save(path, RunState(np.int32(rnd), (), zero, (), (slot,), zero), [built.name], family="flower.node",
+                    layout=built.algorithm.layout)
 
 
 def restore(context, built: Any, rnd: int) -> ClientSlot:
@@ -106,7 +107,7 @@ def store_round(context, built: Any, slot: ClientSlot, rnd: int) -> None:
     every = built.checkpoint_every
     if not every:
         return
-    save_slot(round_path(context, context.run_id, built.name, rnd), built.name, slot, rnd)
+    save_slot(round_path(context, context.run_id, built.name, rnd), built, slot, rnd)
     files = round_files(context, context.run_id, built.name)
     older = [r for r in files if r <= rnd - every]
     if older:
@@ -122,7 +123,7 @@ def load_round_slot(built: Any, path: str) -> tuple:
     like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
     zero = jax.ShapeDtypeStruct((2,), np.uint32)
     template = RunState(jax.ShapeDtypeStruct((), np.int32), (), zero, (), (like,), zero)
-    state = checkpoint.load(path, template, [built.name])
+    state = checkpoint.load(path, template, [built.name], layout=built.algorithm.layout)
     return int(state.round), state.clients[0]
 
 

@@ -124,7 +124,8 @@ class OverFlower:
         from .. import checkpoint as ckpt
 
         ckpt.save(path, state._replace(clients=()), [], family=SERVER_CHECKPOINT,
-                  extra={"run_id": int(self.backend.run_id), "sites": list(self.names)})
+                  extra={"run_id": int(self.backend.run_id), "sites": list(self.names)},
+                  layout=self.algorithm.layout)
 
     def finish(self, start: RunState, state: RunState, log: Rounds):
         ledgers = self._ledgers(int(state.round)) if self.backend.collect_ledgers else {}
@@ -424,5 +425,5 @@ def resumed_checkpoint(path: str, algorithm, names: Sequence[str], rng_key) -> t
         server, broadcast = algorithm.init_server(k)
         return RunState(jnp.zeros((), jnp.int32), server, k, broadcast, (), k)
 
-    state = ckpt.load(path, jax.eval_shape(init, key), [])
+    state = ckpt.load(path, jax.eval_shape(init, key), [], layout=algorithm.layout)
     return state, int(meta["run_id"])

@@ -171,6 +171,7 @@ class FederatedSVI(FederatedInference):
         if not isinstance(guide, StructuredGuide):
             raise TypeError(f"guide must be an nf.StructuredGuide or nf.MeanFieldGuide; got {type(guide).__name__}")
         check_optimizer(optim)
+        _check_guide_model(guide, model)
         if method not in METHODS:
             raise ValueError(f"method={method!r}: choose one of {METHODS}")
         if not (0.0 < participation <= 1.0):
@@ -524,6 +525,29 @@ class FederatedSVI(FederatedInference):
         """Values of a client's observed sites (the client's own data)."""
         tr = trace_model(self.model, clients[client], self.model_kwargs)
         return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+
+
+_OTHER_MODEL = (
+    "FederatedSVI: the guide was built for another model ({guide}) than the one fitted ({model}): build it for "
+    "this one, nf.StructuredGuide({model}) (or nf.StructuredGuide(None); the sites are read off the model fitted)"
+)
+
+
+def _innermost(fn):
+    """The user's function under any handlers (NumPyro's ``Messenger`` keeps it as ``fn``)."""
+    while callable(getattr(fn, "fn", None)) and hasattr(fn, "process_message"):
+        fn = fn.fn
+    return fn
+
+
+def _check_guide_model(guide: StructuredGuide, model: Callable) -> None:
+    """Refuse a guide built for another model (the function under any handlers differs)."""
+    if guide.model is None:
+        return
+    built, fitted_fn = _innermost(guide.model), _innermost(model)
+    if built is not fitted_fn:
+        raise ValueError(_OTHER_MODEL.format(guide=getattr(built, "__name__", repr(built)),
+                                             model=getattr(fitted_fn, "__name__", repr(fitted_fn))))
 
 
 @register_check(FederatedSVI)

@@ -22,19 +22,17 @@ import jax.numpy as jnp
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
+from .._pointwise import enumeration_dependent, observed_terms
 from .._structure import (
     ModelStructure,
     SiteLayout,
-    changed_deterministic,
     constrain_params,
-    deterministic_values,
-    fixed_discrete,
     is_latent,
     log_joint,
     trace_model,
     with_improper_values,
 )
-from .._trace import observed_draws, prior_median
+from .._trace import prior_median
 from ..clients import ClientData
 from ..handlers import GLOBAL, LOCAL, site_role
 from .guides import StructuredGuide
@@ -187,17 +185,10 @@ class FederatedObjective:
         return values
 
     def enumeration_dependent(self, args) -> Tuple[str, ...]:
-        """The ``numpyro.deterministic`` sites whose value depends on an enumerated site
-        (they have no value once it is summed out, so they are left out of the draws).
-        Found once per argument shapes by running the model with the enumerated sites at
-        two different values."""
+        """:func:`~numpyro_fed._structure.enumeration_dependent` on ``args``, once per argument shapes."""
         key = tuple(sorted((k, jnp.shape(v)) for k, v in dict(args).items()))
         if key not in self._enum_dependent:
-            with jax.ensure_compile_time_eval():  # concrete even when called under jit
-                first, other = (deterministic_values(trace(substitute(
-                    seed(self.model, 0), substitute_fn=fixed_discrete(value))).get_trace(
-                    **dict(args), **self.model_kwargs)) for value in (0, 1))
-            self._enum_dependent[key] = tuple(sorted(changed_deterministic(first, [other])))
+            self._enum_dependent[key] = enumeration_dependent(self.model, args, self.model_kwargs)
         return self._enum_dependent[key]
 
     def observed_sites(
@@ -205,54 +196,12 @@ class FederatedObjective:
     ) -> tuple:
         """``(log_likelihood, predictive)`` of the observed sites at one posterior draw, on
         the client's rows ``args``: each observed site's pointwise log density of the
-        client's data, and a draw of new data from it (a client's computation)."""
-        k_trace, k_obs = jax.random.split(rng_key)
-        _, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout, k_trace)
-        observed = [n for n, site in tr.items() if site["type"] == "sample" and site["is_observed"]]
-        predictive = observed_draws(tr, k_obs)
-        if self.structure.enumerated:
-            return self._enumerated_log_lik(global_params, local_params, z_global, z_local, args, layout, tr,
-                                            observed), predictive
-        log_lik = {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}
-        return log_lik, predictive
-
-    def _enumerated_log_lik(self, global_params, local_params, z_global, z_local, args, layout, tr, observed):
-        """Pointwise log-likelihood with the enumerated sites summed out: one value per row
-        of the plate the enumerated sites share with the observed site,
-        ``log p(y_i | z_G, v_i) = log sum_d p(d, v_i, y_i | z_G) - log sum_d p(d, v_i | z_G)``
-        (``v_i``: the row's continuous local latents, conditioned on as without
-        enumeration). The row's items are coupled through ``d``, so a row is one point."""
-        if len(observed) != 1:
-            raise ValueError(_ENUM_POINTWISE.format(what=f"{len(observed)} observed sites {observed}"))
-        obs = tr[observed[0]]
-        enum_plates = set.intersection(*[{f.name for f in tr[n]["cond_indep_stack"]} for n in
-                                         self.structure.enumerated])
-        frames = [f for f in obs["cond_indep_stack"] if f.name in enum_plates]
-        if len(frames) != 1:
-            raise ValueError(_ENUM_POINTWISE.format(
-                what=f"the enumerated sites {list(self.structure.enumerated)} and '{observed[0]}' share the plates "
-                     f"{sorted(f.name for f in frames)}, not exactly one row plate"))
-        plate, rows = frames[0].name, frames[0].size
-        latent = {**self.structure.global_latent.unravel(z_global), **layout.unravel(z_local)}
-        _, local_constraints, _ = self.client_layout(args)
-        params = {**constrain_params(global_params["theta"], self.global_constraints),
-                  **constrain_params(local_params["theta"], local_constraints)}
-
-        def count(with_observed):
-            def weight(site):
-                if site["type"] != "sample":
-                    return False
-                return bool(site["is_observed"] and with_observed) or (not site["is_observed"]
-                                                                       and site_role(site) == LOCAL)
-            return weight
-
-        def row(i):
-            mask = (jnp.arange(rows) == i).astype(jnp.float32)
-            both = log_joint(self.model, args, self.model_kwargs, latent, params, count(True), plate, mask)
-            prior = log_joint(self.model, args, self.model_kwargs, latent, params, count(False), plate, mask)
-            return both - prior
-
-        return {observed[0]: jax.vmap(row)(jnp.arange(rows))}
+        client's data (enumerated sites summed out, :mod:`numpyro_fed._pointwise`), and a draw of
+        new data from it (a client's computation)."""
+        latent, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout)
+        values = {n: tr[n]["value"] for n in latent}
+        values.update({n: site["value"] for n, site in tr.items() if site["type"] == "param"})
+        return observed_terms(self.model, args, self.model_kwargs, values, rng_key)
 
     def _substituted_trace(self, global_params, local_params, z_global, z_local, args, layout, rng_key=None):
         """The model on ``args`` at the given draws. Enumerated sites, which have no draw,
@@ -278,10 +227,3 @@ class FederatedObjective:
             **dict(args), **self.model_kwargs
         )
         return latent, tr
-
-
-_ENUM_POINTWISE = (
-    "a pointwise log-likelihood of a model with enumerated sites is one value per row, which needs one "
-    "observed site in one row plate shared with the enumerated sites; this model has {what}. Use the "
-    "ELBO-based comparison, or write the model so that one observed site holds a row's data"
-)

@@ -19,6 +19,7 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
+from .._pointwise import enumeration_dependent, observed_terms
 from .._structure import (
     ModelStructure,
     analyse_model,
@@ -29,7 +30,7 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .._trace import observed_draws, or_finite_point
+from .._trace import or_finite_point
 from .._validation import check_clients, check_model, check_positive_int, check_positive_number
 from ..backends.mapping import client_data, client_item, plan_clients, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
@@ -60,21 +61,18 @@ _FAILED_INIT = (
     "data (a likelihood that is -inf everywhere, an observed value outside its distribution's support)"
 )
 _UNFINISHED = (
-    "Raise num_rounds, or make the trees shorter: a reparameterisation (a non-centred hierarchy) or a lower "
-    "max_tree_depth (the draws then mix more slowly)"
+    "Raise num_rounds, or make the trees shorter: a reparameterisation (a hierarchy's effects centred where their "
+    "groups have many rows, non-centred where few) or a lower max_tree_depth (the draws then mix more slowly)"
 )
 _DIVERGED = (
     "{cls}: {count} of {total} post-warmup iterations diverged (chains {chains}): the draws may miss part of the "
-    "posterior (a funnel or sharp curvature). Raise target_accept_prob (e.g. 0.95) or reparameterise (non-centred "
-    "hierarchies); sample_stats(result)['diverging'] and nf.to_arviz show where"
+    "posterior (a funnel or sharp curvature). Raise target_accept_prob (e.g. 0.95) or reparameterise (a "
+    "hierarchy's effects non-centred where their groups have few rows, centred where many); "
+    "sample_stats(result)['diverging'] and nf.to_arviz show where"
 )
 _R_HAT = (
     "{cls}: the chains disagree: split R-hat {r_hat:.3f} > {limit} for site '{site}' (unconstrained): they have "
     "not mixed. Run more warmup and draws, or check for a multimodal posterior"
-)
-_ENUMERATED = (
-    "{cls}: the model sums out enumerated sites {names}; the pointwise log-likelihood of such a model is not "
-    "built for MCMC draws (use nf.FederatedSVI's log_likelihood, which handles it)"
 )
 
 
@@ -358,11 +356,14 @@ class FederatedMCMC(FederatedInference):
 
     def _client_draws(self, setup: Setup, state: RunState, client: str) -> Dict[str, jax.Array]:
         z_local, real, args = self._client_unpadded(setup, state, client)
+        # a deterministic site of an enumerated (summed-out) site has no draw: left out, never computed at a
+        # value of it drawn from its prior
+        skip = enumeration_dependent(self.model, args, self.model_kwargs) if setup.extra.structure.enumerated else ()
 
         def one(theta, z):
             tr, latent = self._client_trace(setup, theta, z, real, args, random.PRNGKey(0))
             values = {n: tr[n]["value"] for n in latent}
-            values.update({n: s["value"] for n, s in tr.items() if s["type"] == "deterministic"})
+            values.update({n: s["value"] for n, s in tr.items() if s["type"] == "deterministic" and n not in skip})
             return values
 
         key = ("client_draws", client)
@@ -382,9 +383,6 @@ class FederatedMCMC(FederatedInference):
         """
         state = state_of(self, result)
         setup = fitted(self)
-        if setup.extra.structure.enumerated:
-            raise NotImplementedError(_ENUMERATED.format(cls=type(self).__name__,
-                                                         names=list(setup.extra.structure.enumerated)))
         z_local, real, args = self._client_unpadded(setup, state, client)
         positions = self._positions(setup, state)
         theta = jnp.reshape(positions, (-1, positions.shape[-1]))
@@ -392,10 +390,8 @@ class FederatedMCMC(FederatedInference):
         keys = random.split(rng_key, theta.shape[0])
 
         def one(th, z, key):
-            k_trace, k_obs = random.split(key)
-            tr, _ = self._client_trace(setup, th, z, real, args, k_trace)
-            observed = [n for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]]
-            return {n: tr[n]["fn"].log_prob(tr[n]["value"]) for n in observed}, observed_draws(tr, k_obs)
+            tr, latent = self._client_trace(setup, th, z, real, args, random.PRNGKey(0))
+            return observed_terms(self.model, args, self.model_kwargs, {n: tr[n]["value"] for n in latent}, key)
 
         key = ("pointwise", client)
         if key not in setup.cache:  # compiled once per client and set-up

@@ -1,5 +1,5 @@
 """Federated linear models of Yue et al. (2022): HM2 (§4, Example 4.1) and its variable-selection
-form (§4.3). HM1 (§3) is an algorithm on a point estimate: :mod:`numpyro_fed.hm1`."""
+form (§4.3). HM1 (§3) is an algorithm on a point estimate: :mod:`numpyro_fed.linear`."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def vertical_sfvi(
     """Build vertical SFVI for ``objective`` (augmented -> Alg. 1, power -> Alg. 2).
 
     Args:
-        objective: a :class:`~numpyro_fed.vertical_objective.VerticalObjective`.
+        objective: a :class:`~numpyro_fed.vertical.objective.VerticalObjective`.
         optim: an optax optimiser, used by every party for its own parameters.
         batch_size: rows per iteration, drawn uniformly with replacement by the server
             (an unbiased estimate with cost independent of n); ``None`` uses all rows.

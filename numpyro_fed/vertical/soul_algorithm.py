@@ -93,7 +93,7 @@ class SOULServerState(NamedTuple):
 
 
 class VerticalSOULAlgorithm(NamedTuple):
-    """The pure functions of vertical SOUL, in the order of :func:`~numpyro_fed.vertical_protocol.protocol_round`."""
+    """The pure functions of vertical SOUL, in the order of :func:`~numpyro_fed.vertical.protocol.vertical_protocol`."""
 
     init_server: Callable
     init_client: Callable
@@ -141,7 +141,7 @@ def vertical_soul(
     """Build vertical SOUL for ``objective`` (built with a :class:`PointAux` guide).
 
     Args:
-        objective: a :class:`~numpyro_fed.vertical_objective.VerticalObjective`.
+        objective: a :class:`~numpyro_fed.vertical.objective.VerticalObjective`.
         optim: optax optimiser for ``z`` and ``numpyro.param`` sites (ascent; a decaying
             schedule gives the Robbins-Monro conditions).
         step_size: ULA step ``gamma``, one float or ``{party: float}`` (``"server"`` for
