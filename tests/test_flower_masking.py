@@ -205,7 +205,7 @@ def test_a_ledger_over_flower_refuses_the_run_past_a_clients_budget_and_covers_b
     assert {c.client: round(c.epsilon, 6) for c in report.clients} == {k: round(v, 6) for k, v in own.items()}
 
 
-def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_release(federation):
+def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_release(federation, capsys):
     """``nf.fit(dp=..., exact=True, secure_aggregation="masking")`` as a Flower task (its
     ``make_inference`` returns ``Ladder(model, dp=PrivateFit(...))``): the server announces each
     stage, the private start and the exact DP sampler from it, and every node builds it from that
@@ -226,6 +226,9 @@ def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_r
         trusted.rung_options["secure_aggregation"] = "trusted"
         trusted.client_mapping, trusted.progress_bar = "loop", False
         clear = trusted.run(random.PRNGKey(0), inputs, availability=table, record_transcript=True, keep_values=True)
+    for private in (sim, clear):  # a private fit reads as every fit does
+        private.print_summary()
+        assert f"{private.method} (" in capsys.readouterr().out
     flower = federation.run("flower_tasks:fit_dp_masking", 1, seed=0, num_clients=3, keep_values=True,
                             reply_timeout=30.0)
     got = flower["fit"]

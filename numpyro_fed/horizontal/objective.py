@@ -185,7 +185,7 @@ class FederatedObjective:
         return values
 
     def enumeration_dependent(self, args) -> Tuple[str, ...]:
-        """:func:`~numpyro_fed._structure.enumeration_dependent` on ``args``, once per argument shapes."""
+        """:func:`~numpyro_fed._pointwise.enumeration_dependent` on ``args``, once per argument shapes."""
         key = tuple(sorted((k, jnp.shape(v)) for k, v in dict(args).items()))
         if key not in self._enum_dependent:
             self._enum_dependent[key] = enumeration_dependent(self.model, args, self.model_kwargs)
