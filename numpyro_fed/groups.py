@@ -35,7 +35,8 @@ import numpy as np
 import numpyro
 from numpyro.primitives import Messenger
 
-__all__ = ["group_plate", "group_sizes", "known_groups", "own_groups", "size_group_plates", "sized_model"]
+__all__ = ["group_plate", "group_sizes", "held_elsewhere", "known_groups", "own_groups", "size_group_plates",
+           "sized_model"]
 
 _SIZES: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_group_sizes", default=None)
 _PROBE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_group_probe", default=None)
@@ -192,6 +193,13 @@ def known_groups(groups: Mapping[str, Mapping[str, tuple]]) -> Iterator[None]:
         yield
     finally:
         _KNOWN.reset(token)
+
+
+def held_elsewhere() -> frozenset:
+    """The clients whose data this party holds only as placeholders (inside :func:`known_groups`, as
+    a Flower party sets up): a check that evaluates the model on their rows has seen nothing of them."""
+    known = _KNOWN.get()
+    return frozenset(known or ())
 
 
 def _bad_codes(ids: np.ndarray) -> str:

@@ -132,7 +132,7 @@ def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered(c
                       **kw)
     assert poor.method == "dp_laplace" and poor.answer == "as is (unchecked, private)"
     poor.print_summary()
-    assert "fit check: unchecked" in capsys.readouterr().out
+    assert "dp_laplace (as is (unchecked, private))" in capsys.readouterr().out
     draws = np.asarray(poor.get_samples()["mu"])
     assert abs(draws.mean() - mean) < 5 * sd  # the start: noisier, still near
 
