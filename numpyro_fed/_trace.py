@@ -26,9 +26,12 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
+from ._validation import check_init
+
 __all__ = ["INIT_TRIES", "finite_point", "invalid_parameters", "is_factor", "nonfinite_sites", "observed_draws",
            "or_finite_point",
-           "prior_median", "program_digest", "start_point", "trace_model", "unconstrained_shape", "update_digest"]
+           "prior_median", "program_digest", "start_point", "trace_model", "unconstrained_shape", "unwrapped",
+           "update_digest"]
 
 INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
 _INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
@@ -240,11 +243,8 @@ def start_point(model: Callable, args, kwargs, layout, init=None, local_names=()
             if site["type"] == "sample" and site["name"] in given:
                 return jnp.broadcast_to(given[site["name"]], site["fn"].shape(site["kwargs"].get("sample_shape", ())))
             return _mean_or_median(site)
-    elif callable(init):
-        strategy = init
     else:
-        raise TypeError(f"init must be a dict of global sites' values or a NumPyro init strategy (e.g. "
-                        f"numpyro.infer.init_to_median()); got {type(init).__name__}")
+        strategy = check_init("init", init)
     with numpyro.validation_enabled(False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="init_to_median", category=UserWarning)
         tr = trace(substitute(seed(model, rng_seed=0), substitute_fn=strategy)).get_trace(**dict(args), **dict(kwargs))
@@ -314,11 +314,15 @@ def _outside_support(fn, value) -> bool:
             fn = fn.base_dist
 
 
-def _named(fn) -> str:
-    """A site's distribution by name, under NumPyro's masks and expansions."""
+def unwrapped(fn):
+    """A site's distribution under NumPyro's masks, expansions and ``to_event`` (what the model wrote)."""
     while type(fn).__name__ in ("MaskedDistribution", "ExpandedDistribution", "Independent"):
         fn = fn.base_dist
-    return type(fn).__name__
+    return fn
+
+
+def _named(fn) -> str:
+    return type(unwrapped(fn)).__name__
 
 
 def _overflowed(fn) -> str:

@@ -10,7 +10,7 @@ import math
 from numbers import Real
 from typing import Any, Callable, Optional
 
-__all__ = ["check_callable", "check_clients", "check_model", "check_optimizer", "check_positive_int",
+__all__ = ["check_callable", "check_clients", "check_init", "check_model", "check_optimizer", "check_positive_int",
            "check_positive_number"]
 
 _OPTIMIZER = (
@@ -99,3 +99,12 @@ def check_model(model: Any) -> Callable:
     if not callable(model):
         raise TypeError(f"model must be a callable NumPyro model; got {type(model).__name__}")
     return model
+
+
+def check_init(owner: str, init: Any) -> Any:
+    """``init`` when it is ``None``, a dict of global sites' values or a NumPyro init strategy (a
+    callable), else a TypeError naming ``owner``'s argument."""
+    if init is not None and not (isinstance(init, dict) or callable(init)):
+        raise TypeError(f"{owner}(init=...): a dict of global sites' values or a NumPyro init strategy (e.g. "
+                        f"numpyro.infer.init_to_median()); got {type(init).__name__}")
+    return init

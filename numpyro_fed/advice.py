@@ -25,7 +25,7 @@ from typing import List, Mapping, Optional, Sequence
 import numpy as np
 from numpyro.handlers import seed, substitute, trace
 
-from ._trace import finite_point
+from ._trace import finite_point, unwrapped
 from .warnings import MCMCDiagnosticWarning, find_stack_level
 
 __all__ = ["FEW_ROWS", "GENERIC_FIX", "MANY_ROWS", "advice", "effect_sites", "fix_text", "symmetric_sites",
@@ -81,20 +81,13 @@ def effect_sites(model, clients, kwargs: Mapping, structure) -> List[tuple]:
     return out
 
 
-def _inner(fn):
-    while hasattr(fn, "base_dist") and type(fn).__name__ in ("Independent", "ExpandedDistribution",
-                                                             "MaskedDistribution"):
-        fn = fn.base_dist
-    return fn
-
-
 def _kind(fn) -> str:
-    return type(_inner(fn)).__name__
+    return type(unwrapped(fn)).__name__
 
 
 def _standard(fn) -> bool:
     """A location-scale prior at location 0 and scale 1: a non-centred effect's ``z``."""
-    inner = _inner(fn)
+    inner = unwrapped(fn)
     loc, scale = getattr(inner, "loc", None), getattr(inner, "scale", None)
     return (loc is not None and scale is not None and bool(np.all(np.asarray(loc) == 0))
             and bool(np.all(np.asarray(scale) == 1)))

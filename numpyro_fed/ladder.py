@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
-from ._validation import check_positive_int
+from ._validation import check_init, check_positive_int
 from .advice import advice, warn_unmixed
 from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, over_budget
 from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
@@ -258,10 +258,7 @@ class Ladder:
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
                  progress_bar: Optional[bool] = None, max_rounds: Optional[int] = MAX_ROUNDS,
                  dp: Optional[Any] = None, init: Any = None, **rung_options: Any) -> None:
-        if init is not None and not (isinstance(init, dict) or callable(init)):
-            raise TypeError(f"nf.fit(init=...): a dict of global sites' values or a NumPyro init strategy (e.g. "
-                            f"numpyro.infer.init_to_median()); got {type(init).__name__}")
-        self.init = init
+        self.init = check_init("nf.fit", init)
         unknown = sorted(set(rung_options) - set(RUNG_OPTIONS))
         if unknown:
             raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS),

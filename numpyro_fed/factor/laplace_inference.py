@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from .._trace import start_point
-from .._validation import check_positive_int
+from .._validation import check_init, check_positive_int
 from ..check import Verdict, register_check
 from ..check.psis import FitDiagnostic
 from ..inference import checked_network, fitted, with_exchange_traffic
@@ -146,10 +146,7 @@ class Laplace(FactorInference):
                  secure_aggregation: Optional[str] = None, init: Any = None) -> None:
         super().__init__(model, client_mapping=client_mapping, row_plate=row_plate, model_kwargs=model_kwargs,
                          check_fit=check_fit)
-        if init is not None and not (isinstance(init, dict) or callable(init)):
-            raise TypeError(f"Laplace(init=...): a dict of global sites' values or a NumPyro init strategy (e.g. "
-                            f"numpyro.infer.init_to_median()); got {type(init).__name__}")
-        self.start_from, self.start = init, None  # (init: the method, as every family's)
+        self.start_from, self.start = check_init("Laplace", init), None  # (init: the method, as every family's)
         self.secure_aggregation = check_aggregation(secure_aggregation, "Laplace")
         if not tol > 0:
             raise ValueError(f"tol={tol}: must be positive")

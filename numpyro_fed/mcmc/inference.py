@@ -356,18 +356,19 @@ class FederatedMCMC(FederatedInference):
 
     def _client_draws(self, setup: Setup, state: RunState, client: str) -> Dict[str, jax.Array]:
         z_local, real, args = self._client_unpadded(setup, state, client)
-        # a deterministic site of an enumerated (summed-out) site has no draw: left out, never computed at a
-        # value of it drawn from its prior
-        skip = enumeration_dependent(self.model, args, self.model_kwargs) if setup.extra.structure.enumerated else ()
-
-        def one(theta, z):
-            tr, latent = self._client_trace(setup, theta, z, real, args, random.PRNGKey(0))
-            values = {n: tr[n]["value"] for n in latent}
-            values.update({n: s["value"] for n, s in tr.items() if s["type"] == "deterministic" and n not in skip})
-            return values
-
         key = ("client_draws", client)
-        if key not in setup.cache:  # compiled once per client and set-up
+        if key not in setup.cache:  # probed and compiled once per client and set-up
+            # a deterministic site of an enumerated (summed-out) site has no draw: left out, never computed at
+            # a value of it drawn from its prior
+            enumerated = setup.extra.structure.enumerated
+            skip = enumeration_dependent(self.model, args, self.model_kwargs) if enumerated else ()
+
+            def one(theta, z):
+                tr, latent = self._client_trace(setup, theta, z, real, args, random.PRNGKey(0))
+                values = {n: tr[n]["value"] for n in latent}
+                values.update({n: s["value"] for n, s in tr.items() if s["type"] == "deterministic" and n not in skip})
+                return values
+
             setup.cache[key] = jax.jit(jax.vmap(jax.vmap(one)))
         return trim_groups(setup.cache[key](self._positions(setup, state), z_local), real, args)
 
