@@ -135,8 +135,27 @@ def mwg():
     return FederatedMwG(ep_model, num_warmup=16, num_samples=16, num_chains=2, init=init), horizontal_data()
 
 
+def surrogate_model(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with nf.local_site():
+        b = numpyro.sample("b", dist.Normal(mu, 0.5))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w + b, 0.3), obs=y)
+
+
+def mwg_surrogate():
+    """Federated Metropolis-within-Gibbs by the surrogate transition (``w``) and the scalar block's
+    independence move (``mu``), from a given start; the clients send gradients in warmup."""
+    from numpyro_fed.mcmc import FederatedMwG
+
+    init = (np.array([0.9, -0.4, 0.1]), 0.05 * np.eye(3))
+    return (FederatedMwG(surrogate_model, moves="surrogate", num_warmup=16, num_samples=16, num_chains=2, init=init),
+            horizontal_data())
+
+
 #: open-ended families (federated MCMC): run until done, ``num_rounds`` their cap
-MCMC_FAMILIES = {"nuts": nuts, "mwg": mwg}
+MCMC_FAMILIES = {"nuts": nuts, "mwg": mwg, "mwg_surrogate": mwg_surrogate}
 
 
 def kink_model(y):

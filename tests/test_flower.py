@@ -472,14 +472,16 @@ def _assert_restarted_run_on(ladder, sim, got, restarted, masked, want):
         np.testing.assert_allclose(ours[:, :first.num_samples], theirs[:, :first.num_samples], rtol=1e-4, atol=1e-4)
 
 
-def test_flower_runs_federated_mwg_equal_to_the_simulation(federation):
+@pytest.mark.parametrize("family", ["mwg", "mwg_surrogate"])
+def test_flower_runs_federated_mwg_equal_to_the_simulation(federation, family):
     """Federated Metropolis-within-Gibbs over the loopback federation (its start given as init=,
     so every node builds the same chains): every server leaf equal to the simulation's with the
     same keys, in as many rounds (iterations + 1); the server-side transcript carries no client
-    data value or key."""
-    inference, inputs, result, keys = _simulate("mwg", 100)
-    flower = federation.run("flower_tasks:mwg", 100, seed=0, num_clients=3, keep_values=True)
+    data value or key (nor, being local, any of the clients' latents). ``mwg_surrogate``: the
+    surrogate transition, its clients' gradients in warmup and the surrogate refitted from them."""
+    inference, inputs, result, keys = _simulate(family, 100)
+    flower = federation.run(f"flower_tasks:{family}", 100, seed=0, num_clients=3, keep_values=True)
     _assert_same(flower, result)
     assert flower["communication"]["rounds"] == result.communication.rounds == 16 + 16 + 1
     assert flower["missing"] == []
-    _audit("mwg", inference, inputs, result, keys, flower)
+    _audit(family, inference, inputs, result, keys, flower)

@@ -101,6 +101,9 @@ def _client_secrets(family, inference, inputs, result):
     if family in ("sfvi", "sfvi_avg"):
         for c in names:
             secrets[c] += jax.tree_util.tree_leaves(result.client_states[c].local_params)
+    if family.startswith("mwg"):  # its local latents' draws, which never leave the client
+        for c in names:
+            secrets[c].append(np.asarray(result.client_states[c].draws))
     return secrets
 
 

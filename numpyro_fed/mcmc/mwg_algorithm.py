@@ -57,22 +57,18 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpyro.distributions as dist
 from jax import random
 
-from ..factor.blocks import block_hessian, scatter_blocks
-from ..factor.tilted import conditional_slope, first_descent, inner_mode
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from .mwg_locals import anchor_map, colour, laplace_map, local_moves, log_det, marginal_grad, whiten
+from .mwg_proposals import T_DF, T_SCALE, block_chol, block_conditional, propose, t_log_prob  # noqa: F401
+from .surrogate import Surrogate, accumulate, laplace_surrogate, metric, refit, surrogate_move, surrogate_value
 
 __all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg", "laplace_map"]
 
-T_DF = 5.0  # the independence proposal's Student-t degrees of freedom (heavier tails than the posterior's)
-T_SCALE = 1.1 * ((T_DF - 2.0) / T_DF) ** 0.5  # its scale: a covariance 1.1^2 times the posterior's
 TARGET_ACCEPT = 0.3  # the random walk's target acceptance during warmup
+TARGET_SURROGATE = 0.6  # the surrogate move's (both stages') target acceptance during warmup
 START_KEY = 0x6D77  # the chains' starts (global, known to every party)
-RW_EVERY = 4  # every 4th global move a random walk (the others independence draws)
-STEP_JITTER = 0.2  # each local HMC move's step is the set step times a uniform draw in [0.8, 1.2]
-FLAT = 1e-10  # a curvature at most this is no curvature (a padded local latent)
 
 
 class MwGConfig(NamedTuple):
@@ -87,6 +83,15 @@ class MwGConfig(NamedTuple):
     num_chains: int = 1
     candidates: int = 4  # the independence move's candidates per round (iterated sampling importance resampling)
     map_steps: int = 3  # Newton steps of m_j(u) from its first-order prediction
+    schedule: tuple = (0, 0, 0, 1)  # the global moves' kinds, in turn (0: independence, 1: random walk, 2: surrogate,
+    # 3: independence of the small sites' block)
+    leapfrog_steps: int = 4  # the surrogate move's leapfrog steps
+    small: tuple = ()  # the small sites' entries: moved by kind 3, held by kind 2 (empty: kind 2 moves every entry)
+
+    @property
+    def gradients(self) -> bool:
+        """Whether the clients return their term's gradient in warmup (the surrogate's refit)."""
+        return 2 in self.schedule
 
 
 class MwGServerState(NamedTuple):
@@ -96,6 +101,8 @@ class MwGServerState(NamedTuple):
     log_prior: jax.Array  # log p(u)
     mean: jax.Array  # the proposal's location
     chol: jax.Array  # its scale (lower Cholesky factor of the covariance)
+    prec: jax.Array  # the inverse of that covariance
+    block_chol: jax.Array  # the Cholesky factor of the small sites' covariance given the others (:func:`_block`)
     log_step: jax.Array  # the random walk's log step (times chol)
     stats: jax.Array  # (count, sum (d), outer sum (d, d)) of the window's warmup draws minus ``mean``, flattened
     iteration: jax.Array
@@ -103,6 +110,14 @@ class MwGServerState(NamedTuple):
     accepted: jax.Array  # (num_warmup + num_samples,) each iteration's decision
     kinds: jax.Array  # (num_warmup + num_samples,) each iteration's proposal kind
     sent: jax.Array  # (choice, slot) of the last decision sent: sent again while a round is repeated
+    log_eps: jax.Array  # the surrogate move's log leapfrog step (in the coordinates chol whitens)
+    diverging: jax.Array  # whether the surrogate trajectory of the pending proposal diverged
+    divergent: jax.Array  # (num_warmup + num_samples,) each iteration's
+    sur_anchor: jax.Array  # the likelihood's quadratic surrogate (surrogate.Surrogate's fields; refitted in warmup)
+    sur_grad: jax.Array
+    sur_prec: jax.Array
+    sur_chol: jax.Array  # the surrogate trajectory's metric
+    reg: jax.Array  # the surrogate refit's sums over this window's points (surrogate.accumulate), or (1,) unused
 
 
 class MwGClientState(NamedTuple):
@@ -126,103 +141,7 @@ class MwGInfo(NamedTuple):
     answered: jax.Array
 
 
-# ---------------------------------------------------------------------- the locals' Laplace map
-def _curvature(neg: Callable, mode, index):
-    """``(|eigenvalues|, eigenvectors)`` of ``neg``'s Hessian at ``mode`` (floored), dense
-    ``((n,), (n, n))`` or by blocks ``((K, b), (K, b, b))``."""
-    if index is None:
-        h = jax.hessian(neg)(mode)
-        lam, vec = jnp.linalg.eigh((h + h.T) / 2)
-    else:
-        lam, vec = jax.vmap(jnp.linalg.eigh)(block_hessian(neg, mode, index))
-    # a direction of no curvature (a padded entry, masked out of the model) is marked -1: the map
-    # leaves it as it is (|-1| = 1, not a floor that moves with u: its Jacobian must cancel, the
-    # density being flat there) and the local moves do not move it
-    lam = jnp.abs(lam)
-    return jnp.where(lam > FLAT, lam, -1.0), vec
-
-
-def _whiten(x, lam, vec, index):
-    """``L^-1 x`` with ``L = V |Lambda|^-1/2`` (per block)."""
-    lam = jnp.abs(lam)
-    if index is None:
-        return jnp.sqrt(lam) * (vec.T @ x)
-    return scatter_blocks(jnp.sqrt(lam) * jnp.einsum("kij,ki->kj", vec, x[index]), index, x.shape[0])
-
-
-def _colour(w, lam, vec, index):
-    """``L w``."""
-    lam = jnp.abs(lam)
-    if index is None:
-        return vec @ (w / jnp.sqrt(lam))
-    return scatter_blocks(jnp.einsum("kij,kj->ki", vec, w[index] / jnp.sqrt(lam)), index, w.shape[0])
-
-
-def _log_det(lam):
-    """``log |L|``."""
-    return -0.5 * jnp.sum(jnp.log(jnp.abs(lam)))
-
-
-def laplace_map(f: Callable, u, v0, steps: int, index):
-    """``(m(u), lam, vec)``: the deterministic Laplace map of ``v | u`` (``steps`` Newton steps from ``v0``)."""
-    neg = lambda v: -f(u, v)  # noqa: E731
-    mode = inner_mode(neg, v0, steps, index, search=first_descent)
-    lam, vec = _curvature(neg, mode, index)
-    return mode, lam, vec
-
-
-def _local_moves(key, f: Callable, u, v, value, mode, lam, vec, index, config: MwGConfig):
-    """``config.local_moves`` HMC moves of ``v`` on ``p(v | u, y_j)`` in the whitened coordinates."""
-    def potential(w):
-        return -f(u, mode + _colour(w, lam, vec, index))
-
-    grad = jax.grad(potential)
-    free = (lam > 0) if index is None else scatter_blocks(lam > 0, index, v.shape[0])  # (flat ones stay)
-
-    def move(carry, k):
-        w, pot, acc = carry
-        k_p, k_a, k_e = random.split(k, 3)
-        p = random.normal(k_p, w.shape, w.dtype) * free
-        # the step jittered (drawn apart from the state: the move stays reversible): a fixed trajectory
-        # near half the whitened target's period sends w to about -w, and two such moves back to w
-        eps = config.local_step_size * random.uniform(k_e, (), w.dtype, 1.0 - STEP_JITTER, 1.0 + STEP_JITTER)
-
-        def leapfrog(state, _):
-            x, r = state
-            r = r - 0.5 * eps * grad(x)
-            x = x + eps * r
-            r = r - 0.5 * eps * grad(x)
-            return (x, r), None
-
-        (w_new, p_new), _ = jax.lax.scan(leapfrog, (w, p), None, length=config.local_steps)
-        pot_new = potential(w_new)
-        log_a = pot - pot_new + 0.5 * (p @ p - p_new @ p_new)
-        log_a = jnp.where(jnp.isfinite(log_a), log_a, -jnp.inf)
-        take = jnp.log(random.uniform(k_a, (), w.dtype)) < log_a
-        return (jnp.where(take, w_new, w), jnp.where(take, pot_new, pot), acc + take), None
-
-    w0 = _whiten(v - mode, lam, vec, index)
-    (w, pot, acc), _ = jax.lax.scan(move, (w0, -value, jnp.zeros((), v.dtype)),
-                                    random.split(key, config.local_moves))
-    return mode + _colour(w, lam, vec, index), -pot, acc / config.local_moves
-
-
 # ---------------------------------------------------------------------- one round
-def anchor_map(f: Callable, u0, num_local: int, steps: int, index):
-    """``(anchor, slope)`` of a client's map: its locals' conditional mode at ``u0`` (``steps``
-    Newton steps from zero) and the mode's slope there (``dv*/du``, the implicit function theorem;
-    zero where it is not finite), so that ``anchor + slope @ u`` predicts the mode at ``u`` to first
-    order. Computed once per run from ``u0`` alone: the map stays a deterministic function of ``u``."""
-    dtype = u0.dtype
-    d = u0.shape[0]
-    if not num_local:
-        return jnp.zeros(0, dtype), jnp.zeros((0, d), dtype)
-    mode = inner_mode(lambda v: -f(u0, v), jnp.zeros(num_local, dtype), steps, index, search=first_descent)
-    slope = conditional_slope(lambda w: f(w[:d], w[d:]), u0, mode, index)
-    slope = jnp.where(jnp.isfinite(slope), slope, 0.0)
-    return mode - slope @ u0, slope
-
-
 def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_joint_of: Callable, index,
                  config: MwGConfig):
     f = log_joint_of(data)
@@ -238,14 +157,14 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
     u = b["current"]
     local_acc = s.local_accept
     if v.shape[0]:
-        v, value, local_acc = _local_moves(rng_key, f, u, v, value, mode, lam, vec, index, config)
-    eps = _whiten(v - mode, lam, vec, index) if v.shape[0] else v  # the standardised locals, carried along
+        v, value, local_acc = local_moves(rng_key, f, u, v, value, mode, lam, vec, index, config)
+    eps = whiten(v - mode, lam, vec, index) if v.shape[0] else v  # the standardised locals, carried along
 
     def carry(u_new):  # the locals carried to a candidate, and the log ratio of the joint terms
         if v.shape[0]:
             m2, lam2, vec2 = laplace_map(f, u_new, s.anchor + s.slope @ u_new, config.map_steps, index)
-            v2 = m2 + _colour(eps, lam2, vec2, index)
-            jac = _log_det(lam2) - _log_det(lam)
+            v2 = m2 + colour(eps, lam2, vec2, index)
+            jac = log_det(lam2) - log_det(lam)
         else:
             m2, lam2, vec2, v2, jac = mode, lam, vec, v, jnp.zeros((), v.dtype)
         value2 = f(u_new, v2)
@@ -253,23 +172,59 @@ def _client_step(rng_key, s: MwGClientState, broadcast: Broadcast, data, *, log_
 
     pending, ell = jax.vmap(carry)(b["proposal"])
     ok = jnp.isfinite(ell)
+    extra = {}
+    if config.gradients:  # in warmup, the gradient of the term at the first point (the surrogate's refit)
+        at = b["proposal"][0]
+        grad = jax.lax.cond(b["decided"] < config.num_warmup,
+                            lambda: marginal_grad(f, at, pending[2][0], index), lambda: jnp.zeros_like(at))
+        extra["grad"] = jnp.where(jnp.all(jnp.isfinite(grad)), grad, 0.0)
     state = MwGClientState(v, value, mode, lam, vec, pending, draws, local_acc, jnp.maximum(s.applied, b["decided"]),
                            s.anchor, s.slope)
-    return state, {"ell": jnp.where(ok, ell, jnp.zeros((), ell.dtype)), "ok": ok}
+    return state, {"ell": jnp.where(ok, ell, jnp.zeros((), ell.dtype)), "ok": ok, **extra}
 
 
-def _propose(key, s: MwGServerState, kind):
-    """``(candidates, d)``: independent draws of the Student-t (``kind`` 0), or the random walk's
-    proposal in every row (1: only the first is decided on)."""
-    n, d = s.proposal.shape
-    k_t, k_w = random.split(key)
-    t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol).sample(k_t, (n,))
-    walk = s.u + jnp.exp(s.log_step) * (s.chol @ random.normal(k_w, (d,), s.u.dtype))
-    return jnp.where(kind == 0, t, jnp.broadcast_to(walk, (n, d)))
+def _delayed_ratio(ell, gap):
+    """The surrogate move's second-stage log ratio: the clients' exact terms' change ``ell`` less the
+    surrogate's ``gap`` (the first stage, on the surrogate, was already accepted)."""
+    return ell - gap
+
+
+def _decide(key, s: MwGServerState, ell, ok, lp_new, config: MwGConfig, surrogate: bool):
+    """``(choice, log ratio)`` of one chain's global move from the clients' summed terms ``ell`` at
+    its candidates (``ok``: every client's was finite) and the prior there (``lp_new``): the
+    candidate taken (-1: none) and the log of the move's acceptance probability (independence:
+    its chance of moving)."""
+    gain = ell + lp_new - s.log_prior  # log pi(candidate) / pi(current)
+    gain = jnp.where(ok & jnp.isfinite(gain), gain, -jnp.inf)
+    # a random walk: Metropolis-Hastings on its one proposal (the first row)
+    walk_ratio = gain[0]
+    # the independence move: iterated sampling importance resampling over the current point and the
+    # candidates, each weighted by pi / q (the current point's weight relative to itself: 1 / q(u))
+    log_q, log_q_u = (t_log_prob(x, s.mean, s.chol, s.prec) for x in (s.proposal, s.u))
+    if config.small:  # the small sites' block: its conditional Student-t (the others are the same in every row)
+        small = jnp.asarray(config.small)
+        loc, b_chol, b_prec = block_conditional(s, small)
+        log_q = jnp.where(s.kind == 3, t_log_prob(s.proposal[:, small], loc, b_chol, b_prec), log_q)
+        log_q_u = jnp.where(s.kind == 3, t_log_prob(s.u[small], loc, b_chol, b_prec), log_q_u)
+    log_w = jnp.concatenate([-log_q_u[None], gain - log_q])
+    log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
+    pick = random.categorical(key, log_w) - 1  # -1: stay
+    move = 1.0 - jnp.exp(log_w[0] - jax.scipy.special.logsumexp(log_w))  # the chance of moving
+    # the surrogate move: delayed acceptance of its one point, the exact term's ratio over the surrogate's
+    sur = Surrogate(s.sur_anchor, s.sur_grad, s.sur_prec)
+    gap = surrogate_value(sur, s.proposal[0]) - surrogate_value(sur, s.u) if surrogate else jnp.zeros((), s.u.dtype)
+    da_ratio = _delayed_ratio(ell[0], gap)
+    da_ratio = jnp.where(ok[0] & jnp.isfinite(da_ratio), da_ratio, -jnp.inf)
+    one_ratio = jnp.where(s.kind == 2, da_ratio, walk_ratio)  # (a surrogate move that stayed: ratio 0, accepted)
+    walk_take = jnp.log(random.uniform(key, (), s.u.dtype)) < one_ratio
+    many = (s.kind == 0) | (s.kind == 3)
+    choice = jnp.where(many, pick, jnp.where(walk_take, 0, -1))
+    log_ratio = jnp.where(many, jnp.log(jnp.maximum(move, 1e-300)), one_ratio)
+    return choice, log_ratio
 
 
 def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Callable, config: MwGConfig,
-                 secure: bool = False):
+                 secure: bool = False, surrogate=None):
     """One chain's decision. ``secure``: ``messages`` hold the clients' sums (secure aggregation):
     ``ell`` summed, ``ok`` the count of clients whose term was finite."""
     k_accept, k_next = random.split(rng_key)
@@ -278,24 +233,13 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     if secure:
         ok = complete & (messages["ok"] == view.answered.shape[0])
         ell = messages["ell"]
+        grad = messages.get("grad")
     else:
         ok = complete & jnp.all(messages["ok"], axis=0)  # (candidates,)
         ell = jnp.sum(messages["ell"], axis=0)
+        grad = None if "grad" not in messages else jnp.sum(messages["grad"], axis=0)
     lp_new = jax.vmap(log_prior)(s.proposal)
-    gain = ell + lp_new - s.log_prior  # log pi(candidate) / pi(current)
-    gain = jnp.where(ok & jnp.isfinite(gain), gain, -jnp.inf)
-    # a random walk: Metropolis-Hastings on its one proposal (the first row)
-    walk_ratio = gain[0]
-    # the independence move: iterated sampling importance resampling over the current point and the
-    # candidates, each weighted by pi / q (the current point's weight relative to itself: 1 / q(u))
-    t = dist.MultivariateStudentT(T_DF, s.mean, T_SCALE * s.chol)
-    log_w = jnp.concatenate([-t.log_prob(s.u)[None], gain - t.log_prob(s.proposal)])
-    log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
-    pick = random.categorical(k_accept, log_w) - 1  # -1: stay
-    move = 1.0 - jnp.exp(log_w[0] - jax.scipy.special.logsumexp(log_w))  # the chance of moving
-    walk_take = jnp.log(random.uniform(k_accept, (), s.u.dtype)) < walk_ratio
-    choice = jnp.where(s.kind == 0, pick, jnp.where(walk_take, 0, -1))
-    log_ratio = jnp.where(s.kind == 0, jnp.log(jnp.maximum(move, 1e-300)), walk_ratio)
+    choice, log_ratio = _decide(k_accept, s, ell, ok, lp_new, config, surrogate is not None)
     # (the closing round, after the last iteration, only delivers that iteration's decision: it decides nothing)
     decide = complete & (s.iteration < total)
     choice = jnp.where(decide, choice, -1).astype(jnp.int32)
@@ -309,6 +253,9 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     rate = jnp.exp(jnp.minimum(log_ratio, 0.0))
     log_step = jnp.where(warm & (s.kind == 1) & complete,
                          s.log_step + (rate - TARGET_ACCEPT) / jnp.sqrt(1.0 + it), s.log_step)
+    moved = jnp.any(s.proposal[0] != s.u)  # (the surrogate move's stage one accepted)
+    log_eps = jnp.where(warm & (s.kind == 2) & complete,
+                        s.log_eps + (rate * moved - TARGET_SURROGATE) / jnp.sqrt(1.0 + it), s.log_eps)
     d = u.shape[0]
     count, total_sum, outer = s.stats[0], s.stats[1:1 + d], s.stats[1 + d:].reshape(d, d)
     collect = warm & complete
@@ -324,28 +271,40 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     record = jnp.where(complete, it, total)  # (an out-of-range index is dropped)
     accepted = s.accepted.at[record].set(accept, mode="drop")
     kinds = s.kinds.at[record].set(s.kind, mode="drop")
+    divergent = s.divergent.at[record].set(s.diverging, mode="drop")
     it_new = jnp.where(complete, it + 1, it)
-    kind = jnp.where(complete, (it_new % RW_EVERY) == RW_EVERY - 1, s.kind).astype(s.kind.dtype)
-    proposal = jnp.where(complete, _propose(k_next, s._replace(u=u, mean=mean, chol=chol, log_step=log_step), kind),
-                         s.proposal)
+    kind = jnp.where(complete, jnp.asarray(config.schedule, jnp.int32)[it_new % len(config.schedule)],
+                     s.kind).astype(s.kind.dtype)
+    proposal, diverging = propose(k_next, s._replace(u=u, mean=mean, chol=chol, log_step=log_step, log_eps=log_eps),
+                                  kind, surrogate, config.small)
+    proposal = jnp.where(complete, proposal, s.proposal)
+    diverging = jnp.where(complete, diverging, s.diverging)
     stats = jnp.concatenate([count[None], total_sum, outer.ravel()])
+    reg = s.reg if grad is None else accumulate(s.reg, s.proposal[0], grad, s.sur_anchor,
+                                                collect & ok[0] & (s.kind == 2))
     # a client that did not answer: the same round again: no decision, and the last one sent again
     # (a client that missed it applies it now; one that had it does not apply it twice)
     slot = jnp.where(complete, jnp.where(keep, slot_index, -1), s.sent[1]).astype(jnp.int32)
     sent_choice = jnp.where(complete, choice, s.sent[0]).astype(jnp.int32)
-    new = MwGServerState(u, proposal, kind, lp, mean, chol, log_step, stats, it_new, draws, accepted, kinds,
-                         jnp.stack([sent_choice, slot]))
+    new = s._replace(u=u, proposal=proposal, kind=kind, log_prior=lp, log_step=log_step, stats=stats,
+                     iteration=it_new, draws=draws, accepted=accepted, kinds=kinds,
+                     sent=jnp.stack([sent_choice, slot]), log_eps=log_eps, diverging=diverging,
+                     divergent=divergent, reg=reg)
     broadcast = Broadcast({"proposal": proposal, "current": u, "choice": sent_choice, "slot": slot,
                            "decided": it_new.astype(jnp.int32)})
     info = MwGInfo(accept, s.kind, log_ratio, view.answered.sum())
     return new, broadcast, info
 
 
-def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
+def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig, surrogate=None,
+                    log_prior: Optional[Callable] = None):
     """At the ends of warmup's windows (an eighth, a quarter, half and all of it, as Stan's
     doubling windows): the proposal's location and scale from every chain's draws in the window
     (their mean and covariance, the current scale counting as 10 draws), each chain's next
-    proposal drawn from the refreshed one, and the window's sums cleared."""
+    proposal drawn from the refreshed one, and the window's sums cleared. With the surrogate move,
+    at an eighth, a quarter, half and three quarters of warmup: the surrogate refitted to every
+    chain's points of the window and their summed gradients (:func:`~numpyro_fed.mcmc.surrogate.refit`),
+    and its metric (the last quarter adapts the step to the final surrogate)."""
     it = state.iteration[0]
     d = state.u.shape[-1]
     stats = jnp.sum(state.stats, 0)
@@ -362,11 +321,67 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig):
     chol = jnp.linalg.cholesky(cov)
     refresh = refresh & jnp.all(jnp.isfinite(chol))
     C = state.u.shape[0]
+    prec = jnp.linalg.inv(cov)
     new = state._replace(mean=jnp.where(refresh, jnp.broadcast_to(mean, state.mean.shape), state.mean),
-                         chol=jnp.where(refresh, jnp.broadcast_to(chol, state.chol.shape), state.chol))
-    proposal = jnp.where(refresh, jax.vmap(_propose)(random.split(rng_key, C), new, new.kind), new.proposal)
+                         chol=jnp.where(refresh, jnp.broadcast_to(chol, state.chol.shape), state.chol),
+                         prec=jnp.where(refresh, jnp.broadcast_to(prec, state.prec.shape), state.prec),
+                         block_chol=jnp.where(refresh, jnp.broadcast_to(block_chol(prec, config.small),
+                                                                        state.block_chol.shape), state.block_chol))
+    if surrogate is not None:
+        refit_now = (it == W // 8) | (it == W // 4) | (it == W // 2) | (it == 3 * W // 4)
+        old = Surrogate(state.sur_anchor[0], state.sur_grad[0], state.sur_prec[0])
+        sur = refit(jnp.sum(state.reg, 0), old, old.anchor)
+        chol_s = metric(log_prior, sur, state.sur_chol[0], jnp.ones(d, bool).at[jnp.asarray(config.small, jnp.int32)].set(False))
+        fields = dict(zip(("sur_anchor", "sur_grad", "sur_prec", "sur_chol"), (*sur, chol_s)))
+        new = new._replace(**{k: jnp.where(refit_now, jnp.broadcast_to(v, getattr(new, k).shape), getattr(new, k))
+                              for k, v in fields.items()},
+                           reg=jnp.where(refit_now, jnp.zeros_like(new.reg), new.reg))
+        refresh = refresh | refit_now
+    fresh, diverging = jax.vmap(partial(propose, surrogate=surrogate, small=config.small))(
+        random.split(rng_key, C), new, new.kind)
+    proposal = jnp.where(refresh, fresh, new.proposal)
+    diverging = jnp.where(refresh, diverging, new.diverging)
     stats = jnp.where(end, jnp.zeros_like(new.stats), new.stats)
-    return new._replace(proposal=proposal, stats=stats), {**shared, "proposal": proposal}
+    return new._replace(proposal=proposal, stats=stats, diverging=diverging), {**shared, "proposal": proposal}
+
+
+def _surrogate_setup(log_prior: Callable, start, scale, chol0, config: MwGConfig):
+    """``(move, surrogate, sums, metric)``: the surrogate transition's end point ``(key, state) ->
+    (point, diverged)`` (``None`` where the schedule has none) and its first state: the likelihood's
+    surrogate from the start with the exact prior, the refit's empty sums and the trajectory's
+    metric over the entries it moves (all but the scalar sites' block)."""
+    d, dtype = start.shape[0], start.dtype
+    if not config.gradients:
+        return None, Surrogate(start, jnp.zeros(d, dtype), jnp.zeros((d, d), dtype)), jnp.zeros(1, dtype), chol0
+    free = jnp.ones(d, bool).at[jnp.asarray(config.small, jnp.int32)].set(False)
+    sur0 = laplace_surrogate(log_prior, start, jnp.asarray(scale, dtype))
+
+    def move(key, st):
+        sur = Surrogate(st.sur_anchor, st.sur_grad, st.sur_prec)
+        point, _, diverged = surrogate_move(key, log_prior, sur, st.u, st.sur_chol, st.log_eps, config.leapfrog_steps,
+                                            free)
+        return point, diverged
+
+    return move, sur0, jnp.zeros(1 + 2 * d + 2 * d * d, dtype), metric(log_prior, sur0, chol0, free)
+
+
+def _first_state(u0, log_prior_u0, start, chol0, first_surrogate, config: MwGConfig) -> MwGServerState:
+    """A chain's server state at ``u0`` before its first proposal (the proposal's location and scale
+    the start's; ``first_surrogate``: ``(surrogate, sums, metric)`` of :func:`_surrogate_setup`)."""
+    d, dtype = u0.shape[0], u0.dtype
+    total = config.num_warmup + config.num_samples
+    sur0, reg0, sur_chol0 = first_surrogate
+    prec0 = jnp.linalg.inv(chol0 @ chol0.T)
+    # the surrogate trajectory's first step: about HMC's on a standard normal in d dimensions, so that
+    # its length (leapfrog_steps of it) is about one standard deviation
+    eps0 = min(1.0, 1.2 * d ** -0.25, 1.5 / config.leapfrog_steps)
+    return MwGServerState(u0, jnp.broadcast_to(u0, (config.candidates, d)), jnp.asarray(config.schedule[0], jnp.int32),
+                          log_prior_u0, start, chol0, prec0, block_chol(prec0, config.small),
+                          jnp.log(jnp.asarray(2.38 / jnp.sqrt(d), dtype)), jnp.zeros(1 + d + d * d, dtype),
+                          jnp.zeros((), jnp.int32), jnp.zeros((config.num_samples, d), dtype),
+                          jnp.zeros(total, bool), jnp.zeros(total, jnp.int32), jnp.asarray([-1, -1], jnp.int32),
+                          jnp.log(jnp.asarray(eps0, dtype)), jnp.zeros((), bool), jnp.zeros(total, bool),
+                          *sur0, sur_chol0, reg0)
 
 
 def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: int, start, scale, *,
@@ -389,7 +404,6 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
     dtype = start.dtype
     index = None if blocks is None else jnp.asarray(blocks)
     log_joint = jax.jit(client_log_joint)
-    v_start = jnp.zeros(num_local, dtype)
     total = config.num_warmup + config.num_samples
 
     def log_joint_of(data):
@@ -401,14 +415,13 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
     # every party knows (the starts are global quantities, and each client needs them to start its locals)
     noise = random.normal(random.PRNGKey(START_KEY), (C, d), dtype).at[0].set(0.0)
     starts = start + noise @ chol0.T
+    surrogate, *first_surrogate = _surrogate_setup(log_prior, start, scale, chol0, config)
+    first = jnp.asarray(config.schedule[0], jnp.int32)
 
     def init_chain(rng_key, u0):
-        s = MwGServerState(u0, jnp.broadcast_to(u0, (N, d)), jnp.zeros((), jnp.int32), log_prior(u0), start, chol0,
-                           jnp.log(jnp.asarray(2.38 / jnp.sqrt(d), dtype)), jnp.zeros(1 + d + d * d, dtype),
-                           jnp.zeros((), jnp.int32), jnp.zeros((config.num_samples, d), dtype),
-                           jnp.zeros(total, bool), jnp.zeros(total, jnp.int32), jnp.asarray([-1, -1], jnp.int32))
-        proposal = _propose(rng_key, s, jnp.zeros((), jnp.int32))
-        s = s._replace(proposal=proposal)
+        s = _first_state(u0, log_prior(u0), start, chol0, first_surrogate, config)
+        proposal, diverging = propose(rng_key, s, first, surrogate, config.small)
+        s = s._replace(proposal=proposal, diverging=diverging)
         return s, {"proposal": proposal, "current": u0, "choice": jnp.asarray(-1, jnp.int32),
                    "slot": jnp.asarray(-1, jnp.int32), "decided": jnp.zeros((), jnp.int32)}
 
@@ -420,7 +433,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         if num_local:
             mode, lam, vec = laplace_map(f, u0, anchor + slope @ u0, config.map_steps, index)
         else:
-            mode, lam, vec = v_start, jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
+            mode, lam, vec = jnp.zeros(0, dtype), jnp.ones(0, dtype), jnp.zeros((0, 0), dtype)
         value = f(u0, mode)
         pending = tuple(jnp.broadcast_to(x, (N,) + x.shape) for x in (mode, value, mode, lam, vec))
         return MwGClientState(mode, value, mode, lam, vec, pending,
@@ -441,23 +454,25 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
 
         return jax.vmap(chain)(random.split(rng_key, C), state, broadcast.shared)
 
-    one_server = partial(_server_step, log_prior=log_prior, config=config, secure=secure is not None)
+    one_server = partial(_server_step, log_prior=log_prior, config=config, secure=secure is not None,
+                         surrogate=surrogate)
     chain_axis = 0 if secure is not None else 1  # summed messages have no client axis
+    fields = ("ell", "ok", "grad") if config.gradients else ("ell", "ok")
 
     def server_step(rng_key, state, messages, view):
-        def chain(key, st, ell, ok):
-            new, b, info = one_server(key, st, {"ell": ell, "ok": ok}, view)
+        def chain(key, st, msg):
+            new, b, info = one_server(key, st, msg, view)
             return new, b.shared, info
 
         k_chains, k_refresh = random.split(rng_key)
-        new, shared, info = jax.vmap(chain, in_axes=(0, 0, chain_axis, chain_axis))(
-            random.split(k_chains, C), state, messages["ell"], messages["ok"])
-        new, shared = _pooled_refresh(k_refresh, new, shared, config)
+        new, shared, info = jax.vmap(chain, in_axes=(0, 0, chain_axis))(
+            random.split(k_chains, C), state, {k: messages[k] for k in fields})
+        new, shared = _pooled_refresh(k_refresh, new, shared, config, surrogate, log_prior)
         return new, Broadcast(shared), info
 
     return FederatedAlgorithm(
         init_server, init_client, all_clients(num_clients),
-        (Exchange(client_step, server_step, "mwg", ("ell", "ok") if secure is not None else (), secure or "trusted"),),
+        (Exchange(client_step, server_step, "mwg", fields if secure is not None else (), secure or "trusted"),),
         monitor=lambda info: jnp.mean(info.accepted.astype(dtype)), monitor_name="accepted", name="mwg",
         done=lambda s: jnp.all(s.iteration > total),  # one round more: the clients record the last locals
         describe=lambda s: f"iteration {min(int(jnp.min(s.iteration)), total)} of {total}",
@@ -493,7 +508,8 @@ def run_on_state(state, num_warmup: int, num_samples: int):
         return jnp.concatenate([x, jnp.zeros(shape, x.dtype)], axis=axis)
 
     server = s._replace(draws=grow(s.draws, -2).at[..., old, :].set(s.u), accepted=grow(s.accepted, -1),
-                        kinds=grow(s.kinds, -1).at[..., num_warmup + old].set(s.kind))
+                        kinds=grow(s.kinds, -1).at[..., num_warmup + old].set(s.kind),
+                        divergent=grow(s.divergent, -1).at[..., num_warmup + old].set(s.diverging))
 
     def client(c):  # (a client's key passes as it is)
         if not isinstance(c, MwGClientState):

@@ -37,6 +37,21 @@ from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
 __all__ = ["FederatedMwG", "mwg_check"]
 
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
+SURROGATE_FROM = 12
+"""``moves="auto"`` moves the globals by the surrogate transition from this many unconstrained
+global scalars on (below it, by the independence and random-walk moves)."""
+MOVES = {"auto": None, "independence": (0, 0, 0, 1), "surrogate": (2, 3)}
+"""The global moves' schedules by name (0: independence, 1: random walk, 2: surrogate transition of
+the other sites, 3: independence move of the small sites' block; without small sites, ``"surrogate"``
+is the surrogate transition of every site, every round)."""
+SMALL_SITE = 1
+"""With the surrogate transition, global sites of at most this many unconstrained entries (an
+intercept, a hierarchy's scale), at most :data:`SMALL_BLOCK` entries together, are moved apart, by an
+independence move of their block given the others, every other round: where a client's term is far
+from quadratic in them (a scale over a few groups), they would hold every site's step down."""
+SMALL_BLOCK = 8
+CANDIDATES = {False: 4, True: 16}
+"""The default candidates per round: without, and with the scalar sites' block moved apart."""
 
 
 class FederatedMwG(FederatedInference):
@@ -66,7 +81,19 @@ class FederatedMwG(FederatedInference):
             from the anchor's first-order prediction there (more: a map nearer the conditional
             mode, at a client cost linear in them; the chain is exact for any number).
         candidates: points of the independence move per round (iterated sampling importance
-            resampling: each client answers one scalar per candidate and chain).
+            resampling: each client answers one scalar per candidate and chain); default
+            :data:`CANDIDATES`.
+        moves: how the globals move (:data:`MOVES`): ``"surrogate"``, by the surrogate transition
+            with delayed acceptance (:mod:`~numpyro_fed.mcmc.surrogate`: the server's Hamiltonian
+            trajectory on the exact prior and a quadratic surrogate of the clients' summed
+            likelihood, refitted in warmup to the gradients they return, then one round for the
+            exact correction; the scalar sites, :data:`SMALL_SITE`, by an independence move of their
+            block every other round), whose cost grows like Hamiltonian Monte Carlo's with the
+            dimension; ``"independence"``, by the independence (i-SIR) and random-walk moves of every
+            global at once, which need a posterior close to the proposal's Student-t and fail from a
+            few tens of globals; ``"auto"`` (default): the surrogate transition from
+            :data:`SURROGATE_FROM` global scalars on.
+        leapfrog_steps: the surrogate trajectory's leapfrog steps (its step adapts in warmup).
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
             iteration, leapfrog steps per move, and step size in whitened coordinates (default
             ``min(pi / (2 local_steps), 1.5 n^-1/4)``, ``n`` the client's locals: a quarter of a
@@ -90,7 +117,7 @@ class FederatedMwG(FederatedInference):
 
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
-                 candidates: int = 4, map_steps: int = 3,
+                 candidates: Optional[int] = None, map_steps: int = 3, moves: str = "auto", leapfrog_steps: int = 4,
                  local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
                  secure_aggregation: Optional[str] = None) -> None:
@@ -107,8 +134,12 @@ class FederatedMwG(FederatedInference):
         self.local_moves = check_positive_int("local_moves", local_moves)
         self.local_steps = check_positive_int("local_steps", local_steps)
         self.local_step_size = local_step_size
-        self.candidates = check_positive_int("candidates", candidates)
+        self.candidates = None if candidates is None else check_positive_int("candidates", candidates)
         self.map_steps = check_positive_int("map_steps", map_steps)
+        if moves not in MOVES:
+            raise ValueError(f"{type(self).__name__}: moves={moves!r} is none of {sorted(MOVES)}")
+        self.moves = moves
+        self.leapfrog_steps = check_positive_int("leapfrog_steps", leapfrog_steps)
         self.local_blocks = bool(local_blocks)
         self.laplace_result: Optional[RunResult] = None
         self.start_communication = None  # the Laplace start's rounds and bytes
@@ -172,8 +203,6 @@ class FederatedMwG(FederatedInference):
         # where one move draws about independently, shortened as 1.5 n^-1/4 for many locals
         step = (self.local_step_size if self.local_step_size is not None
                 else min(np.pi / (2 * self.local_steps), 1.5 * n ** -0.25))
-        config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
-                           float(step), self.num_chains, self.candidates, self.map_steps)
         dtype = jnp.result_type(float)
         start = getattr(self, "_start", None)
         if start is None:  # a party that does not run (a Flower node) builds from init
@@ -182,9 +211,45 @@ class FederatedMwG(FederatedInference):
                                  f"fit's params), so that every party builds the same chains; nf.fit does")
             start = self._start = tuple(np.asarray(a) for a in self.init_moments)
         self._built_start = start
+        schedule = self.schedule(int(np.asarray(start[0]).size))
+        small = self.small_entries(terms.layout, schedule)
+        if not small:
+            schedule = tuple(k for k in schedule if k != 3)
+        config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
+                           float(step), self.num_chains, self.candidates_for(schedule), self.map_steps, schedule,
+                           self.leapfrog_steps, small)
         mean, cov = (jnp.asarray(a, dtype) for a in start)
         return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
                              num_local=terms.num_local, blocks=blocks, config=config, secure=self.secure_aggregation)
+
+    def schedule(self, num_global: int) -> tuple:
+        """The global moves' kinds in turn (:data:`MOVES`): ``moves="auto"`` takes the surrogate
+        transition from :data:`SURROGATE_FROM` unconstrained global scalars on, and three
+        independence moves and a random walk below."""
+        if self.moves == "auto":
+            return MOVES["surrogate" if num_global >= SURROGATE_FROM else "independence"]
+        return MOVES[self.moves]
+
+    def candidates_for(self, schedule: tuple) -> int:
+        """The candidates per round: ``candidates``, or by default :data:`CANDIDATES` (16 where the
+        schedule moves the scalar sites' block apart: a hierarchy's scale over a few groups and its
+        intercept form a funnel that four candidates of an elliptical proposal rarely leave)."""
+        if self.candidates is not None:
+            return self.candidates
+        return CANDIDATES[3 in schedule]
+
+    def small_entries(self, layout, schedule: tuple) -> tuple:
+        """The flat entries of the small sites (:data:`SMALL_SITE`) that the surrogate schedule moves
+        apart: ``()`` where it does not, where they are more than :data:`SMALL_BLOCK` or all of them."""
+        if 3 not in schedule or layout is None:
+            return ()
+        entries, at = [], 0
+        for shape in layout.shapes:
+            size = int(np.prod(shape, dtype=int))
+            if size <= SMALL_SITE:
+                entries.extend(range(at, at + size))
+            at += size
+        return tuple(entries) if 0 < len(entries) <= SMALL_BLOCK and len(entries) < at else ()
 
     def _params(self, setup, state) -> Dict:
         draws = state.server.draws  # (chains, samples, d)
@@ -211,11 +276,14 @@ class FederatedMwG(FederatedInference):
         ``not_converged`` names the scalars whose split R-hat is above :data:`R_HAT_LIMIT`,
         ``unmixed`` those too and those whose bulk ESS is below :data:`MIN_ESS`, ``constant``
         the scalars that never move (left out: :func:`~numpyro_fed.check.chains.chain_report`)."""
-        report = chain_report({k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()})
+        samples = {k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()}
+        report = chain_report(samples)
         accepted = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
+        divergent = np.asarray(result.state.server.divergent)[:, self.num_warmup:]
         return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
                 "acceptance": float(accepted.mean()) if accepted.size else 0.0,
-                "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant}
+                "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant,
+                "divergences": int(divergent.sum()), "divergent_at": divergent_sites(samples, divergent)}
 
     def local_mixing(self, result: RunResult) -> Dict[str, list]:
         """The clients whose local latents' chains have not mixed: ``{client: ["entry k (R-hat r, ESS
@@ -271,10 +339,12 @@ class FederatedMwG(FederatedInference):
         return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
 
     def sample_stats(self, result: RunResult) -> Dict[str, np.ndarray]:
-        """Per kept iteration and chain: ``accepted`` (the global move's decision) and
-        ``proposal`` (0: independence, 1: random walk)."""
+        """Per kept iteration and chain: ``accepted`` (the global move's decision), ``proposal``
+        (0: independence, 1: random walk, 2: surrogate transition, 3: the scalar sites' independence
+        move) and ``diverging`` (the surrogate trajectory diverged)."""
         return {"accepted": np.asarray(result.state.server.accepted)[:, self.num_warmup:],
-                "proposal": np.asarray(result.state.server.kinds)[:, self.num_warmup:]}
+                "proposal": np.asarray(result.state.server.kinds)[:, self.num_warmup:],
+                "diverging": np.asarray(result.state.server.divergent)[:, self.num_warmup:]}
 
     def log_likelihood(self, rng_key: jax.Array, result: RunResult, num_samples: Optional[int] = None,
                        client: Optional[str] = None) -> tuple:
@@ -324,6 +394,25 @@ class FederatedMwG(FederatedInference):
         return {"independence": float(acc[kinds == 0].mean()), "random_walk": float(acc[kinds == 1].mean())}
 
 
+def divergent_sites(samples: Dict[str, np.ndarray], divergent: np.ndarray, top: int = 3) -> list:
+    """The global scalars whose draws at the ``divergent`` iterations (``(chains, samples)``) lie
+    furthest from all their draws' mean, in sds (where a diverging trajectory started: a funnel's
+    neck shows as its scale's small values), at most ``top``, as ``(scalar, z)``."""
+    if not divergent.any():
+        return []
+    scored = []
+    for name, v in samples.items():
+        flat = v.reshape(v.shape[0], v.shape[1], -1)
+        for i in range(flat.shape[-1]):
+            x = flat[..., i]
+            sd = x.std()
+            if sd > 0:
+                label = name if flat.shape[-1] == 1 else f"{name}[{i}]"
+                scored.append(((x[divergent].mean() - x.mean()) / sd, label))
+    scored.sort(key=lambda t: -abs(t[0]))
+    return [(label, float(z)) for z, label in scored[:top]]
+
+
 @register_check(FederatedMwG)
 def mwg_check(inference: FederatedMwG, result: RunResult) -> Verdict:
     """Metropolis-within-Gibbs's fit check: raise where the run stopped before every chain finished;
@@ -345,6 +434,13 @@ def mwg_check(inference: FederatedMwG, result: RunResult) -> Verdict:
             bytes=traffic(result),
             samples={k: jnp.asarray(v).reshape(kept.shape[:2] + v.shape[1:]) for k, v in user.items()})
     report = inference.mixing(result)
+    if report["divergences"]:
+        warnings.warn(f"{type(inference).__name__}: {report['divergences']} kept iterations' surrogate trajectories "
+                      f"diverged, most unlike the chains' other draws at "
+                      f"{', '.join(f'{k} ({z:+.2g} sd)' for k, z in report['divergent_at'])}: the "
+                      f"chain may not enter a region of the posterior there (a funnel between a scale and its "
+                      f"effects); reparameterise those sites (non-centred), or lower leapfrog_steps",
+                      UnreliableFitWarning, stacklevel=find_stack_level())
     stuck = inference.local_mixing(result)
     if stuck:
         shown = "; ".join(f"client {name!r}: {', '.join(entries[:3])}" for name, entries in list(stuck.items())[:4])
@@ -362,6 +458,9 @@ def mwg_check(inference: FederatedMwG, result: RunResult) -> Verdict:
                       f"global moves: the chain barely moved and its draws are few effective samples; run "
                       f"FederatedNUTS, or a longer warmup", UnreliableFitWarning, stacklevel=find_stack_level())
     verdict = chains_verdict(report)
+    if report["divergences"]:
+        verdict = verdict._replace(status="unreliable", sites=[k for k, _ in report["divergent_at"]],
+                                   why=f"{report['divergences']} surrogate trajectories diverged")
     if report["acceptance"] < LOW_ACCEPT:
         verdict = verdict._replace(status="unreliable",
                                    why=f"the global moves' acceptance was {report['acceptance']:.1%}")
