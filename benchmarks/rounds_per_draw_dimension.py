@@ -4,6 +4,7 @@ random intercept per client, for the exact federated samplers, in simulation, in
     python benchmarks/rounds_per_draw_dimension.py                 # 10, 30, 100, 300, 1000 covariates
     python benchmarks/rounds_per_draw_dimension.py --covariates 10 30
     python benchmarks/rounds_per_draw_dimension.py --table         # the docs' table from the last results
+    python benchmarks/rounds_per_draw_dimension.py --plot          # docs/img/rounds_per_draw_dimension.png from them
 
 The model: ``beta ~ N(0, 1)`` per covariate, an intercept ``b0 ~ N(0, 2)``, the clients' intercepts
 ``a_j ~ N(0, tau)`` (local: never sent) with ``tau ~ HalfNormal(1)``; 8,000 rows over 4 clients of
@@ -173,14 +174,45 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Rounds per effective draw of the worst global scalar against the number of globals, log-log,
+    one line per sampler, from ``results``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(results["sizes"].values(), key=lambda r: r["globals"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("surrogate", "surrogate transition (delayed acceptance)"),
+                       ("independence", "independence moves (i-SIR)"),
+                       ("federated_nuts", "federated NUTS (projected)")):
+        pts = [(r["globals"], r[key]["rounds_per_ess"]) for r in sizes if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("global scalars")
+    ax.set_ylabel("rounds per effective draw (worst global scalar)")
+    ax.set_title(f"logistic regression with a client effect, {ROWS:,} rows over {len(SIZES)} clients", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--covariates", type=int, nargs="*", default=[10, 30, 100, 300, 1000])
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"sizes": {}}
     if args.table:
         print(table(old))
+        return
+    if args.plot:
+        plot(old, HERE.parent / "docs" / "img" / "rounds_per_draw_dimension.png")
         return
     sizes = dict(old.get("sizes", {}))
     for p in args.covariates:

@@ -18,9 +18,13 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    reach past what the draws see). Over a network backend (Flower) both checks run on the
    clients, each computing its own term on its own node.
 3. Otherwise **exact federated Metropolis-within-Gibbs** (:mod:`~numpyro_fed.mcmc.mwg_algorithm`):
-   one round per iteration, :data:`MWG_CHAINS` chains side by side, started at the Laplace mode
-   and proposing by its covariance (4 candidates a round, resampled by their importance weights, or
-   a random walk with a Metropolis-Hastings test: every move exact),
+   one round per iteration, :data:`MWG_CHAINS` chains side by side, started at the Laplace mode;
+   with few globals proposing by its covariance (4 candidates a round, resampled by their
+   importance weights, or a random walk with a Metropolis-Hastings test), with more (from
+   :data:`~numpyro_fed.mcmc.mwg_inference.SURROGATE_FROM` global scalars, where importance
+   sampling around one Gaussian fails) by the surrogate transition (:mod:`~numpyro_fed.mcmc.surrogate`:
+   the server's Hamiltonian trajectories on the exact prior and a quadratic surrogate of the
+   likelihood, each corrected by delayed acceptance in one round); every move exact,
    the local latents moved on their clients; :data:`MWG_WARMUP` warmup rounds. Then by cost:
    chains that barely move (acceptance under 5 %) go to NUTS; chains short of
    :data:`MWG_MIN_ESS` effective draws at a global scalar, or not converged (split R-hat above

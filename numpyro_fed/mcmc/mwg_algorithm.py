@@ -304,7 +304,8 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig, s
     proposal drawn from the refreshed one, and the window's sums cleared. With the surrogate move,
     at an eighth, a quarter, half and three quarters of warmup: the surrogate refitted to every
     chain's points of the window and their summed gradients (:func:`~numpyro_fed.mcmc.surrogate.refit`),
-    and its metric (the last quarter adapts the step to the final surrogate)."""
+    and its metric (the last quarter adapts the step to the final surrogate); at both kinds of ends
+    the trajectory's step is set to its mean over the chains."""
     it = state.iteration[0]
     d = state.u.shape[-1]
     stats = jnp.sum(state.stats, 0)
@@ -337,6 +338,8 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig, s
                               for k, v in fields.items()},
                            reg=jnp.where(refit_now, jnp.zeros_like(new.reg), new.reg))
         refresh = refresh | refit_now
+        # the trajectory's step, one for every chain (each chain's own adaptation is noisy): their mean
+        new = new._replace(log_eps=jnp.where(end | refit_now, jnp.mean(new.log_eps), new.log_eps))
     fresh, diverging = jax.vmap(partial(propose, surrogate=surrogate, small=config.small))(
         random.split(rng_key, C), new, new.kind)
     proposal = jnp.where(refresh, fresh, new.proposal)
