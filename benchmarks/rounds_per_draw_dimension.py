@@ -192,6 +192,9 @@ def plot(results: dict, path: pathlib.Path) -> None:
             ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ticks = [r["globals"] for r in sizes]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("global scalars")
     ax.set_ylabel("rounds per effective draw (worst global scalar)")
     ax.set_title(f"logistic regression with a client effect, {ROWS:,} rows over {len(SIZES)} clients", fontsize=9)

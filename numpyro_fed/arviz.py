@@ -153,11 +153,12 @@ def _mcmc_to_arviz(mcmc, result, rng_key, client, clients, corrected):
                          "draws of the posterior itself: drop corrected=")
     draws = mcmc.get_samples(result, group_by_chain=True, client=client)
     stats = mcmc.sample_stats(result)
-    if "diverging" in stats:  # NUTS / HMC: NumPyro's statistics under ArviZ's names
+    if "tree_depth" in stats:  # NUTS / HMC: NumPyro's statistics under ArviZ's names
         sample_stats = {ours: stats[theirs] for theirs, ours in _MCMC_STATS.items()}
         sample_stats["lp"] = -stats["potential_energy"]
-    else:  # Metropolis-within-Gibbs: each global move's decision and proposal kind
-        sample_stats = {"acceptance_rate": np.asarray(stats["accepted"], np.float64), "proposal": stats["proposal"]}
+    else:  # Metropolis-within-Gibbs: each global move's decision, proposal kind and diverging trajectory
+        sample_stats = {"acceptance_rate": np.asarray(stats["accepted"], np.float64), "proposal": stats["proposal"],
+                        "diverging": np.asarray(stats["diverging"], bool)}
     C, S = next(iter(stats.values())).shape
 
     def chains(x):

@@ -434,7 +434,9 @@ class Ladder:
                                num_samples=self.num_samples, clients=None if network else clients, results=results)
             log.append("moving to federated Metropolis-within-Gibbs, started at the Laplace mode")
         if mode:
-            log.append(self._moves_text(int(np.size(warm[0]))))
+            from .mcmc.mwg_inference import moves_text
+
+            log.append(moves_text(int(np.size(warm[0])), self.rung_options.get("moves", "auto")))
         done = {"rounds": rounds, "bytes": bytes_}
         samplers = [("mwg", None), ("nuts", None)] if mode else [("nuts", None)]
         return self._sample(samplers, warm, {"mwg": k_mwg, "nuts": k_nuts}, clients, run_options, announce, done,
@@ -545,21 +547,6 @@ class Ladder:
         log.append(f"mwg: {why}: running the chains on to {afford} draws each ({rounds} rounds"
                    + (")" if go_on else ", again from the start)"))
         return afford
-
-    def _moves_text(self, num_global: int) -> str:
-        """The log's line on how Metropolis-within-Gibbs will move ``num_global`` global scalars, and why."""
-        from .mcmc.mwg_inference import SURROGATE_FROM
-
-        moves = self.rung_options.get("moves", "auto")
-        surrogate = moves == "surrogate" or (moves == "auto" and num_global >= SURROGATE_FROM)
-        if surrogate:
-            return (f"mwg: {num_global} global scalars: moved by the surrogate transition with delayed acceptance "
-                    f"(the server's trajectories on the prior and a quadratic surrogate of the likelihood, each "
-                    f"corrected exactly in one round), whose cost grows like HMC's with the dimension"
-                    + ("" if moves == "surrogate" else f" (independence proposals fail from about "
-                                                       f"{SURROGATE_FROM} on)"))
-        return (f"mwg: {num_global} global scalars: moved by independence proposals from the Laplace fit's "
-                f"covariance (and a random walk every fourth round)")
 
     def _advice(self) -> str:
         """What to change, from what this run measured (:func:`numpyro_fed.advice.advice`): the sites whose

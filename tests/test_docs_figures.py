@@ -252,3 +252,25 @@ def test_the_private_fit_utility_table_and_plot_are_their_results():
     plain = {(r["posterior"], r["epsilon"]): r["max_abs_z"] for r in runs if r["method"] == "nf.fit(dp)"}
     ratio = max(r["max_abs_z"] / plain[r["posterior"], r["epsilon"]] for r in exact if r["posterior"].startswith("pat"))
     assert f"up to {ratio:.1f} times further off" in flat
+
+
+def test_the_rounds_per_draw_against_dimension_table_is_its_results():
+    """docs/federated_mcmc.md's table of rounds per effective draw against the number of globals as
+    ``benchmarks/rounds_per_draw_dimension.py --table`` renders it from its results, each size's
+    commit named under it."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "rounds_per_draw_dimension.json").read_text())
+    rows = _benchmark("rounds_per_draw_dimension").table(results).splitlines()
+    text = (ROOT / "docs" / "federated_mcmc.md").read_text()
+    assert len(rows) >= 2 + 4
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    flat = " ".join(text.split())
+    for size in results["sizes"].values():
+        assert f"commit {size['commit']}" in flat
+    sizes = list(results["sizes"].values())
+    z = [s["surrogate"]["max_mean_error_in_sd"] for s in sizes]
+    sd = [s["surrogate"]["max_sd_ratio_error"] for s in sizes]
+    assert f"within {min(z):.2f} to {max(z):.2f} pooled sds and its sds within {100 * min(sd):.0f} to {100 * max(sd):.0f} %" in flat
+    stuck = [s["independence"]["max_r_hat"] for s in sizes if s["globals"] >= 32]
+    assert f"at 32 globals and more (split R-hat {min(stuck):.1f} to {max(stuck):.1f})" in flat
+    assert (ROOT / "docs" / "img" / "rounds_per_draw_dimension.png").exists()

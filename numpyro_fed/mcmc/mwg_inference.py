@@ -34,7 +34,7 @@ from ..warnings import UnreliableFitWarning, find_stack_level
 from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
 
-__all__ = ["FederatedMwG", "mwg_check"]
+__all__ = ["FederatedMwG", "divergent_sites", "moves_text", "mwg_check"]
 
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
 SURROGATE_FROM = 12
@@ -392,6 +392,18 @@ class FederatedMwG(FederatedInference):
         acc = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
         kinds = np.asarray(result.state.server.kinds)[:, self.num_warmup:]
         return {"independence": float(acc[kinds == 0].mean()), "random_walk": float(acc[kinds == 1].mean())}
+
+
+def moves_text(num_global: int, moves: str = "auto") -> str:
+    """One line on how Metropolis-within-Gibbs moves ``num_global`` global scalars under ``moves``
+    (:data:`MOVES`), and why (``nf.fit``'s log)."""
+    if moves == "surrogate" or (moves == "auto" and num_global >= SURROGATE_FROM):
+        return (f"mwg: {num_global} global scalars: moved by the surrogate transition with delayed acceptance "
+                f"(the server's trajectories on the prior and a quadratic surrogate of the likelihood, each "
+                f"corrected exactly in one round), whose cost grows like HMC's with the dimension"
+                + ("" if moves == "surrogate" else f" (independence proposals fail from about {SURROGATE_FROM} on)"))
+    return (f"mwg: {num_global} global scalars: moved by independence proposals from the Laplace fit's covariance "
+            f"(and a random walk every fourth round)")
 
 
 def divergent_sites(samples: Dict[str, np.ndarray], divergent: np.ndarray, top: int = 3) -> list:
