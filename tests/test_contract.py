@@ -182,7 +182,8 @@ def test_every_familys_result_gives_draws_of_the_globals_and_of_a_clients_own_si
     inference, inputs = (families.FAMILIES | families.MCMC_FAMILIES)[name]()
     result = families.run(inference, inputs, random.PRNGKey(0), None if inference.open_ended else 2)
     want_type = {"sfvi": GuideParams, "sfvi_avg": GuideParams, "hm1": HM1Params, "nuts": DrawParams,
-                 "mwg": DrawParams, "mwg_surrogate": DrawParams, "vertical_sfvi": VerticalParams, "vertical_soul": VerticalParams}
+                 "mwg": DrawParams, "mwg_surrogate": DrawParams, "vertical_sfvi": VerticalParams,
+                 "vertical_soul": VerticalParams}
     assert type(result.params) is want_type.get(name, GaussianParams) is type(inference).params_type, name
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(result.params))
     if name == "hm1":  # a point estimate: refused, naming where it is

@@ -157,7 +157,8 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
     n = fit.inference.num_samples  # 300, or more where the chains ran on to an ESS of 400
     assert fit.rounds == sum(int(r.communication.rounds) for r in fit.results)
     assert int(fit.result.communication.rounds) == 150 + n + 1  # one round per iteration, one closing
-    assert fit.get_samples()["tau"].shape == (4 * n,) and set(fit.check) == {"acceptance", "divergences", "min_n_eff", "max_r_hat"}
+    assert fit.get_samples()["tau"].shape == (4 * n,)
+    assert set(fit.check) == {"acceptance", "divergences", "min_n_eff", "max_r_hat"}
     assert fit.check["max_r_hat"] <= 1.05 and fit.check["min_n_eff"] >= 400
     assert fit.get_samples(client="3")["eta"].shape == (4 * n,)  # school 3's own effect, from its chain
     # the answer: posteriordb's reference (Stan, 10,000 draws) for mu, tau and every school's theta

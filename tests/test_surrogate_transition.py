@@ -125,7 +125,8 @@ def test_nf_fit_answers_a_logistic_regression_with_100_covariates_and_a_client_e
     ref = mcmc.get_samples()
     got = fit.get_samples()
     for site in ("beta", "b0", "tau"):
-        want, ours = np.asarray(ref[site]).reshape(len(ref[site]), -1), np.asarray(got[site]).reshape(len(got[site]), -1)
+        want = np.asarray(ref[site]).reshape(len(ref[site]), -1)
+        ours = np.asarray(got[site]).reshape(len(got[site]), -1)
         z = np.abs(ours.mean(0) - want.mean(0)) / want.std(0)
         ratio = ours.std(0) / want.std(0)
         assert z.max() < 0.25, (site, z.max())

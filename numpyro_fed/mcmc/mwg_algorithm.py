@@ -332,7 +332,8 @@ def _pooled_refresh(rng_key, state: MwGServerState, shared, config: MwGConfig, s
         refit_now = (it == W // 8) | (it == W // 4) | (it == W // 2) | (it == 3 * W // 4)
         old = Surrogate(state.sur_anchor[0], state.sur_grad[0], state.sur_prec[0])
         sur = refit(jnp.sum(state.reg, 0), old, old.anchor)
-        chol_s = metric(log_prior, sur, state.sur_chol[0], jnp.ones(d, bool).at[jnp.asarray(config.small, jnp.int32)].set(False))
+        free = jnp.ones(d, bool).at[jnp.asarray(config.small, jnp.int32)].set(False)
+        chol_s = metric(log_prior, sur, state.sur_chol[0], free)
         fields = dict(zip(("sur_anchor", "sur_grad", "sur_prec", "sur_chol"), (*sur, chol_s)))
         new = new._replace(**{k: jnp.where(refit_now, jnp.broadcast_to(v, getattr(new, k).shape), getattr(new, k))
                               for k, v in fields.items()},
