@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["ascent", "carried_while", "tree_weighted_sum"]
+__all__ = ["ascent", "carried_while", "leapfrog", "tree_weighted_sum"]
 
 
 def ascent(optim: optax.GradientTransformation, grads, opt_state, params):
@@ -35,3 +37,17 @@ def carried_while(cond, body, init):
         return x, cond(x)
 
     return jax.lax.while_loop(lambda carry: carry[1], step, (init, cond(init)))[0]
+
+
+def leapfrog(grad: Callable, x, p, eps, steps: int):
+    """``(x, p)`` after ``steps`` leapfrog steps of size ``eps`` on the potential whose gradient is
+    ``grad`` (unit mass): Hamiltonian Monte Carlo's trajectory, as a ``lax.scan``."""
+    def step(state, _):
+        x, r = state
+        r = r - 0.5 * eps * grad(x)
+        x = x + eps * r
+        r = r - 0.5 * eps * grad(x)
+        return (x, r), None
+
+    return jax.lax.scan(step, (x, p), None, length=steps)[0]
+

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from .._steps import leapfrog
 from ..factor.blocks import block_hessian, scatter_blocks
 from ..factor.tilted import conditional_slope, first_descent, inner_mode
 
@@ -84,14 +85,7 @@ def local_moves(key, f: Callable, u, v, value, mode, lam, vec, index, config):
         # near half the whitened target's period sends w to about -w, and two such moves back to w
         eps = config.local_step_size * random.uniform(k_e, (), w.dtype, 1.0 - STEP_JITTER, 1.0 + STEP_JITTER)
 
-        def leapfrog(state, _):
-            x, r = state
-            r = r - 0.5 * eps * grad(x)
-            x = x + eps * r
-            r = r - 0.5 * eps * grad(x)
-            return (x, r), None
-
-        (w_new, p_new), _ = jax.lax.scan(leapfrog, (w, p), None, length=config.local_steps)
+        w_new, p_new = leapfrog(grad, w, p, eps, config.local_steps)
         pot_new = potential(w_new)
         log_a = pot - pot_new + 0.5 * (p @ p - p_new @ p_new)
         log_a = jnp.where(jnp.isfinite(log_a), log_a, -jnp.inf)

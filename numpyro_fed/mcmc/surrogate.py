@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from .._steps import leapfrog
+
 __all__ = ["MAX_DELTA_ENERGY", "SHRINK_POINTS", "Surrogate", "accumulate", "laplace_surrogate", "metric", "refit",
            "surrogate_move", "surrogate_value"]
 
@@ -100,14 +102,7 @@ def surrogate_move(key, log_prior: Callable, sur: Surrogate, u, chol, log_eps, s
     p0 = jnp.where(free, random.normal(k_p, u.shape, u.dtype), 0.0)
     eps = jnp.exp(log_eps) * random.uniform(k_e, (), u.dtype, 1.0 - STEP_JITTER, 1.0 + STEP_JITTER)
 
-    def leapfrog(state, _):
-        z, r = state
-        r = r - 0.5 * eps * grad(z)
-        z = z + eps * r
-        r = r - 0.5 * eps * grad(z)
-        return (z, r), None
-
-    (z1, p1), _ = jax.lax.scan(leapfrog, (z0, p0), None, length=steps)
+    z1, p1 = leapfrog(grad, z0, p0, eps, steps)
     delta = potential(z1) - potential(z0) + 0.5 * (p1 @ p1 - p0 @ p0)  # the energy error
     delta = jnp.where(jnp.isfinite(delta), delta, jnp.inf)
     divergent = delta > MAX_DELTA_ENERGY
