@@ -117,7 +117,8 @@ def reference(post: Posterior, refresh=False):
         # kept (else the one with the fewest divergences of those that mixed, and it says so)
         runs = []
         for target, depth, warmup in ((0.9, 10, 2000), (0.995, 12, 3000)):
-            summary, divergences = nuts(post, num_warmup=warmup, num_samples=10000, target_accept=target,
+            summary, divergences = nuts(post, num_warmup=min(warmup, post.nuts_draws), num_samples=post.nuts_draws,
+                                        target_accept=target,
                                         max_tree_depth=depth,
                                         chain_method="vectorized" if target == 0.9 else "sequential")
             mixed = all(v["r_hat"] < 1.01 for v in summary.values())
@@ -125,8 +126,9 @@ def reference(post: Posterior, refresh=False):
             if mixed and not divergences:
                 break
         _, divergences, target, depth, warmup, summary = min(runs, key=lambda r: r[:2])
-        own.write_text(json.dumps({"posterior": post.name, "method": f"NumPyro NUTS, 4 chains x ({warmup} warmup + "
-                                   f"10000 draws), target_accept {target}, max_tree_depth {depth}, non-centred",
+        own.write_text(json.dumps({"posterior": post.name, "method": f"NumPyro NUTS, 4 chains x "
+                                   f"({min(warmup, post.nuts_draws)} warmup + {post.nuts_draws} draws), "
+                                   f"target_accept {target}, max_tree_depth {depth}, non-centred",
                                    "divergences": divergences,
                                    "runs": [{"target_accept": r[2], "max_tree_depth": r[3], "divergences": r[1],
                                              "mixed": not r[0]} for r in runs],

