@@ -31,8 +31,11 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    1.05), run on once where their own rounds per effective draw are at most
    :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW`, and go to NUTS where they cost more or
    still disagree after running on.
-4. Otherwise (or where the Laplace search found no mode on a proper posterior) **exact
-   federated NUTS**, started at the Laplace mode (or the search's last point) and
+   Where the Laplace search found no mode on a proper posterior but stopped at a point of positive
+   definite curvature (a shrinkage prior's or a funnel's, whose mode is at a boundary), rung 3
+   starts there, proposing by that curvature.
+4. Otherwise (or where the search stopped where the curvature is not positive definite) **exact
+   federated NUTS**, started at the Laplace mode (or where the user said) and
    preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
    L^T`` the covariance: a dense mass matrix); ``num_warmup`` defaults to :data:`WARM_WARMUP`
    instead of NumPyro's 500, ``num_chains`` to :data:`NUTS_CHAINS`. It pays one round per leapfrog
@@ -404,7 +407,7 @@ class Ladder:
         announce(stage)
         laplace = self._rung_of(stage)
         self._measured = {"laplace": laplace, "clients": None if network else clients, "failed": []}
-        mode = False
+        mode = start = False
         try:
             with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
                 warnings.filterwarnings("ignore", category=FitWarning)
@@ -417,8 +420,13 @@ class Ladder:
             if warm is None and self.init is not None:  # NUTS starts where the user said, unpreconditioned
                 warm = (laplace.start, np.ones_like(laplace.start))
             rounds, bytes_ = int(err.communication.rounds), traffic(err)
-            log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to federated NUTS"
-                       + (", preconditioned by the curvature at the last point" if warm is not None else ""))
+            # where the search stopped at a point of positive definite curvature, MwG starts there (exact
+            # from any start; its chains, started over-dispersed, say whether they met); else NUTS
+            start = err.last is not None
+            log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to "
+                       + ("federated Metropolis-within-Gibbs, started at the search's last point and proposing by "
+                          "the curvature there" if start else "federated NUTS"
+                          + (", started where the user said" if warm is not None else "")))
         else:
             results.append(result)
             rounds, bytes_ = int(result.communication.rounds), traffic(result)
@@ -433,12 +441,13 @@ class Ladder:
                     return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
                                num_samples=self.num_samples, clients=None if network else clients, results=results)
             log.append("moving to federated Metropolis-within-Gibbs, started at the Laplace mode")
-        if mode:
+        mwg = mode or start
+        if mwg:
             from .mcmc.mwg_inference import moves_text
 
             log.append(moves_text(int(np.size(warm[0])), self.rung_options.get("moves", "auto")))
         done = {"rounds": rounds, "bytes": bytes_}
-        samplers = [("mwg", None), ("nuts", None)] if mode else [("nuts", None)]
+        samplers = [("mwg", None), ("nuts", None)] if mwg else [("nuts", None)]
         return self._sample(samplers, warm, {"mwg": k_mwg, "nuts": k_nuts}, clients, run_options, announce, done,
                             log, results, network)
 

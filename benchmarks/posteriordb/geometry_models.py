@@ -129,7 +129,8 @@ def faithful_mixture():
             dist.Normal(0.0, 2.0).expand([2]).to_event(1), dist.transforms.OrderedTransform()))
         sigma = numpyro.sample("sigma", dist.HalfNormal(1.0).expand([2]).to_event(1))
         with numpyro.plate("rows", y.shape[0]):
-            z = numpyro.sample("z", dist.Bernoulli(w), infer={"enumerate": "parallel"})
+            with nf.local_site():
+                z = numpyro.sample("z", dist.Bernoulli(w), infer={"enumerate": "parallel"})
             k = z.astype(jnp.int32)
             numpyro.sample("y", dist.Normal(mu[k], sigma[k]), obs=y)
 

@@ -69,6 +69,10 @@ __all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federate
 TARGET_ACCEPT = 0.3  # the random walk's target acceptance during warmup
 TARGET_SURROGATE = 0.6  # the surrogate move's (both stages') target acceptance during warmup
 START_KEY = 0x6D77  # the chains' starts (global, known to every party)
+DISPERSE = 2.0
+"""The chains after the first start at draws of ``N(start, DISPERSE^2 scale)``: over-dispersed against
+the Laplace Gaussian, so that chains that cannot reach one another (a funnel's neck, a second mode)
+disagree, and split R-hat says so."""
 
 
 class MwGConfig(NamedTuple):
@@ -415,10 +419,10 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
 
     C, N = config.num_chains, config.candidates
     chol0 = jnp.linalg.cholesky(jnp.asarray(scale, dtype))
-    # the chains' starts: the first at ``start``, the others a draw of N(start, scale) each, from a key
-    # every party knows (the starts are global quantities, and each client needs them to start its locals)
+    # the chains' starts: the first at ``start``, the others a draw of N(start, DISPERSE^2 scale) each, from a
+    # key every party knows (the starts are global quantities, and each client needs them to start its locals)
     noise = random.normal(random.PRNGKey(START_KEY), (C, d), dtype).at[0].set(0.0)
-    starts = start + noise @ chol0.T
+    starts = start + DISPERSE * noise @ chol0.T
     surrogate, *first_surrogate = _surrogate_setup(log_prior, start, scale, chol0, config)
     first = jnp.asarray(config.schedule[0], jnp.int32)
 

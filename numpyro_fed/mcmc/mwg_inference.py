@@ -69,8 +69,10 @@ class FederatedMwG(FederatedInference):
         num_warmup: iterations (rounds) whose draws are discarded; the proposal adapts in them.
         num_samples: iterations kept.
         num_chains: chains run side by side, every chain one iteration per round (each round
-            carries one proposal and one scalar per chain); each starts from a draw of the
-            Laplace fit (the first at its mode).
+            carries one proposal and one scalar per chain); the first starts at the Laplace fit's
+            mode, the others at draws of it with its sds doubled
+            (:data:`~numpyro_fed.mcmc.mwg_algorithm.DISPERSE`), so that chains that cannot reach
+            one another disagree.
         init: ``(mean, cov)`` of the flat unconstrained global sites to start from (a Laplace
             fit's ``params``); ``None``: ``run`` first runs :class:`~numpyro_fed.factor.Laplace`
             (a posterior it finds no mode of raises its ``NoModeError``: use
