@@ -20,7 +20,6 @@ from user_models import _rdata, _split, _std
 
 import numpyro_fed as nf
 
-
 # ---- logistic regressions with many covariates and a client effect ----
 
 def _logistic(covariates: int, rows: int, seed: int):
