@@ -61,7 +61,8 @@ from jax import random
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from .mwg_locals import anchor_map, colour, laplace_map, local_moves, log_det, marginal_grad, whiten
-from .mwg_proposals import T_DF, T_SCALE, block_chol, block_conditional, propose, t_log_prob  # noqa: F401
+from .mwg_proposals import (T_DF, T_SCALE, block_chol, block_conditional, propose, ridge_log_jacobian,  # noqa: F401
+                            t_log_prob)
 from .surrogate import Surrogate, accumulate, laplace_surrogate, metric, refit, surrogate_move, surrogate_value
 
 __all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg", "laplace_map"]
@@ -88,9 +89,10 @@ class MwGConfig(NamedTuple):
     candidates: int = 4  # the independence move's candidates per round (iterated sampling importance resampling)
     map_steps: int = 3  # Newton steps of m_j(u) from its first-order prediction
     schedule: tuple = (0, 0, 0, 1)  # the global moves' kinds, in turn (0: independence, 1: random walk, 2: surrogate,
-    # 3: independence of the small sites' block)
+    # 3: independence of the small sites' block, 4: the ridge move)
     leapfrog_steps: int = 4  # the surrogate move's leapfrog steps
     small: tuple = ()  # the small sites' entries: moved by kind 3, held by kind 2 (empty: kind 2 moves every entry)
+    ridges: tuple = ()  # ((scale entry, (effect entries)), ...): kind 4 moves each scale with its effects
 
     @property
     def gradients(self) -> bool:
@@ -219,6 +221,9 @@ def _decide(key, s: MwGServerState, ell, ok, lp_new, config: MwGConfig, surrogat
     gap = surrogate_value(sur, s.proposal[0]) - surrogate_value(sur, s.u) if surrogate else jnp.zeros((), s.u.dtype)
     da_ratio = _delayed_ratio(ell[0], gap)
     da_ratio = jnp.where(ok[0] & jnp.isfinite(da_ratio), da_ratio, -jnp.inf)
+    if config.ridges:  # the ridge move: Metropolis-Hastings with the map's Jacobian
+        walk_ratio = jnp.where(s.kind == 4, walk_ratio + ridge_log_jacobian(s.u, s.proposal[0], config.ridges),
+                               walk_ratio)
     one_ratio = jnp.where(s.kind == 2, da_ratio, walk_ratio)  # (a surrogate move that stayed: ratio 0, accepted)
     walk_take = jnp.log(random.uniform(key, (), s.u.dtype)) < one_ratio
     many = (s.kind == 0) | (s.kind == 3)
@@ -280,7 +285,7 @@ def _server_step(rng_key, s: MwGServerState, messages, view, *, log_prior: Calla
     kind = jnp.where(complete, jnp.asarray(config.schedule, jnp.int32)[it_new % len(config.schedule)],
                      s.kind).astype(s.kind.dtype)
     proposal, diverging = propose(k_next, s._replace(u=u, mean=mean, chol=chol, log_step=log_step, log_eps=log_eps),
-                                  kind, surrogate, config.small)
+                                  kind, surrogate, config.small, config.ridges)
     proposal = jnp.where(complete, proposal, s.proposal)
     diverging = jnp.where(complete, diverging, s.diverging)
     stats = jnp.concatenate([count[None], total_sum, outer.ravel()])
@@ -428,7 +433,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
 
     def init_chain(rng_key, u0):
         s = _first_state(u0, log_prior(u0), start, chol0, first_surrogate, config)
-        proposal, diverging = propose(rng_key, s, first, surrogate, config.small)
+        proposal, diverging = propose(rng_key, s, first, surrogate, config.small, config.ridges)
         s = s._replace(proposal=proposal, diverging=diverging)
         return s, {"proposal": proposal, "current": u0, "choice": jnp.asarray(-1, jnp.int32),
                    "slot": jnp.asarray(-1, jnp.int32), "decided": jnp.zeros((), jnp.int32)}

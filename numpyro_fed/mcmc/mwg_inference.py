@@ -33,6 +33,7 @@ from ..secure import check_aggregation
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
+from .ridges import ridge_pairs
 
 __all__ = ["FederatedMwG", "divergent_sites", "moves_text", "mwg_check"]
 
@@ -96,6 +97,10 @@ class FederatedMwG(FederatedInference):
             few tens of globals; ``"auto"`` (default): the surrogate transition from
             :data:`SURROGATE_FROM` global scalars on.
         leapfrog_steps: the surrogate trajectory's leapfrog steps (its step adapts in warmup).
+        ridge_moves: after each turn of the moves above, one ridge move (:mod:`~numpyro_fed.mcmc.ridges`)
+            where a scalar site and a vector site form one (a non-centred hierarchy's scale and the
+            effects it multiplies, where the data pin the effects): the scale and the effects move
+            together, their product held, by Metropolis-Hastings with the map's Jacobian.
         local_moves, local_steps, local_step_size: the clients' HMC moves of their locals per
             iteration, leapfrog steps per move, and step size in whitened coordinates (default
             ``min(pi / (2 local_steps), 1.5 n^-1/4)``, ``n`` the client's locals: a quarter of a
@@ -113,6 +118,7 @@ class FederatedMwG(FederatedInference):
     params_type = DrawParams
     _size_group_plates = size_group_plates
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
+    ridges: tuple = ()  # the ridge move's (scale entry, effect entries) pairs, once built (mcmc.ridges)
     _num_rounds = 0  # the bound of the last run (its num_rounds)
     open_ended = True
     draws_are_chains = True
@@ -120,7 +126,8 @@ class FederatedMwG(FederatedInference):
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
                  candidates: Optional[int] = None, map_steps: int = 3, moves: str = "auto", leapfrog_steps: int = 4,
-                 local_step_size: Optional[float] = None, local_blocks: bool = True, client_mapping: str = "auto",
+                 local_step_size: Optional[float] = None, local_blocks: bool = True, ridge_moves: bool = True,
+                 client_mapping: str = "auto",
                  row_plate: Optional[str] = None, model_kwargs: Optional[dict] = None,
                  secure_aggregation: Optional[str] = None) -> None:
         super().__init__()
@@ -143,6 +150,7 @@ class FederatedMwG(FederatedInference):
         self.moves = moves
         self.leapfrog_steps = check_positive_int("leapfrog_steps", leapfrog_steps)
         self.local_blocks = bool(local_blocks)
+        self.ridge_moves = bool(ridge_moves)
         self.laplace_result: Optional[RunResult] = None
         self.start_communication = None  # the Laplace start's rounds and bytes
         self._laplace = None
@@ -217,10 +225,14 @@ class FederatedMwG(FederatedInference):
         small = self.small_entries(terms.layout, schedule)
         if not small:
             schedule = tuple(k for k in schedule if k != 3)
+        mean, cov = (jnp.asarray(a, dtype) for a in start)
+        ridges = ridge_pairs(terms.layout.shapes, terms.log_prior, mean, cov) if self.ridge_moves else ()
+        self.ridges = ridges
+        if ridges:  # a ridge move after each turn of the schedule
+            schedule = schedule + (4,)
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
                            float(step), self.num_chains, self.candidates_for(schedule), self.map_steps, schedule,
-                           self.leapfrog_steps, small)
-        mean, cov = (jnp.asarray(a, dtype) for a in start)
+                           self.leapfrog_steps, small, ridges)
         return federated_mwg(terms.log_prior, terms.log_joint, num_clients, mean, (cov + cov.T) / 2,
                              num_local=terms.num_local, blocks=blocks, config=config, secure=self.secure_aggregation)
 
@@ -393,7 +405,9 @@ class FederatedMwG(FederatedInference):
         """The kept iterations' acceptance rate of the global moves, by proposal kind."""
         acc = np.asarray(result.state.server.accepted)[:, self.num_warmup:]
         kinds = np.asarray(result.state.server.kinds)[:, self.num_warmup:]
-        return {"independence": float(acc[kinds == 0].mean()), "random_walk": float(acc[kinds == 1].mean())}
+        rates = {"independence": acc[kinds == 0], "random_walk": acc[kinds == 1], "surrogate": acc[kinds == 2],
+                 "small_sites": acc[kinds == 3], "ridge": acc[kinds == 4]}
+        return {k: float(v.mean()) for k, v in rates.items() if v.size}
 
 
 def moves_text(num_global: int, moves: str = "auto") -> str:
