@@ -61,8 +61,9 @@ def _run(g, y):
 
 
 def test_the_ridge_move_pairs_the_scale_with_its_effects_and_draws_the_pooled_posterior():
-    """The scale ``sd`` (entry 0) is paired with ``z`` (entries 2-9), the noise scale is not; the ridge move is accepted often, and every scalar's mean is within 0.2
-    reference sds of NUTS's (on the centred form) and its sd within 15 %."""
+    """The scale ``sd`` (entry 0) is paired with ``z`` (entries 2-9), the noise scale is not; the
+    ridge move is accepted often, and every scalar's mean is within 0.2 reference sds of NUTS's (on
+    the centred form) and its sd within 15 %."""
     g, y = _data()
     mwg, result, ours = _run(g, y)
     assert mwg.ridges == ((0, tuple(range(2, 2 + G))),), mwg.ridges

@@ -61,8 +61,7 @@ from jax import random
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from .mwg_locals import anchor_map, colour, laplace_map, local_moves, log_det, marginal_grad, whiten
-from .mwg_proposals import (T_DF, T_SCALE, block_chol, block_conditional, propose, ridge_log_jacobian,  # noqa: F401
-                            t_log_prob)
+from .mwg_proposals import T_DF, T_SCALE, block_chol, block_conditional, propose, ridge_log_jacobian, t_log_prob  # noqa: F401
 from .surrogate import Surrogate, accumulate, laplace_surrogate, metric, refit, surrogate_move, surrogate_value
 
 __all__ = ["MwGClientState", "MwGConfig", "MwGInfo", "MwGServerState", "federated_mwg", "laplace_map"]
