@@ -31,11 +31,8 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    1.05), run on once where their own rounds per effective draw are at most
    :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW`, and go to NUTS where they cost more or
    still disagree after running on.
-   Where the Laplace search found no mode on a proper posterior but stopped at a point of positive
-   definite curvature (a shrinkage prior's or a funnel's, whose mode is at a boundary), rung 3
-   starts there, proposing by that curvature.
-4. Otherwise (or where the search stopped where the curvature is not positive definite) **exact
-   federated NUTS**, started at the Laplace mode (or where the user said) and
+   Where the Laplace search found no mode but stopped where the curvature is positive definite, it starts there.
+4. Otherwise (or where it is not) **exact federated NUTS**, started at the Laplace mode (or where the user said) and
    preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
    L^T`` the covariance: a dense mass matrix); ``num_warmup`` defaults to :data:`WARM_WARMUP`
    instead of NumPyro's 500, ``num_chains`` to :data:`NUTS_CHAINS`. It pays one round per leapfrog
@@ -420,9 +417,7 @@ class Ladder:
             if warm is None and self.init is not None:  # NUTS starts where the user said, unpreconditioned
                 warm = (laplace.start, np.ones_like(laplace.start))
             rounds, bytes_ = int(err.communication.rounds), traffic(err)
-            # where the search stopped at a point of positive definite curvature, MwG starts there (exact
-            # from any start; its chains, started over-dispersed, say whether they met); else NUTS
-            start = err.last is not None
+            start = err.last is not None  # MwG starts there (exact from any start; over-dispersed chains)
             log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to "
                        + ("federated Metropolis-within-Gibbs, started at the search's last point and proposing by "
                           "the curvature there" if start else "federated NUTS"
@@ -489,6 +484,10 @@ class Ladder:
             log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
                        + f"; {_per_draw(chain_rounds, check):.3g} rounds per effective draw")
             if rung == "mwg":
+                if sampler.ridge_sites and not go_on:
+                    from .mcmc.mwg_inference import ridge_text
+
+                    log.append(ridge_text(sampler.ridge_sites))
                 last_mwg = result
                 longer = self._mwg_next(sampler, check, chain_rounds, samples is not None, done["rounds"], log,
                                         go_on=not network)

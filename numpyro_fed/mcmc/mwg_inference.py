@@ -35,7 +35,7 @@ from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
 from .ridges import ridge_pairs
 
-__all__ = ["FederatedMwG", "divergent_sites", "moves_text", "mwg_check"]
+__all__ = ["FederatedMwG", "divergent_sites", "moves_text", "mwg_check", "ridge_text"]
 
 LOW_ACCEPT = 0.05  # a kept chain accepting fewer global moves than this warns
 SURROGATE_FROM = 12
@@ -119,6 +119,7 @@ class FederatedMwG(FederatedInference):
     _size_group_plates = size_group_plates
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     ridges: tuple = ()  # the ridge move's (scale entry, effect entries) pairs, once built (mcmc.ridges)
+    ridge_sites: tuple = ()  # the same by site: (scale site, (effect sites))
     _num_rounds = 0  # the bound of the last run (its num_rounds)
     open_ended = True
     draws_are_chains = True
@@ -228,6 +229,9 @@ class FederatedMwG(FederatedInference):
         mean, cov = (jnp.asarray(a, dtype) for a in start)
         ridges = ridge_pairs(terms.layout.shapes, terms.log_prior, mean, cov) if self.ridge_moves else ()
         self.ridges = ridges
+        starts = np.cumsum([0] + [int(np.prod(shape, dtype=int)) for shape in terms.layout.shapes])
+        site = {int(e): name for name, a, b in zip(terms.layout.names, starts[:-1], starts[1:]) for e in range(a, b)}
+        self.ridge_sites = tuple((site[i], tuple(dict.fromkeys(site[j] for j in effects))) for i, effects in ridges)
         if ridges:  # a ridge move after each turn of the schedule
             schedule = schedule + (4,)
         config = MwGConfig(self.num_warmup, self.num_samples, self.inner_steps, self.local_moves, self.local_steps,
@@ -408,6 +412,12 @@ class FederatedMwG(FederatedInference):
         rates = {"independence": acc[kinds == 0], "random_walk": acc[kinds == 1], "surrogate": acc[kinds == 2],
                  "small_sites": acc[kinds == 3], "ridge": acc[kinds == 4]}
         return {k: float(v.mean()) for k, v in rates.items() if v.size}
+
+
+def ridge_text(ridge_sites) -> str:
+    """One line naming the scales the ridge move moves with their effects (:mod:`~numpyro_fed.mcmc.ridges`)."""
+    pairs = "; ".join(f"{scale!r} with {', '.join(map(repr, effects))}" for scale, effects in ridge_sites)
+    return f"mwg: ridge moves (a scale and the effects it multiplies, their product held): {pairs}"
 
 
 def moves_text(num_global: int, moves: str = "auto") -> str:
