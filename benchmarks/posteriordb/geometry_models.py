@@ -63,7 +63,7 @@ def logistic_100():
 
 
 def logistic_500():
-    return _logistic(500, 5000, 500)._replace(nuts_draws=2500)
+    return _logistic(500, 5000, 500)._replace(nuts_draws=1000)
 
 
 # ---- crossed random effects ----
