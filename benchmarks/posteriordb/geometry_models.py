@@ -59,7 +59,7 @@ def _logistic(covariates: int, rows: int, seed: int):
 
 
 def logistic_100():
-    return _logistic(100, 8000, 100)
+    return _logistic(100, 8000, 100)._replace(nuts_draws=2000)
 
 
 def logistic_500():
