@@ -45,9 +45,12 @@ def test_suite_has_its_posteriors_and_references(pdb, posteriors):
         assert set(ref) == set(p.sites), p.name
         assert 3 <= len(p.clients.names) <= 10 or p.hierarchical, p.name
     import json
-    for p in own:  # the stated quality of our own references
+    for p in own:  # the stated quality of our own references: a bulk ESS of 2000 (a Monte Carlo error of the mean
+        # 0.022 sds); where the reference's draws are bounded for its cost (a 500-covariate regression), 400 (0.05 sds,
+        # a quarter of nf.fit's tolerance of 0.2 sds)
         summary = json.loads((pdb.DB / "reference" / f"{p.name}.nuts.json").read_text())["summary"]
-        assert all(s["r_hat"] < 1.01 and s["ess_bulk"] > 2000 for s in summary.values()), p.name
+        least = 2000 if p.nuts_draws >= 10000 else 400
+        assert all(s["r_hat"] < 1.01 and s["ess_bulk"] > least for s in summary.values()), p.name
     assert (pdb.DB / "LICENCE").read_text().startswith("BSD 3-Clause")
 
 
