@@ -131,13 +131,8 @@ def test_fit_of_a_logistic_glmm_matches_nuts_on_the_pooled_data():
     assert local["z"].shape[0] == 50
 
 
-def test_where_the_laplace_search_reaches_no_mode_mwg_starts_at_its_last_point():
-    """A search that stops short of a mode at a point of positive definite curvature (here: a
-    tolerance no search meets) hands that point and curvature to exact Metropolis-within-Gibbs,
-    not to federated NUTS; its answer is posteriordb's eight schools reference."""
-    import json
-    import pathlib
-
+def _eight_schools():
+    """Eight schools, non-centred, one school per client: ``(y, sigma, model)``."""
     y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
     sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
 
@@ -148,6 +143,18 @@ def test_where_the_laplace_search_reaches_no_mode_mwg_starts_at_its_last_point()
             eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+    return y, sigma, model
+
+
+def test_where_the_laplace_search_reaches_no_mode_mwg_starts_at_its_last_point():
+    """A search that stops short of a mode at a point of positive definite curvature (here: a
+    tolerance no search meets) hands that point and curvature to exact Metropolis-within-Gibbs,
+    not to federated NUTS; its answer is posteriordb's eight schools reference."""
+    import json
+    import pathlib
+
+    y, sigma, model = _eight_schools()
 
     fit = nf.fit(model, nf.Clients.split(np.arange(8), y=y, sigma=sigma), jax.random.PRNGKey(0), num_samples=250,
                  num_warmup=150, progress_bar=False, tol=1e-30)
@@ -164,17 +171,7 @@ def test_fit_falls_back_to_exact_mwg_started_from_the_laplace_fit_when_its_check
     Metropolis-within-Gibbs started at its mode (4 chains side by side, one round per iteration),
     its chains mixed; no fit warning leaks (the ladder acts on the checks)."""
     # eight schools, non-centred, one school per client: the posterior of log tau is far from Gaussian
-    y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], np.float32)
-    sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
-
-    def model(y, sigma):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with nf.local_site():
-            eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
-        with numpyro.plate("rows", y.shape[0]):
-            numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
-
+    y, sigma, model = _eight_schools()
     clients = nf.Clients.split(np.arange(8), y=y, sigma=sigma)
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.FitWarning)  # the ladder acts on the check: no fit warning leaks

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
-from pdb_models import Posterior, _data, uneven_groups
+from pdb_models import Posterior, _data, eight_schools, uneven_groups
 from user_models import _rdata, _split, _std
 
 import numpyro_fed as nf
@@ -178,14 +178,8 @@ def eight_schools_centred():
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(theta, sigma), obs=y)
 
-    def pooled(y, sigma):  # the reference: the same posterior, non-centred (NUTS diverges on the centred one)
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with numpyro.plate("schools", y.shape[0]):
-            t = numpyro.sample("theta_trans", dist.Normal(0.0, 1.0))
-            numpyro.sample("y", dist.Normal(mu + tau * t, sigma), obs=y)
-
     clients = nf.Clients({f"school{j}": dict(y=y[j:j + 1], sigma=s[j:j + 1]) for j in range(len(y))})
+    pooled = eight_schools().pooled  # the reference: the same posterior, non-centred (NUTS diverges on the centred)
     return Posterior("eight_schools-eight_schools_centered", model, pooled, dict(y=y, sigma=s), clients,
                      "8 clients: one school each", {"mu": "mu", "tau": "tau"}, True)
 
