@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
-from pdb_models import Posterior, _data, eight_schools, uneven_groups
+from pdb_models import Posterior, eight_schools, uneven_groups
 from user_models import _rdata, _split, _std
 
 import numpyro_fed as nf
@@ -167,8 +167,7 @@ def breast_cancer_horseshoe_logistic():
 def eight_schools_centred():
     """posteriordb's eight schools in the centred form (``theta_j ~ N(mu, tau)``, local: one school
     per client): the funnel between tau and the thetas is in the model as users write it."""
-    d = _data("eight_schools")
-    y, s = np.asarray(d["y"], np.float32), np.asarray(d["sigma"], np.float32)
+    base = eight_schools()  # its data, clients and (non-centred, the same posterior) pooled reference model
 
     def model(y, sigma):
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
@@ -178,10 +177,7 @@ def eight_schools_centred():
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(theta, sigma), obs=y)
 
-    clients = nf.Clients({f"school{j}": dict(y=y[j:j + 1], sigma=s[j:j + 1]) for j in range(len(y))})
-    pooled = eight_schools().pooled  # the reference: the same posterior, non-centred (NUTS diverges on the centred)
-    return Posterior("eight_schools-eight_schools_centered", model, pooled, dict(y=y, sigma=s), clients,
-                     "8 clients: one school each", {"mu": "mu", "tau": "tau"}, True)
+    return base._replace(name="eight_schools-eight_schools_centered", model=model)
 
 
 def geometry_classes() -> List[Posterior]:
