@@ -38,11 +38,12 @@ WARMUP_MARGIN = 3.0
 """In warmup a run stops early only where its projection exceeds its bound by this factor: the pace
 of early warmup (a step size still growing, deeper trees) overstates the whole run's (2.4 times, a
 third of the way through a 60-iteration warmup of a two-parameter model)."""
-NUTS_ROUNDS_PER_DRAW = 50.0
-"""The rounds per effective draw ``nf.fit`` takes federated NUTS to cost when it decides whether
-Metropolis-within-Gibbs chains that have not yet converged run on or give way to NUTS (NUTS pays one
-round per leapfrog step: 6.6 to 79 rounds per effective draw on the benchmarks' posteriors with
-local latents, 50 to thousands on posteriors without a usable mode); chains that cost less run on."""
+NUTS_ROUNDS_PER_DRAW = 10.0
+"""The rounds per effective draw ``nf.fit`` takes its federated NUTS rung (many short chains side by
+side, :data:`~numpyro_fed.rung_choice.NUTS_CHAINS`) to cost when it decides whether
+Metropolis-within-Gibbs chains that have not converged run on or give way to it: chains that cost
+less run on. ``benchmarks/results/rounds_per_draw_dimension.json`` measures both samplers against the
+number of globals."""
 
 
 def network_time(rounds: float) -> str:

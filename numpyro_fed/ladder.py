@@ -35,8 +35,10 @@ A ladder, the cheapest right answer first, every rung checked against the poster
 4. Otherwise (or where it is not) **exact federated NUTS**, started at the Laplace mode (or where the user said) and
    preconditioned by the Laplace covariance (the chain runs in ``z = L^-1 (u - mode)``, ``L
    L^T`` the covariance: a dense mass matrix); ``num_warmup`` defaults to :data:`WARM_WARMUP`
-   instead of NumPyro's 500, ``num_chains`` to :data:`NUTS_CHAINS`. It pays one round per leapfrog
-   step, and warns, naming the scalars, where its chains have a split R-hat above 1.05 or a bulk
+   instead of NumPyro's 500. It pays one round per leapfrog step of its slowest chain, whatever the
+   number of chains, so it runs :data:`NUTS_CHAINS` short chains side by side (each of
+   ``2 num_samples / NUTS_CHAINS`` draws, at least :data:`NUTS_MIN_DRAWS`: the draws of two long
+   chains for the rounds of one short one; :mod:`numpyro_fed.rung_choice`), and warns, naming the scalars, where its chains have a split R-hat above 1.05 or a bulk
    ESS under 100 (:mod:`~numpyro_fed.check.chains`).
 
 Every rung together spends at most ``max_rounds`` rounds (:data:`~numpyro_fed.budget.MAX_ROUNDS`
@@ -64,33 +66,25 @@ import numpy as np
 
 from ._validation import check_init, check_positive_int
 from .advice import advice, warn_unmixed
-from .budget import MAX_ROUNDS, NUTS_ROUNDS_PER_DRAW, RoundBudgetError, over_budget
+from .budget import MAX_ROUNDS, RoundBudgetError, over_budget
 from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
 from .fit_cache import content, kept_rungs
 from .fit_result import Fit, chain_check, check_text, traffic
+from .rung_choice import MWG_MAX_LONGER, MWG_MIN_ESS, NUTS_CHAINS, NUTS_MIN_DRAWS, mwg_next, nuts_draws, per_draw
 from .warnings import FitWarning
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
-           "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "RUNG_KEYS", "RUNG_OPTIONS", "WARM_WARMUP", "WIDEN", "fit",
-           "split_options"]
+           "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "NUTS_MIN_DRAWS", "RUNG_KEYS", "RUNG_OPTIONS", "WARM_WARMUP",
+           "WIDEN", "fit", "split_options"]
 
-WARM_WARMUP = 300
+WARM_WARMUP = 100
 """Warmup iterations of federated NUTS started from the Laplace fit."""
 MWG_WARMUP = 300
 """Warmup iterations (rounds) of federated Metropolis-within-Gibbs started from the Laplace fit."""
 RUNG_KEYS = {"laplace": 0, "mwg": 1, "nuts": 2}
 """Each rung runs with ``fold_in(rng_key, RUNG_KEYS[rung])``."""
-MWG_MIN_ESS = 400
-"""Chains of Metropolis-within-Gibbs whose worst global scalar has a smaller bulk ESS run on
-(once) to reach it: a heavy-tailed scale's sd needs that many effective draws."""
-MWG_MAX_LONGER = 8
-"""At most this many times the draws per chain when the chains run on."""
 MWG_CHAINS = 4
 """Chains of federated Metropolis-within-Gibbs (side by side: one round carries every chain's move)."""
-NUTS_CHAINS = 2
-"""Chains of the federated NUTS rung (side by side: a round carries every chain's leapfrog step), so
-its split R-hat compares chains as well as halves."""
-
 
 # the rungs' own options a caller may set through nf.fit: option -> the rungs that take it (the
 # ladder sets the others itself: the start, the checks, the draws, the data's layout)
@@ -160,7 +154,9 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
         rng_key: the key every rung's keys derive from.
         exact: skip the Laplace checks: the answer is an exact sampler's (exact up to Monte
             Carlo error), started from the Laplace search.
-        num_samples: draws kept (the samplers: per chain; Laplace: draws of :meth:`Fit.get_samples`).
+        num_samples: draws kept (Metropolis-within-Gibbs: per chain; NUTS: ``2 num_samples`` over its
+            chains, :func:`~numpyro_fed.rung_choice.nuts_draws`, per chain where ``num_chains`` is
+            given; Laplace: draws of :meth:`Fit.get_samples`).
         num_warmup: the samplers' warmup (default: :data:`MWG_WARMUP` for Metropolis-within-Gibbs;
             for NUTS :data:`WARM_WARMUP` from the Laplace fit, 500 from no mode).
         num_chains: the samplers' chains (default: :data:`MWG_CHAINS` for
@@ -339,8 +335,9 @@ class Ladder:
                                      init=warm, **common, **self._own("mwg"))
         elif spec["rung"] == "nuts":
             warmup = (WARM_WARMUP if warm is not None else 500) if self.num_warmup is None else self.num_warmup
-            inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=self.num_samples,
-                                      num_chains=NUTS_CHAINS if self.num_chains is None else self.num_chains, **common,
+            chains = NUTS_CHAINS if self.num_chains is None else self.num_chains
+            draws = nuts_draws(self.num_samples, chains) if self.num_chains is None else self.num_samples
+            inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=draws, num_chains=chains, **common,
                                       init=warm, **self._own("nuts"))
         else:
             raise ValueError(f"Ladder.rung: no rung {spec['rung']!r} (its rungs: 'laplace', 'mwg', 'nuts')")
@@ -447,8 +444,9 @@ class Ladder:
                             log, results, network)
 
     def _sample(self, samplers, warm, keys, clients, run_options, announce, done, log, results, network) -> Fit:
-        """The exact rungs, in turn (:meth:`_mwg_next` decides after Metropolis-within-Gibbs): the first
-        whose answer stands is returned; every rung's rounds count against ``max_rounds``."""
+        """The exact rungs, in turn (:func:`~numpyro_fed.rung_choice.mwg_next` decides after
+        Metropolis-within-Gibbs): the first whose answer stands is returned; every rung's rounds count
+        against ``max_rounds``."""
         last_mwg = None  # MwG's last result: chains run on continue from it (in simulation)
         chain_rounds = 0
         while samplers:
@@ -482,15 +480,15 @@ class Ladder:
             self._measured["failed"] = list(result.verdict.sites)
             chain_rounds = chain_rounds + spent if go_on else spent  # the rounds of these chains' draws
             log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
-                       + f"; {_per_draw(chain_rounds, check):.3g} rounds per effective draw")
+                       + f"; {per_draw(chain_rounds, check):.3g} rounds per effective draw")
             if rung == "mwg":
                 if sampler.ridge_sites and not go_on:
                     from .mcmc.mwg_inference import ridge_text
 
                     log.append(ridge_text(sampler.ridge_sites))
                 last_mwg = result
-                longer = self._mwg_next(sampler, check, chain_rounds, samples is not None, done["rounds"], log,
-                                        go_on=not network)
+                longer = mwg_next(sampler.num_warmup, sampler.num_samples, check, chain_rounds, samples is not None,
+                                  done["rounds"], log, self.max_rounds, go_on=not network)
                 if longer == "nuts":
                     continue
                 if longer is not None:  # the same chains run on (the same keys): their first draws are these
@@ -501,60 +499,11 @@ class Ladder:
             if rung == "nuts":
                 warn_unmixed(sampler, result, self._advice())
             log.append(f"{rung}: the answer, {done['rounds']} rounds in all (every rung), "
-                       f"{_per_draw(done['rounds'], check):.3g} rounds per effective draw of the worst global scalar")
+                       f"{per_draw(done['rounds'], check):.3g} rounds per effective draw of the worst global scalar")
             return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
                        num_samples=self.num_samples, clients=None if network else clients, results=results)
         raise AssertionError("unreachable: the last rung returns")
 
-
-    def _mwg_next(self, sampler, check: Dict[str, float], spent: int, ran_on: bool, total: int, log: List[str],
-                  go_on: bool = True):
-        """After a Metropolis-within-Gibbs run: ``None`` (its answer stands), ``"nuts"`` (move on), or the
-        draws per chain to run the same chains on to. By projected cost: chains that moved but have not
-        converged (split R-hat) or are short of :data:`MWG_MIN_ESS` effective draws run on where their own
-        rounds per effective draw (``spent``: the rounds of their draws) are at most
-        :data:`~numpyro_fed.budget.NUTS_ROUNDS_PER_DRAW` (the fewest federated NUTS has needed) and the run
-        fits in ``max_rounds``; chains that barely moved, or cost more, move to federated NUTS. ``go_on``: the
-        chains continue from where they stopped (one round per draw added), else they run again from the
-        start (a network backend)."""
-        from .mcmc.mwg_inference import LOW_ACCEPT
-
-        per_draw = _per_draw(spent, check)
-        if check["acceptance"] < LOW_ACCEPT:
-            log.append(f"mwg: the chains barely moved (acceptance {check['acceptance']:.1%}): moving to federated "
-                       f"NUTS")
-            return "nuts"
-        converged = check["max_r_hat"] <= _r_hat_limit()
-        if converged and not check["min_n_eff"] < MWG_MIN_ESS:
-            return None
-        if ran_on or per_draw > NUTS_ROUNDS_PER_DRAW:
-            if converged:  # enough to answer (its low ESS is warned of)
-                return None
-            log.append(f"mwg: the chains did not converge (split R-hat {check['max_r_hat']:.3g} above "
-                       f"{_r_hat_limit()})" + ("" if ran_on else f" and cost {per_draw:.3g} rounds per effective "
-                                               f"draw, more than federated NUTS's {NUTS_ROUNDS_PER_DRAW:.0f}")
-                       + ": moving to federated NUTS")
-            return "nuts"
-        warmup = sampler.num_warmup
-        want = int(np.ceil(sampler.num_samples * min(MWG_MAX_LONGER, 1.2 * MWG_MIN_ESS / max(check["min_n_eff"], 1.0))))
-        if not converged:
-            want = max(want, 2 * sampler.num_samples)
-        left = None if self.max_rounds is None else self.max_rounds - total
-        afford = want if left is None else min(want, sampler.num_samples + left if go_on else left - warmup - 1)
-        if afford <= sampler.num_samples:
-            if converged:
-                log.append(f"mwg: max_rounds leaves no room to run the chains on (ESS {check['min_n_eff']:.0f})")
-                return None
-            log.append("mwg: the chains did not converge and max_rounds leaves no room to run them on: moving to "
-                       "federated NUTS")
-            return "nuts"
-        why = (f"the worst global scalar's ESS ({check['min_n_eff']:.0f}) is under {MWG_MIN_ESS}" if converged else
-               f"the chains have not converged (split R-hat {check['max_r_hat']:.3g}) but move at {per_draw:.3g} "
-               f"rounds per effective draw, fewer than federated NUTS's {NUTS_ROUNDS_PER_DRAW:.0f}")
-        rounds = afford - sampler.num_samples if go_on else warmup + afford + 1
-        log.append(f"mwg: {why}: running the chains on to {afford} draws each ({rounds} rounds"
-                   + (")" if go_on else ", again from the start)"))
-        return afford
 
     def _advice(self) -> str:
         """What to change, from what this run measured (:func:`numpyro_fed.advice.advice`): the sites whose
@@ -580,11 +529,6 @@ class Ladder:
         return over_budget(err, rung, done, log, self.max_rounds, self._advice())
 
 
-def _per_draw(rounds: int, check: Dict[str, float]) -> float:
-    """Rounds per effective draw of the worst global scalar."""
-    return float(rounds) / max(float(check["min_n_eff"]), 1.0)
-
-
 def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
     """The run options every rung takes: nf.fit refuses a checkpoint or a state to resume from."""
     if run_options.get("checkpoint") is not None or run_options.get("init_state") is not None:
@@ -592,8 +536,3 @@ def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:
                          "checkpoint a family's run instead")
     return {k: v for k, v in run_options.items() if k not in ("checkpoint", "checkpoint_every", "init_state")}
 
-
-def _r_hat_limit() -> float:
-    from .check.chains import R_HAT_LIMIT
-
-    return R_HAT_LIMIT

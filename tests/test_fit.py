@@ -14,6 +14,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.check.psis import curvature_report, fit_diagnostic
+from numpyro_fed.rung_choice import NUTS_CHAINS, nuts_draws
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(90, 2)).astype(np.float32)
@@ -255,8 +256,8 @@ def test_chains_short_of_400_effective_draws_run_on_once():
 ])
 def test_the_ladder_moves_from_mwg_to_nuts_when_mwgs_chains_disagree_or_stick(monkeypatch, report, rungs):
     """Where Metropolis-within-Gibbs's chains disagree (split R-hat above 1.05) the ladder runs
-    them on where their own rounds per effective draw are fewer than federated NUTS's least
-    (50), and runs federated NUTS from the Laplace fit where they still disagree, cost more, or
+    them on where their own rounds per effective draw are fewer than federated NUTS's
+    (``NUTS_ROUNDS_PER_DRAW``), and runs federated NUTS from the Laplace fit where they still disagree, cost more, or
     barely move (under 5 % accepted), saying why in its log; MwG's own warnings do not reach the
     caller (the ladder acted on them). MwG's diagnostics are set to fail here (the chains
     themselves mix on this model): the rule is what is tested; the diagnostics themselves are
@@ -271,8 +272,11 @@ def test_the_ladder_moves_from_mwg_to_nuts_when_mwgs_chains_disagree_or_stick(mo
                      num_warmup=50, num_samples=50, progress_bar=False)
     fit_warnings = [str(w.message) for w in caught if issubclass(w.category, nf.FitWarning)]
     assert not any("FederatedMwG" in m for m in fit_warnings), fit_warnings  # the ladder acted on MwG's
-    # 2 chains x 50 draws: the NUTS answer's ESS is under 100, which it says, naming the scalars
-    assert all(m.startswith("nf.fit: the exact answer's 2 chain(s) of federated NUTS") for m in fit_warnings)
+    # federated NUTS runs many short chains side by side: their draws are the answer's
+    assert (fit.inference.num_chains, fit.inference.num_samples) == (NUTS_CHAINS, nuts_draws(50, NUTS_CHAINS))
+    assert np.shape(fit.get_samples()["a"])[0] == NUTS_CHAINS * nuts_draws(50, NUTS_CHAINS)
+    assert all(m.startswith(f"nf.fit: the exact answer's {NUTS_CHAINS} chain(s) of federated NUTS")
+               for m in fit_warnings)
     assert [line.split(":")[0] for line in fit.log if "rounds;" in line] == rungs, fit.log
     why = "barely moved" if report["acceptance"] < 0.05 else "did not converge"
     assert any(why in line for line in fit.log) and fit.method == "nuts", fit.log
@@ -391,7 +395,8 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     mean = np.array([0.1234567890123, -2.0 / 3.0])
     cov = np.array([[1.0 / 3.0, 0.1], [0.1, 2.0 / 7.0]])
     nuts = ladder.rung(Ladder.stage("nuts", (mean, cov)))
-    assert isinstance(nuts, nf.FederatedNUTS) and nuts.num_warmup == WARM_WARMUP and nuts.num_samples == 50
+    assert isinstance(nuts, nf.FederatedNUTS) and nuts.num_warmup == WARM_WARMUP
+    assert (nuts.num_chains, nuts.num_samples) == (NUTS_CHAINS, nuts_draws(50, NUTS_CHAINS))
     np.testing.assert_array_equal(nuts.init_moments[0], mean)
     np.testing.assert_array_equal(nuts.init_moments[1], cov)
     assert ladder.rung(Ladder.stage("nuts")).num_warmup == 500
