@@ -3,6 +3,7 @@ random intercept per client, for the exact federated samplers, in simulation, in
 
     python benchmarks/rounds_per_draw_dimension.py                 # 10, 30, 100, 300, 1000 covariates
     python benchmarks/rounds_per_draw_dimension.py --covariates 10 30
+    python benchmarks/rounds_per_draw_dimension.py --samplers federated_nuts_chains   # one sampler, others kept
     python benchmarks/rounds_per_draw_dimension.py --table         # the docs' table from the last results
     python benchmarks/rounds_per_draw_dimension.py --plot          # docs/img/rounds_per_draw_dimension.png from them
 
@@ -22,7 +23,9 @@ Each sampler starts from the same federated Laplace fit (its rounds counted) and
 - ``federated_nuts``: projected, not run: federated NUTS spends one round per leapfrog step, the
   chains side by side, so its rounds are the sum over iterations of the most leapfrog steps any
   chain took, counted on NumPyro's NUTS on the pooled data (4 chains of 500 + 1,000, the same
-  algorithm), over that run's smallest bulk ESS.
+  algorithm), over that run's smallest bulk ESS;
+- ``federated_nuts_chains``: run: federated NUTS as ``nf.fit`` runs it, many short chains side by
+  side (``numpyro_fed.rung_choice.NUTS_CHAINS``, 100 warmup and 64 draws each) from the Laplace fit.
 
 Reported per size: rounds over the smallest bulk ESS of the global scalars (every round, the
 Laplace start's included), split R-hat, and for the samplers the largest |mean - pooled NUTS's
@@ -49,7 +52,9 @@ from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
+from numpyro_fed.ladder import WARM_WARMUP
 from numpyro_fed.mcmc import FederatedMwG
+from numpyro_fed.rung_choice import NUTS_CHAINS, nuts_draws
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -59,6 +64,7 @@ RESULTS = HERE / "results" / "rounds_per_draw_dimension.json"
 ROWS, SIZES = 8000, (1000, 1500, 2500, 3000)
 CHAINS, WARMUP, SAMPLES = 4, 300, 1000
 NUTS_UP_TO = 300  # covariates up to which pooled NUTS runs (its cost grows like rows x covariates x steps)
+SAMPLERS = ("federated_nuts", "surrogate", "independence", "federated_nuts_chains")
 
 
 def pooled_model(x, client, y=None):
@@ -118,12 +124,12 @@ def against(draws, reference):
     return {"max_mean_error_in_sd": float(max(z)), "max_sd_ratio_error": float(max(sd))}
 
 
-def run_size(p: int) -> dict:
+def run_size(p: int, samplers=SAMPLERS) -> dict:
     x, y, client = data(p)
     clients = nf.Clients.split(client, x=x, y=y)
     out = {"covariates": p, "globals": p + 2}
     reference = None
-    if p <= NUTS_UP_TO:
+    if p <= NUTS_UP_TO and "federated_nuts" in samplers:
         t0 = time.perf_counter()
         mcmc = MCMC(NUTS(pooled_model), num_warmup=500, num_samples=SAMPLES, num_chains=CHAINS,
                     chain_method="vectorized", progress_bar=False)
@@ -136,8 +142,8 @@ def run_size(p: int) -> dict:
         out["federated_nuts"] = dict(figures, seconds_pooled=time.perf_counter() - t0,
                                      divergences=int(mcmc.get_extra_fields()["diverging"].sum())
                                      if "diverging" in mcmc.get_extra_fields() else None)
-    start = None
-    for moves in ("surrogate", "independence"):
+    start, laplace_rounds = None, 0
+    for moves in [m for m in ("surrogate", "independence") if m in samplers]:
         t0 = time.perf_counter()
         mwg = FederatedMwG(model, moves=moves, num_warmup=WARMUP, num_samples=SAMPLES, num_chains=CHAINS,
                            init=start)
@@ -160,17 +166,54 @@ def run_size(p: int) -> dict:
             figures.update(against(draws, reference))
         out[moves] = figures
         print(json.dumps({p: {moves: figures}}), flush=True)
+    if "federated_nuts_chains" in samplers:
+        out["federated_nuts_chains"] = many_chains(clients, start, laplace_rounds, reference)
+        print(json.dumps({p: {"federated_nuts_chains": out["federated_nuts_chains"]}}), flush=True)
     return out
 
 
+def many_chains(clients, start, laplace_rounds: int, reference) -> dict:
+    """Federated NUTS as ``nf.fit`` runs it: :data:`~numpyro_fed.rung_choice.NUTS_CHAINS` short chains
+    side by side from the Laplace fit (its mode and covariance; fitted here where no sampler ran),
+    :data:`~numpyro_fed.ladder.WARM_WARMUP` warmup, ``nuts_draws(SAMPLES)`` draws each; every round
+    counted, the Laplace fit's included."""
+    from numpyro_fed.factor import Laplace
+
+    if start is None:
+        laplace = Laplace(model, check_fit=False)
+        laplace.progress_bar = False
+        fit = laplace.run(jax.random.PRNGKey(1), clients)
+        start = (np.asarray(fit.params.mean), np.asarray(fit.params.cov))
+        laplace_rounds = int(fit.communication.rounds)
+    t0 = time.perf_counter()
+    nuts = nf.FederatedNUTS(model, num_warmup=WARM_WARMUP, num_samples=nuts_draws(SAMPLES, NUTS_CHAINS),
+                            num_chains=NUTS_CHAINS, init=start)
+    nuts.progress_bar = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = nuts.run(jax.random.PRNGKey(2), clients)
+    draws = nuts.get_samples(result, group_by_chain=True)
+    figures = chain_figures(draws, int(result.communication.rounds) + laplace_rounds)
+    report = nuts.mixing(result)
+    figures.update(seconds=time.perf_counter() - t0, laplace_rounds=laplace_rounds, chains=NUTS_CHAINS,
+                   warmup=WARM_WARMUP, draws_per_chain=nuts_draws(SAMPLES, NUTS_CHAINS),
+                   divergences=int(report["divergences"]), e_bfmi=report["e_bfmi"], verdict=result.verdict.status,
+                   bytes=int(result.communication.bytes_up + result.communication.bytes_down),
+                   warnings=len([w for w in caught if "mixed" in str(w.message) or "E-BFMI" in str(w.message)]))
+    if reference is not None:
+        figures.update(against(draws, reference))
+    return figures
+
+
 def table(results: dict) -> str:
-    rows = ["| globals | surrogate transition | independence (i-SIR) | federated NUTS (projected) |",
-            "| --- | --- | --- | --- |"]
+    rows = ["| globals | surrogate transition | independence (i-SIR) | federated NUTS, 4 chains (projected) "
+            f"| federated NUTS, {NUTS_CHAINS} short chains (nf.fit's) |", "| --- | --- | --- | --- | --- |"]
     for key in sorted(results["sizes"], key=int):
         r = results["sizes"][key]
         cell = {k: f"{r[k]['rounds_per_ess']:.3g}" if k in r else "not run"
-                for k in ("surrogate", "independence", "federated_nuts")}
-        rows.append(f"| {r['globals']} | {cell['surrogate']} | {cell['independence']} | {cell['federated_nuts']} |")
+                for k in SAMPLERS}
+        rows.append(f"| {r['globals']} | {cell['surrogate']} | {cell['independence']} | {cell['federated_nuts']} "
+                    f"| {cell['federated_nuts_chains']} |")
     return "\n".join(rows)
 
 
@@ -186,7 +229,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("surrogate", "surrogate transition (delayed acceptance)"),
                        ("independence", "independence moves (i-SIR)"),
-                       ("federated_nuts", "federated NUTS (projected)")):
+                       ("federated_nuts", "federated NUTS, 4 chains (projected)"),
+                       ("federated_nuts_chains", f"federated NUTS, {NUTS_CHAINS} short chains (nf.fit's)")):
         pts = [(r["globals"], r[key]["rounds_per_ess"]) for r in sizes if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label)
@@ -207,6 +251,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--covariates", type=int, nargs="*", default=[10, 30, 100, 300, 1000])
+    parser.add_argument("--samplers", nargs="*", default=list(SAMPLERS), choices=SAMPLERS,
+                        help="which to run (the others' results for a size are kept)")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
@@ -219,7 +265,13 @@ def main() -> None:
         return
     sizes = dict(old.get("sizes", {}))
     for p in args.covariates:
-        sizes[str(p)] = dict(run_size(p), **provenance())
+        before = sizes.get(str(p), {})  # (a sampler not run now keeps its figures and the commit they came from)
+        kept = {k: dict(v, commit=v.get("commit", before.get("commit"))) for k, v in before.items()
+                if k in SAMPLERS and k not in args.samplers}
+        fresh = run_size(p, tuple(args.samplers))
+        now = provenance()
+        fresh = {k: dict(v, commit=now["commit"]) if k in SAMPLERS else v for k, v in fresh.items()}
+        sizes[str(p)] = dict(fresh, **kept, **now)
     results = {"benchmark": "rounds_per_draw_dimension", **provenance(), "machine": platform.machine(),
                "python": platform.python_version(), "jax": jax.__version__, "numpyro": numpyro.__version__,
                "chains": CHAINS, "warmup": WARMUP, "samples": SAMPLES, "rows": ROWS, "client_rows": list(SIZES),

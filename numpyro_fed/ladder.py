@@ -38,8 +38,10 @@ A ladder, the cheapest right answer first, every rung checked against the poster
    instead of NumPyro's 500. It pays one round per leapfrog step of its slowest chain, whatever the
    number of chains, so it runs :data:`NUTS_CHAINS` short chains side by side (each of
    ``2 num_samples / NUTS_CHAINS`` draws, at least :data:`NUTS_MIN_DRAWS`: the draws of two long
-   chains for the rounds of one short one; :mod:`numpyro_fed.rung_choice`), and warns, naming the scalars, where its chains have a split R-hat above 1.05 or a bulk
-   ESS under 100 (:mod:`~numpyro_fed.check.chains`).
+   chains for the rounds of one short one; :mod:`numpyro_fed.rung_choice`), and warns, naming the
+   scalars, where its chains have a split R-hat above 1.05 or a bulk ESS under 100
+   (:mod:`~numpyro_fed.check.chains`), and where their E-BFMI is under 0.3, naming the scalars that
+   carry the energy (:mod:`~numpyro_fed.check.energy`).
 
 Every rung together spends at most ``max_rounds`` rounds (:data:`~numpyro_fed.budget.MAX_ROUNDS`
 by default): a sampler whose pace projects more stops before spending them and :func:`fit`

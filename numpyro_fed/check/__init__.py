@@ -54,7 +54,7 @@ class Verdict(NamedTuple):
         why: one line, what was found or why no check ran.
         sites: the sites the check names (biased, unmixed), in the model's names.
         figures: the check's figures by name (``pareto_k``, ``ess``; ``max_r_hat``, ``min_n_eff``,
-            ``divergences`` or ``acceptance``; ``change``).
+            ``divergences`` or ``acceptance``, ``e_bfmi``; ``change``).
         reports: the check's full reports by name: ``"q"`` (a
             :class:`~numpyro_fed.check.psis.FitDiagnostic`), ``"widened"`` (Laplace's widened check),
             ``"chains"`` (the samplers' ``mixing``), ``"rho"`` (vertical SVI's augmentation check).

@@ -87,11 +87,23 @@ def describe_unmixed(unmixed: List[str], limit: int = 6) -> str:
 def chains_verdict(report: Mapping) -> Verdict:
     """The verdict of a sampler's ``mixing`` report: ``"unreliable"`` where a global scalar has not
     mixed (split R-hat above :data:`~numpyro_fed.check.chains.R_HAT_LIMIT` or bulk ESS under
-    :data:`~numpyro_fed.check.chains.MIN_ESS`) or a post-warmup iteration diverged."""
-    figures = {k: float(report[k]) for k in ("max_r_hat", "min_n_eff", "divergences", "acceptance") if k in report}
-    sites = tuple(dict.fromkeys(entry.split(" (")[0] for entry in report["unmixed"]))
+    :data:`~numpyro_fed.check.chains.MIN_ESS`), a post-warmup iteration diverged, or (Hamiltonian
+    chains) the E-BFMI is under :data:`~numpyro_fed.check.energy.E_BFMI_LIMIT` (the sites: the
+    scalars that carry the energy)."""
+    from .energy import E_BFMI_LIMIT
+
+    keys = ("max_r_hat", "min_n_eff", "divergences", "acceptance", "e_bfmi")
+    figures = {k: float(report[k]) for k in keys if k in report}
+    carried = [entry.split(" (")[0] for entry in report.get("energy_sites", [])]
+    unmixed = list(dict.fromkeys(entry.split(" (")[0] for entry in report["unmixed"]))
+    sites = tuple(dict.fromkeys(unmixed + carried))
     diverged = figures.get("divergences", 0.0) > 0
-    why = ("the chains have mixed" if not (sites or diverged) else
-           "; ".join(([f"not mixed at {', '.join(sites[:6])}"] if sites else [])
-                     + ([f"{figures['divergences']:.0f} divergent iterations"] if diverged else [])))
-    return Verdict("unreliable" if sites or diverged else "ok", "chains", why, sites, figures, {"chains": report})
+    low_energy = figures.get("e_bfmi", 1.0) < E_BFMI_LIMIT
+    why = ("the chains have mixed" if not (sites or diverged or low_energy) else
+           "; ".join(([f"not mixed at {', '.join(unmixed[:6])}"] if unmixed else [])
+                     + ([f"{figures['divergences']:.0f} divergent iterations"] if diverged else [])
+                     + ([f"E-BFMI {figures['e_bfmi']:.2f} under {E_BFMI_LIMIT}"
+                         + (f", the energy carried by {', '.join(carried)}" if carried else "")]
+                        if low_energy else [])))
+    bad = bool(sites) or diverged or low_energy
+    return Verdict("unreliable" if bad else "ok", "chains", why, sites, figures, {"chains": report})

@@ -36,6 +36,7 @@ from ..backends.mapping import client_data, client_item, plan_clients, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..check import Verdict, register_check
 from ..check.chains import R_HAT_LIMIT, chain_report, chains_verdict
+from ..check.energy import E_BFMI_LIMIT, energy_report
 from ..clients import Clients
 from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
@@ -73,6 +74,12 @@ _DIVERGED = (
 _R_HAT = (
     "{cls}: the chains disagree: split R-hat {r_hat:.3f} > {limit} for site '{site}' (unconstrained): they have "
     "not mixed. Run more warmup and draws, or check for a multimodal posterior"
+)
+_LOW_E_BFMI = (
+    "{cls}: E-BFMI {e_bfmi:.2f} < {limit}: each iteration's momentum barely changes the energy against its spread "
+    "over the posterior, so the chains explore it by a random walk and can miss part of it even where R-hat looks "
+    "fine{carried}. Reparameterise the scale (a non-centred hierarchy: numpyro.infer.reparam.LocScaleReparam), or "
+    "run longer"
 )
 
 
@@ -262,8 +269,9 @@ class FederatedMCMC(FederatedInference):
         return m + draws @ chol.T
 
     def _warn_diagnostics(self, setup: Setup, result: RunResult) -> None:
-        """Warn, as a careful NumPyro user would check, when post-warmup iterations diverged or
-        (several chains) a global coordinate's split R-hat is above :data:`R_HAT_LIMIT`."""
+        """Warn, as a careful NumPyro user would check, when post-warmup iterations diverged, the
+        E-BFMI is low (:mod:`~numpyro_fed.check.energy`), or (several chains) a global coordinate's
+        split R-hat is above :data:`R_HAT_LIMIT`."""
         cls = type(self).__name__
         diverging = self.sample_stats(result)["diverging"]
         if diverging.any():
@@ -271,11 +279,17 @@ class FederatedMCMC(FederatedInference):
                                            chains=np.nonzero(diverging.any(axis=1))[0].tolist()),
                           MCMCDiagnosticWarning, stacklevel=find_stack_level())
         draws = np.asarray(self._positions(setup, result.state))
+        layout, at, by_site = setup.extra.structure.global_latent, 0, {}
+        for name, shape in zip(layout.names, layout.shapes):
+            size = int(np.prod(shape))
+            by_site[name], at = draws[..., at:at + size], at + size
+        energy = energy_report(self.sample_stats(result)["energy"], by_site)
+        if energy["e_bfmi"] < E_BFMI_LIMIT:
+            carried = energy["energy_sites"]
+            warnings.warn(_LOW_E_BFMI.format(cls=cls, e_bfmi=energy["e_bfmi"], limit=E_BFMI_LIMIT,
+                                             carried=f" (the energy is carried by {', '.join(carried)})"
+                                             if carried else ""), MCMCDiagnosticWarning, stacklevel=find_stack_level())
         if draws.shape[0] > 1 and draws.shape[1] > 3:
-            layout, at, by_site = setup.extra.structure.global_latent, 0, {}
-            for name, shape in zip(layout.names, layout.shapes):
-                size = int(np.prod(shape))
-                by_site[name], at = draws[..., at:at + size], at + size
             report = chain_report(by_site)
             if report.not_converged:
                 warnings.warn(_R_HAT.format(cls=cls, r_hat=report.max_r_hat, site=report.not_converged[0],
@@ -424,11 +438,15 @@ class FederatedMCMC(FederatedInference):
         <numpyro_fed.mcmc.FederatedMwG.mixing>` gives them: ``{"max_r_hat", "min_n_eff",
         "divergences", "not_converged", "unmixed", "constant"}`` (split R-hat, bulk ESS and the
         scalars that never move: :func:`~numpyro_fed.check.chains.chain_report`; the post-warmup
-        divergent iterations, summed over the chains)."""
-        report = chain_report({k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()})
+        divergent iterations, summed over the chains), and ``"e_bfmi"`` and ``"energy_sites"``: the
+        chains' E-BFMI and, where it is low, the scalars that carry the energy
+        (:func:`~numpyro_fed.check.energy.energy_report`)."""
+        draws = {k: np.asarray(v) for k, v in self.get_samples(result, group_by_chain=True).items()}
+        report = chain_report(draws)
+        stats = self.sample_stats(result)
         return {"max_r_hat": report.max_r_hat, "min_n_eff": report.min_n_eff,
-                "divergences": float(self.sample_stats(result)["diverging"].sum()),
-                "not_converged": report.not_converged, "unmixed": report.unmixed, "constant": report.constant}
+                "divergences": float(stats["diverging"].sum()), "not_converged": report.not_converged,
+                "unmixed": report.unmixed, "constant": report.constant, **energy_report(stats["energy"], draws)}
 
     def sample_stats(self, result: Union[RunResult, RunState]) -> Dict[str, np.ndarray]:
         """Per chain and post-warmup iteration, as NumPyro's MCMC reports them (``diverging``,

@@ -309,7 +309,9 @@ def _after_leaf(s: MCMCServerState, totals: MCMCMessage, config: MCMCConfig):
     cmd = s.sent.cmd
     block, own = finish_leaf(s.block, cmd, s.sent.theta, totals.grad, s.mass.inv_mass)
     energy0 = jnp.where(cmd.new_iteration, s.pe + s.kinetic0 + totals.kinetic0, s.tree.energy0)
-    tree = s.tree._replace(energy0=energy0)
+    # (the start's energy is known once the clients' kinetic energies arrive: until a leaf is taken the
+    # proposal is the start, whose energy is the iteration's recorded energy where none is)
+    tree = s.tree._replace(energy0=energy0, energy_prop=jnp.where(cmd.new_iteration, energy0, s.tree.energy_prop))
     leaf = LeafTotals(totals.pe, LeafShares(own.kinetic + totals.kinetic, jnp.zeros_like(totals.pe),
                                             own.turn + totals.turn, own.full + totals.full))
     if config.algo == "NUTS":
