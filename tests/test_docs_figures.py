@@ -86,8 +86,9 @@ def test_the_external_suites_fit_table_is_its_results():
     laplace = sorted(r["rounds"] for r in fits if r["method"].startswith("laplace"))
     sampled = sorted(r["rounds"] for r in fits if not r["method"].startswith("laplace"))
     assert (f"{laplace[0]}-{laplace[-1]} Newton rounds where the Laplace fit passes its checks ({len(laplace)} of the "
-            f"{totals['posteriors']} suite posteriors); else an exact sampler from it: one round per iteration "
-            f"({sampled[0]:,}-{sampled[-1]:,} rounds in the suite)") in readme
+            f"{totals['posteriors']} suite posteriors); else an exact sampler from it: one round per iteration, or per "
+            f"leapfrog step of federated NUTS's short chains ({sampled[0]:,}-{sampled[-1]:,} rounds in the suite)"
+            ) in readme
 
 
 def test_the_external_suites_exact_table_is_its_results():
