@@ -209,6 +209,12 @@ def test_readmes_suite_summary_is_its_results():
     within = [sum(r["family"] == f and r["status"] == "within" for r in results["pairs"]) for f in approximate]
     assert f"on {min(within)} to {max(within)} posteriors each" in readme
     assert not any(r["status"] == "SILENT WRONG" for r in results["pairs"] if r["family"] in approximate)
+    wide = [r for r in results["pairs"] if r["posterior"] == "synthetic-logistic_500_covariates_client_effect"
+            and r["family"] == "exact"][0]
+    assert wide["method"] == "nuts" and f"short chains, at {wide['rounds_per_draw']:.2g} rounds per effective draw" \
+        in readme
+    concepts = " ".join((ROOT / "docs" / "concepts.md").read_text().split())
+    assert f"short chains a few ({wide['rounds_per_draw']:.2g} on a 500-covariate logistic regression" in concepts
     nuts = json.loads((ROOT / "benchmarks" / "results" / "federated_nuts.json").read_text())["results"]
     worst = max(r["max_abs_z"] for r in nuts)
     assert f"Federated NUTS matched NumPyro's NUTS on all {['one', 'two', 'three', 'four'][len(nuts) - 1]} " \
