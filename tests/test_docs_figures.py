@@ -209,6 +209,14 @@ def test_readmes_suite_summary_is_its_results():
     within = [sum(r["family"] == f and r["status"] == "within" for r in results["pairs"]) for f in approximate]
     assert f"on {min(within)} to {max(within)} posteriors each" in readme
     assert not any(r["status"] == "SILENT WRONG" for r in results["pairs"] if r["family"] in approximate)
+    wide = [r for r in results["pairs"] if r["posterior"] == "synthetic-logistic_500_covariates_client_effect"
+            and r["family"] == "exact"][0]
+    assert wide["method"] == "nuts" and f"short chains, at {wide['rounds_per_draw']:.2g} rounds per effective draw" \
+        in readme
+    concepts = " ".join((ROOT / "docs" / "concepts.md").read_text().split())
+    assert f"short chains a few ({wide['rounds_per_draw']:.2g} on a 500-covariate logistic regression" in concepts
+    mcmc = " ".join((ROOT / "docs" / "federated_mcmc.md").read_text().split())
+    assert f"sent {wide['bytes'] / 1e9:.1f} GB in its {wide['rounds']:,} rounds" in mcmc
     nuts = json.loads((ROOT / "benchmarks" / "results" / "federated_nuts.json").read_text())["results"]
     worst = max(r["max_abs_z"] for r in nuts)
     assert f"Federated NUTS matched NumPyro's NUTS on all {['one', 'two', 'three', 'four'][len(nuts) - 1]} " \
@@ -266,13 +274,17 @@ def test_the_rounds_per_draw_against_dimension_table_is_its_results():
     missing = [row for row in rows if row not in text]
     assert not missing, missing
     flat = " ".join(text.split())
-    for size in results["sizes"].values():
-        assert f"commit {size['commit']}" in flat
-    sizes = list(results["sizes"].values())
+    samplers = _benchmark("rounds_per_draw_dimension").SAMPLERS
+    for size in results["sizes"].values():  # each sampler's figures name the commit they came from
+        assert all(f"commit {size[k].get('commit', size['commit'])}" in flat for k in samplers if k in size)
+    sizes = [s for s in results["sizes"].values() if "max_mean_error_in_sd" in s["surrogate"]]  # (pooled NUTS ran)
     z = [s["surrogate"]["max_mean_error_in_sd"] for s in sizes]
     sd = [s["surrogate"]["max_sd_ratio_error"] for s in sizes]
     assert f"within {min(z):.2f} to {max(z):.2f} pooled sds" in flat
     assert f"its sds within {100 * min(sd):.0f} to {100 * max(sd):.0f} %" in flat
-    stuck = [s["independence"]["max_r_hat"] for s in sizes if s["globals"] >= 32]
+    stuck = [s["independence"]["max_r_hat"] for s in results["sizes"].values() if s["globals"] >= 32]
     assert f"at 32 globals and more (split R-hat {min(stuck):.1f} to {max(stuck):.1f})" in flat
+    many = [s["federated_nuts_chains"] for s in results["sizes"].values() if "federated_nuts_chains" in s]
+    r_hat = [m["max_r_hat"] for m in many]
+    assert f"its worst split R-hat {min(r_hat):.2f} to {max(r_hat):.2f}" in flat
     assert (ROOT / "docs" / "img" / "rounds_per_draw_dimension.png").exists()
