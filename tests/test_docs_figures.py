@@ -287,4 +287,11 @@ def test_the_rounds_per_draw_against_dimension_table_is_its_results():
     many = [s["federated_nuts_chains"] for s in results["sizes"].values() if "federated_nuts_chains" in s]
     r_hat = [m["max_r_hat"] for m in many]
     assert f"its worst split R-hat {min(r_hat):.2f} to {max(r_hat):.2f}" in flat
+    cost = [m["rounds_per_ess"] for m in many]
+    assert f"64 short chains of NUTS cost {min(cost):.0f} to {max(cost):.0f} rounds per effective draw" in flat
+    off = max(m["max_mean_error_in_sd"] for m in many if "max_mean_error_in_sd" in m)
+    assert f"their means were within {off:.2f} pooled sds" in flat
+    top = results["sizes"]["1000"]["surrogate"]
+    assert (f"(split R-hat {top['max_r_hat']:.2f}, {top['rounds_per_ess']:.0f} rounds per effective draw, its moves "
+            f"accepted {100 * top['acceptance']:.0f} % of the time") in flat
     assert (ROOT / "docs" / "img" / "rounds_per_draw_dimension.png").exists()
