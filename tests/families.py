@@ -158,10 +158,11 @@ def mwg_surrogate():
 MCMC_FAMILIES = {"nuts": nuts, "mwg": mwg, "mwg_surrogate": mwg_surrogate}
 
 
-def kink_model(y):
-    mu = numpyro.sample("mu", dist.Laplace(0.0, 1.0))
+def ring_model(y):
+    a = numpyro.sample("a", dist.Normal(0.0, 3.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 3.0))
     with numpyro.plate("rows", y.shape[0]):
-        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+        numpyro.sample("y", dist.Normal(a * a + b * b, 4.0), obs=y)
 
 
 def fit():
@@ -170,11 +171,12 @@ def fit():
 
 
 def fit_nuts():
-    """nf.fit's ladder on a posterior whose mode sits at the kink of its Laplace prior: Newton's
-    method reaches no mode (a proper posterior, not smooth there), and federated NUTS runs,
-    preconditioned by the curvature at the search's last point."""
-    y = np.array([0.3, -0.3, 0.1, -0.1, 0.2, -0.2, 0.05, -0.05, 0.0], np.float32)
-    return (nf.ladder.Ladder(kink_model, num_warmup=30, num_samples=30),
+    """nf.fit's ladder on a ring-shaped posterior (``a^2 + b^2`` near 4): the Laplace search starts at
+    its centre, where the gradient is zero and the log posterior is convex, so it reaches no mode and
+    the curvature there is not negative definite: no start for Metropolis-within-Gibbs, and federated
+    NUTS runs from there."""
+    y = np.array([4.3, 3.7, 4.1, 3.9, 4.2, 3.8, 4.05, 3.95, 4.0], np.float32)
+    return (nf.ladder.Ladder(ring_model, num_warmup=30, num_samples=30),
             nf.Clients.split(np.repeat([0, 1, 2], 3), y=y))
 
 

@@ -414,11 +414,11 @@ def test_nf_fit_over_flower_equals_the_simulation(federation, family):
     Laplace fit accepted (both checks computed on the nodes); ``fit_exact``: ``exact=True``,
     Metropolis-within-Gibbs from the Laplace search's mode (announced in the set-up); a seeded
     node derives its key for each rung as the simulation does, so its local moves are the
-    simulation's. ``fit_nuts``: a posterior whose mode is at a kink of its prior, where the
-    Laplace search reaches no mode, then federated NUTS preconditioned by its last curvature:
-    the search oscillates across the kink for its 100 rounds, so its last point, and the NUTS
-    trees from it, follow float32 rounding; there the rungs (log, figures masked) are compared,
-    not the rounds or draws. The processes of the federation need not compile with the same XLA
+    simulation's. ``fit_nuts``: a ring-shaped posterior whose centre, where the Laplace search
+    starts, is a minimum of the log posterior: the search reaches no mode and the curvature there
+    is not negative definite, so no MwG start exists and federated NUTS runs (64 short chains);
+    there the rungs (log, figures masked) are compared, not the rounds or draws (the trees of 64
+    chains over some 2,000 rounds follow float32 rounding). The processes of the federation need not compile with the same XLA
     settings as this one (the test session turns most optimisations off), so the figures agree
     to float32 rounding, not to the bit: measured 1.7e-5 at most on NUTS's draws after 220
     rounds, asserted to 1e-4; the log is compared with its figures masked, the rounds exactly.
