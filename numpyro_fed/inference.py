@@ -389,6 +389,8 @@ class FederatedInference:
             init_state = self._conform(setup, init_state)
         backend = self._backend if backend is None else backend
         if self.dp_plan is not None:  # a ledger given to this run refuses it before any round
+            if getattr(self.dp_plan, "ledger", None) is not None:  # each client's spend kept under its rows
+                self.dp_plan.ledger.identify_clients(inputs)
             self.dp_plan.before_start(type(self).__name__, setup.plan.names, num_rounds)
         result = backend.run(
             setup.algorithm, setup.plan, num_rounds, rng_key, init_state=init_state, progress_bar=progress_bar,

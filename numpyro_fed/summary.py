@@ -76,7 +76,9 @@ def _check_line(inference, result) -> str:
                            f"the global scalars; {inference.rounds_per_draw:.3g} rounds per effective draw")
         if inference.check is None:  # an answer no check judged (a private fit: a check would spend privacy)
             verdict = inference.verdict
-            return head + f"fit check: {verdict.status}" + (f" ({verdict.why})" if verdict.why else "")
+            noise = [line for line in inference.log if line.startswith("private: ")]  # how far off it may be
+            return (head + f"fit check: {verdict.status}" + (f" ({verdict.why})" if verdict.why else "")
+                    + "".join("\n" + line for line in noise))
         return head + _verdict_text(inference.check)
     if getattr(inference, "draws_are_chains", False):
         return ""

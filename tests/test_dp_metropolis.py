@@ -94,8 +94,8 @@ def test_row_local_latents_stay_home_and_the_chain_targets_the_posterior(data):
     short = DPMetropolis(model, num_warmup=10, num_samples=20, num_chains=4, init=dp.init_moments)
     result = short.run(jax.random.PRNGKey(0), clients, progress_bar=False, record_transcript=True, keep_values=True)
     up = {e.name for e in result.transcript.entries if e.receiver == "server"}
-    assert up == {"['llr']"}, up
-    assert all(e.shape == (4,) for e in result.transcript.entries if e.receiver == "server")
+    assert up == {"['llr']", "['released']", "['over_plan']"}, up  # the release, and whether one was made
+    assert all(e.shape == (4,) for e in result.transcript.entries if e.receiver == "server" and e.name == "['llr']")
 
 
 def _independent_epsilon(noise_multiplier, releases):
@@ -232,17 +232,18 @@ def test_where_the_clients_counts_stay_on_their_nodes_the_check_says_it_cannot_s
     assert verdict.status == "unchecked"
 
 
-def test_under_secure_aggregation_the_clients_share_the_noise_and_the_chain_still_targets_the_posterior(data):
-    """The server sees only the sum of the releases (pairwise masking), so each of the J = 4 clients
-    adds sigma / 2 and the sum carries sigma: the corrected noise is V = sigma^2 = 1.9, a quarter
-    of what the same guarantee costs in clear. The draws match the analytic posterior; no client's
-    release reaches the server; with clients dropping (a trusted aggregator) each release is
-    charged the noise of its round's sum, as an independent dp-accounting recomputation says."""
+def test_under_secure_aggregation_each_client_adds_the_whole_noise_and_the_chain_still_targets_the_posterior(data):
+    """The server sees only the sum of the releases (pairwise masking), and each of the J = 4
+    clients still adds the whole sigma (a guarantee that does not rest on the server following the
+    protocol): the corrected noise is V = J sigma^2 = 1.9. The draws match the analytic posterior;
+    no client's release reaches the server; with clients dropping (a trusted aggregator) each
+    client makes exactly its planned releases, each charged sigma, as an independent dp-accounting
+    recomputation says."""
     from numpyro_fed.secure import FRACTION_BITS
 
     from .test_privacy import contains
     clients, mean, sd = data
-    model = nf.dp_noise(normal_mean, clip=3.0, delta=DELTA, noise_multiplier=0.46)  # sigma = 1.38
+    model = nf.dp_noise(normal_mean, clip=3.0, delta=DELTA, noise_multiplier=0.23)  # sigma = 0.69
     init = (np.array([mean], np.float32), np.array([[sd ** 2]], np.float32))
     dp = DPMetropolis(model, num_warmup=1000, num_samples=3000, num_chains=4, init=init,
                       secure_aggregation="masking")
@@ -255,10 +256,12 @@ def test_under_secure_aggregation_the_clients_share_the_noise_and_the_chain_stil
     short = dict(num_warmup=5, num_samples=10, num_chains=2, init=init)
     clear = DPMetropolis(model, secure_aggregation="trusted", **short).run(
         jax.random.PRNGKey(1), clients, progress_bar=False, record_transcript=True, keep_values=True)
-    parts = [e.value for e in clear.transcript.entries if e.receiver == "aggregator"]
+    parts = [e.value for e in clear.transcript.entries if e.receiver == "aggregator" and e.name.startswith("['llr']")]
     masked = DPMetropolis(model, secure_aggregation="masking", **short).run(
         jax.random.PRNGKey(1), clients, progress_bar=False, record_transcript=True, keep_values=True)
-    allowed = ("['advertise_keys']", "['share_keys']", "['masked_input']", "['unmask_shares']")
+    # the protocol's messages, and in clear only whether a release was made (a flag the arrival shows anyway)
+    allowed = ("['advertise_keys']", "['share_keys']", "['masked_input']", "['unmask_shares']", "['released']",
+               "['over_plan']")
     up = [e for e in masked.transcript.entries if e.receiver == "server"]
     assert parts and up and all(e.name.startswith(allowed) for e in up), {e.name for e in up}
     for e in masked.transcript.entries:
@@ -268,15 +271,7 @@ def test_under_secure_aggregation_the_clients_share_the_noise_and_the_chain_stil
     quiet = nf.dp_noise(normal_mean, clip=3.0, delta=DELTA, noise_multiplier=5.0)  # a guarantee that says something
     trusted = DPMetropolis(quiet, secure_aggregation="trusted", **short)
     dropped = trusted.run(jax.random.PRNGKey(2), clients, progress_bar=False, availability=0.8)
-    answered = np.sort(np.asarray(dropped.rounds_answered))
-    report = trusted.privacy_report(dropped)
-    for c in report.clients:
-        rounds = int(dropped.client_states[c.client].releases) // 2
-        accountant = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
-        accountant.compose(dp_accounting.ComposedDpEvent([
-            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(5.0 * np.sqrt(m / 4)), 2)
-            for m in answered[:rounds]]))
-        assert c.epsilon == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-3)
-    assert min(answered) < 4  # some round had a client missing, and it costs more than a full one
-    worst = max(report.clients, key=lambda c: c.epsilon)
-    assert worst.epsilon > _independent_epsilon(5.0, worst.compositions)
+    assert min(np.asarray(dropped.rounds_answered)) < 4  # some round had a client missing
+    for c in trusted.privacy_report(dropped).clients:
+        assert int(dropped.client_states[c.client].releases) == c.compositions == 15 * 2
+        assert c.epsilon == pytest.approx(_independent_epsilon(5.0, 30), rel=1e-3)

@@ -284,8 +284,10 @@ def test_bcm_split_with_local_latents_fits_each_client_under_the_split_prior():
 @pytest.mark.filterwarnings("ignore::numpyro_fed.warnings.UnreliableFitWarning")
 def test_update_perturbation_summed_by_pairwise_masking_is_the_trusted_aggregators(hierarchy):
     """secure_aggregation='masking' replaces the trusted aggregator by pairwise masking (Bonawitz et
-    al. 2017): the same fit as the trusted aggregator's to the fixed-point resolution, and no
-    message shows a client's own noised update (each is in the trusted run's transcript)."""
+    al. 2017), and each client adds the whole noise (not sigma / sqrt(M)): the same fit as a trusted
+    aggregator's whose clients add sqrt(M) times its noise, to the fixed-point resolution; no message
+    shows a client's own noised update (each is in the trusted run's transcript); the report charges
+    every release the whole noise."""
     from numpyro_fed.secure import FRACTION_BITS
 
     from .test_privacy import contains
@@ -293,10 +295,14 @@ def test_update_perturbation_summed_by_pairwise_masking_is_the_trusted_aggregato
     model = nf.dp_noise(patients, clip=50.0, delta=1e-4, noise_multiplier=2.0)
     kw = dict(local_steps=200, dp="update_perturbation")
     key = jax.random.PRNGKey(0)
-    trusted = nf.PVI(model, trusted_aggregator=True, **kw).run(key, clients, 2, record_transcript=True,
-                                                               keep_values=True)
-    masked = nf.PVI(model, secure_aggregation="masking", **kw).run(key, clients, 2, record_transcript=True,
-                                                                  keep_values=True)
+    louder = nf.dp_noise(patients, clip=50.0, delta=1e-4, noise_multiplier=2.0 * np.sqrt(len(clients.names)))
+    trusted = nf.PVI(louder, trusted_aggregator=True, **kw).run(key, clients, 2, record_transcript=True,
+                                                                keep_values=True)
+    masking = nf.PVI(model, secure_aggregation="masking", **kw)
+    masked = masking.run(key, clients, 2, record_transcript=True, keep_values=True)
+    report = masking.privacy_report(masked)
+    assert "pairwise masking (each client adds the whole noise)" in report.clients[0].mechanism
+    assert all(c.noise_multiplier == 2.0 and c.compositions == 2 for c in report.clients)
     np.testing.assert_allclose(masked.params.mean, trusted.params.mean, atol=1e-4)
     np.testing.assert_allclose(masked.params.cov, trusted.params.cov, rtol=1e-3, atol=1e-7)
     parts = [e.value for e in trusted.transcript.entries if e.receiver == "aggregator" and e.value is not None

@@ -418,8 +418,8 @@ def test_nf_fit_over_flower_equals_the_simulation(federation, family):
     starts, is a minimum of the log posterior: the search reaches no mode and the curvature there
     is not negative definite, so no MwG start exists and federated NUTS runs (64 short chains);
     there the rungs (log, figures masked) are compared, not the rounds or draws (the trees of 64
-    chains over some 2,000 rounds follow float32 rounding). The processes of the federation need not compile with the same XLA
-    settings as this one (the test session turns most optimisations off), so the figures agree
+    chains over some 2,000 rounds follow float32 rounding). The processes of the federation need not
+    compile with the same XLA settings as this one (the test session turns most optimisations off), so the figures agree
     to float32 rounding, not to the bit: measured 1.7e-5 at most on NUTS's draws after 220
     rounds, asserted to 1e-4; the log is compared with its figures masked, the rounds exactly.
     Where ``exact=True``'s chains run on, over the network they run again from the start (each

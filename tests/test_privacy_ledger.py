@@ -83,3 +83,51 @@ def test_a_run_that_fails_midway_stays_charged_its_planned_releases(clients):
         fit.run(jax.random.PRNGKey(0), clients, 3, ledger=ledger, callbacks=[lambda *a: 1 / 0])
     assert ledger.spent("2") == pytest.approx(composed([(8.0, 3)]), rel=1e-3)
     assert "unfinished" in ledger.report().clients[2].mechanism
+
+
+def _open_run(path, barrier, out):
+    """One process's run on a shared ledger file: open it (check and charge its plan), record whether
+    it was refused."""
+    ledger = PrivacyLedger(epsilon=4.0, delta=DELTA, path=path)  # read before either run charges
+    barrier.wait()
+    try:
+        ledger.open_run("a run", {"hospital A": [(5.0, 4, 1.0)]}, "4 releases")
+        out.put("ran")
+    except PrivacyBudgetError:
+        out.put("refused")
+
+
+def test_two_processes_on_one_ledger_file_cannot_both_pass_on_the_same_budget(tmp_path):
+    """Each process read the file before either charged it (last writer won before: the file said
+    1.5 while 2.2 was spent against 2.0); one run fits the budget of 4.0 here, two do not."""
+    import multiprocessing as mp
+
+    assert composed([(5.0, 4)]) < 4.0 < composed([(5.0, 8)])
+    path = str(tmp_path / "ledger.json")
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_open_run, args=(path, barrier, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert sorted(out.get(timeout=5) for _ in procs) == ["ran", "refused"]
+    assert PrivacyLedger(epsilon=4.0, delta=DELTA, path=path).spent("hospital A") == pytest.approx(
+        composed([(5.0, 4)]), rel=1e-3)
+
+
+def test_the_same_rows_under_new_client_names_meet_the_same_spend(clients):
+    """A client's spend is kept under a fingerprint of its rows, not under the name a run gives it."""
+    ledger = PrivacyLedger(epsilon=30.0, delta=DELTA)
+    pvi(2.0).run(jax.random.PRNGKey(0), clients, 2, progress_bar=False, ledger=ledger)
+    spent = {n: ledger.spent(n) for n in clients.names}
+    renamed = nf.Clients({f"site {n}": clients[n] for n in clients.names})
+    fresh = PrivacyLedger(epsilon=30.0, delta=DELTA)
+    fresh.runs, fresh.names = ledger.runs, ledger.names  # the same ledger, read by the renamed run
+    fresh.identify_clients(renamed)
+    assert {n: fresh.spent(f"site {n}") for n in clients.names} == spent and min(spent.values()) > 0
+    tight = PrivacyLedger(epsilon=min(spent.values()) * 1.5, delta=DELTA)
+    tight.runs, tight.names = ledger.runs, ledger.names
+    with pytest.raises(PrivacyBudgetError, match="client 'site "):
+        pvi(2.0).run(jax.random.PRNGKey(1), renamed, 2, progress_bar=False, ledger=tight)

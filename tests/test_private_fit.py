@@ -60,7 +60,9 @@ def test_dp_laplace_without_noise_is_the_exact_posterior_of_a_hierarchy_with_row
         assert c.epsilon == pytest.approx(_pld([(noised.privacy[1], 4)]), rel=1e-3)
     assert 1.9 < report.epsilon <= 2.0 + 1e-3
     up = {e.name.split("]")[0] + "]" for e in out.transcript.entries if e.receiver == "server"}
-    assert up <= {"['advertise_keys']", "['share_keys']", "['masked_input']", "['unmask_shares']"}, up
+    # the protocol's messages, and in clear only whether a release was made (a flag the arrival shows anyway)
+    assert up <= {"['advertise_keys']", "['share_keys']", "['masked_input']", "['unmask_shares']", "['released']",
+                  "['over_plan']"}, up
 
 
 def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_cannot_protect(capsys):
@@ -232,3 +234,31 @@ def test_dp_laplace_without_noise_matches_numpyro_on_a_robust_regression_over_un
     for k, tol in (("w", 0.1), ("s", 0.15)):  # the scale: the Laplace approximation's own skew error, 0.09-0.11
         np.testing.assert_array_less(np.abs(got[k].mean(0) - ref[k].mean(0)) / ref[k].std(0), tol)
         np.testing.assert_allclose(got[k].std(0), ref[k].std(0), rtol=0.1)
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 4.0])
+def test_the_private_laplace_fits_interval_carries_the_noise_and_covers_the_posterior_mean(epsilon):
+    """Noise-aware: over 50 noise draws the private fit's 90 % interval (its covariance: the
+    posterior's plus the noise's, through the last Newton step) covers the analytic posterior mean
+    at least 85 % of the time, at epsilon 1 and 4; without the noise's part it would not (the
+    noise's sd is several posterior sds here), and ``noise_sds`` says how many."""
+    from .test_dp_metropolis import normal_mean
+
+    rng = np.random.default_rng(0)
+    n = 400
+    y = np.clip(rng.normal(0.5, 1.0, n), -2, 2).astype(np.float32)  # every row's (g, h) within the clip
+    clients = nf.Clients.split(np.repeat([0, 1, 2, 3], n // 4), y=y)
+    precision = n + 10.0 ** -2
+    mean, sd = float(y.sum() / precision), float(precision ** -0.5)
+    fit = DPLaplace(nf.dp_noise(normal_mean, clip=3.0, delta=DELTA, epsilon=epsilon), num_steps=8)
+    covered, naive, ratios = [], [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nf.warnings.FitWarning)
+        for k in range(50):
+            result = fit.run(jax.random.PRNGKey(k), clients, progress_bar=False)
+            m, s = float(result.params.mean[0]), float(np.sqrt(result.params.cov[0, 0]))
+            covered.append(abs(m - mean) < 1.645 * s)
+            naive.append(abs(m - mean) < 1.645 * sd)
+            ratios.append(fit.noise_sds(result)["mu"])
+    assert np.mean(covered) >= 0.85, np.mean(covered)
+    assert np.mean(naive) < 0.85 and np.median(ratios) > 1.0  # the noise matters here, and it is said

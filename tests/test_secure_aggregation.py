@@ -58,12 +58,19 @@ def test_a_masked_input_is_uniform_whatever_the_input(monkeypatch):
     assert np.unpackbits(sent[0].view(np.uint8)).mean() == 0.0
 
 
-def test_special_values_sum_as_floating_point_does():
-    rows = np.array([[1.0, np.inf, np.inf, np.nan, 1e12, -2.5],
+def test_special_values_sum_as_floating_point_does_and_a_finite_value_out_of_range_is_refused():
+    """Infinities and NaN sum as in floating point; a finite term beyond the ring's range (2**39 / J)
+    is refused on the client naming its field, instead of decoding as infinite."""
+    from numpyro_fed.secure.fixed_point import OutOfRangeError
+
+    rows = np.array([[1.0, np.inf, np.inf, np.nan, 1e10, -2.5],
                      [2.0, 3.0, -np.inf, 0.0, 1.0, 0.25]], np.float32)
     got = fixed_point_sum({"x": rows, "ok": np.array([[True, False], [True, True]])})
-    np.testing.assert_array_equal(got["x"], np.array([3.0, np.inf, np.nan, np.nan, np.inf, -2.25], np.float32))
+    np.testing.assert_array_equal(got["x"], np.array([3.0, np.inf, np.nan, np.nan, 1e10 + 1, -2.25], np.float32))
     np.testing.assert_array_equal(got["ok"], np.array([2, 1], np.int32))
+    rows[0, 4] = 1e12  # beyond 2**39 / 2
+    with pytest.raises(OutOfRangeError, match=r"field \['x'\] holds 1e\+12, beyond"):
+        fixed_point_sum({"x": rows})
 
 
 # ------------------------------------------------------------------ the families
@@ -168,3 +175,77 @@ def test_unsupported_settings_are_refused_by_name(data):
     backend.template = SimpleNamespace(names=list(setup.plan.names))  # as if its clients had connected
     with pytest.raises(ValueError, match=r"trusted aggregator .* no SuperNode is one"):
         backend.run(setup.algorithm, setup.plan, 5, jax.random.PRNGKey(0))
+
+
+# ------------------------------------------------------------------ a server that deviates
+def _keyed(n, threshold):
+    """``n`` clients through the protocol's first two steps, the server honest so far: their
+    secrets (with the shares addressed to them) and the roster."""
+    secrets, keys = [], []
+    for _ in range(n):
+        sec, msg = masking_module.advertise()
+        secrets.append(sec)
+        keys.append(msg["public_keys"])
+    roster = np.stack(keys)
+    boxes = {}
+    for u in range(n):
+        secrets[u], msg = masking_module.share_keys(secrets[u], u, roster, threshold)
+        boxes[u] = msg["ciphertexts"]
+    for v in range(n):
+        secrets[v] = masking_module.receive(secrets[v], {u: boxes[u][v] for u in range(n) if u != v})
+    return secrets, roster
+
+
+def test_a_client_refuses_a_threshold_below_its_minimum():
+    """A server that announces threshold 1 (or less than a strict majority, or less than the client's
+    own minimum) could rebuild a client's self-mask from one share and its key from another."""
+    sec, msg = masking_module.advertise()
+    roster = np.stack([msg["public_keys"]] + [masking_module.advertise()[1]["public_keys"] for _ in range(3)])
+    with pytest.raises(SecureAggregationError, match=r"client 0 refused the share_keys step: the server announced "
+                                                     r"threshold 1 for 4 clients, outside \[3, 4\]"):
+        masking_module.share_keys(sec, 0, roster, 1)
+    with pytest.raises(SecureAggregationError, match=r"outside \[4, 4\] \(its minimum: a strict majority, or 4\)"):
+        masking_module.share_keys(sec, 0, roster, 3, minimum=4)
+    masking_module.share_keys(sec, 0, roster, 3)  # a strict majority is taken
+
+
+def test_a_client_refuses_to_unmask_for_an_arrived_set_that_singles_out_a_client():
+    """The server names only its target as arrived, hoping for the target's self-mask shares from
+    every other client (and their key shares for the rest): each client refuses, naming the step;
+    so does a client left out of the arrived set its own input belongs to."""
+    secrets, roster = _keyed(4, 3)
+    shared = list(range(4))
+    for me in (1, 2, 3):
+        with pytest.raises(SecureAggregationError, match=rf"client {me} refused the unmask_shares step: it is not in "):
+            masking_module.unmask_shares(secrets[me], me, roster, shared, [0], 3)
+    with pytest.raises(SecureAggregationError, match=r"client 0 refused the unmask_shares step: the arrived set "
+                                                     r"names 1 client\(s\), fewer than the threshold of 3"):
+        masking_module.unmask_shares(secrets[0], 0, roster, shared, [0], 3)
+    with pytest.raises(SecureAggregationError, match="did not share keys"):
+        masking_module.unmask_shares(secrets[0], 0, roster, [0, 1, 2], [0, 1, 2, 3], 3)
+    honest = masking_module.unmask_shares(secrets[0], 0, roster, shared, [0, 1, 2], 3)
+    assert honest["b"].shape == (3, 16) and honest["s"].shape == (1, 32)  # one kind of share per client
+
+
+def test_a_flower_node_answers_the_unmask_step_of_an_aggregation_once(monkeypatch):
+    """Over Flower a node drops an aggregation's secrets when it has answered its unmasking step, so
+    a server that asks it again (for the other kind of share of some client) gets an error, not
+    shares."""
+    from numpyro_fed.flower import masking as node
+
+    class Context:
+        def __init__(self):
+            self.state, self.node_config = {}, {}
+
+    ctx, cfg = Context(), {"round": 0, "exchange": "0"}
+    node.client_keys(ctx, cfg)
+    roster = np.zeros((3, 2, masking_module.KEY_BYTES), np.uint8)
+    node._save(ctx, roster=roster.tobytes().hex(), me=0, shared=[0, 1, 2], threshold=2)
+    asked = []
+    monkeypatch.setattr(node, "from_record", lambda like, record: np.array([True, True, False]))
+    monkeypatch.setattr(node.M, "unmask_shares", lambda *a: asked.append(a) or {"b": np.zeros((2, 16), np.uint8)})
+    node.client_unmask(ctx, cfg, {"arrived": None})
+    assert len(asked) == 1 and asked[0][-1] == 2  # answered once, with the threshold it shared its keys under
+    with pytest.raises(ValueError, match="a masking step arrived before this client advertised its keys"):
+        node.client_unmask(ctx, cfg, {"arrived": None})  # asked again: its secrets are gone
+    assert len(asked) == 1

@@ -25,6 +25,17 @@ implicit derivative ``-H_vv^-1 H_vu``. A row's term depends only on that row's d
 
 Clipping changes the terms it binds on: each client counts the rows whose ``z_i`` was clipped
 (never sent); the check reports them.
+
+**The answer carries the noise** (a noise-aware approximation, in the spirit of Bernstein and
+Sheldon 2018, "Differentially Private Bayesian Inference for Exponential Families", NeurIPS): the
+server knows the noise each release carries, and the mean it returns is the last Newton step
+from noised sums, ``u + P^-1 g`` with ``g`` and ``P`` each off by the noise of ``J`` releases
+(variance ``J sigma^2`` per entry). To first order the step's error is
+``P^-1 (xi_g - Xi_H v)`` (``v`` the step, ``xi_g`` and ``Xi_H`` the gradient's and the Hessian's
+noise), of covariance :func:`noise_covariance`; the earlier steps' errors contract under the
+later steps. The returned covariance is ``P^-1`` plus that, so the draws carry the privacy
+noise as uncertainty; :meth:`DPLaplace.noise_sds` says, per global scalar, how many posterior
+sds the noise adds to its mean.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..secure import check_aggregation
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
+from .releases import capped_releases
 
 __all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
 
@@ -75,15 +87,16 @@ _UNCHECKED = (
 )
 _CLIPPED = (
     "DPLaplace: client(s) {clients} clipped {rows} row term(s) in the last round (|(gradient, Hessian)| > clip = "
-    "{clip:g}): the approximation is then of the clipped terms, shrunk towards the prior. Raise dp_noise's clip "
-    "(more noise for the same epsilon)"
+    "{clip:g}): the approximation is then of the clipped terms, shrunk towards the prior. Raise that clip (more noise "
+    "for the same epsilon): dp_noise(clip=...) of the model, or under nf.fit(dp=...) the private start's own "
+    "nf.dp.PrivateFit(start_clip=...)"
 )
 
 
 class DPLaplaceConfig(NamedTuple):
     num_steps: int
     clip: float
-    sigma: float  # each client's noise sd (/ sqrt(J) under secure aggregation)
+    sigma: float  # each client's noise sd (the whole noise, summed securely or not)
     secure: Optional[str] = None
 
 
@@ -99,6 +112,18 @@ class DPLaplaceClient(NamedTuple):
     releases: jax.Array
     clipped: jax.Array  # rows clipped in the last round (never sent)
     v: jax.Array = None  # its rows' local modes (never sent)
+
+
+def noise_covariance(precision, step, noise_var):
+    """The covariance, to first order, of the error a last Newton step ``P^-1 g`` takes from
+    noise of variance ``noise_var`` on every entry of ``g`` and of the upper triangle of ``H``
+    (``v = step``): ``P^-1 noise_var ((1 + |v|^2) I + v v^T) P^-1`` (each row of ``Xi_H v`` sums
+    ``|v|^2`` of the entries' variance; two rows share one entry)."""
+    d = precision.shape[0]
+    inv = jnp.linalg.inv(precision)
+    inner = noise_var * ((1.0 + step @ step) * jnp.eye(d, dtype=precision.dtype) + jnp.outer(step, step))
+    cov = inv @ inner @ inv
+    return (cov + cov.T) / 2
 
 
 def _upper(d: int):
@@ -248,8 +273,9 @@ class DPLaplace(FederatedInference):
     Privacy: the model's ``dp_noise``: ``clip`` bounds each row's ``(gradient, Hessian upper
     triangle)`` vector in L2 norm; ``epsilon`` (calibrated with ``dp-accounting`` for ``num_steps``
     releases per client, substitution of one row) or ``noise_multiplier``. With
-    ``secure_aggregation`` the server sees only the sum and each client adds ``1 / sqrt(J)`` of the
-    noise. Local latents that belong to rows stay on their client (their modes found there).
+    ``secure_aggregation`` the server sees only the sum; each client still adds the whole noise, so
+    the guarantee holds against a server that deviates from the masking protocol. Local latents
+    that belong to rows stay on their client (their modes found there).
 
     Args:
         model: a ``dp_noise``-marked NumPyro model (observed sites, and local latent sites if any,
@@ -313,16 +339,34 @@ class DPLaplace(FederatedInference):
         start = (jnp.asarray(self.init, jnp.float32) if self.init is not None else
                  jnp.asarray(prior_median(self.model, client_data(plan, 0).args, self.model_kwargs, layout,
                                           exact=True), jnp.float32))
-        share = np.sqrt(len(clients)) if self.secure_aggregation else 1.0
-        config = DPLaplaceConfig(self.num_steps, float(spec.clip), float(nm * spec.clip / share),
+        config = DPLaplaceConfig(self.num_steps, float(spec.clip), float(nm * spec.clip),
                                  self.secure_aggregation)
         algorithm = dp_laplace(setup.extra.terms.log_prior, row_term, len(clients), start, config=config,
                                locals_index=index)
-        return setup._replace(algorithm=algorithm)
+        d = start.shape[0]
+        message = {"z": jax.ShapeDtypeStruct((d + d * (d + 1) // 2,), start.dtype)}
+        return setup._replace(algorithm=capped_releases(algorithm, len(clients), message, cap=self.num_steps))
 
     def _params(self, setup, state) -> GaussianParams:
-        s = state.server
-        return GaussianParams(s.u, jnp.linalg.inv(s.precision))
+        """``N(u, P^-1 + the privacy noise's covariance)`` (see the module docstring)."""
+        s = state.server.inner
+        posterior, noise = self._moments(s, len(setup.plan.names))
+        return GaussianParams(s.u, posterior + noise)
+
+    def _moments(self, s, num_clients: int):
+        """``(P^-1, the noise's covariance)`` at the server state ``s``."""
+        sigma = float(self.privacy[0].clip) * float(self.privacy[1])  # each release's noise sd
+        return jnp.linalg.inv(s.precision), noise_covariance(s.precision, s.last, num_clients * sigma ** 2)
+
+    def noise_sds(self, result: RunResult) -> Dict[str, float]:
+        """Per global scalar (``site`` or ``site[i]``, unconstrained), the privacy noise's sd in
+        the mean as a multiple of the posterior sd: ``sqrt(noise var / posterior var)``."""
+        posterior, noise = self._moments(result.state.server.inner, len(fitted(self).plan.names))
+        ratio = np.sqrt(np.diag(np.asarray(noise)) / np.diag(np.asarray(posterior)))
+        layout = fitted(self).extra.structure.global_latent
+        names = [n if int(np.prod(shape)) == 1 else f"{n}[{i}]" for n, shape in zip(layout.names, layout.shapes)
+                 for i in range(int(np.prod(shape)))]
+        return dict(zip(names, ratio.tolist()))
 
     def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
@@ -347,7 +391,7 @@ def dp_laplace_check(inference: DPLaplace, result: RunResult) -> Verdict:
     where a clip bound (a warning names the clients), ``"unchecked"`` otherwise (a warning says so)."""
     names = list(fitted(inference).plan.names)
     try:
-        clipped = {n: int(result.client_states[n].clipped) for n in names}
+        clipped = {n: int(result.client_states[n].inner.clipped) for n in names}
     except (AttributeError, KeyError, TypeError):
         warnings.warn("DPLaplace: each client's count of clipped rows stays on its node over a network backend",
                       UncheckedFitWarning, stacklevel=find_stack_level())

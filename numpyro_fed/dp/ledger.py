@@ -11,6 +11,13 @@ bound); when it ends, its actual releases (each client's own count, as the run's
 reads them) replace them, and :meth:`PrivacyLedger.report` gives each client's guarantee over
 all its runs.
 
+**Who a client is**: a run keys each client's releases by a fingerprint of the rows it holds
+(:func:`fingerprint`: a hash of its data's arrays), not by the name the run gives it, so the same
+rows under another name meet the same spend (a budget given per name is looked up by the name).
+**Across processes**: with ``path=`` every check and charge holds an exclusive lock on
+``path + ".lock"`` and reads the file again first, so two runs started at once on one ledger
+cannot both pass on the same budget (the second sees the first's planned releases).
+
 Composition is accounted with ``dp-accounting``'s privacy loss distribution
 (:func:`~numpyro_fed.dp.accounting.epsilon_composed`) at the ledger's ``delta``, under
 substitution of one row, as each run's own report is. With ``path=`` the ledger is kept in a
@@ -27,14 +34,19 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from .accounting import ClientPrivacy, PrivacyReport, epsilon_composed, report
 
-__all__ = ["PrivacyBudgetError", "PrivacyLedger"]
+__all__ = ["PrivacyBudgetError", "PrivacyLedger", "fingerprint"]
 
 Event = Tuple[float, int, float]  # (sigma / C, releases, sampling rate), as epsilon_composed takes them
 
@@ -45,6 +57,18 @@ _OVER = (
     "{delta:g}). Nothing was sent. Fewer rounds or more noise (a smaller dp_noise(epsilon=...)) fit within the "
     "{left:.4g} left; or leave this client out"
 )
+
+
+def fingerprint(data: Mapping[str, Any]) -> str:
+    """A client's identity from the rows it holds (``{name: array}``, as :class:`~numpyro_fed.Clients`
+    keeps them): SHA-256 over the arrays' names, dtypes, shapes and bytes, in sorted order. The same
+    rows give the same fingerprint under any client name."""
+    h = hashlib.sha256()
+    for key in sorted(data, key=str):
+        arr = np.ascontiguousarray(np.asarray(data[key]))
+        h.update(f"{key}:{arr.dtype.str}:{arr.shape};".encode())
+        h.update(arr.tobytes() if arr.dtype != object else repr(arr.tolist()).encode())
+    return "rows:" + h.hexdigest()[:32]
 
 
 class PrivacyBudgetError(ValueError):
@@ -83,8 +107,45 @@ class PrivacyLedger:
         self.default = None if budgets is not None else float(epsilon)
         self.delta, self.path = float(delta), path
         self.runs: Dict[str, List[dict]] = {}  # client -> [{"run": label, "events": [[nm, releases, rate], ...]}]
+        self.ids: Dict[str, str] = {}  # a run's client name -> the identity its releases are kept under
+        self.names: Dict[str, List[str]] = {}  # identity -> the names it was charged under
+        self._open: Dict[str, str] = {}  # identity -> the id of its run charged but not yet settled
         if path is not None and os.path.exists(path):
             self._load(path)
+
+    def identify(self, name: str, identity: str) -> None:
+        """Keep ``name``'s releases under ``identity`` (a :func:`fingerprint` of its rows)."""
+        self.ids[str(name)] = str(identity)
+
+    def identify_clients(self, clients: Any) -> None:
+        """:meth:`identify` every client of ``clients`` (a :class:`~numpyro_fed.Clients`) by the
+        :func:`fingerprint` of its rows; anything else (a network backend's list of names, whose
+        rows stay on their nodes) leaves the names as the keys."""
+        from ..clients import Clients
+
+        if isinstance(clients, Clients):
+            for name in clients.names:
+                self.identify(name, fingerprint(clients[name]))
+
+    def _key(self, client: str) -> str:
+        return self.ids.get(str(client), str(client))
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the ledger file's lock and read the file again (no file: nothing to hold)."""
+        if self.path is None:
+            yield
+            return
+        import fcntl
+
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if os.path.exists(self.path):
+                    self._load(self.path)
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------ reading
     def budget(self, client: str) -> float:
@@ -96,8 +157,8 @@ class PrivacyLedger:
         return self.budgets[client]
 
     def events(self, client: str) -> List[Event]:
-        """Every release charged to ``client``, over all its runs."""
-        return [tuple(e) for run in self.runs.get(client, []) for e in run["events"]]
+        """Every release charged to ``client`` (its rows, under any name), over all its runs."""
+        return [tuple(e) for run in self.runs.get(self._key(client), []) for e in run["events"]]
 
     def spent(self, client: str) -> float:
         """Epsilon at :attr:`delta` of all of ``client``'s recorded releases composed."""
@@ -107,11 +168,13 @@ class PrivacyLedger:
         """Each client's guarantee over every run charged to it (and the global one, by parallel
         composition: each row is held by one client)."""
         entries = []
-        for client in sorted(self.runs):
-            events = self.events(client)
-            runs = self.runs[client]
+        for key in sorted(self.runs, key=lambda k: " / ".join(self.names.get(k, [k]))):
+            events = [tuple(e) for run in self.runs[key] for e in run["events"]]
+            runs = self.runs[key]
+            client = " / ".join(self.names.get(key, [key]))
             entries.append(ClientPrivacy(
-                client, f"{len(runs)} run(s): " + "; ".join(r["run"] for r in runs), self.spent(client), self.delta,
+                client, f"{len(runs)} run(s): " + "; ".join(r["run"] for r in runs),
+                epsilon_composed(events, self.delta), self.delta,
                 min(e[0] for e in events) if events else math.inf, sum(e[1] for e in events),
                 max(e[2] for e in events) if events else 0.0))
         return report(entries)
@@ -129,37 +192,60 @@ class PrivacyLedger:
                 asked = epsilon_composed(events, self.delta)
                 nm = min((e[0] for e in events), default=math.inf)
                 raise PrivacyBudgetError(
-                    _OVER.format(cls=cls, client=client, spent=spent, runs=len(self.runs.get(client, [])),
+                    _OVER.format(cls=cls, client=client, spent=spent, runs=len(self.runs.get(self._key(client), [])),
                                  asked=asked, releases=sum(e[1] for e in events), nm=nm, total=total, budget=budget,
                                  delta=self.delta, left=max(budget - spent, 0.0)),
                     client, spent, asked, total)
 
     def charge(self, client: str, events: Sequence[Event], run: str, *, settle: bool = False) -> None:
         """Record ``events`` (a run's releases) against ``client``'s rows; written to :attr:`path`.
-        ``settle``: they replace the client's last record (a run charged its planned releases
-        before it started, and its actual ones when it ended)."""
-        runs = self.runs.setdefault(str(client), [])
-        if settle and runs:
-            runs.pop()
-        runs.append({"run": str(run), "events": [[float(nm), int(c), float(r)] for nm, c, r in events]})
+        ``settle``: they replace the record its open run charged (a run charged its planned
+        releases before it started, and its actual ones when it ended)."""
+        with self._locked():
+            self._charge(client, events, run, settle)
+            self._write()
+
+    def _charge(self, client: str, events: Sequence[Event], run: str, settle: bool) -> None:
+        key = self._key(client)
+        runs = self.runs.setdefault(key, [])
+        names = self.names.setdefault(key, [])
+        if str(client) not in names:
+            names.append(str(client))
+        entry = {"run": str(run), "events": [[float(nm), int(c), float(r)] for nm, c, r in events]}
+        opened = self._open.pop(key, None) if settle else None
+        kept = [i for i, r in enumerate(runs) if opened is not None and r.get("id") == opened]
+        if kept:
+            runs[kept[0]] = entry
+        else:
+            runs.append(entry)
+        if not settle:
+            entry["id"] = uuid.uuid4().hex
+            self._open[key] = entry["id"]
+
+    def _write(self) -> None:
         if self.path is not None:
             self._save(self.path)
 
     def open_run(self, cls: str, planned: Mapping[str, Sequence[Event]], label: str) -> None:
         """Before a run: :meth:`check` its planned releases, then charge them (a run that fails
-        midway stays charged, as an upper bound)."""
-        self.check(cls, planned)
-        for client, events in planned.items():
-            self.charge(client, events, f"{label} planned (unfinished)")
+        midway stays charged, as an upper bound); under the file's lock, the file read again first."""
+        with self._locked():
+            self.check(cls, planned)
+            for client, events in planned.items():
+                self._charge(client, events, f"{label} planned (unfinished)", False)
+            self._write()
 
     def close_run(self, actual: Mapping[str, Sequence[Event]], label: str) -> None:
         """After a run: its actual releases replace the planned ones :meth:`open_run` charged."""
-        for client, events in actual.items():
-            self.charge(client, events, label, settle=True)
+        with self._locked():
+            for client, events in actual.items():
+                self._charge(client, events, label, True)
+            self._write()
 
     # ------------------------------------------------------------------ file
     def _save(self, path: str) -> None:
-        body = {"delta": self.delta, "budgets": self.budgets, "default": self.default, "runs": self.runs}
+        body = {"delta": self.delta, "budgets": self.budgets, "default": self.default, "runs": self.runs,
+                "names": self.names}
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(body, f, indent=1)
@@ -172,6 +258,7 @@ class PrivacyLedger:
             raise ValueError(f"PrivacyLedger(path={path!r}): the file accounts at delta={body['delta']}, not "
                              f"{self.delta}; one ledger keeps one delta")
         self.runs = {str(k): list(v) for k, v in body["runs"].items()}
+        self.names = {str(k): list(v) for k, v in body.get("names", {}).items()}
 
     def __repr__(self) -> str:
         return (f"PrivacyLedger({len(self.runs)} client(s), delta={self.delta:g}, "

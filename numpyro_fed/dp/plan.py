@@ -189,9 +189,12 @@ def plan_privacy(dp_plan: DPPlan, model, clients, model_kwargs) -> Privacy:
         label = {"plain": "update perturbation",
                  "local_averaging": f"update perturbation (local averaging, {dp_plan.num_shards} shards)",
                  "virtual": f"update perturbation (virtual clients, {dp_plan.num_shards} shards)"}[dp_plan.variant]
-    trusted = dp_plan.trusted_aggregator
+    masking = getattr(dp_plan, "masking", False)
+    trusted = dp_plan.trusted_aggregator and not masking  # the noise is shared only with a trusted aggregator
     if trusted:
         label += f", trusted aggregator ({J} clients)"
+    elif masking:
+        label += ", summed by pairwise masking (each client adds the whole noise)"
     if spec.epsilon is not None:
         if dp_plan.rounds is None:
             raise ValueError("dp_noise(epsilon=...) calibrates the noise for the planned rounds: call run(key, "
@@ -302,6 +305,9 @@ class DPPlan:
         dp: the mechanism (``None``: no DP unless the model marks rows with ``dp_noise``, which is
             then refused naming the choices).
         trusted_aggregator: the updates are summed by a trusted aggregator before the server.
+        masking: they are summed by pairwise masking instead (no third party): each client then
+            adds the whole noise, since sharing it would rest the guarantee on the server following
+            the protocol and reporting truthfully who answered, which no client can check.
         schedule: the family's schedule (how many releases a client makes in a run).
         sampling_rate: DP-SGD's share of rows per step (``dp="sgd"``).
         batch_size: rows per DP-SGD step (``dp="optimisation"``).
@@ -314,8 +320,9 @@ class DPPlan:
     def __init__(self, model: Callable, model_kwargs: Dict[str, Any], dp: Optional[str], *,
                  trusted_aggregator: bool = False, schedule: str = "synchronous", sampling_rate: Optional[float] = None,
                  batch_size: Optional[int] = None, local_steps: int = 1, variant: str = "plain", num_shards: int = 1,
-                 svi: bool = False) -> None:
+                 svi: bool = False, masking: bool = False) -> None:
         self.svi, self.model, self.model_kwargs = svi, model, model_kwargs
+        self.masking = bool(masking)
         self.dp, self.trusted_aggregator, self.schedule = dp, bool(trusted_aggregator), schedule
         self.sampling_rate = None if sampling_rate is None else float(sampling_rate)
         self.batch_size = None if batch_size is None else int(batch_size)

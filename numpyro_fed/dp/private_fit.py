@@ -203,6 +203,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     start_events = [(nm_start, plan.start_rounds, 1.0)]
     nm = calibrate_after(start_events, spec.epsilon, spec.delta, releases) if exact else None
     if ledger is not None:  # the whole fit, every stage, refused before anything is sent
+        ledger.identify_clients(clients)
         ledger.check("nf.fit", {n: start_events + ([(nm, releases, 1.0)] if exact else []) for n in names})
     log: List[str] = []
     if progress_bar is not None:
@@ -215,7 +216,11 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
                f"{start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
                f"{first.verdict.status}")
+    site, k = max(start.noise_sds(first).items(), key=lambda kv: kv[1])
+    noise_line = (f"private: the privacy noise adds {k:.2g} posterior sd(s) to the mean of {site} (the answer's "
+                  f"covariance carries it, so its intervals are wider than the posterior's)")
     if not exact:  # the approximate answer at the whole budget (as nf.fit's Laplace rung, unchecked)
+        log.append(noise_line)
         started = start.dp_plan.events(names, first)
         privacy = report([ClientPrivacy(n, f"DPLaplace ({plan.start_rounds} rounds)", epsilon_composed(started[n],
                                         spec.delta), spec.delta, nm_start, sum(e[1] for e in started[n]), 1.0)
@@ -244,6 +249,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
         warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=spec.clip, nm=nm)
                       + (_UNSEEN if network else ""), UnreliableFitWarning, stacklevel=find_stack_level())
         log.append(f"the answer: the private start (the sampler's verdict: {result.verdict.status})")
+        log.append(noise_line)
         return Fit("dp_laplace", start, first, rounds, traffic, None, log, num_samples=int(num_samples),
                    clients=None if network else clients, results=[first, result], privacy=privacy)
     return Fit("dp_metropolis", sampler, result, rounds, traffic, check, log, num_samples=int(num_samples),

@@ -156,7 +156,9 @@ class PVI(FactorInference):
         secure_aggregation: who sums the updates under ``trusted_aggregator``: ``"trusted"``
             (a trusted aggregator; the default of ``trusted_aggregator=True``) or ``"masking"``
             (no third party: pairwise masking with dropout recovery, Bonawitz et al. 2017; see
-            :mod:`numpyro_fed.secure`). Given, it implies ``trusted_aggregator=True``; it needs
+            :mod:`numpyro_fed.secure`; each client then adds the whole noise, not ``sigma / sqrt(M)``:
+            the guarantee does not rest on the server following the protocol). Given, it implies
+            ``trusted_aggregator=True`` for the summing; it needs
             ``dp="update_perturbation"``. In simulation; a network backend refuses masking.
         client_mapping: how the simulation maps clients, as in :class:`~numpyro_fed.FederatedSVI`.
         row_plate: the plate that indexes rows (for padding unequal clients).
@@ -255,8 +257,9 @@ class PVI(FactorInference):
         self.dp_batch_size = None if dp_batch_size is None else int(dp_batch_size)
         self.trusted_aggregator = bool(trusted_aggregator)
         self.dp_plan = DPPlan(self.model, self.model_kwargs, self.dp, trusted_aggregator=trusted_aggregator,
-                          schedule=schedule, batch_size=self.dp_batch_size, local_steps=self.local_steps,
-                          variant=variant, num_shards=self.num_shards)
+                              masking=self.secure_aggregation == "masking", schedule=schedule,
+                              batch_size=self.dp_batch_size, local_steps=self.local_steps, variant=variant,
+                              num_shards=self.num_shards)
         self.max_kl = self._trust_region(max_kl)
         self.committee = committee
         if committee is not None:

@@ -46,8 +46,8 @@ from ..secure.fixed_point import decode_message, encode_message, word_count
 from ..transcript import message_bytes
 from .wire import from_record, to_record
 
-__all__ = ["STEPS", "MaskedAggregation", "Traffic", "client_keys", "client_masked_input", "client_share",
-           "client_unmask", "masked_like"]
+__all__ = ["MIN_THRESHOLD_KEY", "STEPS", "MaskedAggregation", "Traffic", "client_keys", "client_masked_input",
+           "client_share", "client_unmask", "masked_like"]
 
 STEPS = ("mask_keys", "mask_share", "mask_unmask")
 """The message kinds of the protocol's own steps (the masked input rides on the exchange)."""
@@ -112,15 +112,23 @@ def client_keys(context, cfg) -> dict:
     return message
 
 
+MIN_THRESHOLD_KEY = "numpyro-fed-min-threshold"
+"""A SuperNode's ``--node-config`` key: the least threshold it takes part in a masked sum with (at
+least a strict majority of the roster whatever it says); a server that announces less is refused."""
+
+
 def client_share(context, cfg, content) -> dict:
-    """Step 2 on a client: its shares, one ciphertext per client of the roster."""
+    """Step 2 on a client: its shares, one ciphertext per client of the roster (refused where the
+    announced threshold is below the node's minimum)."""
     n = int(cfg["roster_size"])
     roster = from_record(jax.ShapeDtypeStruct((n, 2, M.KEY_BYTES), np.uint8), content["roster"])
     secrets, _ = _secrets(context, cfg["round"], cfg["exchange"])
     me = int(cfg["me"])
-    secrets, message = M.share_keys(secrets, me, roster, int(cfg["threshold"]))
+    minimum = (getattr(context, "node_config", None) or {}).get(MIN_THRESHOLD_KEY)  # the node's own floor, if set
+    secrets, message = M.share_keys(secrets, me, roster, int(cfg["threshold"]),
+                                    None if minimum is None else int(minimum))
     _save(context, b=secrets.b.hex(), roster=np.ascontiguousarray(roster).tobytes().hex(), me=me,
-          senders=[me], inbox=[secrets.inbox[me].hex()])
+          senders=[me], inbox=[secrets.inbox[me].hex()], threshold=int(cfg["threshold"]))
     return message
 
 
@@ -146,7 +154,8 @@ def client_unmask(context, cfg, content) -> dict:
     roster = _roster(rec)
     flags = from_record(jax.ShapeDtypeStruct((roster.shape[0],), np.bool_), content["arrived"])
     shared = [int(v) for v in rec["shared"]]
-    out = M.unmask_shares(secrets, int(rec["me"]), roster, shared, np.flatnonzero(flags).tolist())
+    out = M.unmask_shares(secrets, int(rec["me"]), roster, shared, np.flatnonzero(flags).tolist(),
+                          int(rec["threshold"]))
     del context.state[_STATE]
     return out
 

@@ -23,13 +23,14 @@ For Gaussian noise of known variance this acceptance satisfies detailed balance 
 posterior whose log-likelihood ratios are the clipped ones: where no row's ratio reaches ``C``
 the chain targets the exact posterior. Each client counts, in its own state, the rows whose
 ratio was clipped in the kept iterations (never sent); the family warns with the counts. A round some client missed
-decides nothing (the same proposal is evaluated again).
+decides nothing: the family gathers each iteration's releases over the rounds the clients take to answer, each
+client releasing once (:func:`~numpyro_fed.dp.releases.capped_releases`).
 
 **Under secure aggregation** (pairwise masking or a trusted aggregator; :mod:`numpyro_fed.secure`)
-the server sees only ``hat Lambda``, never a client's own release, so the noise the sum needs is
-shared: each client adds ``sigma / sqrt(J)`` and the sum carries ``sigma`` (as update perturbation
-with a trusted aggregator, Heikkilä et al. (2023) Theorems 11 and 14). ``V`` is then ``sigma^2``,
-``J`` times less than with every client's release in clear, for the same guarantee.
+the server sees only ``hat Lambda``, never a client's own release. Each client still adds the whole
+``sigma``: sharing the noise among the clients (each ``sigma / sqrt(J)``) would rest the guarantee on
+the server following the protocol and reporting truthfully who answered, which a client cannot
+check; ``V`` is ``J sigma^2`` either way.
 
 The noise costs acceptance: about ``exp(-V / 8)`` of it at ``V`` near 1 (so ``V`` of a few
 units at most is practical: small ``C`` with small steps, many rows per client).
@@ -74,7 +75,7 @@ class DPMHConfig(NamedTuple):
     num_samples: int
     num_chains: int
     clip: float  # C: each row's log-likelihood ratio is clipped to [-C, C]
-    sigma: float  # each client's noise sd (noise multiplier * C; / sqrt(J) under secure aggregation)
+    sigma: float  # each client's noise sd (noise multiplier * C, summed securely or not)
     correct: bool = True  # the penalty -V/2 (False only to show what it corrects)
     local_steps: int = 5  # row-wise random-walk steps of the local latents per round
     secure: str = None  # None, or how the releases are summed before the server ("trusted", "masking")

@@ -28,6 +28,8 @@ from ..check import Verdict, register_check
 from ..check.chains import chain_report, chains_verdict
 from ..dp.accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from ..dp.annotation import dp_sites
+from ..dp.ledger import PrivacyBudgetError
+from ..dp.releases import capped_releases, over_plan
 from ..inference import FederatedInference, Setup, fitted
 from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
@@ -65,6 +67,12 @@ _UNSEEN = (
 _LOCAL_DRAWS = (
     "DPMetropolis: client {client!r}'s local latents are drawn on it and never sent, and reading them back is not "
     "offered: the draws here are the global sites'"
+)
+_OVER_PLAN = (
+    "{cls}: client(s) {clients} refused a release past their plan of {plan} (the noise is calibrated for that many, "
+    "and a release of a step whose first did not reach the server counts as another); the run stopped there and "
+    "returns no answer. Spent (epsilon at delta={delta:g}, from the releases each made): {spent}. A backend that loses "
+    "fewer messages, or fewer clients per masked sum, avoids repeats"
 )
 _CLIPPED = (
     "{cls}: client(s) {clients} clipped {rows} row log-likelihood ratio(s) in all (|ratio| > clip = {clip:g}): the "
@@ -227,10 +235,10 @@ class DPMetropolis(FederatedInference):
         secure_aggregation: ``None`` (each client's noised release reaches the server), or how the
             releases are summed so that the server sees only their sum each round: ``"masking"``
             (pairwise masking with dropout recovery, Bonawitz et al. 2017) or ``"trusted"`` (a trusted
-            aggregator); see :mod:`numpyro_fed.secure`. Each client then adds ``1 / sqrt(J)`` of the
-            noise and the sum carries all of it, so the noise the server corrects for is ``J`` times
-            smaller for the same guarantee. The report charges each release the noise of the clients
-            that answered in its round (the emptiest rounds, for a client's count).
+            aggregator); see :mod:`numpyro_fed.secure`. Each client still adds the whole noise: the
+            guarantee rests on each release alone, so it holds against a server that deviates from
+            the masking protocol or misreports who answered (the summing is protection in depth,
+            not a discount on the noise).
 
     References:
         Yildirim & Ermis (2019), "Exact MCMC with differentially private moves", Statistics and
@@ -295,15 +303,17 @@ class DPMetropolis(FederatedInference):
             cov = (cov + cov.T) / 2
         noise = jax.random.normal(jax.random.PRNGKey(START_KEY), (self.num_chains, d), jnp.float32)
         starts = mean + 0.5 * noise @ jnp.linalg.cholesky(cov).T
-        share = np.sqrt(len(clients)) if self.secure_aggregation else 1.0  # the sum carries sigma
+        # every release carries the whole noise, summed securely or not (see secure_aggregation)
         config = DPMHConfig(self.num_warmup, self.num_samples, self.num_chains, float(spec.clip),
-                            float(nm * spec.clip / share), self._penalty, self.local_steps, self.secure_aggregation)
+                            float(nm * spec.clip), self._penalty, self.local_steps, self.secure_aggregation)
         algorithm = dp_metropolis(setup.extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
                                   rows=rows)
-        return setup._replace(algorithm=algorithm)
+        message = {"llr": jax.ShapeDtypeStruct((self.num_chains,), jnp.float32)}
+        return setup._replace(algorithm=capped_releases(algorithm, len(clients), message,
+                                                        cap=self.releases_per_client, per_release=self.num_chains))
 
     def _params(self, setup, state) -> DrawParams:
-        draws = state.server.draws  # (chains, samples, d)
+        draws = state.server.inner.draws  # (chains, samples, d)
         user = user_space(self.model, self.model_kwargs, setup, draws.reshape(-1, draws.shape[-1]))
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
@@ -323,7 +333,7 @@ class DPMetropolis(FederatedInference):
 
     def acceptance(self, result: RunResult) -> float:
         """The kept iterations' acceptance rate (public: the server's decisions)."""
-        return float(np.asarray(result.state.server.accepted)[:, self.num_warmup:].mean())
+        return float(np.asarray(result.state.server.inner.accepted)[:, self.num_warmup:].mean())
 
     @property
     def noise_multiplier(self) -> float:
@@ -359,23 +369,10 @@ class SamplerPrivacy:
     def before_round(self, cls: str, names, state) -> None:
         pass
 
-    def _events(self, releases: Dict[str, int], answered=None) -> Dict[str, list]:
-        """Per client ``[(sigma / C, releases, 1)]``; under secure aggregation, with ``answered`` (each
-        round's count of clients that answered), each release charged the noise of its round's sum,
-        ``sigma sqrt(m / J)`` with ``m`` answering, over the client's emptiest rounds (worst case)."""
+    def _events(self, releases: Dict[str, int]) -> Dict[str, list]:
+        """Per client ``[(sigma / C, releases, 1)]``: every release carries the whole noise."""
         nm = self.sampler.privacy[1]
-        if answered is None or not self.sampler.secure_aggregation:
-            return {name: [(nm, int(r), 1.0)] for name, r in releases.items()}
-        chains, total = self.sampler.num_chains, len(releases)
-        emptiest = np.sort(np.asarray(answered))
-        out = {}
-        for name, r in releases.items():
-            counts: Dict[float, int] = {}
-            for m in emptiest[:int(r) // chains]:
-                key = nm * float(np.sqrt(int(m) / total))
-                counts[key] = counts.get(key, 0) + chains
-            out[name] = [(k, c, 1.0) for k, c in counts.items()]
-        return out
+        return {name: [(nm, int(r), 1.0)] for name, r in releases.items()}
 
     def before_start(self, cls: str, names, num_rounds: int) -> None:
         if self.ledger is None:
@@ -385,13 +382,20 @@ class SamplerPrivacy:
 
     def after_run(self, cls: str, names, result) -> None:
         ledger, self.ledger = self.ledger, None
-        if ledger is None:
-            return
-        ledger.close_run(self.events(names, result), f"{cls}, {int(result.communication.rounds)} rounds")
+        if ledger is not None:
+            ledger.close_run(self.events(names, result), f"{cls}, {int(result.communication.rounds)} rounds")
+        refused = [names[j] for j in over_plan(result)]
+        if refused:
+            spec, nm = self.sampler.privacy
+            events = self.events(names, result)
+            spent = {n: round(epsilon_composed(events[n], spec.delta), 4) for n in refused}
+            raise PrivacyBudgetError(
+                _OVER_PLAN.format(cls=cls, clients=refused, plan=self.sampler.releases_per_client, spent=spent,
+                                  delta=spec.delta), refused[0], spent[refused[0]], 0.0, spent[refused[0]])
 
     def events(self, names, result) -> Dict[str, list]:
         """Each client's releases in ``result`` as ``[(sigma / C, releases, sampling rate)]``."""
-        return self._events(_releases(names, result), result.rounds_answered)
+        return self._events(_releases(names, result))
 
     def report(self, cls: str, names, result) -> PrivacyReport:
         spec, nm = self.sampler.privacy
@@ -414,14 +418,14 @@ def dp_metropolis_check(inference: DPMetropolis, result: RunResult) -> Verdict:
     of clipped ratios (read where the simulation holds the clients' states): a clipped ratio
     changes the target, so the verdict is then ``"biased"``, with a warning naming the clients."""
     draws = {k: np.asarray(v) for k, v in inference.get_samples(result, group_by_chain=True).items()}
-    accepted = np.asarray(result.state.server.accepted)[:, inference.num_warmup:]
+    accepted = np.asarray(result.state.server.inner.accepted)[:, inference.num_warmup:]
     chains = chain_report(draws)
     verdict = chains_verdict({"max_r_hat": chains.max_r_hat, "min_n_eff": chains.min_n_eff,
                               "acceptance": float(accepted.mean()), "not_converged": chains.not_converged,
                               "unmixed": chains.unmixed, "constant": chains.constant})
     names = list(fitted(inference).plan.names)
     try:
-        clipped = {n: int(result.client_states[n].clipped) for n in names}
+        clipped = {n: int(result.client_states[n].inner.clipped) for n in names}
     except (AttributeError, KeyError, TypeError):  # a network backend: each count stays on its node
         warnings.warn(_UNSEEN.format(cls=type(inference).__name__), UncheckedFitWarning,
                       stacklevel=find_stack_level())

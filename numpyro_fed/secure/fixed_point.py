@@ -7,14 +7,13 @@ a sum of ``J`` terms is at most ``J * 2**-(FRACTION_BITS + 1)`` (about ``3e-8`` 
 below float32's resolution of any value larger than about ``0.25``. Integer and boolean
 fields are summed exactly (as counts).
 
-A real term that is not finite or beyond ``LIMIT / J`` (a divergent trajectory's energy, a
-point where a likelihood vanishes) cannot be written in the ring; it travels as a count in a
-second word per entry, ``+inf`` (or above the limit) as ``1``, ``-inf`` (or below) as
-``J + 1``, NaN as ``(J + 1)**2``, so that the sum of the words counts each kind. The decoded
-sum of an entry is ``+inf`` / ``-inf`` when some clients' terms were (and none of the other
-sign), NaN when signs disagree or some term was NaN, and the exact fixed-point sum otherwise:
-as a floating-point sum would be, but for finite terms beyond the limit, which count as
-infinite.
+A real term that is not finite (a divergent trajectory's energy, a point where a likelihood
+vanishes) cannot be written in the ring; it travels as a count in a second word per entry,
+``+inf`` as ``1``, ``-inf`` as ``J + 1``, NaN as ``(J + 1)**2``, so that the sum of the words
+counts each kind. The decoded sum of an entry is ``+inf`` / ``-inf`` when some clients' terms
+were (and none of the other sign), NaN when signs disagree or some term was NaN, and the exact
+fixed-point sum otherwise, as a floating-point sum would be. A *finite* term beyond ``LIMIT / J``
+is refused on the client (:class:`OutOfRangeError`, naming the field), never sent as infinite.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from typing import Any, List, Tuple
 import jax
 import numpy as np
 
-__all__ = ["FRACTION_BITS", "LIMIT", "decode_message", "encode_message", "fixed_point_sum", "sums_like", "word_count"]
+__all__ = ["FRACTION_BITS", "LIMIT", "OutOfRangeError", "decode_message", "encode_message", "fixed_point_sum",
+           "sums_like", "word_count"]
 
 FRACTION_BITS = 24
 """Bits after the binary point: terms are rounded to multiples of ``2**-24`` (about ``6e-8``)."""
@@ -32,6 +32,10 @@ LIMIT = float(2 ** (63 - FRACTION_BITS))
 """The largest absolute value a sum may reach (``2**39``, about ``5.5e11``); each of ``J``
 clients' terms is held within ``LIMIT / J``."""
 _SCALE = float(2 ** FRACTION_BITS)
+
+
+class OutOfRangeError(ValueError):
+    """A finite term a client would sum by masking lies beyond the ring's range (``LIMIT / J``)."""
 
 
 def _dtype(leaf) -> np.dtype:
@@ -58,12 +62,19 @@ def encode_message(message: Any, num_clients: int) -> np.ndarray:
     base = np.uint64(int(num_clients) + 1)
     bound = LIMIT / max(int(num_clients), 1)
     parts = []
-    for x in _leaves(message):
+    for path, x in jax.tree_util.tree_flatten_with_path(message)[0]:
+        x = np.asarray(x)
         if not _real(x):
             parts.append(np.ravel(x).astype(np.int64).view(np.uint64))
             continue
         x = np.ravel(x).astype(np.float64)
-        nan, high, low = np.isnan(x), x >= bound, x <= -bound
+        big = np.isfinite(x) & (np.abs(x) >= bound)
+        if np.any(big):
+            raise OutOfRangeError(
+                f"secure aggregation: field {jax.tree_util.keystr(path)} holds {np.max(np.abs(x[big])):.3g}, beyond "
+                f"the {bound:.3g} a term of {num_clients} clients' fixed-point sum may reach (2**39 / J): it cannot be "
+                f"summed by masking. Rescale the model (its parameters or data), or sum without masking")
+        nan, high, low = np.isnan(x), x == np.inf, x == -np.inf
         plain = np.where(nan | high | low, 0.0, x)
         parts.append(np.round(plain * _SCALE).astype(np.int64).view(np.uint64))
         parts.append(high.astype(np.uint64) + low.astype(np.uint64) * base + nan.astype(np.uint64) * base * base)

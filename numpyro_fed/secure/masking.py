@@ -23,6 +23,19 @@ secure fields in one round) among the clients the server asked, ``n`` of them, w
    shares the server rebuilds the secrets, removes the self-masks and the dropped clients'
    pairwise masks, and decodes the sum.
 
+**What a client checks** (Bonawitz et al. 2017, §4, the checks of a client facing a server that
+deviates), each a :class:`SecureAggregationError` naming the step, before it sends anything:
+the threshold the server announces is at least the client's own minimum (a strict majority of
+the roster, or more where the client says so), so no fewer shares than that rebuild a secret;
+in the unmasking step the arrived set has at least the threshold and the client in it (a server
+that names only its target as arrived would collect the target's self-mask shares and everyone
+else's key shares); and a client answers the unmasking step of one aggregation once (a network
+node drops the aggregation's secrets after answering), so that with a majority threshold no
+client's two kinds of share can both be collected. The roster of public keys is *not*
+authenticated here: a server that substitutes its own keys for a client's peers can unmask that
+client. The private families therefore never rest their guarantee on the masking: each client's
+release carries the whole noise (see :mod:`numpyro_fed.dp`), and the privacy report says so.
+
 A client that drops after sharing its keys (before or after sending its masked input) is
 recovered as long as ``t`` clients answer the unmasking step; otherwise the aggregation
 fails with :class:`SecureAggregationError`. The server learns the sum of the inputs that
@@ -128,11 +141,21 @@ def advertise() -> tuple:
     return ClientSecrets(c_sk, s_sk), {"public_keys": keys}
 
 
-def share_keys(secrets: ClientSecrets, me: int, roster: np.ndarray, threshold: int) -> tuple:
+def share_keys(secrets: ClientSecrets, me: int, roster: np.ndarray, threshold: int,
+               minimum: Optional[int] = None) -> tuple:
     """Step 1 on client ``me`` (its position in ``roster``, the ``(n, 2, 32)`` public keys of
     the clients that advertised): ``(secrets, message)``, the message one ciphertext per client
-    (``uint8 (n, CIPHERTEXT_BYTES)``, its own row zeros)."""
+    (``uint8 (n, CIPHERTEXT_BYTES)``, its own row zeros). Refused (:class:`SecureAggregationError`)
+    where ``threshold`` is below the client's minimum: ``minimum`` or a strict majority of the
+    roster, whichever is larger."""
     n = roster.shape[0]
+    own = max(default_threshold(n), int(minimum or 0))
+    if not own <= int(threshold) <= n:
+        floor = "a strict majority" + (f", or {minimum}" if minimum else "")
+        raise SecureAggregationError(
+            f"secure aggregation: client {me} refused the share_keys step: the server announced threshold {threshold} "
+            f"for {n} clients, outside [{own}, {n}] (its minimum: {floor}); with fewer shares needed, a server could "
+            f"rebuild one client's masks")
     b = os.urandom(_SHARE)
     s_raw = _raw(secrets.s_sk)
     parts = [Shamir.split(threshold, n, s_raw[:_SHARE]), Shamir.split(threshold, n, s_raw[_SHARE:]),
@@ -174,12 +197,22 @@ def mask_input(secrets: ClientSecrets, me: int, roster: np.ndarray, shared: Sequ
 
 
 def unmask_shares(secrets: ClientSecrets, me: int, roster: np.ndarray, shared: Sequence[int],
-                  arrived: Sequence[int]) -> dict:
+                  arrived: Sequence[int], threshold: int) -> dict:
     """Step 3 on client ``me``: for each client of ``shared`` its share of ``b`` (input arrived)
     or of ``s``'s secret key (dropped): ``{"b": uint8 (k, 16), "s": uint8 (m, 32)}`` in the
     order of ``shared``. Raises :class:`SecureAggregationError` on a share that fails to
-    decrypt or is not addressed to this client."""
-    arrived = set(arrived)
+    decrypt or is not addressed to this client, and refuses the step (naming it) where the
+    ``arrived`` set the server names has fewer than ``threshold`` clients, or not this client,
+    or clients that did not share keys."""
+    arrived = set(int(v) for v in arrived)
+    why = ("it is not in the arrived set its own masked input belongs to" if me not in arrived else
+           f"the arrived set names {len(arrived)} client(s), fewer than the threshold of {threshold}"
+           if len(arrived) < int(threshold) else
+           "the arrived set names clients that did not share keys" if not arrived <= set(shared) else None)
+    if why is not None:
+        raise SecureAggregationError(f"secure aggregation: client {me} refused the unmask_shares step: {why} (a "
+                                     f"server that names a client alone as arrived would collect its self-mask's "
+                                     f"shares and the others' key shares)")
     b_rows, s_rows = [], []
     for v in shared:
         bundle = secrets.inbox[v] if v == me else _open(secrets, me, roster, v)
@@ -289,7 +322,7 @@ def masked_sum(inputs: Sequence[Optional[np.ndarray]], *, threshold: Optional[in
         send("arrived", -1, u, {"arrived": flags})
         if u in set(late):
             continue
-        answers[u] = unmask_shares(secrets[u], u, roster, shared, arrived)
+        answers[u] = unmask_shares(secrets[u], u, roster, shared, arrived, t)
         send("unmask_shares", u, -1, answers[u])
     return unmask(roster, shared, arrived, masked, answers, t, size)
 
