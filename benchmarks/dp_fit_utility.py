@@ -64,7 +64,7 @@ WARMUP, SAMPLES, CHAINS = 200, 500, 2
 V = 2.0
 PVI_CLIPS = (30.0, 300.0, 3000.0)
 PVI_ROUNDS, PVI_STEPS = 3, 500
-KEYS = 5
+KEYS = 3
 
 
 def distance(draws: dict, ref: dict) -> dict:
@@ -85,11 +85,21 @@ def sampler_clip(epsilon: float, num_clients: int) -> float:
 
 
 def quietly(fn):
+    """``(fn(), seconds, warning classes)``; an error the fit raises comes back in place of its result."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        except (ValueError, RuntimeError) as err:  # a fit that refuses to answer (named in the results)
+            out = err
     return out, time.perf_counter() - t0, sorted({w.category.__name__ for w in caught})
+
+
+def raised(method: str, clip: float, err: Exception, seconds: float, warned: list) -> dict:
+    return {"method": method, "answer": f"raised {type(err).__name__}", "clip": clip, "rounds": 0,
+            "verdict": "raised", "reported_epsilon": 0.0, "seconds": seconds, "warnings": warned,
+            "error": str(err)[:300], "max_abs_z": float("nan"), "sd_ratio_range": [float("nan")] * 2, "covered": []}
 
 
 def run_fit(case, epsilon, exact, key):
@@ -99,6 +109,8 @@ def run_fit(case, epsilon, exact, key):
         nf.dp_noise(model, clip=clip, delta=DELTA, epsilon=epsilon), clients, jax.random.PRNGKey(key), dp=START,
         exact=exact, secure_aggregation="masking", num_warmup=WARMUP, num_samples=SAMPLES, num_chains=CHAINS,
         model_kwargs=kwargs, progress_bar=False))
+    if isinstance(fit, Exception):
+        return raised("nf.fit(dp, exact)" if exact else "nf.fit(dp)", clip, fit, seconds, warned)
     return {"method": "nf.fit(dp, exact)" if exact else "nf.fit(dp)", "answer": fit.method,
             "clip": clip if exact else START.start_clip, "rounds": fit.rounds,
             "verdict": fit.results[-1].verdict.status, "reported_epsilon": fit.privacy_report().epsilon,
@@ -113,18 +125,23 @@ def run_pvi(case, epsilon, key, clip=None):
                      secure_aggregation="masking", family="diagonal", local_steps=PVI_STEPS, model_kwargs=kwargs)
         result, seconds, warned = quietly(lambda: pvi.run(jax.random.PRNGKey(key), clients, PVI_ROUNDS,
                                                           progress_bar=False))
+        if isinstance(result, Exception):
+            run = raised("DP-PVI", c, result, seconds, warned)
+            best = run if best is None else best
+            continue
         draws = scalars(pvi.sample_posterior(jax.random.PRNGKey(key + 1000), result, 4000))
         run = {"method": "DP-PVI", "answer": "pvi", "clip": c, "rounds": int(result.communication.rounds),
                "verdict": result.verdict.status, "reported_epsilon": pvi.privacy_report(result).epsilon,
                "seconds": seconds, "warnings": warned, **distance(draws, ref)}
-        if best is None or run["max_abs_z"] < best["max_abs_z"]:
+        if best is None or not run["max_abs_z"] >= best["max_abs_z"]:  # NaN (raised) never best
             best = run
     return best
 
 
 def over_keys(runs: list) -> dict:
     """One method's runs over the keys: the first key's settings and verdict, the spread of the rest."""
-    z = [r["max_abs_z"] for r in runs]
+    answered = [r for r in runs if r["verdict"] != "raised"] or runs
+    z = [r["max_abs_z"] for r in answered]
     covered = [c for r in runs for c in r["covered"]]
     return {**{k: runs[0][k] for k in ("method", "clip", "verdict")}, "keys": len(runs),
             "answers": sorted({r["answer"] for r in runs}), "answer": runs[0]["answer"],
@@ -133,8 +150,10 @@ def over_keys(runs: list) -> dict:
             "seconds": float(sum(r["seconds"] for r in runs)),
             "warnings": sorted({w for r in runs for w in r["warnings"]}),
             "max_abs_z": float(np.median(z)), "max_abs_z_range": [min(z), max(z)],
-            "covered": float(np.mean(covered)),
-            "sd_ratio_range": [min(r["sd_ratio_range"][0] for r in runs), max(r["sd_ratio_range"][1] for r in runs)],
+            "covered": float(np.mean(covered)) if covered else float("nan"),
+            "raised": sum(r["verdict"] == "raised" for r in runs),
+            "sd_ratio_range": [min(r["sd_ratio_range"][0] for r in answered),
+                               max(r["sd_ratio_range"][1] for r in answered)],
             "per_key": runs}
 
 

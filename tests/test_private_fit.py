@@ -114,9 +114,10 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
 
 
 def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered(capsys):
-    """20,000 patients over four clients, the releases summed by pairwise masking: at epsilon 4 the
-    answer is within 0.5 sd of the analytic mean and 20 % of its sd; at epsilon 0.5 the sampler's
-    chains cannot move, and the answer is the start, with a warning that says so."""
+    """20,000 patients over four clients, the releases summed by pairwise masking (each client adding
+    the whole noise): at epsilon 4 the answer's 90 % interval covers the analytic mean, its mean
+    within one sd of it and its sd within 20 %; at epsilon 0.5 the sampler's chains cannot move, and
+    the answer is the start, with a warning that says so."""
     clients, mean, sd = hierarchy(20000)
     plan = nf.dp.PrivateFit(start_clip=3.0)
     kw = dict(dp=plan, exact=True, secure_aggregation="masking", num_warmup=200, num_samples=500, progress_bar=False)
@@ -128,7 +129,8 @@ def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered(c
     good.print_summary()
     assert good.method in capsys.readouterr().out
     draws = np.asarray(good.get_samples()["mu"])
-    assert abs(draws.mean() - mean) < 0.5 * sd and abs(draws.std() / sd - 1) < 0.2
+    assert np.quantile(draws, 0.05) < mean < np.quantile(draws, 0.95)
+    assert abs(draws.mean() - mean) < 1.0 * sd and abs(draws.std() / sd - 1) < 0.2
     with pytest.warns(nf.warnings.UnreliableFitWarning, match="verdict is .*The answer is the private start"):
         poor = nf.fit(nf.dp_noise(patients, clip=0.02, delta=DELTA, epsilon=0.5), clients, jax.random.PRNGKey(0),
                       **kw)

@@ -121,9 +121,7 @@ class PrivacyLedger:
         """:meth:`identify` every client of ``clients`` (a :class:`~numpyro_fed.Clients`) by the
         :func:`fingerprint` of its rows; anything else (a network backend's list of names, whose
         rows stay on their nodes) leaves the names as the keys."""
-        from ..clients import Clients
-
-        if isinstance(clients, Clients):
+        if isinstance(clients, Mapping) and hasattr(clients, "names"):  # the rows are here (not a network's names)
             for name in clients.names:
                 self.identify(name, fingerprint(clients[name]))
 

@@ -164,6 +164,19 @@ def private_rung(model: Callable, stage: Optional[str], *, model_kwargs: Optiona
     raise ValueError(f"private_rung: no stage {settings['rung']!r} (its stages: {sorted(STAGE_KEYS)})")
 
 
+def _report(events: Dict[str, list], label: str, delta: float, nm: float):
+    """Each client's guarantee over ``events`` (``{client: [(sigma / C, releases, rate)]}``)."""
+    return report([ClientPrivacy(n, label, epsilon_composed(e, delta), delta, nm, sum(x[1] for x in e), 1.0)
+                   for n, e in events.items()])
+
+
+def noise_text(start, result) -> str:
+    """The line of a private Laplace answer that says how far the privacy noise may move it."""
+    site, k = max(start.noise_sds(result).items(), key=lambda kv: kv[1])
+    return (f"private: the privacy noise adds {k:.2g} posterior sd(s) to the mean of {site} (the answer's covariance "
+            f"carries it, so its intervals are wider than the posterior's)")
+
+
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
                 num_warmup: Optional[int], num_chains: Optional[int], model_kwargs: Optional[dict],
                 row_plate: Optional[str], client_mapping: str, progress_bar: Optional[bool],
@@ -181,9 +194,8 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     other = sorted(set(rung_options) - set(_OWN))
     if other:
         raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
-    backend = run_options.get("backend")
+    backend, secure = run_options.get("backend"), rung_options.get("secure_aggregation")
     network = isinstance(backend, NetworkBackend)
-    secure = rung_options.get("secure_aggregation")
 
     def rung(stage: str):  # one stage, as every party builds it (a network backend's nodes from its text)
         if network:
@@ -206,8 +218,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
         ledger.identify_clients(clients)
         ledger.check("nf.fit", {n: start_events + ([(nm, releases, 1.0)] if exact else []) for n in names})
     log: List[str] = []
-    if progress_bar is not None:
-        start.progress_bar = bool(progress_bar)
+    start.progress_bar = start.progress_bar if progress_bar is None else bool(progress_bar)
     with warnings.catch_warnings():
         if exact:  # the start's own "not checked" is moot: the sampler checks, or the fallback warns
             warnings.filterwarnings("ignore", category=UncheckedFitWarning)
@@ -216,40 +227,31 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
                f"{start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
                f"{first.verdict.status}")
-    site, k = max(start.noise_sds(first).items(), key=lambda kv: kv[1])
-    noise_line = (f"private: the privacy noise adds {k:.2g} posterior sd(s) to the mean of {site} (the answer's "
-                  f"covariance carries it, so its intervals are wider than the posterior's)")
     if not exact:  # the approximate answer at the whole budget (as nf.fit's Laplace rung, unchecked)
-        log.append(noise_line)
-        started = start.dp_plan.events(names, first)
-        privacy = report([ClientPrivacy(n, f"DPLaplace ({plan.start_rounds} rounds)", epsilon_composed(started[n],
-                                        spec.delta), spec.delta, nm_start, sum(e[1] for e in started[n]), 1.0)
-                          for n in names])
+        log.append(noise_text(start, first))
+        privacy = _report(start.dp_plan.events(names, first), f"DPLaplace ({plan.start_rounds} rounds)", spec.delta,
+                          nm_start)
         return Fit("dp_laplace", start, first, int(first.communication.rounds), traffic(first), None, log,
                    num_samples=int(num_samples), clients=None if network else clients, results=[first],
                    privacy=privacy)
     sampler = rung(stage_text("dp_metropolis", DPSpec(spec.clip, spec.delta, noise_multiplier=nm), num_warmup=warmup,
                               num_samples=int(num_samples), num_chains=chains, mean=mean.tolist(), cov=cov.tolist()))
-    if progress_bar is not None:
-        sampler.progress_bar = bool(progress_bar)
+    sampler.progress_bar = sampler.progress_bar if progress_bar is None else bool(progress_bar)
     k_sampler = jax.random.fold_in(rng_key, STAGE_KEYS["dp_metropolis"])
     result = sampler.run(k_sampler, clients, ledger=ledger, **run_options)
-    rounds = int(first.communication.rounds) + int(result.communication.rounds)
+    rounds, check = int(first.communication.rounds) + int(result.communication.rounds), chain_check(result)
     traffic = tuple(a + b for a, b in zip(traffic(first), traffic(result)))
-    check = chain_check(result)
     log.append(f"dp_metropolis: {int(result.communication.rounds)} rounds from the start (clip {spec.clip:g}, "
                f"sigma/C {nm:.4g}); verdict {result.verdict.status}")
-    started = start.dp_plan.events(names, first)
-    sampled = sampler.dp_plan.events(names, result)
+    started, sampled = start.dp_plan.events(names, first), sampler.dp_plan.events(names, result)
     label = (f"private start (DPLaplace, {plan.start_rounds} rounds) + DPMetropolis"
              + (f", {secure} aggregation" if secure else ""))
-    privacy = report([ClientPrivacy(n, label, epsilon_composed(started[n] + sampled[n], spec.delta), spec.delta, nm,
-                                    sum(e[1] for e in started[n] + sampled[n]), 1.0) for n in names])
+    privacy = _report({n: started[n] + sampled[n] for n in names}, label, spec.delta, nm)
     if result.verdict.status != "ok":  # not mixed, or its clip bound (another target): the start answers
         warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=spec.clip, nm=nm)
                       + (_UNSEEN if network else ""), UnreliableFitWarning, stacklevel=find_stack_level())
-        log.append(f"the answer: the private start (the sampler's verdict: {result.verdict.status})")
-        log.append(noise_line)
+        log += [f"the answer: the private start (the sampler's verdict: {result.verdict.status})",
+                noise_text(start, first)]
         return Fit("dp_laplace", start, first, rounds, traffic, None, log, num_samples=int(num_samples),
                    clients=None if network else clients, results=[first, result], privacy=privacy)
     return Fit("dp_metropolis", sampler, result, rounds, traffic, check, log, num_samples=int(num_samples),

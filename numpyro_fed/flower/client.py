@@ -307,6 +307,9 @@ def _put_rounds(context, after: int, began: int, base: ClientSlot = None) -> Non
         context.state["nf.base"] = to_record(base)
 
 
+_LEDGER_FIELDS = ("releases", "step", "last", "over_plan")  # what a client released (dp.releases.CappedClient)
+
+
 def _counted(message, context, built: _Built) -> None:
     """Hold the state the server counts. The server says in ``kept`` after which round it holds
     this client's state (the last round whose every reply it received in time).
@@ -318,7 +321,8 @@ def _counted(message, context, built: _Built) -> None:
       client that did not answer as it was. So its slot goes back to the one before that step.
       Its key does not: the key it used is spent (under DP, reusing it would draw the same
       noise again), and ``releases`` (its privacy ledger) keeps counting the update it sent,
-      which did leave the node. On the node's own storage the rolled-back state becomes the
+      which did leave the node (so does a private family's record of its last release, sent
+      again unchanged, not drawn anew). On the node's own storage the rolled-back state becomes the
       latest (a rejoin or resume takes it), and the uncounted round's file goes.
     - **A state older than the server's is refused** (an error the server sees for this
       client): e.g. a ``context`` Flower did not take back after a stream task whose output
@@ -330,18 +334,15 @@ def _counted(message, context, built: _Built) -> None:
     if 0 <= rounds["began"] and kept <= rounds["began"]:
         began, current = rounds["began"], _slot(built, context)
         state = _slot(built, context, "base").state
-        if hasattr(state, "releases"):
-            state = state._replace(releases=current.state.releases)
+        fields = [f for f in _LEDGER_FIELDS if f in getattr(state, "_fields", ())]
+        if fields:  # what left the node stays counted, and a release it sent is sent again unchanged, not anew
+            state = state._replace(**{f: getattr(current.state, f) for f in fields})
         slot = ClientSlot(current.rng_key, state)
         _put_slot(context, slot)
         _put_rounds(context, kept, -1)
-        warnings.warn(
-            f"numpyro_fed client {built.name!r}: its reply in round {began + 1} came after the server's timeout, "
-            f"so the server went on without it; its state goes back to the one after round {kept}, the one "
-            f"the server counts",
-            MissingClientsWarning,
-            stacklevel=find_stack_level(),
-        )
+        warnings.warn(f"numpyro_fed client {built.name!r}: its reply in round {began + 1} came after the server's "
+                      f"timeout, so the server went on without it; its state goes back to the one after round {kept}, "
+                      f"the one the server counts", MissingClientsWarning, stacklevel=find_stack_level())
         if stored.stored_path(context, built.name) is not None:
             stored.store(context, built, slot, kept)
             late = stored.round_path(context, context.run_id, built.name, began + 1)

@@ -69,10 +69,10 @@ _LOCAL_DRAWS = (
     "offered: the draws here are the global sites'"
 )
 _OVER_PLAN = (
-    "{cls}: client(s) {clients} refused a release past their plan of {plan} (the noise is calibrated for that many, "
-    "and a release of a step whose first did not reach the server counts as another); the run stopped there and "
-    "returns no answer. Spent (epsilon at delta={delta:g}, from the releases each made): {spent}. A backend that loses "
-    "fewer messages, or fewer clients per masked sum, avoids repeats"
+    "{cls}: client(s) {clients} refused a release past their plan of {plan} (the noise is calibrated for that many; "
+    "a client asked for another step than the plan has, by a server that deviates or after its own state was taken "
+    "back over a network, refuses); the run stopped there and returns no answer. Spent (epsilon at delta={delta:g}, "
+    "from the releases each made): {spent}"
 )
 _CLIPPED = (
     "{cls}: client(s) {clients} clipped {rows} row log-likelihood ratio(s) in all (|ratio| > clip = {clip:g}): the "

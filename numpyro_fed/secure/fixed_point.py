@@ -13,7 +13,9 @@ vanishes) cannot be written in the ring; it travels as a count in a second word 
 counts each kind. The decoded sum of an entry is ``+inf`` / ``-inf`` when some clients' terms
 were (and none of the other sign), NaN when signs disagree or some term was NaN, and the exact
 fixed-point sum otherwise, as a floating-point sum would be. A *finite* term beyond ``LIMIT / J``
-is refused on the client (:class:`OutOfRangeError`, naming the field), never sent as infinite.
+is refused on the client (:class:`OutOfRangeError`, naming the field), never sent as infinite,
+unless the algorithm that sends it says that its huge values mean infinite (:func:`saturate`:
+federated NUTS's energies on a divergent leaf).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import numpy as np
 
 __all__ = ["FRACTION_BITS", "LIMIT", "OutOfRangeError", "decode_message", "encode_message", "fixed_point_sum",
-           "sums_like", "word_count"]
+           "saturate", "sums_like", "word_count"]
 
 FRACTION_BITS = 24
 """Bits after the binary point: terms are rounded to multiples of ``2**-24`` (about ``6e-8``)."""
@@ -36,6 +38,16 @@ _SCALE = float(2 ** FRACTION_BITS)
 
 class OutOfRangeError(ValueError):
     """A finite term a client would sum by masking lies beyond the ring's range (``LIMIT / J``)."""
+
+
+def saturate(x, num_clients: int):
+    """``x`` with its finite entries beyond the ring's range (``LIMIT / J``) as the infinities of
+    their sign: for a term whose huge values mean infinite (a divergent trajectory's energies),
+    chosen by the algorithm that sends it, so that :func:`encode_message` need not refuse them."""
+    import jax.numpy as jnp
+
+    bound = LIMIT / max(int(num_clients), 1)
+    return jnp.where(jnp.isfinite(x) & (jnp.abs(x) >= bound), jnp.sign(x) * jnp.inf, x)
 
 
 def _dtype(leaf) -> np.dtype:
