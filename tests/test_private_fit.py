@@ -115,9 +115,10 @@ def test_fit_under_dp_spends_its_budget_over_both_stages_and_refuses_what_it_can
 
 def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered(capsys):
     """20,000 patients over four clients, the releases summed by pairwise masking (each client adding
-    the whole noise): at epsilon 4 the answer's 90 % interval covers the analytic mean, its mean
-    within one sd of it and its sd within 20 %; at epsilon 0.5 the sampler's chains cannot move, and
-    the answer is the start, with a warning that says so."""
+    the whole noise): at epsilon 4 the answer's 90 % interval covers the analytic mean and its mean
+    is within one sd of it; its sd is the posterior's within 20 % where the sampler answered, and no
+    narrower where the start did (its covariance carries the noise); at epsilon 0.5 the sampler's
+    chains cannot move, and the answer is the start, with a warning that says so."""
     clients, mean, sd = hierarchy(20000)
     plan = nf.dp.PrivateFit(start_clip=3.0)
     kw = dict(dp=plan, exact=True, secure_aggregation="masking", num_warmup=200, num_samples=500, progress_bar=False)
@@ -130,7 +131,11 @@ def test_fit_under_dp_answers_near_the_posterior_and_says_which_stage_answered(c
     assert good.method in capsys.readouterr().out
     draws = np.asarray(good.get_samples()["mu"])
     assert np.quantile(draws, 0.05) < mean < np.quantile(draws, 0.95)
-    assert abs(draws.mean() - mean) < 1.0 * sd and abs(draws.std() / sd - 1) < 0.2
+    assert abs(draws.mean() - mean) < 1.0 * sd
+    if good.method == "dp_metropolis":
+        assert abs(draws.std() / sd - 1) < 0.2
+    else:
+        assert draws.std() / sd > 0.8 and any(line.startswith("private: the privacy noise adds") for line in good.log)
     with pytest.warns(nf.warnings.UnreliableFitWarning, match="verdict is .*The answer is the private start"):
         poor = nf.fit(nf.dp_noise(patients, clip=0.02, delta=DELTA, epsilon=0.5), clients, jax.random.PRNGKey(0),
                       **kw)

@@ -18,7 +18,7 @@ composed with ``dp-accounting``:
    Statistics and Computing 29).
 
 With ``secure_aggregation=`` the releases of every stage are summed before the server (pairwise
-masking or a trusted aggregator) and each client adds its share of the noise. The answer is the
+masking or a trusted aggregator); each client still adds the whole noise. The answer is the
 sampler's where its verdict is ``"ok"``; where it is not (its chains did not mix, or a clip bound,
 so that they sampled the posterior of clipped ratios) the answer is the start, with a warning that
 says so (the sampler's own check names the clients whose clips bound).
@@ -61,8 +61,8 @@ _NOT_OK = (
     "nf.fit(dp=...): the exact DP sampler's verdict is {status!r} ({why}): with clip {clip:g} and sigma/C {nm:.4g} its "
     "chains either did not mix (the noise it corrects for leaves too few accepted moves) or sampled the posterior of "
     "clipped ratios. The answer is the private start, a Laplace approximation that is not checked against the "
-    "posterior (the budget is spent either way; Fit.results holds both runs). More epsilon, secure_aggregation= (the "
-    "noise shared among clients) or more rows per client help the sampler")
+    "posterior, whose covariance carries the privacy noise (the budget is spent either way; Fit.results holds both "
+    "runs). More epsilon or more rows per client help the sampler")
 
 _UNSEEN = ("; over a network backend each client's count of clipped rows stays on its node, so whether the start's "
            "clip bound is not known here")
