@@ -249,6 +249,19 @@ MASKED_FAMILIES = {f.__name__: f for f in (laplace_masking, pvi_dp_masking, dp_l
                                            nuts_masking, fit_masking, fit_dp_masking)}
 
 
+def _dp_laplace(epsilon, clip):
+    from numpyro_fed.dp.dp_laplace import DPLaplace
+
+    return DPLaplace(nf.dp_noise(hierarchical, clip=clip, delta=1e-3, epsilon=epsilon), num_steps=4), horizontal_data()
+
+
+#: the private Laplace fit at epsilon 1.5 as a user asks for it, and as a deviating server might announce it
+#: instead (weaker noise; a larger clip): what a node's own privacy settings admit or refuse
+NODE_PRIVACY_FAMILIES = {"dp_laplace_eps15": lambda: _dp_laplace(1.5, 20.0),
+                         "dp_laplace_weak_noise": lambda: _dp_laplace(200.0, 20.0),
+                         "dp_laplace_wide_clip": lambda: _dp_laplace(1.5, 500.0)}
+
+
 def run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords)."""
     options.setdefault("progress_bar", False)

@@ -1,11 +1,11 @@
 """Flower tasks for tests/test_flower.py (copied into the Flower app folder with
 families.py): each family of tests/families.py, its clients one per SuperNode."""
 
-from families import DP_FAMILIES, FAMILIES, FIT_FAMILIES, MASKED_FAMILIES, MCMC_FAMILIES
+from families import DP_FAMILIES, FAMILIES, FIT_FAMILIES, MASKED_FAMILIES, MCMC_FAMILIES, NODE_PRIVACY_FAMILIES
 
 from numpyro_fed.flower import FlowerTask
 
-ALL = {**FAMILIES, **DP_FAMILIES, **MCMC_FAMILIES, **FIT_FAMILIES, **MASKED_FAMILIES}
+ALL = {**FAMILIES, **DP_FAMILIES, **MCMC_FAMILIES, **FIT_FAMILIES, **MASKED_FAMILIES, **NODE_PRIVACY_FAMILIES}
 
 
 def _task(name):

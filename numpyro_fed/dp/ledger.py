@@ -203,14 +203,15 @@ class PrivacyLedger:
             self._charge(client, events, run, settle)
             self._write()
 
-    def _charge(self, client: str, events: Sequence[Event], run: str, settle: bool) -> None:
+    def _charge(self, client: str, events: Sequence[Event], run: str, settle: bool,
+                opened: Optional[str] = None) -> str:
         key = self._key(client)
         runs = self.runs.setdefault(key, [])
         names = self.names.setdefault(key, [])
         if str(client) not in names:
             names.append(str(client))
         entry = {"run": str(run), "events": [[float(nm), int(c), float(r)] for nm, c, r in events]}
-        opened = self._open.pop(key, None) if settle else None
+        opened = (self._open.pop(key, None) if opened is None else opened) if settle else None
         kept = [i for i, r in enumerate(runs) if opened is not None and r.get("id") == opened]
         if kept:
             runs[kept[0]] = entry
@@ -219,25 +220,30 @@ class PrivacyLedger:
         if not settle:
             entry["id"] = uuid.uuid4().hex
             self._open[key] = entry["id"]
+        return entry.get("id", "")
 
     def _write(self) -> None:
         if self.path is not None:
             self._save(self.path)
 
-    def open_run(self, cls: str, planned: Mapping[str, Sequence[Event]], label: str) -> None:
+    def open_run(self, cls: str, planned: Mapping[str, Sequence[Event]], label: str) -> Dict[str, str]:
         """Before a run: :meth:`check` its planned releases, then charge them (a run that fails
-        midway stays charged, as an upper bound); under the file's lock, the file read again first."""
+        midway stays charged, as an upper bound); under the file's lock, the file read again first.
+        Returns each client's charge id (:meth:`close_run` settles by them from another process)."""
         with self._locked():
             self.check(cls, planned)
-            for client, events in planned.items():
-                self._charge(client, events, f"{label} planned (unfinished)", False)
+            ids = {client: self._charge(client, events, f"{label} planned (unfinished)", False)
+                   for client, events in planned.items()}
             self._write()
+        return ids
 
-    def close_run(self, actual: Mapping[str, Sequence[Event]], label: str) -> None:
-        """After a run: its actual releases replace the planned ones :meth:`open_run` charged."""
+    def close_run(self, actual: Mapping[str, Sequence[Event]], label: str,
+                  ids: Optional[Mapping[str, str]] = None) -> None:
+        """After a run: its actual releases replace the planned ones :meth:`open_run` charged
+        (``ids``: its charge ids, where another ledger object opened the run)."""
         with self._locked():
             for client, events in actual.items():
-                self._charge(client, events, label, True)
+                self._charge(client, events, label, True, None if ids is None else ids.get(client))
             self._write()
 
     # ------------------------------------------------------------------ file

@@ -364,6 +364,18 @@ class DPPlan:
             raise ValueError(_BUDGET_SPENT.format(cls=cls, eps=spec.epsilon, delta=spec.delta, rounds=self.rounds,
                                                   planned=planned, clients=_few(spent)))
 
+    def planned(self, names, num_rounds: int) -> Dict[str, list]:
+        """Per client, the releases a run of ``num_rounds`` rounds plans, as ``[(sigma / C, releases, rate)]``."""
+        return planned_events(self.privacy, names, self.schedule, num_rounds)
+
+    def release_cap(self, num_clients: int, num_rounds: int) -> int:
+        """The most updates one client sends in the run (the count its state's ``releases`` keeps)."""
+        return planned_releases(self.schedule, num_rounds, num_clients)
+
+    @property
+    def clip(self) -> float:
+        return float(self.privacy.spec.clip)
+
     def before_start(self, cls: str, names, num_rounds: int) -> None:
         """(After the set-up, before any round.) With a :class:`~numpyro_fed.dp.ledger.PrivacyLedger`
         given to this run: refuse it when its planned releases would take a client past its
@@ -373,7 +385,7 @@ class DPPlan:
         if self.privacy is None:
             raise ValueError(f"{cls}.run(ledger=...): the ledger accounts a differentially private fit, and this "
                              f"{cls} is not one (no dp=, no dp_noise)")
-        self.ledger.open_run(cls, planned_events(self.privacy, names, self.schedule, num_rounds),
+        self.ledger.open_run(cls, self.planned(names, num_rounds),
                              f"{cls}, {self.privacy.label}, {num_rounds} rounds")
 
     def after_run(self, cls: str, names, result) -> None:

@@ -52,14 +52,16 @@ import jax
 import numpy as np
 from jax import random
 
+from ..dp.ledger import fingerprint
 from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
 from ..warnings import MissingClientsWarning, UncheckedFitWarning, find_stack_level
-from . import masking
+from . import masking, node_privacy
 from . import node_store as stored
+from .aggregator import aggregate
 from .node_store import STATE_DIR_KEY
 from .runtime.stream import Frame, FrameError, FrameReply
-from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, open_sealed, seal, split_leaves
+from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, seal
 from .task import build, load_task, own_groups_of
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
@@ -70,10 +72,9 @@ __all__ = ["client_key", "make_client_app"]
 SEED_KEY = "numpyro-fed-seed"
 #: node_config key, a testing aid for fault-tolerance studies: ``"STEP:ROUND"`` makes this node
 #: fail its message of that step in that round (1-based) as a client that crashed there, e.g.
-#: ``"exchange:3"`` (its step of round 3) or ``"mask_unmask:2"`` (its unmasking shares of round 2)
+#: ``"exchange:3"`` (its step of round 3) or ``"mask_unmask:2"`` (its unmasking shares of round 2);
+#: several, comma-separated (``"exchange:2,exchange:3"``), fail each
 FAULT_KEY = "numpyro-fed-fault"
-# the simulation's secure sum (backends.simulation.aggregate_messages)
-_SUM = jax.jit(lambda x: jax.numpy.sum(x, axis=0))
 
 
 class _Built(NamedTuple):
@@ -87,6 +88,7 @@ class _Built(NamedTuple):
     structures: Any
     steps: tuple
     checkpoint_every: int  # the server's checkpoint period (0: none), from the set-up
+    identity: str  # a fingerprint of the node's own rows (its own ledger keeps its spend under it)
 
 
 _BUILT: Dict[tuple, _Built] = {}  # (run id, set-up text) -> what this process rebuilt
@@ -153,8 +155,17 @@ def _built(context) -> _Built:
                 f"this node's config ({PIN_KEY}); refusing to seal for it"
             )
         _BUILT[key] = _Built(j, str(own[0]), agg, inference, s, s.algorithm, data[j], structures, steps,
-                             int(spec.get("checkpoint_every", 0)))
+                             int(spec.get("checkpoint_every", 0)), fingerprint(own[1]))
     return _BUILT[key]
+
+
+def _admitted(context) -> _Built:
+    """The algorithm as built, once the node's own privacy settings admit the run (:mod:`.node_privacy`)."""
+    built = _built(context)
+    spec = json.loads(str(context.state["nf.setup"]["text"]))
+    node_privacy.admit(context, built.name, built.identity, built.inference, len(built.structures.client_states),
+                       int(spec["num_rounds"]))
+    return built
 
 
 def _reply(message, config: Dict[str, Any] = None, arrays=None):
@@ -212,7 +223,7 @@ def _set_up(message, context) -> None:
 
 def _setup(message, context):
     _set_up(message, context)
-    built = _built(context)
+    built = _admitted(context)
     J = len(parse_template(str(message.content["nf"]["template"])).clients)
     stage = json.loads(str(context.state["nf.setup"]["text"])).get("stage", "")
     fold = json.loads(stage).get("key") if stage else None  # a ladder's rung: its key's fold
@@ -230,7 +241,7 @@ def _resume(message, context):
     then take this site's state after the latest round at or before ``c`` it completed then
     (its state did not change in rounds it missed)."""
     _set_up(message, context)
-    built = _built(context)
+    built = _admitted(context)
     if STATE_DIR_KEY not in context.node_config:
         raise ValueError(f"client {built.name!r} cannot resume: its node keeps no state ({STATE_DIR_KEY})")
     cfg = message.content["nf"]
@@ -255,7 +266,7 @@ def _rejoin(message, context):
     stored after the last round the server received from it (never a fresh one: that would
     silently restart the client's fit; never a later one: the server never saw it)."""
     _set_up(message, context)
-    built = _built(context)
+    built = _admitted(context)
     slot = stored.restore(context, built, int(message.content["nf"]["round"]))
     _put_slot(context, slot)
     _put_rounds(context, int(message.content["nf"]["round"]), -1)
@@ -367,6 +378,7 @@ def _exchange(message, context):
     if e == 0:  # the slot before this round's step: what a take-back returns to
         _put_rounds(context, _rounds(context)["after"], rnd, base=slot)
     slot, out = built.steps[e](slot, broadcast, built.data)
+    node_privacy.check_release(context, built.name, slot.state)  # never past the releases the run was admitted for
     _put_slot(context, slot)
     if e == len(built.algorithm.exchanges) - 1:  # its part of the round is done (a rejoin restarts a round)
         _put_rounds(context, rnd + 1, rnd)
@@ -408,35 +420,8 @@ def _client_value(message, context):
 
 
 def _aggregate(message, context):
-    """The trusted aggregator: open the round's sealed parts (in client order, with the
-    indices the server names), sum them over the clients (zeros for those that did not
-    answer, as the simulation does) and return only the sum."""
-    from flwr.app import ConfigRecord
-
-    cfg, own = message.content["nf"], context.state["nf.aggregator"]
-    rnd, e, J = int(cfg["round"]), int(cfg["exchange"]), int(cfg["num_clients"])
-    indices = [int(j) for j in cfg["indices"]]
-    last = [int(x) for x in own["last"]]
-    if (rnd, e) <= tuple(last):
-        raise ValueError(
-            f"aggregator: round {rnd} exchange {e} after round {last[0]} exchange {last[1]}: refused "
-            f"(a replayed or reordered request)"
-        )
-    if len(set(indices)) != len(indices) or not all(0 <= j < J for j in indices):
-        raise ValueError(f"aggregator: invalid client indices {indices} for {J} clients")
-    blobs = [record.numpy().tobytes() for record in message.content["sealed"].values()]
-    if len(blobs) != len(indices):
-        raise ValueError(f"aggregator: {len(blobs)} sealed parts for {len(indices)} client indices")
-    private = bytes.fromhex(str(own["private"]))
-    parts = {
-        j: split_leaves(open_sealed(private, blob, associated_data(context.run_id, rnd, e, j)))
-        for j, blob in zip(indices, blobs)
-    }
-    first = parts[indices[0]]
-    rows = [parts.get(j, [np.zeros_like(x) for x in first]) for j in range(J)]
-    summed = [np.asarray(_SUM(np.stack(xs))) for xs in zip(*rows)]
-    context.state["nf.aggregator"] = ConfigRecord({"private": own["private"], "last": [rnd, e]})
-    return _reply(message, arrays=to_record(summed))  # the leaves in the order the parts held them
+    """The trusted aggregator's sum of the round's sealed parts (:func:`~numpyro_fed.flower.aggregator.aggregate`)."""
+    return _reply(message, arrays=to_record(aggregate(message, context)))
 
 
 def _mask_step(step):
@@ -463,6 +448,7 @@ def _ledger(message, context):
     built = _built(context)
     _counted(message, context, built)
     state = _slot(built, context).state
+    node_privacy.settle(context, built.name, state)  # the node's own ledger: the releases it made
     ledger = {"releases": np.asarray(state.releases, np.int32)} if hasattr(state, "releases") else {}
     withheld = np.asarray(getattr(state, "withheld", np.zeros(2)))
     if withheld.sum() > 0:
@@ -541,7 +527,7 @@ def _faulted(kind: str, handler):
 
     def run(message, context):
         fault, rnd = context.node_config.get(FAULT_KEY), message.content["nf"].get("round")
-        if fault is not None and rnd is not None and str(fault) == f"{kind}:{int(rnd) + 1}":
+        if fault is not None and rnd is not None and f"{kind}:{int(rnd) + 1}" in str(fault).split(","):
             raise RuntimeError(f"this node's config names this step as a fault ({FAULT_KEY} = {str(fault)!r})")
         return handler(message, context)
 

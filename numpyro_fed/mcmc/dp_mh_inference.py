@@ -374,10 +374,22 @@ class SamplerPrivacy:
         nm = self.sampler.privacy[1]
         return {name: [(nm, int(r), 1.0)] for name, r in releases.items()}
 
+    def planned(self, names, num_rounds: int) -> Dict[str, list]:
+        """Per client, the most releases the run may make (its cap), as ``[(sigma / C, releases, 1)]``."""
+        return self._events({n: self.sampler.releases_per_client for n in names})
+
+    def release_cap(self, num_clients: int, num_rounds: int) -> int:
+        """The most releases one client makes in the run (the count its state's ``releases`` keeps)."""
+        return int(self.sampler.releases_per_client)
+
+    @property
+    def clip(self) -> float:
+        return float(self.sampler.privacy[0].clip)
+
     def before_start(self, cls: str, names, num_rounds: int) -> None:
         if self.ledger is None:
             return
-        self.ledger.open_run(cls, self._events({n: self.sampler.releases_per_client for n in names}),
+        self.ledger.open_run(cls, self.planned(names, num_rounds),
                              f"{cls}, {self.sampler.releases_per_client} releases")
 
     def after_run(self, cls: str, names, result) -> None:
