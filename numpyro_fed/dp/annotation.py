@@ -35,23 +35,28 @@ class DPSpec(NamedTuple):
     ``clip``: the bound ``C`` on one row's contribution (its per-example gradient, or its
     shard's change in natural parameters). Either ``noise_multiplier`` (``sigma / C``) is
     given and the fit reports the epsilon it spends at ``delta``, or ``epsilon`` is given
-    and the noise is calibrated to spend exactly that at ``delta``.
+    and the noise is calibrated to spend exactly that at ``delta``. ``unit``: the
+    ``group_plate`` whose groups are the protected unit (a patient's visits, a ward's
+    patients), or ``None`` (one row).
     """
 
     clip: float
     delta: float
     noise_multiplier: Optional[float] = None
     epsilon: Optional[float] = None
+    unit: Optional[str] = None
 
     def check_rows(self, num_rows: int, client: str) -> None:
-        """``delta`` must be below ``1 / n`` for a client with ``n`` rows (otherwise a
-        mechanism that publishes one random row outright would qualify)."""
+        """``delta`` must be below ``1 / n`` for a client with ``n`` rows, or groups with ``unit``
+        (otherwise a mechanism that publishes one random row outright would qualify)."""
         if not self.delta < 1.0 / num_rows:
-            raise ValueError(f"dp_noise delta={self.delta:g} is not below 1/n = 1/{num_rows} for client '{client}': "
+            what = "rows" if self.unit is None else f"groups of {self.unit!r}"
+            raise ValueError(f"dp_noise delta={self.delta:g} is not below 1/n = 1/{num_rows} for client '{client}' "
+                             f"(n: its {what}): "
                              f"choose delta < {1.0 / num_rows:.3g} (1/n is the usual upper limit; 1e-5 is common)")
 
 
-def _spec(clip, delta, noise_multiplier, epsilon) -> DPSpec:
+def _spec(clip, delta, noise_multiplier, epsilon, unit=None) -> DPSpec:
     def finite(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -66,8 +71,10 @@ def _spec(clip, delta, noise_multiplier, epsilon) -> DPSpec:
         raise ValueError(f"dp_noise noise_multiplier={noise_multiplier!r}: must be a finite number >= 0")
     if epsilon is not None and not (finite(epsilon) and epsilon > 0):
         raise ValueError(f"dp_noise epsilon={epsilon!r}: must be a finite number > 0")
+    if unit is not None and not (isinstance(unit, str) and unit):
+        raise ValueError(f"dp_noise unit={unit!r}: name the group_plate whose groups are the protected unit")
     return DPSpec(float(clip), float(delta), None if noise_multiplier is None else float(noise_multiplier),
-                  None if epsilon is None else float(epsilon))
+                  None if epsilon is None else float(epsilon), unit)
 
 
 def _jacobian_factor(name: str, visited) -> bool:
@@ -88,6 +95,11 @@ class dp_noise(NamedSites):
         sites: names of the observed sites to mark (naming a latent site is an error);
             without it every observed site inside the handler is marked and latent sites
             are left alone.
+        unit: the name of a ``group_plate`` whose groups are the protected unit instead of
+            one row (user-level privacy: all of a group's rows, and its local effects, are one
+            term, clipped as one; neighbouring data sets differ in one whole group). ``clip``
+            then bounds a group's term, and ``delta`` must be below ``1 / G`` for ``G`` groups
+            per client. Supported by the private Laplace fit (``nf.fit(dp=...)``'s default).
 
     Examples:
         >>> import numpyro, numpyro.distributions as dist
@@ -105,8 +117,8 @@ class dp_noise(NamedSites):
 
     def __init__(self, fn: Optional[Callable] = None, *, clip: float, delta: float,
                  noise_multiplier: Optional[float] = None, epsilon: Optional[float] = None,
-                 sites: Union[None, str, Iterable[str]] = None) -> None:
-        self.spec = _spec(clip, delta, noise_multiplier, epsilon)
+                 sites: Union[None, str, Iterable[str]] = None, unit: Optional[str] = None) -> None:
+        self.spec = _spec(clip, delta, noise_multiplier, epsilon, unit)
         super().__init__(fn, sites=sites)
 
     def process_message(self, msg):

@@ -53,6 +53,7 @@ from .._trace import prior_median
 from .._validation import check_positive_int
 from ..backends.mapping import client_data
 from ..check import Verdict, register_check
+from ..groups import size_group_plates
 from ..inference import FederatedInference, Setup, fitted
 from ..model_terms import TermsSetup
 from ..params import GaussianParams
@@ -86,7 +87,7 @@ _UNCHECKED = (
     "can be off without a sign: check the same model on non-private or synthetic data of the same shape"
 )
 _CLIPPED = (
-    "DPLaplace: client(s) {clients} clipped {rows} row term(s) in the last round (|(gradient, Hessian)| > clip = "
+    "DPLaplace: client(s) {clients} clipped {rows} {unit} term(s) in the last round (|(gradient, Hessian)| > clip = "
     "{clip:g}): the approximation is then of the clipped terms, shrunk towards the prior. Raise that clip (more noise "
     "for the same epsilon): dp_noise(clip=...) of the model, or under nf.fit(dp=...) the private start's own "
     "nf.dp.PrivateFit(start_clip=...)"
@@ -153,13 +154,13 @@ def _row_newton(row_joint, u, v, data, index, k: int, mask):
     return v.at[index].add(-step), h
 
 
-def _terms(row_term: Callable, locals_index, u, v, data):
-    """``(rows,)`` each row's term at ``u`` (its local modes ``v`` held fixed): its log-likelihood,
-    or with local latents its Laplace marginal."""
+def _terms(row_term: Callable, locals_index, u, v, data, mask):
+    """``(rows,)`` each row's (or group's) term at ``u`` (its local modes ``v`` held fixed): its
+    log-likelihood, or with local latents its Laplace marginal."""
     if locals_index is None:
         return row_term(u, data)
     index = jnp.asarray(locals_index)
-    k, mask = index.shape[1], data.row_mask
+    k = index.shape[1]
     v1, _ = _row_newton(row_term, u, v, data, index, k, mask)  # at the mode: the implicit derivative
     # the curvature at (u, v1(u)): its log-determinant moves with the mode as well
     h = _row_blocks(lambda x: jnp.sum(row_term(u, x, data)), v1, index, k)
@@ -169,35 +170,35 @@ def _terms(row_term: Callable, locals_index, u, v, data):
 
 
 def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *, row_term: Callable,
-                 config: DPLaplaceConfig, locals_index):
-    """The client's release: its rows' clipped ``(gradient, Hessian)`` vectors summed, noised from its key."""
+                 config: DPLaplaceConfig, locals_index, mask_of: Callable):
+    """The client's release: its rows' (or groups') clipped ``(gradient, Hessian)`` vectors summed,
+    noised from its key."""
     u = broadcast.shared["u"]
-    v = state.v
+    v, mask = state.v, mask_of(data)
     if locals_index is not None:
         index = jnp.asarray(locals_index)
 
         def inner(x, _):
-            return jax.lax.stop_gradient(_row_newton(row_term, u, x, data, index, index.shape[1],
-                                                     data.row_mask)[0]), None
+            return jax.lax.stop_gradient(_row_newton(row_term, u, x, data, index, index.shape[1], mask)[0]), None
 
         v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
-    terms = partial(_terms, row_term, locals_index, v=v, data=data)
+    terms = partial(_terms, row_term, locals_index, v=v, data=data, mask=mask)
     d = u.shape[0]
     rows_u, cols_u = _upper(d)
     g = jax.jacfwd(terms)(u)  # (rows, d)
     h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
     z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
-    z = jnp.where(jnp.isfinite(z), z, 0.0) * (data.row_mask[:, None] > 0)
+    z = jnp.where(jnp.isfinite(z), z, 0.0) * (mask[:, None] > 0)
     norm = jnp.linalg.norm(z, axis=1)
     clipped = norm > config.clip
     z = z * jnp.minimum(1.0, config.clip / jnp.maximum(norm, 1e-30))[:, None]
     released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], u.dtype)
-    new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (data.row_mask > 0)).astype(jnp.int32), v)
+    new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (mask > 0)).astype(jnp.int32), v)
     return new, {"z": released}
 
 
 def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start, *, config: DPLaplaceConfig,
-               locals_index=None) -> FederatedAlgorithm:
+               locals_index=None, mask_of: Optional[Callable] = None) -> FederatedAlgorithm:
     """Build the pure functions (see the module docstring).
 
     Args:
@@ -208,7 +209,11 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
         start: ``(d,)`` the first point (public).
         config: :class:`DPLaplaceConfig`.
         locals_index: ``(rows, k)`` the entries of ``v`` of each row (``None``: no local latents).
+        mask_of: ``data -> (rows,)`` 1 on a client's real terms (default: its ``row_mask``); with
+            a group as the protected unit (``dp_noise(unit=)``), ``row_term`` and ``locals_index``
+            are per group and this marks the client's real groups.
     """
+    mask_of = mask_of or (lambda data: data.row_mask)
     start = jnp.asarray(start)
     d, dtype = start.shape[0], start.dtype
     rows_u, cols_u = _upper(d)
@@ -216,7 +221,8 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     prior_floor = jnp.minimum(jnp.min(jnp.abs(jnp.linalg.eigvalsh(-jax.hessian(log_prior)(start)))), 1.0)
     prior_floor = jnp.maximum(prior_floor, 1e-4)
 
-    client_step = partial(_client_step, row_term=row_term, config=config, locals_index=locals_index)
+    client_step = partial(_client_step, row_term=row_term, config=config, locals_index=locals_index,
+                          mask_of=mask_of)
 
     def init_server(rng_key):
         del rng_key
@@ -290,6 +296,7 @@ class DPLaplace(FederatedInference):
 
     method = "dp_laplace"
     setup_extra = TermsSetup
+    _size_group_plates = size_group_plates
     params_type = GaussianParams
     family_run_options = ("ledger",)
 
@@ -321,7 +328,7 @@ class DPLaplace(FederatedInference):
         return num_rounds
 
     def _build(self, clients) -> Setup:
-        from ..mcmc.dp_mh_inference import row_locals, row_terms
+        from ..mcmc.dp_mh_inference import row_locals, row_terms, unit_locals, unit_mask
 
         terms = row_terms("DPLaplace", self.model, self.model_kwargs, clients, self.row_plate, self.num_steps, _NO_DP,
                           _LOCALS)
@@ -329,7 +336,9 @@ class DPLaplace(FederatedInference):
         self.privacy = (spec, nm)
         plan, layout = setup.plan, setup.extra.structure.global_latent
         index = None
-        if local is not None:
+        if local is not None and terms.unit is not None:  # a group's own effects: its block
+            index = unit_locals(local, terms.unit)
+        elif local is not None:
             padded = client_data(plan, 0).row_mask.shape[0]
             row_of = np.asarray(row_locals(local, padded, padded).row_of)
             counts = np.bincount(row_of, minlength=padded)
@@ -342,7 +351,7 @@ class DPLaplace(FederatedInference):
         config = DPLaplaceConfig(self.num_steps, float(spec.clip), float(nm * spec.clip),
                                  self.secure_aggregation)
         algorithm = dp_laplace(setup.extra.terms.log_prior, row_term, len(clients), start, config=config,
-                               locals_index=index)
+                               locals_index=index, mask_of=unit_mask(terms.unit))
         d = start.shape[0]
         message = {"z": jax.ShapeDtypeStruct((d + d * (d + 1) // 2,), start.dtype)}
         return setup._replace(algorithm=capped_releases(algorithm, len(clients), message, cap=self.num_steps))
@@ -399,8 +408,9 @@ def dp_laplace_check(inference: DPLaplace, result: RunResult) -> Verdict:
     bad = [n for n, c in clipped.items() if c > 0]
     if bad:
         spec = inference.privacy[0]
-        warnings.warn(_CLIPPED.format(clients=bad, rows=sum(clipped.values()), clip=spec.clip), UnreliableFitWarning,
-                      stacklevel=find_stack_level())
-        return Verdict("biased", "none", f"{sum(clipped.values())} row terms were clipped in the last round")
+        unit = "row" if spec.unit is None else f"group ({spec.unit})"
+        warnings.warn(_CLIPPED.format(clients=bad, rows=sum(clipped.values()), clip=spec.clip, unit=unit),
+                      UnreliableFitWarning, stacklevel=find_stack_level())
+        return Verdict("biased", "none", f"{sum(clipped.values())} {unit} terms were clipped in the last round")
     warnings.warn(_UNCHECKED, UncheckedFitWarning, stacklevel=find_stack_level())
     return Verdict("unchecked", "none", "a private fit is not checked against the posterior (no clip bound)")

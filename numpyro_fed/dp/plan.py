@@ -164,6 +164,9 @@ def plan_privacy(dp_plan: DPPlan, model, clients, model_kwargs) -> Privacy:
         raise ValueError(f"dp_noise marks {sorted(specs)} with different settings; one row is one individual, so "
                          f"mark them with one dp_noise")
     spec = next(iter(specs.values()))
+    if spec.unit is not None:
+        raise ValueError(f"dp={dp!r} protects rows, and dp_noise(unit={spec.unit!r}) protects groups: the private "
+                         f"Laplace fit (nf.fit(dp=...), exact=False) takes a group as the unit")
     rows = clients.num_rows
     for name in clients.names:
         spec.check_rows(rows[name], name)

@@ -191,6 +191,10 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     plan = PrivateFit(*plan).checked()
     model_kwargs = dict(model_kwargs or {})
     spec = marked_spec(model, clients, model_kwargs, plan)
+    if exact and spec.unit is not None:  # refused before any release
+        raise ValueError(f"nf.fit(dp=..., exact=True): the exact DP sampler protects rows, and dp_noise(unit="
+                         f"{spec.unit!r}) protects groups; the private Laplace fit (exact=False) takes a group as the "
+                         f"unit")
     other = sorted(set(rung_options) - set(_OWN))
     if other:
         raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
@@ -206,7 +210,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     ledger = run_options.pop("ledger", None)
     names = list(clients.names)
     share, start_clip = plan.start_share if exact else 1.0, spec.clip if plan.start_clip is None else plan.start_clip
-    start_spec = DPSpec(float(start_clip), spec.delta, epsilon=spec.epsilon * share)
+    start_spec = DPSpec(float(start_clip), spec.delta, epsilon=spec.epsilon * share, unit=spec.unit)
     start = rung(stage_text("dp_laplace", start_spec, num_steps=plan.start_rounds))
     chains = 2 if num_chains is None else int(num_chains)
     warmup = default_warmup if num_warmup is None else int(num_warmup)
@@ -229,12 +233,14 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
                f"{first.verdict.status}")
     if not exact:  # the approximate answer at the whole budget (as nf.fit's Laplace rung, unchecked)
         log.append(noise_text(start, first))
-        privacy = _report(start.dp_plan.events(names, first), f"DPLaplace ({plan.start_rounds} rounds)", spec.delta,
-                          nm_start)
+        unit = "" if spec.unit is None else f", protected unit: one group of {spec.unit!r}"
+        privacy = _report(start.dp_plan.events(names, first), f"DPLaplace ({plan.start_rounds} rounds{unit})",
+                          spec.delta, nm_start)
         return Fit("dp_laplace", start, first, int(first.communication.rounds), traffic(first), None, log,
                    num_samples=int(num_samples), clients=None if network else clients, results=[first],
                    privacy=privacy)
-    sampler = rung(stage_text("dp_metropolis", DPSpec(spec.clip, spec.delta, noise_multiplier=nm), num_warmup=warmup,
+    sampler = rung(stage_text("dp_metropolis", DPSpec(spec.clip, spec.delta, noise_multiplier=nm, unit=spec.unit),
+                              num_warmup=warmup,
                               num_samples=int(num_samples), num_chains=chains, mean=mean.tolist(), cov=cov.tolist()))
     sampler.progress_bar = sampler.progress_bar if progress_bar is None else bool(progress_bar)
     k_sampler = jax.random.fold_in(rng_key, STAGE_KEYS["dp_metropolis"])

@@ -81,6 +81,21 @@ _CLIPPED = (
 )
 
 
+_UNIT = (
+    "DPMetropolis protects rows, and dp_noise(unit={unit!r}) protects groups: the private Laplace fit "
+    "(nf.fit(dp=...) with exact=False, its default) takes a group as the unit"
+)
+_NOT_IN_UNIT = (
+    "dp_noise(unit={unit!r}) protects each group of that plate as one term, and local site(s) {names} are in "
+    "neither the row plate nor group_plate({unit!r}): such a latent joins several groups' terms, which no clip of a "
+    "group's term bounds. Put them in group_plate({unit!r}) (a group's own effects)"
+)
+_OUTSIDE_UNIT = (
+    "observed site '{name}' is in neither the row plate '{plate}' nor group_plate('{unit}'): each group's term sums "
+    "its rows' log densities, so every observed site must be in one of them"
+)
+
+
 class RowTerms(NamedTuple):
     """What a per-row private family builds from a ``dp_noise``-marked model (:func:`row_terms`)."""
 
@@ -88,14 +103,17 @@ class RowTerms(NamedTuple):
     noise_multiplier: float  # sigma / C, calibrated to the spec's epsilon for the releases, or given
     setup: Setup  # the clients' layout and the model's terms (no algorithm yet)
     local: Any  # the local latents' layout, or None
-    row_term: Callable  # (u, data) -> (rows,), or (u, v, data) -> (rows,) with local latents
+    row_term: Callable  # (u, data) -> (units,), or (u, v, data) -> (units,) with local latents
+    unit: Optional[Tuple[str, str, int]] = None  # dp_noise(unit=): (group plate, codes argument, groups); None: rows
 
 
 def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate: Optional[str], releases: int,
               no_dp: str, shared_locals: str) -> RowTerms:
     """Check a ``dp_noise``-marked model for a family that clips each row's term (one spec; local
     latents, if any, in the row plate; ``delta`` below ``1/n``), lay the clients out, plan the noise
-    for ``releases`` releases per client, and build each row's term."""
+    for ``releases`` releases per client, and build each row's term. With ``dp_noise(unit=plate)``
+    the protected unit is a group of that ``group_plate``: each term is a group's (its rows' and its
+    local latents' together; local latents in the row plate or that plate)."""
     first = clients.names[0]
     tr = trace_model(model, clients[first], model_kwargs)
     specs = dp_sites(tr)
@@ -108,10 +126,17 @@ def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate:
                               row_plate=marked_row_plate(row_plate, tr, clients.num_rows[first]),
                               prior_factor="none", offers_dp=True)
     local = extra.terms.local if extra.terms.num_local else None
-    if local is not None and any(axis is None for axis in local.row_axes):
-        raise ValueError(shared_locals.format(names=[n for n, a in zip(local.names, local.row_axes) if a is None]))
+    unit = protected_unit(model, spec)
+    if local is not None:
+        groups = local.group_axes or ((),) * len(local.names)
+        shared = [n for n, a, g in zip(local.names, local.row_axes, groups)
+                  if a is None and not (unit and any(p == unit[0] for p, _, _ in g))]
+        if shared:
+            raise ValueError(shared_locals.format(names=shared) if unit is None else _NOT_IN_UNIT.format(
+                names=shared, unit=unit[0]))
     for name in clients.names:
-        spec.check_rows(clients.num_rows[name], name)
+        spec.check_rows(clients.num_rows[name] if unit is None else
+                        int(np.max(np.asarray(clients[name][unit[1]]))) + 1, name)
     row_plate = plan.row_plate or extra.structure.row_plate or row_plate
     if row_plate is None:
         raise ValueError(f"{cls}: name the plate that indexes rows (row_plate=...)")
@@ -119,8 +144,32 @@ def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate:
           else float(spec.noise_multiplier))
     setup = Setup(clients, None, plan, extra, {})
     supports = site_supports(model, model_kwargs, setup, client_data(plan, 0).args)
-    row_term = row_log_lik_fn(model, model_kwargs, extra.structure.global_latent, supports, row_plate, local)
-    return RowTerms(spec, nm, setup, local, row_term)
+    row_term = row_log_lik_fn(model, model_kwargs, extra.structure.global_latent, supports, row_plate, local, unit)
+    return RowTerms(spec, nm, setup, local, row_term, unit)
+
+
+def protected_unit(model: Callable, spec) -> Optional[Tuple[str, str, int]]:
+    """``dp_noise(unit=plate)``'s ``(plate, codes argument, groups)`` (groups: the largest client's,
+    the others' padded); ``None``: the unit is one row."""
+    if getattr(spec, "unit", None) is None:
+        return None
+    sizes, args = getattr(model, "group_sizes", {}), getattr(model, "group_args", {})
+    if spec.unit not in sizes:
+        raise ValueError(f"dp_noise(unit={spec.unit!r}): the model has no group_plate of that name (its group "
+                         f"plates: {sorted(sizes)}); name the nf.group_plate whose groups are the protected unit")
+    return spec.unit, args[spec.unit], int(sizes[spec.unit])
+
+
+def unit_mask(unit: Optional[Tuple[str, str, int]]) -> Callable:
+    """``data -> (units,)``: 1 on a client's real rows (or, with ``unit``, its real groups), 0 on padding."""
+    if unit is None:
+        return lambda data: data.row_mask
+
+    def groups(data):
+        codes = jnp.where(data.row_mask > 0, jnp.asarray(data.args[unit[1]]), -1)
+        return (jnp.arange(unit[2]) <= jnp.max(codes)).astype(data.row_mask.dtype)
+
+    return groups
 
 
 def marked_row_plate(row_plate: Optional[str], tr, num_rows: int) -> Optional[str]:
@@ -136,6 +185,27 @@ def marked_row_plate(row_plate: Optional[str], tr, num_rows: int) -> Optional[st
     return next(iter(plates)) if len(plates) == 1 else None
 
 
+def unit_locals(local, unit: Tuple[str, str, int]) -> np.ndarray:
+    """``(groups, k)``: the entries of a client's flat locals that belong to each group of ``unit``
+    (a local site in the row plate belongs to its row's group, which the data say: refused here,
+    the private Laplace fit takes a group's effects in the group plate)."""
+    index = local.unravel(jnp.arange(local.size, dtype=jnp.float32))
+    unit_of = np.full(local.size, -1, np.int64)
+    for name, axes in zip(local.names, local.group_axes or ((),) * len(local.names)):
+        axis = next((a for p, a, _ in axes if p == unit[0]), None)
+        if axis is None:
+            raise ValueError(f"dp_noise(unit={unit[0]!r}): local site '{name}' is not in group_plate({unit[0]!r}); "
+                             f"with a group as the unit the private Laplace fit takes a group's own effects there")
+        entries = np.moveaxis(np.asarray(index[name]).astype(np.int64), axis, 0)
+        for g in range(entries.shape[0]):
+            unit_of[np.ravel(entries[g])] = g
+    counts = np.bincount(unit_of, minlength=unit[2])
+    if len(set(counts.tolist())) != 1:
+        raise ValueError(f"dp_noise(unit={unit[0]!r}): the groups hold different numbers of local entries "
+                         f"({sorted(set(counts.tolist()))}); every group's local latents must have the same shape")
+    return np.stack([np.flatnonzero(unit_of == g) for g in range(unit[2])])
+
+
 def row_locals(local, num_rows: int, padded_rows: int) -> RowLocals:
     """The row of each entry of a client's flat locals (every local site has a row axis)."""
     del num_rows
@@ -148,6 +218,19 @@ def row_locals(local, num_rows: int, padded_rows: int) -> RowLocals:
     return RowLocals(jnp.asarray(row_of), int(padded_rows))
 
 
+def _per_unit(lp, site, row_plate: str, unit: Tuple[str, str, int], data, name: str):
+    """``(groups,)`` a site's log density summed within each group of ``unit``: by its rows' codes
+    (a site in the row plate; padded rows left out) or along the group plate itself."""
+    if any(f.name == row_plate for f in site["cond_indep_stack"]):
+        rows = jnp.where(data.row_mask > 0, _per_row(lp, site, row_plate, name), 0.0)
+        return jax.ops.segment_sum(rows, jnp.asarray(data.args[unit[1]]), unit[2])
+    frames = [f for f in site["cond_indep_stack"] if f.name == unit[0]]
+    if not frames:
+        raise ValueError(_OUTSIDE_UNIT.format(name=name, plate=row_plate, unit=unit[0]))
+    lp = jnp.moveaxis(jnp.broadcast_to(lp, tuple(site["fn"].batch_shape)), frames[0].dim, 0)
+    return jnp.sum(jnp.reshape(lp, (lp.shape[0], -1)), axis=1)
+
+
 def _per_row(lp, site, row_plate: str, name: str):
     frames = [f for f in site["cond_indep_stack"] if f.name == row_plate]
     if not frames:
@@ -157,12 +240,14 @@ def _per_row(lp, site, row_plate: str, name: str):
 
 
 def row_log_lik_fn(model: Callable, model_kwargs: Dict, layout, supports, row_plate: str,
-                   local=None) -> Callable:
+                   local=None, unit: Optional[Tuple[str, str, int]] = None) -> Callable:
     """``(u, data) -> (rows,)``: each row's log-likelihood (every observed site's log density,
     summed over the row's entries) at the flat unconstrained global sites ``u``; padded rows 0.
     With ``local`` (the local sites' layout, every one in the row plate): ``(u, v, data) ->
     (rows,)``, each row's joint term with its local latents ``v`` (their log densities and
-    Jacobians added)."""
+    Jacobians added). With ``unit`` (:func:`protected_unit`): ``(groups,)``, each group's term,
+    its rows' summed by their codes and its local latents' (in that group plate) added."""
+    mask_of = unit_mask(unit)
 
     def row_joint(u, v, data):
         values = {k: biject_to(supports[k])(x) for k, x in layout.unravel(u).items()}
@@ -181,8 +266,9 @@ def row_log_lik_fn(model: Callable, model_kwargs: Dict, layout, supports, row_pl
             if name in ladj:  # the Jacobian, summed over the site's event dimensions
                 j = ladj[name]
                 lp = lp + sum_rightmost(j, jnp.ndim(j) - jnp.ndim(site["value"]) + len(site["fn"].event_shape))
-            total = total + _per_row(lp, site, row_plate, name)
-        mask = data.row_mask if data.row_mask is not None else jnp.ones_like(total)
+            total = total + (_per_row(lp, site, row_plate, name) if unit is None else
+                             _per_unit(lp, site, row_plate, unit, data, name))
+        mask = mask_of(data) if data.row_mask is not None else jnp.ones_like(total)
         return jnp.where(mask > 0, total, 0.0)
 
     if local is not None:
@@ -289,6 +375,8 @@ class DPMetropolis(FederatedInference):
                           self.releases_per_client, _NO_DP, _LOCALS)
         spec, nm, setup, local, row_log_lik = terms.spec, terms.noise_multiplier, terms.setup, terms.local, \
             terms.row_term
+        if terms.unit is not None:
+            raise ValueError(_UNIT.format(unit=terms.unit[0]))
         self.privacy = (spec, nm)
         plan, layout = setup.plan, setup.extra.structure.global_latent
         rows = None if local is None else row_locals(local, int(np.max(np.asarray(plan.num_rows))),
@@ -415,6 +503,8 @@ class SamplerPrivacy:
                         "DPMetropolis (clipped log-likelihood ratios, penalty-corrected)")
         if self.sampler.secure_aggregation:
             label += f", summed by {self.sampler.secure_aggregation} aggregation"
+        if getattr(spec, "unit", None) is not None:
+            label += f", protected unit: one group of {spec.unit!r}"
         events = self.events(names, result)
         return report([ClientPrivacy(name, label, epsilon_composed(events[name], spec.delta), spec.delta, nm,
                                      sum(e[1] for e in events[name]), 1.0) for name in names])
