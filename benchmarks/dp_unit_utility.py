@@ -15,7 +15,9 @@ Reported per posterior and epsilon, over the keys: the median and range of the l
 of a global scalar's mean against the reference (in reference sds), the share of (key, global
 scalar) pairs whose 90 % interval covers the reference mean, the median of the largest number of
 posterior sds the privacy noise adds to a mean (``DPLaplace.noise_sds``, as the summary prints it),
-and the largest epsilon reported.
+the median noise in the released curvature over its least eigenvalue (``DPLaplace.curvature_noise``;
+above 0.5 the fit warns that the noise drove its steps) and which keys warned, and the largest
+epsilon reported.
 
     python benchmarks/dp_unit_utility.py
 
@@ -45,7 +47,7 @@ from provenance import provenance  # noqa: E402
 
 RESULTS = HERE / "results" / "dp_unit_utility.json"
 EPSILONS = (1.0, 4.0)
-KEYS = 3
+KEYS = 8
 DELTA = 1e-5
 
 
@@ -111,7 +113,20 @@ def run(case, epsilon, key):
     noise = max(fit.inference.noise_sds(fit.result).values())
     return {"max_abs_z": float(max(z)), "covered": covered, "noise_sds": float(noise), "seconds": seconds,
             "epsilon_reported": max(c.epsilon for c in fit.privacy_report().clients),
-            "clipped_warning": any("clipped" in str(w.message) for w in warned)}
+            "curvature_noise": float(fit.inference.curvature_noise(fit.result)),
+            "clipped_warning": any("clipped" in str(w.message) for w in warned),
+            "curvature_warning": any("released curvature" in str(w.message) for w in warned)}
+
+
+def table_rows(results: dict) -> list:
+    """The docs' table rows (one per posterior and epsilon)."""
+    out = []
+    for r in results["runs"]:
+        lo, hi = r["max_abs_z_range"]
+        out.append(f"| {r['posterior']} | {r['unit']} | {r['epsilon']:g} | {r['clip']:g} | {r['max_abs_z']:.2f} "
+                   f"({lo:.2f}-{hi:.2f}) | {r['covered']:.0%} | {r['noise_sds']:.3g} | {r['curvature_noise']:.2g} | "
+                   f"{sum(r['curvature_warning'])} of {len(r['curvature_warning'])} |")
+    return out
 
 
 def main():
@@ -126,11 +141,14 @@ def main():
                    "covered": float(np.mean(covered)), "noise_sds": float(np.median([r["noise_sds"] for r in keyed])),
                    "epsilon_reported": max(r["epsilon_reported"] for r in keyed),
                    "clipped_warning": any(r["clipped_warning"] for r in keyed),
+                   "curvature_noise": float(np.median([r["curvature_noise"] for r in keyed])),
+                   "curvature_warning": [r["curvature_warning"] for r in keyed],
                    "seconds": float(np.median([r["seconds"] for r in keyed]))}
             runs.append(row)
             print(row, flush=True)
     out = {**provenance(), "machine": platform.platform(), "keys": KEYS, "runs": runs}
     RESULTS.write_text(json.dumps(out, indent=1))
+    print("\n".join(table_rows(out)))
 
 
 if __name__ == "__main__":

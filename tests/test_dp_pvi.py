@@ -296,13 +296,15 @@ def test_update_perturbation_summed_by_pairwise_masking_is_the_trusted_aggregato
     kw = dict(local_steps=200, dp="update_perturbation")
     key = jax.random.PRNGKey(0)
     louder = nf.dp_noise(patients, clip=50.0, delta=1e-4, noise_multiplier=2.0 * np.sqrt(len(clients.names)))
-    trusted = nf.PVI(louder, trusted_aggregator=True, **kw).run(key, clients, 2, record_transcript=True,
-                                                                keep_values=True)
+    shared = nf.PVI(louder, trusted_aggregator=True, **kw)
+    trusted = shared.run(key, clients, 2, record_transcript=True, keep_values=True)
     masking = nf.PVI(model, secure_aggregation="masking", **kw)
     masked = masking.run(key, clients, 2, record_transcript=True, keep_values=True)
     report = masking.privacy_report(masked)
     assert "pairwise masking (each client adds the whole noise)" in report.clients[0].mechanism
     assert all(c.noise_multiplier == 2.0 and c.compositions == 2 for c in report.clients)
+    assert "assumes: pairwise masking hides each release only from a server that follows the protocol" in str(report)
+    assert "assumes: the aggregator is trusted" in str(shared.privacy_report(trusted))
     np.testing.assert_allclose(masked.params.mean, trusted.params.mean, atol=1e-4)
     np.testing.assert_allclose(masked.params.cov, trusted.params.cov, rtol=1e-3, atol=1e-7)
     parts = [e.value for e in trusted.transcript.entries if e.receiver == "aggregator" and e.value is not None

@@ -211,7 +211,21 @@ class PrivacyReport(NamedTuple):
         rows = [f"{c.client} | {c.mechanism} | {c.epsilon:.4g} | {c.delta:.3g} | {c.noise_multiplier:.4g} | "
                 f"{c.compositions} | {c.sampling_rate:.4g}" for c in self.clients]
         tail = f"global (parallel composition, max over clients): ({self.epsilon:.4g}, {self.delta:.3g})-DP"
-        return "\n".join([head, *rows, tail])
+        return "\n".join([head, *rows, tail, *(f"assumes: {a}" for a in self.assumptions)])
+
+    @property
+    def assumptions(self) -> Tuple[str, ...]:
+        """What the guarantee above rests on beyond the mechanism, stated for the mechanisms used."""
+        labels = " ".join(c.mechanism for c in self.clients)
+        out = []
+        if "masking" in labels:
+            out.append("pairwise masking hides each release only from a server that follows the protocol and colludes "
+                       "with no client (the roster of masking keys is not authenticated); the epsilon above does not "
+                       "rely on it: every client adds the whole noise")
+        if "trusted aggregator" in labels:
+            out.append("the aggregator is trusted: the clients share the noise, so an aggregator that deviates or "
+                       "reports who answered falsely voids the epsilon above")
+        return tuple(out)
 
 
 def report(entries: Sequence[ClientPrivacy]) -> PrivacyReport:

@@ -34,8 +34,12 @@ from noised sums, ``u + P^-1 g`` with ``g`` and ``P`` each off by the noise of `
 ``P^-1 (xi_g - Xi_H v)`` (``v`` the step, ``xi_g`` and ``Xi_H`` the gradient's and the Hessian's
 noise), of covariance :func:`noise_covariance`; the earlier steps' errors contract under the
 later steps. The returned covariance is ``P^-1`` plus that, so the draws carry the privacy
-noise as uncertainty; :meth:`DPLaplace.noise_sds` says, per global scalar, how many posterior
-sds the noise adds to its mean.
+noise as uncertainty. The account is first order: where the noise in the released curvature is
+comparable to the curvature itself (:meth:`DPLaplace.curvature_noise`, a high-probability bound on
+the noise's spectral norm over the curvature's least eigenvalue, above 0.5) the Newton steps are
+driven by the noise and the interval may not cover; the check then warns, naming the remedies;
+:meth:`DPLaplace.noise_sds` says, per global scalar, how many posterior sds the noise adds to its
+mean.
 """
 
 from __future__ import annotations
@@ -94,6 +98,16 @@ _CLIPPED = (
 )
 
 
+CURVATURE_NOISE = 0.5
+"""Above this :meth:`DPLaplace.curvature_noise` the check warns that the noise drives the steps."""
+_SWAMPED = (
+    "DPLaplace: the privacy noise in the released curvature is about {ratio:.2g} times the curvature's least "
+    "eigenvalue, so the Newton steps were driven by the noise and the answer's covariance, which carries the noise "
+    "to first order only, may not cover the posterior. More epsilon, fewer Newton rounds "
+    "(nf.dp.PrivateFit(start_rounds=...)), a smaller clip, or more rows (groups) per client"
+)
+
+
 class DPLaplaceConfig(NamedTuple):
     num_steps: int
     clip: float
@@ -125,6 +139,19 @@ def noise_covariance(precision, step, noise_var):
     inner = noise_var * ((1.0 + step @ step) * jnp.eye(d, dtype=precision.dtype) + jnp.outer(step, step))
     cov = inv @ inner @ inv
     return (cov + cov.T) / 2
+
+
+def curvature_floor(log_prior: Callable, start):
+    """The smallest curvature a step trusts: the prior's least at the start, in ``[1e-4, 1]``."""
+    floor = jnp.minimum(jnp.min(jnp.abs(jnp.linalg.eigvalsh(-jax.hessian(log_prior)(start)))), 1.0)
+    return jnp.maximum(floor, 1e-4)
+
+
+def noise_bound(num_clients: int, sigma: float, d: int) -> float:
+    """A high-probability bound on the spectral norm of the noise in the summed Hessian (``d x d``,
+    each entry of sd ``sqrt(J) sigma``): ``sqrt(J) sigma (2 sqrt(d) + 2)`` (a symmetric Gaussian
+    matrix's norm concentrates at ``2 sqrt(d)`` entry sds)."""
+    return float(np.sqrt(num_clients) * sigma * (2.0 * np.sqrt(d) + 2.0))
 
 
 def _upper(d: int):
@@ -218,8 +245,7 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     d, dtype = start.shape[0], start.dtype
     rows_u, cols_u = _upper(d)
     # the smallest curvature a step trusts: the prior's least, at the start (at most 1)
-    prior_floor = jnp.minimum(jnp.min(jnp.abs(jnp.linalg.eigvalsh(-jax.hessian(log_prior)(start)))), 1.0)
-    prior_floor = jnp.maximum(prior_floor, 1e-4)
+    prior_floor = curvature_floor(log_prior, start)
 
     client_step = partial(_client_step, row_term=row_term, config=config, locals_index=locals_index,
                           mask_of=mask_of)
@@ -367,6 +393,14 @@ class DPLaplace(FederatedInference):
         sigma = float(self.privacy[0].clip) * float(self.privacy[1])  # each release's noise sd
         return jnp.linalg.inv(s.precision), noise_covariance(s.precision, s.last, num_clients * sigma ** 2)
 
+    def curvature_noise(self, result: RunResult) -> float:
+        """The bound on the noise in the released curvature (:func:`noise_bound`) over the
+        curvature's smallest eigenvalue: above about 0.5 the Newton steps are driven by the noise
+        and the answer's first-order account of it may not cover the posterior."""
+        s, sigma = result.state.server.inner, float(self.privacy[0].clip) * float(self.privacy[1])
+        least = float(np.min(np.linalg.eigvalsh(np.asarray(s.precision, np.float64))))
+        return noise_bound(len(fitted(self).plan.names), sigma, int(s.precision.shape[0])) / max(least, 1e-30)
+
     def noise_sds(self, result: RunResult) -> Dict[str, float]:
         """Per global scalar (``site`` or ``site[i]``, unconstrained), the privacy noise's sd in
         the mean as a multiple of the posterior sd: ``sqrt(noise var / posterior var)``."""
@@ -395,10 +429,14 @@ class DPLaplace(FederatedInference):
 
 @register_check(DPLaplace)
 def dp_laplace_check(inference: DPLaplace, result: RunResult) -> Verdict:
-    """No check against the posterior (it would cost privacy); the clients' own counts of clipped
+    """No check against the posterior (it would cost privacy); a warning where the noise swamps the
+    released curvature (:meth:`DPLaplace.curvature_noise`); the clients' own counts of clipped
     rows in the last round (read where the simulation holds the clients' states): ``"biased"``
     where a clip bound (a warning names the clients), ``"unchecked"`` otherwise (a warning says so)."""
     names = list(fitted(inference).plan.names)
+    ratio = inference.curvature_noise(result)  # public: the server's own state
+    if ratio > CURVATURE_NOISE:
+        warnings.warn(_SWAMPED.format(ratio=ratio), UnreliableFitWarning, stacklevel=find_stack_level())
     try:
         clipped = {n: int(result.client_states[n].inner.clipped) for n in names}
     except (AttributeError, KeyError, TypeError):

@@ -68,6 +68,10 @@ _UNSEEN = ("; over a network backend each client's count of clipped rows stays o
            "clip bound is not known here")
 
 
+_EXACT_UNIT = ("nf.fit(dp=..., exact=True): the exact DP sampler protects rows, and dp_noise(unit={unit!r}) protects "
+               "groups; the private Laplace fit (exact=False) takes a group as the unit")
+
+
 class PrivateFit(NamedTuple):
     """How :func:`numpyro_fed.fit` spends a ``dp_noise`` budget (see :mod:`numpyro_fed.dp.private_fit`).
 
@@ -192,9 +196,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     model_kwargs = dict(model_kwargs or {})
     spec = marked_spec(model, clients, model_kwargs, plan)
     if exact and spec.unit is not None:  # refused before any release
-        raise ValueError(f"nf.fit(dp=..., exact=True): the exact DP sampler protects rows, and dp_noise(unit="
-                         f"{spec.unit!r}) protects groups; the private Laplace fit (exact=False) takes a group as the "
-                         f"unit")
+        raise ValueError(_EXACT_UNIT.format(unit=spec.unit))
     other = sorted(set(rung_options) - set(_OWN))
     if other:
         raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
