@@ -6,7 +6,9 @@ attack is read, for each run, from the file ``NUMPYRO_FED_TEST_ATTACK_FILE`` nam
 - ``threshold_1``: the roster's threshold announced as 1 (one share would rebuild a secret);
 - ``singled_out``: the unmasking step names only one client as arrived and asks every client for
   its shares (the target's self-mask shares and the others' mask-key shares would unmask the
-  target's input).
+  target's input);
+- ``substituted``: the roster relayed to client 0 carries keys of the server's own in place of
+  client 1's (the server would then share client 0's pairwise mask with itself).
 
 Either way the server stops the run where the clients refused, naming what it got."""
 
@@ -34,11 +36,25 @@ def _threshold(n):
     return 1 if _attack() == "threshold_1" else _honest_threshold(n)
 
 
+_honest_ask = fm.MaskedAggregation._ask
+
+
+def _ask(self, kind, clients, arrays, extra, like):
+    if _attack() == "substituted" and kind == "mask_share":
+        roster = np.array(arrays[clients[0]]["roster"])
+        roster[self.position[clients[1]]] = fm.M.advertise()[1]["public_keys"]  # the server's own keys
+        arrays = {**arrays, clients[0]: {"roster": roster}}
+    return _honest_ask(self, kind, clients, arrays, extra, like)
+
+
 def _keys(self, clients):
     shared = _honest_keys(self, clients)
     if _attack() == "threshold_1":
         raise RuntimeError(f"deviating server: {len(self.shared)} client(s) shared their keys under threshold 1; "
                            f"refused by {sorted(self.net.errors)}")
+    if _attack() == "substituted":
+        raise RuntimeError(f"deviating server: substituted keys in client 0's roster; refused by "
+                           f"{sorted(self.net.errors)}")
     return shared
 
 
@@ -58,4 +74,5 @@ def _unmask(self, masked, like, num_clients):
 
 fm.M.default_threshold = _threshold
 fm.MaskedAggregation.keys = _keys
+fm.MaskedAggregation._ask = _ask
 fm.MaskedAggregation.unmask = _unmask

@@ -313,3 +313,23 @@ def test_the_rounds_per_draw_against_dimension_table_is_its_results():
     assert (f"(split R-hat {top['max_r_hat']:.2f}, {top['rounds_per_ess']:.0f} rounds per effective draw, its moves "
             f"accepted {100 * top['acceptance']:.0f} % of the time") in flat
     assert (ROOT / "docs" / "img" / "rounds_per_draw_dimension.png").exists()
+
+
+def test_the_group_unit_utility_table_and_prose_are_their_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "dp_unit_utility.json").read_text())
+    rows = _benchmark("dp_unit_utility").table_rows(results)
+    text = (ROOT / "docs" / "differential_privacy.md").read_text()
+    assert len(rows) == len(results["runs"]) == 4
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    assert f"commit {results['commit']}" in text and not results["dirty"]
+    flat = " ".join(text.split())
+    wards = [r for r in results["runs"] if r["posterior"] == "wards"]
+    visits = [r for r in results["runs"] if r["posterior"] == "visits"]
+    assert all(all(r["curvature_warning"]) for r in wards) and not any(any(r["curvature_warning"]) for r in visits)
+    assert f"cover the reference mean in {wards[0]['covered']:.0%} (epsilon 1) to {wards[1]['covered']:.0%}" \
+        .replace("%", " %") in flat
+    assert f"median {min(r['max_abs_z'] for r in visits):.2f} to {max(r['max_abs_z'] for r in visits):.2f} sds" \
+        in flat
+    assert f"{max(visits[0]['max_abs_z_range']):.2f} sds off, outside its interval" in flat
+    assert all(r["clipped_warning"] for r in visits)

@@ -6,7 +6,9 @@ models users write, README's first model among them (a ward effect shared by the
   prior; the groups' terms add up to the client's whole term.
 - README's ward model, a ward the unit, at epsilon 4 over ``nf.fit(dp=...)``: the reported epsilon
   is at most 4 and equals dp-accounting's on the releases made; the noise-aware 90 % interval
-  of every global scalar covers pooled NUTS's posterior mean.
+  of every global scalar covers pooled NUTS's posterior mean; and since 24 wards carry little
+  signal against the noise, the fit warns that the noise drove its Newton steps (over more keys,
+  benchmarks/dp_unit_utility.py, the interval does not always cover, which that warning says).
 - The families that protect rows refuse a group unit, before any release, naming the one that takes it.
 """
 
@@ -17,7 +19,6 @@ import dp_accounting.pld
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
 import numpyro.distributions as dist
 import pytest
 from numpyro.infer import MCMC, NUTS
@@ -29,26 +30,10 @@ from numpyro_fed.dp.dp_laplace import DPLaplace
 from numpyro_fed.groups import sized_model
 from numpyro_fed.mcmc.dp_mh_inference import row_terms, unit_locals
 
+from .test_fit import _glmm as model  # README's first model
+from .test_fit import _glmm_data as readme_data
+
 DELTA = 1e-5
-
-
-def model(ward, x, y=None):  # README's first model
-    beta = numpyro.sample("beta", dist.Normal(0, 2).expand([2]).to_event(1))
-    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
-    with nf.group_plate("wards", ward), nf.local_site():
-        z = numpyro.sample("z", dist.Normal(0, 1))
-    with numpyro.plate("rows", x.shape[0]):
-        logits = beta[0] + beta[1] * x + tau * z[ward]
-        numpyro.sample("y", dist.Bernoulli(logits=logits), obs=y)
-
-
-def readme_data():
-    rng = np.random.default_rng(0)
-    hospital, ward = np.repeat(np.arange(4), 150), np.tile(np.arange(6), 100)
-    x = rng.normal(size=600).astype("float32")
-    effect = rng.normal(0, 0.8, size=(4, 6))[hospital, ward]
-    y = (rng.random(600) < 1 / (1 + np.exp(0.5 - x - effect))).astype("float32")
-    return hospital, ward, x, y
 
 
 def _private(epsilon=4.0, clip=20.0):
@@ -93,9 +78,12 @@ def _pld(noise_multiplier, releases):
 def test_readmes_ward_model_with_the_ward_as_the_unit_at_epsilon_4_covers_pooled_nuts(capsys):
     hospital, ward, x, y = readme_data()
     clients = nf.Clients.split(hospital, ward=ward, x=x, y=y)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", nf.warnings.FitWarning)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", nf.warnings.FitWarning)
         fit = nf.fit(_private(), clients, jax.random.PRNGKey(0), dp=nf.dp.PrivateFit(), progress_bar=False)
+    # 24 wards of 25 patients: the noise swamps the curvature, and the fit says its interval may not cover
+    assert fit.inference.curvature_noise(fit.result) > 0.5
+    assert any("noise in the released curvature" in str(w.message) for w in warned)
     report = fit.privacy_report()
     for c in report.clients:
         assert c.epsilon <= 4.0 + 1e-9 and "protected unit: one group of 'wards'" in c.mechanism

@@ -249,3 +249,32 @@ def test_a_flower_node_answers_the_unmask_step_of_an_aggregation_once(monkeypatc
     with pytest.raises(ValueError, match="a masking step arrived before this client advertised its keys"):
         node.client_unmask(ctx, cfg, {"arrived": None})  # asked again: its secrets are gone
     assert len(asked) == 1
+
+
+def test_a_client_refuses_a_roster_not_signed_by_its_sites_pinned_keys():
+    """The roster authenticated (``numpyro_fed.secure.roster``): each site signs the keys it
+    advertises for one aggregation; a client refuses a roster where the server put keys of its own
+    in a peer's place, replayed a signature from another aggregation, named a site it has no pinned
+    key for, named a site twice, or altered the client's own entry; an honest roster passes."""
+    from numpyro_fed.secure.roster import new_signing_key, sign_keys, verify_roster
+
+    sites = ["a", "b", "c"]
+    signing = {s: new_signing_key() for s in sites}
+    pinned = {s: public for s, (_, public) in signing.items()}
+    keys = np.stack([masking_module.advertise()[1]["public_keys"] for _ in sites])
+    agg = "run 1 round 1 exchange 0"
+    sigs = [sign_keys(signing[s][0], agg, s, keys[i]) for i, s in enumerate(sites)]
+    verify_roster(0, "a", keys[0], keys, sites, sigs, pinned, agg)  # honest
+    fake = keys.copy()
+    fake[1] = masking_module.advertise()[1]["public_keys"]  # the server's own keys in b's place
+    with pytest.raises(SecureAggregationError, match=r"client 0 refused the share_keys step: roster entry 1 \(site "
+                                                     r"'b'\) is not signed by that site's pinned key"):
+        verify_roster(0, "a", keys[0], fake, sites, sigs, pinned, agg)
+    with pytest.raises(SecureAggregationError, match=r"roster entry 0 \(site 'a'\) is not signed"):
+        verify_roster(0, "a", keys[0], keys, sites, sigs, pinned, "run 1 round 2 exchange 0")  # replayed
+    with pytest.raises(SecureAggregationError, match=r"roster entry 2 names site 'd', for which this client has no"):
+        verify_roster(0, "a", keys[0], keys, ["a", "b", "d"], sigs, pinned, agg)
+    with pytest.raises(SecureAggregationError, match=r"the roster names a site twice"):
+        verify_roster(0, "a", keys[0], keys, ["a", "b", "b"], sigs, pinned, agg)
+    with pytest.raises(SecureAggregationError, match=r"its own entry of the roster is not the keys it advertised"):
+        verify_roster(0, "a", keys[0], keys[[1, 0, 2]], ["b", "a", "c"], [sigs[1], sigs[0], sigs[2]], pinned, agg)

@@ -220,8 +220,8 @@ class PrivacyReport(NamedTuple):
         out = []
         if "masking" in labels:
             out.append("pairwise masking hides each release only from a server that follows the protocol and colludes "
-                       "with no client (the roster of masking keys is not authenticated); the epsilon above does not "
-                       "rely on it: every client adds the whole noise")
+                       "with no client (or, where the nodes pin their peers' signing keys, one that does not collude); "
+                       "the epsilon above does not rely on it: every client adds the whole noise")
         if "trusted aggregator" in labels:
             out.append("the aggregator is trusted: the clients share the noise, so an aggregator that deviates or "
                        "reports who answered falsely voids the epsilon above")

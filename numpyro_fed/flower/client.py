@@ -429,14 +429,14 @@ def _mask_step(step):
     from this node's own secrets for the aggregation."""
 
     def handler(message, context):
-        cfg = message.content["nf"]
-        if step == "mask_keys":
-            out = masking.client_keys(context, cfg)
-        elif step == "mask_share":
-            out = masking.client_share(context, cfg, message.content)
+        cfg, config = message.content["nf"], None
+        if step == "mask_keys":  # signed with the node's own key, where it has one
+            out, config = masking.client_keys(context, cfg, _built(context).name)
+        elif step == "mask_share":  # the roster checked against the node's pinned keys, where it has them
+            out = masking.client_share(context, cfg, message.content, _built(context).name)
         else:
             out = masking.client_unmask(context, cfg, message.content)
-        return _reply(message, arrays=to_record(out))
+        return _reply(message, config, arrays=to_record(out))
 
     return handler
 

@@ -36,6 +36,8 @@ in its node's ``context.state`` for the aggregation and are dropped at its end.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import jax
@@ -43,11 +45,12 @@ import numpy as np
 
 from ..secure import masking as M
 from ..secure.fixed_point import decode_message, encode_message, word_count
+from ..secure.roster import sign_keys, verify_roster
 from ..transcript import message_bytes
 from .wire import from_record, to_record
 
-__all__ = ["MIN_THRESHOLD_KEY", "STEPS", "MaskedAggregation", "Traffic", "client_keys", "client_masked_input",
-           "client_share", "client_unmask", "masked_like"]
+__all__ = ["MIN_THRESHOLD_KEY", "PEER_KEYS", "SIGNING_KEY", "STEPS", "MaskedAggregation", "Traffic", "client_keys",
+           "client_masked_input", "client_share", "client_unmask", "masked_like"]
 
 STEPS = ("mask_keys", "mask_share", "mask_unmask")
 """The message kinds of the protocol's own steps (the masked input rides on the exchange)."""
@@ -104,12 +107,42 @@ def _roster(rec) -> np.ndarray:
     return np.frombuffer(bytes.fromhex(rec["roster"]), np.uint8).reshape(-1, 2, M.KEY_BYTES)
 
 
-def client_keys(context, cfg) -> dict:
-    """Step 1 on a client: fresh key pairs (kept on the node); the public keys to send."""
+SIGNING_KEY = "numpyro-fed-signing-key"
+"""A SuperNode's ``--node-config`` key: its site's Ed25519 signing key (64 hex digits,
+:func:`~numpyro_fed.secure.roster.new_signing_key`); it signs the keys it advertises."""
+PEER_KEYS = "numpyro-fed-peer-keys"
+"""A SuperNode's ``--node-config`` key: a JSON file ``{site: verification key (hex)}`` of every
+site of the federation, its own included; with it the node refuses a roster not signed so."""
+
+
+def _aggregation(context, cfg) -> str:
+    return f"run {int(context.run_id)} round {int(cfg['round'])} exchange {cfg['exchange']}"
+
+
+def client_keys(context, cfg, site: str = "") -> tuple:
+    """Step 1 on a client: fresh key pairs (kept on the node); ``(the public keys to send, the
+    reply's config)``: with the node's signing key, their signature (:mod:`numpyro_fed.secure.roster`)."""
     secrets, message = M.advertise()
     _save(context, round=int(cfg["round"]), exchange=str(cfg["exchange"]), c=secrets.c_sk.private_bytes_raw().hex(),
           s=secrets.s_sk.private_bytes_raw().hex(), b="", roster="", senders=[], inbox=[])
-    return message
+    key = (getattr(context, "node_config", None) or {}).get(SIGNING_KEY)
+    if key is None:
+        return message, None
+    signature = sign_keys(bytes.fromhex(str(key)), _aggregation(context, cfg), site, message["public_keys"])
+    return message, {"signature": signature.hex()}
+
+
+def _check_roster(context, cfg, me: int, site: str, roster, secrets) -> None:
+    """With pinned peer keys (:data:`PEER_KEYS`): the relayed roster authenticated, or refused."""
+    path = (getattr(context, "node_config", None) or {}).get(PEER_KEYS)
+    if path is None:
+        return
+    with open(os.path.expanduser(str(path))) as f:
+        pinned = {str(k): bytes.fromhex(v) for k, v in json.load(f).items()}
+    own = np.frombuffer(secrets.c_sk.public_key().public_bytes_raw() + secrets.s_sk.public_key().public_bytes_raw(),
+                        np.uint8).reshape(2, M.KEY_BYTES)
+    verify_roster(me, site, own, roster, [str(x) for x in cfg.get("sites", [])],
+                  [bytes.fromhex(str(x)) for x in cfg.get("signatures", [])], pinned, _aggregation(context, cfg))
 
 
 MIN_THRESHOLD_KEY = "numpyro-fed-min-threshold"
@@ -117,13 +150,15 @@ MIN_THRESHOLD_KEY = "numpyro-fed-min-threshold"
 least a strict majority of the roster whatever it says); a server that announces less is refused."""
 
 
-def client_share(context, cfg, content) -> dict:
+def client_share(context, cfg, content, site: str = "") -> dict:
     """Step 2 on a client: its shares, one ciphertext per client of the roster (refused where the
-    announced threshold is below the node's minimum)."""
+    announced threshold is below the node's minimum, or, with pinned peer keys, where the roster
+    is not authenticated)."""
     n = int(cfg["roster_size"])
     roster = from_record(jax.ShapeDtypeStruct((n, 2, M.KEY_BYTES), np.uint8), content["roster"])
     secrets, _ = _secrets(context, cfg["round"], cfg["exchange"])
     me = int(cfg["me"])
+    _check_roster(context, cfg, me, site, roster, secrets)
     minimum = (getattr(context, "node_config", None) or {}).get(MIN_THRESHOLD_KEY)  # the node's own floor, if set
     secrets, message = M.share_keys(secrets, me, roster, int(cfg["threshold"]),
                                     None if minimum is None else int(minimum))
@@ -175,6 +210,7 @@ class MaskedAggregation:
         self.shared: List[int] = []  # roster places of the clients that shared their keys
         self.boxes: Dict[int, np.ndarray] = {}
         self.threshold = 0
+        self.signatures: Dict[int, str] = {}  # the last step's signatures (hex), by client
 
     def _record(self, sender: str, receiver: str, step: str, message: dict) -> None:
         if self.transcript is not None:
@@ -195,11 +231,14 @@ class MaskedAggregation:
         nodes = [self.net.nodes[j] for j in clients]
         replies = self.net.send(nodes, contents, "train", self.timeout) if clients else {}
         got = {}
+        self.signatures = {}
         for j in clients:
             reply = replies.get(self.net.nodes[j])
             if reply is not None:
                 got[j] = from_record(like(j), reply.content["message"])
                 self.traffic.add_up(message_bytes(got[j]))
+                if "nf" in reply.content and "signature" in reply.content["nf"]:
+                    self.signatures[j] = str(reply.content["nf"]["signature"])
         return got
 
     def keys(self, clients: Sequence[int]) -> List[int]:
@@ -216,7 +255,10 @@ class MaskedAggregation:
         self.position = {j: i for i, j in enumerate(order)}
         self.roster = np.stack([keys[j]["public_keys"] for j in order])
         self.threshold = M.default_threshold(n)
-        extra = {j: {"me": i, "roster_size": n, "threshold": self.threshold} for j, i in self.position.items()}
+        signed = {"sites": [self.names[j] for j in order], "signatures": [self.signatures[j] for j in order]} \
+            if all(j in self.signatures for j in order) else {}  # each site's signature of its keys, relayed
+        extra = {j: {"me": i, "roster_size": n, "threshold": self.threshold, **signed}
+                 for j, i in self.position.items()}
         arrays = {j: {"roster": self.roster} for j in order}
         for j in order:
             self._record("server", self.names[j], "roster", {"public_keys": self.roster})

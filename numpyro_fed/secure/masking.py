@@ -31,10 +31,11 @@ in the unmasking step the arrived set has at least the threshold and the client 
 that names only its target as arrived would collect the target's self-mask shares and everyone
 else's key shares); and a client answers the unmasking step of one aggregation once (a network
 node drops the aggregation's secrets after answering), so that with a majority threshold no
-client's two kinds of share can both be collected. The roster of public keys is *not*
-authenticated here: a server that substitutes its own keys for a client's peers can unmask that
-client. The private families therefore never rest their guarantee on the masking: each client's
-release carries the whole noise (see :mod:`numpyro_fed.dp`), and the privacy report says so.
+client's two kinds of share can both be collected. The roster of public keys is authenticated
+only where the clients hold their peers' signing keys (:mod:`~numpyro_fed.secure.roster`, over
+Flower); otherwise a server that substitutes its own keys for a client's peers can unmask that
+client. The private families never rest their guarantee on the masking: each client's release
+carries the whole noise (see :mod:`numpyro_fed.dp`), and the privacy report says so.
 
 A client that drops after sharing its keys (before or after sending its masked input) is
 recovered as long as ``t`` clients answer the unmasking step; otherwise the aggregation
