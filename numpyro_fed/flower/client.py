@@ -160,7 +160,8 @@ def _built(context) -> _Built:
 
 
 def _admitted(context) -> _Built:
-    """The algorithm as built, once the node's own privacy settings admit the run (:mod:`.node_privacy`)."""
+    """The algorithm as built, once the node's own privacy settings admit the run
+    (:mod:`numpyro_fed.flower.node_privacy`)."""
     built = _built(context)
     spec = json.loads(str(context.state["nf.setup"]["text"]))
     node_privacy.admit(context, built.name, built.identity, built.inference, len(built.structures.client_states),

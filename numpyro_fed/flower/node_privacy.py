@@ -17,7 +17,7 @@ that the set-up failed):
   releases (its cap) composed with every earlier run charged there must fit the budget; the run
   is then charged its cap before its first release (a run that dies stays charged), and settled
   to the releases it made when the server asks for the ledger at the end. The charge is kept
-  under a fingerprint of the node's rows (:func:`~numpyro_fed.dp.fingerprint`), whatever name
+  under a fingerprint of the node's rows (:func:`~numpyro_fed.dp.ledger.fingerprint`), whatever name
   the server gives the node; the file is locked and read again before each check, so two runs on
   one node cannot both pass on the same budget.
 
