@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 import jax
 import numpy as np
 
+from .labels import scalar_label
+
 __all__ = ["print_summary", "summary"]
 
 MAX_SCALARS = 40  # a site with more scalars (e.g. per-row effects) is summarised by its count only
@@ -135,7 +137,7 @@ def print_summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_
             skipped.append(f"{site} ({size} scalars)")
             continue
         for i in range(size):
-            label = site if size == 1 else f"{site}[{i}]"
+            label = scalar_label(site, i, size)
             lines.append(f"{label:>{name_width}s}" + "".join(_cell(c, values[c][i]) for c in columns))
     if skipped:
         lines.append(f"(not shown: {', '.join(skipped)}; summary() returns them)")

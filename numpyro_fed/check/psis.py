@@ -29,6 +29,8 @@ never visits, a tail far beyond ``q``'s); and local latents, which stay on their
 
 Example:
     >>> import numpy as np
+
+from ..labels import scalar_label
     >>> rng = np.random.default_rng(0)
     >>> z = rng.normal(0.0, 0.8, 2000)          # q = N(0, 0.8^2), posterior N(0, 1)
     >>> log_w = -0.5 * z**2 + 0.5 * (z / 0.8) ** 2
@@ -42,6 +44,8 @@ from __future__ import annotations
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
+
+from ..labels import scalar_label
 
 __all__ = ["FitDiagnostic", "MCSE_FACTOR", "MEAN_MARGIN", "PARETO_K_LIMIT", "SD_MARGIN", "SiteMoments", "answer_check",
            "fit_diagnostic", "within_tolerance",
@@ -150,7 +154,7 @@ def _flat_sites(draws: Dict[str, np.ndarray], num_draws: int):
     for name, value in draws.items():
         value = np.asarray(value, np.float64).reshape(num_draws, -1)
         for i in range(value.shape[1]):
-            yield (name if value.shape[1] == 1 else f"{name}[{i}]"), value[:, i]
+            yield scalar_label(name, i, value.shape[1]), value[:, i]
 
 
 def moment_report(draws: Dict[str, np.ndarray], weights: np.ndarray, ess: float):

@@ -59,6 +59,7 @@ from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..groups import size_group_plates
 from ..inference import FederatedInference, Setup, fitted
+from ..labels import scalar_label
 from ..model_terms import TermsSetup
 from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
@@ -407,7 +408,7 @@ class DPLaplace(FederatedInference):
         posterior, noise = self._moments(result.state.server.inner, len(fitted(self).plan.names))
         ratio = np.sqrt(np.diag(np.asarray(noise)) / np.diag(np.asarray(posterior)))
         layout = fitted(self).extra.structure.global_latent
-        names = [n if int(np.prod(shape)) == 1 else f"{n}[{i}]" for n, shape in zip(layout.names, layout.shapes)
+        names = [scalar_label(n, i, int(np.prod(shape))) for n, shape in zip(layout.names, layout.shapes)
                  for i in range(int(np.prod(shape)))]
         return dict(zip(names, ratio.tolist()))
 

@@ -26,6 +26,7 @@ from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import observed_terms_at, own_entries
 from ..groups import size_group_plates, trim_groups
 from ..inference import FederatedInference, Setup, checked_network, fitted, reset_setup
+from ..labels import scalar_label
 from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
@@ -445,7 +446,7 @@ def divergent_sites(samples: Dict[str, np.ndarray], divergent: np.ndarray, top: 
             x = flat[..., i]
             sd = x.std()
             if sd > 0:
-                label = name if flat.shape[-1] == 1 else f"{name}[{i}]"
+                label = scalar_label(name, i, flat.shape[-1])
                 scored.append(((x[divergent].mean() - x.mean()) / sd, label))
     scored.sort(key=lambda t: -abs(t[0]))
     return [(label, float(z)) for z, label in scored[:top]]
