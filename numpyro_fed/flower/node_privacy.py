@@ -22,7 +22,10 @@ that the set-up failed):
   one node cannot both pass on the same budget.
 
 During the run the node counts its releases (its state's ``releases``) and refuses a step that
-would pass the cap it was charged for.
+would pass the cap it was charged for. The noise checked and charged is the run's as its privacy
+report accounts it: each release's whole noise, except under ``PVI(trusted_aggregator=True)``,
+whose clients share the noise of the sum (a node that takes part in such a run trusts the
+aggregator whose key it pins).
 """
 
 from __future__ import annotations
