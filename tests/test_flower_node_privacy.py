@@ -8,8 +8,9 @@ rounds 2 and 3; every client made its 4 planned releases and no more (counted in
 transcript: distinct released values per client), the reported epsilon is at most 1.5 and equals
 dp-accounting's PLD accountant on that count; node 0's own ledger holds the run's releases under
 its rows' fingerprint. The same run again is refused by node 0 (its own budget), as are a server's
-announcements of weaker noise (epsilon 200) and of a larger clip; each refusal is a failed set-up
-at the server, with the reason only in node 0's own log."""
+announcements of weaker noise (epsilon 200) and of a larger clip, and a DP-PVI run whose noise is
+below the floor; each refusal is a failed set-up at the server, with the reason only in node 0's
+own log."""
 
 import warnings
 from pathlib import Path
@@ -77,7 +78,9 @@ def test_a_node_keeps_its_own_budget_and_floors_and_a_node_that_fails_twice_spen
         assert own.spent("node 0") == pytest.approx(_pld(nm, 4), abs=2e-3)  # settled: 4 releases made
         for task, reason in [("dp_laplace_eps15", "past its privacy budget: it has spent epsilon="),
                              ("dp_laplace_weak_noise", "is weaker than this node's numpyro-fed-min-noise-multiplier"),
-                             ("dp_laplace_wide_clip", "clip 500 is larger than this node's numpyro-fed-max-clip")]:
+                             ("dp_laplace_wide_clip", "clip 500 is larger than this node's numpyro-fed-max-clip"),
+                             # another family's plan (DP-PVI's update perturbation, sigma/C 1): the same floor
+                             ("pvi_dp_masking", "(sigma/C 1) is weaker than this node's numpyro-fed-min-noise")]:
             with pytest.raises(FederationError) as refused:
                 fed.run(f"flower_tasks:{task}", ROUNDS, seed=0, num_clients=3, reply_timeout=30.0)
             assert "set-up failed on 1 of 3 client(s): client '0'" in str(refused.value)
