@@ -19,6 +19,7 @@ import dp_accounting.pld
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 import numpyro.distributions as dist
 import pytest
 from numpyro.infer import MCMC, NUTS
@@ -120,3 +121,23 @@ def test_a_unit_that_is_no_group_plate_is_refused_naming_the_plates():
     with pytest.raises(ValueError, match=r"unit='patients'\): the model has no group_plate of that name \(its group "
                                          r"plates: \['wards'\]\)"):
         DPLaplace(wrong).run(jax.random.PRNGKey(0), clients, progress_bar=False)
+
+
+def test_a_local_latent_outside_the_units_plate_is_refused_naming_it():
+    """A per-row effect under a group unit would make a group's block ragged: refused before any
+    release, naming the site and both fixes."""
+    hospital, ward, x, y = readme_data()
+    clients = nf.Clients.split(hospital, ward=ward, x=x, y=y)
+
+    def with_row_effect(ward, x, y):
+        beta = numpyro.sample("beta", dist.Normal(0, 2).expand([2]).to_event(1))
+        with nf.group_plate("wards", ward), nf.local_site():
+            z = numpyro.sample("z", dist.Normal(0, 1))
+        with numpyro.plate("rows", y.shape[0]):
+            with nf.local_site():
+                e = numpyro.sample("e", dist.Normal(0, 0.5))
+            numpyro.sample("y", dist.Bernoulli(logits=beta[0] + beta[1] * x + z[ward] + e), obs=y)
+
+    private = nf.dp_noise(with_row_effect, clip=20.0, delta=DELTA, epsilon=4.0, unit="wards")
+    with pytest.raises(ValueError, match=r"local site\(s\) \['e'\] are not in group_plate\('wards'\).*protect rows"):
+        DPLaplace(private).run(jax.random.PRNGKey(0), clients, progress_bar=False)

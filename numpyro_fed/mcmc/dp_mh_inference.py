@@ -86,9 +86,10 @@ _UNIT = (
     "(nf.fit(dp=...) with exact=False, its default) takes a group as the unit"
 )
 _NOT_IN_UNIT = (
-    "dp_noise(unit={unit!r}) protects each group of that plate as one term, and local site(s) {names} are in "
-    "neither the row plate nor group_plate({unit!r}): such a latent joins several groups' terms, which no clip of a "
-    "group's term bounds. Put them in group_plate({unit!r}) (a group's own effects)"
+    "dp_noise(unit={unit!r}) protects each group of that plate as one term, and local site(s) {names} are not in "
+    "group_plate({unit!r}): a group's term takes its own effects as one block (a latent shared by several groups "
+    "joins their terms, which no clip of one group's term bounds; a latent per row makes the blocks ragged). Put "
+    "them in group_plate({unit!r}), or protect rows (dp_noise without unit=)"
 )
 _OUTSIDE_UNIT = (
     "observed site '{name}' is in neither the row plate '{plate}' nor group_plate('{unit}'): each group's term sums "
@@ -113,7 +114,7 @@ def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate:
     latents, if any, in the row plate; ``delta`` below ``1/n``), lay the clients out, plan the noise
     for ``releases`` releases per client, and build each row's term. With ``dp_noise(unit=plate)``
     the protected unit is a group of that ``group_plate``: each term is a group's (its rows' and its
-    local latents' together; local latents in the row plate or that plate)."""
+    local latents' together; every local latent in that plate)."""
     first = clients.names[0]
     tr = trace_model(model, clients[first], model_kwargs)
     specs = dp_sites(tr)
@@ -127,10 +128,10 @@ def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate:
                               prior_factor="none", offers_dp=True)
     local = extra.terms.local if extra.terms.num_local else None
     unit = protected_unit(model, spec)
-    if local is not None:
+    if local is not None:  # each local latent in the unit: its row (row plate) or its group (the unit's plate)
         groups = local.group_axes or ((),) * len(local.names)
         shared = [n for n, a, g in zip(local.names, local.row_axes, groups)
-                  if a is None and not (unit and any(p == unit[0] for p, _, _ in g))]
+                  if (a is None if unit is None else not any(p == unit[0] for p, _, _ in g))]
         if shared:
             raise ValueError(shared_locals.format(names=shared) if unit is None else _NOT_IN_UNIT.format(
                 names=shared, unit=unit[0]))
@@ -187,15 +188,11 @@ def marked_row_plate(row_plate: Optional[str], tr, num_rows: int) -> Optional[st
 
 def unit_locals(local, unit: Tuple[str, str, int]) -> np.ndarray:
     """``(groups, k)``: the entries of a client's flat locals that belong to each group of ``unit``
-    (a local site in the row plate belongs to its row's group, which the data say: refused here,
-    the private Laplace fit takes a group's effects in the group plate)."""
+    (every local site is in the unit's plate: :func:`row_terms` checked it)."""
     index = local.unravel(jnp.arange(local.size, dtype=jnp.float32))
     unit_of = np.full(local.size, -1, np.int64)
     for name, axes in zip(local.names, local.group_axes or ((),) * len(local.names)):
-        axis = next((a for p, a, _ in axes if p == unit[0]), None)
-        if axis is None:
-            raise ValueError(f"dp_noise(unit={unit[0]!r}): local site '{name}' is not in group_plate({unit[0]!r}); "
-                             f"with a group as the unit the private Laplace fit takes a group's own effects there")
+        axis = next(a for p, a, _ in axes if p == unit[0])
         entries = np.moveaxis(np.asarray(index[name]).astype(np.int64), axis, 0)
         for g in range(entries.shape[0]):
             unit_of[np.ravel(entries[g])] = g
