@@ -65,9 +65,10 @@ from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..secure import check_aggregation
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
+from .control import ControlVariate
 from .releases import capped_releases
 
-__all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
+__all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check", "row_derivatives"]
 
 TRUST = 2.0
 """A Newton step moves ``u`` by at most this far (Euclidean, unconstrained space)."""
@@ -122,6 +123,8 @@ class DPLaplaceServer(NamedTuple):
     step: jax.Array
     radius: jax.Array  # the trust region's radius: halved when a step overshot, regrown when not
     last: jax.Array  # (d,) the last step taken
+    anchor: jax.Array  # (d,) the point of the last step's releases (public)
+    released: jax.Array  # their sum over the clients, noise included: (gradient, Hessian upper triangle)
 
 
 class DPLaplaceClient(NamedTuple):
@@ -197,6 +200,21 @@ def _terms(row_term: Callable, locals_index, u, v, data, mask):
     return jnp.where(mask > 0, row_term(u, v1, data) - 0.5 * logdet, 0.0)
 
 
+def row_derivatives(terms: Callable, u, mask, clip: float):
+    """Each row's gradient ``(rows, d)`` and Hessian ``(rows, d, d)`` of ``terms`` (``u -> (rows,)``)
+    at ``u``, the vector ``(gradient, Hessian upper triangle)`` of each clipped to L2 norm ``clip``
+    (the same factor on both; non-finite entries 0, padded rows 0), and which rows the clip bound."""
+    rows_u, cols_u = _upper(u.shape[0])
+    g = jax.jacfwd(terms)(u)  # (rows, d)
+    h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
+    real = mask > 0
+    g = jnp.where(jnp.isfinite(g) & real[:, None], g, 0.0)
+    h = jnp.where(jnp.isfinite(h) & real[:, None, None], h, 0.0)
+    norm = jnp.sqrt(jnp.sum(g ** 2, 1) + jnp.sum(h[:, rows_u, cols_u] ** 2, 1))
+    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30))
+    return g * factor[:, None], h * factor[:, None, None], (norm > clip) & real
+
+
 def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *, row_term: Callable,
                  config: DPLaplaceConfig, locals_index, mask_of: Callable):
     """The client's release: its rows' (or groups') clipped ``(gradient, Hessian)`` vectors summed,
@@ -211,15 +229,9 @@ def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *,
 
         v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
     terms = partial(_terms, row_term, locals_index, v=v, data=data, mask=mask)
-    d = u.shape[0]
-    rows_u, cols_u = _upper(d)
-    g = jax.jacfwd(terms)(u)  # (rows, d)
-    h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
+    g, h, clipped = row_derivatives(terms, u, mask, config.clip)
+    rows_u, cols_u = _upper(u.shape[0])
     z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
-    z = jnp.where(jnp.isfinite(z), z, 0.0) * (mask[:, None] > 0)
-    norm = jnp.linalg.norm(z, axis=1)
-    clipped = norm > config.clip
-    z = z * jnp.minimum(1.0, config.clip / jnp.maximum(norm, 1e-30))[:, None]
     released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], u.dtype)
     new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (mask > 0)).astype(jnp.int32), v)
     return new, {"z": released}
@@ -254,7 +266,8 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     def init_server(rng_key):
         del rng_key
         eye = jnp.eye(d, dtype=dtype)
-        s = DPLaplaceServer(start, eye, jnp.zeros((), jnp.int32), jnp.asarray(TRUST, dtype), jnp.zeros(d, dtype))
+        s = DPLaplaceServer(start, eye, jnp.zeros((), jnp.int32), jnp.asarray(TRUST, dtype), jnp.zeros(d, dtype),
+                            start, jnp.zeros(d + d * (d + 1) // 2, dtype))
         return s, Broadcast({"u": start})
 
     def init_client(rng_key, data):
@@ -285,7 +298,8 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
         ok = complete & jnp.all(jnp.isfinite(step))
         new = DPLaplaceServer(jnp.where(ok, u + step, u), jnp.where(ok, (vec * w) @ vec.T, state.precision),
                               state.step + ok.astype(jnp.int32), jnp.where(ok, radius, state.radius),
-                              jnp.where(ok, step, state.last))
+                              jnp.where(ok, step, state.last), jnp.where(ok, u, state.anchor),
+                              jnp.where(ok, z, state.released))
         return new, Broadcast({"u": new.u}), {"moved": size, "complete": complete}
 
     return FederatedAlgorithm(
@@ -340,6 +354,7 @@ class DPLaplace(FederatedInference):
         self.secure_aggregation = check_aggregation(secure_aggregation, "DPLaplace")
         self.num_chains = 1
         self.privacy = None
+        self.local_rows = False  # whether a row's term is a Laplace marginal of its local latents (set at build)
         self.privacy_label = "DPLaplace (clipped per-row gradients and Hessians, Newton steps)"
         self.dp_plan = SamplerPrivacy(self)
 
@@ -361,6 +376,7 @@ class DPLaplace(FederatedInference):
                           _LOCALS)
         spec, nm, setup, local, row_term = terms.spec, terms.noise_multiplier, terms.setup, terms.local, terms.row_term
         self.privacy = (spec, nm)
+        self.local_rows = local is not None or terms.unit is not None
         plan, layout = setup.plan, setup.extra.structure.global_latent
         index = None
         if local is not None and terms.unit is not None:  # a group's own effects: its block
@@ -393,6 +409,20 @@ class DPLaplace(FederatedInference):
         """``(P^-1, the noise's covariance)`` at the server state ``s``."""
         sigma = float(self.privacy[0].clip) * float(self.privacy[1])  # each release's noise sd
         return jnp.linalg.inv(s.precision), noise_covariance(s.precision, s.last, num_clients * sigma ** 2)
+
+    def control_variate(self, result: RunResult) -> Optional[ControlVariate]:
+        """The released sums of the last round as the DP sampler's control variate
+        (:mod:`numpyro_fed.dp.control`; public: the server's own state), or ``None`` where the rows'
+        terms were Laplace marginals of local latents (not the sampler's joint terms) or a group's."""
+        if self.privacy is None or self.local_rows:
+            return None
+        s = result.state.server.inner
+        d = int(s.u.shape[0])
+        rows_u, cols_u = _upper(d)
+        upper = jnp.zeros((d, d), s.released.dtype).at[rows_u, cols_u].set(s.released[d:])
+        _, noise = self._moments(s, len(fitted(self).plan.names))
+        return ControlVariate(s.anchor, s.released[:d], upper + jnp.triu(upper, 1).T, float(self.privacy[0].clip),
+                              noise)
 
     def curvature_noise(self, result: RunResult) -> float:
         """The bound on the noise in the released curvature (:func:`noise_bound`) over the

@@ -39,6 +39,7 @@ from .._validation import check_positive_int
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DP_KEY, DPSpec, dp_sites
+from .control import from_text, to_text
 
 __all__ = ["STAGE_KEYS", "PrivateFit", "marked_spec", "private_fit", "private_rung", "stage_text", "with_spec"]
 
@@ -88,11 +89,18 @@ class PrivateFit(NamedTuple):
             with it.
         start_share: the share of epsilon the start spends (the sampler spends the rest).
         start_rounds: Newton rounds of the start (one release per client each).
+        sampler_clip: the exact sampler's clip. For a model without local latents the sampler
+            releases each row's ratio less the start's second-order expansion of it
+            (:mod:`numpyro_fed.dp.control`), and ``None`` chooses ``sqrt(2 / J) / (sigma / C)``, the
+            clip at which the noise the penalty method corrects for is ``J sigma^2 = 2`` nats^2 (a
+            public choice, from the number of clients and the noise multiplier only); with local
+            latents ``None`` is the model's ``dp_noise`` clip.
     """
 
     start_clip: Optional[float] = None
     start_share: float = 0.25
     start_rounds: int = 8
+    sampler_clip: Optional[float] = None
 
     def checked(self) -> "PrivateFit":
         if self.start_clip is not None and not (np.isfinite(self.start_clip) and self.start_clip > 0):
@@ -100,6 +108,8 @@ class PrivateFit(NamedTuple):
         if not 0 < self.start_share < 1:
             raise ValueError(f"PrivateFit(start_share={self.start_share!r}): must lie in (0, 1)")
         check_positive_int("start_rounds", self.start_rounds)
+        if self.sampler_clip is not None and not (np.isfinite(self.sampler_clip) and self.sampler_clip > 0):
+            raise ValueError(f"PrivateFit(sampler_clip={self.sampler_clip!r}): must be a finite number > 0")
         return self
 
 
@@ -133,6 +143,10 @@ def marked_spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Opt
     return spec
 
 
+SAMPLER_NOISE = 2.0
+"""The noise (``J sigma^2``, nats^2) the exact sampler's default clip allows: the penalty method then
+keeps about ``exp(-SAMPLER_NOISE / 8)`` of the acceptance."""
+
 STAGE_KEYS = {"dp_laplace": 0, "dp_metropolis": 1}
 """Each stage's key: the fit's key folded with this number (a seeded Flower node derives its own so)."""
 
@@ -162,8 +176,9 @@ def private_rung(model: Callable, stage: Optional[str], *, model_kwargs: Optiona
         return DPLaplace(marked, num_steps=int(settings["num_steps"]), **common)
     if settings["rung"] == "dp_metropolis":
         init = (np.asarray(settings["mean"], np.float64), np.asarray(settings["cov"], np.float64))
+        control = from_text(settings["control"]) if settings.get("control") else None
         return DPMetropolis(marked, num_warmup=int(settings["num_warmup"]), num_samples=int(settings["num_samples"]),
-                            num_chains=int(settings["num_chains"]), init=init,
+                            num_chains=int(settings["num_chains"]), init=init, control=control,
                             **({"local_steps": options["local_steps"]} if "local_steps" in options else {}), **common)
     raise ValueError(f"private_rung: no stage {settings['rung']!r} (its stages: {sorted(STAGE_KEYS)})")
 
@@ -230,6 +245,11 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
             warnings.filterwarnings("ignore", category=UncheckedFitWarning)
         first = start.run(jax.random.fold_in(rng_key, STAGE_KEYS["dp_laplace"]), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
+    control = start.control_variate(first) if exact else None
+    clip = spec.clip if plan.sampler_clip is None and control is None else (
+        plan.sampler_clip or float(np.sqrt(SAMPLER_NOISE / len(names)) / nm))
+    if control is not None:  # the chains target the posterior tilted by the start's noise: its covariance P^-1
+        cov = cov - np.asarray(control.noise_cov)
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
                f"{start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
                f"{first.verdict.status}")
@@ -241,26 +261,29 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
         return Fit("dp_laplace", start, first, int(first.communication.rounds), traffic(first), None, log,
                    num_samples=int(num_samples), clients=None if network else clients, results=[first],
                    privacy=privacy)
-    sampler = rung(stage_text("dp_metropolis", DPSpec(spec.clip, spec.delta, noise_multiplier=nm, unit=spec.unit),
-                              num_warmup=warmup,
-                              num_samples=int(num_samples), num_chains=chains, mean=mean.tolist(), cov=cov.tolist()))
+    sampler = rung(stage_text("dp_metropolis", DPSpec(clip, spec.delta, noise_multiplier=nm, unit=spec.unit),
+                              num_warmup=warmup, num_samples=int(num_samples), num_chains=chains, mean=mean.tolist(),
+                              cov=cov.tolist(), control=None if control is None else to_text(control)))
     sampler.progress_bar = sampler.progress_bar if progress_bar is None else bool(progress_bar)
     k_sampler = jax.random.fold_in(rng_key, STAGE_KEYS["dp_metropolis"])
     result = sampler.run(k_sampler, clients, ledger=ledger, **run_options)
     rounds, check = int(first.communication.rounds) + int(result.communication.rounds), chain_check(result)
     traffic = tuple(a + b for a, b in zip(traffic(first), traffic(result)))
-    log.append(f"dp_metropolis: {int(result.communication.rounds)} rounds from the start (clip {spec.clip:g}, "
-               f"sigma/C {nm:.4g}); verdict {result.verdict.status}")
+    log.append(f"dp_metropolis: {int(result.communication.rounds)} rounds from the start (clip {clip:g}"
+               + (", residuals about the start's released expansion" if control is not None else "")
+               + f", sigma/C {nm:.4g}); verdict {result.verdict.status}")
     started, sampled = start.dp_plan.events(names, first), sampler.dp_plan.events(names, result)
     label = (f"private start (DPLaplace, {plan.start_rounds} rounds) + DPMetropolis"
              + (f", {secure} aggregation" if secure else ""))
     privacy = _report({n: started[n] + sampled[n] for n in names}, label, spec.delta, nm)
     if result.verdict.status != "ok":  # not mixed, or its clip bound (another target): the start answers
-        warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=spec.clip, nm=nm)
+        warnings.warn(_NOT_OK.format(status=result.verdict.status, why=result.verdict.why, clip=clip, nm=nm)
                       + (_UNSEEN if network else ""), UnreliableFitWarning, stacklevel=find_stack_level())
         log += [f"the answer: the private start (the sampler's verdict: {result.verdict.status})",
                 noise_text(start, first)]
         return Fit("dp_laplace", start, first, rounds, traffic, None, log, num_samples=int(num_samples),
                    clients=None if network else clients, results=[first, result], privacy=privacy)
+    if control is not None:  # the draws carry the start's noise (dp/control.py)
+        log.append(noise_text(start, first).replace("the answer's covariance carries it", "the draws carry it"))
     return Fit("dp_metropolis", sampler, result, rounds, traffic, check, log, num_samples=int(num_samples),
                clients=None if network else clients, results=[first, result], privacy=privacy)

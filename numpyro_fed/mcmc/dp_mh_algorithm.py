@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from ..dp.control import ControlVariate, row_taylor, taylor
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
 __all__ = ["LOCAL_TARGET_ACCEPT", "DPMHClientState", "DPMHConfig", "DPMHInfo", "DPMHServerState", "RowLocals",
@@ -105,6 +106,8 @@ class DPMHClientState(NamedTuple):
     v: jax.Array = None  # (chains, locals) its rows' local latents (never sent)
     log_step: jax.Array = None  # (chains, rows) each row's local step
     draws: jax.Array = None  # (chains, num_samples, locals) the kept local draws
+    taylor_g: jax.Array = None  # (rows, d) with a control variate: its rows' clipped gradients at the anchor
+    taylor_h: jax.Array = None  # (rows, d, d) and Hessians (never sent)
 
 
 class DPMHInfo(NamedTuple):
@@ -119,11 +122,13 @@ def _clipped(ratio, iteration, config: DPMHConfig):
 
 
 def _client_step(rng_key, state: DPMHClientState, broadcast: Broadcast, data, *, row_log_lik: Callable,
-                 config: DPMHConfig):
+                 config: DPMHConfig, control: ControlVariate = None):
     b = broadcast.shared
 
     def chain(key, u, proposal, iteration):
         ratio = row_log_lik(proposal, data) - row_log_lik(u, data)  # (rows,), padded rows 0
+        if control is not None:  # the residual about the released expansion (dp/control.py)
+            ratio = ratio - row_taylor(state.taylor_g, state.taylor_h, control.anchor, u, proposal)
         clipped = _clipped(ratio, iteration, config)
         ratio = jnp.where(jnp.isfinite(ratio), ratio, jnp.sign(jnp.nan_to_num(ratio)) * config.clip)
         total = jnp.sum(jnp.clip(ratio, -config.clip, config.clip))
@@ -131,7 +136,7 @@ def _client_step(rng_key, state: DPMHClientState, broadcast: Broadcast, data, *,
 
     released, clipped = jax.vmap(chain)(random.split(rng_key, config.num_chains), b["current"], b["proposal"],
                                         b["iteration"])
-    new = DPMHClientState(state.releases + config.num_chains, state.clipped + jnp.sum(clipped))
+    new = state._replace(releases=state.releases + config.num_chains, clipped=state.clipped + jnp.sum(clipped))
     return new, {"llr": released}
 
 
@@ -185,9 +190,11 @@ def _client_step_locals(rng_key, state: DPMHClientState, broadcast: Broadcast, d
 
 
 def _decide(key, s: DPMHServerState, llr, complete, *, log_prior: Callable, chol, config: DPMHConfig,
-            num_clients: int):
+            num_clients: int, control: ControlVariate = None):
     k_accept, k_next = random.split(key)
     lp_new = log_prior(s.proposal)
+    if control is not None:  # the clients released residuals: add back the released expansion
+        llr = llr + taylor(control, s.u, s.proposal)
     variance = num_clients * config.sigma ** 2
     log_ratio = llr + lp_new - s.log_prior - (variance / 2 if config.correct else 0.0)
     total = config.num_warmup + config.num_samples
@@ -210,7 +217,8 @@ def _decide(key, s: DPMHServerState, llr, complete, *, log_prior: Callable, chol
 
 
 def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, start: jax.Array, scale: jax.Array,
-                  *, config: DPMHConfig, rows: RowLocals = None) -> FederatedAlgorithm:
+                  *, config: DPMHConfig, rows: RowLocals = None, control: ControlVariate = None,
+                  derivatives: Callable = None) -> FederatedAlgorithm:
     """Build the sampler's pure functions (see the module docstring).
 
     Args:
@@ -223,13 +231,20 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
         scale: ``(d, d)`` the proposal's covariance before its step.
         config: :class:`DPMHConfig`.
         rows: the local latents' :class:`RowLocals` (``None``: no local latents).
+        control: a :class:`~numpyro_fed.dp.control.ControlVariate` (public; no local latents):
+            the clients release their ratios' residuals about it.
+        derivatives: with ``control``, ``(u, data) -> ((rows, d), (rows, d, d))`` each row's
+            clipped gradient and Hessian, as the release that ``control`` sums clipped them.
     """
     start = jnp.asarray(start)
     C, d = start.shape
     dtype = start.dtype
     chol = jnp.linalg.cholesky(jnp.asarray(scale, dtype))
     total = config.num_warmup + config.num_samples
-    decide = partial(_decide, log_prior=log_prior, chol=chol, config=config, num_clients=num_clients)
+    decide = partial(_decide, log_prior=log_prior, chol=chol, config=config, num_clients=num_clients,
+                     control=control)
+    if control is not None and (rows is not None or derivatives is None):
+        raise ValueError("dp_metropolis: a control variate needs each row's derivatives and no local latents")
 
     def init_server(rng_key):
         def one(key, u0):
@@ -242,8 +257,11 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
         return s, Broadcast(shared(s))
 
     def init_client(rng_key, data):
-        del rng_key, data
+        del rng_key
         zero = jnp.zeros((), jnp.int32)
+        if control is not None:
+            g, h = derivatives(jnp.asarray(control.anchor, dtype), data)
+            return DPMHClientState(zero, zero, taylor_g=g, taylor_h=h)
         if rows is None:
             return DPMHClientState(zero, zero)
         n = rows.row_of.shape[0]
@@ -251,7 +269,7 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
                                jnp.zeros((C, config.num_samples, n), dtype))
 
     if rows is None:
-        client_step = partial(_client_step, row_log_lik=row_log_lik, config=config)
+        client_step = partial(_client_step, row_log_lik=row_log_lik, config=config, control=control)
     else:
         client_step = partial(_client_step_locals, row_joint=row_log_lik, rows=rows, config=config)
 

@@ -28,6 +28,8 @@ from ..check import Verdict, register_check
 from ..check.chains import chain_report, chains_verdict
 from ..dp.accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from ..dp.annotation import dp_sites
+from ..dp.control import ControlVariate, widen
+from ..dp.dp_laplace import row_derivatives
 from ..dp.ledger import PrivacyBudgetError
 from ..dp.releases import capped_releases, over_plan
 from ..inference import FederatedInference, Setup, fitted
@@ -81,6 +83,11 @@ _CLIPPED = (
 )
 
 
+_CONTROL_LOCALS = (
+    "DPMetropolis(control=...) expands each row's log-likelihood about the private start, and local site(s) "
+    "{names} make a row's term depend on its latents, which move every round (the start's released sums are of "
+    "their Laplace marginals, not of the sampler's joint terms): leave control=None for a model with local latents"
+)
 _UNIT = (
     "DPMetropolis protects rows, and dp_noise(unit={unit!r}) protects groups: the private Laplace fit "
     "(nf.fit(dp=...) with exact=False, its default) takes a group as the unit"
@@ -313,6 +320,12 @@ class DPMetropolis(FederatedInference):
             at draws of ``N(mean, cov / 4)`` from a public key and propose with ``cov``.
             ``None``: the prior's median and an identity covariance.
         local_steps: each row's local random-walk steps per round.
+        control: a :class:`~numpyro_fed.dp.control.ControlVariate` (public: a private start's
+            released sums of its rows' gradients and Hessians at one point,
+            :meth:`~numpyro_fed.dp.dp_laplace.DPLaplace.control_variate`): each client then
+            releases the clipped sum of its ratios' residuals about that expansion, third order
+            near the mode, so a clip far below one row's ratio binds on none; the draws carry the
+            start's noise (see :mod:`numpyro_fed.dp.control`). Models without local latents.
         row_plate: the plate that indexes rows (default: the one the clients are padded along).
         model_kwargs: keyword arguments of every model call.
         secure_aggregation: ``None`` (each client's noised release reaches the server), or how the
@@ -339,7 +352,8 @@ class DPMetropolis(FederatedInference):
 
     def __init__(self, model: Callable, *, num_warmup: int = 1000, num_samples: int = 1000, num_chains: int = 2,
                  init: Optional[Tuple] = None, local_steps: int = 5, row_plate: Optional[str] = None,
-                 model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
+                 model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None,
+                 control: Optional[ControlVariate] = None) -> None:
         super().__init__()
         self.secure_aggregation = check_aggregation(secure_aggregation, "DPMetropolis")
         self.local_steps = check_positive_int("local_steps", local_steps)
@@ -349,7 +363,7 @@ class DPMetropolis(FederatedInference):
         self.num_chains = int(num_chains)
         if self.num_warmup < 0 or self.num_samples < 1 or self.num_chains < 1:
             raise ValueError("DPMetropolis: num_warmup >= 0, num_samples >= 1 and num_chains >= 1")
-        self.init_moments = init
+        self.init_moments, self.control = init, control
         self.privacy: Optional[Tuple] = None  # (spec, noise multiplier) planned at set-up
         self.dp_plan = SamplerPrivacy(self)
 
@@ -374,6 +388,8 @@ class DPMetropolis(FederatedInference):
             terms.row_term
         if terms.unit is not None:
             raise ValueError(_UNIT.format(unit=terms.unit[0]))
+        if self.control is not None and local is not None:
+            raise ValueError(_CONTROL_LOCALS.format(names=sorted(local.names)))
         self.privacy = (spec, nm)
         plan, layout = setup.plan, setup.extra.structure.global_latent
         rows = None if local is None else row_locals(local, int(np.max(np.asarray(plan.num_rows))),
@@ -391,14 +407,21 @@ class DPMetropolis(FederatedInference):
         # every release carries the whole noise, summed securely or not (see secure_aggregation)
         config = DPMHConfig(self.num_warmup, self.num_samples, self.num_chains, float(spec.clip),
                             float(nm * spec.clip), self._penalty, self.local_steps, self.secure_aggregation)
+        control = self.control
+
+        def derivatives(u, data):  # each row's clipped derivatives at the anchor, as the start released them
+            return row_derivatives(lambda x: row_log_lik(x, data), u, data.row_mask, control.clip)[:2]
+
         algorithm = dp_metropolis(setup.extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
-                                  rows=rows)
+                                  rows=rows, control=control, derivatives=derivatives)
         message = {"llr": jax.ShapeDtypeStruct((self.num_chains,), jnp.float32)}
         return setup._replace(algorithm=capped_releases(algorithm, len(clients), message,
                                                         cap=self.releases_per_client, per_release=self.num_chains))
 
     def _params(self, setup, state) -> DrawParams:
         draws = state.server.inner.draws  # (chains, samples, d)
+        if self.control is not None:  # the start's noise as uncertainty (dp/control.py), from a public key
+            draws = widen(jax.random.PRNGKey(START_KEY + 1), self.control, draws)
         user = user_space(self.model, self.model_kwargs, setup, draws.reshape(-1, draws.shape[-1]))
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
