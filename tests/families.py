@@ -244,9 +244,23 @@ def fit_dp_masking():
                             num_samples=20, secure_aggregation="masking"), horizontal_data()
 
 
+def regression(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+
+
+def fit_dp_control_masking():
+    """nf.fit(dp=..., exact=True) on a model without local latents: the sampler releases its rows' ratios less
+    the private start's released expansion (a control variate the server announces with the stage)."""
+    model = nf.dp_noise(regression, clip=20.0, delta=1e-3, epsilon=8.0)
+    return nf.ladder.Ladder(model, dp=nf.dp.PrivateFit(start_rounds=4), exact=True, num_warmup=20,
+                            num_samples=20, secure_aggregation="masking"), horizontal_data()
+
+
 #: families whose client terms reach the server only as a pairwise-masked sum
 MASKED_FAMILIES = {f.__name__: f for f in (laplace_masking, pvi_dp_masking, dp_laplace_masking, mwg_masking,
-                                           nuts_masking, fit_masking, fit_dp_masking)}
+                                           nuts_masking, fit_masking, fit_dp_masking, fit_dp_control_masking)}
 
 
 def _dp_laplace(epsilon, clip):

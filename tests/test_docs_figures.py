@@ -333,3 +333,29 @@ def test_the_group_unit_utility_table_and_prose_are_their_results():
         in flat
     assert f"{max(visits[0]['max_abs_z_range']):.2f} sds off, outside its interval" in flat
     assert all(r["clipped_warning"] for r in visits)
+
+
+def test_the_exact_private_fit_table_is_its_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "dp_exact_utility.json").read_text())
+    rows = _benchmark("dp_exact_utility").table_rows(results)
+    text = (ROOT / "docs" / "differential_privacy.md").read_text()
+    assert len(rows) == 4 and len(results["runs"]) == 4 * results["keys"]
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    assert f"commit {results['commit']}" in text and not results["dirty"]
+    flat = " ".join(text.split())
+    runs = results["runs"]
+
+    def cell(n, eps):
+        return [r for r in runs if r["rows"] == n and r["epsilon"] == eps]
+
+    def answered(rs):
+        return sum(r["answered"] == "dp_metropolis" and r["verdict"] == "ok" for r in rs)
+
+    assert answered(cell(100_000, 4.0)) == results["keys"] and "answered in every run" in flat
+    assert answered(cell(100_000, 1.0)) == 1 and "at epsilon 1 it answered once in four" in flat
+    assert answered(cell(20_000, 1.0)) == answered(cell(20_000, 4.0)) == 0
+    clipped = [r["clipped_residuals"] for r in cell(20_000, 4.0)]
+    assert f"({min(clipped):,} to {max(clipped):,} of 40 million per run)" in flat
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{results['keys']} of {results['keys']} runs at 100,000 rows and epsilon 4" in readme

@@ -207,31 +207,33 @@ def test_a_ledger_over_flower_refuses_the_run_past_a_clients_budget_and_covers_b
     assert {c.client: round(c.epsilon, 6) for c in report.clients} == {k: round(v, 6) for k, v in own.items()}
 
 
-def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_release(federation, capsys):
+@pytest.mark.parametrize("family", ["fit_dp_masking", "fit_dp_control_masking"])
+def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_release(federation, capsys, family):
     """``nf.fit(dp=..., exact=True, secure_aggregation="masking")`` as a Flower task (its
     ``make_inference`` returns ``Ladder(model, dp=PrivateFit(...))``): the server announces each
     stage, the private start and the exact DP sampler from it, and every node builds it from that
-    text (the noise the server calibrated, the start's mean and covariance). Client 2 drops in round
+    text (the noise the server calibrated, the start's mean and covariance; on a model without local
+    latents, the start's released expansion the sampler's releases are residuals about). Client 2 drops in round
     2 of each stage, as above; a round a client misses is repeated, as in the simulation. The
     ladder takes the simulation's steps in as many rounds, its privacy report over both stages is
     the simulation's, and no client's noised release (as it would reach a trusted aggregator) is
     in any message at the server."""
     import re
 
-    ladder, inputs = MASKED_FAMILIES["fit_dp_masking"]()
+    ladder, inputs = MASKED_FAMILIES[family]()
     ladder.client_mapping, ladder.progress_bar = "loop", False
     table = _schedule(800)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sim = ladder.run(random.PRNGKey(0), inputs, availability=table)
-        trusted, _ = MASKED_FAMILIES["fit_dp_masking"]()
+        trusted, _ = MASKED_FAMILIES[family]()
         trusted.rung_options["secure_aggregation"] = "trusted"
         trusted.client_mapping, trusted.progress_bar = "loop", False
         clear = trusted.run(random.PRNGKey(0), inputs, availability=table, record_transcript=True, keep_values=True)
     for private in (sim, clear):  # a private fit reads as every fit does
         private.print_summary()
         assert f"{private.method} (" in capsys.readouterr().out
-    flower = federation.run("flower_tasks:fit_dp_masking", 1, seed=0, num_clients=3, keep_values=True,
+    flower = federation.run(f"flower_tasks:{family}", 1, seed=0, num_clients=3, keep_values=True,
                             reply_timeout=30.0)
     got = flower["fit"]
     masked = lambda log: [re.sub(r"-?\d+(\.\d+)?(e[+-]\d+)?", "#", line) for line in log]  # noqa: E731
@@ -245,6 +247,8 @@ def test_nf_fit_under_dp_over_flower_equals_the_simulation_and_shows_no_client_r
                            if line.startswith(("dp_metropolis", "the answer")) else line for line in log]  # noqa: E731
     assert got["method"] == sim.method and masked(sampler(got["log"])) == masked(sampler(want_log)), got["log"]
     assert next(line for line in got["log"] if line.startswith("dp_metropolis")).split()[-1] != "biased"
+    expanded = [line for line in got["log"] if "residuals about the start's released expansion" in line]
+    assert len(expanded) == (family == "fit_dp_control_masking")  # the control variate, on the model without locals
     assert any("count of clipped rows stays on its node, so whether the start's clip bound is not known" in w
                for w in flower["warnings"])
     assert got["rounds"] == sim.rounds and len(got["transcripts"]) == 2

@@ -15,7 +15,10 @@ composed with ``dp-accounting``:
    each row's log-likelihood ratio clipped to the model's ``dp_noise`` clip, the noise calibrated
    so that both stages together spend exactly ``epsilon`` (the penalty method corrects the
    acceptance for it: Yildirim & Ermis (2019), "Exact MCMC with differentially private moves",
-   Statistics and Computing 29).
+   Statistics and Computing 29). On a model without local latents each client releases its
+   ratios less the start's released second-order expansion (:mod:`numpyro_fed.dp.control`), with
+   the clip ``PrivateFit.sampler_clip`` (by default the one at which the noise corrected for is 2
+   nats^2), and the draws carry the start's noise; the start costs nothing more for it.
 
 With ``secure_aggregation=`` the releases of every stage are summed before the server (pairwise
 masking or a trusted aggregator); each client still adds the whole noise. The answer is the

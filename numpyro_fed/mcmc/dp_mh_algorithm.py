@@ -35,6 +35,12 @@ check; ``V`` is ``J sigma^2`` either way.
 The noise costs acceptance: about ``exp(-V / 8)`` of it at ``V`` near 1 (so ``V`` of a few
 units at most is practical: small ``C`` with small steps, many rows per client).
 
+**With a control variate** (:mod:`numpyro_fed.dp.control`: a private start's released sums of its
+rows' clipped gradients and Hessians at a point ``a``) each client releases the clipped sum of its
+ratios' residuals about their second-order expansion at ``a`` and the server adds the released
+expansion back: a residual is third order near the mode, so a clip that keeps ``V`` near 2 binds
+on none where the full ratios would all be clipped.
+
 **Local latents that belong to rows** (a patient's random effect, inside the row plate): each
 client keeps its rows' latents ``v_i`` and moves them first, every round, given the chain's
 point ``u``, by ``local_steps`` random-walk Metropolis steps **row by row** (each row accepted
