@@ -36,13 +36,14 @@ data", JMLR 18 (§7.2).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ControlVariate", "from_text", "row_taylor", "taylor", "to_text", "widen"]
+__all__ = ["ControlVariate", "from_text", "row_derivatives", "row_taylor", "taylor", "to_text", "upper_triangle",
+           "widen"]
 
 
 class ControlVariate(NamedTuple):
@@ -61,6 +62,26 @@ class ControlVariate(NamedTuple):
     hessian: jax.Array
     clip: float
     noise_cov: jax.Array
+
+
+def upper_triangle(d: int):
+    """The upper triangle's indices of a ``d x d`` matrix, in the order a release lists them."""
+    return np.triu_indices(d)
+
+
+def row_derivatives(terms: Callable, u, mask, clip: float):
+    """Each row's gradient ``(rows, d)`` and Hessian ``(rows, d, d)`` of ``terms`` (``u -> (rows,)``)
+    at ``u``, the vector ``(gradient, Hessian upper triangle)`` of each clipped to L2 norm ``clip``
+    (the same factor on both; non-finite entries 0, padded rows 0), and which rows the clip bound."""
+    rows_u, cols_u = upper_triangle(u.shape[0])
+    g = jax.jacfwd(terms)(u)  # (rows, d)
+    h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
+    real = mask > 0
+    g = jnp.where(jnp.isfinite(g) & real[:, None], g, 0.0)
+    h = jnp.where(jnp.isfinite(h) & real[:, None, None], h, 0.0)
+    norm = jnp.sqrt(jnp.sum(g ** 2, 1) + jnp.sum(h[:, rows_u, cols_u] ** 2, 1))
+    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30))
+    return g * factor[:, None], h * factor[:, None, None], (norm > clip) & real
 
 
 def _quadratic(h, anchor, u, proposal):

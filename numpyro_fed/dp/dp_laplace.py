@@ -65,10 +65,10 @@ from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..secure import check_aggregation
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
-from .control import ControlVariate
+from .control import ControlVariate, row_derivatives, upper_triangle
 from .releases import capped_releases
 
-__all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check", "row_derivatives"]
+__all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
 
 TRUST = 2.0
 """A Newton step moves ``u`` by at most this far (Euclidean, unconstrained space)."""
@@ -158,10 +158,6 @@ def noise_bound(num_clients: int, sigma: float, d: int) -> float:
     return float(np.sqrt(num_clients) * sigma * (2.0 * np.sqrt(d) + 2.0))
 
 
-def _upper(d: int):
-    return np.triu_indices(d)
-
-
 def _row_blocks(f_sum: Callable, v, index, k: int):
     """The rows' ``k x k`` Hessian blocks of ``f_sum`` in ``v`` (block diagonal by rows): ``k``
     Hessian-vector products with one slot of every row set."""
@@ -200,21 +196,6 @@ def _terms(row_term: Callable, locals_index, u, v, data, mask):
     return jnp.where(mask > 0, row_term(u, v1, data) - 0.5 * logdet, 0.0)
 
 
-def row_derivatives(terms: Callable, u, mask, clip: float):
-    """Each row's gradient ``(rows, d)`` and Hessian ``(rows, d, d)`` of ``terms`` (``u -> (rows,)``)
-    at ``u``, the vector ``(gradient, Hessian upper triangle)`` of each clipped to L2 norm ``clip``
-    (the same factor on both; non-finite entries 0, padded rows 0), and which rows the clip bound."""
-    rows_u, cols_u = _upper(u.shape[0])
-    g = jax.jacfwd(terms)(u)  # (rows, d)
-    h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
-    real = mask > 0
-    g = jnp.where(jnp.isfinite(g) & real[:, None], g, 0.0)
-    h = jnp.where(jnp.isfinite(h) & real[:, None, None], h, 0.0)
-    norm = jnp.sqrt(jnp.sum(g ** 2, 1) + jnp.sum(h[:, rows_u, cols_u] ** 2, 1))
-    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30))
-    return g * factor[:, None], h * factor[:, None, None], (norm > clip) & real
-
-
 def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *, row_term: Callable,
                  config: DPLaplaceConfig, locals_index, mask_of: Callable):
     """The client's release: its rows' (or groups') clipped ``(gradient, Hessian)`` vectors summed,
@@ -230,7 +211,7 @@ def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *,
         v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
     terms = partial(_terms, row_term, locals_index, v=v, data=data, mask=mask)
     g, h, clipped = row_derivatives(terms, u, mask, config.clip)
-    rows_u, cols_u = _upper(u.shape[0])
+    rows_u, cols_u = upper_triangle(u.shape[0])
     z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
     released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], u.dtype)
     new = DPLaplaceClient(state.releases + 1, jnp.sum(clipped & (mask > 0)).astype(jnp.int32), v)
@@ -256,7 +237,7 @@ def dp_laplace(log_prior: Callable, row_term: Callable, num_clients: int, start,
     mask_of = mask_of or (lambda data: data.row_mask)
     start = jnp.asarray(start)
     d, dtype = start.shape[0], start.dtype
-    rows_u, cols_u = _upper(d)
+    rows_u, cols_u = upper_triangle(d)
     # the smallest curvature a step trusts: the prior's least, at the start (at most 1)
     prior_floor = curvature_floor(log_prior, start)
 
@@ -418,7 +399,7 @@ class DPLaplace(FederatedInference):
             return None
         s = result.state.server.inner
         d = int(s.u.shape[0])
-        rows_u, cols_u = _upper(d)
+        rows_u, cols_u = upper_triangle(d)
         upper = jnp.zeros((d, d), s.released.dtype).at[rows_u, cols_u].set(s.released[d:])
         _, noise = self._moments(s, len(fitted(self).plan.names))
         return ControlVariate(s.anchor, s.released[:d], upper + jnp.triu(upper, 1).T, float(self.privacy[0].clip),

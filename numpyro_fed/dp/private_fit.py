@@ -199,6 +199,28 @@ def noise_text(start, result) -> str:
             f"carries it, so its intervals are wider than the posterior's)")
 
 
+def _checked(model, clients, model_kwargs: dict, plan, exact: bool, rung_options: Dict[str, Any]):
+    """The plan checked and the model's one spec, refusing before any release what the fit cannot take."""
+    plan = PrivateFit(*plan).checked()
+    spec = marked_spec(model, clients, model_kwargs, plan)
+    if exact and spec.unit is not None:
+        raise ValueError(_EXACT_UNIT.format(unit=spec.unit))
+    other = sorted(set(rung_options) - set(_OWN))
+    if other:
+        raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
+    return plan, spec
+
+
+def _sampler_settings(plan: PrivateFit, spec: DPSpec, start, first, nm: float, num_clients: int):
+    """The exact sampler's control variate (``None`` with local latents), clip and proposal covariance."""
+    control, cov = start.control_variate(first), np.asarray(first.params.cov)
+    clip = spec.clip if plan.sampler_clip is None and control is None else (
+        plan.sampler_clip or float(np.sqrt(SAMPLER_NOISE / num_clients) / nm))
+    if control is not None:  # the chains target the posterior tilted by the start's noise: its covariance P^-1
+        cov = cov - np.asarray(control.noise_cov)
+    return control, clip, cov
+
+
 def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: PrivateFit, *, num_samples: int,
                 num_warmup: Optional[int], num_chains: Optional[int], model_kwargs: Optional[dict],
                 row_plate: Optional[str], client_mapping: str, progress_bar: Optional[bool],
@@ -210,14 +232,8 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
     ``exact=True``: the start at ``start_share`` of it, then the DP sampler."""
     from ..backends.base import NetworkBackend
     from ..fit_result import Fit, chain_check, traffic
-    plan = PrivateFit(*plan).checked()
     model_kwargs = dict(model_kwargs or {})
-    spec = marked_spec(model, clients, model_kwargs, plan)
-    if exact and spec.unit is not None:  # refused before any release
-        raise ValueError(_EXACT_UNIT.format(unit=spec.unit))
-    other = sorted(set(rung_options) - set(_OWN))
-    if other:
-        raise TypeError(_OPTIONS.format(names=other, own=list(_OWN)))
+    plan, spec = _checked(model, clients, model_kwargs, plan, exact, rung_options)
     backend, secure = run_options.get("backend"), rung_options.get("secure_aggregation")
     network = isinstance(backend, NetworkBackend)
 
@@ -248,11 +264,7 @@ def private_fit(model: Callable, clients: Any, rng_key: jax.Array, plan: Private
             warnings.filterwarnings("ignore", category=UncheckedFitWarning)
         first = start.run(jax.random.fold_in(rng_key, STAGE_KEYS["dp_laplace"]), clients, ledger=ledger, **run_options)
     mean, cov = np.asarray(first.params.mean), np.asarray(first.params.cov)
-    control = start.control_variate(first) if exact else None
-    clip = spec.clip if plan.sampler_clip is None and control is None else (
-        plan.sampler_clip or float(np.sqrt(SAMPLER_NOISE / len(names)) / nm))
-    if control is not None:  # the chains target the posterior tilted by the start's noise: its covariance P^-1
-        cov = cov - np.asarray(control.noise_cov)
+    control, clip, cov = _sampler_settings(plan, spec, start, first, nm, len(names)) if exact else (None, None, cov)
     log.append(f"private {'start' if exact else 'Laplace fit'}: {plan.start_rounds} Newton rounds of DPLaplace (clip "
                f"{start_clip:g}, sigma/C {nm_start:.4g}, {share:.0%} of epsilon {spec.epsilon:g}); verdict "
                f"{first.verdict.status}")

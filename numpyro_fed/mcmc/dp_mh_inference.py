@@ -28,8 +28,7 @@ from ..check import Verdict, register_check
 from ..check.chains import chain_report, chains_verdict
 from ..dp.accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from ..dp.annotation import dp_sites
-from ..dp.control import ControlVariate, widen
-from ..dp.dp_laplace import row_derivatives
+from ..dp.control import ControlVariate, row_derivatives, widen
 from ..dp.ledger import PrivacyBudgetError
 from ..dp.releases import capped_releases, over_plan
 from ..inference import FederatedInference, Setup, fitted
