@@ -359,3 +359,17 @@ def test_the_exact_private_fit_table_is_its_results():
     assert f"({min(clipped):,} to {max(clipped):,} of 40 million per run)" in flat
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"{results['keys']} of {results['keys']} runs at 100,000 rows and epsilon 4" in readme
+
+
+def test_the_cold_call_profile_is_its_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "cold_call_profile.json").read_text())
+    rows = _benchmark("cold_call_profile").table_rows(results)
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    assert f"commit {results['commit']}" in text and not results["dirty"]
+    flat = " ".join(text.split())
+    cold, second = results["cold"], results["second"]
+    assert f"{cold['small_programs']} programs of a few tens of milliseconds each " \
+           f"({cold['small_programs_compile_seconds']:.1f} s)" in flat
+    assert f"compiles {second['programs']} programs and takes {second['seconds']:.1f} s" in flat
