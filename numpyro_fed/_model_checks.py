@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
 from ._trace import finite_point
@@ -41,6 +42,7 @@ __all__ = [
     "check_imputation",
     "check_traceable",
     "check_unmarked_row_sites",
+    "probe_row_sites",
     "enumerated_support_size",
     "warn_client_indexed_globals",
 ]
@@ -130,6 +132,23 @@ def check_imputation(tr) -> None:
 
 def _explicit_role(site) -> Optional[str]:
     return (site.get("infer") or {}).get(FEDERATION_KEY)
+
+
+def probe_row_sites(tr, client: str, rows: int) -> Dict[str, Tuple[tuple, tuple]]:
+    """One client's trace checked for unmarked per-row sites (:func:`check_unmarked_row_sites`),
+    and each continuous latent site's ``(unconstrained shape, shape)``."""
+    check_unmarked_row_sites(tr, client, rows)
+    out = {}
+    for name, site in tr.items():
+        if site["type"] == "param":
+            constraint = site["kwargs"].get("constraint")
+            u = site["value"] if constraint is None else biject_to(constraint).inv(site["value"])
+        elif site["type"] == "sample" and not site["is_observed"] and not site["fn"].support.is_discrete:
+            u = biject_to(site["fn"].support).inv(site["value"])
+        else:
+            continue
+        out[name] = (tuple(jnp.shape(u)), tuple(jnp.shape(site["value"])))
+    return out
 
 
 def check_unmarked_row_sites(tr, client: str, rows: int) -> None:

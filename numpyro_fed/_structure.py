@@ -18,6 +18,7 @@ the global sites are read from a client's trace at set-up.
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import jax
@@ -34,10 +35,10 @@ from ._model_checks import (
     check_enumerable,
     check_imputation,
     check_traceable,
-    check_unmarked_row_sites,
+    probe_row_sites,
     warn_client_indexed_globals,
 )
-from ._trace import or_finite_point, trace_model, unconstrained_shape
+from ._trace import or_finite_point, read_abstractly, trace_model, unconstrained_shape
 from .groups import check_group_sites, group_axes, group_mask
 from .handlers import GLOBAL, LOCAL, site_role
 
@@ -238,9 +239,9 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
     check_imputation(tr)
     plates = dict(getattr(model, "group_args", {}))
     check_group_sites(tr, plates)
-    probes = [(label, trace_model(model, args, kwargs)) for label, args in _shape_probes(clients)]
-    for label, other in probes:
-        check_unmarked_row_sites(other, label, clients.num_rows[label])
+    probes = [(label, read_abstractly(model, args, kwargs, partial(probe_row_sites, client=label,
+                                                                    rows=clients.num_rows[label])))
+              for label, args in _shape_probes(clients)]
     check_traceable(model, clients[first], kwargs, tr, plates)
     supports = {}
     global_entries, global_param = [], {}
@@ -272,11 +273,11 @@ def analyse_model(model, clients, kwargs) -> ModelStructure:
         for label, other in probes:
             if name not in other:
                 raise ValueError(_DATA_DEPENDENT_GLOBAL.format(name=name, client=label))
-            if jnp.shape(_unconstrained(other[name])) != jnp.shape(u):
+            if other[name][0] != jnp.shape(u):
                 raise ValueError(
                     _GLOBAL_SHAPE.format(
                         name=name, client_shape=jnp.shape(site["value"]), client=first,
-                        other=f"client '{label}'", other_shape=jnp.shape(other[name]["value"]),
+                        other=f"client '{label}'", other_shape=other[name][1],
                     )
                 )
         if site["type"] == "sample":

@@ -28,10 +28,9 @@ from numpyro.primitives import Messenger
 
 from ._validation import check_init
 
-__all__ = ["INIT_TRIES", "finite_point", "invalid_parameters", "is_factor", "nonfinite_sites", "observed_draws",
-           "or_finite_point",
-           "prior_median", "program_digest", "start_point", "trace_model", "unconstrained_shape", "unwrapped",
-           "update_digest"]
+__all__ = ["INIT_TRIES", "compiled_prior_mean", "finite_point", "invalid_parameters", "is_factor", "nonfinite_sites",
+           "observed_draws", "or_finite_point", "prior_median", "program_digest", "read_abstractly", "start_point",
+           "trace_model", "unconstrained_shape", "unwrapped", "update_digest"]
 
 INIT_TRIES = 10  # points tried before set-up gives up (NumPyro's initialisation tries 100)
 _INVALID = "distribution got invalid"  # NumPyro's validation message for a parameter out of its domain
@@ -103,6 +102,42 @@ class _Checked(Messenger):
 def _shown(value) -> str:
     flat = np.asarray(value).reshape(-1)
     return np.array2string(flat[:5], precision=4) + (" ..." if flat.size > 5 else "")
+
+
+def _split_args(args: Mapping):
+    args = dict(args)
+    arrays = {k: v for k, v in args.items() if isinstance(v, (np.ndarray, jax.Array))}
+    return arrays, {k: v for k, v in args.items() if k not in arrays}
+
+
+def compiled_prior_mean(model: Callable, args, kwargs, layout) -> jax.Array:
+    """:func:`prior_median` (``exact``) as one compiled program (run op by op, a prior compiles
+    one program per operation and shape); op by op where the model reads a concrete value."""
+    arrays, fixed = _split_args(args)
+    try:
+        return jax.jit(lambda a: prior_median(model, {**fixed, **a}, kwargs, layout, exact=True))(arrays)
+    except jax.errors.JAXTypeError:
+        return prior_median(model, args, kwargs, layout, exact=True)
+
+
+def read_abstractly(model, args: Mapping, kwargs: Mapping, read: Callable):
+    """``read(trace)`` of the model's trace as :func:`trace_model` takes it, the model run on
+    abstract arguments (their shapes and dtypes, as ``jax.eval_shape`` runs a function: no
+    program is compiled, where an eager run compiles one per operation and shape), or on the
+    arguments themselves where the model or ``read`` needs a concrete value. ``read`` returns
+    what it reads of the sites (names, shapes, roles), never their values."""
+    arrays, fixed = _split_args(args)
+    box = []
+
+    def run(values):
+        box.append(read(trace_model(model, {**fixed, **values}, kwargs)))
+
+    try:
+        jax.eval_shape(run, arrays)
+    except Exception:  # noqa: BLE001  a value read as a concrete one, or an error: run on the arguments themselves
+        box.clear()  # (an error is raised there, as an eager run raises it, with no abstract value in its frames)
+        return read(trace_model(model, {**fixed, **arrays}, kwargs))
+    return box[0]
 
 
 def trace_model(model, args: Mapping, kwargs: Mapping, rng_seed: int = 0):
@@ -229,7 +264,7 @@ def start_point(model: Callable, args, kwargs, layout, init=None, local_names=()
         TypeError: ``init`` neither a dict nor a callable.
     """
     if init is None:
-        return prior_median(model, args, kwargs, layout, exact=True)
+        return compiled_prior_mean(model, args, kwargs, layout)
     if isinstance(init, Mapping):
         unknown = sorted(str(k) for k in init if k not in layout.names)
         if unknown:

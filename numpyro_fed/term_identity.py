@@ -39,7 +39,7 @@ from numpyro.handlers import substitute
 from numpyro.infer.util import potential_energy
 
 from ._structure import ModelStructure, SiteLayout, constrain_params, log_joint
-from ._trace import nonfinite_sites, prior_median, trace_model
+from ._trace import compiled_prior_mean, nonfinite_sites, read_abstractly, trace_model
 from .clients import ClientData, Clients
 from .groups import held_elsewhere, sized_model
 
@@ -136,8 +136,8 @@ class _Terms(NamedTuple):
 def _terms(model, kwargs: Mapping, structure: ModelStructure, laid: ClientData, rows: Mapping, cache: dict) -> _Terms:
     base = getattr(model, "__wrapped_model__", model)
     glob = structure.global_latent
-    tr_laid, tr_real = trace_model(model, laid.args, kwargs), trace_model(base, rows, kwargs)
-    padded, real = structure.local_layout(tr_laid), structure.local_layout(tr_real)
+    tr_real = trace_model(base, rows, kwargs)  # concrete: its local params' initial values
+    padded, real = read_abstractly(model, laid.args, kwargs, structure.local_layout), structure.local_layout(tr_real)
     params = {
         **constrain_params({n: u for n, (u, _) in structure.global_param.items()},
                            {n: c for n, (_, c) in structure.global_param.items()}),
@@ -216,7 +216,7 @@ def _candidates(model, kwargs, laid: ClientData, terms: _Terms, rng_key) -> Tupl
     prior's mean (within 0.1, then 0.01; the local entries as close to 0), then the prior's mean itself
     (local entries 0): a model whose density overflows far out (a covariate in the thousands) is
     compared where it is defined."""
-    start = jnp.asarray(prior_median(model, laid.args, kwargs, terms.glob, exact=True), jnp.float32)
+    start = jnp.asarray(compiled_prior_mean(model, laid.args, kwargs, terms.glob), jnp.float32)
     keys = jax.random.split(rng_key, 4)
     far = [jax.random.uniform(k, (POINTS, n), minval=-1.0, maxval=1.0) for k, n in zip(keys[:2], (terms.d,
                                                                                                     terms.padded.size))]
@@ -369,19 +369,25 @@ def split_rows_mismatch(model, kwargs: Mapping, structure: ModelStructure, rows:
     base = getattr(model, "__wrapped_model__", model)
     own = sized_model(base, Clients({client: rows}), kwargs)  # halves keep the client's groups
     halves = [{k: v[i::2] for k, v in rows.items()} for i in (0, 1)]
-    traces = [trace_model(own, a, kwargs) for a in [rows] + halves]
+    local_names = structure.local_latent_names
+
+    def read(tr):  # the observed sites, and each local latent's unconstrained shape
+        return ([m for m, site in tr.items() if _observed(site)],
+                {m: tuple(jnp.shape(_unconstrained_value(tr[m]))) for m in local_names})
+
+    traces = [read_abstractly(own, a, kwargs, read) for a in [rows] + halves]
     glob = structure.global_latent
     ku, kv = jax.random.split(rng_key)
     u = glob.unravel(jax.random.uniform(ku, (glob.size,), minval=-1.0, maxval=1.0))
     full_local = {}
-    for j, name in enumerate(structure.local_latent_names):
-        shape = jnp.shape(_unconstrained_value(traces[0][name]))
+    for j, name in enumerate(local_names):
+        shape = traces[0][1][name]
         full_local[name] = jax.random.uniform(jax.random.fold_in(kv, j), shape, minval=-1.0, maxval=1.0)
     latents = [{**u, **full_local}]
-    for i, tr in enumerate(traces[1:]):
+    for i, (_, shapes) in enumerate(traces[1:]):
         cut = {}
         for name, value in full_local.items():
-            want = jnp.shape(_unconstrained_value(tr[name]))
+            want = shapes[name]
             axes = [a for a, (w, f) in enumerate(zip(want, value.shape)) if w != f]
             if len(want) != value.ndim or any(value.shape[a] != n for a in axes):
                 return None  # a local site not cut along the rows: its halves cannot be told
@@ -391,7 +397,7 @@ def split_rows_mismatch(model, kwargs: Mapping, structure: ModelStructure, rows:
         latents.append({**u, **cut})
     params = constrain_params({m: v for m, (v, _) in structure.global_param.items()},
                               {m: c for m, (_, c) in structure.global_param.items()})
-    sites = [m for m, s in traces[0].items() if _observed(s)]
+    sites = traces[0][0]
     summed_out = set(structure.enumerated)  # discrete local sites summed out with the rows they explain
 
     def terms(args, latent):  # each observed site's term (with the sites summed out with it)

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.primitives import Messenger
 
-from .._structure import ModelStructure, SiteLayout, trace_model
-from .._trace import program_digest, update_digest
+from .._structure import ModelStructure, SiteLayout
+from .._trace import program_digest, read_abstractly, update_digest
 from ..clients import ClientData, Clients
 from ..term_identity import (
     TermMismatch,
@@ -79,6 +79,12 @@ def _plates(tr):
     return {n: s["args"][0] for n, s in tr.items() if s["type"] == "plate"}
 
 
+def _sample_shapes(tr):
+    """A trace's plates, and each sample site's ``(shape, its plates)``."""
+    return _plates(tr), {n: (tuple(jnp.shape(s["value"])), [f.name for f in s["cond_indep_stack"]])
+                         for n, s in tr.items() if s["type"] == "sample"}
+
+
 def pad_client(args, n_rows: int, n_pad: Optional[int] = None) -> ClientData:
     """A client's arguments as :class:`ClientData`, padded (edge values) to ``n_pad`` rows."""
     n_pad = n_rows if n_pad is None else n_pad
@@ -102,7 +108,7 @@ def _check_row_plate(model, kwargs, clients: Clients, row_plate):
     if row_plate is None:
         return
     for name in clients.names:
-        plates = _plates(trace_model(model, clients[name], kwargs))
+        plates = read_abstractly(model, clients[name], kwargs, _plates)
         if plates.get(row_plate) != clients.num_rows[name]:
             raise ValueError(_NOT_A_PLATE.format(name=row_plate, client=name, plates=plates))
 
@@ -111,9 +117,7 @@ def _find_row_plate(model, kwargs, clients: Clients, row_plate):
     rows = clients.num_rows
     small = min(rows, key=rows.get)
     large = max(rows, key=rows.get)
-    tr_a = trace_model(model, clients[small], kwargs)
-    tr_b = trace_model(model, clients[large], kwargs)
-    pa, pb = _plates(tr_a), _plates(tr_b)
+    (pa, tr_a), (pb, tr_b) = (read_abstractly(model, clients[c], kwargs, _sample_shapes) for c in (small, large))
     following = [p for p in pa if pa[p] == rows[small] and pb.get(p) == rows[large]]
     if row_plate is not None:
         chosen = row_plate
@@ -124,11 +128,10 @@ def _find_row_plate(model, kwargs, clients: Clients, row_plate):
     else:
         chosen = following[0]
     # every client-side sample site whose shape follows the rows must sit in that plate
-    for name, site in tr_a.items():
-        if site["type"] != "sample" or name not in tr_b:
+    for name, (shape, frames) in tr_a.items():
+        if name not in tr_b:
             continue
-        if jnp.shape(site["value"]) != jnp.shape(tr_b[name]["value"]):
-            frames = [f.name for f in site["cond_indep_stack"]]
+        if shape != tr_b[name][0]:
             if chosen not in frames:
                 return None, f"site '{name}' changes shape with the rows outside plate '{chosen}'"
     return chosen, ""

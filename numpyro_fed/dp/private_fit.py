@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from numpyro.primitives import Messenger
 
-from .._structure import trace_model
+from .._trace import read_abstractly
 from .._validation import check_positive_int
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .accounting import ClientPrivacy, calibrate_after, calibrate_noise_multiplier, epsilon_composed, report
@@ -131,7 +131,7 @@ class with_spec(Messenger):
 
 def marked_spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Optional[DPSpec]:
     """The model's one ``dp_noise`` spec (``None``: unmarked and no ``dp=``), checked against ``plan``."""
-    specs = dp_sites(trace_model(model, clients[clients.names[0]], model_kwargs))
+    specs = read_abstractly(model, clients[clients.names[0]], model_kwargs, dp_sites)
     if plan is None:
         if specs:
             raise ValueError(_NO_PLAN.format(sites=sorted(specs)))
