@@ -72,7 +72,8 @@ def upper_triangle(d: int):
 def row_derivatives(terms: Callable, u, mask, clip: float):
     """Each row's gradient ``(rows, d)`` and Hessian ``(rows, d, d)`` of ``terms`` (``u -> (rows,)``)
     at ``u``, the vector ``(gradient, Hessian upper triangle)`` of each clipped to L2 norm ``clip``
-    (the same factor on both; non-finite entries 0, padded rows 0), and which rows the clip bound."""
+    (the same factor on both; non-finite entries 0, padded rows 0), which rows the clip bound, and
+    each row's factor ``(rows,)`` (0 on padded rows)."""
     rows_u, cols_u = upper_triangle(u.shape[0])
     g = jax.jacfwd(terms)(u)  # (rows, d)
     h = jax.jacfwd(jax.jacfwd(terms))(u)  # (rows, d, d)
@@ -80,8 +81,8 @@ def row_derivatives(terms: Callable, u, mask, clip: float):
     g = jnp.where(jnp.isfinite(g) & real[:, None], g, 0.0)
     h = jnp.where(jnp.isfinite(h) & real[:, None, None], h, 0.0)
     norm = jnp.sqrt(jnp.sum(g ** 2, 1) + jnp.sum(h[:, rows_u, cols_u] ** 2, 1))
-    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30))
-    return g * factor[:, None], h * factor[:, None, None], (norm > clip) & real
+    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30)) * real
+    return g * factor[:, None], h * factor[:, None, None], (norm > clip) & real, factor
 
 
 def _quadratic(h, anchor, u, proposal):
@@ -89,10 +90,16 @@ def _quadratic(h, anchor, u, proposal):
     return 0.5 * (jnp.einsum("...i,...ij,...j->...", b, h, b) - jnp.einsum("...i,...ij,...j->...", a, h, a))
 
 
-def row_taylor(g, h, anchor, u, proposal):
-    """``(rows,)`` each row's expansion of ``l_i(proposal) - l_i(u)`` (``g`` ``(rows, d)``, ``h``
-    ``(rows, d, d)``: its clipped derivatives at ``anchor``)."""
-    return g @ (proposal - u) + _quadratic(h, anchor, u, proposal)
+def row_taylor(terms: Callable, g, factor, anchor, u, proposal):
+    """``(rows,)`` each row's expansion of ``l_i(proposal) - l_i(u)``: ``g`` ``(rows, d)`` its
+    clipped gradient at ``anchor``, ``factor`` ``(rows,)`` its clip's factor, the Hessian's
+    quadratic forms as second directional derivatives of ``terms`` (``u -> (rows,)``) at ``anchor``
+    (memory ``rows x d``, not ``rows x d x d``: no row's Hessian is kept)."""
+    def second(w):  # each row's w^T H_i w
+        return jax.jvp(lambda x: jax.jvp(terms, (x,), (w,))[1], (anchor,), (w,))[1]
+
+    curvature = jnp.nan_to_num(second(proposal - anchor) - second(u - anchor), nan=0.0, posinf=0.0, neginf=0.0)
+    return g @ (proposal - u) + 0.5 * factor * curvature
 
 
 def taylor(control: ControlVariate, u, proposal):

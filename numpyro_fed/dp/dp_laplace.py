@@ -210,7 +210,7 @@ def _client_step(rng_key, state: DPLaplaceClient, broadcast: Broadcast, data, *,
 
         v, _ = jax.lax.scan(inner, v, None, length=INNER_STEPS)
     terms = partial(_terms, row_term, locals_index, v=v, data=data, mask=mask)
-    g, h, clipped = row_derivatives(terms, u, mask, config.clip)
+    g, h, clipped, _ = row_derivatives(terms, u, mask, config.clip)
     rows_u, cols_u = upper_triangle(u.shape[0])
     z = jnp.concatenate([g, h[:, rows_u, cols_u]], axis=1)
     released = jnp.sum(z, 0) + config.sigma * random.normal(rng_key, z.shape[1:], u.dtype)

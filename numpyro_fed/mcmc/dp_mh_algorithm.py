@@ -113,7 +113,7 @@ class DPMHClientState(NamedTuple):
     log_step: jax.Array = None  # (chains, rows) each row's local step
     draws: jax.Array = None  # (chains, num_samples, locals) the kept local draws
     taylor_g: jax.Array = None  # (rows, d) with a control variate: its rows' clipped gradients at the anchor
-    taylor_h: jax.Array = None  # (rows, d, d) and Hessians (never sent)
+    taylor_factor: jax.Array = None  # (rows,) and their clip's factors (never sent)
 
 
 class DPMHInfo(NamedTuple):
@@ -134,7 +134,8 @@ def _client_step(rng_key, state: DPMHClientState, broadcast: Broadcast, data, *,
     def chain(key, u, proposal, iteration):
         ratio = row_log_lik(proposal, data) - row_log_lik(u, data)  # (rows,), padded rows 0
         if control is not None:  # the residual about the released expansion (dp/control.py)
-            ratio = ratio - row_taylor(state.taylor_g, state.taylor_h, control.anchor, u, proposal)
+            ratio = ratio - row_taylor(lambda x: row_log_lik(x, data), state.taylor_g, state.taylor_factor,
+                                       control.anchor, u, proposal)
         clipped = _clipped(ratio, iteration, config)
         ratio = jnp.where(jnp.isfinite(ratio), ratio, jnp.sign(jnp.nan_to_num(ratio)) * config.clip)
         total = jnp.sum(jnp.clip(ratio, -config.clip, config.clip))
@@ -239,8 +240,8 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
         rows: the local latents' :class:`RowLocals` (``None``: no local latents).
         control: a :class:`~numpyro_fed.dp.control.ControlVariate` (public; no local latents):
             the clients release their ratios' residuals about it.
-        derivatives: with ``control``, ``(u, data) -> ((rows, d), (rows, d, d))`` each row's
-            clipped gradient and Hessian, as the release that ``control`` sums clipped them.
+        derivatives: with ``control``, ``(u, data) -> ((rows, d), (rows,))`` each row's clipped
+            gradient and its clip's factor, as the release that ``control`` sums clipped them.
     """
     start = jnp.asarray(start)
     C, d = start.shape
@@ -266,8 +267,8 @@ def dp_metropolis(log_prior: Callable, row_log_lik: Callable, num_clients: int, 
         del rng_key
         zero = jnp.zeros((), jnp.int32)
         if control is not None:
-            g, h = derivatives(jnp.asarray(control.anchor, dtype), data)
-            return DPMHClientState(zero, zero, taylor_g=g, taylor_h=h)
+            g, factor = derivatives(jnp.asarray(control.anchor, dtype), data)
+            return DPMHClientState(zero, zero, taylor_g=g, taylor_factor=factor)
         if rows is None:
             return DPMHClientState(zero, zero)
         n = rows.row_of.shape[0]

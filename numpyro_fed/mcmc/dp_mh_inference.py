@@ -408,8 +408,9 @@ class DPMetropolis(FederatedInference):
                             float(nm * spec.clip), self._penalty, self.local_steps, self.secure_aggregation)
         control = self.control
 
-        def derivatives(u, data):  # each row's clipped derivatives at the anchor, as the start released them
-            return row_derivatives(lambda x: row_log_lik(x, data), u, data.row_mask, control.clip)[:2]
+        def derivatives(u, data):  # each row's clipped gradient and clip factor at the anchor, as the start's release
+            g, _, _, factor = row_derivatives(lambda x: row_log_lik(x, data), u, data.row_mask, control.clip)
+            return g, factor
 
         algorithm = dp_metropolis(setup.extra.terms.log_prior, row_log_lik, len(clients), starts, cov, config=config,
                                   rows=rows, control=control, derivatives=derivatives)
