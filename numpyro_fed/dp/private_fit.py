@@ -216,8 +216,11 @@ def _sampler_settings(plan: PrivateFit, spec: DPSpec, start, first, nm: float, n
     control, cov = start.control_variate(first), np.asarray(first.params.cov)
     clip = spec.clip if plan.sampler_clip is None and control is None else (
         plan.sampler_clip or float(np.sqrt(SAMPLER_NOISE / num_clients) / nm))
-    if control is not None:  # the chains target the posterior tilted by the start's noise: its covariance P^-1
-        cov = cov - np.asarray(control.noise_cov)
+    if control is not None:  # the chains target the posterior tilted by the start's noise: its covariance P^-1,
+        # from the start's precision (not its covariance less the noise's: where the noise is many posterior sds,
+        # that difference in single precision is not positive definite)
+        cov = np.linalg.inv(np.asarray(first.state.server.inner.precision, np.float64))
+        cov = (cov + cov.T) / 2
     return control, clip, cov
 
 
