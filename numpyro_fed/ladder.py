@@ -66,7 +66,7 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
-from ._validation import check_init, check_positive_int
+from ._validation import check_clients, check_init, check_positive_int
 from .advice import advice, warn_unmixed
 from .budget import MAX_ROUNDS, RoundBudgetError, over_budget
 from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
@@ -223,6 +223,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
 
     network = isinstance(run_options.get("backend"), NetworkBackend)
     if dp is None and not network:  # a marked model without dp= is refused by marked_spec
+        check_clients(clients, "nf.fit")
         marked_spec(model, clients, dict(model_kwargs or {}), None)
     if ledger is not None:
         if dp is None:

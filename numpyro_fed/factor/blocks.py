@@ -130,7 +130,9 @@ def quadrature_correction(f: Callable, v: Array, index: Array) -> Array:
     is the path integral ``∫_0^1 ∇_k f(v + t δ) · δ_k dt`` (Gauss-Legendre, :data:`PATH_NODES`
     nodes): every block moves at once and, the gradient of block ``k`` depending on ``v_k``
     only, one gradient gives all ``K`` values. Cost: ``Q^b x PATH_NODES`` gradients, whatever
-    ``K``. Blocks of more than three coordinates: 0 (the Laplace term alone)."""
+    ``K``; with at most :data:`PATH_NODES` blocks (a client's own few local latents), each
+    block's value is ``f`` with that block alone moved, ``Q^b x K`` evaluations instead. Blocks
+    of more than three coordinates: 0 (the Laplace term alone)."""
     b = index.shape[1]
     if b not in QUADRATURE_NODES:
         return jnp.zeros((), v.dtype)
@@ -149,7 +151,15 @@ def quadrature_correction(f: Callable, v: Array, index: Array) -> Array:
         slopes = jax.vmap(lambda s: grad(v + s * delta))(t)  # (PATH_NODES, n)
         return jnp.sum((w @ slopes)[index] * step, axis=1)
 
+    base = f(v)
+
+    def moved_values(z):  # few blocks: f(v + δ_k) - f(v), block k alone moved, one value per block
+        step = jnp.einsum("kji,j->ki", inv, z)  # (K, b)
+        one = jnp.eye(index.shape[0], dtype=v.dtype)
+        return jax.vmap(lambda e: f(v + scatter_blocks(step * e[:, None], index, v.shape[0])) - base)(one)
+
     nodes = jnp.asarray(nodes, v.dtype)
-    values = jax.lax.map(block_values, nodes)  # (Q^b, K)
+    # K values cost K evaluations, the path integral PATH_NODES gradients: direct where K is small
+    values = jax.lax.map(moved_values if index.shape[0] <= PATH_NODES else block_values, nodes)  # (Q^b, K)
     terms = values + 0.5 * jnp.sum(nodes**2, 1)[:, None] + jnp.asarray(log_p, v.dtype)[:, None]
     return jnp.sum(jax.scipy.special.logsumexp(terms, axis=0))

@@ -33,7 +33,7 @@ from jax import random
 from . import gaussian as G
 from .blocks import quadrature_correction
 from .gaussian import NaturalGaussian
-from .tilted import conditional_slope, inner_mode, integrated_laplace, pareto_k
+from .tilted import conditional_slope, first_descent, inner_mode, integrated_laplace, pareto_k
 
 __all__ = ["client_check_keys", "client_log_likelihoods", "local_integral_checks", "local_integral_k",
            "local_note", "locals_are_gaussian", "log_weight_estimator"]
@@ -49,7 +49,7 @@ IS_BATCH = 25  # global draws whose local importance draws are evaluated at once
 def laplace_proposal(log_joint, num_global, num_local, u, data, v0, steps):
     """The conditional mode ``v*(u)`` and the Cholesky factor of ``-H_vv`` there."""
     neg = lambda v: -log_joint(jnp.concatenate([u, v]), data)  # noqa: E731
-    v = inner_mode(neg, v0, steps)
+    v = inner_mode(neg, v0, steps, search=first_descent)
     h = jax.hessian(neg)(v)
     return v, jnp.linalg.cholesky((h + h.T) / 2)
 
@@ -92,7 +92,7 @@ def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int,
     per block (:func:`~numpyro_fed.factor.blocks.quadrature_correction`): deterministic, and
     linear in the number of local latents."""
     own = partial(log_joint, data=data)
-    marginal = integrated_laplace(own, num_global, num_local, index)
+    marginal = integrated_laplace(own, num_global, num_local, index, first_descent)
     if not num_local:
         return jax.vmap(lambda x: marginal(x, jnp.zeros(0, u.dtype), WARM_STEPS)[0])(u)
     v0 = marginal(mean, jnp.zeros(num_local, u.dtype), INNER_STEPS)[1][1]

@@ -233,7 +233,8 @@ def conditional_slope(f: Callable, u: Array, v: Array, index: Optional[Array] = 
     return -block_solve(block_hessian(lambda b: f(jnp.concatenate([u, b])), v, index), h_vu, index)
 
 
-def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Array] = None) -> Callable:
+def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Array] = None,
+                       search: Optional[Callable] = None) -> Callable:
     """The Laplace approximation of ``log ∫ exp f(u, v) dv`` (Tierney & Kadane, 1986;
     INLA's inner step): ``f(u, v*) - log det(-H_vv(u, v*)) / 2 + const`` with ``v*(u)`` the
     conditional mode. Exact when ``v | u`` is Gaussian (e.g. a Gaussian hierarchical model,
@@ -246,7 +247,9 @@ def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Arra
     converged mode. ``decrement`` is the inner Newton decrement at the final point (about 0
     when the inner mode was reached). ``volume_only``: the value is the volume term
     ``-log det(-H_vv) / 2 + const`` alone. ``index``: ``H_vv`` is block diagonal in these
-    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``.
+    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``. ``search``: the
+    Newton steps' line search (:func:`inner_mode`; :func:`first_descent` where nothing
+    differentiates in reverse mode through the search's start).
     """
     if num_local == 0:
         return lambda u, v0, steps, refine=0, volume_only=False: (
@@ -265,7 +268,7 @@ def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Arra
         return jnp.linalg.solve(h, rhs) if index is None else block_solve(h, rhs, index)
 
     def log_marginal(u, v0, steps, refine=0, volume_only=False):
-        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps, index))
+        v = jax.lax.stop_gradient(inner_mode(neg_v(jax.lax.stop_gradient(u)), v0, steps, index, search))
         neg = neg_v(u)
         for _ in range(refine):
             v = v - solve(hessian(neg, v), jax.grad(neg)(v))
