@@ -373,7 +373,33 @@ def test_the_cold_call_profile_is_its_results():
     assert f"{cold['small_programs']} programs of a few tens of milliseconds each " \
            f"({cold['small_programs_compile_seconds']:.1f} s)" in flat
     assert f"compiles {second['programs']} programs and takes {second['seconds']:.1f} s" in flat
-    after = json.loads((ROOT / "benchmarks" / "results" / "cold_call_profile.json").read_text())["cold"]
+    now = json.loads((ROOT / "benchmarks" / "results" / "cold_call_profile.json").read_text())
+    after = now["cold"]
+    assert f"At commit {now['commit']}" in flat and not now["dirty"]
+    assert f"and the second call took {now['second']['seconds']:.1f} s" in flat
+    loop = [r["compile_seconds"] for r in (cold["top"][0], after["top"][0]) if r["origin"].endswith(":_scan")]
+    assert len(loop) == 2 and f"compiled in {loop[0]:.2f} s in the first profile and {loop[1]:.2f} s in this" in flat
     assert f"compiled {after['programs']} programs ({after['compile_seconds']:.1f} s of compilation, " \
            f"{after['small_programs']} of them small, {after['small_programs_compile_seconds']:.1f} s) and took " \
            f"{after['seconds']:.1f} s" in flat
+
+
+def test_the_fit_scaling_table_is_its_results():
+    """docs/benchmarks.md's rows-and-clients table as ``benchmarks/fit_scaling.py`` renders it, and the
+    figures its prose quotes."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "fit_scaling.json").read_text())
+    rows = _benchmark("fit_scaling").table_rows(results)
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    missing = [row for row in rows if row not in text]
+    assert not missing, missing
+    assert f"commit {results['commit']}" in text and not results["dirty"]
+    assert (ROOT / "docs" / "fit_scaling.svg").exists()
+    flat = " ".join(text.split())
+    cell = {(c["rows"], c["clients"]): c for c in results["cells"]}
+    large = [c["ratio"] for (r, j), c in cell.items() if j == 4 and r >= 10_000]
+    assert f"stays within {min(large):.1f}-{max(large):.1f} times pooled NUTS" in flat
+    big = cell[(100_000, 4)]
+    assert big["method"] == "mwg" and f"({big['rounds']:,} rounds), {big['ratio']:.2f} times pooled NUTS" in flat
+    assert f"pooled NUTS alone took {big['pooled_nuts_seconds']:.0f} s at 100,000" in flat
+    assert f"so `nf.fit` is {cell[(20_000, 1000)]['ratio']:.0f} times NUTS there" in flat
+    assert f"({cell[(1000, 4)]['ratio']:.2f} times pooled NUTS" in flat

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import random
 from numpyro.infer.hmc import hmc
@@ -171,7 +172,7 @@ def newton_direction(h: Array, g: Array) -> Array:
     return jnp.where(jnp.all(jnp.isfinite(step)), step, g)
 
 
-_STEPS = jnp.concatenate([2.0 ** -jnp.arange(10), jnp.zeros(1)])  # backtracking: 1, 1/2, ..., 1/512, no move
+_STEPS = np.concatenate([2.0 ** -np.arange(10), np.zeros(1)])  # backtracking: 1, 1/2, ..., 1/512, no move
 
 
 def backtrack(neg: Callable, v: Array, dv: Array) -> Array:
@@ -200,11 +201,11 @@ def first_descent(neg: Callable, v: Array, dv: Array) -> Array:
     limit = f0 + 1e-6 * (1 + jnp.abs(f0))
 
     def worse(k):
-        val = neg(v - _STEPS.astype(v.dtype)[k] * dv)
+        val = neg(v - jnp.asarray(_STEPS, v.dtype)[k] * dv)
         return ~(jnp.where(jnp.isfinite(val), val, jnp.inf) <= limit)
 
     k = carried_while(lambda k: (k < _STEPS.shape[0] - 1) & worse(k), lambda k: k + 1, jnp.zeros((), jnp.int32))
-    return v - _STEPS.astype(v.dtype)[k] * dv
+    return v - jnp.asarray(_STEPS, v.dtype)[k] * dv
 
 
 def inner_mode(neg: Callable, v0: Array, steps: int, index: Optional[Array] = None,

@@ -32,7 +32,7 @@ __all__ = ["SCALES", "MeanFieldGuide", "StructuredGuide", "softplus_inverse", "s
 
 SCALES = ("full", "diagonal")
 _MAX_LOG_SCALE_SHIFT = 30.0  # |D (z_G - mu_G)| bound: exp stays finite in float32
-_HALF_LOG_2PI = 0.5 * jnp.log(2 * jnp.pi)
+_HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
 def softplus_inverse(x: float) -> float:
