@@ -379,6 +379,8 @@ def test_the_cold_call_profile_is_its_results():
     assert f"and the second call took {now['second']['seconds']:.1f} s" in flat
     loop = [r["compile_seconds"] for r in (cold["top"][0], after["top"][0]) if r["origin"].endswith(":_scan")]
     assert len(loop) == 2 and f"compiled in {loop[0]:.2f} s in the first profile and {loop[1]:.2f} s in this" in flat
+    assert f"{after['compile_seconds']:.1f} s of compilation, {after['small_programs']} of them small, " \
+           f"{after['small_programs_compile_seconds']:.1f} s) and took {after['seconds']:.1f} s" in flat
     assert f"compiled {after['programs']} programs ({after['compile_seconds']:.1f} s of compilation, " \
            f"{after['small_programs']} of them small, {after['small_programs_compile_seconds']:.1f} s) and took " \
            f"{after['seconds']:.1f} s" in flat

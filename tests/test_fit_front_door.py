@@ -230,3 +230,22 @@ def test_fit_keeps_the_families_reading_contract():
         fit.get_samples("0")
     with pytest.raises(TypeError):
         fit.sample_posterior(jax.random.PRNGKey(1), 10, "0")  # client is keyword-only, as every family's
+
+
+def test_a_global_prior_read_from_a_clients_data_is_refused_naming_the_site_and_the_clients():
+    """A global site's prior scaled by the client's own rows (``std(x)``): each client would fit a
+    different posterior; ``nf.fit`` refuses it before any round, naming the site, two clients
+    and their log densities, as NumPyro's own densities of the two priors give them."""
+    def model(x, y=None):
+        b = numpyro.sample("b", dist.Normal(0.0, jnp.std(x) * 10))
+        with numpyro.plate("rows", x.shape[0]):
+            numpyro.sample("y", dist.Normal(b * x, 1.0), obs=y)
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=30), 3 * rng.normal(size=30)]).astype(np.float32)
+    y = (2 * x + rng.normal(size=60)).astype(np.float32)
+    u = 0.3 * jax.random.normal(jax.random.PRNGKey(7), (1,))  # the point the check evaluates both priors at
+    va, vb = (float(dist.Normal(0.0, np.std(x[s]) * 10).log_prob(u[0])) for s in (slice(0, 30), slice(30, 60)))
+    with pytest.raises(ValueError, match=rf"prior of the global site\(s\) \['b'\] differs between client '0' and "
+                                         rf"client '1' \(log density {va:.6g} vs {vb:.6g}"):
+        nf.fit(model, nf.Clients.split(np.repeat([0, 1], 30), x=x, y=y), jax.random.PRNGKey(0), progress_bar=False)

@@ -236,22 +236,18 @@ def conditional_slope(f: Callable, u: Array, v: Array, index: Optional[Array] = 
 
 def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Array] = None,
                        search: Optional[Callable] = None) -> Callable:
-    """The Laplace approximation of ``log ∫ exp f(u, v) dv`` (Tierney & Kadane, 1986;
-    INLA's inner step): ``f(u, v*) - log det(-H_vv(u, v*)) / 2 + const`` with ``v*(u)`` the
-    conditional mode. Exact when ``v | u`` is Gaussian (e.g. a Gaussian hierarchical model,
-    centred or not), so the funnel of ``(u, v)`` never enters.
+    """The Laplace approximation of ``log ∫ exp f(u, v) dv`` (Tierney & Kadane, 1986; INLA's inner
+    step): ``f(u, v*) - log det(-H_vv(u, v*)) / 2 + const``, ``v*(u)`` the conditional mode. Exact
+    when ``v | u`` is Gaussian (a Gaussian hierarchical model, centred or not): no funnel of ``(u, v)``.
 
     Returns ``log_marginal(u, v0, steps, refine=0, volume_only=False) -> (value, (decrement,
     v*))``. ``v*`` is found by damped Newton from ``v0`` (``steps`` iterations, no gradient
-    through them), then refined by ``refine`` plain Newton steps with gradient: ``refine=1``
-    makes the first derivative of ``v*(u)``, and so the gradient of the value, exact at a
-    converged mode. ``decrement`` is the inner Newton decrement at the final point (about 0
-    when the inner mode was reached). ``volume_only``: the value is the volume term
-    ``-log det(-H_vv) / 2 + const`` alone. ``index``: ``H_vv`` is block diagonal in these
-    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``. ``search``: the
-    Newton steps' line search (:func:`inner_mode`; :func:`first_descent` where nothing
-    differentiates in reverse mode through the search's start).
-    """
+    through them, each with the line search ``search``, :func:`inner_mode`), then refined by
+    ``refine`` plain Newton steps with gradient: ``refine=1`` makes the first derivative of
+    ``v*(u)``, and so the gradient of the value, exact at a converged mode. ``decrement``: the
+    inner Newton decrement at the final point (about 0 at the inner mode). ``volume_only``: the
+    value is ``-log det(-H_vv) / 2 + const`` alone. ``index``: ``H_vv`` is block diagonal in these
+    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``."""
     if num_local == 0:
         return lambda u, v0, steps, refine=0, volume_only=False: (
             jnp.zeros((), u.dtype) if volume_only else f(u), (jnp.zeros((), u.dtype), v0))
