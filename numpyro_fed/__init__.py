@@ -14,7 +14,6 @@ from . import _xla  # noqa: F401  first: it sets XLA's CPU flags before anything
 # isort: split
 # subpackages, reached as nf.dp, nf.warnings, ... (not star-exported: __all__ holds the names a user calls)
 from . import algorithms, checkpoint, dp, models, protocol, transcript, warnings  # noqa: F401
-from ._deprecations import module_attribute as _deprecated
 from .arviz import to_arviz
 from .backends import SimulationBackend
 from .budget import RoundBudgetError
@@ -77,7 +76,3 @@ __all__ = [
     "vertical_split",
 ]
 
-
-def __getattr__(name: str):
-    """Deprecated spellings (one table: :mod:`numpyro_fed._deprecations`) warn and resolve."""
-    return _deprecated(name)

@@ -9,12 +9,9 @@ client's local latents drawn on that client).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, List, Optional
 
 import jax
-
-from .warnings import FederatedDeprecationWarning, find_stack_level
 
 __all__ = ["ANSWERS", "Fit", "chain_check", "check_text", "traffic"]
 
@@ -27,10 +24,6 @@ _NETWORK_CLIENT = (
     "Fit.{verb}(client={client!r}): this fit ran over a network backend, and a client's local draws are "
     "computed on its own node from its rows, which the server does not hold; draw them on the client (a fit in "
     "simulation gives them here)"
-)
-_OLD_GET_SAMPLES = (
-    "Fit.get_samples({old}) is deprecated and goes in {removed}: use {new} (get_samples takes "
-    "group_by_chain=False, *, client=None, as every family's)"
 )
 
 
@@ -102,8 +95,7 @@ class Fit:
         return self.method in ("nuts", "mwg", "dp_metropolis")
 
     # ------------------------------------------------------------------ draws
-    def get_samples(self, group_by_chain: bool = False, *, client: Optional[str] = None,
-                    num_samples: Optional[int] = None, rng_key: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
+    def get_samples(self, group_by_chain: bool = False, *, client: Optional[str] = None) -> Dict[str, jax.Array]:
         """The fit's draws of the global sites, constrained (NumPyro's ``get_samples``); with
         ``client``, that client's local sites at the same draws as well, computed by the client on
         its own rows (in a deployment, on that client).
@@ -114,22 +106,13 @@ class Fit:
         grouped; a client's local sites are drawn given each of them from the Laplace
         approximation of ``p(v | theta, y_j)`` on the client's rows (which warns where that
         approximation fails its own check there). ``sample_posterior`` draws anew."""
-        from ._deprecations import REMOVED_IN
-
-        if isinstance(group_by_chain, str):  # the old get_samples(client)
-            warnings.warn(_OLD_GET_SAMPLES.format(old="client", removed=REMOVED_IN, new="get_samples(client=...)"),
-                          FederatedDeprecationWarning, stacklevel=find_stack_level())
-            client, group_by_chain = group_by_chain, False
-        if num_samples is not None or rng_key is not None:
-            warnings.warn(_OLD_GET_SAMPLES.format(old="num_samples=, rng_key=", removed=REMOVED_IN,
-                                                  new="sample_posterior(rng_key, num_samples, client=...)"),
-                          FederatedDeprecationWarning, stacklevel=find_stack_level())
+        if isinstance(group_by_chain, str):
+            raise TypeError(f"Fit.get_samples(group_by_chain={group_by_chain!r}): group_by_chain is a bool; a "
+                            "client's draws are get_samples(client=...)")
         if self._chains:
             self._need_rows("get_samples", client)
             return self.inference.get_samples(self.result, group_by_chain=bool(group_by_chain), client=client)
-        key = jax.random.PRNGKey(1) if rng_key is None else rng_key
-        draws = self._laplace_draws("get_samples", key, self._num_samples if num_samples is None else num_samples,
-                                    client)
+        draws = self._laplace_draws("get_samples", jax.random.PRNGKey(1), self._num_samples, client)
         return {k: v[None] for k, v in draws.items()} if group_by_chain else draws
 
     def sample_posterior(self, rng_key: jax.Array, num_samples: Optional[int] = None, *,

@@ -212,12 +212,6 @@ class FederatedInference:
             ``trace`` the per-round figure (also ``losses``), ``client_states`` each client's
             final state (gathered by the simulation).
         """
-        from ._deprecations import RENAMED_KEYWORDS, renamed_keyword, rounds_before_clients
-
-        where = type(self).__name__ + ".run"
-        clients, num_rounds = rounds_before_clients(where, clients, num_rounds)
-        for old in [k for k in kwargs if RENAMED_KEYWORDS.get(k) == "num_rounds"]:
-            num_rounds = renamed_keyword(where, old, kwargs.pop(old), "num_rounds", num_rounds)
         options = {k: kwargs.pop(k) for k in RUN_OPTIONS + self.family_run_options if k in kwargs}
         options.setdefault("progress_bar", self.progress_bar)
         inputs = self._inputs(clients, kwargs)

@@ -11,10 +11,6 @@ and ``jax.device_get`` take it). The family's class names its type in ``params_t
 | ``VerticalSVI``, ``VerticalSOUL`` | :class:`VerticalParams` ``(parties, server)`` |
 | ``FederatedNUTS``, ``FederatedHMC``, MwG | :class:`DrawParams` ``(samples,)`` |
 
-Reading ``params`` as the dictionary it used to be (``result.params["mean"]``, ``"mean" in
-result.params``, ``.keys()``, ``.items()``) still works and warns, naming the new spelling (see
-:mod:`numpyro_fed._deprecations`).
-
 Example:
     >>> import jax.numpy as jnp
     >>> p = GaussianParams(mean=jnp.zeros(2), cov=jnp.eye(2))
@@ -31,21 +27,7 @@ import jax
 __all__ = ["DrawParams", "GaussianParams", "GuideParams", "HM1Params", "VerticalParams"]
 
 
-def _mapping_spelling(cls):
-    """The old dictionary reads on a params tuple, each through the deprecation table."""
-    from ._deprecations import params_entries, params_entry
 
-    def getitem(self, key):
-        return params_entry(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
-
-    cls.__getitem__ = getitem
-    cls.__contains__ = lambda self, key: key in params_entries(self, "in")
-    cls.keys = lambda self: params_entries(self, ".keys()").keys()
-    cls.items = lambda self: params_entries(self, ".items()").items()
-    return cls
-
-
-@_mapping_spelling
 class GuideParams(NamedTuple):
     """SFVI and SFVI-Avg (with or without DP): ``guide`` is the global guide's parameters in
     its own unconstrained parametrisation; ``theta`` the global ``numpyro.param`` sites,
@@ -55,7 +37,6 @@ class GuideParams(NamedTuple):
     theta: Dict[str, jax.Array]
 
 
-@_mapping_spelling
 class GaussianParams(NamedTuple):
     """PVI, BCM, EP and the federated Laplace fit: the Gaussian approximation's moments over
     the flat unconstrained globals (``mean`` ``(d,)``, ``cov`` ``(d, d)``)."""
@@ -64,7 +45,6 @@ class GaussianParams(NamedTuple):
     cov: jax.Array
 
 
-@_mapping_spelling
 class HM1Params(NamedTuple):
     """HM1: ``theta`` ``(clients, p)`` (row k is client k's coefficients) and the
     between-client covariance ``omega`` ``(p, p)``, a point estimate."""
@@ -73,7 +53,6 @@ class HM1Params(NamedTuple):
     omega: jax.Array
 
 
-@_mapping_spelling
 class VerticalParams(NamedTuple):
     """Vertical SFVI and SOUL: ``parties`` is ``{party: its parameters}`` (gathered by the
     simulation; over a network each party keeps its own and this is empty); ``server`` the
@@ -85,7 +64,6 @@ class VerticalParams(NamedTuple):
     _entries = "parties"
 
 
-@_mapping_spelling
 class DrawParams(NamedTuple):
     """Exact federated MCMC (NUTS, HMC, Metropolis-within-Gibbs): ``samples`` is ``{global
     site: draws}``, each ``(chains, samples, *site shape)``, constrained."""

@@ -281,13 +281,10 @@ class RunResult(NamedTuple):
                 f"communication: {comm})")
 
     def __getattr__(self, name: str):
-        """Deprecated: fields of ``params`` read as attributes (``result.mean`` for
-        ``result.params.mean``) warn (see :mod:`numpyro_fed._deprecations`)."""
+        """An attribute a ``RunResult`` lacks: the error names ``params``'s fields (``result.params.mean``,
+        not ``result.mean``)."""
         params = tuple.__getitem__(self, 0)
         fields = getattr(params, "_fields", ())
-        if not name.startswith("_") and name in fields:
-            from ._deprecations import warn_params_attribute
-
-            warn_params_attribute(params, name)
-            return getattr(params, name)
-        raise AttributeError(f"RunResult has no attribute {name!r} (params is a {type(params).__name__} of {fields})")
+        hint = f": use result.params.{name}" if not name.startswith("_") and name in fields else ""
+        raise AttributeError(f"RunResult has no attribute {name!r} (params is a {type(params).__name__} of "
+                             f"{fields}){hint}")

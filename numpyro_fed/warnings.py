@@ -24,9 +24,7 @@ Filter on :class:`FederatedWarning` to catch (or silence) all of them, or on a s
 - :class:`ArvizGroupWarning`: ``to_arviz`` left out a group (the log-likelihood without the
   clients' data);
 - :class:`CheckpointLayoutWarning`: a checkpoint records no layout of its sites, so a resume
-  cannot check that its vectors are read into the right sites;
-- :class:`FederatedDeprecationWarning` (also a ``DeprecationWarning``): an old spelling of the
-  API was used (see :mod:`numpyro_fed._deprecations`).
+  cannot check that its vectors are read into the right sites.
 
 Example:
     >>> import warnings
@@ -47,7 +45,6 @@ __all__ = [
     "ArvizGroupWarning",
     "BiasedFitWarning",
     "CheckpointLayoutWarning",
-    "FederatedDeprecationWarning",
     "FederatedWarning",
     "FitWarning",
     "InvalidUpdateWarning",
@@ -119,10 +116,6 @@ class ArvizGroupWarning(FederatedWarning):
 class CheckpointLayoutWarning(FederatedWarning):
     """A checkpoint records no layout of its sites (an earlier version's file): a resume reads its
     vectors in the model's site order without checking it against the saved one."""
-
-
-class FederatedDeprecationWarning(FederatedWarning, DeprecationWarning):
-    """An old spelling of the API was used; the message names the new one."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

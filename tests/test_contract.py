@@ -2,7 +2,7 @@
 ``FederatedInference``'s: ``run(rng_key, clients, num_rounds=None, **options)`` (the families
 that end when they are done take ``num_rounds`` as a cap with a default; HM1 takes ``truth=``);
 ``update`` returns the round's figure, the one ``run`` records in ``trace``; ``num_rounds``
-everywhere, the old spellings through the deprecation table."""
+everywhere."""
 
 import inspect
 
@@ -67,22 +67,20 @@ def test_laplace_carries_no_settings_of_pvi_and_eps_protocol():
             cls(_model, schedule="often")
 
 
-def test_the_old_argument_order_and_max_rounds_are_deprecated_spellings():
+def test_the_rounds_before_the_clients_and_an_unknown_keyword_are_refused_by_name():
+    """``run(rng_key, clients, num_rounds)`` is the one order; a count where the clients go, or a
+    keyword no run takes, is a TypeError naming what to pass, and a params field read on the
+    result names its spelling."""
     clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
-    new = nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), clients, 2, progress_bar=False)
-    with pytest.warns(DeprecationWarning, match=r"PVI.run\(rng_key, num_rounds, clients\) is deprecated.*"
-                                                r"PVI.run\(rng_key, clients, num_rounds\)"):
-        old = nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), 2, clients, progress_bar=False)
-    np.testing.assert_array_equal(np.asarray(new.params.mean), np.asarray(old.params.mean))
+    with pytest.raises(TypeError, match=r"PVI.run/init: clients must be an nf.Clients; got int"):
+        nf.PVI(_model, check_fit=False).run(random.PRNGKey(0), 2, clients, progress_bar=False)
     laplace = nf.factor.Laplace(_model, check_fit=False)
-    capped = laplace.run(random.PRNGKey(0), clients, 3, progress_bar=False)
-    with pytest.warns(DeprecationWarning, match=r"Laplace.run\(max_rounds=...\) is deprecated.*num_rounds="):
-        renamed = laplace.run(random.PRNGKey(0), clients, max_rounds=3, progress_bar=False)
-    np.testing.assert_array_equal(np.asarray(capped.params.mean), np.asarray(renamed.params.mean))
-    with pytest.warns(DeprecationWarning, match=r"Laplace.client_draws\(.*\) is deprecated.*sample_posterior\("):
-        old = laplace.client_draws(random.PRNGKey(1), capped, 5, "0")
-    new = laplace.sample_posterior(random.PRNGKey(1), capped, 5, client="0")
-    assert old.keys() == new.keys() and all(np.array_equal(old[k], new[k]) for k in old)
+    with pytest.raises(TypeError, match=r"Laplace: unexpected keyword arguments \['max_rounds'\]"):
+        laplace.run(random.PRNGKey(0), clients, max_rounds=3, progress_bar=False)
+    result = laplace.run(random.PRNGKey(0), clients, 3, progress_bar=False)
+    with pytest.raises(AttributeError, match=r"no attribute 'mean'.*use result.params.mean"):
+        result.mean  # noqa: B018
+    assert not hasattr(laplace, "client_draws")  # a client's draws: sample_posterior(..., client=)
 
 
 def _model(y):
@@ -113,7 +111,7 @@ def test_a_mistyped_run_option_is_named():
         nf.PVI(_model).run(random.PRNGKey(0), clients=clients)
 
 
-def test_vertical_num_steps_is_the_deprecated_name_of_num_rounds(data3):
+def test_vertical_runs_count_rounds_and_take_the_data_as_keywords(data3):
     spec = {"a": dict(data=["xa"], sites=["ta"], contribution="ga"),
             "b": dict(data=["xb", "xc"], sites=["tb"], contribution="gb")}
 
@@ -128,11 +126,9 @@ def test_vertical_num_steps_is_the_deprecated_name_of_num_rounds(data3):
     svi = nf.VerticalSVI(nf.vertical_split(model, clients=spec, rho=0.5, response="y"), nf.VerticalGuide(),
                          optax.adam(0.05))
     new = svi.run(random.PRNGKey(0), num_rounds=3, progress_bar=False, **data3)
-    with pytest.warns(DeprecationWarning, match=r"VerticalSVI.run\(num_steps=...\) is deprecated.*num_rounds="):
-        old = svi.run(random.PRNGKey(0), num_steps=3, progress_bar=False, **data3)
-    np.testing.assert_array_equal(np.asarray(new.trace), np.asarray(old.trace))
-    with pytest.raises(TypeError, match="both num_steps= and num_rounds="):
-        svi.run(random.PRNGKey(0), num_rounds=3, num_steps=3, **data3)
+    assert new.trace.shape == (3,)
+    with pytest.raises(TypeError, match=r"VerticalSVI.run\(\) needs num_rounds"):
+        svi.run(random.PRNGKey(0), num_steps=3, progress_bar=False, **data3)  # the steps are rounds
     with pytest.raises(TypeError, match="keyword arguments .* not a Clients"):
         svi.run(random.PRNGKey(0), nf.Clients({"a": dict(y=np.zeros(3))}), 3)
     _, figure = svi.update(new.state, **data3)

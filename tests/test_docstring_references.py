@@ -67,8 +67,6 @@ def _documented(module):
 def broken_references():
     broken = []
     for info in pkgutil.walk_packages(numpyro_fed.__path__, "numpyro_fed."):
-        if info.name in ("numpyro_fed.fit_check", "numpyro_fed.mcmc.diagnostics"):  # deprecated paths (warn)
-            continue
         module = importlib.import_module(info.name)
         for owner, doc in _documented(module):
             broken += [(info.name, role, target) for role, target in ROLE.findall(doc or "")

@@ -226,8 +226,8 @@ def test_fit_keeps_the_families_reading_contract():
     np.testing.assert_array_equal(fit.get_samples()["b"], fit.get_samples()["b"])  # the fit's own draws
     a, b = fit.sample_posterior(jax.random.PRNGKey(1)), fit.sample_posterior(jax.random.PRNGKey(2), 50)
     assert a["b"].shape == (200,) and b["b"].shape == (50,)
-    with pytest.warns(DeprecationWarning, match=r"get_samples\(client=\.\.\.\)"):
-        fit.get_samples("0")
+    with pytest.raises(TypeError, match=r"get_samples\(client=\.\.\.\)"):
+        fit.get_samples("0")  # a client is named by keyword, as in every family's get_samples
     with pytest.raises(TypeError):
         fit.sample_posterior(jax.random.PRNGKey(1), 10, "0")  # client is keyword-only, as every family's
 

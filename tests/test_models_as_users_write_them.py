@@ -216,10 +216,9 @@ def test_a_guide_built_for_another_model_is_refused(wrapped):
     nf.FederatedSVI(nf.local_site(mixture, sites=["z"]), nf.StructuredGuide(mixture), optax.adam(1e-2))  # same model
 
 
-def test_rounds_before_clients_as_a_fraction_names_num_rounds():
+def test_rounds_before_clients_names_what_goes_there():
     clients, _ = _mixture_clients()
-    with pytest.raises(ValueError, match=r"num_rounds=2.5: must be a positive integer, and comes after the "
-                                         r"clients: PVI.run\(rng_key, clients"):
+    with pytest.raises(TypeError, match=r"PVI.run/init: clients must be an nf.Clients; got float"):
         nf.PVI(mixture).run(jax.random.PRNGKey(0), 2.5, clients)
 
 

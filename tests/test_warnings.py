@@ -62,21 +62,15 @@ def test_every_library_warning_derives_from_the_base_class():
     assert not bad, f"warnings outside nf.FederatedWarning: {bad}"
 
 
-def test_warning_classes_are_exported_and_keep_their_old_bases():
+def test_warning_classes_are_exported_and_keep_their_bases():
     """Every warning class is ``nf.warnings.<name>``; the two bases a filter names are also
-    ``nf.FederatedWarning`` / ``nf.FitWarning``; the others' old top-level spellings still resolve,
-    with a deprecation warning naming the new one."""
-    from numpyro_fed._deprecations import MODULE_ATTRIBUTES
-
+    ``nf.FederatedWarning`` / ``nf.FitWarning``; the others are not top-level names."""
     for name in nf.warnings.__all__:
         assert issubclass(getattr(nf.warnings, name), nf.FederatedWarning)
         if name in ("FederatedWarning", "FitWarning"):
             assert getattr(nf, name) is getattr(nf.warnings, name)
-            continue
-        if name not in MODULE_ATTRIBUTES:  # a class added after the move: no old spelling to keep
-            continue
-        with pytest.warns(DeprecationWarning, match=rf"numpyro_fed.{name} is deprecated.*numpyro_fed.warnings.{name}"):
-            assert getattr(nf, name) is getattr(nf.warnings, name)
+        else:
+            assert not hasattr(nf, name), name
     assert issubclass(nf.warnings.UnconvergedWarning, RuntimeWarning)  # what HM1 users filtered on
     assert issubclass(nf.warnings.BiasedFitWarning, nf.warnings.UnreliableFitWarning)
     from numpyro_fed import flower  # a subpackage imported on demand (it needs flwr)
@@ -156,14 +150,3 @@ def test_a_familys_warning_names_the_users_file_and_line(family):
     assert any(issubclass(w.category, category) for w in ours), [w.category.__name__ for w in ours]
     assert [(w.filename, w.lineno) for w in ours] == [(__file__, line)] * len(ours)
 
-
-def test_nf_fits_warning_names_the_users_file_and_line():
-    clients = nf.Clients.split(_SKEWED["groups"], y=_SKEWED["y"])
-    fit = nf.fit(_scale, clients, random.PRNGKey(0), num_samples=100, progress_bar=False)
-    assert fit.method == "laplace (importance-corrected)"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        line = inspect.currentframe().f_lineno + 1
-        fit.get_samples("0")  # the old positional client: warned, naming the keyword
-    assert [(w.category, w.filename, w.lineno) for w in caught] == [
-        (nf.warnings.FederatedDeprecationWarning, __file__, line)]

@@ -305,14 +305,6 @@ class FactorInference(FederatedInference):
 
     # ------------------------------------------------------------------ API
     # ------------------------------------------------------------------ a client's posterior
-    def client_draws(self, rng_key: jax.Array, result, num_samples: int, client) -> Dict[str, jax.Array]:
-        """Deprecated spelling of ``sample_posterior(rng_key, result, num_samples, client=client)``."""
-        from .._deprecations import renamed_method
-
-        renamed_method(type(self).__name__, "client_draws(rng_key, result, num_samples, client)",
-                       "sample_posterior(rng_key, result, num_samples, client=client)")
-        return self.sample_posterior(rng_key, result, num_samples, client=client)
-
     def log_likelihood(self, rng_key: jax.Array, result, num_samples: int, client, corrected: bool = False) -> tuple:
         """Pointwise log-likelihood and posterior predictive draws on ``client``'s rows, at
         the draws of ``sample_posterior(..., client=client)`` (the global draws are the same for every client,
