@@ -51,6 +51,8 @@ import numpyro_fed as nf
 from numpyro_fed.datasets import heterogeneous_split, load_digits
 from numpyro_fed.models import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 # Hassan et al. (2023) Table 1 (MNIST, test accuracy %, mean (sd) over five runs) and Table S1 (train / test %)
 PAPER_TABLE1 = {
     "hierarchical_bnn/sfvi_avg": {"10": [96.6, 0.68], "50": [93.6, 1.68], "rounds": 20},

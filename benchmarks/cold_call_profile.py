@@ -77,6 +77,7 @@ def main():
     import jax
 
     import numpyro_fed as nf
+    nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
     from numpyro_fed.datasets import load_six_cities, six_cities_silos
     from numpyro_fed.models import logistic_glmm
 

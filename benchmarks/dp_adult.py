@@ -57,6 +57,8 @@ from numpyro.infer.autoguide import AutoNormal
 import numpyro_fed as nf
 from numpyro_fed.datasets import load_k401k, unbalanced_split
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 SPLITS = {"balanced": (0.0, 0.0), "unbalanced1": (0.75, 0.95), "unbalanced2": (0.7, -3.0)}
 METHODS = ("dp_optimisation", "local_avg", "virtual", "local_avg_trusted", "virtual_trusted", "bcm_same", "bcm_split",
            "global_vi_trusted", "non_private")

@@ -39,6 +39,8 @@ from numpyro_fed.inference import fitted
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_adult import data, model  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -46,6 +46,8 @@ from hm2_ep import pooled_model as hm2_pooled  # noqa: E402
 from hm2_ep import simulate as hm2_simulate  # noqa: E402
 from pdb_models import radon, seeds  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 OUT = HERE / "results" / "ep_vs_nuts.json"
 NUTS_WARMUP, NUTS_SAMPLES = 1000, 1000
 

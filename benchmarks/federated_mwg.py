@@ -53,6 +53,8 @@ import pdb_models  # noqa: E402
 from federated_nuts import cold_then_warm, pooled_nuts, timed  # noqa: E402  (NUTS on the pooled data: 4 x (500 + 1000))
 from provenance import provenance  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 RESULTS = HERE / "results" / "federated_mwg.json"
 NUTS_RESULTS = HERE / "results" / "federated_nuts.json"
 CHAINS, WARMUP, SAMPLES = 4, 300, 1000

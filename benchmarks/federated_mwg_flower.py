@@ -42,6 +42,8 @@ from numpyro_fed.flower import LocalFederation
 from numpyro_fed.ladder import Ladder
 from numpyro_fed.models import logistic_glmm
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results" / "federated_mwg_flower.json"
 RTT = 0.05  # seconds: a wide-area round trip

@@ -43,6 +43,8 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "posteriordb"))
 from pdb_models import eight_schools, glmm_poisson  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 RESULTS = HERE / "results" / "federated_nuts.json"
 CHAINS, WARMUP, SAMPLES = 4, 500, 1000
 

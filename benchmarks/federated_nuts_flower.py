@@ -45,6 +45,8 @@ from federated_nuts import SAMPLES, WARMUP, pooled_nuts, problems, scalars  # no
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.flower import FederationError, LocalFederation  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 RESULTS = HERE / "results" / "federated_nuts_flower.json"
 WHOLE = ("six_cities_glmm", "eight_schools-eight_schools_noncentered")  # measured whole
 SHORT = {"GLMM_Poisson_data-GLMM_Poisson_model": (1, 20, 20)}  # chains, warmup, samples measured

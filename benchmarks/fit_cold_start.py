@@ -70,6 +70,7 @@ def _child(what: str, num_silos: int, twice: bool) -> dict:
     from numpyro.infer import MCMC, NUTS
 
     import numpyro_fed as nf
+    nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
     from numpyro_fed.models import logistic_glmm
 
     data, silos = _split(num_silos)

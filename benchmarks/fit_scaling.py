@@ -68,6 +68,7 @@ def _child(rows: int, clients: int) -> dict:
     from numpyro.infer import MCMC, NUTS
 
     import numpyro_fed as nf
+    nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 
     def pooled(x, client, y=None):
         beta = numpyro.sample("beta", dist.Normal(0, 1).expand([COVARIATES]).to_event(1))

@@ -34,7 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
+from numpyro_fed import tune_cpu_flags
 from numpyro_fed.flower import LocalFederation
+
+tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 
 ECHO = '''
 import pickle, time

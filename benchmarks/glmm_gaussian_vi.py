@@ -33,6 +33,8 @@ import numpyro_fed as nf
 from numpyro_fed.datasets import load_six_cities, six_cities_silos
 from numpyro_fed.models import logistic_glmm
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 OUT = pathlib.Path(__file__).parent / "results" / "glmm_gaussian_vi.json"
 
 

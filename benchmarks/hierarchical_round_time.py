@@ -43,6 +43,8 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from hm2_ep import simulate as hm2_simulate  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 OUT = HERE / "results" / "hierarchical_round_time.json"
 
 

@@ -35,6 +35,8 @@ from numpyro.infer import MCMC, NUTS
 import numpyro_fed as nf
 from numpyro_fed.models import hm2_regression
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 MU = np.array([1.0, 3.0, 0.5, 2.0])
 SIGMA = np.array([1.17, 2.35, 2.52, 0.67])
 TRUTH = np.concatenate([MU, np.log(SIGMA)])  # phi = (mu, log tau)

@@ -60,6 +60,8 @@ sys.path.insert(0, str(HERE))
 from pdb_models import DB, Posterior, suite  # noqa: E402  (the translations: posteriordb/pdb_models.py)
 from provenance import provenance  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 RESULTS = HERE / "results" / "posteriordb_suite.json"
 MEAN_TOL, SD_TOL = 0.3, 0.2
 FAMILIES = ("fit", "exact", "sfvi", "sfvi_avg", "pvi", "ep", "vertical")

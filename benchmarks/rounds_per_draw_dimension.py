@@ -60,6 +60,8 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from provenance import provenance  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 RESULTS = HERE / "results" / "rounds_per_draw_dimension.json"
 ROWS, SIZES = 8000, (1000, 1500, 2500, 3000)
 CHAINS, WARMUP, SAMPLES = 4, 300, 1000

@@ -35,6 +35,8 @@ from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 D, ROWS = 4, 50
 
 

@@ -30,6 +30,8 @@ from jax import random
 
 import numpyro_fed as nf
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 D, ROWS = 4, 50
 
 

@@ -37,6 +37,8 @@ import numpyro_fed as nf
 from numpyro_fed.datasets import heterogeneous_split, load_digits
 from numpyro_fed.models import hierarchical_bnn
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 
 def main():
     data = load_digits()

@@ -32,6 +32,8 @@ from sfvi_round_time import centralised_step_time, model, time_it  # noqa: E402
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.protocol import Broadcast, ServerView  # noqa: E402
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 
 def bare_loop(ex, plan, num_clients, rounds, split_keys):
     """A jit-compiled ``lax.scan`` of ``rounds`` rounds of the exchange ``ex``: every client's step

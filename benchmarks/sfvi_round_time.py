@@ -31,6 +31,8 @@ from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fed as nf
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 
 def model(X, y):
     beta = numpyro.sample("beta", dist.Normal(0.0, 2.0).expand([X.shape[1]]).to_event(1))

@@ -30,6 +30,8 @@ from numpyro.infer import SVI, Trace_ELBO
 import numpyro_fed as nf
 from numpyro_fed.datasets import PIMA_COVARIATES, load_pima
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 INPUTS = {"c1": "x1", "c2": "x2"}
 SPLIT = 3
 

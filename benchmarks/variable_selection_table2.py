@@ -33,6 +33,8 @@ from jax import random
 import numpyro_fed as nf
 from numpyro_fed.models import inclusion, variable_selection
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 PAPER = {  # Table 2, Lasso (HM2): A-RMSE, correct inclusion, false inclusion (sd)
     "I": {"a_rmse": (0.055, 0.001), "correct": (0.880, 0.003), "false": (0.095, 0.001)},
     "II": {"a_rmse": (0.062, 0.002), "correct": (0.875, 0.004), "false": (0.101, 0.001)},

@@ -25,6 +25,8 @@ from numpyro.infer.autoguide import AutoMultivariateNormal
 
 import numpyro_fed as nf
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 N, P = 500, 20
 
 

@@ -31,6 +31,8 @@ from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fed as nf
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 N, LEVELS, K = 2000, 5, 2
 
 

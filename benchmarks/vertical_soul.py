@@ -26,6 +26,8 @@ from vertical_logistic import N, P, make_data, nuts, split_model, summarise, the
 
 import numpyro_fed as nf
 
+nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

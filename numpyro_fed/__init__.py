@@ -9,11 +9,9 @@ family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horiz
 federated NUTS and HMC).
 """
 
-from . import _xla  # noqa: F401  first: it sets XLA's CPU flags before anything below computes (see its docstring)
-
-# isort: split
 # subpackages, reached as nf.dp, nf.warnings, ... (not star-exported: __all__ holds the names a user calls)
 from . import algorithms, checkpoint, dp, models, protocol, transcript, warnings  # noqa: F401
+from ._xla import tune_cpu_flags
 from .arviz import to_arviz
 from .backends import SimulationBackend
 from .budget import RoundBudgetError
@@ -72,6 +70,7 @@ __all__ = [
     "print_summary",
     "summary",
     "to_arviz",
+    "tune_cpu_flags",
     "use_compilation_cache",
     "vertical_split",
 ]

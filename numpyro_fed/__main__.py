@@ -17,6 +17,8 @@ if __package__ == "numpyro_fed" and getattr(sys.modules.get("numpyro_fed"), "__f
     # the library's own __init__ never ran. Run again without the working folder on sys.path (-P).
     os.execv(sys.executable, [sys.executable, "-P", "-m", "numpyro_fed", *sys.argv[1:]])
 
+from ._xla import tune_cpu_flags  # noqa: E402  (after the guard above: the package's own module)
+
 
 def _add_demo(sub) -> None:
     demo = sub.add_parser(
@@ -214,6 +216,7 @@ def main(argv=None) -> int:
     for add, _ in COMMANDS.values():
         add(sub)
     args = parser.parse_args(argv)
+    tune_cpu_flags()  # an application may set XLA's process-wide flags, before anything computes
     if args.command in FLOWER_COMMANDS and _flower_missing():
         print(NO_FLOWER.format(command=args.command), file=sys.stderr)
         return 2

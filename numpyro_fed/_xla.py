@@ -1,4 +1,4 @@
-"""XLA's CPU settings that numpyro_fed applies when it is imported (before JAX's CPU backend starts).
+"""XLA's CPU settings numpyro_fed recommends, applied only when asked (:func:`tune_cpu_flags`).
 
 With jaxlib 0.10, XLA's CPU compiler hands reductions to YNNPACK ("YNN fusions"). On the
 reductions federated inference is made of (a client's sum over its few rows, vectorised over
@@ -7,7 +7,9 @@ XLA's own: measured on the 2-core development machine, one EP round on the poste
 model (a county per client) 107 ms with them, 27 ms without; the six-cities GLMM's EP round
 216 -> 149 ms; see docs/benchmarks.md. :func:`tune_cpu_flags` turns YNN's reduce fusion off
 by adding ``--xla_cpu_experimental_ynn_fusion_type=-reduce`` to ``XLA_FLAGS``, as
-``numpyro.set_host_device_count`` adds its flag there.
+``numpyro.set_host_device_count`` adds its flag there. Importing numpyro_fed changes no
+process-wide setting: call ``nf.tune_cpu_flags()`` after the imports and before the first JAX
+computation (the command line, ``python -m numpyro_fed``, calls it for its sub-commands).
 
 It changes nothing when:
 
@@ -15,8 +17,8 @@ It changes nothing when:
 - ``NUMPYRO_FED_XLA_FLAGS=0`` is set in the environment (opt out);
 - jaxlib is not 0.10.x, the versions where the flag was measured (XLA aborts the process on
   a flag it does not know, so it is never set blindly);
-- JAX's backends were already started (XLA reads its flags once, at start-up): import
-  numpyro_fed before the first JAX computation for it to apply.
+- JAX's backends were already started (XLA reads its flags once, at start-up): call it before
+  the first JAX computation for it to apply.
 
 Numerics: only the kernels change, not the operations; results agree to float rounding.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FLAG", "OPT_OUT", "applied", "tune_cpu_flags"]
+__all__ = ["FLAG", "OPT_OUT", "tune_cpu_flags"]
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
 OPT_OUT = "NUMPYRO_FED_XLA_FLAGS"
@@ -50,7 +52,13 @@ def _backends_started() -> bool:
 
 def tune_cpu_flags() -> bool:
     """Add :data:`FLAG` to ``XLA_FLAGS`` where it is safe and has an effect (see the module
-    docstring). Returns whether it was added. Not jit-compiled; called once on import."""
+    docstring). Returns whether it was added (a second call adds nothing). Not jit-compiled.
+
+    Example:
+        >>> import numpyro_fed as nf
+        >>> isinstance(nf.tune_cpu_flags(), bool)
+        True
+    """
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get(OPT_OUT, "1") == "0" or "xla_cpu_experimental_ynn_fusion_type" in flags:
         return False
@@ -58,6 +66,3 @@ def tune_cpu_flags() -> bool:
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {FLAG}".strip()
     return True
-
-
-applied = tune_cpu_flags()  # on import of numpyro_fed, which imports this module first

@@ -32,6 +32,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import numpyro_fed  # noqa: E402
+
+# README's recommended XLA CPU flags (numpyro_fed sets nothing on import), before anything computes;
+# the workers, subprocesses, Flower nodes and notebook kernels inherit them from the environment
+numpyro_fed.tune_cpu_flags()
+
 # A pytest plugin (jaxtyping's) imports JAX before this file runs, so JAX has already read its
 # configuration from the environment: hand it the cache settings directly (for this process;
 # the workers and subprocesses read them from the environment).
