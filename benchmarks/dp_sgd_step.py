@@ -32,9 +32,9 @@ from jax import random
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import pad_client
 from numpyro_fed.dp.mechanisms import DPSGD, fixed_size_subset
-from numpyro_fed.factor import gaussian as G
 from numpyro_fed.factor.pvi_algorithm import _draws, _gaussian_params, _local_dp_sgd, _optimise
 from numpyro_fed.inference import fitted
+from numpyro_fed.terms import gaussian as G
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_adult import data, model  # noqa: E402

@@ -19,7 +19,7 @@ from .clients import Clients
 from .comparison import federated_compare, federated_loo
 from .compilation_cache import use_compilation_cache
 from .dp import PrivacyReport, dp_noise
-from .factor import BCM, EP, PVI, gaussian  # noqa: F401  (gaussian: a module, nf.gaussian)
+from .factor import BCM, EP, PVI
 from .groups import group_plate
 from .handlers import global_site, local_site
 from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredGuide
@@ -28,6 +28,7 @@ from .linear import HM1
 from .mcmc import FederatedHMC, FederatedNUTS
 from .protocol import RunResult, RunState
 from .summary import print_summary, summary
+from .terms import gaussian  # noqa: F401  (a module, nf.gaussian)
 from .transcript import Communication, Transcript
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 from .warnings import FederatedWarning, FitWarning

@@ -1,6 +1,6 @@
 """Issue 26, item 1: any proper prior under PVI and EP. The prior's Gaussian part (Laplace at
 its mode) is exact in q and the residual is one more factor held by the server, refined each
-round by the tilted-moment step (:mod:`numpyro_fed.factor.prior_site`).
+round by the tilted-moment step (:mod:`numpyro_fed.terms.prior_site`).
 
 Truth: NumPyro NUTS on the pooled data (4000 draws), tolerance 0.3 reference sds for means and
 20 % for sds in user space (the trust issue's). PVI runs ``update="optax"`` (its local ELBO is

@@ -86,7 +86,7 @@ def test_no_module_touches_another_modules_private_members():
 
 
 def test_metropolis_within_gibbs_and_bcm_inherit_no_family():
-    """FederatedMwG composes the model's terms (numpyro_fed.model_terms) instead of subclassing
+    """FederatedMwG composes the model's terms (numpyro_fed.terms.model) instead of subclassing
     PVI's base; BCM is PVI configured by a public argument. Neither reads or writes another
     family's private members."""
     found = design_counts.counts()

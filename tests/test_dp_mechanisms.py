@@ -54,7 +54,7 @@ def test_fixed_size_subsets_are_uniform_without_replacement_and_skip_padding():
 
 def test_factor_perturbation_clips_in_natural_parameters_and_is_exact_without_noise():
     from numpyro_fed.dp.mechanisms import from_natural_vector, natural_vector, perturbed_factor_sum
-    from numpyro_fed.factor import gaussian as G
+    from numpyro_fed.terms import gaussian as G
     rng = np.random.default_rng(0)
     for diagonal in (False, True):
         a = rng.normal(size=(3, 4, 4))

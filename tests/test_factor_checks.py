@@ -244,7 +244,7 @@ def test_the_check_weighs_q_against_the_models_own_prior():
     """The check's target is the model's posterior: its log weights use the model's own prior
     of the global sites (``terms.log_prior``), not the Gaussian factor the fit uses, so a
     wrong factor cannot make the check agree with the fit."""
-    from numpyro_fed.factor import gaussian as G
+    from numpyro_fed.terms import gaussian as G
 
     ep = nf.EP(tau_fixed)
     with warnings.catch_warnings():

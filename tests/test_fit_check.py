@@ -253,7 +253,7 @@ def test_pvi_default_budget_extends_until_the_local_fits_converge(glm):
 
 
 def test_parameter_drift_sees_a_scale_that_still_moves():
-    from numpyro_fed.factor.tilted import PARAMETER_DRIFT_LIMIT, parameter_drift
+    from numpyro_fed.terms.tilted import PARAMETER_DRIFT_LIMIT, parameter_drift
 
     steps = np.arange(400.0)[:, None]
     locs = np.zeros((400, 2))

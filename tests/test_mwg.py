@@ -12,11 +12,11 @@ from numpyro.diagnostics import effective_sample_size
 
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
-from numpyro_fed.factor.blocks import local_blocks as propose_blocks
-from numpyro_fed.factor.tilted import first_descent
 from numpyro_fed.inference import fitted
 from numpyro_fed.mcmc import FederatedMwG
 from numpyro_fed.mcmc.mwg_algorithm import anchor_map, laplace_map
+from numpyro_fed.terms.blocks import local_blocks as propose_blocks
+from numpyro_fed.terms.tilted import first_descent
 
 TAU, R = 0.7, 3  # the groups' known scale; rows per group
 

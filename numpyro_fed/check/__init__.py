@@ -22,7 +22,7 @@ form a program reads (``nf.fit``'s ladder decides on it). The checks themselves:
 - :mod:`numpyro_fed.check.chains`: split R-hat, bulk ESS and the scalars that never move (the samplers);
 - :mod:`numpyro_fed.check.laplace`: the Laplace rung's judge of its two checks (``nf.fit``).
 
-Each family computes its clients' terms of a check on their own rows (``factor/check.py``,
+Each family computes its clients' terms of a check on their own rows (``terms/local_check.py``,
 ``horizontal/check.py``, ``vertical/check.py``, and their network forms) and registers the
 function that turns them into a verdict beside its class.
 """

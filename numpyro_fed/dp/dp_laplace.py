@@ -60,10 +60,10 @@ from ..check import Verdict, register_check
 from ..groups import size_group_plates
 from ..inference import FederatedInference, Setup, fitted
 from ..labels import scalar_label
-from ..model_terms import TermsSetup
 from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..secure import check_aggregation
+from ..terms.model import TermsSetup
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .control import ControlVariate, row_derivatives, upper_triangle
 from .releases import capped_releases
@@ -429,7 +429,7 @@ class DPLaplace(FederatedInference):
         correction exists under DP, it would cost privacy)."""
         if corrected:
             raise ValueError("DPLaplace: no importance-corrected draws (the correction's terms would cost privacy)")
-        from ..model_terms import user_space
+        from ..terms.model import user_space
 
         if client is not None:
             raise ValueError("DPLaplace: a client's local latents stay on it (their modes are never sent)")

@@ -8,7 +8,7 @@ every chosen device k
 1. forms the cavity ``q_-k = q / q_k`` (eq. 3; ``r - r_k``, ``Q - Q_k``),
 2. computes the mean and covariance of the tilted distribution
    ``q_\\k(phi) ∝ f_k(phi) q_-k(phi)`` (eq. 4) with its local latents integrated out,
-   by Laplace, NUTS or Gaussian VI (:mod:`~numpyro_fed.factor.tilted`),
+   by Laplace, NUTS or Gaussian VI (:mod:`~numpyro_fed.terms.tilted`),
 3. moment-matches ``q_new`` to it (eq. 5) and sends the single message
    ``Delta q_k = q_new / q`` (eq. 6; ``Delta r_k``, ``Delta Q_k``).
 
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax import random
 
 from ..protocol import FederatedAlgorithm
-from . import gaussian as G
-from .blocks import blocks_hold
-from .gaussian import NaturalGaussian
-from .tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
+from ..terms import gaussian as G
+from ..terms.blocks import blocks_hold
+from ..terms.gaussian import NaturalGaussian
+from ..terms.tilted import TILTED_METHODS, gaussian_vi_moments, laplace_moments, moments_to_factor, nuts_moments
 from .updates import factor_protocol
 
 __all__ = ["ep", "local_update", "split_first_round", "tilted_moments"]
@@ -129,10 +129,10 @@ def ep(
         max_kl: optional trust region (see
             :func:`~numpyro_fed.factor.updates.factor_protocol`).
         prior_site: the server's step for a non-Gaussian prior's residual (see
-            :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
+            :mod:`~numpyro_fed.terms.prior_site`); ``log_prior_factor`` is then the prior's
             Gaussian part.
         blocks: ``(K, b)`` coordinates of ``v`` whose Hessian blocks are independent
-            (:func:`~numpyro_fed.factor.blocks.local_blocks`). Each client verifies the
+            (:func:`~numpyro_fed.terms.blocks.local_blocks`). Each client verifies the
             structure on its own rows before each update (one exact Hessian-vector product at
             a random point, from its own key); where it fails the update is invalid (NaN),
             never computed on a wrong structure.

@@ -14,15 +14,15 @@ from .._validation import check_optimizer, check_positive_int
 from ..backends.mapping import client_item, pad_client
 from ..groups import trim_groups
 from ..inference import fitted, state_of
-from ..model_terms import local_joint, site_supports
 from ..protocol import RunResult, RunState
-from . import gaussian as G
-from .blocks import local_blocks as propose_blocks
+from ..terms import gaussian as G
+from ..terms.blocks import local_blocks as propose_blocks
+from ..terms.model import local_joint, site_supports
+from ..terms.prior_site import prior_site_step
+from ..terms.tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
 from .ep_algorithm import ep, tilted_moments
 from .inference import FactorInference, set_schedule
 from .messages import K_ADVICE
-from .prior_site import prior_site_step
-from .tilted import DRAW_STEPS, DRAW_TV, TILTED_METHODS, cavity_log_density, nuts_draws
 from .updates import current_factor
 
 __all__ = ["DEFAULT_MAX_KL", "EP"]

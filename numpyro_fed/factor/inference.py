@@ -38,6 +38,7 @@ from ..check.psis import (
     state_fingerprint,
 )
 from ..clients import Clients
+from ..dp.plan import refuse_dp
 from ..groups import size_group_plates
 from ..inference import (
     NUM_SAMPLES,
@@ -48,9 +49,19 @@ from ..inference import (
     state_of,
     with_exchange_traffic,
 )
-from ..model_terms import ModelTerms, TermsSetup, build_terms, local_joint, site_supports, user_space
 from ..params import GaussianParams
 from ..protocol import RunResult, RunState
+from ..terms import gaussian as G
+from ..terms.blocks import QUADRATURE_NODES, blocks_hold
+from ..terms.blocks import local_blocks as propose_blocks
+from ..terms.local_check import (
+    client_check_keys,
+    local_integral_checks,
+    local_note,
+    log_weight_estimator,
+)
+from ..terms.model import ModelTerms, TermsSetup, build_terms, local_joint, site_supports, user_space
+from ..terms.tilted import PARETO_K_LIMIT
 from ..warnings import (
     BiasedFitWarning,
     InvalidUpdateWarning,
@@ -58,19 +69,9 @@ from ..warnings import (
     UnreliableFitWarning,
     find_stack_level,
 )
-from . import gaussian as G
 from . import network_check
-from .blocks import QUADRATURE_NODES, blocks_hold
-from .blocks import local_blocks as propose_blocks
-from .check import (
-    client_check_keys,
-    local_integral_checks,
-    local_note,
-    log_weight_estimator,
-)
 from .messages import ALL_INVALID, K_ADVICE, NEVER_APPLIED, NOT_CHECKED, Q_BIASED, Q_UNRELIABLE, REJECTED, UNCHECKED_FIT
 from .pointwise import client_pass, observed_terms_at
-from .tilted import PARETO_K_LIMIT
 from .updates import SCHEDULES
 
 __all__ = ["FactorInference", "ModelTerms", "factor_check", "latent_supports", "q_check", "set_schedule"]
@@ -131,10 +132,12 @@ class FactorInference(FederatedInference):
     def _build(self, clients: Clients) -> Setup[FactorSetup]:
         if self.schedule == "subset" and self.subset_size > len(clients):
             raise ValueError(_SUBSET.format(size=self.subset_size, J=len(clients)))
+        if not self.dp_mechanisms:
+            refuse_dp(type(self).__name__, self.model, clients[clients.names[0]], self.model_kwargs)
         plan, extra = build_terms(self.model, self.model_kwargs, clients, cls=type(self).__name__,
                                   client_mapping=self.client_mapping, row_plate=self.row_plate,
                                   prior_factor=self.prior_factor, diagonal=self.family == "diagonal",
-                                  offers_dp=bool(self.dp_mechanisms), check_structure=self._check_structure,
+                                  check_structure=self._check_structure,
                                   adjust_structure=self._adjust_structure)
         algorithm = self._algorithm(extra.terms, plan, len(clients))
         return Setup(clients, algorithm, plan, extra, {})
@@ -196,7 +199,7 @@ class FactorInference(FederatedInference):
 
     def _check_blocks(self):
         """The local latents' blocks for block quadrature in the check: the fit's own (EP's
-        block Laplace), else those the layout proposes (:func:`~numpyro_fed.factor.blocks.local_blocks`,
+        block Laplace), else those the layout proposes (:func:`~numpyro_fed.terms.blocks.local_blocks`,
         for every algorithm and tilted method); ``None`` where there are none, a block has
         more than three coordinates, or EP was given ``local_blocks=False``."""
         blocks = getattr(self, "_blocks", None)
@@ -209,7 +212,7 @@ class FactorInference(FederatedInference):
     def _blocks_verified(self, setup: Setup, state: RunState) -> bool:
         """Whether every client finds the proposed blocks true of its own rows (one exact
         Hessian-vector product at ``q``'s mean and a random point of the local latents, from
-        the client's own key; :func:`~numpyro_fed.factor.blocks.blocks_hold`). Cached per set-up."""
+        the client's own key; :func:`~numpyro_fed.terms.blocks.blocks_hold`). Cached per set-up."""
         blocks = self._check_blocks()
         if blocks is None:
             return False
@@ -246,7 +249,7 @@ class FactorInference(FederatedInference):
         importance sampling: the server draws ``u ~ q``, each client returns its own
         ``log p(y_j | u)`` per draw (local latents integrated by Laplace, importance-
         corrected where they are not Gaussian given the global sites; see
-        :mod:`numpyro_fed.factor.check`), the server adds the prior and ``-log q(u)``. Also
+        :mod:`numpyro_fed.terms.local_check`), the server adds the prior and ``-log q(u)``. Also
         compares ``q``'s user-space moments with the weighted ones (see
         :mod:`numpyro_fed.check.psis`). ``run`` calls this (``check_fit=True``) and warns,
         unless some client's importance proposal for its local latents fails its own

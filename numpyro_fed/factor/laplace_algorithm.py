@@ -4,8 +4,8 @@ integrated on their clients.
 The log posterior of the flat unconstrained global sites ``u`` is
 ``log p(u) + sum_j L_j(u)`` with ``L_j(u) = log ∫ p(y_j, v_j | u) dv_j`` client ``j``'s term,
 its local latents ``v_j`` integrated out by the inner Laplace approximation of
-:func:`~numpyro_fed.factor.tilted.integrated_laplace` (exact when ``v_j | u`` is Gaussian; the
-block structure of :mod:`~numpyro_fed.factor.blocks` keeps it linear in the number of groups).
+:func:`~numpyro_fed.terms.tilted.integrated_laplace` (exact when ``v_j | u`` is Gaussian; the
+block structure of :mod:`~numpyro_fed.terms.blocks` keeps it linear in the number of groups).
 A round:
 
 1. the server broadcasts a point ``u``;
@@ -13,7 +13,7 @@ A round:
    inner mode ``v_j*`` stays on the client as the next round's warm start);
 3. the server adds the prior's terms (the prior uses no data) and takes a step of Newton's
    method with backtracking spread over rounds: an accepted point (the log posterior did not
-   fall) gives the saddle-free Newton direction (:func:`~numpyro_fed.factor.tilted.newton_direction`)
+   fall) gives the saddle-free Newton direction (:func:`~numpyro_fed.terms.tilted.newton_direction`)
    and the full step is proposed; a rejected one halves the step.
 
 The run stops when the Newton decrement ``sqrt(g^T (-H)^-1 g)`` (the distance to the mode in
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
-from .gaussian import NaturalGaussian
-from .tilted import (
+from ..terms.gaussian import NaturalGaussian
+from ..terms.tilted import (
     TiltedProblem,
     inner_mode,
     integrated_derivatives,
@@ -186,7 +186,7 @@ def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clien
         num_clients: J.
         start: the first point ``u`` (the prior's median, or the model's initial values).
         num_local: size of ``v``.
-        blocks: the local latents' independent blocks (:func:`~numpyro_fed.factor.blocks.local_blocks`).
+        blocks: the local latents' independent blocks (:func:`~numpyro_fed.terms.blocks.local_blocks`).
         inner_steps: Newton steps of a client's inner mode per round (warm-started).
         tol: the Newton decrement (posterior sds) at which the search stops.
         secure: ``None``, or how the clients' terms are summed so that the server sees only

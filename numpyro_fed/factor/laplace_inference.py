@@ -20,8 +20,8 @@ from ..check.psis import FitDiagnostic
 from ..inference import checked_network, fitted, with_exchange_traffic
 from ..protocol import RunResult
 from ..secure import check_aggregation
+from ..terms.blocks import local_blocks as propose_blocks
 from . import network_check
-from .blocks import local_blocks as propose_blocks
 from .inference import FactorInference, keep_fit_check, q_check, q_diagnostic
 from .laplace_algorithm import MAX_HALVINGS, federated_laplace
 

@@ -1,5 +1,5 @@
 """PVI's and EP's fit check over a network backend (Flower): the simulation's check
-(:mod:`numpyro_fed.factor.check`) with each client's part computed on its own node.
+(:mod:`numpyro_fed.terms.local_check`) with each client's part computed on its own node.
 
 Two exchanges after the run, both recorded in the transcript and counted in the run's traffic:
 
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from . import gaussian as G
-from .check import client_log_likelihoods, local_integral_k, locals_are_gaussian
-from .tilted import PARETO_K_LIMIT
+from ..terms import gaussian as G
+from ..terms.local_check import client_log_likelihoods, local_integral_k, locals_are_gaussian
+from ..terms.tilted import PARETO_K_LIMIT
 
 __all__ = ["CHECK_DRAWS", "client_value", "network_check", "value_inputs"]
 

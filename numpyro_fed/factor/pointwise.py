@@ -22,15 +22,15 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 from .._pointwise import observed_terms
-from .._structure import SiteLayout, latent_supports, make_layout, trace_model
+from .._structure import latent_supports, trace_model
 from ..backends.mapping import pad_client
 from ..groups import trim_groups
+from ..terms import gaussian as G
+from ..terms.local_check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
+from ..terms.tilted import PARETO_K_LIMIT
 from ..warnings import ModelComparisonWarning, find_stack_level
-from . import gaussian as G
-from .check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
-from .tilted import PARETO_K_LIMIT
 
-__all__ = ["client_pass", "conditional_local_draws", "largest_layout", "observed_terms_at", "own_entries"]
+__all__ = ["client_pass", "conditional_local_draws", "observed_terms_at"]
 
 
 def conditional_local_draws(log_joint: Callable, num_global: int, num_local: int, mean, u, data, rng_key):
@@ -135,29 +135,3 @@ def client_pass(setup, state, model, model_kwargs, joint_of: Callable, cls: str,
     return trim_groups(values, local, args), log_lik, predictive  # its own groups only
 
 
-def largest_layout(layouts) -> SiteLayout:
-    """The local layout whose every site has the largest of the clients' shapes (clients laid out
-    one by one may hold different numbers of rows or groups)."""
-    first = layouts[0]
-    shapes = [tuple(max(dims) for dims in zip(*(lay.shapes[i] for lay in layouts))) for i in range(len(first.names))]
-    if all(tuple(s) == tuple(f) for s, f in zip(shapes, first.shapes)):
-        return first
-    groups = first.group_axes or ((),) * len(first.names)
-    plates = first.plate_axes or ((),) * len(first.names)
-    return make_layout([(n, s, a, g, p) for n, s, a, g, p in zip(first.names, shapes, first.row_axes, groups, plates)])
-
-
-def own_entries(local: SiteLayout, own: SiteLayout, v, data):
-    """A client's own local values cut from the flat ``v`` of the largest layout, and the mask
-    (in ``v``'s layout) of its real entries (1) against padding (0)."""
-    full = local.unravel(v)
-    mask = own.flat_mask(data.row_mask, data.args) if own.size else jnp.zeros(0)
-    values, real, at = {}, [], 0
-    for name, shape, own_shape in zip(local.names, local.shapes, own.shapes):
-        cut = tuple(slice(0, k) for k in own_shape)
-        values[name] = full[name][cut]
-        n = int(np.prod(own_shape))
-        part = jnp.reshape(mask[at:at + n], own_shape)
-        at += n
-        real.append(jnp.reshape(jnp.zeros(shape, v.dtype).at[cut].set(part), -1))
-    return values, (jnp.concatenate(real) if real else jnp.zeros(0, v.dtype))

@@ -43,10 +43,10 @@ from jax import random
 from .._steps import carried_while
 from ..dp.mechanisms import add_gradient, dp_sgd_transform, fixed_size_subset
 from ..protocol import FederatedAlgorithm
-from . import gaussian as G
+from ..terms import gaussian as G
+from ..terms.gaussian import NaturalGaussian
+from ..terms.tilted import FitCheck, convergence_stat
 from .ep_algorithm import split_first_round
-from .gaussian import NaturalGaussian
-from .tilted import FitCheck, convergence_stat
 from .updates import factor_protocol
 
 __all__ = ["LocalFit", "fit_local", "pvi"]
@@ -83,11 +83,11 @@ def _draws(moments, params, eps):
 def _optimise(init, moments, optim, steps, rng_key, gradient, max_chunks=1):
     """Optax steps from ``init`` in chunks of ``steps``; ``gradient(params, key) ->
     (objective, grads)``. After each chunk the fit is judged on that chunk
-    (:func:`~numpyro_fed.factor.tilted.convergence_stat`: the objective's drift and the
+    (:func:`~numpyro_fed.terms.tilted.convergence_stat`: the objective's drift and the
     parameters' movement over its last two quarters); an unconverged fit runs another
     chunk, up to ``max_chunks`` (1 under DP-SGD, whose steps are accounted). Returns the
     Polyak average of the last chunk's final quarter as a Gaussian and its
-    :class:`~numpyro_fed.factor.tilted.FitCheck` (``stat`` above 1: not converged)."""
+    :class:`~numpyro_fed.terms.tilted.FitCheck` (``stat`` above 1: not converged)."""
     tail = max(steps // 4, 1)
 
     def step(carry, key):
@@ -190,7 +190,7 @@ class LocalFit(NamedTuple):
 
 def fit_local(fit: LocalFit, rng_key, cavity: NaturalGaussian, q: NaturalGaussian, data, kl_weight=1.0):
     """``(q_j, check)``: the closed form for a conjugate model, else an optax (or DP-SGD) fit of
-    the local ELBO, with the fit's own :class:`~numpyro_fed.factor.tilted.FitCheck`."""
+    the local ELBO, with the fit's own :class:`~numpyro_fed.terms.tilted.FitCheck`."""
     d = fit.log_prior_factor.shift.shape[0]
 
     def log_lik(u):
@@ -279,7 +279,7 @@ def pvi(
     References:
         Ashman et al. (2022), "Partitioned variational inference"; Heikkilä et al. (2023) §3.1, Alg. 1.
         prior_site: the server's step for a non-Gaussian prior's residual (see
-            :mod:`~numpyro_fed.factor.prior_site`); ``log_prior_factor`` is then the prior's
+            :mod:`~numpyro_fed.terms.prior_site`); ``log_prior_factor`` is then the prior's
             Gaussian part.
     """
     fit = LocalFit(log_prior_factor, client_log_lik, num_clients, update, optim, local_steps, num_particles, dp_sgd,

@@ -15,11 +15,11 @@ from ..clients import Clients
 from ..dp.plan import MECHANISMS, DPPlan, check_dp_options, warn_withheld
 from ..protocol import RunResult
 from ..secure import check_aggregation
-from . import gaussian as G
+from ..terms import gaussian as G
+from ..terms.prior_site import prior_site_step
 from .ep_algorithm import ep, tilted_moments
 from .inference import FactorInference, factor_check, set_schedule
 from .messages import K_ADVICE
-from .prior_site import prior_site_step
 from .pvi_algorithm import pvi
 from .updates import VARIANTS
 

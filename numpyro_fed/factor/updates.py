@@ -31,9 +31,9 @@ from jax import random
 
 from .._steps import carried_while
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm
-from . import gaussian as G
-from .gaussian import NaturalGaussian
-from .tilted import FitCheck
+from ..terms import gaussian as G
+from ..terms.gaussian import NaturalGaussian
+from ..terms.tilted import FitCheck
 
 __all__ = [
     "SCHEDULES",
@@ -106,7 +106,7 @@ def factor_protocol(
     Args:
         log_prior_factor: ``p(theta)`` as a Gaussian factor (full or diagonal: the family).
         local_update: ``(rng_key, cavity, q, data, kl_weight) -> (q_new, check)``, the
-            client's local fit and its own :class:`~numpyro_fed.factor.tilted.FitCheck`
+            client's local fit and its own :class:`~numpyro_fed.terms.tilted.FitCheck`
             of it (sent with the update, reported per client and round in ``info``).
         num_clients: J.
         schedule: ``"sequential"`` (one client per round, in turn), ``"synchronous"``
@@ -136,7 +136,7 @@ def factor_protocol(
         aggregation: with ``trusted_aggregator``: who sums the changes, ``"trusted"`` (a
             trusted aggregator) or ``"masking"`` (pairwise masking, no third party;
             :mod:`numpyro_fed.secure`).
-        prior_site: for a non-Gaussian prior (:mod:`~numpyro_fed.factor.prior_site`):
+        prior_site: for a non-Gaussian prior (:mod:`~numpyro_fed.terms.prior_site`):
             ``(rng_key, cavity, q) -> (q_new, ok)``, the server's tilted-moment step for its
             own factor ``t_0`` of the prior's residual, run after the clients' updates of
             every round (with ``log_prior_factor`` the prior's Gaussian part).

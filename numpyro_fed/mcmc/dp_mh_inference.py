@@ -32,10 +32,10 @@ from ..dp.control import ControlVariate, row_derivatives, widen
 from ..dp.ledger import PrivacyBudgetError
 from ..dp.releases import capped_releases, over_plan
 from ..inference import FederatedInference, Setup, fitted
-from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import RunResult
 from ..secure import check_aggregation
+from ..terms.model import TermsSetup, build_terms, site_supports, user_space
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .dp_mh_algorithm import DPMHConfig, RowLocals, dp_metropolis
 from .inference import pick_draws
@@ -131,7 +131,7 @@ def row_terms(cls: str, model: Callable, model_kwargs: Dict, clients, row_plate:
     spec = next(iter(specs.values()))
     plan, extra = build_terms(model, model_kwargs, clients, cls=cls, client_mapping="vmap",
                               row_plate=marked_row_plate(row_plate, tr, clients.num_rows[first]),
-                              prior_factor="none", offers_dp=True)
+                              prior_factor="none")
     local = extra.terms.local if extra.terms.num_local else None
     unit = protected_unit(model, spec)
     if local is not None:  # each local latent in the unit: its row (row plate) or its group (the unit's plate)

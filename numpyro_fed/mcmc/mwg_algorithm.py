@@ -407,7 +407,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         start: the chain's first ``u`` (a Laplace fit's mode).
         scale: ``(d, d)`` the proposal's first covariance (the Laplace fit's).
         num_local: the size of ``v`` (padded clients: the largest).
-        blocks: the locals' independent blocks (:func:`~numpyro_fed.factor.blocks.local_blocks`).
+        blocks: the locals' independent blocks (:func:`~numpyro_fed.terms.blocks.local_blocks`).
         config: :class:`MwGConfig`.
         secure: ``None``, or how the clients' log ratios are summed so that the server sees only
             their sum (:mod:`numpyro_fed.secure`): ``"trusted"`` or ``"masking"``.

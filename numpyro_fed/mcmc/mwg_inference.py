@@ -2,7 +2,7 @@
 
 The algorithm is :func:`~numpyro_fed.mcmc.mwg_algorithm.federated_mwg`; this class turns a model
 into its inputs (the same flat unconstrained terms as :class:`~numpyro_fed.factor.Laplace`, built
-by :func:`~numpyro_fed.model_terms.build_terms`) and starts the chain from a federated Laplace fit.
+by :func:`~numpyro_fed.terms.model.build_terms`) and starts the chain from a federated Laplace fit.
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from ..backends.mapping import client_data, unpadder
 from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..check import Verdict, register_check
 from ..check.chains import MIN_ESS, R_HAT_LIMIT, chain_report, chains_verdict  # noqa: F401  (the limits: documented here)
-from ..factor.blocks import local_blocks as propose_blocks
+from ..dp.plan import refuse_dp
 from ..factor.laplace_inference import NoModeError
-from ..factor.pointwise import observed_terms_at, own_entries
+from ..factor.pointwise import observed_terms_at
 from ..groups import size_group_plates, trim_groups
 from ..inference import FederatedInference, Setup, checked_network, fitted, reset_setup
 from ..labels import scalar_label
-from ..model_terms import TermsSetup, build_terms, site_supports, user_space
 from ..params import DrawParams
 from ..protocol import ClientSlot, RunResult, RunState
 from ..secure import check_aggregation
+from ..terms.blocks import local_blocks as propose_blocks
+from ..terms.model import TermsSetup, build_terms, own_entries, site_supports, user_space
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
@@ -204,6 +205,7 @@ class FederatedMwG(FederatedInference):
 
     def _build(self, clients) -> Setup[TermsSetup]:
         """The model's terms (no prior factor: the server evaluates the prior itself) and the chains."""
+        refuse_dp(type(self).__name__, self.model, clients[clients.names[0]], self.model_kwargs)
         plan, extra = build_terms(self.model, self.model_kwargs, clients, cls=type(self).__name__,
                                   client_mapping=self.client_mapping, row_plate=self.row_plate, prior_factor="none")
         return Setup(clients, self._algorithm(extra.terms, plan, len(clients)), plan, extra, {})

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import random
 
 from .._steps import leapfrog
-from ..factor.blocks import block_hessian, scatter_blocks
-from ..factor.tilted import conditional_slope, first_descent, inner_mode
+from ..terms.blocks import block_hessian, scatter_blocks
+from ..terms.tilted import conditional_slope, first_descent, inner_mode
 
 __all__ = ["FLAT", "STEP_JITTER", "anchor_map", "colour", "curvature", "laplace_map", "local_moves", "log_det",
            "marginal_grad", "whiten"]

@@ -146,7 +146,7 @@ _IMPROPER = (
 
 def prior_site_step(terms, diagonal: bool) -> Optional[Callable]:
     """The server's step for the residual of a non-Gaussian prior of ``terms``
-    (:class:`~numpyro_fed.model_terms.ModelTerms`; :func:`prior_site_update`), ``None`` for a
+    (:class:`~numpyro_fed.terms.model.ModelTerms`; :func:`prior_site_update`), ``None`` for a
     Gaussian prior."""
     if terms.residual is None:
         return None

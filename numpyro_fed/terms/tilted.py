@@ -211,7 +211,7 @@ def first_descent(neg: Callable, v: Array, dv: Array) -> Array:
 def inner_mode(neg: Callable, v0: Array, steps: int, index: Optional[Array] = None,
                search: Optional[Callable] = None) -> Array:
     """Minimise ``neg(v)`` by (saddle-free) Newton with backtracking, ``steps`` iterations
-    from ``v0``; with ``index`` (:func:`~numpyro_fed.factor.blocks.local_blocks`) the Hessian
+    from ``v0``; with ``index`` (:func:`~numpyro_fed.terms.blocks.local_blocks`) the Hessian
     is block diagonal and each step costs ``K`` small factorisations. ``search``: the line
     search (default :func:`backtrack`; :func:`first_descent` picks the same step sequentially)."""
     search = backtrack if search is None else search
@@ -247,7 +247,7 @@ def integrated_laplace(f: Callable, d: int, num_local: int, index: Optional[Arra
     ``v*(u)``, and so the gradient of the value, exact at a converged mode. ``decrement``: the
     inner Newton decrement at the final point (about 0 at the inner mode). ``volume_only``: the
     value is ``-log det(-H_vv) / 2 + const`` alone. ``index``: ``H_vv`` is block diagonal in these
-    blocks (:mod:`~numpyro_fed.factor.blocks`): cost linear in ``num_local``."""
+    blocks (:mod:`~numpyro_fed.terms.blocks`): cost linear in ``num_local``."""
     if num_local == 0:
         return lambda u, v0, steps, refine=0, volume_only=False: (
             jnp.zeros((), u.dtype) if volume_only else f(u), (jnp.zeros((), u.dtype), v0))
@@ -299,7 +299,7 @@ def laplace_moments(log_lik: Callable, cavity: NaturalGaussian, w0: Array, d: in
     The check and the correction: ``num_draws`` draws from the Gaussian (whitened to its
     exact moments), importance-weighted against the integrated tilted density, with the local
     latents' blocks (``index``) integrated by adaptive Gauss-Hermite quadrature
-    (:func:`~numpyro_fed.factor.blocks.quadrature_correction`) rather than Laplace alone. With
+    (:func:`~numpyro_fed.terms.blocks.quadrature_correction`) rather than Laplace alone. With
     ``importance`` (the default) the weighted mean and covariance are returned: Laplace is
     biased where the local latents' conditional is skewed (random intercepts of a few binary
     rows: on the six-cities GLMM, beta0 1.2 NUTS sds off; corrected, 0.1). The Pareto ``k``

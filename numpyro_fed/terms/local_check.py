@@ -91,8 +91,8 @@ def client_log_likelihoods(log_joint: Callable, num_global: int, num_local: int,
     Integrated Laplace (exact for a Gaussian ``v | u``), or with ``rng_key`` importance
     sampling with the Laplace proposal (:data:`LOCAL_DRAWS` draws per row of ``u``, from
     the client's own key), or with ``index`` (the local latents' blocks,
-    :mod:`~numpyro_fed.factor.blocks`) block Laplace with adaptive Gauss-Hermite quadrature
-    per block (:func:`~numpyro_fed.factor.blocks.quadrature_correction`): deterministic, and
+    :mod:`~numpyro_fed.terms.blocks`) block Laplace with adaptive Gauss-Hermite quadrature
+    per block (:func:`~numpyro_fed.terms.blocks.quadrature_correction`): deterministic, and
     linear in the number of local latents."""
     own = partial(log_joint, data=data)
     marginal = integrated_laplace(own, num_global, num_local, index, first_descent)

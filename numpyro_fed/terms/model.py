@@ -25,17 +25,15 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from ._structure import SiteLayout, analyse_model, is_latent, latent_supports, log_joint, trace_model
-from ._trace import prior_median
-from .backends.mapping import client_data, plan_clients
-from .dp.plan import refuse_dp
-from .factor import gaussian as G
-from .factor.pointwise import largest_layout, own_entries
-from .factor.prior_site import check_prior_is_data_free, check_prior_is_proper, split_prior
-from .handlers import GLOBAL, LOCAL, site_role
+from .._structure import SiteLayout, analyse_model, is_latent, latent_supports, log_joint, make_layout, trace_model
+from .._trace import prior_median
+from ..backends.mapping import client_data, plan_clients
+from ..handlers import GLOBAL, LOCAL, site_role
+from . import gaussian as G
+from .prior_site import check_prior_is_data_free, check_prior_is_proper, split_prior
 
-__all__ = ["PRIOR_FACTORS", "ModelTerms", "TermsSetup", "build_terms", "gaussian_prior_factor", "local_joint",
-           "model_terms", "site_supports", "user_space"]
+__all__ = ["PRIOR_FACTORS", "ModelTerms", "TermsSetup", "build_terms", "gaussian_prior_factor", "largest_layout",
+           "local_joint", "model_terms", "own_entries", "site_supports", "user_space"]
 
 PRIOR_FACTORS = ("gaussian", "none")
 """``model_terms``'s ``prior_factor``: the prior's Gaussian factor read off the model, or none
@@ -158,7 +156,7 @@ class TermsSetup(NamedTuple):
 
 def build_terms(model: Callable, model_kwargs: Mapping, clients, *, cls: str, client_mapping: str,
                 row_plate: Optional[str], prior_factor: str = "gaussian", diagonal: bool = False,
-                offers_dp: bool = False, check_structure: Optional[Callable] = None,
+                check_structure: Optional[Callable] = None,
                 adjust_structure: Optional[Callable] = None):
     """``(plan, TermsSetup)``: ``model`` on ``clients`` as a family of class ``cls`` fits it.
 
@@ -166,10 +164,9 @@ def build_terms(model: Callable, model_kwargs: Mapping, clients, *, cls: str, cl
     latent sites and no ``numpyro.param`` sites; ``check_structure(structure)`` may refuse more,
     and ``adjust_structure(clients, structure)`` change it once the clients are laid out
     (:func:`~numpyro_fed.backends.mapping.plan_clients`, ``client_mapping`` and ``row_plate``
-    as the families take them). A model marked with ``dp_noise`` is refused unless the family
-    ``offers_dp``. ``prior_factor`` and ``diagonal``: as :func:`model_terms`."""
-    if not offers_dp:
-        refuse_dp(cls, model, clients[clients.names[0]], model_kwargs)
+    as the families take them). A family without a DP mechanism refuses a ``dp_noise``-marked model
+    before it calls this (:func:`~numpyro_fed.dp.plan.refuse_dp`). ``prior_factor`` and
+    ``diagonal``: as :func:`model_terms`."""
     structure = analyse_model(model, clients, model_kwargs)
     if structure.global_param or structure.local_param_names:
         names = sorted(structure.global_param) + list(structure.local_param_names)
@@ -201,3 +198,31 @@ def user_space(model: Callable, model_kwargs: Mapping, setup, u) -> Dict[str, np
     constrained: ``{site: (n, *shape)}``."""
     layout, supports = setup.extra.structure.global_latent, site_supports(model, model_kwargs, setup)
     return {k: np.asarray(biject_to(supports[k])(v)) for k, v in jax.vmap(layout.unravel)(u).items()}
+
+
+def largest_layout(layouts) -> SiteLayout:
+    """The local layout whose every site has the largest of the clients' shapes (clients laid out
+    one by one may hold different numbers of rows or groups)."""
+    first = layouts[0]
+    shapes = [tuple(max(dims) for dims in zip(*(lay.shapes[i] for lay in layouts))) for i in range(len(first.names))]
+    if all(tuple(s) == tuple(f) for s, f in zip(shapes, first.shapes)):
+        return first
+    groups = first.group_axes or ((),) * len(first.names)
+    plates = first.plate_axes or ((),) * len(first.names)
+    return make_layout([(n, s, a, g, p) for n, s, a, g, p in zip(first.names, shapes, first.row_axes, groups, plates)])
+
+
+def own_entries(local: SiteLayout, own: SiteLayout, v, data):
+    """A client's own local values cut from the flat ``v`` of the largest layout, and the mask
+    (in ``v``'s layout) of its real entries (1) against padding (0)."""
+    full = local.unravel(v)
+    mask = own.flat_mask(data.row_mask, data.args) if own.size else jnp.zeros(0)
+    values, real, at = {}, [], 0
+    for name, shape, own_shape in zip(local.names, local.shapes, own.shapes):
+        cut = tuple(slice(0, k) for k in own_shape)
+        values[name] = full[name][cut]
+        n = int(np.prod(own_shape))
+        part = jnp.reshape(mask[at:at + n], own_shape)
+        at += n
+        real.append(jnp.reshape(jnp.zeros(shape, v.dtype).at[cut].set(part), -1))
+    return values, (jnp.concatenate(real) if real else jnp.zeros(0, v.dtype))
