@@ -184,7 +184,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             differential privacy: its whole budget on a private Laplace fit
             (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`), or with ``exact=True`` on a private
             start and the exact DP sampler from it (:class:`~numpyro_fed.mcmc.DPMetropolis`), every
-            client's releases composed (:mod:`numpyro_fed.dp.private_fit`;
+            client's releases composed (:mod:`numpyro_fed.private_ladder`;
             :meth:`Fit.privacy_report`; ``ledger=`` a :class:`~numpyro_fed.dp.PrivacyLedger` refuses the
             fit before it starts where it would take a client past its budget, and is charged both
             stages). A ``dp_noise``-marked model without ``dp=`` is refused.
@@ -247,7 +247,7 @@ class Ladder:
     party builds the same inference object from it with :meth:`rung`.
 
     With ``dp=`` (a :class:`~numpyro_fed.dp.PrivateFit`, on a ``dp_noise``-marked model) it is
-    :func:`fit`'s private form (:mod:`numpyro_fed.dp.private_fit`): its stages, the private start
+    :func:`fit`'s private form (:mod:`numpyro_fed.private_ladder`): its stages, the private start
     and the exact DP sampler, are announced and built the same way.
 
     Args: those of :func:`fit` but the model's data and the run options (a rung's own options,
@@ -315,7 +315,7 @@ class Ladder:
         from .mcmc import FederatedMwG, FederatedNUTS
 
         if self.dp is not None:  # a private fit's stage
-            from .dp.private_fit import private_rung
+            from .private_ladder import private_rung
 
             return private_rung(self.model, stage, model_kwargs=self.model_kwargs, row_plate=self.row_plate,
                                 rung_options=self.rung_options)
@@ -376,7 +376,7 @@ class Ladder:
         from .backends.base import NetworkBackend
 
         if self.dp is not None:
-            from .dp.private_fit import private_fit
+            from .private_ladder import private_fit
 
             return private_fit(self.model, clients, rng_key, self.dp, num_samples=self.num_samples,
                                num_warmup=self.num_warmup, num_chains=self.num_chains, model_kwargs=self.model_kwargs,

@@ -24,9 +24,9 @@ from numpyro_fed.clients import ClientData
 from numpyro_fed.dp import PrivacyBudgetError, PrivacyLedger
 from numpyro_fed.dp.accounting import calibrate_noise_multiplier
 from numpyro_fed.dp.audit import empirical_epsilon
+from numpyro_fed.dp.rows import row_log_lik_fn
 from numpyro_fed.mcmc import DPMetropolis
 from numpyro_fed.mcmc import dp_mh_algorithm as core
-from numpyro_fed.mcmc.dp_mh_inference import row_log_lik_fn
 
 DELTA = 1e-5
 PRIOR_SD = 10.0

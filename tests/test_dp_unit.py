@@ -28,8 +28,8 @@ from numpyro.infer.util import log_density
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
 from numpyro_fed.dp.dp_laplace import DPLaplace
+from numpyro_fed.dp.rows import row_terms, unit_locals
 from numpyro_fed.groups import sized_model
-from numpyro_fed.mcmc.dp_mh_inference import row_terms, unit_locals
 
 from .test_fit import _glmm as model  # README's first model
 from .test_fit import _glmm_data as readme_data

@@ -173,7 +173,7 @@ def test_a_canary_audit_of_the_private_starts_release_stays_within_the_claim_and
     client's real step on the real model's rows, 200,000 runs on each."""
     from numpyro_fed.clients import ClientData
     from numpyro_fed.dp.dp_laplace import DPLaplaceClient, DPLaplaceConfig, dp_laplace
-    from numpyro_fed.mcmc.dp_mh_inference import row_log_lik_fn
+    from numpyro_fed.dp.rows import row_log_lik_fn
 
     from .test_dp_metropolis import _layout, canary_audit, normal_mean
 

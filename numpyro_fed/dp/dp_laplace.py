@@ -67,6 +67,8 @@ from ..terms.model import TermsSetup
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .control import ControlVariate, row_derivatives, upper_triangle
 from .releases import capped_releases
+from .rows import row_locals, row_terms, unit_locals, unit_mask
+from .sampler_privacy import SamplerPrivacy, may_drop
 
 __all__ = ["DPLaplace", "dp_laplace", "dp_laplace_check"]
 
@@ -325,8 +327,6 @@ class DPLaplace(FederatedInference):
     def __init__(self, model: Callable, *, num_steps: int = 8, init: Optional[Any] = None,
                  row_plate: Optional[str] = None,
                  model_kwargs: Optional[dict] = None, secure_aggregation: Optional[str] = None) -> None:
-        from ..mcmc.dp_mh_inference import SamplerPrivacy
-
         super().__init__()
         self.model, self.row_plate = model, row_plate
         self.model_kwargs = dict(model_kwargs or {})
@@ -344,15 +344,11 @@ class DPLaplace(FederatedInference):
         return self.num_steps
 
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
-        from ..mcmc.dp_mh_inference import may_drop
-
         if num_rounds is None:  # a round a client misses is repeated, where one may
             return 20 * self.num_steps if may_drop(options) else self.num_steps
         return num_rounds
 
     def _build(self, clients) -> Setup:
-        from ..mcmc.dp_mh_inference import row_locals, row_terms, unit_locals, unit_mask
-
         terms = row_terms("DPLaplace", self.model, self.model_kwargs, clients, self.row_plate, self.num_steps, _NO_DP,
                           _LOCALS)
         spec, nm, setup, local, row_term = terms.spec, terms.noise_multiplier, terms.setup, terms.local, terms.row_term

@@ -64,9 +64,10 @@ import jax.numpy as jnp
 from jax import random
 
 from ..dp.control import ControlVariate, row_taylor, taylor
+from ..dp.rows import RowLocals
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
-__all__ = ["LOCAL_TARGET_ACCEPT", "DPMHClientState", "DPMHConfig", "DPMHInfo", "DPMHServerState", "RowLocals",
+__all__ = ["LOCAL_TARGET_ACCEPT", "DPMHClientState", "DPMHConfig", "DPMHInfo", "DPMHServerState",
            "TARGET_ACCEPT", "dp_metropolis"]
 
 TARGET_ACCEPT = 0.234
@@ -86,14 +87,6 @@ class DPMHConfig(NamedTuple):
     correct: bool = True  # the penalty -V/2 (False only to show what it corrects)
     local_steps: int = 5  # row-wise random-walk steps of the local latents per round
     secure: str = None  # None, or how the releases are summed before the server ("trusted", "masking")
-
-
-class RowLocals(NamedTuple):
-    """The local latents' layout by rows (static): ``row_of[k]`` is the row of entry ``k`` of a
-    client's flat locals; ``num_rows`` the (padded) rows."""
-
-    row_of: jax.Array
-    num_rows: int
 
 
 class DPMHServerState(NamedTuple):
