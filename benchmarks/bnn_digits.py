@@ -2,12 +2,12 @@
 
 MNIST (70 000 images of 28 x 28) ships in no package, so the data are scikit-learn's bundled
 handwritten digits: 1797 images of 8 x 8 (64 pixels scaled to [0, 1]), split once into 1347
-training and 450 test images, stratified by label (``nf.datasets.load_digits``).
+training and 450 test images, stratified by label (``numpyro_fed_examples.datasets.load_digits``).
 
 Table 1, heterogeneous silos: the training and the test images are each cut into J = 10 or 50
 silos of equal size, 90 % of a silo's images one digit (silo j's digit is j mod 10), the rest
-spread evenly over the other nine (``nf.datasets.heterogeneous_split``); five partitions
-(seeds 0-4). Models (``numpyro_fed.models``), softmax(W2 ReLU(W1 x)) with 64 hidden units
+spread evenly over the other nine (``numpyro_fed_examples.datasets.heterogeneous_split``); five partitions
+(seeds 0-4). Models (``numpyro_fed_examples.models``), softmax(W2 ReLU(W1 x)) with 64 hidden units
 and no biases, as in the paper:
 
 - hierarchical BNN: W1^(j) = mu + sigma eps^(j) (mu, sigma global; eps^(j), W2^(j) local);
@@ -48,8 +48,8 @@ from numpyro.infer.autoguide import AutoNormal
 from numpyro.optim import optax_to_numpyro
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import heterogeneous_split, load_digits
-from numpyro_fed.models import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
+from numpyro_fed_examples.datasets import heterogeneous_split, load_digits
+from numpyro_fed_examples.models import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

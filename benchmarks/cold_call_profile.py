@@ -78,8 +78,8 @@ def main():
 
     import numpyro_fed as nf
     nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
-    from numpyro_fed.datasets import load_six_cities, six_cities_silos
-    from numpyro_fed.models import logistic_glmm
+    from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
+    from numpyro_fed_examples.models import logistic_glmm
 
     data = load_six_cities()
     n = len(data["smoke"])

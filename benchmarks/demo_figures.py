@@ -1,4 +1,4 @@
-"""The demo's figures (``python -m numpyro_fed demo``, README's Quickstart) as docs/index.md quotes
+"""The demo's figures (``python -m numpyro_fed_examples demo``, README's Quickstart) as docs/index.md quotes
 them: the demo run once, in one fresh process, at its defaults, its figures written with the commit
 and date.
 
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         return
     import jax
 
-    from numpyro_fed.demo import run_demo
+    from numpyro_fed_examples.demo import run_demo
 
     out = run_demo(plot="", methods=("fit", "fit_exact", "ep", "fed_nuts"))
     results = {"command": "python benchmarks/demo_figures.py", **provenance(),

@@ -1,9 +1,9 @@
 """Heikkilä et al. (2023) §5 (Figures 1 and 3) on a bundled stand-in for UCI Adult: DP logistic regression.
 
 Data: Wooldridge's ``k401ksubs`` (9,275 households, outcome ``e401k``, 7 standardised
-covariates and an intercept; ``nf.datasets.load_k401k``), a **stand-in** for Adult (which
+covariates and an intercept; ``numpyro_fed_examples.datasets.load_k401k``), a **stand-in** for Adult (which
 is not bundled): 80% training rows split over the clients by Appendix B's scheme
-(``nf.datasets.unbalanced_split``: balanced; unbalanced 1, rho = .75, kappa = .95;
+(``numpyro_fed_examples.datasets.unbalanced_split``: balanced; unbalanced 1, rho = .75, kappa = .95;
 unbalanced 2, rho = .7, kappa = -3), 20% held out. Model: ``w ~ N(0, I)``, Bernoulli-logit
 likelihood; mean-field Gaussian ``q`` everywhere, as in the paper.
 
@@ -55,7 +55,7 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import load_k401k, unbalanced_split
+from numpyro_fed_examples.datasets import load_k401k, unbalanced_split
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

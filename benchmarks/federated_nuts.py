@@ -36,8 +36,8 @@ from numpyro.diagnostics import effective_sample_size
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import load_six_cities, six_cities_silos
-from numpyro_fed.models import logistic_glmm
+from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
+from numpyro_fed_examples.models import logistic_glmm
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "posteriordb"))

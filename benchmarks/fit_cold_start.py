@@ -55,7 +55,7 @@ def _moments(draws):
 
 
 def _split(num_silos: int):
-    from numpyro_fed.datasets import load_six_cities, six_cities_silos
+    from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
 
     data = load_six_cities()
     n = len(data["smoke"])
@@ -71,7 +71,7 @@ def _child(what: str, num_silos: int, twice: bool) -> dict:
 
     import numpyro_fed as nf
     nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
-    from numpyro_fed.models import logistic_glmm
+    from numpyro_fed_examples.models import logistic_glmm
 
     data, silos = _split(num_silos)
 

@@ -30,8 +30,8 @@ from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import load_six_cities, six_cities_silos
-from numpyro_fed.models import logistic_glmm
+from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
+from numpyro_fed_examples.models import logistic_glmm
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

@@ -36,8 +36,8 @@ import numpyro
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import load_six_cities
-from numpyro_fed.models import hm2_regression, logistic_glmm
+from numpyro_fed_examples.datasets import load_six_cities
+from numpyro_fed_examples.models import hm2_regression, logistic_glmm
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))

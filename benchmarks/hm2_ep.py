@@ -2,7 +2,7 @@
 
 K = 100 devices, 100 rows each, d = 4, ``theta_k ~ N(mu_true, Sigma_true)`` with
 ``mu_true = (1, 3, 0.5, 2)`` and ``Sigma_true = diag(1.17, 2.35, 2.52, 0.67)``, ``x ~ N(0, I)``,
-noise sd 0.5 (the paper does not state it). Model: :func:`numpyro_fed.models.hm2_regression`
+noise sd 0.5 (the paper does not state it). Model: :func:`numpyro_fed_examples.models.hm2_regression`
 (``phi = (mu, log tau)`` global; ``theta_k`` and a HalfNormal noise scale local).
 
 EP: synchronous, damping 0.5 and otherwise EP's defaults: the trust region is on by default
@@ -33,7 +33,7 @@ from jax import random
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
-from numpyro_fed.models import hm2_regression
+from numpyro_fed_examples.models import hm2_regression
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

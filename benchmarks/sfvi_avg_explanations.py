@@ -34,8 +34,8 @@ import numpy as np
 import optax
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import heterogeneous_split, load_digits
-from numpyro_fed.models import hierarchical_bnn
+from numpyro_fed_examples.datasets import heterogeneous_split, load_digits
+from numpyro_fed_examples.models import hierarchical_bnn
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

@@ -28,7 +28,8 @@ from jax import random
 from numpyro.infer import SVI, Trace_ELBO
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import PIMA_COVARIATES, load_pima
+from numpyro_fed_examples import models
+from numpyro_fed_examples.datasets import PIMA_COVARIATES, load_pima
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 
@@ -58,20 +59,20 @@ def scores(p, y):
 
 
 def fit_split_nn(train, test, steps, lr, seed):
-    model, _ = nf.models.split_nn_model(INPUTS, bayesian_last_layer=False)
+    model, _ = models.split_nn_model(INPUTS, bayesian_last_layer=False)
     svi = SVI(model, lambda **kw: None, optax.adam(lr), Trace_ELBO())
     res = svi.run(random.PRNGKey(seed), steps, progress_bar=False, **train)
-    return nf.models.predict_split_nn(model, res.params, random.PRNGKey(seed + 1), test)
+    return models.predict_split_nn(model, res.params, random.PRNGKey(seed + 1), test)
 
 
 def fit_hb_split_nn(train, test, rho, steps, lr, seed):
-    model, _ = nf.models.split_nn_model(INPUTS, bayesian_last_layer=True)
-    vmodel = nf.models.split_nn(INPUTS, rho=rho)
+    model, _ = models.split_nn_model(INPUTS, bayesian_last_layer=True)
+    vmodel = models.split_nn(INPUTS, rho=rho)
     svi = nf.VerticalSVI(vmodel, nf.VerticalGuide("amortized"), optax.adam(lr))
     res = svi.run(random.PRNGKey(seed), num_rounds=steps, progress_bar=False, **train)
     weights = svi.sample_posterior(random.PRNGKey(seed + 1), res, 500)
     points = {k: v for c in INPUTS for k, v in res.params.parties[c]["point"].items()}
-    return nf.models.predict_split_nn(model, points, random.PRNGKey(seed + 2), test, rho=rho, weights=weights)
+    return models.predict_split_nn(model, points, random.PRNGKey(seed + 2), test, rho=rho, weights=weights)
 
 
 def main():

@@ -7,7 +7,7 @@ Designs (Yue et al. (2022) §5.2, after Van Erp et al., 2019), every device shar
 - Case II: as I, but devices 1-2 have 20 rows and the others 200.
 - Case III: K = 20, ``theta_true = (3 x 10, 0 x 10, 3 x 10)``, 40 training rows per device.
 
-Fit: :func:`numpyro_fed.models.variable_selection` (``prior="lasso"`` or ``"ridge"``) by
+Fit: :func:`numpyro_fed_examples.models.variable_selection` (``prior="lasso"`` or ``"ridge"``) by
 federated EP (synchronous, damping 0.5, trust region ``max_kl=20``, ``--rounds`` rounds, tilted moments by NUTS with 300
 warm-up steps and 300 draws; with ``--tilted laplace`` the lasso's kink leaves no smooth
 local mode, which EP reports as invalid updates: it warns of rounds with no valid one and raises
@@ -31,7 +31,7 @@ import numpy as np
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.models import inclusion, variable_selection
+from numpyro_fed_examples.models import inclusion, variable_selection
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

@@ -10,7 +10,7 @@ federated NUTS and HMC).
 """
 
 # subpackages, reached as nf.dp, nf.warnings, ... (not star-exported: __all__ holds the names a user calls)
-from . import algorithms, checkpoint, dp, models, protocol, transcript, warnings  # noqa: F401
+from . import checkpoint, dp, protocol, transcript, warnings  # noqa: F401
 from ._xla import tune_cpu_flags
 from .arviz import to_arviz
 from .backends import SimulationBackend

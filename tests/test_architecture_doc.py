@@ -2,6 +2,8 @@
 every module and subpackage of numpyro_fed appears in its layout."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +47,16 @@ def test_the_subpackage_files_the_layout_lists_exist():
         for name in re.findall(r"(\w+)\.py", line):
             assert (current / f"{name}.py").is_file() or (PACKAGE / f"{name}.py").is_file(), (
                 f"docs/architecture.md lists {name}.py under {current.name}/, which has no such module")
+
+
+def test_the_library_imports_none_of_its_examples():
+    """The demo, datasets and ready-made models live in numpyro_fed_examples, outside the
+    library's import path: no module of numpyro_fed names it, and importing numpyro_fed loads
+    none of it."""
+    naming = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+                    if "numpyro_fed_examples" in p.read_text())
+    assert not naming, f"library modules that name the examples: {naming}"
+    code = "import sys, numpyro_fed; print(sorted(m for m in sys.modules if m.startswith('numpyro_fed_examples')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

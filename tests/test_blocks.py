@@ -15,9 +15,9 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
-from numpyro_fed.models import logistic_glmm
 from numpyro_fed.terms.blocks import block_hessian, blocks_hold, local_blocks, quadrature_correction
 from numpyro_fed.terms.tilted import inner_mode, laplace_moments
+from numpyro_fed_examples.models import logistic_glmm
 
 _rng = np.random.default_rng(0)
 N = 24

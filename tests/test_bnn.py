@@ -10,8 +10,8 @@ import pytest
 from numpyro.handlers import seed, trace
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import heterogeneous_split, load_digits
-from numpyro_fed.models import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
+from numpyro_fed_examples.datasets import heterogeneous_split, load_digits
+from numpyro_fed_examples.models import bnn, bnn_predict, fedpop_bnn, hierarchical_bnn, multinomial_regression
 
 
 @pytest.fixture(scope="module")

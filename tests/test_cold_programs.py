@@ -28,8 +28,8 @@ monitoring.register_event_duration_secs_listener(
     lambda event, seconds, **kw: count.__setitem__(0, count[0] + (event == COMPILE)))
 import jax
 import numpyro_fed as nf
-from numpyro_fed.datasets import load_six_cities, six_cities_silos
-from numpyro_fed.models import logistic_glmm
+from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
+from numpyro_fed_examples.models import logistic_glmm
 data = load_six_cities()
 n = len(data["smoke"])
 clients = nf.Clients.split(six_cities_silos(0, tuple(n // 4 + (1 if k < n % 4 else 0) for k in range(4))), **data)

@@ -68,7 +68,8 @@ def test_readme_example_runs_and_does_not_warn(capsys):
 
 
 def test_cli_help_and_small_demo(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "numpyro_fed", "demo", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "numpyro_fed_examples", "demo", "--help"], capture_output=True,
+                         text=True)
     assert out.returncode == 0 and "--rounds" in out.stdout
     args = [
         "--rounds",
@@ -95,7 +96,7 @@ def test_cli_help_and_small_demo(tmp_path):
         str(tmp_path / "o.json"),
     ]
     run = subprocess.run(
-        [sys.executable, "-m", "numpyro_fed", "demo", *args, "--all-methods"], capture_output=True, text=True
+        [sys.executable, "-m", "numpyro_fed_examples", "demo", *args, "--all-methods"], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "beta0" in run.stdout and (tmp_path / "p.png").exists()
@@ -118,7 +119,7 @@ def test_the_demo_at_its_defaults_does_not_warn_and_names_what_it_leaves_out(cap
     import warnings
 
     import numpyro_fed as nf
-    from numpyro_fed.demo import run_demo
+    from numpyro_fed_examples.demo import run_demo
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.FederatedWarning)

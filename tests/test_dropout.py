@@ -11,7 +11,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.models import normal_hierarchical
+from numpyro_fed_examples.models import normal_hierarchical
 
 from .families import FAMILIES, run
 from .test_ep import _joint_posterior, hier_model

@@ -210,7 +210,7 @@ def test_ep_on_hm2_matches_pooled_nuts():
     hyperparameters log tau are skewed when few devices inform them (with the old joint-mode
     Laplace: 0.31-0.39 NUTS sds; at K = 100: under 0.19), hence the wider tolerance on them
     than on mu."""
-    from numpyro_fed.models import hm2_regression
+    from numpyro_fed_examples.models import hm2_regression
 
     k, n, noise = 12, 40, 0.5
     rng = np.random.default_rng(0)
@@ -262,7 +262,7 @@ def test_one_model_under_three_inference_objects(hier):
 
 def test_inclusion_rule_and_variable_selection_model_errors():
     """Paper 004 §4.3: include a coefficient unless its 90% interval covers 0."""
-    from numpyro_fed.models import inclusion, variable_selection
+    from numpyro_fed_examples.models import inclusion, variable_selection
 
     rng = np.random.default_rng(0)
     draws = np.stack([rng.normal(3.0, 1.0, 4000), rng.normal(1.0, 1.0, 4000), rng.normal(-2.0, 1.0, 4000)], -1)

@@ -16,8 +16,8 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.datasets import load_six_cities, six_cities_silos
-from numpyro_fed.models import logistic_glmm
+from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
+from numpyro_fed_examples.models import logistic_glmm
 
 from .references import nuts_reference
 

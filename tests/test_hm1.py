@@ -6,8 +6,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms import hm1
-from numpyro_fed.linear.hm1_algorithm import minibatch_weights
+from numpyro_fed.linear.hm1_algorithm import hm1, minibatch_weights
 from numpyro_fed.protocol import Broadcast
 
 

@@ -66,7 +66,7 @@ def test_the_papers_are_cited_by_authors_title_year_and_arxiv_id():
 
 
 def test_the_recommended_path_is_the_same_in_readme_docs_tutorial_and_demo():
-    from numpyro_fed.demo import DEFAULT_METHODS
+    from numpyro_fed_examples.demo import DEFAULT_METHODS
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"## A first fit\n\n```python\n(.*?)```", readme, re.S).group(1)

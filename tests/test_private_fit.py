@@ -151,9 +151,9 @@ def test_dp_laplace_without_noise_reaches_the_laplace_mode_of_a_logistic_glmm():
     noise DPLaplace's Newton rounds on the rows' Laplace marginals reach the federated Laplace
     rung's mode (which the Laplace tests hold to NumPyro), its sds within 15 % (its Hessian
     differentiates one Newton step of each row's mode, not the mode's second derivative)."""
-    from numpyro_fed.datasets import load_six_cities, six_cities_silos
     from numpyro_fed.factor import Laplace
-    from numpyro_fed.models import logistic_glmm
+    from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
+    from numpyro_fed_examples.models import logistic_glmm
 
     data = load_six_cities()
     clients = nf.Clients.split(six_cities_silos(), **data)

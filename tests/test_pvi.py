@@ -11,7 +11,7 @@ from jax import random
 
 import numpyro_fed as nf
 from numpyro_fed import gaussian as G
-from numpyro_fed.algorithms import pvi
+from numpyro_fed.factor.pvi_algorithm import pvi
 
 from .test_privacy import contains
 
@@ -126,7 +126,7 @@ def test_positive_definiteness_safeguard():
 def test_trust_region_halves_damping_for_a_far_move():
     """With max_kl, a PD update that would move q by more than max_kl nats is damped until
     it does not (a mean shift of 8 sds is 32 nats: damping 1/2 for <= 8 nats, 1/4 for <= 2)."""
-    from numpyro_fed.algorithms import factor_protocol
+    from numpyro_fed.factor.updates import factor_protocol
 
     prior = G.NaturalGaussian(jnp.zeros(1), jnp.eye(1))
     delta = G.NaturalGaussian(jnp.full((1, 1), 8.0), jnp.zeros((1, 1, 1)))

@@ -10,10 +10,10 @@ from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.factor import Laplace
-from numpyro_fed.models.glmm import logistic_glmm
 from numpyro_fed.secure import FRACTION_BITS, SecureAggregationError, encode_message, fixed_point_sum, masked_sum
 from numpyro_fed.secure import masking as masking_module
 from numpyro_fed.secure.fixed_point import decode_message
+from numpyro_fed_examples.models.glmm import logistic_glmm
 
 from .test_privacy import contains
 

@@ -252,7 +252,7 @@ def test_a_layout_unravels_its_sites_in_the_order_it_ravels_them():
 def test_local_sites_traced_out_of_sorted_order_pass_the_identity():
     """The HM2 regression's local sites are traced ``theta`` then ``sigma``; each client's term
     equals NumPyro's density on its rows (equal and unequal clients)."""
-    from numpyro_fed.models import hm2_regression
+    from numpyro_fed_examples.models import hm2_regression
 
     rng = np.random.default_rng(3)
     for sizes in [(30, 30), (7, 30)]:

@@ -6,7 +6,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.models import normal_hierarchical
+from numpyro_fed_examples.models import normal_hierarchical
 
 TAU0, TAU, SIGMA = 2.0, 1.0, 2.0
 

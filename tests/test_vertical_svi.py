@@ -12,6 +12,7 @@ from jax.flatten_util import ravel_pytree
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
+from numpyro_fed_examples import models
 
 from .test_privacy import contains as _contains
 
@@ -305,7 +306,7 @@ def test_hierarchical_bayes_split_nn_keeps_networks_on_the_clients():
     x = rng.normal(size=(40, 5)).astype(np.float32)
     y = (x[:, 0] - x[:, 4] > 0).astype(np.float32)
     data = dict(xa=jnp.asarray(x[:, :2]), xb=jnp.asarray(x[:, 2:]), y=jnp.asarray(y))
-    hb = nf.models.split_nn({"a": "xa", "b": "xb"}, rho=1.0)
+    hb = models.split_nn({"a": "xa", "b": "xb"}, rho=1.0)
     svi = nf.VerticalSVI(hb, nf.VerticalGuide("amortized"), optax.adam(1e-2))
     res = svi.run(random.PRNGKey(0), num_rounds=200, progress_bar=False, record_transcript=True, keep_values=True,
                   **data)
@@ -316,9 +317,9 @@ def test_hierarchical_bayes_split_nn_keeps_networks_on_the_clients():
     for c, xname in (("a", "xa"), ("b", "xb")):
         for secret in [data[xname]] + jax.tree_util.tree_leaves(res.params.parties[c]["point"]):
             assert not any(_contains(e.value, secret) for e in res.transcript.entries if e.sender != c)
-    model, _ = nf.models.split_nn_model({"a": "xa", "b": "xb"})
+    model, _ = models.split_nn_model({"a": "xa", "b": "xb"})
     points = {**res.params.parties["a"]["point"], **res.params.parties["b"]["point"]}
-    p = nf.models.predict_split_nn(model, points, random.PRNGKey(2), {"xa": data["xa"], "xb": data["xb"]},
+    p = models.predict_split_nn(model, points, random.PRNGKey(2), {"xa": data["xa"], "xb": data["xb"]},
                                    rho=1.0, weights=weights)
     assert p.shape == (40,) and bool(jnp.all((p > 0) & (p < 1)))
     assert res.losses[-20:].mean() < res.losses[:20].mean()

@@ -122,10 +122,10 @@ def ep(
             Jacobians included); evaluated only by the client on its own data.
         num_local: size of ``v`` (0 without local latents).
         moments: a :func:`tilted_moments` estimator (default: Laplace).
-        schedule: as in :func:`~numpyro_fed.algorithms.pvi`.
-        damping: as in :func:`~numpyro_fed.algorithms.pvi`.
-        max_halvings: as in :func:`~numpyro_fed.algorithms.pvi`.
-        subset_size: as in :func:`~numpyro_fed.algorithms.pvi`.
+        schedule: as in :func:`~numpyro_fed.factor.pvi_algorithm.pvi`.
+        damping: as in :func:`~numpyro_fed.factor.pvi_algorithm.pvi`.
+        max_halvings: as in :func:`~numpyro_fed.factor.pvi_algorithm.pvi`.
+        subset_size: as in :func:`~numpyro_fed.factor.pvi_algorithm.pvi`.
         max_kl: optional trust region (see
             :func:`~numpyro_fed.factor.updates.factor_protocol`).
         prior_site: the server's step for a non-Gaussian prior's residual (see

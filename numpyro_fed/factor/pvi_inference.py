@@ -134,7 +134,7 @@ class PVI(FactorInference):
             client's noise is large against its signal); none otherwise (a synchronous first
             round moves ``q`` from the prior in one step). ``None``: no trust region.
         variant: ``"plain"`` (Alg. 1), ``"local_averaging"`` (Heikkilä et al. (2023) Alg. 2) or
-            ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.algorithms.pvi`.
+            ``"virtual"`` (Alg. 3, virtual clients); see :func:`~numpyro_fed.factor.pvi_algorithm.pvi`.
         num_shards: shards per client for the two variants (every client needs at least
             that many rows).
         dp: differential privacy (Heikkilä et al. (2023); the model marks its protected rows with

@@ -115,7 +115,7 @@ def factor_protocol(
         max_halvings: PD safeguard: halve ``delta`` at most this often, then reject.
         subset_size: clients per round for ``"subset"``.
         variant: ``"plain"``, ``"local_averaging"`` or ``"virtual"`` (Heikkilä et al. (2023) Alg. 1-3;
-            see :func:`~numpyro_fed.algorithms.pvi`).
+            see :func:`~numpyro_fed.factor.pvi_algorithm.pvi`).
         num_shards: shards per client for the two variants.
         max_kl: optional trust region: the damping is also halved while
             ``KL(q_new || q) > max_kl`` nats (tames parallel EP over many clients).

@@ -10,7 +10,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
-from ..handlers import local_site
+from numpyro_fed import local_site
 
 __all__ = ["hm2_regression", "inclusion", "variable_selection"]
 

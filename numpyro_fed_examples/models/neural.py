@@ -32,7 +32,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from ..handlers import local_site
+from numpyro_fed import local_site
 
 __all__ = ["bnn", "bnn_predict", "fedpop_bnn", "hierarchical_bnn", "multinomial_regression"]
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
-from ..vertical.handler import vertical_split
+from numpyro_fed import vertical_split
 
 __all__ = ["predict_split_nn", "split_nn", "split_nn_model"]
 
@@ -90,8 +90,8 @@ def split_nn(inputs: Mapping[str, str], rho: float, hidden: Sequence[int] = (8, 
     ``nf.VerticalSVI(model, nf.VerticalGuide("amortized"), optax.adam(1e-3))``.
 
     Examples:
-        >>> import numpyro_fed as nf
-        >>> hb = nf.models.split_nn({"a": "xa", "b": "xb"}, rho=1.0)
+        >>> from numpyro_fed_examples import models
+        >>> hb = models.split_nn({"a": "xa", "b": "xb"}, rho=1.0)
         >>> hb.form, hb.response_access, hb.client_names
         ('augmented', 'server', ('a', 'b'))
     """

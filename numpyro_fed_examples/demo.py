@@ -14,14 +14,10 @@ import numpy as np
 import optax
 from jax import random
 
-from .clients import Clients
+from numpyro_fed import EP, PVI, Clients, FederatedNUTS, FederatedSVI, FitWarning, StructuredGuide, fit
+
 from .datasets import load_six_cities, six_cities_silos
-from .factor import EP, PVI
-from .horizontal import FederatedSVI, StructuredGuide
-from .ladder import fit
-from .mcmc import FederatedNUTS
 from .models import logistic_glmm
-from .warnings import FitWarning
 
 __all__ = ["run_demo"]
 
@@ -56,7 +52,7 @@ LEFT_OUT = (
     "every Gaussian family is biased for omega, even fitted centrally on the pooled data with NumPyro's\n"
     "full-rank AutoMultivariateNormal (docs/benchmarks.md, 'Gaussian VI on the six-cities GLMM';\n"
     "benchmarks/glmm_gaussian_vi.py). So they are not within 0.3 NUTS sds here, and their fit checks\n"
-    "warn saying so. 'python -m numpyro_fed demo --all-methods' runs them too."
+    "warn saying so. 'python -m numpyro_fed_examples demo --all-methods' runs them too."
 )
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
-from ..handlers import local_site
+from numpyro_fed import local_site
 
 __all__ = ["logistic_glmm", "normal_hierarchical"]
 
