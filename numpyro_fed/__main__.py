@@ -17,7 +17,8 @@ if __package__ == "numpyro_fed" and getattr(sys.modules.get("numpyro_fed"), "__f
     # the library's own __init__ never ran. Run again without the working folder on sys.path (-P).
     os.execv(sys.executable, [sys.executable, "-P", "-m", "numpyro_fed", *sys.argv[1:]])
 
-from ._xla import tune_cpu_flags  # noqa: E402  (after the guard above: the package's own module)
+from . import __version__  # noqa: E402  (after the guard above: the package's own module)
+from ._xla import tune_cpu_flags  # noqa: E402
 
 
 def _add_flower_demo(sub) -> None:
@@ -158,8 +159,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m numpyro_fed", description="numpyro_fed: federated Bayesian inference for NumPyro"
     )
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"numpyro_fed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .budget import projection_text
+
 __all__ = ["make_bar", "show_chunk"]
 
 
@@ -28,7 +30,6 @@ def show_chunk(bar, algorithm: Any, server_state: Any, rounds: int, figures: Any
     """Move a chunked run's bar by the chunk's ``rounds``, with the algorithm's own words
     (its ``describe``), the rounds the whole run is ``projected`` to need (an open-ended sampler:
     :func:`~numpyro_fed.budget.projection_text`) and the mean of the chunk's per-round ``figures``."""
-    from .budget import projection_text
 
     bar.update(rounds)
     words = algorithm.describe(server_state) if algorithm.describe is not None else ""

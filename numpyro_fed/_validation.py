@@ -10,6 +10,8 @@ import math
 from numbers import Real
 from typing import Any, Callable, Optional
 
+from .clients import Clients
+
 __all__ = ["check_callable", "check_clients", "check_init", "check_model", "check_optimizer", "check_positive_int",
            "check_positive_number"]
 
@@ -68,7 +70,6 @@ def check_optimizer(optim: Any, *, needed_by: str = "") -> Any:
 def check_clients(clients: Any, who: Optional[str] = None) -> Any:
     """``clients`` if it is an :class:`~numpyro_fed.Clients`; otherwise a TypeError naming ``who``
     (the class or method that needs it)."""
-    from .clients import Clients  # clients.py imports nothing of the algorithms: no cycle
 
     if not isinstance(clients, Clients):
         raise TypeError(_CLIENTS.format(who=f"{who}: " if who else "", kind=type(clients).__name__))

@@ -26,6 +26,7 @@ import numpy as np
 from numpyro.handlers import seed, substitute, trace
 
 from ._trace import finite_point, unwrapped
+from .check.chains import MIN_ESS, R_HAT_LIMIT, describe_unmixed
 from .warnings import MCMCDiagnosticWarning, find_stack_level
 
 __all__ = ["FEW_ROWS", "GENERIC_FIX", "MANY_ROWS", "advice", "effect_sites", "fix_text", "symmetric_sites",
@@ -157,7 +158,6 @@ def warn_unmixed(sampler, result, measured: str = "") -> None:
     :data:`~numpyro_fed.check.chains.R_HAT_LIMIT` or a bulk ESS under
     :data:`~numpyro_fed.check.chains.MIN_ESS` (Metropolis-within-Gibbs warns of it itself), with the
     advice ``measured`` (:func:`advice`)."""
-    from .check.chains import MIN_ESS, R_HAT_LIMIT, describe_unmixed
 
     unmixed = result.verdict.reports["chains"]["unmixed"]
     if unmixed:

@@ -10,8 +10,11 @@ import jax
 import numpy as np
 from jax import random
 
+from ._structure import trace_model
 from ._validation import check_positive_int
+from .factor.inference import FactorInference
 from .inference import fitted
+from .vertical.inference import VerticalInference
 from .warnings import ArvizGroupWarning, find_stack_level
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,12 +109,8 @@ def to_arviz(
     """
     import arviz as az
 
-    from .factor.inference import FactorInference
-    from .mcmc import FederatedMwG
-    from .mcmc.inference import FederatedMCMC
-    from .vertical.inference import VerticalInference
-    if isinstance(svi, (FederatedMCMC, FederatedMwG)):
-        return _mcmc_to_arviz(svi, result, rng_key, client, clients, corrected)
+    if svi.draws_are_chains:  # a sampler: its chains as they are
+        return _chains_to_arviz(svi, result, rng_key, client, clients, corrected)
     total, chains = _chains(num_chains, num_samples, corrected, client)
     if isinstance(svi, FactorInference):
         return _factor_to_arviz(svi, result, rng_key, total, client, clients, chains, corrected)
@@ -142,24 +141,27 @@ _MCMC_STATS = {"diverging": "diverging", "tree_depth": "tree_depth", "num_steps"
                "accept_prob": "acceptance_rate", "energy": "energy", "step_size": "step_size"}
 
 
-def _mcmc_to_arviz(mcmc, result, rng_key, client, clients, corrected):
-    """A :class:`~numpyro_fed.FederatedNUTS` / ``FederatedHMC`` / Metropolis-within-Gibbs fit:
-    the chains' own draws and per-iteration statistics (``num_samples`` and ``num_chains`` are
-    the run's)."""
+def _chains_to_arviz(mcmc, result, rng_key, client, clients, corrected):
+    """A sampler's fit (a family whose :meth:`~numpyro_fed.inference.FederatedInference.posterior`
+    is its chains: ``FederatedNUTS`` / ``FederatedHMC``, Metropolis-within-Gibbs, ``DPMetropolis``,
+    a new sampler): the chains' own draws and, where the sampler records them, its
+    per-iteration statistics (``num_samples`` and ``num_chains`` are the run's)."""
     import arviz as az
 
     if corrected:
         raise ValueError("corrected=True resamples a variational fit by its fit check's weights; MCMC draws are "
                          "draws of the posterior itself: drop corrected=")
     draws = mcmc.get_samples(result, group_by_chain=True, client=client)
-    stats = mcmc.sample_stats(result)
+    stats = mcmc.sample_stats(result) if hasattr(mcmc, "sample_stats") else {}
     if "tree_depth" in stats:  # NUTS / HMC: NumPyro's statistics under ArviZ's names
         sample_stats = {ours: stats[theirs] for theirs, ours in _MCMC_STATS.items()}
         sample_stats["lp"] = -stats["potential_energy"]
-    else:  # Metropolis-within-Gibbs: each global move's decision, proposal kind and diverging trajectory
+    elif stats:  # Metropolis-within-Gibbs: each global move's decision, proposal kind and diverging trajectory
         sample_stats = {"acceptance_rate": np.asarray(stats["accepted"], np.float64), "proposal": stats["proposal"],
                         "diverging": np.asarray(stats["diverging"], bool)}
-    C, S = next(iter(stats.values())).shape
+    else:
+        sample_stats = None
+    C, S = np.shape(next(iter(draws.values())))[:2]
 
     def chains(x):
         x = np.asarray(x)
@@ -242,7 +244,6 @@ def _factor_to_arviz(inference, result, rng_key, num_samples, client, clients, c
 
 def _observed(inference, clients, client):
     """Values of a client's observed sites (the client's own data)."""
-    from ._structure import trace_model
 
     tr = trace_model(inference.model, clients[client], inference.model_kwargs)
     return {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
@@ -263,6 +264,11 @@ def _pointwise_groups(inference, result, rng_key, num_samples, client, clients, 
     if corrected and not corrected_pointwise:
         return {}, ("omitted: corrected=True resamples the global sites only; the pointwise log-likelihood needs "
                     "draws of every client's local sites at the same draws (use corrected=False)")
+    if not hasattr(inference, "log_likelihood"):
+        note = f"omitted: {type(inference).__name__} computes no pointwise log-likelihood"
+        if client is not None or clients is not None:
+            warnings.warn(f"{type(inference).__name__}: {note}", ArvizGroupWarning, stacklevel=find_stack_level())
+        return {}, note
     if client is not None:
         names = [client]
     elif clients is not None:

@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .advice import fix_text
+
 __all__ = ["MAX_ROUNDS", "MIN_PACE_ITERATIONS", "NUTS_ROUNDS_PER_DRAW", "Pace", "ROUND_SECONDS", "RoundBudgetError",
            "network_time", "over_budget", "projection_text"]
 
@@ -168,7 +170,6 @@ def over_budget(err: "RoundBudgetError", rung: str, done: Dict[str, Any], log: L
     have = (f"the {kept} draws per chain it has are in error.samples (a chain's first draws: check them before "
             f"use)") if kept else ("it stopped in warmup, with no draws" if err.rounds else "did not start it")
     log = log + [f"{rung}: " + (f"stopped after {err.rounds} rounds" if err.rounds else "not started") + f": {why}"]
-    from .advice import fix_text
 
     fix = fix_text(measured)
     message = (f"nf.fit: {why}; it stopped after {rounds:,} rounds ({traffic / 1e6:,.1f} MB), and {have}. What "

@@ -31,7 +31,9 @@ from typing import Any, Callable, Dict, Optional
 
 import jax
 
-from ._trace import update_digest
+from ._trace import program_digest, update_digest
+from .backends.base import NetworkBackend
+from .groups import sized_model
 
 __all__ = ["SIZE", "clear", "content", "kept_rungs"]
 
@@ -65,8 +67,6 @@ def _data(clients) -> Optional[str]:
 def _model_values(model: Callable, clients, model_kwargs: dict) -> Optional[str]:
     """:func:`~numpyro_fed._trace.program_digest` of the model as the rungs run it (sized to the
     clients' groups)."""
-    from ._trace import program_digest
-    from .groups import sized_model
 
     try:
         sized = sized_model(model, clients, model_kwargs)
@@ -82,7 +82,6 @@ def kept_rungs(ladder, clients, run_options: dict, settings: dict) -> Optional[D
     text the ladder builds its rungs from beside its ``rung_options`` and ``model_kwargs`` (its
     options and defaults). ``None`` where nothing is kept
     (a network backend, options not comparable by content, or a model that cannot be traced alone)."""
-    from .backends.base import NetworkBackend
 
     if isinstance(run_options.get("backend"), NetworkBackend):
         return None

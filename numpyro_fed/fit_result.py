@@ -13,6 +13,14 @@ from typing import Any, Dict, List, Optional
 
 import jax
 
+from ._structure import is_latent
+from ._trace import trace_model
+from .arviz import to_arviz
+from .clients import Clients
+from .groups import sized_model
+from .handlers import LOCAL, site_role
+from .summary import print_summary
+
 __all__ = ["ANSWERS", "Fit", "chain_check", "check_text", "traffic"]
 
 ANSWERS = {"laplace": "as is", "laplace (importance-corrected)": "importance-corrected", "mwg": "exact",
@@ -153,8 +161,6 @@ class Fit:
         """
         from numpyro.infer import Predictive
 
-        from .clients import Clients
-        from .groups import sized_model
 
         self._need_rows("predict", client)
         key_draws, key_new = jax.random.split(rng_key)
@@ -176,7 +182,6 @@ class Fit:
         (a term outside the row plate has no per-row value; a site NumPyro cannot sample has no
         predictive draws)."""
         if self._idata is None:
-            from .arviz import to_arviz
 
             extra = {} if self._chains else {"num_samples": max(1, self._num_samples // 4),
                                               "corrected": self._corrected}
@@ -185,7 +190,6 @@ class Fit:
 
     def print_summary(self, prob: float = 0.9) -> None:
         """Print :func:`numpyro_fed.summary` of the fit, then the method, its rounds and its check."""
-        from .summary import print_summary
 
         print_summary(self, prob=prob)
 
@@ -197,9 +201,6 @@ class Fit:
 def _per_row_sites(inference, args) -> tuple:
     """The local latent sites in a plate of the client's row count (one value per row: new rows
     need new draws)."""
-    from ._structure import is_latent
-    from ._trace import trace_model
-    from .handlers import LOCAL, site_role
 
     tr = trace_model(inference.model, args, inference.model_kwargs)
     rows = int(next(iter(args.values())).shape[0])

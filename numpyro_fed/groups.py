@@ -35,6 +35,9 @@ import numpy as np
 import numpyro
 from numpyro.primitives import Messenger
 
+from ._trace import trace_model
+from .handlers import LOCAL, site_role
+
 __all__ = ["group_plate", "group_sizes", "held_elsewhere", "known_groups", "own_groups", "size_group_plates",
            "sized_model"]
 
@@ -126,7 +129,6 @@ def group_plate(name: str, ids: Any, size: Optional[int] = None, dim: Optional[i
 
 def _probe(model, args, kwargs) -> Dict[str, np.ndarray]:
     """The group plates of ``model`` on ``args`` and the codes each was given."""
-    from ._trace import trace_model
 
     found: Dict[str, np.ndarray] = {}
     token = _PROBE.set(found)
@@ -265,7 +267,6 @@ def group_mask(shape, axes, args) -> jax.Array:
 
 def check_group_sites(tr, plates) -> None:
     """A latent site in a group plate must be local (its group belongs to one client)."""
-    from .handlers import LOCAL, site_role
 
     for name, site in tr.items():
         if site["type"] != "sample" or site["is_observed"]:

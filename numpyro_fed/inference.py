@@ -21,7 +21,10 @@ from .backends.base import Backend, NetworkBackend
 from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
 from .check import run_check
+from .posterior import ChainPosterior
 from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
+from .summary import print_summary
+from .transcript import message_bytes
 
 __all__ = ["FederatedInference", "NUM_SAMPLES", "Setup"]
 
@@ -52,7 +55,6 @@ def with_exchange_traffic(comm, exchanges):
     """``comm`` plus the messages of the after-run exchanges (``[(sent, got), ...]``, each
     ``{client: message}``, as serialised; or a protocol's counted traffic, with ``up``,
     ``down``, ``msgs_up`` and ``msgs_down``): a fit check's traffic over a network backend."""
-    from .transcript import message_bytes
 
     for exchange in exchanges:
         if hasattr(exchange, "msgs_up"):
@@ -157,8 +159,6 @@ class FederatedInference:
     dp_mechanisms: ClassVar[tuple] = ()
     #: ``run`` takes no number of rounds: the algorithm says when it is done (federated MCMC)
     open_ended: ClassVar[bool] = False
-    #: its draws are Markov chains (federated MCMC: ``get_samples`` gives them, with n_eff and R-hat)
-    draws_are_chains: ClassVar[bool] = False
     #: ``run``'s keyword arguments of this family beyond the backend's (HM1: ``truth``)
     family_run_options: ClassVar[tuple] = ()
     #: the family's differential privacy (``numpyro_fed.dp.plan.DPPlan``), held by the families that offer it
@@ -219,21 +219,42 @@ class FederatedInference:
         self._before_run(rng_key, num_rounds, inputs, options)
         return self._run(rng_key, num_rounds, inputs, **options)
 
+    @property
+    def draws_are_chains(self) -> bool:
+        """Whether the family's draws are Markov chains (a sampler: it defines :meth:`posterior`;
+        ``get_samples`` gives its chains, summarised with n_eff and R-hat)."""
+        return type(self).posterior is not FederatedInference.posterior
+
+    def posterior(self, result) -> ChainPosterior:
+        """The fit's posterior as chains of draws (:class:`~numpyro_fed.posterior.ChainPosterior`),
+        which :meth:`get_samples` and :meth:`sample_posterior` read: a sampler's chains; for the
+        approximate families one "chain" of :data:`NUM_SAMPLES` draws of their
+        :meth:`sample_posterior` from a key derived from the run's own server key (the same
+        draws at every call)."""
+        if type(self).sample_posterior is FederatedInference.sample_posterior:
+            raise NotImplementedError(f"{type(self).__name__}: a family defines posterior or sample_posterior")
+        key = jax.random.fold_in(state_of(self, result).server_key, 0x5A)
+
+        def draws(client):
+            return {k: v[None] for k, v in self.sample_posterior(key, result, client=client).items()}
+
+        return ChainPosterior(draws)
+
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
-                         client: Optional[str] = None) -> dict:  # pragma: no cover - every family defines it
-        """``num_samples`` (default :data:`NUM_SAMPLES`) draws of the fit's posterior, constrained:
-        the global sites, and with ``client`` that client's local sites at the same draws (its
-        own computation). Each family documents what its draws are."""
-        raise NotImplementedError
+                         client: Optional[str] = None) -> dict:
+        """``num_samples`` draws of the fit's posterior, constrained: the global sites, and with
+        ``client`` that client's local sites at the same draws (its own computation). A sampler
+        picks them from its chains without replacement (all of them when ``None``); an
+        approximate family draws them (default :data:`NUM_SAMPLES`). Each family documents what
+        its draws are."""
+        return self.posterior(result).sample_posterior(rng_key, num_samples, client=client)
 
     def get_samples(self, result, group_by_chain: bool = False, *, client: Optional[str] = None) -> dict:
-        """The fit's posterior draws, as NumPyro's ``MCMC.get_samples``: the MCMC families' chains;
-        for the approximate families :data:`NUM_SAMPLES` draws of :meth:`sample_posterior` from a
-        key derived from the run's own server key (the same draws at every call; one "chain"
-        with ``group_by_chain``)."""
-        key = jax.random.fold_in(state_of(self, result).server_key, 0x5A)
-        draws = self.sample_posterior(key, result, client=client)
-        return {k: v[None] for k, v in draws.items()} if group_by_chain else draws
+        """The fit's posterior draws, as NumPyro's ``MCMC.get_samples``, read from
+        :meth:`posterior`: ``{site: (num_chains * num_samples, ...)}``, or ``(num_chains,
+        num_samples, ...)`` with ``group_by_chain``; with ``client``, that client's local sites
+        at the same draws as well."""
+        return self.posterior(result).get_samples(group_by_chain, client=client)
 
     @property
     def differentially_private(self) -> bool:
@@ -259,7 +280,6 @@ class FederatedInference:
         """Print the posterior of the global sites (mean, sd, median, the central ``prob``
         interval; ESS and R-hat for MCMC) and the fit check's verdict; see
         :func:`numpyro_fed.print_summary`."""
-        from .summary import print_summary
 
         print_summary(self, result, prob=prob, num_samples=num_samples, rng_key=rng_key)
 

@@ -68,10 +68,19 @@ import numpy as np
 
 from ._validation import check_clients, check_init, check_positive_int
 from .advice import advice, warn_unmixed
+from .backends.base import NetworkBackend
 from .budget import MAX_ROUNDS, RoundBudgetError, over_budget
 from .check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
+from .dp.private_fit import PrivateFit, marked_spec
+from .factor import Laplace
+from .factor.laplace_inference import NoModeError
 from .fit_cache import content, kept_rungs
 from .fit_result import Fit, chain_check, check_text, traffic
+from .groups import sized_model
+from .inference import RUN_OPTIONS, fitted
+from .mcmc import FederatedMwG, FederatedNUTS
+from .mcmc.mwg_inference import moves_text, ridge_text
+from .private_ladder import private_fit, private_rung
 from .rung_choice import MWG_MAX_LONGER, MWG_MIN_ESS, NUTS_CHAINS, NUTS_MIN_DRAWS, mwg_next, nuts_draws, per_draw
 from .warnings import FitWarning
 
@@ -120,7 +129,6 @@ _UNKNOWN_OPTION = (
 
 
 def _run_options():
-    from .inference import RUN_OPTIONS
 
     return RUN_OPTIONS
 
@@ -218,8 +226,6 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     """
     ledger = options.pop("ledger", None)  # a private fit's run option (nf.dp.PrivacyLedger)
     rung_options, run_options = split_options(options)
-    from .backends.base import NetworkBackend
-    from .dp.private_fit import marked_spec
 
     network = isinstance(run_options.get("backend"), NetworkBackend)
     if dp is None and not network:  # a marked model without dp= is refused by marked_spec
@@ -277,7 +283,6 @@ class Ladder:
         self.max_rounds = None if max_rounds is None else check_positive_int("max_rounds", max_rounds)
         self._kept = None  # (run: the rungs kept for this model, options and data, numpyro_fed.fit_cache)
         self._measured: Dict[str, Any] = {}  # (run: what the advice of an error reads, Ladder._advice)
-        from .dp.private_fit import PrivateFit
 
         self.dp = None if dp is None else PrivateFit(*dp).checked()
         if self.dp is not None and init is not None:
@@ -311,11 +316,8 @@ class Ladder:
 
     def rung(self, stage: Optional[str] = None):
         """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first)."""
-        from .factor import Laplace
-        from .mcmc import FederatedMwG, FederatedNUTS
 
         if self.dp is not None:  # a private fit's stage
-            from .private_ladder import private_rung
 
             return private_rung(self.model, stage, model_kwargs=self.model_kwargs, row_plate=self.row_plate,
                                 rung_options=self.rung_options)
@@ -373,17 +375,14 @@ class Ladder:
     # ------------------------------------------------------------------ run
     def run(self, rng_key: jax.Array, clients: Any, **run_options: Any) -> Fit:
         """Climb the ladder on ``clients`` (see :func:`fit`); ``run_options`` go to every rung."""
-        from .backends.base import NetworkBackend
 
         if self.dp is not None:
-            from .private_ladder import private_fit
 
             return private_fit(self.model, clients, rng_key, self.dp, num_samples=self.num_samples,
                                num_warmup=self.num_warmup, num_chains=self.num_chains, model_kwargs=self.model_kwargs,
                                row_plate=self.row_plate, client_mapping=self.client_mapping,
                                progress_bar=self.progress_bar, rung_options=self.rung_options,
                                run_options=run_options, exact=self.exact, default_warmup=MWG_WARMUP)
-        from .factor.laplace_inference import NoModeError
 
         run_options = _without_checkpoints(run_options)
         self._kept = kept_rungs(self, clients, run_options, self._settings())  # an earlier equal fit's rungs
@@ -438,7 +437,6 @@ class Ladder:
             log.append("moving to federated Metropolis-within-Gibbs, started at the Laplace mode")
         mwg = mode or start
         if mwg:
-            from .mcmc.mwg_inference import moves_text
 
             log.append(moves_text(int(np.size(warm[0])), self.rung_options.get("moves", "auto")))
         done = {"rounds": rounds, "bytes": bytes_}
@@ -486,7 +484,6 @@ class Ladder:
                        + f"; {per_draw(chain_rounds, check):.3g} rounds per effective draw")
             if rung == "mwg":
                 if sampler.ridge_sites and not go_on:
-                    from .mcmc.mwg_inference import ridge_text
 
                     log.append(ridge_text(sampler.ridge_sites))
                 last_mwg = result
@@ -511,8 +508,6 @@ class Ladder:
     def _advice(self) -> str:
         """What to change, from what this run measured (:func:`numpyro_fed.advice.advice`): the sites whose
         chains did not mix, a symmetric Laplace point, each hierarchy's parameterisation by its rows."""
-        from .groups import sized_model
-        from .inference import fitted
 
         measured = self._measured
         if measured.get("clients") is None:  # (over a network the server holds no rows to count)

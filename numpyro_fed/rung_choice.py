@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from .budget import NUTS_ROUNDS_PER_DRAW
+from .check.chains import R_HAT_LIMIT
+from .mcmc.mwg_inference import LOW_ACCEPT
 
 __all__ = ["MWG_MAX_LONGER", "MWG_MIN_ESS", "NUTS_CHAINS", "NUTS_MIN_DRAWS", "NUTS_ROUNDS_PER_DRAW", "mwg_next",
            "nuts_draws", "per_draw"]
@@ -49,7 +51,6 @@ def per_draw(rounds: int, check: Dict[str, float]) -> float:
 
 
 def _r_hat_limit() -> float:
-    from .check.chains import R_HAT_LIMIT
 
     return R_HAT_LIMIT
 
@@ -64,7 +65,6 @@ def mwg_next(num_warmup: int, num_samples: int, check: Dict[str, float], spent: 
     ``max_rounds`` (``total``: the rounds every rung spent so far); chains that barely moved, or cost
     more, move to federated NUTS. ``go_on``: the chains continue from where they stopped (one round per
     draw added), else they run again from the start (a network backend). Why is appended to ``log``."""
-    from .mcmc.mwg_inference import LOW_ACCEPT
 
     cost = per_draw(spent, check)
     if check["acceptance"] < LOW_ACCEPT:

@@ -16,6 +16,7 @@ from typing import List, Mapping, NamedTuple
 import numpy as np
 
 from . import Verdict
+from .energy import E_BFMI_LIMIT
 
 __all__ = ["ChainReport", "MIN_ESS", "R_HAT_LIMIT", "chain_report", "chains_verdict", "describe_unmixed"]
 
@@ -90,7 +91,6 @@ def chains_verdict(report: Mapping) -> Verdict:
     :data:`~numpyro_fed.check.chains.MIN_ESS`), a post-warmup iteration diverged, or (Hamiltonian
     chains) the E-BFMI is under :data:`~numpyro_fed.check.energy.E_BFMI_LIMIT` (the sites: the
     scalars that carry the energy)."""
-    from .energy import E_BFMI_LIMIT
 
     keys = ("max_r_hat", "min_n_eff", "divergences", "acceptance", "e_bfmi")
     figures = {k: float(report[k]) for k in keys if k in report}

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import List
 
+from . import from_diagnostic
+from .psis import MEAN_MARGIN, SD_MARGIN, answer_check, within_tolerance
+
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "WIDEN", "disagreeing", "judge"]
 
 ACCEPT_K = 0.7
@@ -41,8 +44,6 @@ def judge(laplace, result, log: List[str]):
     from proposals of different widths differ where its tails reach past the narrower, and may reach
     past the wider too (a precision with a Gamma(0.001, 0.001) prior: the weighted sd from ``q``
     half the widened one's, itself 0.73 of the posterior's)."""
-    from . import from_diagnostic
-    from .psis import answer_check
 
     rounds = int(result.communication.rounds)
     verdict = result.verdict
@@ -82,7 +83,6 @@ def disagreeing(check, wide, weighted: bool = False) -> List[str]:
     Carlo standard errors of that estimate to spare (:func:`~numpyro_fed.check.psis.within_tolerance`);
     ``weighted``: whose importance-weighted moments under ``q`` are off the widened check's by
     more than the tolerance itself (two estimates of one posterior that disagree)."""
-    from .psis import MEAN_MARGIN, SD_MARGIN, within_tolerance
 
     ours = {m.site: m for m in check.moments}
     out = []

@@ -63,7 +63,7 @@ from ..labels import scalar_label
 from ..params import GaussianParams
 from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..secure import check_aggregation
-from ..terms.model import TermsSetup
+from ..terms.model import TermsSetup, user_space
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .control import ControlVariate, row_derivatives, upper_triangle
 from .releases import capped_releases
@@ -425,7 +425,6 @@ class DPLaplace(FederatedInference):
         correction exists under DP, it would cost privacy)."""
         if corrected:
             raise ValueError("DPLaplace: no importance-corrected draws (the correction's terms would cost privacy)")
-        from ..terms.model import user_space
 
         if client is not None:
             raise ValueError("DPLaplace: a client's local latents stay on it (their modes are never sent)")

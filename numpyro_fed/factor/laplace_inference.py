@@ -13,8 +13,10 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from .._trace import start_point
+from .._structure import trace_model
+from .._trace import nonfinite_sites, start_point
 from .._validation import check_init, check_positive_int
+from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..check.psis import FitDiagnostic
 from ..inference import checked_network, fitted, with_exchange_traffic
@@ -49,8 +51,6 @@ def _start_message(inference: "Laplace", setup, result: RunResult) -> str:
     """Why the search never had a finite point: in simulation, the sites whose log density (or its
     gradient) is not finite at the start on the first client where the term is not (local latents
     at 0 in unconstrained space), and the parameters that overflowed there."""
-    from .._structure import trace_model
-    from .._trace import nonfinite_sites
 
     start = "init=" if inference.start_from is not None else "the prior's mean"
     if result.state.clients is None or inference.start is None:  # a network backend: the rows are on the nodes
@@ -166,7 +166,6 @@ class Laplace(FactorInference):
 
     # ------------------------------------------------------------------ hooks
     def _algorithm(self, terms, plan, num_clients: int):
-        from ..backends.mapping import client_data
 
         self._blocks = propose_blocks(terms.local) if self.local_blocks else None
         start = start_point(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout, self.start_from,

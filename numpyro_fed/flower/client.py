@@ -52,6 +52,7 @@ import jax
 import numpy as np
 from jax import random
 
+from ..backends.mapping import client_item
 from ..dp.ledger import fingerprint
 from ..protocol import ClientSlot
 from ..transcript import message_to_bytes
@@ -60,7 +61,7 @@ from . import masking, node_privacy
 from . import node_store as stored
 from .aggregator import aggregate
 from .node_store import STATE_DIR_KEY
-from .runtime.stream import Frame, FrameError, FrameReply
+from .runtime.stream import CA_KEY, Frame, FrameError, FrameReply, serve
 from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, seal
 from .task import build, load_task, own_groups_of
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
@@ -134,7 +135,6 @@ def _built(context) -> _Built:
         own = task.load_client(context.node_config)
         inference, _, s = build(task, template, int(spec["num_rounds"]), own=own, stage=spec.get("stage", ""))
         j = int(spec["index"])
-        from ..backends.mapping import client_item
 
         data = [client_item(s.plan, s.plan.data, i) for i in range(len(s.plan.names))]
         needs = getattr(data[j], "args", None)  # vertical: the arguments this party's steps read
@@ -551,7 +551,6 @@ def _stream(message, context):
     """The server's invitation to its stream (:mod:`numpyro_fed.flower.runtime.stream`): connect with the
     token it sent, serve every further request of the run over it with the same handlers and
     ``context``, and answer when the server closes it."""
-    from .runtime.stream import CA_KEY, serve
 
     cfg = message.content["nf"]
     ca = context.node_config.get(CA_KEY)

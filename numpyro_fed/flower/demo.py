@@ -22,6 +22,12 @@ from typing import Any, Dict
 
 import numpy as np
 
+import numpyro_fed as nf
+
+from ..ladder import Ladder
+from .runtime.launcher import LocalFederation, descendants, pid_exists
+from .task import FlowerTask
+
 __all__ = ["linear_regression", "load_client", "load_ward_client", "make_fit", "make_pvi", "make_pvi_optax",
            "make_sfvi", "run_flower_demo", "ward_client_data", "ward_glmm"]
 
@@ -42,7 +48,6 @@ def ward_glmm(ward, x, y=None):
     import numpyro
     import numpyro.distributions as dist
 
-    import numpyro_fed as nf
 
     beta = numpyro.sample("beta", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
     tau = numpyro.sample("tau", dist.HalfNormal(1.0))
@@ -72,7 +77,6 @@ def load_ward_client(node_config) -> tuple:
 
 def make_fit():
     """``nf.fit`` as a Flower task: the ladder, each rung over the network."""
-    from ..ladder import Ladder
 
     return Ladder(ward_glmm, progress_bar=False)
 
@@ -99,7 +103,6 @@ def load_client(node_config) -> tuple:
 
 def make_pvi():
     """PVI with conjugate local updates (exact for this model)."""
-    import numpyro_fed as nf
 
     return nf.PVI(linear_regression, damping=1.0)
 
@@ -108,7 +111,6 @@ def make_pvi_optax():
     """PVI whose clients fit their updates by 200 Adam steps (the benchmark's task)."""
     import optax
 
-    import numpyro_fed as nf
 
     return nf.PVI(linear_regression, update="optax", optim=optax.adam(0.05), local_steps=200, damping=1.0)
 
@@ -118,13 +120,11 @@ def make_sfvi():
     3000-round timing over Flower)."""
     import optax
 
-    import numpyro_fed as nf
 
     return nf.FederatedSVI(linear_regression, nf.StructuredGuide(linear_regression), optax.adam(0.05))
 
 
 def __getattr__(name):
-    from .task import FlowerTask
 
     if name == "task":
         return FlowerTask(make_pvi, load_client)
@@ -155,9 +155,7 @@ def run_flower_demo(clients: int = 3, rounds: int = 4, seed: int = 0, method: st
         raise ValueError(f"method={method!r}: choose 'fit' or 'pvi'")
     import jax
 
-    import numpyro_fed as nf
 
-    from .runtime.launcher import LocalFederation, descendants, pid_exists
 
     if clients < 1:
         raise ValueError(f"--clients {clients}: need at least one client")
@@ -206,9 +204,7 @@ def _run_fit_demo(clients: int, seed: int) -> Dict[str, Any]:
     import jax
     from numpyro.infer import MCMC, NUTS
 
-    import numpyro_fed as nf
 
-    from .runtime.launcher import LocalFederation, descendants, pid_exists
 
     if clients < 1:
         raise ValueError(f"--clients {clients}: need at least one client")

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from ..transcript import message_bytes
+from .masking import MaskedAggregation, Traffic, masked_like
 from .runtime.pace import Pacer
 from .runtime.pull import pull_replies, push_messages
 from .wire import Template, from_record, to_record
@@ -187,7 +188,6 @@ class Messenger:
         is not the check's, so one dropout loses it."""
         from flwr.app import ConfigRecord, RecordDict
 
-        from .masking import MaskedAggregation, Traffic, masked_like
 
         names, traffic = self.template.names, Traffic()
         protocol = MaskedAggregation(self, transcript, traffic, names, rnd, name, self.reply_timeout)

@@ -18,7 +18,8 @@ from typing import Any, Dict
 import jax
 import numpy as np
 
-from ..protocol import ClientSlot
+from .. import checkpoint
+from ..protocol import ClientSlot, RunState
 
 __all__ = ["STATE_DIR_KEY", "load_slot", "restore", "round_files", "round_path", "store", "store_round", "stored_path"]
 
@@ -54,8 +55,6 @@ def store(context, built: Any, slot: ClientSlot, rnd: int) -> None:
 def save_slot(path: str, built: Any, slot: ClientSlot, rnd: int) -> None:
     """One client's slot in the checkpoint format (no server part, its model's layout of sites),
     atomically: the one writer of a node's stored states (:func:`load_slot` reads them)."""
-    from .. import checkpoint
-    from ..protocol import RunState
 
     zero = np.zeros((2,), np.uint32)
     checkpoint.save(path, RunState(np.int32(rnd), (), zero, (), (slot,), zero), [built.name], family="flower.node",
@@ -117,8 +116,6 @@ def store_round(context, built: Any, slot: ClientSlot, rnd: int) -> None:
 
 def load_round_slot(built: Any, path: str) -> tuple:
     """``(round, slot)`` of a state :func:`save_slot` wrote."""
-    from .. import checkpoint
-    from ..protocol import RunState
 
     like = ClientSlot(jax.ShapeDtypeStruct((2,), np.uint32), built.structures.client_states[built.index])
     zero = jax.ShapeDtypeStruct((2,), np.uint32)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from .. import checkpoint as ckpt
 from ..backends.driver import NonFinite, Rounds, all_finite, stack_rounds
 from ..backends.mapping import client_item
 from ..protocol import Broadcast, ClientStates, RunState, ServerView, last_info
@@ -30,6 +31,7 @@ from ..secure.fixed_point import decode_message, word_count
 from ..transcript import Communication, Transcript, message_bytes
 from ..warnings import MissingClientsWarning, find_stack_level
 from .masking import MaskedAggregation, Traffic, masked_like
+from .runtime.runstream import RunStream
 from .wire import WireStructures, describe, from_record, to_record, wire_like, wire_structures
 
 __all__ = ["SERVER_CHECKPOINT", "ClientLedger", "OverFlower", "Traffic", "resumed_checkpoint"]
@@ -121,7 +123,6 @@ class OverFlower:
         """The server's part of a checkpoint: its state, its broadcast and keys, the round, and (in
         ``meta``) this Flower run's id and its sites. Each client keeps its own part on its node
         (``numpyro-fed-state-dir``), one file per round it completed."""
-        from .. import checkpoint as ckpt
 
         ckpt.save(path, state._replace(clients=()), [], family=SERVER_CHECKPOINT,
                   extra={"run_id": int(self.backend.run_id), "sites": list(self.names)},
@@ -187,7 +188,6 @@ class OverFlower:
         stream (:mod:`numpyro_fed.flower.runtime.runstream`); a client that does not connect within
         ``first_timeout`` is a failed set-up (it stops the run, or is absent with
         ``on_setup_failure="absent"``)."""
-        from .runtime.runstream import RunStream
 
         backend, alive = self.backend, self.alive
         stream = backend.run_stream = RunStream(backend.grid, backend.stream, *backend.stream_tls, poll=backend.poll)
@@ -409,7 +409,6 @@ def ledger_of(name: str, ledgers: dict):
 def resumed_checkpoint(path: str, algorithm, names: Sequence[str], rng_key) -> tuple:
     """``(state, run id)`` of the Flower server checkpoint at ``path``, checked against this
     run's sites and algorithm (every leaf's shape and dtype)."""
-    from .. import checkpoint as ckpt
 
     meta = ckpt.read_meta(path)
     if meta.get("family") != SERVER_CHECKPOINT:

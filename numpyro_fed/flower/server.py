@@ -35,9 +35,10 @@ from ..protocol import RunResult
 from ..warnings import MissingClientsWarning
 from .messaging import Messenger
 from .rounds import ClientLedger, OverFlower
+from .runtime.stream import split_address
 from .sealed import ROLE_KEY
-from .task import FlowerTask
-from .wire import Template
+from .task import FlowerTask, kind_of
+from .wire import Template, shapes_of
 
 __all__ = ["ClientLedger", "FlowerBackend", "MissingClientsWarning"]
 
@@ -105,7 +106,6 @@ class FlowerBackend(Messenger):
         self.aggregator_key = ""  # its public key (hex), relayed to the clients at set-up
         self.rejoined: List[tuple] = []  # (round, client name, old node, new node): sites that came back
         if stream is not None:
-            from .runtime.stream import split_address
 
             split_address(stream)  # checked now, opened by run()
         self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
@@ -152,12 +152,10 @@ class FlowerBackend(Messenger):
             raise ValueError(f"two nodes gave the same client name: {names}")
         shapes = {str(info[n]["name"]): {k: (tuple(s), dt) for k, (s, dt) in json.loads(str(info[n]["shapes"])).items()}
                   for n in order}
-        from .task import kind_of
 
         kind = kind_of(task.make_inference())
         server = {}
         if task.load_server is not None:
-            from .wire import shapes_of
 
             server = shapes_of(task.load_server())
         groups = {str(info[n]["name"]): {p: (int(g), tuple(a)) for p, (g, a) in

@@ -7,6 +7,12 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from .._trace import trace_model
+from ..groups import known_groups, own_groups, size_group_plates
+from ..ladder import Ladder
+from ..vertical.inference import VerticalInference
+from .wire import inputs_from_template
+
 __all__ = ["FlowerTask", "load_task"]
 
 
@@ -49,7 +55,6 @@ def load_task(ref: str) -> FlowerTask:
 
 
 def kind_of(inference) -> str:
-    from ..vertical.inference import VerticalInference
 
     return "vertical" if isinstance(inference, VerticalInference) else "horizontal"
 
@@ -64,7 +69,6 @@ def made(task: FlowerTask, stage: Optional[str] = None):
 
 
 def _is_ladder(inference) -> bool:
-    from ..ladder import Ladder
 
     return isinstance(inference, Ladder)
 
@@ -80,7 +84,6 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None, st
     and the set-up runs :func:`on_placeholders`. A client first traces the model on its own
     data with validation as the user set it, so invalid data of its own fail here as in the
     simulation."""
-    from .wire import inputs_from_template
 
     inference = made(task, stage)
     if hasattr(inference, "client_mapping"):
@@ -90,7 +93,6 @@ def build(task: FlowerTask, template, num_rounds: int, own=None, server=None, st
         return inference, inputs, None
     model = getattr(inference, "model", None)  # (HM1 builds its own)
     if own is not None and template.kind == "horizontal" and model is not None:
-        from .._trace import trace_model
 
         trace_model(getattr(model, "__wrapped_model__", model), own[1], getattr(inference, "model_kwargs", {}))
     with on_placeholders(template, None if own is None else own[0]):
@@ -107,7 +109,6 @@ def on_placeholders(template, own: Optional[str] = None):
     holds no client's data, and a family's checks after the run evaluate the model there too."""
     import numpyro
 
-    from ..groups import known_groups
 
     others = {c: g for c, g in template.groups.items() if c != own}
     with known_groups(others), numpyro.validation_enabled(False):
@@ -116,7 +117,6 @@ def on_placeholders(template, own: Optional[str] = None):
 
 def own_groups_of(task: FlowerTask, name: str, arrays) -> dict:
     """``{plate: [G_j, [codes arguments]]}`` of this node's own data (sent in its hello)."""
-    from ..groups import own_groups, size_group_plates
 
     inference = made(task, "")
     if getattr(type(inference), "_size_group_plates", None) is not size_group_plates:

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..backends.simulation import aggregate_messages
+from ..clients import Clients
 from ..protocol import Broadcast, FederatedAlgorithm, ServerView
 from ..transcript import message_bytes, message_from_bytes, message_to_bytes, npy_header
 from .sealed import OVERHEAD
@@ -118,7 +120,6 @@ def inputs_from_template(template: Template, own: Optional[tuple] = None, server
     """The inference object's inputs as this party sees them: its own arrays (``own =
     (name, arrays)`` on a client, ``server`` on the server) and zeros of the right shapes
     for everything it does not hold."""
-    from ..clients import Clients
 
     if template.kind == "horizontal":
         data = {n: _zeros(s, template.groups.get(n)) for n, s in template.clients.items()}
@@ -172,7 +173,6 @@ def wire_structures(algorithm: FederatedAlgorithm, data: Sequence[Any], server_d
 
 
 def _server_step(exchange, key, server, messages, view):
-    from ..backends.simulation import aggregate_messages
 
     return exchange.server_step(key, server, aggregate_messages(messages, exchange.secure_sum), view)
 

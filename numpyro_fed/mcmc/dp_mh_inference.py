@@ -28,12 +28,12 @@ from ..dp.rows import row_locals, row_terms
 from ..dp.sampler_privacy import SamplerPrivacy, may_drop
 from ..inference import FederatedInference, Setup, fitted
 from ..params import DrawParams
+from ..posterior import ChainPosterior
 from ..protocol import RunResult
 from ..secure import check_aggregation
 from ..terms.model import TermsSetup, user_space
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .dp_mh_algorithm import DPMHConfig, dp_metropolis
-from .inference import pick_draws
 
 __all__ = ["DPMetropolis", "dp_metropolis_check"]
 
@@ -143,7 +143,6 @@ class DPMetropolis(FederatedInference):
     setup_extra = TermsSetup
     params_type = DrawParams
     open_ended = True
-    draws_are_chains = True
     family_run_options = ("ledger",)
     _penalty = True  # the penalty correction (a test turns it off to show what it corrects)
 
@@ -223,19 +222,17 @@ class DPMetropolis(FederatedInference):
         user = user_space(self.model, self.model_kwargs, setup, draws.reshape(-1, draws.shape[-1]))
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
-    def get_samples(self, result: RunResult, group_by_chain: bool = False, *, client: Optional[str] = None):
-        """The draws per global site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
-        ``(num_chains, num_samples, ...)``). A client's local draws stay on it (``client=`` raises)."""
-        if client is not None:
-            raise ValueError(_LOCAL_DRAWS.format(client=client))
-        draws = dict(result.params.samples)
-        return draws if group_by_chain else {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
+    def posterior(self, result: RunResult) -> ChainPosterior:
+        """The chains' draws per global site, constrained (:class:`~numpyro_fed.posterior.ChainPosterior`,
+        read by ``get_samples`` and ``sample_posterior``). A client's local draws stay on it
+        (``client=`` raises)."""
 
-    def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
-                         client: Optional[str] = None):
-        """``num_samples`` of the chains' draws (all when ``None``), picked without replacement (the
-        global sites; ``client=`` raises, as for :meth:`get_samples`)."""
-        return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
+        def draws(client):
+            if client is not None:
+                raise ValueError(_LOCAL_DRAWS.format(client=client))
+            return dict(result.params.samples)
+
+        return ChainPosterior(draws)
 
     def acceptance(self, result: RunResult) -> float:
         """The kept iterations' acceptance rate (public: the server's decisions)."""

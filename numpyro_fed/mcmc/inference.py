@@ -42,13 +42,14 @@ from ..groups import size_group_plates, trim_groups
 from ..handlers import GLOBAL, LOCAL, site_role
 from ..inference import FederatedInference, Setup, fitted, state_of
 from ..params import DrawParams
+from ..posterior import ChainPosterior
 from ..protocol import RunResult, RunState
 from ..secure import check_aggregation
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
 
-__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup", "mcmc_check", "pick_draws"]
+__all__ = ["FederatedHMC", "FederatedNUTS", "MCMCSetup", "mcmc_check"]
 
 _UNKNOWN_CLIENT = "no client named {name!r}; clients are {names}"
 _PARAMS = (
@@ -83,18 +84,6 @@ _LOW_E_BFMI = (
 )
 
 
-
-def pick_draws(rng_key: jax.Array, draws: Dict[str, jax.Array], num_samples: Optional[int]) -> Dict[str, jax.Array]:
-    """``num_samples`` of the chains' flattened ``draws`` picked without replacement with
-    ``rng_key`` (all of them when ``None``): an MCMC family's ``sample_posterior``."""
-    if num_samples is None:
-        return draws
-    total = int(jnp.shape(next(iter(draws.values())))[0])
-    num_samples = check_positive_int("num_samples", num_samples)
-    if num_samples > total:
-        raise ValueError(f"num_samples={num_samples}: the chains hold {total} draws")
-    idx = random.choice(rng_key, total, (num_samples,), replace=False)
-    return {k: v[idx] for k, v in draws.items()}
 
 class MCMCSetup(NamedTuple):
     """A federated MCMC set-up: the model's sites and the algorithm's configuration; ``affine``:
@@ -149,7 +138,6 @@ class FederatedMCMC(FederatedInference):
     setup_extra = MCMCSetup
     params_type = DrawParams
     open_ended = True
-    draws_are_chains = True
     _num_rounds = 0  # the bound of the last run (its num_rounds)
 
     def __init__(
@@ -313,31 +301,21 @@ class FederatedMCMC(FederatedInference):
             setup.cache["global_draws"] = jax.jit(jax.vmap(jax.vmap(draws)))
         return setup.cache["global_draws"](z)
 
-    def get_samples(self, result: Union[RunResult, RunState], group_by_chain: bool = False, *,
-                    client: Optional[str] = None) -> Dict[str, jax.Array]:
-        """The draws, constrained, as NumPyro's ``MCMC.get_samples``: the global sites (and the
-        deterministic sites of the global sites alone); with ``client``, that client's local
-        latent sites and the model's deterministic sites on its rows as well, read from the
-        client's own state (in a deployment, run on that client).
-
-        Returns:
-            ``{site: (num_chains * num_samples, ...)}``, or ``(num_chains, num_samples, ...)``
-            with ``group_by_chain``.
-        """
+    def posterior(self, result: Union[RunResult, RunState]) -> ChainPosterior:
+        """The chains' draws, constrained (:class:`~numpyro_fed.posterior.ChainPosterior`, read by
+        ``get_samples`` and ``sample_posterior``): the global sites (and the deterministic sites
+        of the global sites alone); with ``client``, that client's local latent sites and the
+        model's deterministic sites on its rows as well, read from the client's own state (in a
+        deployment, run on that client)."""
         state = state_of(self, result)
         setup = fitted(self)
-        draws = self._global_draws(setup, self._positions(setup, state)) if client is None else self._client_draws(
-            setup, state, client)
-        if group_by_chain:
-            return draws
-        return {k: jnp.reshape(v, (-1,) + v.shape[2:]) for k, v in draws.items()}
 
-    def sample_posterior(self, rng_key: jax.Array, result: Union[RunResult, RunState],
-                         num_samples: Optional[int] = None, *, client: Optional[str] = None) -> Dict[str, jax.Array]:
-        """``num_samples`` of the chains' draws (all of them when ``None``), picked without
-        replacement with ``rng_key``, as the other families' ``sample_posterior``: the global
-        sites, and with ``client`` that client's local sites at the same draws."""
-        return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
+        def draws(client):
+            if client is None:
+                return self._global_draws(setup, self._positions(setup, state))
+            return self._client_draws(setup, state, client)
+
+        return ChainPosterior(draws)
 
     def _client_unpadded(self, setup: Setup, state: RunState, client: str):
         """Client ``client``'s local draws ``(chains, samples, n_j)`` in the layout of its

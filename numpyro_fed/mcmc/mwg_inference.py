@@ -22,18 +22,19 @@ from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..check import Verdict, register_check
 from ..check.chains import MIN_ESS, R_HAT_LIMIT, chain_report, chains_verdict  # noqa: F401  (the limits: documented here)
 from ..dp.plan import refuse_dp
+from ..factor import Laplace
 from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import observed_terms_at
 from ..groups import size_group_plates, trim_groups
 from ..inference import FederatedInference, Setup, checked_network, fitted, reset_setup
 from ..labels import scalar_label
 from ..params import DrawParams
+from ..posterior import ChainPosterior
 from ..protocol import ClientSlot, RunResult, RunState
 from ..secure import check_aggregation
 from ..terms.blocks import local_blocks as propose_blocks
 from ..terms.model import TermsSetup, build_terms, own_entries, site_supports, user_space
 from ..warnings import UnreliableFitWarning, find_stack_level
-from .inference import pick_draws
 from .mwg_algorithm import MwGConfig, federated_mwg, run_on_state
 from .ridges import ridge_pairs
 
@@ -124,7 +125,6 @@ class FederatedMwG(FederatedInference):
     ridge_sites: tuple = ()  # the same by site: (scale site, (effect sites))
     _num_rounds = 0  # the bound of the last run (its num_rounds)
     open_ended = True
-    draws_are_chains = True
 
     def __init__(self, model: Callable, *, num_warmup: int = 300, num_samples: int = 1000, num_chains: int = 4,
                  init: Optional[Tuple] = None, inner_steps: int = 8, local_moves: int = 2, local_steps: int = 5,
@@ -174,7 +174,6 @@ class FederatedMwG(FederatedInference):
         """The chains' start: a federated Laplace fit first when ``init`` is ``None`` (its result
         is :attr:`laplace_result`), from ``fold_in(rng_key, 1)``."""
         if self.init_moments is None:
-            from ..factor import Laplace
 
             if self._laplace is None:  # kept: a second run reuses its compiled rounds
                 self._laplace = Laplace(self.model, row_plate=self.row_plate, model_kwargs=self.model_kwargs,
@@ -340,24 +339,17 @@ class FederatedMwG(FederatedInference):
         every latent site."""
         return observed_terms_at(fitted(self), self.model, self.model_kwargs, rng_key, draws, client)
 
-    def get_samples(self, result: RunResult, group_by_chain: bool = False, *,
-                    client: Optional[str] = None) -> Dict[str, jax.Array]:
-        """The global draws per site, constrained, ``(num_chains * num_samples, ...)`` (grouped:
-        ``(num_chains, num_samples, ...)``); with ``client``, that client's local sites at the
-        same iterations as well (the draws its chain recorded on its own node; in simulation
-        the run's client states hold them)."""
-        draws = dict(result.params.samples)
-        if client is not None:
-            draws.update(self._client_draws(result, client))
-        if group_by_chain:
-            return draws
-        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
+    def posterior(self, result: RunResult) -> ChainPosterior:
+        """The chains' draws per site, constrained (:class:`~numpyro_fed.posterior.ChainPosterior`,
+        read by ``get_samples`` and ``sample_posterior``): the global sites; with ``client``,
+        that client's local sites at the same iterations as well (the draws its chain recorded
+        on its own node; in simulation the run's client states hold them)."""
 
-    def sample_posterior(self, rng_key: jax.Array, result: RunResult, num_samples: Optional[int] = None, *,
-                         client: Optional[str] = None) -> Dict[str, jax.Array]:
-        """``num_samples`` of the chains' draws (all when ``None``), picked without replacement
-        with ``rng_key``, as the other families' ``sample_posterior``."""
-        return pick_draws(rng_key, self.get_samples(result, client=client), num_samples)
+        def draws(client):
+            own = self._client_draws(result, client) if client is not None else {}
+            return {**result.params.samples, **own}
+
+        return ChainPosterior(draws)
 
     def sample_stats(self, result: RunResult) -> Dict[str, np.ndarray]:
         """Per kept iteration and chain: ``accepted`` (the global move's decision), ``proposal``

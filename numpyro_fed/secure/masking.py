@@ -63,6 +63,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from ..transcript import leaf_bytes
+
 __all__ = [
     "CIPHERTEXT_BYTES",
     "KEY_BYTES",
@@ -333,7 +335,6 @@ def protocol_bytes(asked: int, arrived: int, answered: int, dropped: int, size: 
     :func:`masked_sum` sends them (each array serialised as the transcript counts it):
     ``asked`` clients share keys, ``arrived`` send masked inputs of ``size`` words,
     ``answered`` of them the unmasking shares, ``dropped`` of the asked never send an input."""
-    from ..transcript import leaf_bytes
 
     def nb(shape, dtype):
         return leaf_bytes(np.zeros(shape, dtype))

@@ -34,6 +34,7 @@ import signal
 import sys
 from typing import Optional
 
+from ..client import failure_reason
 from .lifeline import alive as _alive
 from .lifeline import stop_with
 from .pace import Pacer, object_retries
@@ -93,7 +94,6 @@ def serve(runtime_api: str, poll: float = 0.002, parent_pid: int = 0, *, idle_po
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime import run_clientapp as rc
 
-    from ..client import failure_reason
 
     certificates = None if root_certificates is None else _read_certificates(root_certificates)
 

@@ -26,6 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from ..sealed import ROLE_KEY
+from .lifeline import command
+from .stream import CA_KEY
+from .supernode import light_command
+
 __all__ = ["FederationError", "LocalFederation"]
 
 _PYPROJECT = """[build-system]
@@ -240,7 +245,6 @@ class LocalFederation:
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.node_configs = [dict(c) for c in node_configs]
         if aggregator:
-            from ..sealed import ROLE_KEY
 
             self.node_configs.append({ROLE_KEY: "aggregator"})
         self.executor = bool(executor)
@@ -286,7 +290,6 @@ class LocalFederation:
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
             f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
-        from .lifeline import command  # Flower's SuperLink, stopping should this process be killed
 
         link = self._spawn(
             command(sys.executable, "flwr.superlink.cli:flower_superlink",
@@ -304,12 +307,10 @@ class LocalFederation:
             self.certificates = _loopback_certificates(self.workdir / "certificates")
         node_config = dict(self.node_configs[i])
         if self.tls:  # the CA of the run's stream certificate (the same throw-away CA)
-            from .stream import CA_KEY
 
             node_config.setdefault(CA_KEY, str(self.certificates["ca"]))
         config = " ".join(f"{k}={_toml(v)}" for k, v in node_config.items())
         if self.supernode == "paced":
-            from .supernode import light_command  # without JAX: Flower's cost per node (its docstring)
 
             args = light_command(sys.executable, self.poll, self.idle_poll, parent_pid=os.getpid())
         else:

@@ -36,6 +36,7 @@ import sys
 import time
 from typing import List, Sequence
 
+from .lifeline import command, stop_with
 from .pace import Pacer, object_retries
 
 __all__ = ["TESTED_FLWR", "FlowerVersionError", "light_command", "pace_supernode", "run"]
@@ -129,7 +130,6 @@ def light_command(python: str, poll: float = 0.002, idle_poll: float = 0.5, pare
     """The command that runs :func:`run` (then ``flower-supernode``'s options, to be appended)
     as ``python -m numpyro_fed flower-supernode --poll P --idle-poll I --parent-pid PID --`` does,
     without importing numpyro_fed's package (:func:`~numpyro_fed.flower.runtime.lifeline.command`)."""
-    from .lifeline import command
 
     return command(python, "numpyro_fed.flower.runtime.supernode:cli",
                    ["--poll", repr(float(poll)), "--idle-poll", repr(float(idle_poll)), "--"], parent_pid)
@@ -147,7 +147,6 @@ def run(flower_args: Sequence[str], poll: float = 0.002, idle_poll: float = 0.5,
         print(f"numpyro_fed flower-supernode: {err}", file=sys.stderr)
         return 2
     if parent_pid:
-        from .lifeline import stop_with
 
         stop_with(parent_pid)
     from flwr.supernode.cli import flower_supernode
