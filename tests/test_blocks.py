@@ -15,6 +15,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data
+from numpyro_fed.inference import fitted
 from numpyro_fed.terms.blocks import block_hessian, blocks_hold, local_blocks, quadrature_correction
 from numpyro_fed.terms.tilted import inner_mode, laplace_moments
 from numpyro_fed_examples.models import logistic_glmm
@@ -29,7 +30,7 @@ SMOKE = (_rng.uniform(size=N) < 0.4).astype(np.float32)
 def _terms(model, clients, **kw):
     inference = nf.EP(model, **kw)
     inference.init(jax.random.PRNGKey(0), clients)
-    setup = inference._setup_cache
+    setup = fitted(inference)
     return inference, setup.extra.terms, client_data(setup.plan, 0)
 
 

@@ -15,7 +15,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.inference import FederatedInference
+from numpyro_fed.inference import FederatedInference, fitted
 from numpyro_fed.mcmc import FederatedMwG
 from numpyro_fed.params import DrawParams, GaussianParams, GuideParams, HM1Params, VerticalParams
 
@@ -145,7 +145,8 @@ def test_each_family_builds_the_set_up_its_class_declares(make):
     assert all(cls.setup_extra is not object for cls in FAMILIES), [c.__name__ for c in FAMILIES]
     clients = nf.Clients.split(np.arange(20) % 2, y=np.linspace(0.0, 2.0, 20))
     inference = make()
-    setup = inference._setup(clients)
+    inference.init(random.PRNGKey(0), clients)
+    setup = fitted(inference)
     assert type(setup.extra) is type(inference).setup_extra
 
     class Mislabelled(type(inference)):
@@ -154,7 +155,7 @@ def test_each_family_builds_the_set_up_its_class_declares(make):
     wrong = Mislabelled.__new__(Mislabelled)
     wrong.__dict__.update(make().__dict__)
     with pytest.raises(TypeError, match=r"Mislabelled._build: Setup.extra is a \w+, not the int its class declares"):
-        wrong._setup(clients)
+        wrong.init(random.PRNGKey(0), clients)
 
 
 @pytest.mark.parametrize("cls", FAMILIES, ids=lambda c: c.__name__)

@@ -18,6 +18,7 @@ from numpyro.infer import TraceEnum_ELBO
 
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data, client_item
+from numpyro_fed.inference import fitted
 
 from .references import nuts_reference
 
@@ -99,7 +100,7 @@ def test_federated_gradient_equals_pooled_trace_enum_elbo(case):
     model, _, make_data, _ = CASES[case]
     y = make_data()
     svi, state, g, _ = _fitted_objective(model, y)
-    setup = svi._setup_cache
+    setup = fitted(svi)
     obj, plan = setup.extra, setup.plan
     assert obj.structure.enumerated == (("z",) if case == "mixture" else ("c",))
     assert len(set(plan.num_rows)) > 1  # unequal clients: padded rows take part
@@ -141,7 +142,7 @@ def test_a_scaled_client_term_scales_the_summed_likelihood():
     """SFVI-Avg weights a client's rows by ``N / n_j``: the weight multiplies the log of the
     sum over the enumerated values, not the terms inside it (which would temper them)."""
     svi, state, g, _ = _fitted_objective(mixture, mixture_data())
-    obj, plan = svi._setup_cache.extra, svi._setup_cache.plan
+    obj, plan = fitted(svi).extra, fitted(svi).plan
     local = client_item(plan, state.clients, 1).state.local_params
     data = client_data(plan, 1)
     eps = jnp.asarray(np.random.default_rng(1).normal(size=obj.global_size), jnp.float32)

@@ -14,6 +14,7 @@ from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
 from numpyro_fed.backends.mapping import client_data, client_item
+from numpyro_fed.inference import fitted
 
 from .models import MODELS
 
@@ -32,7 +33,7 @@ def make_data(model_name, n, p, seed_):
 
 def centralised_grads(svi, state, clients, eps_global, eps_locals):
     """Gradient of the pooled-data ELBO estimate, computed with NumPyro's log_density."""
-    setup = svi._setup_cache
+    setup = fitted(svi)
     obj = setup.extra
     pooled = {k: jnp.asarray(v) for k, v in clients.pooled().items()}
     pooled_tr = trace(seed(svi.model, 0)).get_trace(**pooled)
@@ -128,7 +129,7 @@ def _check_sfvi_gradient(model_name, n, p, num_clients, guide_kind, mapping, see
     k1, k2 = random.split(random.PRNGKey(seed_ + 7))
     server = state.server._replace(global_params=perturb(k1, state.server.global_params))
     new_clients = jax.tree_util.tree_map(lambda x: x, state.clients)
-    if svi._setup_cache.plan.mapping == "vmap":
+    if fitted(svi).plan.mapping == "vmap":
         inner = new_clients.state
         new_clients = new_clients._replace(state=inner._replace(local_params=perturb(k2, inner.local_params)))
     else:
@@ -141,7 +142,7 @@ def _check_sfvi_gradient(model_name, n, p, num_clients, guide_kind, mapping, see
 
     # the noise SFVI will use this round: the server's eps_G, and each client's eps_Lj,
     # drawn from the client's own key
-    setup = svi._setup_cache
+    setup = fitted(svi)
     eps_locals = []
     for j in range(len(clients)):
         own = random.split(client_item(setup.plan, state.clients, j).rng_key)[1]

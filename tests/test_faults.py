@@ -281,7 +281,7 @@ def test_a_flower_resume_refuses_a_checkpoint_that_is_not_this_federations(tmp_p
     res = inference.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     simulated = str(tmp_path / "simulated.npz")
     inference.save(simulated, res)
-    setup = inference._setup_cache
+    setup = fitted(inference)
     with pytest.raises(ValueError, match="is not a Flower server checkpoint \\(family 'sfvi'\\)"):
         resumed_checkpoint(simulated, setup.algorithm, setup.plan.names, random.PRNGKey(0))
     from numpyro_fed import checkpoint

@@ -13,6 +13,7 @@ from numpyro.infer.util import initialize_model
 
 import numpyro_fed as nf
 from numpyro_fed._structure import trace_model
+from numpyro_fed.inference import fitted
 
 SIZES = {"c0": 3, "c1": 5, "c2": 8}  # unequal: the vectorised clients are padded and masked
 
@@ -63,7 +64,7 @@ def _federated_run(inference, clients, key):
     """A federated run recording, round by round, the server's and each client's momentum."""
     state0 = inference.init(key, clients)
     seen = {"server": [], **{c: [] for c in SIZES}}
-    names = inference._setup_cache.plan.names
+    names = fitted(inference).plan.names
 
     def grab(rnd, state, info):
         seen["server"].append(np.asarray(state.server.block.r0[0]))
@@ -95,7 +96,7 @@ def test_federated_chain_equals_numpyro_on_the_pooled_model(algo):
         else:
             fed = nf.FederatedHMC(model, num_warmup=num_warmup, num_samples=num_samples, trajectory_length=1.5)
         state0, result, momenta = _federated_run(fed, clients, random.PRNGKey(11))
-        setup = fed._setup_cache
+        setup = fitted(fed)
         structure = setup.extra.structure
         names = setup.plan.names
         layout = structure.local_layout(trace_model(fed.model, {"y": np.zeros(max(SIZES.values()))}, {}))

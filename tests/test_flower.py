@@ -24,6 +24,7 @@ import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.runtime.launcher import descendants, pid_exists  # noqa: E402
 from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
+from numpyro_fed.inference import fitted
 
 from .families import DP_FAMILIES, FAMILIES, FIT_FAMILIES, MCMC_FAMILIES, run  # noqa: E402
 from .test_privacy import _BY_DESIGN, _client_secrets, _slots, contains  # noqa: E402
@@ -122,9 +123,9 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     (``svi_dp_trusted``) each client seals its secure part for the aggregator node; the
     server relays it unread and receives only the sum."""
     inference, inputs, result, keys = _simulate(family, ROUNDS)
-    J = len(inference._setup_cache.plan.names)
+    J = len(fitted(inference).plan.names)
     flower = federation.run(f"flower_tasks:{family}", ROUNDS, seed=0, num_clients=J, keep_values=True)
-    assert flower["clients"] == list(inference._setup_cache.plan.names)
+    assert flower["clients"] == list(fitted(inference).plan.names)
     _assert_same(flower, result)
     assert flower["missing"] == []
     np.testing.assert_array_equal(flower["rounds_answered"], result.rounds_answered)  # SFVI-Avg asks 2 of 3
@@ -133,7 +134,7 @@ def test_flower_equals_the_simulation_and_sends_only_the_algorithms_messages(fed
     ledger = [e for e in entries if e.exchange == "ledger"]
     sealed = [e for e in entries if e.receiver == "aggregator"]
     assert all(e.name == "['sealed']" and e.dtype == "uint8" for e in sealed)
-    secure = {k for ex in inference._setup_cache.algorithm.exchanges for k in ex.secure_sum}
+    secure = {k for ex in fitted(inference).algorithm.exchanges for k in ex.secure_sum}
     assert bool(sealed) == bool(secure) == (family == "svi_dp_trusted")
     to_server = {e.name for e in entries if e.receiver == "server" and e.sender != "aggregator"}
     assert not any(n.startswith(f"['{k}']") for k in secure for n in to_server)  # the server never saw a part

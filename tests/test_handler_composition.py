@@ -15,6 +15,7 @@ from numpyro import handlers
 from numpyro.infer.reparam import LocScaleReparam
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 
 from . import references
 
@@ -46,7 +47,7 @@ def schools():
 def structure(model, clients=None):
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01))
     svi.init(random.PRNGKey(0), clients or schools())
-    s = svi._setup_cache.extra.structure
+    s = fitted(svi).extra.structure
     return set(s.global_latent.names), set(s.local_latent_names), set(s.observed), set(s.local_param_names)
 
 
@@ -99,9 +100,9 @@ def test_scale_and_mask_reach_the_client_terms():
     def client_terms(model):
         svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01), stl=False)
         state = svi.init(random.PRNGKey(0), clients)
-        obj = svi._setup_cache.extra
+        obj = fitted(svi).extra
         from numpyro_fed.backends.mapping import client_data
-        data = client_data(svi._setup_cache.plan, 0)
+        data = client_data(fitted(svi).plan, 0)
         g = state.server.global_params
         local = jax.tree_util.tree_map(lambda x: x[0], state.clients.state.local_params)
         return float(obj.client_term(g, local, np.zeros(2), np.zeros(1), data, 0.0))

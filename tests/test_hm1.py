@@ -6,6 +6,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 from numpyro_fed.linear.hm1_algorithm import hm1, minibatch_weights
 from numpyro_fed.protocol import Broadcast
 
@@ -64,7 +65,8 @@ def test_default_step_is_algorithm_1s_summed_minibatch_gradient(devices):
     clients, xs, ys, _ = devices
     method = nf.HM1()
     assert (method.lr, method.batch_size, method.local_steps, method.gradient) == (0.01, 10, 20, "sum")
-    setup = method._setup(clients)
+    method.init(random.PRNGKey(0), clients)
+    setup = fitted(method)
     client_step = setup.algorithm.exchanges[0].client_step
     rng = np.random.default_rng(1)
     start, shrink = rng.normal(size=(3,)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32)

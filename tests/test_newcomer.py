@@ -180,7 +180,7 @@ def test_an_unmarked_site_whose_entries_each_belong_to_one_client_warns_naming_i
     clients = nf.Clients.split(hosp, hosp=hosp, x=x, y=y)
     inference = getattr(nf, family)(_hospital_model())
     with pytest.warns(nf.warnings.SiteRoleWarning, match="site 'a' in plate 'hospitals' is global") as caught:
-        inference._setup(clients)
+        inference.init(jax.random.PRNGKey(0), clients)
     message = str(caught[0].message)
     assert "nf.local_site()" in message and "nf.group_plate('hospitals', codes)" in message
     assert "client '2': [2]" in message
@@ -192,10 +192,10 @@ def test_a_marked_site_or_a_shared_plate_does_not_warn(mark):
     clients = nf.Clients.split(hosp, hosp=hosp, x=x, y=y)
     with warnings.catch_warnings():
         warnings.simplefilter("error", nf.warnings.SiteRoleWarning)
-        nf.EP(_hospital_model(mark))._setup(clients)
+        nf.EP(_hospital_model(mark)).init(jax.random.PRNGKey(0), clients)
         # a plate whose entries every client uses (a coefficient per covariate) is global, rightly
         regions = nf.Clients.split(hosp, hosp=np.arange(120) % 4, x=x, y=y)
-        nf.EP(_hospital_model())._setup(regions)
+        nf.EP(_hospital_model()).init(jax.random.PRNGKey(0), regions)
 
 
 def _data_sized_model(gid, x, y):
@@ -217,7 +217,7 @@ def test_a_plate_sized_from_data_values_raises_naming_the_plate_and_the_fix(fami
     else:
         inference = getattr(nf, family)(_data_sized_model)
     with pytest.raises(ValueError, match="plate 'groups' is sized from it") as err:
-        inference._setup(clients)
+        inference.init(jax.random.PRNGKey(0), clients)
     assert "nf.group_plate('groups', codes)" in str(err.value)
 
 

@@ -8,6 +8,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 
 from .families import DP_FAMILIES, FAMILIES, run
 from .models import logistic_local
@@ -61,7 +62,7 @@ def test_transcript_carries_only_global_quantities(clients, method):
     allowed = ("global_grad", "global_params", "elbo") + (("opt_state", "rows") if method == "sfvi_avg" else ())
     assert all(e.name.startswith(allowed) for e in sent_by_clients), {e.name for e in sent_by_clients}
     # 2. shapes: nothing that scales with a client's rows
-    n_global = svi._setup_cache.extra.global_size
+    n_global = fitted(svi).extra.global_size
     for e in t.entries:
         assert all(d <= max(n_global * n_global, n_global) for d in e.shape), e
     # 3. values: no client's data and no local variational parameter appears in any message
@@ -93,7 +94,7 @@ def test_message_round_trip_as_ndarrays(clients):
 
 def _client_secrets(family, inference, inputs, result):
     """Per client: its data and its local variational parameters (what never leaves it)."""
-    names = inference._setup_cache.plan.names
+    names = fitted(inference).plan.names
     if isinstance(inputs, dict):  # vertical: each party's own covariates and its q parameters
         data = {"a": [inputs["xa"]], "b": [inputs["xb"]]}
         return {c: data[c] + jax.tree_util.tree_leaves(result.params.parties[c]) for c in names}
@@ -158,7 +159,7 @@ def test_privacy_audit_of_every_core(family):
 
 
 def _slots(state, inference):
-    plan = inference._setup_cache.plan
+    plan = fitted(inference).plan
     if plan.mapping == "loop":
         return list(state.clients)
     return [jax.tree_util.tree_map(lambda x, j=j: x[j], state.clients) for j in range(len(plan.names))]
@@ -205,7 +206,7 @@ def test_privacy_audit_of_federated_mcmc(algo):
     down = {e.name for e in t.entries if e.sender == "server"}
     assert down == {"shared.theta", "shared.seq"} | {f"shared.cmd.{f}" for f in nf.mcmc.block.Command._fields} | {
         f"shared.dec.{f}" for f in nf.mcmc.block.Decisions._fields}, down
-    d = inference._setup_cache.extra.config.global_size
+    d = fitted(inference).extra.config.global_size
     for e in t.entries:  # nothing scales with a client's rows or local sites: (chains, d) at most
         if e.name != "turn":  # (chains, max_tree_depth, 2) scalars
             assert int(np.prod(e.shape)) <= d, e

@@ -16,6 +16,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 
 from .families import FAMILIES, horizontal_data, linear, run
 
@@ -33,7 +34,7 @@ def test_every_family_returns_the_same_result_through_one_backend(family):
     assert isinstance(res.state, nf.RunState) and (rounds == 3 or (inference.open_ended and 1 <= rounds < 3))
     assert res.trace.shape == (rounds,) and np.isfinite(res.trace).all()
     assert res.communication.rounds == rounds and res.communication.bytes_up > 0
-    assert set(res.client_states) == set(inference._setup_cache.plan.names)
+    assert set(res.client_states) == set(fitted(inference).plan.names)
     assert calls == list(range(1, rounds + 1))  # callbacks see every round
     assert jax.tree_util.tree_leaves(res.params)
 
@@ -113,7 +114,7 @@ def test_checkpoint_does_not_depend_on_the_client_mapping(tmp_path):
     path = str(tmp_path / "s.npz")
     a = vmap.run(random.PRNGKey(0), clients, 3, progress_bar=False, checkpoint=path)
     state = loop.load(path, clients)
-    assert loop._setup_cache.plan.mapping == "loop" and type(state.clients) is tuple
+    assert fitted(loop).plan.mapping == "loop" and type(state.clients) is tuple
     b = loop.run(None, clients, 3, progress_bar=False, init_state=state)
     c = vmap.run(random.PRNGKey(0), clients, 6, progress_bar=False)
     np.testing.assert_allclose(b.params.guide["loc"], c.params.guide["loc"], rtol=1e-5)

@@ -10,6 +10,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 
 from .models import linear_local, logistic_local
 
@@ -34,7 +35,7 @@ def test_vmap_padding_equals_loop(unequal):
         svi = nf.FederatedSVI(linear_local, nf.StructuredGuide(linear_local), optax.adam(0.05),
                               client_mapping=mapping)
         runs[mapping] = svi.run(random.PRNGKey(0), unequal, 30, progress_bar=False)
-        assert svi._setup_cache.plan.mapping == ("vmap" if mapping == "auto" else "loop")
+        assert fitted(svi).plan.mapping == ("vmap" if mapping == "auto" else "loop")
     a, b = runs["auto"], runs["loop"]
     np.testing.assert_allclose(a.losses, b.losses, rtol=1e-4, atol=1e-4)
     for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
@@ -199,7 +200,7 @@ def test_no_row_plate_falls_back_to_loop(unequal):
 
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05))
     svi.run(random.PRNGKey(0), unequal, 3, progress_bar=False)
-    assert svi._setup_cache.plan.mapping == "loop"
+    assert fitted(svi).plan.mapping == "loop"
     strict = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.05), client_mapping="vmap")
     with pytest.raises(ValueError, match="client_mapping='vmap' pads clients"):
         strict.init(random.PRNGKey(0), unequal)
@@ -319,7 +320,7 @@ def test_fit_check_over_a_network_equals_the_simulations():
     inference, clients = sfvi()
     inference.client_mapping = "loop"
     result = inference.run(random.PRNGKey(0), clients, 3, progress_bar=False)
-    setup = inference._setup_cache
+    setup = fitted(inference)
     want = inference.last_fit_check
 
     class Network:  # stands in for FlowerBackend: each client's value from its own state and data

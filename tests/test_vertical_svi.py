@@ -12,6 +12,7 @@ from jax.flatten_util import ravel_pytree
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
+from numpyro_fed.inference import fitted
 from numpyro_fed_examples import models
 
 from .test_privacy import contains as _contains
@@ -51,8 +52,8 @@ class _RowScale(numpyro.primitives.Messenger):
 
 def _round_noise(svi, state):
     """The draws one round makes (the key schedule of VerticalSVI's round)."""
-    obj, alg = svi._setup_cache.extra
-    n_exchanges = len(svi._setup_cache.algorithm.exchanges)
+    obj, alg = fitted(svi).extra
+    n_exchanges = len(fitted(svi).algorithm.exchanges)
     k_forward = random.split(state.server_key, 2 + n_exchanges)[2]  # the server's key for the first exchange
     noise = {c: alg.client_noise(random.split(slot.rng_key)[1], c)  # each client's own key
              for c, slot in zip(obj.clients, state.clients)}
