@@ -30,10 +30,10 @@ import optax
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.backends.mapping import pad_client
 from numpyro_fed.dp.mechanisms import DPSGD, fixed_size_subset
 from numpyro_fed.factor.pvi_algorithm import _draws, _gaussian_params, _local_dp_sgd, _optimise
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.backends.mapping import pad_client
+from numpyro_fed.run.inference import fitted
 from numpyro_fed.terms import gaussian as G
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -3,7 +3,7 @@
 Two SuperNodes on 127.0.0.1 (numpyro_fed's paced SuperNode and executor, the rounds over the
 run's stream: ``LocalFederation``'s defaults), each holding one silo of the six-cities wheeze
 data (the demo's model, ``numpyro_fed_examples.models.logistic_glmm``, and silos); the task is
-``nf.ladder.Ladder(logistic_glmm, exact=True)``: the federated Laplace search, then federated
+``nf.fitting.ladder.Ladder(logistic_glmm, exact=True)``: the federated Laplace search, then federated
 Metropolis-within-Gibbs from its mode (4 chains x (300 + 1000) iterations, one round each).
 
 Reported: the end-to-end wall time (the federation started, ``flwr run`` submitted, the result
@@ -37,8 +37,8 @@ import numpy as np
 from numpyro.diagnostics import effective_sample_size
 
 import numpyro_fed as nf
+from numpyro_fed.fitting.ladder import Ladder
 from numpyro_fed.flower import LocalFederation
-from numpyro_fed.ladder import Ladder
 from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
 from numpyro_fed_examples.models import logistic_glmm
 
@@ -51,7 +51,7 @@ RTT = 0.05  # seconds: a wide-area round trip
 TASKS = '''
 from numpyro_fed_examples.datasets import load_six_cities, six_cities_silos
 from numpyro_fed.flower import FlowerTask
-from numpyro_fed.ladder import Ladder
+from numpyro_fed.fitting.ladder import Ladder
 from numpyro_fed_examples.models import logistic_glmm
 import numpyro_fed as nf
 

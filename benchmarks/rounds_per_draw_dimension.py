@@ -25,7 +25,7 @@ Each sampler starts from the same federated Laplace fit (its rounds counted) and
   chain took, counted on NumPyro's NUTS on the pooled data (4 chains of 500 + 1,000, the same
   algorithm), over that run's smallest bulk ESS;
 - ``federated_nuts_chains``: run: federated NUTS as ``nf.fit`` runs it, many short chains side by
-  side (``numpyro_fed.rung_choice.NUTS_CHAINS``, 100 warmup and 64 draws each) from the Laplace fit.
+  side (``numpyro_fed.fitting.rung_choice.NUTS_CHAINS``, 100 warmup and 64 draws each) from the Laplace fit.
 
 Reported per size: rounds over the smallest bulk ESS of the global scalars (every round, the
 Laplace start's included), split R-hat, and for the samplers the largest |mean - pooled NUTS's
@@ -52,9 +52,9 @@ from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
-from numpyro_fed.ladder import WARM_WARMUP
+from numpyro_fed.fitting.ladder import WARM_WARMUP
+from numpyro_fed.fitting.rung_choice import NUTS_CHAINS, nuts_draws
 from numpyro_fed.mcmc import FederatedMwG
-from numpyro_fed.rung_choice import NUTS_CHAINS, nuts_draws
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -175,9 +175,9 @@ def run_size(p: int, samplers=SAMPLERS) -> dict:
 
 
 def many_chains(clients, start, laplace_rounds: int, reference) -> dict:
-    """Federated NUTS as ``nf.fit`` runs it: :data:`~numpyro_fed.rung_choice.NUTS_CHAINS` short chains
+    """Federated NUTS as ``nf.fit`` runs it: :data:`~numpyro_fed.fitting.rung_choice.NUTS_CHAINS` short chains
     side by side from the Laplace fit (its mode and covariance; fitted here where no sampler ran),
-    :data:`~numpyro_fed.ladder.WARM_WARMUP` warmup, ``nuts_draws(SAMPLES)`` draws each; every round
+    :data:`~numpyro_fed.fitting.ladder.WARM_WARMUP` warmup, ``nuts_draws(SAMPLES)`` draws each; every round
     counted, the Laplace fit's included."""
     from numpyro_fed.factor import Laplace
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from sfvi_round_time import centralised_step_time, model, time_it  # noqa: E402
 
 import numpyro_fed as nf  # noqa: E402
-from numpyro_fed.protocol import Broadcast, ServerView  # noqa: E402
+from numpyro_fed.run.protocol import Broadcast, ServerView  # noqa: E402
 
 nf.tune_cpu_flags()  # README's recommended XLA CPU flags, before anything computes
 

@@ -1,8 +1,8 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models.
 
-Layout: the runtime every family shares (:mod:`~numpyro_fed.protocol`,
-:mod:`~numpyro_fed.backends`, :mod:`~numpyro_fed.transcript`,
-:mod:`~numpyro_fed.checkpoint`, :mod:`~numpyro_fed.availability`) and one folder per
+Layout: the runtime every family shares (:mod:`~numpyro_fed.run.protocol`,
+:mod:`~numpyro_fed.run.backends`, :mod:`~numpyro_fed.run.transcript`,
+:mod:`~numpyro_fed.run.checkpoint`, :mod:`~numpyro_fed.run.availability`) and one folder per
 family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horizontal`
 (SFVI, SFVI-Avg), :mod:`~numpyro_fed.factor` (PVI, EP), :mod:`~numpyro_fed.linear` (HM1),
 :mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL), :mod:`~numpyro_fed.mcmc` (exact
@@ -10,26 +10,27 @@ federated NUTS and HMC).
 """
 
 # subpackages, reached as nf.dp, nf.warnings, ... (not star-exported: __all__ holds the names a user calls)
-from . import checkpoint, dp, protocol, transcript, warnings  # noqa: F401
+from . import dp, warnings  # noqa: F401
 from ._xla import tune_cpu_flags
-from .arviz import to_arviz
-from .backends import SimulationBackend
-from .budget import RoundBudgetError
 from .clients import Clients
-from .comparison import federated_compare, federated_loo
-from .compilation_cache import use_compilation_cache
 from .dp import PrivacyReport, dp_noise
 from .factor import BCM, EP, PVI
-from .groups import group_plate
-from .handlers import global_site, local_site
+from .fitting.arviz import to_arviz
+from .fitting.comparison import federated_compare, federated_loo
+from .fitting.ladder import fit
 from .horizontal import FederatedSVI, FitDiagnostic, MeanFieldGuide, StructuredGuide
-from .ladder import fit
 from .linear import HM1
 from .mcmc import FederatedHMC, FederatedNUTS
-from .protocol import RunResult, RunState
-from .summary import print_summary, summary
+from .model.groups import group_plate
+from .model.handlers import global_site, local_site
+from .run import checkpoint, protocol, transcript  # noqa: F401  (nf.checkpoint, nf.protocol, nf.transcript)
+from .run.backends import SimulationBackend
+from .run.budget import RoundBudgetError
+from .run.compilation_cache import use_compilation_cache
+from .run.protocol import RunResult, RunState
+from .run.summary import print_summary, summary
+from .run.transcript import Communication, Transcript
 from .terms import gaussian  # noqa: F401  (a module, nf.gaussian)
-from .transcript import Communication, Transcript
 from .vertical import AmortizedAux, MeanFieldAux, VerticalGuide, VerticalSOUL, VerticalSVI, vertical_split
 from .warnings import FederatedWarning, FitWarning
 

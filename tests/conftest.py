@@ -48,10 +48,10 @@ _FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "")
 
 # Progress bars are on by default for users (as NumPyro's); tests run quietly. A test of the
 # default itself sets it back with monkeypatch.
-from numpyro_fed.inference import FederatedInference  # noqa: E402
+from numpyro_fed.run.inference import FederatedInference  # noqa: E402
 
 FederatedInference.progress_bar = False
-from numpyro_fed import fit_cache  # noqa: E402
+from numpyro_fed.fitting import cache as fit_cache  # noqa: E402
 
 jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 

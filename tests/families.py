@@ -167,7 +167,7 @@ def ring_model(y):
 
 def fit():
     """nf.fit's ladder on a Gaussian model: the Laplace fit is accepted."""
-    return nf.ladder.Ladder(ep_model, num_samples=200), horizontal_data()
+    return nf.fitting.ladder.Ladder(ep_model, num_samples=200), horizontal_data()
 
 
 def fit_nuts():
@@ -176,13 +176,13 @@ def fit_nuts():
     the curvature there is not negative definite: no start for Metropolis-within-Gibbs, and federated
     NUTS runs from there."""
     y = np.array([4.3, 3.7, 4.1, 3.9, 4.2, 3.8, 4.05, 3.95, 4.0], np.float32)
-    return (nf.ladder.Ladder(ring_model, num_warmup=30, num_samples=30),
+    return (nf.fitting.ladder.Ladder(ring_model, num_warmup=30, num_samples=30),
             nf.Clients.split(np.repeat([0, 1, 2], 3), y=y))
 
 
 def fit_exact():
     """nf.fit(..., exact=True): the Laplace search, then federated Metropolis-within-Gibbs from its mode."""
-    return nf.ladder.Ladder(hierarchical, exact=True, num_warmup=50, num_samples=100), horizontal_data()
+    return nf.fitting.ladder.Ladder(hierarchical, exact=True, num_warmup=50, num_samples=100), horizontal_data()
 
 
 #: nf.fit's ladder (a Ladder is not a family: it runs several)
@@ -233,15 +233,15 @@ def nuts_masking():
 
 def fit_masking():
     """nf.fit's ladder with every exchange, and both fit checks, summed by pairwise masking."""
-    return nf.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="masking"), horizontal_data()
+    return nf.fitting.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="masking"), horizontal_data()
 
 
 def fit_dp_masking():
     """nf.fit(dp=..., exact=True): the private start, then the exact DP sampler from it, every release
     summed by pairwise masking."""
     model = nf.dp_noise(hierarchical, clip=2.0, delta=1e-3, epsilon=8.0)
-    return nf.ladder.Ladder(model, dp=nf.dp.PrivateFit(start_clip=20.0, start_rounds=4), exact=True, num_warmup=20,
-                            num_samples=20, secure_aggregation="masking"), horizontal_data()
+    return nf.fitting.ladder.Ladder(model, dp=nf.dp.PrivateFit(start_clip=20.0, start_rounds=4), exact=True,
+                                    num_warmup=20, num_samples=20, secure_aggregation="masking"), horizontal_data()
 
 
 def regression(x, y):
@@ -254,7 +254,7 @@ def fit_dp_control_masking():
     """nf.fit(dp=..., exact=True) on a model without local latents: the sampler releases its rows' ratios less
     the private start's released expansion (a control variate the server announces with the stage)."""
     model = nf.dp_noise(regression, clip=20.0, delta=1e-3, epsilon=8.0)
-    return nf.ladder.Ladder(model, dp=nf.dp.PrivateFit(start_rounds=4), exact=True, num_warmup=20,
+    return nf.fitting.ladder.Ladder(model, dp=nf.dp.PrivateFit(start_rounds=4), exact=True, num_warmup=20,
                             num_samples=20, secure_aggregation="masking"), horizontal_data()
 
 

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .references import nuts_reference
 

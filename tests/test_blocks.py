@@ -14,8 +14,8 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.backends.mapping import client_data
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.backends.mapping import client_data
+from numpyro_fed.run.inference import fitted
 from numpyro_fed.terms.blocks import block_hessian, blocks_hold, local_blocks, quadrature_correction
 from numpyro_fed.terms.tilted import inner_mode, laplace_moments
 from numpyro_fed_examples.models import logistic_glmm

@@ -14,7 +14,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.budget import MIN_PACE_ITERATIONS, Pace
+from numpyro_fed.run.budget import MIN_PACE_ITERATIONS, Pace
 
 
 def _model(y):

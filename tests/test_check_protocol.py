@@ -143,7 +143,7 @@ def test_the_documented_new_family_inherits_no_family_and_matches_the_analytic_p
     the analytic posterior, its verdict is ``ok``, and a proposal far from the posterior is
     ``unreliable``; its messages are counted as every family's."""
     FederatedIS = _adding_a_family()
-    assert FederatedIS.__mro__[1] is nf.inference.FederatedInference
+    assert FederatedIS.__mro__[1] is nf.run.inference.FederatedInference
     rng = np.random.default_rng(4)
     y = rng.normal(0.8, 1.0, 40).astype(np.float32)
     clients = nf.Clients.split(np.arange(40) % 4, y=y)
@@ -183,7 +183,7 @@ def test_the_documented_sampler_reads_as_every_sampler_and_matches_the_analytic_
     sample_posterior, to_arviz and summary read it without a line of its own; chains that do
     not move are judged unreliable by its check."""
     FederatedRWM = _adding_a_sampler()
-    assert FederatedRWM.__mro__[1] is nf.inference.FederatedInference
+    assert FederatedRWM.__mro__[1] is nf.run.inference.FederatedInference
     rng = np.random.default_rng(5)
     y = rng.normal(0.8, 1.0, 40).astype(np.float32)
     clients = nf.Clients.split(np.arange(40) % 4, y=y)

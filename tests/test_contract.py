@@ -15,9 +15,9 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.inference import FederatedInference, fitted
 from numpyro_fed.mcmc import FederatedMwG
-from numpyro_fed.params import DrawParams, GaussianParams, GuideParams, HM1Params, VerticalParams
+from numpyro_fed.run.inference import FederatedInference, fitted
+from numpyro_fed.run.params import DrawParams, GaussianParams, GuideParams, HM1Params, VerticalParams
 
 from . import families
 
@@ -202,7 +202,7 @@ def test_every_familys_result_gives_draws_of_the_globals_and_of_a_clients_own_si
 def test_nf_fits_fit_has_the_families_reading_signatures_without_the_result():
     """``Fit.sample_posterior(rng_key, num_samples=None, *, client=None)`` and
     ``Fit.get_samples(group_by_chain=False, *, client=None)``: the families' own, less ``result``."""
-    from numpyro_fed.fit_result import Fit
+    from numpyro_fed.fitting.result import Fit
 
     for verb in ("sample_posterior", "get_samples"):
         ours = inspect.signature(getattr(Fit, verb)).parameters

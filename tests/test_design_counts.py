@@ -20,7 +20,7 @@ def test_the_package_keeps_its_design_counts():
     assert found["import_cycles"] == []
     assert all(where == [] for where in found["inline_validation"].values()), found["inline_validation"]
     assert found["functions_over_80_lines"] == []
-    assert [w.split(":")[0] for w in found["round_loops"]] == ["numpyro_fed/backends/driver.py"]
+    assert [w.split(":")[0] for w in found["round_loops"]] == ["numpyro_fed/run/backends/driver.py"]
     assert len(found["deepest_public_class_chain"]) <= 3, found["deepest_public_class_chain"]
     assert found["hand_set_stacklevels"] == []
     assert found["backend_reads_of_private_inference_state"] == []
@@ -74,13 +74,13 @@ def test_the_counts_of_private_members_and_of_families_inheriting_families(tmp_p
 def test_no_module_touches_another_modules_private_members():
     """No private member of another numpyro_fed module's object is read or written, by any name
     (the transport reaches Flower through the backend's public messenger; a family reaches its
-    set-up and its state through ``numpyro_fed.inference``'s functions). What is left is other
+    set-up and its state through ``numpyro_fed.run.inference``'s functions). What is left is other
     libraries' internals: NumPyro's mask of a masked distribution (it has no public one), and
     the Flower internals that the opt-in runtime replaces (``flower/runtime/``, pinned to flwr
     1.41/1.42), and ``os._exit``."""
     found = design_counts.counts()["private_members_across_modules"]
     where = sorted(w.split(":")[0] + " " + w.split(" ", 1)[1] for w in found)
-    assert set(where) <= {"numpyro_fed/_structure.py fn._mask", "numpyro_fed/flower/runtime/lifeline.py os._exit",
+    assert set(where) <= {"numpyro_fed/model/structure.py fn._mask", "numpyro_fed/flower/runtime/lifeline.py os._exit",
                           "numpyro_fed/flower/runtime/pull.py grid._run",
                           "numpyro_fed/flower/runtime/supernode.py module._push_messages"}, where
 

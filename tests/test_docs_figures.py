@@ -95,7 +95,7 @@ def test_the_external_suites_exact_table_is_its_results():
     """``nf.fit(..., exact=True)`` on the external suite: every row of docs/benchmarks.md's table and
     the counts above it as ``benchmarks/posteriordb_suite.py --exact-table`` renders them, and
     README's summary of them; none spent more than the default bound on rounds."""
-    from numpyro_fed.budget import MAX_ROUNDS
+    from numpyro_fed.run.budget import MAX_ROUNDS
 
     suite = _benchmark("posteriordb_suite")
     results = json.loads((ROOT / "benchmarks" / "results" / "posteriordb_suite.json").read_text())

@@ -79,7 +79,8 @@ def test_every_docstring_cross_reference_resolves():
 
 
 def test_the_resolver_sees_a_reference_to_nothing():
-    assert not resolves("rung_options", "numpyro_fed.ladder")  # what help(nf.fit) once pointed to
+    assert not resolves("rung_options", "numpyro_fed.fitting.ladder")  # what help(nf.fit) once pointed to
     assert not resolves("~numpyro_fed.vertical_objective.VerticalObjective", "numpyro_fed.vertical.sfvi_algorithm")
-    assert resolves("RUNG_OPTIONS", "numpyro_fed.ladder") and resolves("~numpyro_fed.fit", "numpyro_fed.ladder")
-    assert resolves("Fit.log", "numpyro_fed.ladder") and resolves("~numpyro_fed.fit_result.Fit.answer", "x")
+    assert resolves("RUNG_OPTIONS", "numpyro_fed.fitting.ladder")
+    assert resolves("~numpyro_fed.fit", "numpyro_fed.fitting.ladder")
+    assert resolves("Fit.log", "numpyro_fed.fitting.ladder") and resolves("~numpyro_fed.fitting.result.Fit.answer", "x")

@@ -137,7 +137,7 @@ def test_a_canary_audit_of_the_release_step_stays_within_the_claim_and_catches_h
         y = jnp.concatenate([others, jnp.array([sign * 1000.0])])
         data = ClientData({"y": y}, jnp.ones(10), jnp.asarray(10))
         config = core.DPMHConfig(0, 1, 1, clip, noise_multiplier * clip)
-        b = nf.protocol.Broadcast({"current": jnp.zeros((1, 1)), "proposal": jnp.full((1, 1), 0.1),
+        b = nf.run.protocol.Broadcast({"current": jnp.zeros((1, 1)), "proposal": jnp.full((1, 1), 0.1),
                                    "iteration": jnp.zeros(1, jnp.int32)})
         state = core.DPMHClientState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         return core._client_step(key, state, b, data, row_log_lik=row_log_lik, config=config)[1]["llr"][0]
@@ -160,7 +160,7 @@ def canary_audit(release, nm, claimed, target, runs):
     assert broken > claimed, (honest, broken, claimed)
 
 def _layout():
-    from numpyro_fed._structure import analyse_model
+    from numpyro_fed.model.structure import analyse_model
 
     clients = nf.Clients.split(np.repeat([0, 1], 2), y=np.zeros(4, np.float32))
     return analyse_model(normal_mean, clients, {}).global_latent
@@ -239,7 +239,7 @@ def test_under_secure_aggregation_each_client_adds_the_whole_noise_and_the_chain
     no client's release reaches the server; with clients dropping (a trusted aggregator) each
     client makes exactly its planned releases, each charged sigma, as an independent dp-accounting
     recomputation says."""
-    from numpyro_fed.secure import FRACTION_BITS
+    from numpyro_fed.run.secure import FRACTION_BITS
 
     from .test_privacy import contains
     clients, mean, sd = data

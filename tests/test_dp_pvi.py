@@ -17,7 +17,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.dp.accounting import epsilon
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .test_dp_metropolis import patients
 from .test_pvi import linear_model
@@ -288,7 +288,7 @@ def test_update_perturbation_summed_by_pairwise_masking_is_the_trusted_aggregato
     aggregator's whose clients add sqrt(M) times its noise, to the fixed-point resolution; no message
     shows a client's own noised update (each is in the trusted run's transcript); the report charges
     every release the whole noise."""
-    from numpyro_fed.secure import FRACTION_BITS
+    from numpyro_fed.run.secure import FRACTION_BITS
 
     from .test_privacy import contains
     clients, _, _ = hierarchy

@@ -21,7 +21,7 @@ import numpyro_fed as nf
 from numpyro_fed.dp.dp_laplace import DPLaplace
 from numpyro_fed.dp.releases import CappedServer, capped_releases, over_plan
 from numpyro_fed.mcmc import DPMetropolis
-from numpyro_fed.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from numpyro_fed.run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
 from .test_dp_metropolis import normal_mean
 from .test_private_fit import hierarchy, patients
@@ -141,7 +141,8 @@ def test_a_client_sends_a_lost_release_again_unchanged_and_refuses_one_past_its_
     # the server records the refusal and the run is done
     server, _ = algorithm.init_server(jax.random.PRNGKey(0))
     messages = {"z": jnp.zeros((2, 3)), "released": jnp.array([False, False]), "over_plan": jnp.array([True, False])}
-    server, _, _ = ex.server_step(jax.random.PRNGKey(0), server, messages, nf.protocol.ServerView(jnp.ones(2, bool)))
+    view = nf.run.protocol.ServerView(jnp.ones(2, bool))
+    server, _, _ = ex.server_step(jax.random.PRNGKey(0), server, messages, view)
     assert bool(algorithm.done(server))
     fake = type("R", (), {"state": type("S", (), {"server": server})()})()
     assert isinstance(server, CappedServer) and over_plan(fake) == [0]

@@ -26,10 +26,10 @@ from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.backends.mapping import client_data
 from numpyro_fed.dp.dp_laplace import DPLaplace
 from numpyro_fed.dp.rows import row_terms, unit_locals
-from numpyro_fed.groups import sized_model
+from numpyro_fed.model.groups import sized_model
+from numpyro_fed.run.backends.mapping import client_data
 
 from .test_fit import _glmm as model  # README's first model
 from .test_fit import _glmm_data as readme_data

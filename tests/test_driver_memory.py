@@ -7,9 +7,9 @@ import weakref
 import jax
 import numpy as np
 
-from numpyro_fed.backends.driver import Rounds, drive
-from numpyro_fed.protocol import FederatedAlgorithm, RunState
-from numpyro_fed.transcript import Communication
+from numpyro_fed.run.backends.driver import Rounds, drive
+from numpyro_fed.run.protocol import FederatedAlgorithm, RunState
+from numpyro_fed.run.transcript import Communication
 
 
 class Marker:

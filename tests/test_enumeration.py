@@ -17,8 +17,8 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.infer import TraceEnum_ELBO
 
 import numpyro_fed as nf
-from numpyro_fed.backends.mapping import client_data, client_item
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.backends.mapping import client_data, client_item
+from numpyro_fed.run.inference import fitted
 
 from .references import nuts_reference
 

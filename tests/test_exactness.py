@@ -13,8 +13,8 @@ from numpyro.handlers import seed, trace
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.backends.mapping import client_data, client_item
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.backends.mapping import client_data, client_item
+from numpyro_fed.run.inference import fitted
 
 from .models import MODELS
 

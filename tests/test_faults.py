@@ -18,9 +18,9 @@ from jax import random
 from numpyro.distributions import constraints
 
 import numpyro_fed as nf
-from numpyro_fed.checkpoint import CheckpointError
 from numpyro_fed.flower.server import FlowerBackend
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.checkpoint import CheckpointError
+from numpyro_fed.run.inference import fitted
 
 from .families import FAMILIES, horizontal_data, linear, run
 
@@ -87,7 +87,7 @@ def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
     whole = _sfvi().run(random.key(0), clients, 6, progress_bar=False)
     np.testing.assert_array_equal(resumed.params.guide["loc"], whole.params.guide["loc"])
     with pytest.raises(ValueError, match="resume with the same kind of key"):  # a raw-key template
-        nf.checkpoint.load(path, again._template(fitted(again)), fitted(again).plan.names)
+        nf.run.checkpoint.load(path, again._template(fitted(again)), fitted(again).plan.names)
 
 
 # ---------------------------------------------------------------- 2. a damaged checkpoint says so
@@ -284,7 +284,7 @@ def test_a_flower_resume_refuses_a_checkpoint_that_is_not_this_federations(tmp_p
     setup = fitted(inference)
     with pytest.raises(ValueError, match="is not a Flower server checkpoint \\(family 'sfvi'\\)"):
         resumed_checkpoint(simulated, setup.algorithm, setup.plan.names, random.PRNGKey(0))
-    from numpyro_fed import checkpoint
+    from numpyro_fed.run import checkpoint
 
     state = res.state._replace(clients=())
     flower = str(tmp_path / "flower.npz")
@@ -452,8 +452,9 @@ def test_withheld_diagnostics_are_read_without_a_per_client_state_read(monkeypat
     inference, clients = _calibrated("pvi"), horizontal_data()
     res = inference.run(random.PRNGKey(0), clients, 2, progress_bar=False)
     reads = []
-    original = nf.protocol.ClientStates.__getitem__
-    monkeypatch.setattr(nf.protocol.ClientStates, "__getitem__", lambda self, n: reads.append(n) or original(self, n))
+    original = nf.run.protocol.ClientStates.__getitem__
+    monkeypatch.setattr(nf.run.protocol.ClientStates, "__getitem__",
+                        lambda self, n: reads.append(n) or original(self, n))
     nf.dp.plan.warn_withheld("PVI", res)
     assert reads == []
 

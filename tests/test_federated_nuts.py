@@ -12,8 +12,8 @@ from numpyro.infer.hmc import hmc
 from numpyro.infer.util import initialize_model
 
 import numpyro_fed as nf
-from numpyro_fed._structure import trace_model
-from numpyro_fed.inference import fitted
+from numpyro_fed.model.structure import trace_model
+from numpyro_fed.run.inference import fitted
 
 SIZES = {"c0": 3, "c1": 5, "c2": 8}  # unequal: the vectorised clients are padded and masked
 

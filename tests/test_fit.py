@@ -14,7 +14,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.check.psis import curvature_report, fit_diagnostic
-from numpyro_fed.rung_choice import NUTS_CHAINS, nuts_draws
+from numpyro_fed.fitting.rung_choice import NUTS_CHAINS, nuts_draws
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(90, 2)).astype(np.float32)
@@ -236,7 +236,7 @@ def test_chains_short_of_400_effective_draws_run_on_once():
     ladder runs the same chains on, continued where they stopped (their first draws are the short
     run's, and the run on takes one round per draw added), to the length that reaches it, says so
     in its log, and answers with the longer run."""
-    from numpyro_fed.ladder import MWG_MIN_ESS
+    from numpyro_fed.fitting.ladder import MWG_MIN_ESS
 
     fit = nf.fit(_regression(dist.Normal(0.0, 3.0)), _clients(), jax.random.PRNGKey(0), exact=True,
                  num_samples=100, num_warmup=100, progress_bar=False)
@@ -389,7 +389,7 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     """Over Flower the server announces each rung as text and every party builds it with
     ``Ladder.rung``: the warm start (mode and covariance) survives the text to the bit, the
     warmup follows it, and an unknown rung is refused."""
-    from numpyro_fed.ladder import MWG_WARMUP, WARM_WARMUP, WIDEN, Ladder
+    from numpyro_fed.fitting.ladder import MWG_WARMUP, WARM_WARMUP, WIDEN, Ladder
 
     ladder = Ladder(_regression(dist.Normal(0.0, 3.0)), num_samples=50)
     mean = np.array([0.1234567890123, -2.0 / 3.0])

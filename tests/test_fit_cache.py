@@ -1,4 +1,4 @@
-"""``nf.fit`` keeps its rungs for the process (numpyro_fed/fit_cache.py): a second fit of the same
+"""``nf.fit`` keeps its rungs for the process (numpyro_fed/fitting/cache.py): a second fit of the same
 model, options and data reuses them, compiling nothing; a changed global the model reads, changed
 data or other options build anew, and every answer is checked against the analytic posterior."""
 
@@ -9,7 +9,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed import fit_cache
+from numpyro_fed.fitting import cache as fit_cache
 
 PRIOR = {"scale": 10.0}  # a global the model reads, as a notebook's cell would set it
 

@@ -13,7 +13,7 @@ import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.check.psis import PARETO_K_LIMIT, fit_diagnostic
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .references import nuts_reference
 

@@ -17,7 +17,7 @@ from numpyro.infer import Predictive
 
 import numpyro_fed as nf
 from numpyro_fed.check.chains import chain_report
-from numpyro_fed.ladder import RUNG_OPTIONS, Ladder
+from numpyro_fed.fitting.ladder import RUNG_OPTIONS, Ladder
 
 
 def _regression(x, y=None):

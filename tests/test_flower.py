@@ -24,7 +24,7 @@ import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.runtime.launcher import descendants, pid_exists  # noqa: E402
 from numpyro_fed.flower.sealed import OVERHEAD  # noqa: E402
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .families import DP_FAMILIES, FAMILIES, FIT_FAMILIES, MCMC_FAMILIES, run  # noqa: E402
 from .test_privacy import _BY_DESIGN, _client_secrets, _slots, contains  # noqa: E402
@@ -289,10 +289,10 @@ def test_every_party_builds_the_simulations_algorithm_from_the_template(family):
     import jax
     import optax
 
-    from numpyro_fed.backends.mapping import client_item
     from numpyro_fed.flower import FlowerTask
     from numpyro_fed.flower.task import build, own_groups_of
     from numpyro_fed.flower.wire import Template, describe, parse_template, shapes_of, wire_structures
+    from numpyro_fed.run.backends.mapping import client_item
 
     rng = np.random.default_rng(0)
     groups = {"a": 3, "b": 5, "c": 2}
@@ -355,7 +355,7 @@ def test_a_sealed_part_opens_only_with_the_aggregators_key_and_its_own_round():
     from cryptography.exceptions import InvalidTag
 
     from numpyro_fed.flower.sealed import associated_data, new_keypair, open_sealed, seal, split_leaves
-    from numpyro_fed.transcript import message_to_bytes
+    from numpyro_fed.run.transcript import message_to_bytes
 
     private, public = new_keypair()
     message = {"g": np.arange(3, dtype=np.float32), "n": np.asarray(2, np.int32)}

@@ -29,7 +29,7 @@ from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.masking import PEER_KEYS, SIGNING_KEY  # noqa: E402
 from numpyro_fed.flower.runtime import launcher  # noqa: E402
 from numpyro_fed.flower.runtime.launcher import FederationError  # noqa: E402
-from numpyro_fed.secure.roster import new_signing_key  # noqa: E402
+from numpyro_fed.run.secure.roster import new_signing_key  # noqa: E402
 
 from .families import MASKED_FAMILIES, run  # noqa: E402
 from .test_flower import APP_FILES, _assert_same  # noqa: E402

@@ -144,8 +144,8 @@ def test_a_client_killed_mid_stream_is_left_out_at_once_and_rejoins_over_a_new_i
 
 def _stored_slot(folder, name, like):
     """The client state a node keeps in ``numpyro-fed-state-dir`` (its latest) for site ``name``."""
-    from numpyro_fed import checkpoint
-    from numpyro_fed.protocol import ClientSlot, RunState
+    from numpyro_fed.run import checkpoint
+    from numpyro_fed.run.protocol import ClientSlot, RunState
 
     (path,) = [p for p in Path(folder).iterdir() if p.name.endswith(f"-{name}.npz")]
     shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), like)
@@ -220,7 +220,7 @@ def test_a_flower_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path):
         first = fed.run("flower_tasks:pvi", 2, seed=0, checkpoint=str(server_ckpt))
         resumed = fed.run("flower_tasks:pvi", 2, seed=5, resume=str(server_ckpt),  # the checkpoint's keys win
                           checkpoint=str(tmp_path / "again.npz"))
-    from numpyro_fed.checkpoint import read_meta
+    from numpyro_fed.run.checkpoint import read_meta
 
     for part in (first, resumed):  # a site left out (e.g. a reply past its timeout) is named, not a number apart
         assert part["missing"] == [], (part["missing"], part["warnings"])

@@ -18,7 +18,7 @@ pytest.importorskip("flwr")
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.flower import LocalFederation  # noqa: E402
 from numpyro_fed.flower.client import FAULT_KEY  # noqa: E402
-from numpyro_fed.secure import FRACTION_BITS  # noqa: E402
+from numpyro_fed.run.secure import FRACTION_BITS  # noqa: E402
 
 from .families import MASKED_FAMILIES, ep_model, run  # noqa: E402
 from .test_flower import APP_FILES, _assert_same  # noqa: E402
@@ -153,8 +153,8 @@ def test_nf_fit_under_masking_over_flower_equals_the_simulation_with_its_checks_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sim = ladder.run(random.PRNGKey(0), inputs, record_transcript=True, availability=_schedule(100))
-        trusted = nf.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="trusted", client_mapping="loop",
-                                   progress_bar=False)
+        trusted = nf.fitting.ladder.Ladder(ep_model, num_samples=200, secure_aggregation="trusted",
+                                           client_mapping="loop", progress_bar=False)
         clear = trusted.run(random.PRNGKey(0), inputs, record_transcript=True, keep_values=True,
                             availability=_schedule(100))
     flower = federation.run("flower_tasks:fit_masking", 1, seed=0, num_clients=3, keep_values=True,

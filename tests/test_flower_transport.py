@@ -271,7 +271,7 @@ def test_a_client_takes_back_a_step_the_server_did_not_count_and_refuses_a_state
     from flwr.app import RecordDict
 
     from numpyro_fed.flower import client as cl
-    from numpyro_fed.protocol import ClientSlot
+    from numpyro_fed.run.protocol import ClientSlot
     from numpyro_fed.warnings import MissingClientsWarning
 
     class State(NamedTuple):

@@ -15,7 +15,7 @@ from jax import random
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.groups import sized_model
+from numpyro_fed.model.groups import sized_model
 
 SIGMA, TAU, PRIOR = 0.5, 0.8, 2.0
 GROUPS = (1, 3, 7)

@@ -15,7 +15,7 @@ from numpyro import handlers
 from numpyro.infer.reparam import LocScaleReparam
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from . import references
 
@@ -101,7 +101,7 @@ def test_scale_and_mask_reach_the_client_terms():
         svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01), stl=False)
         state = svi.init(random.PRNGKey(0), clients)
         obj = fitted(svi).extra
-        from numpyro_fed.backends.mapping import client_data
+        from numpyro_fed.run.backends.mapping import client_data
         data = client_data(fitted(svi).plan, 0)
         g = state.server.global_params
         local = jax.tree_util.tree_map(lambda x: x[0], state.clients.state.local_params)
@@ -168,7 +168,7 @@ def test_a_masked_latent_sites_jacobian_is_masked_as_numpyro_masks_it(mask):
     handlers). The federated terms are NumPyro's potential energy, whatever the mask."""
     from numpyro.infer.util import potential_energy
 
-    from numpyro_fed._structure import log_joint
+    from numpyro_fed.model.structure import log_joint
 
     m = np.array([True, False, True]) if mask == "array" else mask
 

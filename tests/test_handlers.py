@@ -6,7 +6,7 @@ import pytest
 from numpyro.handlers import seed, substitute, trace
 
 import numpyro_fed as nf
-from numpyro_fed.handlers import site_role
+from numpyro_fed.model.handlers import site_role
 
 
 def model():

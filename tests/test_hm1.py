@@ -6,9 +6,9 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
 from numpyro_fed.linear.hm1_algorithm import hm1, minibatch_weights
-from numpyro_fed.protocol import Broadcast
+from numpyro_fed.run.inference import fitted
+from numpyro_fed.run.protocol import Broadcast
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_a_too_large_step_warns_or_stops(devices):
     """A summed full-batch step with lr too large for the rows blows up: NonFiniteError; a
     run stopped early, while Theta still moves, warns naming the round."""
     clients = devices[0]
-    with pytest.raises(nf.backends.NonFiniteError):
+    with pytest.raises(nf.run.backends.NonFiniteError):
         nf.HM1(lr=0.5, batch_size=None).run(random.PRNGKey(0), clients, 30)
     with pytest.warns(nf.warnings.UnconvergedWarning, match="round 2"):
         nf.HM1(lr=0.001).run(random.PRNGKey(0), clients, 2)

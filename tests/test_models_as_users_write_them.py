@@ -16,8 +16,8 @@ import pytest
 from numpyro.infer import init_to_value
 
 import numpyro_fed as nf
-from numpyro_fed import _pointwise
-from numpyro_fed.inference import fitted
+from numpyro_fed.model import pointwise
+from numpyro_fed.run.inference import fitted
 
 
 def mixture(y):
@@ -56,7 +56,7 @@ def _marginal_error(fit, y) -> float:
 def _drawing_the_assignment(monkeypatch, fit):
     """The mutant: each row scored at a component drawn from its prior (the enumerated site left to the
     seeded trace), its compiled programs dropped so the next InferenceData is built with it."""
-    monkeypatch.setattr(_pointwise, "enumerated_terms", lambda *args, **kwargs: {})
+    monkeypatch.setattr(pointwise, "enumerated_terms", lambda *args, **kwargs: {})
     fitted(fit.inference).cache.clear()
     fit._idata = None
 
@@ -271,7 +271,7 @@ def test_a_checkpoint_resumed_under_reordered_sites_is_refused_naming_them(tmp_p
     refused, naming both orders. A resume in the saved order gives the uninterrupted run's
     parameters. The mutant that reads by position (no layout check) accepts the reordered model,
     whose flat vectors then hold other sites."""
-    from numpyro_fed import checkpoint as ckpt
+    from numpyro_fed.run import checkpoint as ckpt
 
     rng = np.random.default_rng(1)
     clients = nf.Clients.split(np.repeat([0, 1], 30), y=rng.normal(1.0, 2.0, 60).astype(np.float32))
@@ -338,8 +338,8 @@ def crossed_centred(plate, sample, y):
 
 def _advice_after_laplace(model, clients, search=True):
     """The advice from a Laplace fit's mode (``search``), or from the model and its rows alone."""
-    from numpyro_fed.advice import advice
-    from numpyro_fed.groups import sized_model
+    from numpyro_fed.check.advice import advice
+    from numpyro_fed.model.groups import sized_model
 
     laplace = nf.factor.Laplace(model, check_fit=False)
     if search:

@@ -11,10 +11,10 @@ import pytest
 from numpyro.diagnostics import effective_sample_size
 
 import numpyro_fed as nf
-from numpyro_fed.backends.mapping import client_data
-from numpyro_fed.inference import fitted
 from numpyro_fed.mcmc import FederatedMwG
 from numpyro_fed.mcmc.mwg_algorithm import anchor_map, laplace_map
+from numpyro_fed.run.backends.mapping import client_data
+from numpyro_fed.run.inference import fitted
 from numpyro_fed.terms.blocks import local_blocks as propose_blocks
 from numpyro_fed.terms.tilted import first_descent
 

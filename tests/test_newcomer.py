@@ -111,7 +111,7 @@ def _small():
 
 @pytest.mark.parametrize("family", ["EP", "PVI", "FederatedNUTS"])
 def test_every_family_shows_a_progress_bar_by_default(family, monkeypatch, capsys):
-    from numpyro_fed.inference import FederatedInference
+    from numpyro_fed.run.inference import FederatedInference
 
     monkeypatch.setattr(FederatedInference, "progress_bar", True)  # the user's default (the tests turn it off)
     model, clients = _small()

@@ -8,7 +8,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .families import DP_FAMILIES, FAMILIES, run
 from .models import logistic_local
@@ -83,13 +83,13 @@ def test_audit_detects_a_leak(clients):
 def test_message_round_trip_as_ndarrays(clients):
     svi = nf.FederatedSVI(logistic_local, nf.StructuredGuide(logistic_local), optax.adam(0.05))
     state = svi.init(random.PRNGKey(0), clients)
-    arrays = nf.transcript.message_to_ndarrays(state.broadcast)
+    arrays = nf.run.transcript.message_to_ndarrays(state.broadcast)
     assert all(isinstance(a, np.ndarray) for a in arrays)
-    back = nf.transcript.message_from_ndarrays(state.broadcast, arrays)
+    back = nf.run.transcript.message_from_ndarrays(state.broadcast, arrays)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state.broadcast)):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="leaves"):
-        nf.transcript.message_from_ndarrays(state.broadcast, arrays[:-1])
+        nf.run.transcript.message_from_ndarrays(state.broadcast, arrays[:-1])
 
 
 def _client_secrets(family, inference, inputs, result):

@@ -189,7 +189,7 @@ def test_a_canary_audit_of_the_private_starts_release_stays_within_the_claim_and
         y = jax.numpy.concatenate([others, jax.numpy.array([sign * 1000.0])])
         data = ClientData({"y": y}, jax.numpy.ones(10), jax.numpy.asarray(10))
         state = DPLaplaceClient(jax.numpy.zeros((), jax.numpy.int32), jax.numpy.zeros((), jax.numpy.int32))
-        broadcast = nf.protocol.Broadcast({"u": jax.numpy.zeros(1)})
+        broadcast = nf.run.protocol.Broadcast({"u": jax.numpy.zeros(1)})
         return algorithm.exchanges[0].client_step(key, state, broadcast, data)[1]["z"][0]
 
     canary_audit(release, nm, claimed, target, runs)

@@ -109,7 +109,7 @@ def _one_update_at(precision, **options):
     messages = {"delta": delta, "valid": jnp.ones(1, bool), "fit_ok": jnp.ones(1, bool), "fit_stat": jnp.zeros(1),
                 "fit_k": jnp.zeros(1)}
     _, message, info = alg.exchanges[0].server_step(random.PRNGKey(1), state, messages,
-                                                    nf.protocol.ServerView(jnp.ones(1, bool)))
+                                                    nf.run.protocol.ServerView(jnp.ones(1, bool)))
     return message, info
 
 
@@ -141,7 +141,7 @@ def test_trust_region_halves_damping_for_a_far_move():
         alg = factor_protocol(prior, None, 1, max_kl=max_kl)
         state, _ = alg.init_server(random.PRNGKey(0))
         _, message, info = alg.exchanges[0].server_step(
-            random.PRNGKey(1), state, msgs, nf.protocol.ServerView(jnp.ones(1, bool))
+            random.PRNGKey(1), state, msgs, nf.run.protocol.ServerView(jnp.ones(1, bool))
         )
         assert float(info.damping) == want
         assert float(G.kl_divergence(message.shared["q"], prior)) <= (max_kl or np.inf)

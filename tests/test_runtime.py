@@ -16,7 +16,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .families import FAMILIES, horizontal_data, linear, run
 
@@ -138,7 +138,7 @@ def binary():
 @pytest.mark.parametrize("progress_bar", [False, True])
 def test_exploding_optimiser_stops_with_the_round(binary, progress_bar):
     svi = nf.FederatedSVI(logistic, nf.StructuredGuide(logistic), optax.sgd(1e8))
-    with pytest.raises(nf.backends.NonFiniteError, match=r"round \d+: non-finite values") as err:
+    with pytest.raises(nf.run.backends.NonFiniteError, match=r"round \d+: non-finite values") as err:
         svi.run(random.PRNGKey(0), binary, 200, progress_bar=progress_bar)
     assert 1 <= err.value.round < 200
     last = err.value.state
@@ -166,7 +166,7 @@ def test_nonfinite_names_the_client(tmp_path):
     x[15:] = 3e38  # client '3' only
     clients = nf.Clients.split(np.repeat([0, 1, 2, 3], 5), x=x, y=np.ones(20, np.float32))
     svi = nf.FederatedSVI(model, nf.StructuredGuide(model), optax.adam(0.01))
-    with pytest.raises(nf.backends.NonFiniteError, match=r"round 1: .*client\(s\) \['3'\]") as err:
+    with pytest.raises(nf.run.backends.NonFiniteError, match=r"round 1: .*client\(s\) \['3'\]") as err:
         svi.run(random.PRNGKey(0), clients, 5, progress_bar=False)
     assert err.value.clients == ["3"]
 
@@ -193,11 +193,11 @@ def test_byte_counts_are_the_serialised_sizes():
     t = res.transcript
     assert t.bytes_up == res.communication.bytes_up and t.bytes_down == res.communication.bytes_down
     for e in t.entries[:10]:
-        assert e.nbytes == len(nf.transcript.message_to_bytes(e.value))
+        assert e.nbytes == len(nf.run.transcript.message_to_bytes(e.value))
     message = {"a": np.arange(3.0, dtype=np.float32), "b": np.ones((2, 2), np.int32)}
-    blob = nf.transcript.message_to_bytes(message)
-    assert len(blob) == nf.transcript.message_bytes(message)
-    back = nf.transcript.message_from_bytes(message, blob)
+    blob = nf.run.transcript.message_to_bytes(message)
+    assert len(blob) == nf.run.transcript.message_bytes(message)
+    back = nf.run.transcript.message_from_bytes(message, blob)
     np.testing.assert_array_equal(back["b"], message["b"])
 
 
@@ -211,13 +211,13 @@ def test_the_wire_format_is_numpy_save_per_leaf_and_reads_any_npy_leaf():
 
     message = {"a": np.arange(6.0).reshape(2, 3).T, "b": np.asarray(3, np.int32), "c": np.zeros((4, 0), np.float32),
                "d": np.array([True, False]), "e": np.float64(2.5)}
-    blob = nf.transcript.message_to_bytes(message)
+    blob = nf.run.transcript.message_to_bytes(message)
     saved = io.BytesIO()
     for leaf in jax.tree_util.tree_leaves(message):
         np.save(saved, np.ascontiguousarray(leaf) if np.ndim(leaf) else np.asarray(leaf), allow_pickle=False)
-    assert blob == saved.getvalue() and len(blob) == nf.transcript.message_bytes(message)
+    assert blob == saved.getvalue() and len(blob) == nf.run.transcript.message_bytes(message)
     like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), message)
-    back = nf.transcript.message_from_bytes(like, blob)
+    back = nf.run.transcript.message_from_bytes(like, blob)
     for k, v in message.items():
         assert isinstance(back[k], np.ndarray) and back[k].shape == np.shape(v) and back[k].dtype == np.asarray(v).dtype
         np.testing.assert_array_equal(back[k], v)
@@ -225,9 +225,9 @@ def test_the_wire_format_is_numpy_save_per_leaf_and_reads_any_npy_leaf():
     for leaf in jax.tree_util.tree_leaves(message):
         np.save(fortran, np.asarray(leaf), allow_pickle=False)  # "a" is Fortran-ordered here
     assert fortran.getvalue() != blob
-    np.testing.assert_array_equal(nf.transcript.message_from_bytes(like, fortran.getvalue())["a"], message["a"])
+    np.testing.assert_array_equal(nf.run.transcript.message_from_bytes(like, fortran.getvalue())["a"], message["a"])
     with pytest.raises(ValueError, match="bytes left over"):
-        nf.transcript.message_from_bytes(like, blob + b"x")
+        nf.run.transcript.message_from_bytes(like, blob + b"x")
     # the Flower record around it: read past numpy.save's header, or (another .npy version) parsed
     pytest.importorskip("flwr")
     from flwr.app import Array, ArrayRecord
@@ -239,5 +239,5 @@ def test_the_wire_format_is_numpy_save_per_leaf_and_reads_any_npy_leaf():
     np.lib.format.write_array(version2, np.frombuffer(blob, np.uint8), version=(2, 0))
     record = ArrayRecord({"0": Array(dtype="uint8", shape=(len(blob),), stype="numpy.ndarray",
                                      data=version2.getvalue())})
-    assert not version2.getvalue().startswith(nf.transcript.npy_header((len(blob),), "|u1"))
+    assert not version2.getvalue().startswith(nf.run.transcript.npy_header((len(blob),), "|u1"))
     np.testing.assert_array_equal(from_record(like, record)["a"], message["a"])

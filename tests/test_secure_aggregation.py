@@ -10,9 +10,9 @@ from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.factor import Laplace
-from numpyro_fed.secure import FRACTION_BITS, SecureAggregationError, encode_message, fixed_point_sum, masked_sum
-from numpyro_fed.secure import masking as masking_module
-from numpyro_fed.secure.fixed_point import decode_message
+from numpyro_fed.run.secure import FRACTION_BITS, SecureAggregationError, encode_message, fixed_point_sum, masked_sum
+from numpyro_fed.run.secure import masking as masking_module
+from numpyro_fed.run.secure.fixed_point import decode_message
 from numpyro_fed_examples.models.glmm import logistic_glmm
 
 from .test_privacy import contains
@@ -61,7 +61,7 @@ def test_a_masked_input_is_uniform_whatever_the_input(monkeypatch):
 def test_special_values_sum_as_floating_point_does_and_a_finite_value_out_of_range_is_refused():
     """Infinities and NaN sum as in floating point; a finite term beyond the ring's range (2**39 / J)
     is refused on the client naming its field, instead of decoding as infinite."""
-    from numpyro_fed.secure.fixed_point import OutOfRangeError
+    from numpyro_fed.run.secure.fixed_point import OutOfRangeError
 
     rows = np.array([[1.0, np.inf, np.inf, np.nan, 1e10, -2.5],
                      [2.0, 3.0, -np.inf, 0.0, 1.0, 0.25]], np.float32)
@@ -157,7 +157,7 @@ def test_the_samplers_under_masking_match_numpyro_nuts(data, family):
 
 def test_unsupported_settings_are_refused_by_name(data):
     from numpyro_fed.flower.server import FlowerBackend
-    from numpyro_fed.inference import setup_for
+    from numpyro_fed.run.inference import setup_for
 
     site, cols = data
     with pytest.raises(ValueError, match=r"Laplace\(secure_aggregation='pairwise'\): choose None or one of"):
@@ -252,11 +252,11 @@ def test_a_flower_node_answers_the_unmask_step_of_an_aggregation_once(monkeypatc
 
 
 def test_a_client_refuses_a_roster_not_signed_by_its_sites_pinned_keys():
-    """The roster authenticated (``numpyro_fed.secure.roster``): each site signs the keys it
+    """The roster authenticated (``numpyro_fed.run.secure.roster``): each site signs the keys it
     advertises for one aggregation; a client refuses a roster where the server put keys of its own
     in a peer's place, replayed a signature from another aggregation, named a site it has no pinned
     key for, named a site twice, or altered the client's own entry; an honest roster passes."""
-    from numpyro_fed.secure.roster import new_signing_key, sign_keys, verify_roster
+    from numpyro_fed.run.secure.roster import new_signing_key, sign_keys, verify_roster
 
     sites = ["a", "b", "c"]
     signing = {s: new_signing_key() for s in sites}

@@ -10,7 +10,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 
 from .models import linear_local, logistic_local
 
@@ -312,8 +312,8 @@ def test_fit_check_over_a_network_equals_the_simulations():
     on its node (``client_value``, what ``diagnose`` computes for it in simulation): the
     server's sum equals ``diagnose``'s, the traffic is counted, and a client that does not
     answer makes the run warn instead of skipping the check."""
-    from numpyro_fed.backends.mapping import client_item
     from numpyro_fed.check import run_check
+    from numpyro_fed.run.backends.mapping import client_item
 
     from .families import sfvi
 

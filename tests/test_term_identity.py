@@ -13,10 +13,10 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed._structure import analyse_model
-from numpyro_fed.backends.mapping import first_term_mismatch, plan_clients
 from numpyro_fed.factor import Laplace
-from numpyro_fed.groups import sized_model
+from numpyro_fed.model.groups import sized_model
+from numpyro_fed.model.structure import analyse_model
+from numpyro_fed.run.backends.mapping import first_term_mismatch, plan_clients
 
 SIGMA, PRIOR = 0.7, 5.0
 SIZES = (5, 40, 200)
@@ -197,7 +197,7 @@ def test_a_term_that_is_not_a_sum_over_rows_is_refused_naming_it():
 
 @pytest.mark.parametrize("model", [half_in_factor, counted_by_len, in_plate_only])
 def test_sums_over_rows_pass_the_split_check(model):
-    from numpyro_fed.term_identity import split_rows_mismatch
+    from numpyro_fed.model.term_identity import split_rows_mismatch
 
     clients = unequal_clients()
     structure = analyse_model(model, clients, {})
@@ -205,7 +205,7 @@ def test_sums_over_rows_pass_the_split_check(model):
 
 
 def test_group_effects_are_kept_whole_on_each_half():
-    from numpyro_fed.term_identity import split_rows_mismatch
+    from numpyro_fed.model.term_identity import split_rows_mismatch
 
     rng = np.random.default_rng(0)
     clients = nf.Clients({"a": dict(ward=np.arange(12) % 3, y=rng.normal(size=12))})
@@ -232,8 +232,8 @@ def test_a_layout_unravels_its_sites_in_the_order_it_ravels_them():
     model): a flat vector laid out and read back gives every site its own entries, and a padded
     client's local entries cut to its rows keep their sites (a dict's pytree order would give
     ``sigma`` the first entry of ``theta``)."""
-    from numpyro_fed._structure import make_layout
-    from numpyro_fed.backends.mapping import unpadder
+    from numpyro_fed.model.structure import make_layout
+    from numpyro_fed.run.backends.mapping import unpadder
 
     padded = make_layout([("theta", (6, 3), 0), ("sigma", (), None), ("b", (2,), None)])
     real = make_layout([("theta", (4, 3), 0), ("sigma", (), None), ("b", (2,), None)])

@@ -20,7 +20,7 @@ import pytest
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 from numpyro_fed.vertical.check import true_log_joint
 from numpyro_fed.vertical.objective import SERVER, VerticalObjective
 

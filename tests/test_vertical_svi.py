@@ -12,7 +12,7 @@ from jax.flatten_util import ravel_pytree
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.inference import fitted
+from numpyro_fed.run.inference import fitted
 from numpyro_fed_examples import models
 
 from .test_privacy import contains as _contains

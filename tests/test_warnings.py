@@ -15,7 +15,7 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
-from numpyro_fed._model_checks import MAX_ENUMERATED_SUPPORT, enumerated_support_size
+from numpyro_fed.model.checks import MAX_ENUMERATED_SUPPORT, enumerated_support_size
 
 from . import families
 

@@ -66,7 +66,7 @@ import json, jax
 import numpyro_fed as nf
 f = jax.jit(lambda a: a * 2.0 + 1.0)
 f(jax.numpy.ones(3)).block_until_ready()
-print(json.dumps(dict(dir=nf.compilation_cache.cache_dir, config=jax.config.jax_compilation_cache_dir,
+print(json.dumps(dict(dir=nf.run.compilation_cache.cache_dir, config=jax.config.jax_compilation_cache_dir,
                       min_time=jax.config.jax_persistent_cache_min_compile_time_secs)))
 """
 
@@ -75,7 +75,7 @@ def test_one_setting_turns_the_persistent_compilation_cache_on(tmp_path):
     """``NUMPYRO_FED_COMPILATION_CACHE`` set: JAX's persistent cache points there, keeps every
     program (however quick its compilation), and a compiled program is written to it; unset:
     nothing changes."""
-    from numpyro_fed.compilation_cache import ENV
+    from numpyro_fed.run.compilation_cache import ENV
 
     def probe(env):
         base = {k: v for k, v in os.environ.items() if k not in (ENV, "JAX_COMPILATION_CACHE_DIR")}

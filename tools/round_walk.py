@@ -5,7 +5,7 @@ and back up the same way. The walk is measured, not declared: the fits below run
 ``jax.disable_jit()`` (so every Python frame of a round runs as Python), the user's model
 records the call stack each time it is called, and the walk is the package's files on the
 stacks of the calls made inside the round loop (those with a frame of
-``backends/driver.py``, the package's one round loop; the set-up's traces of the model come
+``run/backends/driver.py``, the package's one round loop; the set-up's traces of the model come
 before it and are left out). The files are counted as a reader meets them on the way down;
 helpers a frame calls and returns from (validation, a distribution's shape) are not on the
 way and are not counted.
@@ -70,7 +70,7 @@ def _walks() -> Dict[str, List[List[str]]]:
 
 def _in_a_round(stack: List[str]) -> bool:
     """Is this call of the model inside the round loop?"""
-    return any(frame.startswith("backends/driver.py:") for frame in stack)
+    return any(frame.startswith("run/backends/driver.py:") for frame in stack)
 
 
 def walk() -> Dict[str, dict]:

@@ -1,7 +1,7 @@
 """The Laplace rung's verdict: the fit as it is, its importance-corrected draws, or neither.
 
 :func:`judge` reads the two fit checks :class:`~numpyro_fed.factor.Laplace` ran (``widen``) and
-decides, logging why; ``nf.fit``'s ladder (:mod:`numpyro_fed.ladder`) moves to an exact sampler
+decides, logging why; ``nf.fit``'s ladder (:mod:`numpyro_fed.fitting.ladder`) moves to an exact sampler
 when it returns ``None``.
 """
 

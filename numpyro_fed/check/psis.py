@@ -45,7 +45,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ..labels import scalar_label
+from ..model.labels import scalar_label
 
 __all__ = ["FitDiagnostic", "MCSE_FACTOR", "MEAN_MARGIN", "PARETO_K_LIMIT", "SD_MARGIN", "SiteMoments", "answer_check",
            "fit_diagnostic", "within_tolerance",

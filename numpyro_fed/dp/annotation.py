@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
-from ..handlers import NamedSites
+from ..model.handlers import NamedSites
 
 __all__ = ["DP_KEY", "DPSpec", "dp_noise", "dp_sites"]
 

@@ -53,16 +53,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from .._trace import prior_median
 from .._validation import check_positive_int
-from ..backends.mapping import client_data
 from ..check import Verdict, register_check
-from ..groups import size_group_plates
-from ..inference import FederatedInference, Setup, fitted
-from ..labels import scalar_label
-from ..params import GaussianParams
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
-from ..secure import check_aggregation
+from ..model.groups import size_group_plates
+from ..model.labels import scalar_label
+from ..model.trace import prior_median
+from ..run.backends.mapping import client_data
+from ..run.inference import FederatedInference, Setup, fitted
+from ..run.params import GaussianParams
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
+from ..run.secure import check_aggregation
 from ..terms.model import TermsSetup, user_space
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .control import ControlVariate, row_derivatives, upper_triangle
@@ -315,7 +315,7 @@ class DPLaplace(FederatedInference):
         row_plate: the plate that indexes rows (default: the one plate of the row count that every
             marked site is in).
         model_kwargs: keyword arguments of every model call.
-        secure_aggregation: ``None``, ``"trusted"`` or ``"masking"`` (:mod:`numpyro_fed.secure`).
+        secure_aggregation: ``None``, ``"trusted"`` or ``"masking"`` (:mod:`numpyro_fed.run.secure`).
     """
 
     method = "dp_laplace"

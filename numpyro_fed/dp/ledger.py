@@ -1,6 +1,6 @@
 """One privacy budget per client over every run its rows take part in.
 
-A differentially private fit's guarantee (:meth:`~numpyro_fed.inference.FederatedInference.privacy_report`)
+A differentially private fit's guarantee (:meth:`~numpyro_fed.run.inference.FederatedInference.privacy_report`)
 covers one run. The same rows fitted again (another model, more rounds, a second look) spend
 more: the releases of every run compose. A :class:`PrivacyLedger` holds, per client, the
 releases of every run charged to it and a budget; a run given ``ledger=`` is refused *before

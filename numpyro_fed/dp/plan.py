@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 
-from .._structure import trace_model
 from .._validation import check_positive_int
+from ..model.structure import trace_model
 from ..warnings import UncheckedFitWarning, find_stack_level
 from .accounting import ClientPrivacy, PrivacyReport, calibrate_noise_multiplier, epsilon_composed, report
 from .annotation import DPSpec, dp_sites

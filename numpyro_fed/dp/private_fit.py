@@ -1,6 +1,6 @@
 """The settings of a private ``nf.fit`` (:class:`PrivateFit`), the model's one ``dp_noise`` spec
 (:func:`marked_spec`) and the public text naming each stage (:func:`stage_text`); the private
-ladder that runs the stages is :mod:`numpyro_fed.private_ladder`.
+ladder that runs the stages is :mod:`numpyro_fed.fitting.private_ladder`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 from numpyro.primitives import Messenger
 
-from .._trace import read_abstractly
 from .._validation import check_positive_int
+from ..model.trace import read_abstractly
 from .annotation import DP_KEY, DPSpec, dp_sites
 
 __all__ = ["STAGE_KEYS", "PrivateFit", "marked_spec", "stage_text", "with_spec"]
@@ -113,5 +113,5 @@ def stage_text(rung: str, spec: DPSpec, **settings: Any) -> str:
     """The text naming one stage of a private fit: ``rung`` (``"dp_laplace"`` or
     ``"dp_metropolis"``), its ``dp_noise`` settings and the stage's own (the start's rounds; the
     sampler's chains and its start's mean and covariance), all public. A network backend's nodes
-    build the stage from it (:func:`~numpyro_fed.private_ladder.private_rung`), as the server does."""
+    build the stage from it (:func:`~numpyro_fed.fitting.private_ladder.private_rung`), as the server does."""
     return json.dumps({"rung": rung, "key": STAGE_KEYS[rung], "spec": list(spec), **settings})

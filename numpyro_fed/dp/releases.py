@@ -1,5 +1,5 @@
 """Every private release counted, and capped at the plan, in one place: a transform of a
-:class:`~numpyro_fed.protocol.FederatedAlgorithm` (as ``optax.chain`` transforms an optimiser).
+:class:`~numpyro_fed.run.protocol.FederatedAlgorithm` (as ``optax.chain`` transforms an optimiser).
 
 A private family calibrates its noise for a number of releases per client (its plan) and its
 guarantee holds for that many. An algorithm whose server step needs every client's release
@@ -33,7 +33,7 @@ from typing import Any, Dict, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm
 
 __all__ = ["CappedClient", "CappedServer", "capped_releases", "over_plan"]
 

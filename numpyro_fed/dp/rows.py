@@ -20,9 +20,9 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 
-from .._structure import trace_model
-from ..backends.mapping import client_data
-from ..inference import Setup
+from ..model.structure import trace_model
+from ..run.backends.mapping import client_data
+from ..run.inference import Setup
 from ..terms.model import build_terms, site_supports
 from .accounting import calibrate_noise_multiplier
 from .annotation import dp_sites

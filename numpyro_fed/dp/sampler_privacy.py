@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..backends.base import NetworkBackend
+from ..run.backends.base import NetworkBackend
 from .accounting import ClientPrivacy, PrivacyReport, epsilon_composed, report
 from .ledger import PrivacyBudgetError
 from .releases import over_plan
@@ -31,7 +31,7 @@ def may_drop(options: dict) -> bool:
 
 
 class SamplerPrivacy:
-    """The sampler's privacy plan in the form :class:`~numpyro_fed.inference.FederatedInference`
+    """The sampler's privacy plan in the form :class:`~numpyro_fed.run.inference.FederatedInference`
     calls it (the ``dp_plan`` hooks: a ledger checked before the run and charged after, the
     report from each client's own count of releases)."""
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from ..protocol import FederatedAlgorithm
+from ..run.protocol import FederatedAlgorithm
 from ..terms import gaussian as G
 from ..terms.blocks import blocks_hold
 from ..terms.gaussian import NaturalGaussian

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import latent_supports, trace_model
 from .._validation import check_optimizer, check_positive_int
-from ..backends.mapping import client_item, pad_client
-from ..groups import trim_groups
-from ..inference import fitted, state_of
-from ..protocol import RunResult, RunState
+from ..model.groups import trim_groups
+from ..model.structure import latent_supports, trace_model
+from ..run.backends.mapping import client_item, pad_client
+from ..run.inference import fitted, state_of
+from ..run.protocol import RunResult, RunState
 from ..terms import gaussian as G
 from ..terms.blocks import local_blocks as propose_blocks
 from ..terms.model import local_joint, site_supports

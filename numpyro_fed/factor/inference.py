@@ -20,12 +20,6 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import (
-    deterministic_of_globals,
-    global_deterministic_sites,
-    latent_supports,
-    with_improper_values,
-)
 from .._validation import check_clients, check_positive_int
 from ..check import Verdict, from_diagnostic, register_check, unchecked
 from ..check.psis import (
@@ -39,8 +33,14 @@ from ..check.psis import (
 )
 from ..clients import Clients
 from ..dp.plan import refuse_dp
-from ..groups import size_group_plates
-from ..inference import (
+from ..model.groups import size_group_plates
+from ..model.structure import (
+    deterministic_of_globals,
+    global_deterministic_sites,
+    latent_supports,
+    with_improper_values,
+)
+from ..run.inference import (
     NUM_SAMPLES,
     FederatedInference,
     Setup,
@@ -49,17 +49,12 @@ from ..inference import (
     state_of,
     with_exchange_traffic,
 )
-from ..params import GaussianParams
-from ..protocol import RunResult, RunState
+from ..run.params import GaussianParams
+from ..run.protocol import RunResult, RunState
 from ..terms import gaussian as G
 from ..terms.blocks import QUADRATURE_NODES, blocks_hold
 from ..terms.blocks import local_blocks as propose_blocks
-from ..terms.local_check import (
-    client_check_keys,
-    local_integral_checks,
-    local_note,
-    log_weight_estimator,
-)
+from ..terms.local_check import client_check_keys, local_integral_checks, local_note, log_weight_estimator
 from ..terms.model import ModelTerms, TermsSetup, build_terms, local_joint, site_supports, user_space
 from ..terms.tilted import PARETO_K_LIMIT
 from ..warnings import (

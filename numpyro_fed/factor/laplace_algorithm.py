@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from ..terms.gaussian import NaturalGaussian
 from ..terms.tilted import (
     TiltedProblem,
@@ -190,7 +190,7 @@ def federated_laplace(log_prior: Callable, client_log_joint: Callable, num_clien
         inner_steps: Newton steps of a client's inner mode per round (warm-started).
         tol: the Newton decrement (posterior sds) at which the search stops.
         secure: ``None``, or how the clients' terms are summed so that the server sees only
-            their sum (:mod:`numpyro_fed.secure`): ``"trusted"`` or ``"masking"``. The inner
+            their sum (:mod:`numpyro_fed.run.secure`): ``"trusted"`` or ``"masking"``. The inner
             decrement is then the root sum of the clients' squares instead of their largest.
     """
     d = start.shape[0]

@@ -13,15 +13,15 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from .._structure import trace_model
-from .._trace import nonfinite_sites, start_point
 from .._validation import check_init, check_positive_int
-from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..check.psis import FitDiagnostic
-from ..inference import checked_network, fitted, with_exchange_traffic
-from ..protocol import RunResult
-from ..secure import check_aggregation
+from ..model.structure import trace_model
+from ..model.trace import nonfinite_sites, start_point
+from ..run.backends.mapping import client_data
+from ..run.inference import checked_network, fitted, with_exchange_traffic
+from ..run.protocol import RunResult
+from ..run.secure import check_aggregation
 from ..terms.blocks import local_blocks as propose_blocks
 from . import network_check
 from .inference import FactorInference, keep_fit_check, q_check, q_diagnostic
@@ -109,7 +109,7 @@ class Laplace(FactorInference):
         secure_aggregation: ``None`` (each client's value, gradient and Hessian reach the
             server), or how they are summed so that the server sees only their sum each round:
             ``"masking"`` (pairwise masking with dropout recovery, no third party; Bonawitz et
-            al. 2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
+            al. 2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.run.secure`.
             The inner decrement the stopping rule reads is then the root sum of the clients'
             squares.
         init: where the search starts: a dict ``{global site: value}`` (constrained; the other

@@ -6,7 +6,7 @@ draws its local latents ``v`` from the Laplace approximation of ``p(v | u, y_j)`
 own rows and from its own key: the conditional mode and the inverse Hessian there, exact
 when ``v | u`` is Gaussian (a Gaussian hierarchical model). It then evaluates every
 observed site's log density of each of its rows, and draws new data, at ``(u, v)``. All of
-it stays on the client: federated PSIS-LOO sends only sums (:mod:`numpyro_fed.comparison`).
+it stays on the client: federated PSIS-LOO sends only sums (:mod:`numpyro_fed.fitting.comparison`).
 Pure and jit-compatible given the client's shapes.
 """
 
@@ -21,10 +21,10 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from .._pointwise import observed_terms
-from .._structure import latent_supports, trace_model
-from ..backends.mapping import pad_client
-from ..groups import trim_groups
+from ..model.groups import trim_groups
+from ..model.pointwise import observed_terms
+from ..model.structure import latent_supports, trace_model
+from ..run.backends.mapping import pad_client
 from ..terms import gaussian as G
 from ..terms.local_check import INNER_STEPS, WARM_STEPS, laplace_proposal, local_integral_k, locals_are_gaussian
 from ..terms.tilted import PARETO_K_LIMIT

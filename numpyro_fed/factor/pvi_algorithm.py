@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
-from .._steps import carried_while
 from ..dp.mechanisms import add_gradient, dp_sgd_transform, fixed_size_subset
-from ..protocol import FederatedAlgorithm
+from ..run.protocol import FederatedAlgorithm
+from ..run.steps import carried_while
 from ..terms import gaussian as G
 from ..terms.gaussian import NaturalGaussian
 from ..terms.tilted import FitCheck, convergence_stat

@@ -8,13 +8,13 @@ from typing import Any, Callable, Dict, Optional
 import jax
 from jax import random
 
-from .._structure import trace_model
 from .._validation import check_optimizer, check_positive_int
 from ..check import Verdict, register_check
 from ..clients import Clients
 from ..dp.plan import MECHANISMS, DPPlan, check_dp_options, warn_withheld
-from ..protocol import RunResult
-from ..secure import check_aggregation
+from ..model.structure import trace_model
+from ..run.protocol import RunResult
+from ..run.secure import check_aggregation
 from ..terms import gaussian as G
 from ..terms.prior_site import prior_site_step
 from .ep_algorithm import ep, tilted_moments
@@ -156,7 +156,7 @@ class PVI(FactorInference):
         secure_aggregation: who sums the updates under ``trusted_aggregator``: ``"trusted"``
             (a trusted aggregator; the default of ``trusted_aggregator=True``) or ``"masking"``
             (no third party: pairwise masking with dropout recovery, Bonawitz et al. 2017; see
-            :mod:`numpyro_fed.secure`; each client then adds the whole noise, not ``sigma / sqrt(M)``:
+            :mod:`numpyro_fed.run.secure`; each client then adds the whole noise, not ``sigma / sqrt(M)``:
             the guarantee does not rest on the server following the protocol). Given, it implies
             ``trusted_aggregator=True`` for the summing; it needs
             ``dp="update_perturbation"``. In simulation; a network backend refuses masking.

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from .._steps import carried_while
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm
+from ..run.steps import carried_while
 from ..terms import gaussian as G
 from ..terms.gaussian import NaturalGaussian
 from ..terms.tilted import FitCheck
@@ -129,13 +129,13 @@ def factor_protocol(
             §4.1): its change is sent as it is, but its fit diagnostics are withheld and
             counted as with ``perturb``.
         trusted_aggregator: the changes go through a trusted aggregator
-            (:class:`~numpyro_fed.protocol.Exchange`'s ``secure_sum``): the server sees
+            (:class:`~numpyro_fed.run.protocol.Exchange`'s ``secure_sum``): the server sees
             only their sum, so each client's message is its noised change alone, sent as
             it is (no validity flag or zeroing that would depend on the client's own,
             less noised, change); the server checks the sum.
         aggregation: with ``trusted_aggregator``: who sums the changes, ``"trusted"`` (a
             trusted aggregator) or ``"masking"`` (pairwise masking, no third party;
-            :mod:`numpyro_fed.secure`).
+            :mod:`numpyro_fed.run.secure`).
         prior_site: for a non-Gaussian prior (:mod:`~numpyro_fed.terms.prior_site`):
             ``(rng_key, cavity, q) -> (q_new, ok)``, the server's tilted-moment step for its
             own factor ``t_0`` of the prior's residual, run after the clients' updates of

@@ -26,7 +26,7 @@ A Flower app's ``pyproject.toml`` names them::
 
 The ServerApp connects (names and shapes, :meth:`~numpyro_fed.flower.server.FlowerBackend.connect`), builds the task's
 inference object on the template, and runs it with ``backend=FlowerBackend(grid)`` (a
-:class:`~numpyro_fed.ladder.Ladder` task runs ``nf.fit``, and the result has a ``fit`` entry:
+:class:`~numpyro_fed.fitting.ladder.Ladder` task runs ``nf.fit``, and the result has a ``fit`` entry:
 its method, rounds, bytes, log, global draws and every rung's transcript; the other entries are
 its last rung's); the result (server parameters, trace, per-round diagnostics, communication, the transcript
 recorded at the server, the rounds that lacked clients, per-round wall times) goes to

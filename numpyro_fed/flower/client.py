@@ -25,7 +25,7 @@ Messages (``message_type``, and ``kind`` in the ``"nf"`` ConfigRecord):
 **Node-side storage.** With ``numpyro-fed-state-dir = "PATH"`` in the node config, the client
 writes its state (its key and the algorithm's state) after set-up and after every round it
 completed to ``PATH/run-<run id>-<site name>.npz`` (and keeps the one before as
-``...previous.npz``), in the checkpoint format (:mod:`numpyro_fed.checkpoint`: one client,
+``...previous.npz``), in the checkpoint format (:mod:`numpyro_fed.run.checkpoint`: one client,
 no server state, with the round), atomically (:mod:`numpyro_fed.flower.node_store`). A
 restarted node then rejoins the run after the last round whose reply the server received from
 it. The folder is the site's own (its data's privacy applies: the state holds the client's
@@ -52,10 +52,10 @@ import jax
 import numpy as np
 from jax import random
 
-from ..backends.mapping import client_item
 from ..dp.ledger import fingerprint
-from ..protocol import ClientSlot
-from ..transcript import message_to_bytes
+from ..run.backends.mapping import client_item
+from ..run.protocol import ClientSlot
+from ..run.transcript import message_to_bytes
 from ..warnings import MissingClientsWarning, UncheckedFitWarning, find_stack_level
 from . import masking, node_privacy
 from . import node_store as stored
@@ -104,7 +104,7 @@ def client_key(node_config, index: int, num_clients: int, fold: Optional[int] = 
     node config) as ``SimulationBackend.init`` derives client ``index``'s key from that
     run seed, so that a Flower run can be checked against the simulation. ``fold``: the run is
     a rung of ``nf.fit``'s ladder, run with the ladder's key folded with this number
-    (:meth:`numpyro_fed.ladder.Ladder.stage`'s ``"key"``)."""
+    (:meth:`numpyro_fed.fitting.ladder.Ladder.stage`'s ``"key"``)."""
     if SEED_KEY in node_config:
         run_key = random.PRNGKey(int(node_config[SEED_KEY]))
         if fold is not None:

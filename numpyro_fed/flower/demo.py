@@ -24,7 +24,7 @@ import numpy as np
 
 import numpyro_fed as nf
 
-from ..ladder import Ladder
+from ..fitting.ladder import Ladder
 from .runtime.launcher import LocalFederation, descendants, pid_exists
 from .task import FlowerTask
 

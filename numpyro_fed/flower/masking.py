@@ -1,6 +1,6 @@
 """Pairwise masking over Flower: an exchange's ``secure_sum`` fields summed with no third party.
 
-The protocol of :mod:`numpyro_fed.secure.masking` (Bonawitz, Ivanov, Kreuter, Marcedone,
+The protocol of :mod:`numpyro_fed.run.secure.masking` (Bonawitz, Ivanov, Kreuter, Marcedone,
 McMahan, Patel, Ramage, Segal and Seth (2017), "Practical Secure Aggregation for
 Privacy-Preserving Machine Learning", arXiv:1611.04482), with each of its messages a Flower
 message between the server and one client; a client never reaches another except through
@@ -13,7 +13,7 @@ server asks:
 3. the exchange itself: with the broadcast, each client gets the ciphertexts addressed to
    it and the list of the clients that shared; it takes its step and answers its message's
    other fields in the clear and its ``secure_sum`` fields as fixed-point words masked
-   (:mod:`numpyro_fed.secure.fixed_point`);
+   (:mod:`numpyro_fed.run.secure.fixed_point`);
 4. ``mask_unmask``: the server names the clients whose masked input arrived; each of them
    answers its shares of their self-masks and of the dropped clients' mask keys. With the
    threshold's worth of answers (``n // 2 + 1`` of the ``n`` that advertised keys) the server
@@ -28,7 +28,7 @@ Flower ships the same protocol as its SecAgg+ workflow (``flwr.server.workflow.S
 with the ``secaggplus_mod`` client mod); it runs inside Flower's ``DefaultWorkflow``, whose
 rounds are a strategy's fit instructions and results. numpyro_fed's rounds are its own
 messages (several exchanges a round, fit checks and queries between them), so the protocol runs
-here on :mod:`numpyro_fed.secure.masking`'s parties.
+here on :mod:`numpyro_fed.run.secure.masking`'s parties.
 
 A client's secrets (its two secret keys, its self-mask seed, the shares addressed to it) stay
 in its node's ``context.state`` for the aggregation and are dropped at its end.
@@ -43,10 +43,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from ..secure import masking as M
-from ..secure.fixed_point import decode_message, encode_message, word_count
-from ..secure.roster import sign_keys, verify_roster
-from ..transcript import message_bytes
+from ..run.secure import masking as M
+from ..run.secure.fixed_point import decode_message, encode_message, word_count
+from ..run.secure.roster import sign_keys, verify_roster
+from ..run.transcript import message_bytes
 from .wire import from_record, to_record
 
 __all__ = ["MIN_THRESHOLD_KEY", "PEER_KEYS", "SIGNING_KEY", "STEPS", "MaskedAggregation", "Traffic", "client_keys",
@@ -109,7 +109,7 @@ def _roster(rec) -> np.ndarray:
 
 SIGNING_KEY = "numpyro-fed-signing-key"
 """A SuperNode's ``--node-config`` key: its site's Ed25519 signing key (64 hex digits,
-:func:`~numpyro_fed.secure.roster.new_signing_key`); it signs the keys it advertises."""
+:func:`~numpyro_fed.run.secure.roster.new_signing_key`); it signs the keys it advertises."""
 PEER_KEYS = "numpyro-fed-peer-keys"
 """A SuperNode's ``--node-config`` key: a JSON file ``{site: verification key (hex)}`` of every
 site of the federation, its own included; with it the node refuses a roster not signed so."""
@@ -121,7 +121,7 @@ def _aggregation(context, cfg) -> str:
 
 def client_keys(context, cfg, site: str = "") -> tuple:
     """Step 1 on a client: fresh key pairs (kept on the node); ``(the public keys to send, the
-    reply's config)``: with the node's signing key, their signature (:mod:`numpyro_fed.secure.roster`)."""
+    reply's config)``: with the node's signing key, their signature (:mod:`numpyro_fed.run.secure.roster`)."""
     secrets, message = M.advertise()
     _save(context, round=int(cfg["round"]), exchange=str(cfg["exchange"]), c=secrets.c_sk.private_bytes_raw().hex(),
           s=secrets.s_sk.private_bytes_raw().hex(), b="", roster="", senders=[], inbox=[])

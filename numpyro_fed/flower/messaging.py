@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from ..transcript import message_bytes
+from ..run.transcript import message_bytes
 from .masking import MaskedAggregation, Traffic, masked_like
 from .runtime.pace import Pacer
 from .runtime.pull import pull_replies, push_messages

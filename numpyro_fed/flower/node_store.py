@@ -4,7 +4,7 @@ reads (:mod:`numpyro_fed.flower.client`).
 With ``numpyro-fed-state-dir = "PATH"`` in the node config, the client writes its state (its
 key and the algorithm's state) after set-up and after every round it completed to
 ``PATH/run-<run id>-<site name>.npz`` (and keeps the one before as ``...previous.npz``), in the
-checkpoint format (:mod:`numpyro_fed.checkpoint`: one client, no server state, with the round),
+checkpoint format (:mod:`numpyro_fed.run.checkpoint`: one client, no server state, with the round),
 atomically; with server checkpoints every ``k`` rounds, also ``...-round-<r>.npz`` files. The
 folder is the site's own (its data's privacy applies: the state holds the client's key);
 nothing of it is sent.
@@ -18,8 +18,8 @@ from typing import Any, Dict
 import jax
 import numpy as np
 
-from .. import checkpoint
-from ..protocol import ClientSlot, RunState
+from ..run import checkpoint
+from ..run.protocol import ClientSlot, RunState
 
 __all__ = ["STATE_DIR_KEY", "load_slot", "restore", "round_files", "round_path", "store", "store_round", "stored_path"]
 

@@ -1,9 +1,9 @@
-"""Flower's :class:`~numpyro_fed.backends.driver.Transport`: a run's rounds over a ``Grid``.
+"""Flower's :class:`~numpyro_fed.run.backends.driver.Transport`: a run's rounds over a ``Grid``.
 
 :class:`OverFlower` sets the clients up on their nodes, then moves one round at a time: the
 server selects, each exchange goes out to the clients that answered the earlier ones (through
 Flower, or the run's streams) and its server step runs here. The round loop itself (bar,
-callbacks, checkpoints, the non-finite guard, the result) is :func:`~numpyro_fed.backends.driver.drive`'s.
+callbacks, checkpoints, the non-finite guard, the result) is :func:`~numpyro_fed.run.backends.driver.drive`'s.
 
 What belongs to one run is the transport's: the set-up, the run's stream, the round each client
 last answered, sites that rejoin on a new node, the server's checkpoints and the privacy ledgers
@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from .. import checkpoint as ckpt
-from ..backends.driver import NonFinite, Rounds, all_finite, stack_rounds
-from ..backends.mapping import client_item
-from ..protocol import Broadcast, ClientStates, RunState, ServerView, last_info
-from ..secure.fixed_point import decode_message, word_count
-from ..transcript import Communication, Transcript, message_bytes
+from ..run import checkpoint as ckpt
+from ..run.backends.driver import NonFinite, Rounds, all_finite, stack_rounds
+from ..run.backends.mapping import client_item
+from ..run.protocol import Broadcast, ClientStates, RunState, ServerView, last_info
+from ..run.secure.fixed_point import decode_message, word_count
+from ..run.transcript import Communication, Transcript, message_bytes
 from ..warnings import MissingClientsWarning, find_stack_level
 from .masking import MaskedAggregation, Traffic, masked_like
 from .runtime.runstream import RunStream

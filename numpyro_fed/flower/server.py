@@ -1,7 +1,7 @@
 """The server's side: :class:`FlowerBackend`, the round loop over Flower's ``Grid``.
 
 :class:`FlowerBackend` offers the simulation backend's ``run`` (same arguments, same
-:class:`~numpyro_fed.protocol.RunResult`), so an inference object's ``run(...,
+:class:`~numpyro_fed.run.protocol.RunResult`), so an inference object's ``run(...,
 backend=FlowerBackend(grid))`` drives a real federation. A round does what
 ``SimulationBackend`` does, with the client computations on the nodes:
 
@@ -30,8 +30,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from .._validation import check_callable, check_positive_number
-from ..backends.driver import checkpoint_interval, drive
-from ..protocol import RunResult
+from ..run.backends.driver import checkpoint_interval, drive
+from ..run.protocol import RunResult
 from ..warnings import MissingClientsWarning
 from .messaging import Messenger
 from .rounds import ClientLedger, OverFlower
@@ -110,7 +110,7 @@ class FlowerBackend(Messenger):
             split_address(stream)  # checked now, opened by run()
         self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
         self.stream_tls = (stream_certfile, stream_keyfile)
-        self.stage = ""  # the nf.fit rung the next run is (numpyro_fed.ladder.Ladder.stage), sent at set-up
+        self.stage = ""  # the nf.fit rung the next run is (numpyro_fed.fitting.ladder.Ladder.stage), sent at set-up
 
     # ------------------------------------------------------------------ messaging
     def connect(self, task: FlowerTask, num_clients: int, timeout: float = 120.0):
@@ -169,7 +169,7 @@ class FlowerBackend(Messenger):
             **options: Any) -> RunResult:
         """The simulation backend's ``run`` over the network (``clients``: the plan built from
         :meth:`connect`'s template), through the same round loop
-        (:func:`~numpyro_fed.backends.driver.drive`). Dropout is real here, so ``availability``
+        (:func:`~numpyro_fed.run.backends.driver.drive`). Dropout is real here, so ``availability``
         is refused; so is ``init_state`` (resume with ``FlowerBackend(resume_from=...)``: the
         clients' states are on their nodes). ``checkpoint=`` saves the server's part; each client
         keeps its own on its node."""

@@ -7,9 +7,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from .._trace import trace_model
-from ..groups import known_groups, own_groups, size_group_plates
-from ..ladder import Ladder
+from ..fitting.ladder import Ladder
+from ..model.groups import known_groups, own_groups, size_group_plates
+from ..model.trace import trace_model
 from ..vertical.inference import VerticalInference
 from .wire import inputs_from_template
 
@@ -23,7 +23,7 @@ class FlowerTask:
     Attributes:
         make_inference: ``() -> inference object`` (e.g. ``nf.PVI(model, ...)``): called
             on every party, so that all build the same algorithm. A
-            :class:`numpyro_fed.ladder.Ladder` (``nf.fit``'s options) runs ``nf.fit`` over the
+            :class:`numpyro_fed.fitting.ladder.Ladder` (``nf.fit``'s options) runs ``nf.fit`` over the
             federation: every party builds each rung from it as the server announces it.
         load_client: ``(node_config) -> (name, {argument: array})``, called on the node
             only: the client's name and its own data (horizontal: the model's arguments for
@@ -60,7 +60,7 @@ def kind_of(inference) -> str:
 
 
 def made(task: FlowerTask, stage: Optional[str] = None):
-    """The task's inference object; for a :class:`~numpyro_fed.ladder.Ladder`, the rung
+    """The task's inference object; for a :class:`~numpyro_fed.fitting.ladder.Ladder`, the rung
     ``stage`` names (``None``: the ladder itself; ``""``: its first rung)."""
     inference = task.make_inference()
     if _is_ladder(inference) and stage is not None:
@@ -76,7 +76,7 @@ def _is_ladder(inference) -> bool:
 def build(task: FlowerTask, template, num_rounds: int, own=None, server=None, stage: Optional[str] = ""):
     """``(inference, inputs, setup)`` as one party builds them from the template (clients
     are laid out one by one, as the simulation's ``client_mapping="loop"`` does). For a
-    :class:`~numpyro_fed.ladder.Ladder` the inference object is the rung ``stage`` names;
+    :class:`~numpyro_fed.fitting.ladder.Ladder` the inference object is the rung ``stage`` names;
     with ``stage=None`` (the server) the ladder itself, not set up (each rung sets itself up
     when it runs), and ``setup`` is ``None``.
 
@@ -128,7 +128,7 @@ def own_groups_of(task: FlowerTask, name: str, arrays) -> dict:
 def call_run(inference, inputs, rng_key, num_rounds, **options):
     """``inference.run`` whatever the family (vertical ones take their data as keywords; an
     open-ended family, federated MCMC, runs until it is done, ``num_rounds`` its cap; a
-    :class:`~numpyro_fed.ladder.Ladder` runs each rung until it is done, ``num_rounds`` unused)."""
+    :class:`~numpyro_fed.fitting.ladder.Ladder` runs each rung until it is done, ``num_rounds`` unused)."""
     if _is_ladder(inference):
         return inference.run(rng_key, inputs, **options)
     if isinstance(inputs, dict):

@@ -1,9 +1,9 @@
 """What crosses the wire between the ServerApp and the ClientApps, and how.
 
 A message pytree travels as a Flower ``ArrayRecord`` holding one ``uint8`` array: the
-message's bytes as :func:`numpyro_fed.transcript.message_to_bytes` writes them (each leaf
+message's bytes as :func:`numpyro_fed.run.transcript.message_to_bytes` writes them (each leaf
 by ``numpy.save``, in flattening order), the serialisation
-:func:`numpyro_fed.transcript.message_bytes` counts, so the byte counts are those sent
+:func:`numpyro_fed.run.transcript.message_bytes` counts, so the byte counts are those sent
 (Flower adds its own framing: the array's 128-byte ``.npy`` header and the record's
 metadata). One array rather than one per leaf: Flower stores and fetches each array as a
 separate object, one request each at the SuperNode and at the executor.
@@ -14,7 +14,7 @@ Before the first round the server sends each client a *template* (:func:`describ
 client's name and the shapes and dtypes (not the values) of its arrays, the size of each of
 its group plates (:func:`numpyro_fed.group_plate`: a count its node measured on its own
 codes, and the argument holding them), and the shapes of the server's own arrays (vertical
-federation). Both sides build the same :class:`~numpyro_fed.protocol.FederatedAlgorithm` from
+federation). Both sides build the same :class:`~numpyro_fed.run.protocol.FederatedAlgorithm` from
 it, each with placeholders in place of the data it does not hold: zeros, and codes
 ``0 .. G_j - 1`` for a group plate. Set-up reads only the structure of a placeholder: group
 sizes come from the template, and NumPyro's argument validation is off while set-up traces
@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..backends.simulation import aggregate_messages
 from ..clients import Clients
-from ..protocol import Broadcast, FederatedAlgorithm, ServerView
-from ..transcript import message_bytes, message_from_bytes, message_to_bytes, npy_header
+from ..run.backends.simulation import aggregate_messages
+from ..run.protocol import Broadcast, FederatedAlgorithm, ServerView
+from ..run.transcript import message_bytes, message_from_bytes, message_to_bytes, npy_header
 from .sealed import OVERHEAD
 
 __all__ = ["Template", "WireStructures", "describe", "from_record", "parse_template", "to_record", "wire_like",
@@ -45,7 +45,7 @@ __all__ = ["Template", "WireStructures", "describe", "from_record", "parse_templ
 
 def to_record(message: Any):
     """A message pytree as a Flower ``ArrayRecord``: one ``uint8`` array of its
-    :func:`~numpyro_fed.transcript.message_to_bytes`."""
+    :func:`~numpyro_fed.run.transcript.message_to_bytes`."""
     from flwr.app import ArrayRecord
 
     return ArrayRecord([np.frombuffer(message_to_bytes(message), np.uint8)])

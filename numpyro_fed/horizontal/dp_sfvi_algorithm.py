@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
-from .._steps import tree_weighted_sum
 from .._typing import Array, PyTree
 from ..dp.batch import traced_batch_size
 from ..dp.mechanisms import fixed_size_subset, perturbed_sum
-from ..protocol import Exchange, FederatedAlgorithm, all_clients
+from ..run.protocol import Exchange, FederatedAlgorithm, all_clients
+from ..run.steps import tree_weighted_sum
 from .sfvi_algorithm import SFVIInfo, init_server, server_update
 
 if TYPE_CHECKING:  # pragma: no cover

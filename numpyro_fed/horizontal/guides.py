@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from .._structure import with_improper_values
 from .._typing import Array
+from ..model.structure import with_improper_values
 
 __all__ = ["SCALES", "MeanFieldGuide", "StructuredGuide", "softplus_inverse", "std_normal_logpdf"]
 

@@ -12,16 +12,7 @@ import numpy as np
 import optax
 from jax import random
 
-from .._structure import (
-    analyse_model,
-    constrain_params,
-    deterministic_of_globals,
-    global_deterministic_sites,
-    trace_model,
-    with_improper_values,
-)
 from .._validation import check_clients, check_model, check_optimizer, check_positive_int
-from ..backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args, unpadder
 from ..check import Verdict, from_diagnostic, register_check, unchecked
 from ..check.psis import (
     MEAN_MARGIN,
@@ -35,8 +26,17 @@ from ..check.psis import (
 )
 from ..clients import Clients
 from ..dp.plan import DPPlan, check_sgd_options
-from ..groups import size_group_plates, trim_groups
-from ..inference import (
+from ..model.groups import size_group_plates, trim_groups
+from ..model.structure import (
+    analyse_model,
+    constrain_params,
+    deterministic_of_globals,
+    global_deterministic_sites,
+    trace_model,
+    with_improper_values,
+)
+from ..run.backends.mapping import client_data, client_item, plan_clients, shape_key, traced_args, unpadder
+from ..run.inference import (
     NUM_SAMPLES,
     FederatedInference,
     Setup,
@@ -46,8 +46,8 @@ from ..inference import (
     state_of,
     with_exchange_traffic,
 )
-from ..params import GuideParams
-from ..protocol import RunResult, RunState
+from ..run.params import GuideParams
+from ..run.protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .check import client_log_weights_from_keys, log_weight_estimator
 from .dp_sfvi_algorithm import dp_sfvi
@@ -122,7 +122,7 @@ class FederatedSVI(FederatedInference):
         trusted_aggregator: the gradients are summed by a trusted aggregator; each of the
             M clients adds noise ``sigma / sqrt(M)`` and the server sees only the sum.
         client_mapping: how the simulation maps clients: ``"auto"``, ``"vmap"`` or
-            ``"loop"`` (see :mod:`numpyro_fed.backends.mapping`).
+            ``"loop"`` (see :mod:`numpyro_fed.run.backends.mapping`).
         row_plate: the plate that indexes rows, when clients of unequal size are padded
             and more than one plate follows the row count.
         model_kwargs: non-data keyword arguments passed to every call of the model.
@@ -259,7 +259,7 @@ class FederatedSVI(FederatedInference):
 
     # ------------------------------------------------------------------ SVI API
     def get_params(self, state: RunState) -> Dict:
-        """The server-held parameters, a :class:`~numpyro_fed.params.GuideParams`: the guide's
+        """The server-held parameters, a :class:`~numpyro_fed.run.params.GuideParams`: the guide's
         (``guide``, in its own unconstrained parametrisation) and the global ``numpyro.param``
         sites (``theta``, constrained, as the model sees them)."""
         return self._params(fitted(self), state)

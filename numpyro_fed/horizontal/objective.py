@@ -22,8 +22,10 @@ import jax.numpy as jnp
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
-from .._pointwise import enumeration_dependent, observed_terms
-from .._structure import (
+from ..clients import ClientData
+from ..model.handlers import GLOBAL, LOCAL, site_role
+from ..model.pointwise import enumeration_dependent, observed_terms
+from ..model.structure import (
     ModelStructure,
     SiteLayout,
     constrain_params,
@@ -32,9 +34,7 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .._trace import prior_median
-from ..clients import ClientData
-from ..handlers import GLOBAL, LOCAL, site_role
+from ..model.trace import prior_median
 from .guides import StructuredGuide
 
 __all__ = ["ClientData", "FederatedObjective"]
@@ -185,7 +185,7 @@ class FederatedObjective:
         return values
 
     def enumeration_dependent(self, args) -> Tuple[str, ...]:
-        """:func:`~numpyro_fed._pointwise.enumeration_dependent` on ``args``, once per argument shapes."""
+        """:func:`~numpyro_fed.model.pointwise.enumeration_dependent` on ``args``, once per argument shapes."""
         key = tuple(sorted((k, jnp.shape(v)) for k, v in dict(args).items()))
         if key not in self._enum_dependent:
             self._enum_dependent[key] = enumeration_dependent(self.model, args, self.model_kwargs)
@@ -196,7 +196,7 @@ class FederatedObjective:
     ) -> tuple:
         """``(log_likelihood, predictive)`` of the observed sites at one posterior draw, on
         the client's rows ``args``: each observed site's pointwise log density of the
-        client's data (enumerated sites summed out, :mod:`numpyro_fed._pointwise`), and a draw of
+        client's data (enumerated sites summed out, :mod:`numpyro_fed.model.pointwise`), and a draw of
         new data from it (a client's computation)."""
         latent, tr = self._substituted_trace(global_params, local_params, z_global, z_local, args, layout)
         values = {n: tr[n]["value"] for n in latent}

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
-from .._steps import ascent, tree_weighted_sum
 from .._typing import Array, PyTree
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.steps import ascent, tree_weighted_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objective import FederatedObjective

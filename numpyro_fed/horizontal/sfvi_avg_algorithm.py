@@ -44,9 +44,9 @@ import jax.numpy as jnp
 import optax
 from jax import random
 
-from .._steps import ascent, tree_weighted_sum
 from .._typing import Array, PyTree
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm
+from ..run.steps import ascent, tree_weighted_sum
 from .barycenter import diagonal_gaussian_barycenter, gaussian_barycenter
 from .sfvi_algorithm import SFVIInfo
 

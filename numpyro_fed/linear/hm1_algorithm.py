@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm
 
 __all__ = ["GRADIENTS", "HM1Config", "HM1Info", "HM1ServerState", "client_step", "hm1", "init_client", "init_server",
            "minibatch_weights", "select", "server_step"]

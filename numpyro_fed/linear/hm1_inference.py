@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._validation import check_clients, check_positive_int
-from ..backends.mapping import ClientPlan
 from ..check import Verdict, register_check, unchecked
 from ..clients import Clients
-from ..inference import FederatedInference, Setup, reset_setup
-from ..params import HM1Params
-from ..protocol import RunResult, RunState
+from ..run.backends.mapping import ClientPlan
+from ..run.inference import FederatedInference, Setup, reset_setup
+from ..run.params import HM1Params
+from ..run.protocol import RunResult, RunState
 from ..warnings import UnconvergedWarning, find_stack_level
 from .hm1_algorithm import GRADIENTS, hm1
 
@@ -50,7 +50,7 @@ class HM1(FederatedInference):
     The summed step is stable when ``lr`` times the largest eigenvalue of ``X_b^T X_b``
     stays below 1 (about ``lr * batch_size * E[x^2] < 1`` for standardised covariates):
     scale ``lr`` with ``1 / batch_size``. A run that blows up stops with
-    :class:`~numpyro_fed.backends.NonFiniteError`; one whose ``Theta`` still moves in the last round
+    :class:`~numpyro_fed.run.backends.NonFiniteError`; one whose ``Theta`` still moves in the last round
     warns (:class:`~numpyro_fed.warnings.UnconvergedWarning`).
 
     Algorithm 1's prior weight relative to the data depends on ``shrinkage``, ``local_steps``,

@@ -26,7 +26,7 @@ ratio was clipped in the kept iterations (never sent); the family warns with the
 decides nothing: the family gathers each iteration's releases over the rounds the clients take to answer, each
 client releasing once (:func:`~numpyro_fed.dp.releases.capped_releases`).
 
-**Under secure aggregation** (pairwise masking or a trusted aggregator; :mod:`numpyro_fed.secure`)
+**Under secure aggregation** (pairwise masking or a trusted aggregator; :mod:`numpyro_fed.run.secure`)
 the server sees only ``hat Lambda``, never a client's own release. Each client still adds the whole
 ``sigma``: sharing the noise among the clients (each ``sigma / sqrt(J)``) would rest the guarantee on
 the server following the protocol and reporting truthfully who answered, which a client cannot
@@ -65,7 +65,7 @@ from jax import random
 
 from ..dp.control import ControlVariate, row_taylor, taylor
 from ..dp.rows import RowLocals
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 
 __all__ = ["LOCAL_TARGET_ACCEPT", "DPMHClientState", "DPMHConfig", "DPMHInfo", "DPMHServerState",
            "TARGET_ACCEPT", "dp_metropolis"]

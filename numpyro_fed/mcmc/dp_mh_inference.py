@@ -17,20 +17,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._trace import prior_median
 from .._validation import check_positive_int
-from ..backends.mapping import client_data
 from ..check import Verdict, register_check
 from ..check.chains import chain_report, chains_verdict
 from ..dp.control import ControlVariate, row_derivatives, widen
 from ..dp.releases import capped_releases
 from ..dp.rows import row_locals, row_terms
 from ..dp.sampler_privacy import SamplerPrivacy, may_drop
-from ..inference import FederatedInference, Setup, fitted
-from ..params import DrawParams
-from ..posterior import ChainPosterior
-from ..protocol import RunResult
-from ..secure import check_aggregation
+from ..model.trace import prior_median
+from ..run.backends.mapping import client_data
+from ..run.inference import FederatedInference, Setup, fitted
+from ..run.params import DrawParams
+from ..run.posterior import ChainPosterior
+from ..run.protocol import RunResult
+from ..run.secure import check_aggregation
 from ..terms.model import TermsSetup, user_space
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .dp_mh_algorithm import DPMHConfig, dp_metropolis
@@ -128,7 +128,7 @@ class DPMetropolis(FederatedInference):
         secure_aggregation: ``None`` (each client's noised release reaches the server), or how the
             releases are summed so that the server sees only their sum each round: ``"masking"``
             (pairwise masking with dropout recovery, Bonawitz et al. 2017) or ``"trusted"`` (a trusted
-            aggregator); see :mod:`numpyro_fed.secure`. Each client still adds the whole noise: the
+            aggregator); see :mod:`numpyro_fed.run.secure`. Each client still adds the whole noise: the
             guarantee rests on each release alone, so it holds against a server that deviates from
             the masking protocol or misreports who answered (the summing is protection in depth,
             not a discount on the noise).
@@ -223,7 +223,7 @@ class DPMetropolis(FederatedInference):
         return DrawParams({k: jnp.asarray(v).reshape(draws.shape[:2] + v.shape[1:]) for k, v in user.items()})
 
     def posterior(self, result: RunResult) -> ChainPosterior:
-        """The chains' draws per global site, constrained (:class:`~numpyro_fed.posterior.ChainPosterior`,
+        """The chains' draws per global site, constrained (:class:`~numpyro_fed.run.posterior.ChainPosterior`,
         read by ``get_samples`` and ``sample_posterior``). A client's local draws stay on it
         (``client=`` raises)."""
 

@@ -19,8 +19,15 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 
-from .._pointwise import enumeration_dependent, observed_terms
-from .._structure import (
+from .._validation import check_clients, check_model, check_positive_int, check_positive_number
+from ..check import Verdict, register_check
+from ..check.chains import R_HAT_LIMIT, chain_report, chains_verdict
+from ..check.energy import E_BFMI_LIMIT, energy_report
+from ..clients import Clients
+from ..model.groups import size_group_plates, trim_groups
+from ..model.handlers import GLOBAL, LOCAL, site_role
+from ..model.pointwise import enumeration_dependent, observed_terms
+from ..model.structure import (
     ModelStructure,
     analyse_model,
     deterministic_of_globals,
@@ -30,21 +37,14 @@ from .._structure import (
     trace_model,
     with_improper_values,
 )
-from .._trace import or_finite_point
-from .._validation import check_clients, check_model, check_positive_int, check_positive_number
-from ..backends.mapping import client_data, client_item, plan_clients, unpadder
-from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
-from ..check import Verdict, register_check
-from ..check.chains import R_HAT_LIMIT, chain_report, chains_verdict
-from ..check.energy import E_BFMI_LIMIT, energy_report
-from ..clients import Clients
-from ..groups import size_group_plates, trim_groups
-from ..handlers import GLOBAL, LOCAL, site_role
-from ..inference import FederatedInference, Setup, fitted, state_of
-from ..params import DrawParams
-from ..posterior import ChainPosterior
-from ..protocol import RunResult, RunState
-from ..secure import check_aggregation
+from ..model.trace import or_finite_point
+from ..run.backends.mapping import client_data, client_item, plan_clients, unpadder
+from ..run.budget import RoundBudgetError, partial_draws, stopped_message, traffic
+from ..run.inference import FederatedInference, Setup, fitted, state_of
+from ..run.params import DrawParams
+from ..run.posterior import ChainPosterior
+from ..run.protocol import RunResult, RunState
+from ..run.secure import check_aggregation
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
@@ -186,8 +186,8 @@ class FederatedMCMC(FederatedInference):
         """``run``'s ``num_rounds`` is a bound (default: enough for every tree at ``max_tree_depth``):
         the run ends when every chain has its ``num_warmup + num_samples`` iterations, one
         leapfrog step per round; a run whose pace projects more rounds than the bound stops
-        before it spends them (:class:`~numpyro_fed.budget.Pace`) and raises
-        :class:`~numpyro_fed.budget.RoundBudgetError` with the draws it has."""
+        before it spends them (:class:`~numpyro_fed.run.budget.Pace`) and raises
+        :class:`~numpyro_fed.run.budget.RoundBudgetError` with the draws it has."""
         if num_rounds is None:  # every tree at full depth (HMC: 1024 steps), the set-up's retries, the last round
             per_iteration = 2 ** self.max_tree_depth if self.algo == "NUTS" else (self.num_steps or 2 ** 10)
             num_rounds = (self.num_warmup + self.num_samples) * per_iteration + MAX_INIT_TRIES + 2
@@ -302,7 +302,7 @@ class FederatedMCMC(FederatedInference):
         return setup.cache["global_draws"](z)
 
     def posterior(self, result: Union[RunResult, RunState]) -> ChainPosterior:
-        """The chains' draws, constrained (:class:`~numpyro_fed.posterior.ChainPosterior`, read by
+        """The chains' draws, constrained (:class:`~numpyro_fed.run.posterior.ChainPosterior`, read by
         ``get_samples`` and ``sample_posterior``): the global sites (and the deterministic sites
         of the global sites alone); with ``client``, that client's local latent sites and the
         model's deterministic sites on its rows as well, read from the client's own state (in a
@@ -474,7 +474,7 @@ class FederatedNUTS(FederatedMCMC):
         secure_aggregation: ``None`` (each client's potential terms and gradients reach the
             server), or how they are summed so that the server sees only their sum each round:
             ``"masking"`` (pairwise masking with dropout recovery, no third party; Bonawitz et al.
-            2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
+            2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.run.secure`.
 
     Example:
         >>> import numpy as np, jax, numpyro, numpyro.distributions as dist

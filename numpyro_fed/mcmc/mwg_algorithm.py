@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from .mwg_locals import anchor_map, colour, laplace_map, local_moves, log_det, marginal_grad, whiten
 from .mwg_proposals import T_DF, T_SCALE, block_chol, block_conditional, propose, ridge_log_jacobian, t_log_prob  # noqa: F401
 from .surrogate import Surrogate, accumulate, laplace_surrogate, metric, refit, surrogate_move, surrogate_value
@@ -410,7 +410,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
         blocks: the locals' independent blocks (:func:`~numpyro_fed.terms.blocks.local_blocks`).
         config: :class:`MwGConfig`.
         secure: ``None``, or how the clients' log ratios are summed so that the server sees only
-            their sum (:mod:`numpyro_fed.secure`): ``"trusted"`` or ``"masking"``.
+            their sum (:mod:`numpyro_fed.run.secure`): ``"trusted"`` or ``"masking"``.
     """
     d = start.shape[0]
     dtype = start.dtype
@@ -493,7 +493,7 @@ def federated_mwg(log_prior: Callable, client_log_joint: Callable, num_clients: 
 
 
 def run_on_state(state, num_warmup: int, num_samples: int):
-    """A finished run's :class:`~numpyro_fed.protocol.RunState` as the start of the same chains run on
+    """A finished run's :class:`~numpyro_fed.run.protocol.RunState` as the start of the same chains run on
     to ``num_samples`` kept iterations (more than it kept): the draw buffers grown, nothing else
     changed, so the next round continues each chain where it stopped (its adaptation ended with
     warmup).

@@ -15,23 +15,23 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import trace_model, with_improper_values
 from .._validation import check_clients, check_positive_int
-from ..backends.mapping import client_data, unpadder
-from ..budget import RoundBudgetError, partial_draws, stopped_message, traffic
 from ..check import Verdict, register_check
 from ..check.chains import MIN_ESS, R_HAT_LIMIT, chain_report, chains_verdict  # noqa: F401  (the limits: documented here)
 from ..dp.plan import refuse_dp
 from ..factor import Laplace
 from ..factor.laplace_inference import NoModeError
 from ..factor.pointwise import observed_terms_at
-from ..groups import size_group_plates, trim_groups
-from ..inference import FederatedInference, Setup, checked_network, fitted, reset_setup
-from ..labels import scalar_label
-from ..params import DrawParams
-from ..posterior import ChainPosterior
-from ..protocol import ClientSlot, RunResult, RunState
-from ..secure import check_aggregation
+from ..model.groups import size_group_plates, trim_groups
+from ..model.labels import scalar_label
+from ..model.structure import trace_model, with_improper_values
+from ..run.backends.mapping import client_data, unpadder
+from ..run.budget import RoundBudgetError, partial_draws, stopped_message, traffic
+from ..run.inference import FederatedInference, Setup, checked_network, fitted, reset_setup
+from ..run.params import DrawParams
+from ..run.posterior import ChainPosterior
+from ..run.protocol import ClientSlot, RunResult, RunState
+from ..run.secure import check_aggregation
 from ..terms.blocks import local_blocks as propose_blocks
 from ..terms.model import TermsSetup, build_terms, own_entries, site_supports, user_space
 from ..warnings import UnreliableFitWarning, find_stack_level
@@ -112,7 +112,7 @@ class FederatedMwG(FederatedInference):
         secure_aggregation: ``None`` (each client's log ratios reach the server), or how they are
             summed so that the server sees only their sum each round (and in the Laplace start):
             ``"masking"`` (pairwise masking with dropout recovery, no third party; Bonawitz et al.
-            2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.secure`.
+            2017) or ``"trusted"`` (a trusted aggregator); see :mod:`numpyro_fed.run.secure`.
         local_blocks, client_mapping, row_plate, model_kwargs: as :class:`~numpyro_fed.factor.Laplace`.
     """
 
@@ -162,8 +162,8 @@ class FederatedMwG(FederatedInference):
         """``run``'s ``num_rounds`` is a bound (default: ``num_warmup + num_samples + 1``, the rounds
         when every client answers every round (the last records the locals), 20 times that under
         simulated ``availability=``: a round a client misses is repeated); a run that would not
-        finish within it stops (:class:`~numpyro_fed.budget.Pace`) and raises
-        :class:`~numpyro_fed.budget.RoundBudgetError` with the draws it has."""
+        finish within it stops (:class:`~numpyro_fed.run.budget.Pace`) and raises
+        :class:`~numpyro_fed.run.budget.RoundBudgetError` with the draws it has."""
         if num_rounds is None:
             total = self.num_warmup + self.num_samples + 1
             num_rounds = total if options.get("availability") is None else 20 * total
@@ -340,7 +340,7 @@ class FederatedMwG(FederatedInference):
         return observed_terms_at(fitted(self), self.model, self.model_kwargs, rng_key, draws, client)
 
     def posterior(self, result: RunResult) -> ChainPosterior:
-        """The chains' draws per site, constrained (:class:`~numpyro_fed.posterior.ChainPosterior`,
+        """The chains' draws per site, constrained (:class:`~numpyro_fed.run.posterior.ChainPosterior`,
         read by ``get_samples`` and ``sample_posterior``): the global sites; with ``client``,
         that client's local sites at the same iterations as well (the draws its chain recorded
         on its own node; in simulation the run's client states hold them)."""

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from .._steps import leapfrog
+from ..run.steps import leapfrog
 from ..terms.blocks import block_hessian, scatter_blocks
 from ..terms.tilted import conditional_slope, first_descent, inner_mode
 

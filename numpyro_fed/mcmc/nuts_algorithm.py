@@ -43,8 +43,8 @@ import numpy as np
 from jax import random
 
 from .._typing import Array
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
-from ..secure.fixed_point import saturate
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.secure.fixed_point import saturate
 from .adapt import MassState, StepState, adapt_mass, adapt_step, init_mass, init_step
 from .block import (
     Block,
@@ -95,7 +95,7 @@ class MCMCConfig(NamedTuple):
     dtype: object
     init_position: Optional[Array] = None  # (d,): the chains start near it (e.g. a Laplace mode), not uniformly
     init_inv_mass: Optional[Array] = None  # (d,): the global block's starting diagonal M^-1 (e.g. Laplace variances)
-    secure: Optional[str] = None  # how the clients' messages are summed (numpyro_fed.secure), or None: in the clear
+    secure: Optional[str] = None  # how the clients' messages are summed (numpyro_fed.run.secure), or None: in the clear
 
 
 class IterationStats(NamedTuple):
@@ -455,7 +455,7 @@ def describe(state: MCMCServerState, *, config: MCMCConfig) -> str:
 
 def progress(state: MCMCServerState, *, config: MCMCConfig) -> tuple:
     """``(iterations the slowest chain has done, warmup, iterations in all)``: the run's pace
-    (:class:`~numpyro_fed.budget.Pace`)."""
+    (:class:`~numpyro_fed.run.budget.Pace`)."""
     return int(np.min(np.asarray(state.iteration))), config.num_warmup, config.num_warmup + config.num_samples
 
 
@@ -473,7 +473,7 @@ def _as_dict_message(client, server):
 
 def federated_mcmc(config: MCMCConfig) -> FederatedAlgorithm:
     """Federated NUTS (``config.algo == "NUTS"``) or HMC as a
-    :class:`~numpyro_fed.protocol.FederatedAlgorithm`: one exchange per round, every client
+    :class:`~numpyro_fed.run.protocol.FederatedAlgorithm`: one exchange per round, every client
     asked every round, ``done`` once every chain has its draws.
 
     References:

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from .._steps import leapfrog
+from ..run.steps import leapfrog
 
 __all__ = ["MAX_DELTA_ENERGY", "SHRINK_POINTS", "Surrogate", "accumulate", "laplace_surrogate", "metric", "refit",
            "surrogate_move", "surrogate_value"]

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._structure import SiteLayout
 from .._typing import Array
+from ..model.structure import SiteLayout
 
 __all__ = ["BLOCK_TOL", "QUADRATURE_NODES", "block_hessian", "block_logdet", "block_solve", "blocks_hold",
            "local_blocks", "quadrature_correction", "scatter_blocks"]

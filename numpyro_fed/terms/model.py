@@ -2,8 +2,8 @@
 of the global sites, its joint with its own local sites (their layout, padded entries and
 Jacobians), the model's prior of the global sites, and that prior's Gaussian factor.
 
-Pure functions of the model, its data and its structure (:func:`~numpyro_fed._structure.analyse_model`,
-:func:`~numpyro_fed.backends.mapping.plan_clients`); a family composes them rather than
+Pure functions of the model, its data and its structure (:func:`~numpyro_fed.model.structure.analyse_model`,
+:func:`~numpyro_fed.run.backends.mapping.plan_clients`); a family composes them rather than
 inheriting a family that has them. :func:`model_terms` builds the whole :class:`ModelTerms`;
 :func:`local_joint` a client's joint for any local layout (EP's predictive sampler uses it on a
 new client); :func:`gaussian_prior_factor` the prior's Gaussian factor and the rest, for the
@@ -25,10 +25,10 @@ import numpy as np
 from jax import random
 from numpyro.distributions.transforms import biject_to
 
-from .._structure import SiteLayout, analyse_model, is_latent, latent_supports, log_joint, make_layout, trace_model
-from .._trace import prior_median
-from ..backends.mapping import client_data, plan_clients
-from ..handlers import GLOBAL, LOCAL, site_role
+from ..model.handlers import GLOBAL, LOCAL, site_role
+from ..model.structure import SiteLayout, analyse_model, is_latent, latent_supports, log_joint, make_layout, trace_model
+from ..model.trace import prior_median
+from ..run.backends.mapping import client_data, plan_clients
 from . import gaussian as G
 from .prior_site import check_prior_is_data_free, check_prior_is_proper, split_prior
 
@@ -160,10 +160,10 @@ def build_terms(model: Callable, model_kwargs: Mapping, clients, *, cls: str, cl
                 adjust_structure: Optional[Callable] = None):
     """``(plan, TermsSetup)``: ``model`` on ``clients`` as a family of class ``cls`` fits it.
 
-    The model's structure (:func:`~numpyro_fed._structure.analyse_model`) must have global
+    The model's structure (:func:`~numpyro_fed.model.structure.analyse_model`) must have global
     latent sites and no ``numpyro.param`` sites; ``check_structure(structure)`` may refuse more,
     and ``adjust_structure(clients, structure)`` change it once the clients are laid out
-    (:func:`~numpyro_fed.backends.mapping.plan_clients`, ``client_mapping`` and ``row_plate``
+    (:func:`~numpyro_fed.run.backends.mapping.plan_clients`, ``client_mapping`` and ``row_plate``
     as the families take them). A family without a DP mechanism refuses a ``dp_noise``-marked model
     before it calls this (:func:`~numpyro_fed.dp.plan.refuse_dp`). ``prior_factor`` and
     ``diagonal``: as :func:`model_terms`."""

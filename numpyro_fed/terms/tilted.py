@@ -34,9 +34,9 @@ import optax
 from jax import random
 from numpyro.infer.hmc import hmc
 
-from .._steps import carried_while
 from .._typing import Array
 from ..check.psis import PARETO_K_LIMIT  # Vehtari et al. (2024): above it the fit is unreliable
+from ..run.steps import carried_while
 from . import gaussian as G
 from .blocks import block_hessian, block_logdet, block_solve, quadrature_correction, scatter_blocks
 from .gaussian import NaturalGaussian

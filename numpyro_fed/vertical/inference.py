@@ -12,7 +12,6 @@ import numpy as np
 from jax import random
 
 from .._validation import check_optimizer, check_positive_int
-from ..backends.mapping import ClientPlan
 from ..check import Verdict, from_diagnostic, register_check, unchecked
 from ..check.psis import (
     MEAN_MARGIN,
@@ -24,9 +23,10 @@ from ..check.psis import (
     state_fingerprint,
 )
 from ..dp.plan import refuse_dp
-from ..inference import FederatedInference, Setup, checked_network, fitted, state_of, with_exchange_traffic
-from ..params import VerticalParams
-from ..protocol import RunResult, RunState
+from ..run.backends.mapping import ClientPlan
+from ..run.inference import FederatedInference, Setup, checked_network, fitted, state_of, with_exchange_traffic
+from ..run.params import VerticalParams
+from ..run.protocol import RunResult, RunState
 from ..warnings import BiasedFitWarning, UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from . import network_check
 from .check import CHECK_DRAWS, check_function, constrain_draws, split_flat, vertical_fit_check
@@ -244,7 +244,7 @@ class VerticalInference(FederatedInference):
         return data
 
     def get_params(self, state: RunState) -> VerticalParams:
-        """A :class:`~numpyro_fed.params.VerticalParams`: every party's parameters (gathered
+        """A :class:`~numpyro_fed.run.params.VerticalParams`: every party's parameters (gathered
         from their states) and the server's."""
         return self._params(fitted(self), state)
 

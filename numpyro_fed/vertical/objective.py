@@ -32,7 +32,7 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
-from .._structure import SiteLayout, make_layout, with_improper_values
+from ..model.structure import SiteLayout, make_layout, with_improper_values
 from .guides import VerticalGuide
 from .handler import AUX_KEY, LOC_KEY, VERTICAL_KEY, vertical_split
 

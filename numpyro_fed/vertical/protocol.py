@@ -3,7 +3,7 @@
 A vertical algorithm (:func:`~numpyro_fed.vertical.sfvi_algorithm.vertical_sfvi`,
 :func:`~numpyro_fed.vertical.soul_algorithm.vertical_soul`) is a NamedTuple of per-party
 pure functions; :func:`vertical_protocol` turns it into a
-:class:`~numpyro_fed.protocol.FederatedAlgorithm` whose clients are the parties. One
+:class:`~numpyro_fed.run.protocol.FederatedAlgorithm` whose clients are the parties. One
 round (Hassan et al. (2024), Algorithms 1-2 and Appendix A):
 
 1. ``forward``: the server's broadcast names the round's rows; each client draws its
@@ -32,7 +32,7 @@ from typing import Any, Dict, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
+from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, all_clients
 from .objective import VerticalObjective
 
 __all__ = ["PartyData", "VerticalInfo", "vertical_protocol"]

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
-from .._steps import ascent
+from ..run.steps import ascent
 from .objective import SERVER, VerticalObjective
 
 if TYPE_CHECKING:  # pragma: no cover

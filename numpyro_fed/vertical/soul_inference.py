@@ -10,7 +10,7 @@ import optax
 from jax import random
 
 from .._validation import check_positive_int
-from ..inference import NUM_SAMPLES, fitted, state_of
+from ..run.inference import NUM_SAMPLES, fitted, state_of
 from .check import gaussian_draws
 from .inference import VerticalInference, check_batch, corrected_draws, party_draws
 from .objective import SERVER, VerticalObjective

@@ -12,8 +12,8 @@ from jax import random
 
 from .._validation import check_positive_int
 from ..check import Verdict, register_check
-from ..inference import NUM_SAMPLES, Setup, fitted, setup_for, state_of
-from ..protocol import RunResult, RunState
+from ..run.inference import NUM_SAMPLES, Setup, fitted, setup_for, state_of
+from ..run.protocol import RunResult, RunState
 from ..warnings import UnreliableFitWarning, find_stack_level
 from .guides import VerticalGuide
 from .inference import VerticalInference, check_batch, corrected_draws, held_params, party_draws, vertical_check
