@@ -1,12 +1,15 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models.
 
-Layout: the runtime every family shares (:mod:`~numpyro_fed.run.protocol`,
-:mod:`~numpyro_fed.run.backends`, :mod:`~numpyro_fed.run.transcript`,
-:mod:`~numpyro_fed.run.checkpoint`, :mod:`~numpyro_fed.run.availability`) and one folder per
+Layout: the model's analysis (:mod:`numpyro_fed.model`) and its terms
+(:mod:`numpyro_fed.terms`); the run every family shares (:mod:`numpyro_fed.run`: the
+inference contract, the protocol, the backends and the round loop, checkpoints, the
+transcript, secure aggregation); the fit checks (:mod:`numpyro_fed.check`); one folder per
 family, each holding its pure core and its class layer: :mod:`~numpyro_fed.horizontal`
-(SFVI, SFVI-Avg), :mod:`~numpyro_fed.factor` (PVI, EP), :mod:`~numpyro_fed.linear` (HM1),
-:mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL), :mod:`~numpyro_fed.mcmc` (exact
-federated NUTS and HMC).
+(SFVI, SFVI-Avg), :mod:`~numpyro_fed.factor` (PVI, EP, Laplace), :mod:`~numpyro_fed.linear`
+(HM1), :mod:`~numpyro_fed.vertical` (vertical SFVI, SOUL), :mod:`~numpyro_fed.mcmc` (exact
+federated NUTS, HMC, Metropolis-within-Gibbs); differential privacy
+(:mod:`numpyro_fed.dp`); ``nf.fit`` and the reading of its answer
+(:mod:`numpyro_fed.fitting`); Flower (:mod:`numpyro_fed.flower`).
 """
 
 # subpackages, reached as nf.dp, nf.warnings, ... (not star-exported: __all__ holds the names a user calls)
