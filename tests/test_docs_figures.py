@@ -45,7 +45,7 @@ def test_the_test_suites_time_is_its_results():
     readme = " ".join((ROOT / "README.md").read_text().split())  # the newcomer's check, as measured
     minutes = round(results["fresh_clone_check"]["test_command_seconds_install_included"] / 60)
     passed = results["fresh_clone_check"]["test_command_pytest"].split(" passed")[0]
-    assert f"{passed} tests, about {minutes} minutes on this 2-core machine with the install" in readme
+    assert f"{passed} tests, about {minutes} minutes on a 2-core CPU with the install" in readme
 
 
 def test_readmes_count_of_long_checks_is_what_pytest_collects():
@@ -134,8 +134,8 @@ def test_the_cold_start_table_is_its_results():
     ratios = results["seconds_over_pooled_nuts"]
     assert f"commit {results['commit']}" in flat
     assert f"`nf.fit`'s first call is {ratios['fit_cold']:.1f} times pooled NUTS's" in flat
-    assert f"({ratios['fit_second']:.1f} times NUTS's second run)" in flat
-    assert f"(load average {results['load_average_at_start'][0]:.1f} at the start)" in flat
+    assert f"process {ratios['fit_second']:.1f} times NUTS's second run" in flat
+    assert f"load average {results['load_average_at_start'][0]:.1f} at the start" in flat
 
 
 def test_the_demos_table_is_its_results():
@@ -362,7 +362,7 @@ def test_the_exact_private_fit_table_is_its_results():
 
 
 def test_the_cold_call_profile_is_its_results():
-    results = json.loads((ROOT / "benchmarks" / "results" / "cold_call_profile_before.json").read_text())
+    results = json.loads((ROOT / "benchmarks" / "results" / "cold_call_profile.json").read_text())
     rows = _benchmark("cold_call_profile").table_rows(results)
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     missing = [row for row in rows if row not in text]
@@ -370,20 +370,12 @@ def test_the_cold_call_profile_is_its_results():
     assert f"commit {results['commit']}" in text and not results["dirty"]
     flat = " ".join(text.split())
     cold, second = results["cold"], results["second"]
-    assert f"{cold['small_programs']} programs of a few tens of milliseconds each " \
-           f"({cold['small_programs_compile_seconds']:.1f} s)" in flat
-    assert f"compiles {second['programs']} programs and takes {second['seconds']:.1f} s" in flat
-    now = json.loads((ROOT / "benchmarks" / "results" / "cold_call_profile.json").read_text())
-    after = now["cold"]
-    assert f"At commit {now['commit']}" in flat and not now["dirty"]
-    assert f"and the second call took {now['second']['seconds']:.1f} s" in flat
-    loop = [r["compile_seconds"] for r in (cold["top"][0], after["top"][0]) if r["origin"].endswith(":_scan")]
-    assert len(loop) == 2 and f"compiled in {loop[0]:.2f} s in the first profile and {loop[1]:.2f} s in this" in flat
-    assert f"{after['compile_seconds']:.1f} s of compilation, {after['small_programs']} of them small, " \
-           f"{after['small_programs_compile_seconds']:.1f} s) and took {after['seconds']:.1f} s" in flat
-    assert f"compiled {after['programs']} programs ({after['compile_seconds']:.1f} s of compilation, " \
-           f"{after['small_programs']} of them small, {after['small_programs_compile_seconds']:.1f} s) and took " \
-           f"{after['seconds']:.1f} s" in flat
+    compiled = "none" if second["programs"] == 0 else second["programs"]
+    assert f"At commit {results['commit']} the cold call compiled {cold['programs']} programs " \
+           f"({cold['compile_seconds']:.1f} s of compilation, {cold['small_programs']} of them small, " \
+           f"{cold['small_programs_compile_seconds']:.1f} s) and took {cold['seconds']:.1f} s, and the second " \
+           f"call took {second['seconds']:.1f} s, compiling {compiled}" \
+           in flat
 
 
 def test_the_fit_scaling_table_is_its_results():
