@@ -63,7 +63,7 @@ from ..run.inference import FederatedInference, Setup, fitted
 from ..run.params import GaussianParams
 from ..run.protocol import Broadcast, Exchange, FederatedAlgorithm, RunResult, all_clients
 from ..run.secure import check_aggregation
-from ..terms.model import TermsSetup, user_space
+from ..terms.model import TermsSetup, global_values
 from ..warnings import UncheckedFitWarning, UnreliableFitWarning, find_stack_level
 from .control import ControlVariate, row_derivatives, upper_triangle
 from .releases import capped_releases
@@ -421,8 +421,9 @@ class DPLaplace(FederatedInference):
 
     def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
-        """Draws of ``N(mean, cov)``, constrained (the global sites only; ``corrected``: no importance
-        correction exists under DP, it would cost privacy)."""
+        """Draws of ``N(mean, cov)``, constrained: the global sites and the deterministic sites of
+        the global sites alone (``corrected``: no importance correction exists under DP, it would
+        cost privacy)."""
         if corrected:
             raise ValueError("DPLaplace: no importance-corrected draws (the correction's terms would cost privacy)")
 
@@ -431,7 +432,7 @@ class DPLaplace(FederatedInference):
         mean, cov = result.params.mean, result.params.cov
         n = 1000 if num_samples is None else int(num_samples)
         draws = random.multivariate_normal(rng_key, mean, cov, (n,))
-        return user_space(self.model, self.model_kwargs, fitted(self), draws)
+        return global_values(self.model, self.model_kwargs, fitted(self), draws)
 
 
 @register_check(DPLaplace)

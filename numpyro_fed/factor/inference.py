@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
-from numpyro.distributions.transforms import biject_to
 
 from .._validation import check_clients, check_positive_int
 from ..check import Verdict, from_diagnostic, register_check, unchecked
@@ -35,8 +34,6 @@ from ..clients import Clients
 from ..dp.plan import refuse_dp
 from ..model.groups import size_group_plates
 from ..model.structure import (
-    deterministic_of_globals,
-    global_deterministic_sites,
     latent_supports,
     with_improper_values,
 )
@@ -55,7 +52,7 @@ from ..terms import gaussian as G
 from ..terms.blocks import QUADRATURE_NODES, blocks_hold
 from ..terms.blocks import local_blocks as propose_blocks
 from ..terms.local_check import client_check_keys, local_integral_checks, local_note, log_weight_estimator
-from ..terms.model import ModelTerms, TermsSetup, build_terms, local_joint, site_supports, user_space
+from ..terms.model import ModelTerms, TermsSetup, build_terms, global_values, local_joint, user_space
 from ..terms.tilted import PARETO_K_LIMIT
 from ..warnings import (
     BiasedFitWarning,
@@ -374,17 +371,7 @@ class FactorInference(FederatedInference):
         else:
             eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
             u = jax.vmap(lambda e: G.sample(q, e))(eps)
-        layout = setup.extra.structure.global_latent
-        supports = site_supports(self.model, self.model_kwargs, setup)
-        draws = {k: biject_to(supports[k])(v) for k, v in jax.vmap(layout.unravel)(u).items()}
-        if "deterministic" not in setup.cache:  # compiled once per set-up
-            names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs, layout.names)
-            first = setup.inputs[setup.inputs.names[0]]
-            fn = deterministic_of_globals(self.model, self.model_kwargs, first, names)
-            setup.cache["deterministic"] = jax.jit(jax.vmap(fn)) if names else None
-        if setup.cache["deterministic"] is not None:
-            draws.update(setup.cache["deterministic"](draws))
-        return draws
+        return global_values(self.model, self.model_kwargs, setup, u)
 
 
 def _shown(rounds):

@@ -30,8 +30,6 @@ from ..model.pointwise import enumeration_dependent, observed_terms
 from ..model.structure import (
     ModelStructure,
     analyse_model,
-    deterministic_of_globals,
-    global_deterministic_sites,
     is_latent,
     log_joint,
     trace_model,
@@ -45,6 +43,7 @@ from ..run.params import DrawParams
 from ..run.posterior import ChainPosterior
 from ..run.protocol import RunResult, RunState
 from ..run.secure import check_aggregation
+from ..terms.model import global_values
 from ..warnings import MCMCDiagnosticWarning, find_stack_level
 from .adapt import window_table
 from .nuts_algorithm import DONE, FAILED, MAX_INIT_TRIES, MCMCConfig, federated_mcmc
@@ -286,20 +285,8 @@ class FederatedMCMC(FederatedInference):
     # ------------------------------------------------------------------ draws
     def _global_draws(self, setup: Setup, z) -> Dict[str, jax.Array]:
         """Constrained global draws, ``(chains, samples, ...)``, with the deterministic sites
-        that are functions of the global sites alone (computed on the first client's rows)."""
-        structure = setup.extra.structure
-        if "global_draws" not in setup.cache:  # compiled once per set-up
-            names = global_deterministic_sites(self.model, self.model_kwargs, setup.inputs,
-                                               structure.global_latent.names)
-            first = setup.inputs[setup.inputs.names[0]]
-            fn = deterministic_of_globals(self.model, self.model_kwargs, first, names) if names else None
-
-            def draws(z):
-                values = structure.constrain_global(z)
-                return {**values, **fn(values)} if fn is not None else values
-
-            setup.cache["global_draws"] = jax.jit(jax.vmap(jax.vmap(draws)))
-        return setup.cache["global_draws"](z)
+        that are functions of the global sites alone (:func:`~numpyro_fed.terms.model.global_values`)."""
+        return global_values(self.model, self.model_kwargs, setup, z)
 
     def posterior(self, result: Union[RunResult, RunState]) -> ChainPosterior:
         """The chains' draws, constrained (:class:`~numpyro_fed.run.posterior.ChainPosterior`, read by

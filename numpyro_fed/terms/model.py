@@ -26,14 +26,24 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 from ..model.handlers import GLOBAL, LOCAL, site_role
-from ..model.structure import SiteLayout, analyse_model, is_latent, latent_supports, log_joint, make_layout, trace_model
+from ..model.structure import (
+    SiteLayout,
+    analyse_model,
+    deterministic_of_globals,
+    global_deterministic_sites,
+    is_latent,
+    latent_supports,
+    log_joint,
+    make_layout,
+    trace_model,
+)
 from ..model.trace import prior_median
 from ..run.backends.mapping import client_data, plan_clients
 from . import gaussian as G
 from .prior_site import check_prior_is_data_free, check_prior_is_proper, split_prior
 
 __all__ = ["PRIOR_FACTORS", "ModelTerms", "TermsSetup", "build_terms", "gaussian_prior_factor", "largest_layout",
-           "local_joint", "model_terms", "own_entries", "site_supports", "user_space"]
+           "local_joint", "model_terms", "own_entries", "global_values", "site_supports", "user_space"]
 
 PRIOR_FACTORS = ("gaussian", "none")
 """``model_terms``'s ``prior_factor``: the prior's Gaussian factor read off the model, or none
@@ -198,6 +208,29 @@ def user_space(model: Callable, model_kwargs: Mapping, setup, u) -> Dict[str, np
     constrained: ``{site: (n, *shape)}``."""
     layout, supports = setup.extra.structure.global_latent, site_supports(model, model_kwargs, setup)
     return {k: np.asarray(biject_to(supports[k])(v)) for k, v in jax.vmap(layout.unravel)(u).items()}
+
+
+def global_values(model: Callable, model_kwargs: Mapping, setup, u) -> Dict[str, jax.Array]:
+    """Draws ``u`` (``(..., d)``) of the flat unconstrained global sites as the model reads
+    them: the global sites, constrained, and the ``numpyro.deterministic`` sites that are
+    functions of the global sites alone (computed on the first client's rows; per-row and local
+    ones have no value at a global draw and are left out): ``{site: (..., *shape)}``. The
+    reading every family's global draws share, a Gaussian's or a chain's; compiled once per
+    set-up."""
+    if "global_values" not in setup.cache:
+        layout, supports = setup.extra.structure.global_latent, site_supports(model, model_kwargs, setup)
+        names = global_deterministic_sites(model, model_kwargs, setup.inputs, layout.names)
+        first = setup.inputs[setup.inputs.names[0]]
+        deterministic = deterministic_of_globals(model, model_kwargs, first, names) if names else None
+
+        def one(z):
+            values = {k: biject_to(supports[k])(v) for k, v in layout.unravel(z).items()}
+            return {**values, **deterministic(values)} if deterministic is not None else values
+
+        setup.cache["global_values"] = jax.jit(jax.vmap(one))
+    u = jnp.asarray(u)
+    flat = setup.cache["global_values"](jnp.reshape(u, (-1, u.shape[-1])))
+    return {k: jnp.reshape(v, u.shape[:-1] + v.shape[1:]) for k, v in flat.items()}
 
 
 def largest_layout(layouts) -> SiteLayout:
