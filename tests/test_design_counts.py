@@ -75,14 +75,15 @@ def test_no_module_touches_another_modules_private_members():
     """No private member of another numpyro_fed module's object is read or written, by any name
     (the transport reaches Flower through the backend's public messenger; a family reaches its
     set-up and its state through ``numpyro_fed.run.inference``'s functions). What is left is other
-    libraries' internals: NumPyro's mask of a masked distribution (it has no public one), and
-    the Flower internals that the opt-in runtime replaces (``flower/runtime/``, pinned to flwr
-    1.41/1.42), and ``os._exit``."""
+    libraries' internals, all in ``numpyro_fed/compat.py``: NumPyro's mask of a masked
+    distribution (it has no public one) and the Flower internals that the opt-in runtime
+    replaces (``flower/runtime/``, pinned to flwr 1.41/1.42)."""
     found = design_counts.counts()["private_members_across_modules"]
     where = sorted(w.split(":")[0] + " " + w.split(" ", 1)[1] for w in found)
-    assert set(where) <= {"numpyro_fed/model/structure.py fn._mask", "numpyro_fed/flower/runtime/lifeline.py os._exit",
-                          "numpyro_fed/flower/runtime/pull.py grid._run",
-                          "numpyro_fed/flower/runtime/supernode.py module._push_messages"}, where
+    # another library's private members are read in one named module (os._exit is os's public exit
+    # without clean-up, in the one runtime file that must run before any package is set up)
+    outside = [w for w in where if not w.startswith("numpyro_fed/compat.py ")]
+    assert outside == ["numpyro_fed/flower/runtime/lifeline.py os._exit"], outside
 
 
 def test_metropolis_within_gibbs_and_bcm_inherit_no_family():

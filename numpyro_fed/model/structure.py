@@ -31,6 +31,7 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
+from ..compat import distribution_mask
 from .checks import check_enumerable, check_imputation, check_traceable, probe_row_sites, warn_client_indexed_globals
 from .groups import check_group_sites, group_axes, group_mask
 from .handlers import GLOBAL, LOCAL, site_role
@@ -432,7 +433,7 @@ def _handler_mask(fn, jacobian):
     Jacobian factor it adds inside the model's handlers)."""
     while isinstance(fn, (dist.MaskedDistribution, dist.ExpandedDistribution)):  # (a plate expands a masked site)
         if isinstance(fn, dist.MaskedDistribution):
-            mask = fn._mask  # (NumPyro keeps it there; a bool or an array over the batch shape)
+            mask = distribution_mask(fn)  # (a bool or an array over the batch shape)
             if isinstance(mask, bool):
                 jacobian = jacobian if mask else 0.0 * jacobian
             else:

@@ -34,6 +34,7 @@ import signal
 import sys
 from typing import Optional
 
+from ...compat import set_message_id
 from ..client import failure_reason
 from .lifeline import alive as _alive
 from .lifeline import stop_with
@@ -204,5 +205,5 @@ def _pull_task_input(client, poll: float):
         tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
         make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
         return_type=Message, **object_retries(poll))
-    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower sets it
+    set_message_id(message, tree.object_id)  # as Flower sets it
     return message, context, run, fab

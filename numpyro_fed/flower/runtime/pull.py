@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from ...compat import grid_run_id, set_message_id
+
 __all__ = ["push_messages", "pull_replies"]
 
 
@@ -50,7 +52,7 @@ def pull_replies(grid, message_ids, poll: float):
     from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
     from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, inflate_object_from_contents, pull_objects
 
-    run_id = grid._run.run_id
+    run_id = grid_run_id(grid)
     res = runtime.PullMessages(PullAppMessagesRequest(message_ids=message_ids))
     out = []
     for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
@@ -70,6 +72,6 @@ def pull_replies(grid, message_ids, poll: float):
                                                                      message_object_id=msg_id))
         message = inflate_object_from_contents(msg_id, contents)
         assert isinstance(message, Message)
-        message.metadata.__dict__["_message_id"] = msg_id  # as Flower sets it
+        set_message_id(message, msg_id)  # as Flower sets it
         out.append(message)
     return out

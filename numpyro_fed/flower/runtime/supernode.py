@@ -36,6 +36,7 @@ import sys
 import time
 from typing import List, Sequence
 
+from ...compat import flower_push_messages, set_flower_push_messages
 from .lifeline import command, stop_with
 from .pace import Pacer, object_retries
 
@@ -80,7 +81,7 @@ def _check_flower(module) -> str:
             f"rounds take about 3.6 s")
     source = inspect.getsource(module)
     missing = [s for s in _SLEEPS if s not in source]
-    if (missing or not callable(getattr(module, "_push_messages", None)) or getattr(module, "time", None) is not time
+    if (missing or not callable(flower_push_messages(module)) or getattr(module, "time", None) is not time
             or "initial_backoff" not in inspect.signature(getattr(module, "pull_objects", len)).parameters):
         raise FlowerVersionError(
             f"flwr {version}'s start_client_internal does not look as expected ({', '.join(missing) or 'layout'} "
@@ -95,7 +96,7 @@ def pace_supernode(poll: float = 0.002, idle_poll: float = 0.5, sleep=time.sleep
 
     _check_flower(module)
     idle = Pacer(poll, idle_poll, sleep)
-    push, pull = module._push_messages, module.pull_objects
+    push, pull = flower_push_messages(module), module.pull_objects
 
     def push_messages(*args, **kwargs):
         idle.active()  # a message was pulled: poll fast again for the next one
@@ -107,7 +108,7 @@ def pace_supernode(poll: float = 0.002, idle_poll: float = 0.5, sleep=time.sleep
         return pull(*args, **kwargs)
 
     module.time = _PacedTime(idle, poll, sleep)
-    module._push_messages = push_messages
+    set_flower_push_messages(module, push_messages)
     module.pull_objects = pull_objects
     return idle
 
