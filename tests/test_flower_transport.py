@@ -152,14 +152,15 @@ def test_a_late_reply_is_dropped_and_a_broken_connection_leaves_the_node_out():
     server = st.StreamServer("127.0.0.1:0")
     tokens = server.tokens([1])
     sock = socket.create_connection(st.split_address(server.address))
-    st._send(sock, st.HELLO, 0, tokens[1])
+    st.send_frame(sock, st.HELLO, 0, tokens[1])
     assert server.accept(tokens, timeout=20.0) == {1}
     assert server.exchange({1: ("train", _content(1.0))}, timeout=0.2) == {}  # no answer in time
-    kind, seq1, _ = st._recv(sock)
-    st._send(sock, st.REPLY, seq1, st._encode("train", _content(5.0)))  # the late answer to request 1
+    kind, seq1, _ = st.recv_frame(sock)
+    st.send_frame(sock, st.REPLY, seq1, st.encode_frame("train", _content(5.0)))  # the late answer to request 1
     got = {}
-    threading.Timer(0.3, lambda: (got.update(req=st._recv(sock)),
-                                  st._send(sock, st.REPLY, got["req"][1], st._encode("train", _content(6.0))))).start()
+    late = st.encode_frame("train", _content(6.0))
+    threading.Timer(0.3, lambda: (got.update(req=st.recv_frame(sock)),
+                                  st.send_frame(sock, st.REPLY, got["req"][1], late))).start()
     replies = server.exchange({1: ("train", _content(2.0))}, timeout=20.0)  # request 2: only its own reply counts
     assert got["req"][1] == seq1 + 1
     assert replies[1].content["broadcast"].to_numpy_ndarrays()[0][0] == 6.0
@@ -174,9 +175,9 @@ def test_plain_tcp_only_on_loopback_and_tls_verified_against_the_ca(tmp_path):
         st.StreamServer("10.1.2.3:0")
     with pytest.raises(ValueError, match="refusing to send over plain TCP"):
         st.serve("10.1.2.3:9", b"t" * 32, None, _double)
-    from numpyro_fed.flower.runtime.launcher import _loopback_certificates
+    from numpyro_fed.flower.runtime.launcher import loopback_certificates
 
-    certs = _loopback_certificates(tmp_path / "c")
+    certs = loopback_certificates(tmp_path / "c")
     server = st.StreamServer("127.0.0.1:0", str(certs["cert"]), str(certs["key"]))
     tokens = server.tokens([3])
     thread, seen, out = _client(server.address, tokens[3], ca=str(certs["ca"]))
@@ -186,7 +187,7 @@ def test_plain_tcp_only_on_loopback_and_tls_verified_against_the_ca(tmp_path):
     server.close()
     thread.join(10.0)
     assert out["served"] == 1
-    other = _loopback_certificates(tmp_path / "other")  # a client that trusts another CA does not connect
+    other = loopback_certificates(tmp_path / "other")  # a client that trusts another CA does not connect
     server = st.StreamServer("127.0.0.1:0", str(certs["cert"]), str(certs["key"]))
     tokens, accepted = server.tokens([4]), {}
     acceptor = threading.Thread(target=lambda: accepted.update(nodes=server.accept(tokens, timeout=2.0)))

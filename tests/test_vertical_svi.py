@@ -116,7 +116,10 @@ def test_vertical_gradient_equals_pooled_elbo_gradient(data3, form, access, aux,
         state = state._replace(clients=tuple(moved(i, slot) for i, slot in enumerate(state.clients)))
     rows, eps0, noise = _round_noise(svi, state)
     new, _ = svi.update(state, **data3)
-    before, after = svi.get_params(state), svi.get_params(new)
+    def by_party(params):  # every party's parameters, the server's among them, as the pooled ELBO takes them
+        return {"server": params.server, **params.parties}
+
+    before, after = by_party(svi.get_params(state)), by_party(svi.get_params(new))
     step = jax.tree_util.tree_map(lambda a, b: a - b, after, before)
     obj = svi.objective
     grad = jax.grad(pooled_elbo(vmodel, guide, obj, data3, rows, eps0, noise))(before)

@@ -31,7 +31,7 @@ from .lifeline import command
 from .stream import CA_KEY
 from .supernode import light_command
 
-__all__ = ["FederationError", "LocalFederation"]
+__all__ = ["FederationError", "LocalFederation", "loopback_certificates"]
 
 _PYPROJECT = """[build-system]
 requires = ["hatchling"]
@@ -153,7 +153,7 @@ def read_progress(path: str) -> int:
         return 0
 
 
-def _loopback_certificates(folder: Path) -> Dict[str, Path]:
+def loopback_certificates(folder: Path) -> Dict[str, Path]:
     """A throw-away CA and a certificate for 127.0.0.1 signed by it (ECDSA P-256, valid one day),
     for TLS on loopback links in tests and demos: ``{"ca", "cert", "key"}`` PEM files (the key 0600)."""
     import datetime
@@ -304,7 +304,7 @@ class LocalFederation:
     def _start_node(self, i: int) -> List[subprocess.Popen]:
         port = _free_port()
         if self.tls and self.certificates is None:
-            self.certificates = _loopback_certificates(self.workdir / "certificates")
+            self.certificates = loopback_certificates(self.workdir / "certificates")
         node_config = dict(self.node_configs[i])
         if self.tls:  # the CA of the run's stream certificate (the same throw-away CA)
 

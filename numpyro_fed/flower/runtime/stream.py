@@ -38,7 +38,8 @@ import struct
 import time
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
-__all__ = ["CA_KEY", "Frame", "FrameReply", "StreamServer", "serve", "is_loopback"]
+__all__ = ["CA_KEY", "Frame", "FrameReply", "StreamServer", "decode_frame", "encode_frame", "is_loopback",
+           "recv_frame", "send_frame", "serve"]
 
 HELLO, REQUEST, REPLY, ERROR, CLOSE = range(5)
 _HEADER = struct.Struct("!BIQ")
@@ -87,20 +88,20 @@ def split_address(address: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _encode(message_type: str, content) -> bytes:
+def encode_frame(message_type: str, content) -> bytes:
     from flwr.common.serde import recorddict_to_proto
 
     return _TYPES[message_type] + recorddict_to_proto(content).SerializeToString()
 
 
-def _decode(payload: bytes) -> Frame:
+def decode_frame(payload: bytes) -> Frame:
     from flwr.common.serde import recorddict_from_proto
     from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
     return Frame(recorddict_from_proto(ProtoRecordDict.FromString(payload[1:])), _NAMES[payload[:1]])
 
 
-def _send(sock, kind: int, seq: int, payload: bytes = b"") -> None:
+def send_frame(sock, kind: int, seq: int, payload: bytes = b"") -> None:
     sock.sendall(_HEADER.pack(kind, seq, len(payload)) + payload)
 
 
@@ -115,7 +116,7 @@ def _recv_exact(sock, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv(sock) -> Tuple[int, int, bytes]:
+def recv_frame(sock) -> Tuple[int, int, bytes]:
     kind, seq, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if kind > CLOSE or length > MAX_FRAME:
         raise ConnectionError(f"a malformed frame (kind {kind}, length {length})")
@@ -169,7 +170,7 @@ class StreamServer:
                 conn.settimeout(max(1.0, min(30.0, deadline - time.monotonic())))
                 if self._tls is not None:
                     conn = self._tls.wrap_socket(conn, server_side=True)
-                kind, _, token = _recv(conn)
+                kind, _, token = recv_frame(conn)
                 node = next((n for n, t in waiting.items() if kind == HELLO and hmac.compare_digest(t, token)), None)
             except (OSError, ConnectionError, ssl.SSLError):
                 node = None
@@ -192,7 +193,7 @@ class StreamServer:
             if conn is None:
                 continue
             try:
-                _send(conn, REQUEST, seq, _encode(message_type, content))
+                send_frame(conn, REQUEST, seq, encode_frame(message_type, content))
                 waiting[conn] = int(node)
             except OSError:
                 self._drop(int(node))
@@ -206,7 +207,7 @@ class StreamServer:
             for conn in ready:
                 node = waiting[conn]
                 try:
-                    kind, got, payload = _recv(conn)
+                    kind, got, payload = recv_frame(conn)
                 except (OSError, ConnectionError):
                     del waiting[conn]
                     self._drop(node)
@@ -215,7 +216,7 @@ class StreamServer:
                     continue
                 del waiting[conn]
                 if kind == REPLY:
-                    replies[node] = FrameReply(content=_decode(payload).content)
+                    replies[node] = FrameReply(content=decode_frame(payload).content)
                 elif kind == ERROR:
                     code, reason = struct.unpack("!i", payload[:4])[0], payload[4:].decode("utf-8", "replace")
                     replies[node] = FrameReply(error=FrameError(code, reason))
@@ -235,7 +236,7 @@ class StreamServer:
         """Tell every client the stream ends (its task then answers its invitation) and close."""
         for node in list(self.conns):
             try:
-                _send(self.conns[node], CLOSE, 0)
+                send_frame(self.conns[node], CLOSE, 0)
             except OSError:
                 pass
             self._drop(node, broken=False)
@@ -259,21 +260,21 @@ def serve(address: str, token: bytes, context, handle: Callable[[Frame, Any], Fr
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     served = 0
     try:
-        _send(sock, HELLO, 0, token)
+        send_frame(sock, HELLO, 0, token)
         while True:
             try:
-                kind, seq, payload = _recv(sock)
+                kind, seq, payload = recv_frame(sock)
             except ConnectionError:
                 break  # the server is gone: the task ends, as when it closes the stream
             if kind == CLOSE:
                 break
             if kind != REQUEST:
                 continue
-            reply = handle(_decode(payload), context)
+            reply = handle(decode_frame(payload), context)
             if reply.error is not None:
-                _send(sock, ERROR, seq, struct.pack("!i", int(reply.error.code)) + reply.error.reason.encode())
+                send_frame(sock, ERROR, seq, struct.pack("!i", int(reply.error.code)) + reply.error.reason.encode())
             else:
-                _send(sock, REPLY, seq, _encode("train", reply.content))
+                send_frame(sock, REPLY, seq, encode_frame("train", reply.content))
             served += 1
     finally:
         sock.close()
