@@ -36,10 +36,10 @@ def _threshold(n):
     return 1 if _attack() == "threshold_1" else _honest_threshold(n)
 
 
-_honest_ask = fm.MaskedAggregation._ask
+_honest_ask = fm.MaskedAggregation.ask
 
 
-def _ask(self, kind, clients, arrays, extra, like):
+def ask(self, kind, clients, arrays, extra, like):
     if _attack() == "substituted" and kind == "mask_share":
         roster = np.array(arrays[clients[0]]["roster"])
         roster[self.position[clients[1]]] = fm.M.advertise()[1]["public_keys"]  # the server's own keys
@@ -65,7 +65,7 @@ def _unmask(self, masked, like, num_clients):
     flags = np.zeros(self.roster.shape[0], bool)
     flags[self.position[target]] = True
     arrived = sorted(masked)
-    answers = self._ask("mask_unmask", arrived, {j: {"arrived": flags} for j in arrived}, {},
+    answers = self.ask("mask_unmask", arrived, {j: {"arrived": flags} for j in arrived}, {},
                         lambda j: {"b": jax.ShapeDtypeStruct((1, 16), np.uint8),
                                    "s": jax.ShapeDtypeStruct((len(self.shared) - 1, 32), np.uint8)})
     raise RuntimeError(f"deviating server: shares of client {target} from {sorted(answers)}; refused by "
@@ -74,5 +74,5 @@ def _unmask(self, masked, like, num_clients):
 
 fm.M.default_threshold = _threshold
 fm.MaskedAggregation.keys = _keys
-fm.MaskedAggregation._ask = _ask
+fm.MaskedAggregation.ask = ask
 fm.MaskedAggregation.unmask = _unmask

@@ -112,7 +112,7 @@ def test_coupled_entries_give_an_invalid_update_that_names_the_fix():
     with warnings.catch_warnings(), pytest.raises(ValueError, match="check of the block structure failed"):
         warnings.simplefilter("ignore")  # every update invalid: the run raises, naming the fix
         inference.run(jax.random.PRNGKey(0), clients, 2, progress_bar=False)
-    assert inference._blocks is not None
+    assert inference.blocks is not None
     dense = nf.EP(model, local_blocks=False, check_fit=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -18,6 +18,7 @@ from numpyro_fed.check import STATUSES, Verdict, check_for, register_check, run_
 from numpyro_fed.check.chains import MIN_ESS
 
 from . import families
+from .doc_code import architecture_example
 
 ALL = families.FAMILIES | families.MCMC_FAMILIES
 
@@ -127,14 +128,7 @@ def test_a_check_is_found_by_the_nearest_registered_class_and_must_return_a_verd
 
 def _adding_a_family():
     """The example family of docs/architecture.md's "Adding a family", as a reader would paste it."""
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
-    section = doc[doc.index("## Adding a family"):]
-    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
-    namespace = {"__name__": "adding_a_family"}
-    exec(compile(code, "docs/architecture.md", "exec"), namespace)
-    return namespace["FederatedIS"]
+    return architecture_example("Adding a family", 80)["FederatedIS"]
 
 
 def test_the_documented_new_family_inherits_no_family_and_matches_the_analytic_posterior():
@@ -164,16 +158,7 @@ def test_the_documented_new_family_inherits_no_family_and_matches_the_analytic_p
 
 def _adding_a_sampler():
     """The example sampler of docs/architecture.md's "Adding a sampler", as a reader would paste it."""
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
-    section = doc[doc.index("## Adding a sampler"):]
-    start = section.index("```python\n") + len("```python\n")
-    code = section[start:section.index("```\n", start)]
-    assert len(code.splitlines()) < 80, "the documented sampler stays under 80 lines"
-    namespace = {"__name__": "adding_a_sampler"}
-    exec(compile(code, "docs/architecture.md", "exec"), namespace)
-    return namespace["FederatedRWM"]
+    return architecture_example("Adding a sampler", 80)["FederatedRWM"]
 
 
 def test_the_documented_sampler_reads_as_every_sampler_and_matches_the_analytic_posterior():

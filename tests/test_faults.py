@@ -87,7 +87,7 @@ def test_a_run_with_a_typed_key_checkpoints_and_resumes_exactly(tmp_path):
     whole = _sfvi().run(random.key(0), clients, 6, progress_bar=False)
     np.testing.assert_array_equal(resumed.params.guide["loc"], whole.params.guide["loc"])
     with pytest.raises(ValueError, match="resume with the same kind of key"):  # a raw-key template
-        nf.run.checkpoint.load(path, again._template(fitted(again)), fitted(again).plan.names)
+        nf.run.checkpoint.load(path, again.state_template(fitted(again)), fitted(again).plan.names)
 
 
 # ---------------------------------------------------------------- 2. a damaged checkpoint says so
@@ -537,7 +537,7 @@ def test_a_dp_fit_that_blows_up_is_held_by_the_servers_trust_region():
 def test_the_trust_region_is_on_by_default_where_one_client_s_noise_lands_alone(options, expected):
     model = nf.dp_noise(linear, clip=1.0, delta=1e-3, noise_multiplier=1.0) if "dp" in options else linear
     options = {"schedule": "sequential", **options}
-    assert nf.PVI(model, damping=0.5, **options)._max_kl(3) == expected
+    assert nf.PVI(model, damping=0.5, **options).max_kl_for(3) == expected
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, "big"])
@@ -578,8 +578,8 @@ def test_a_failing_client_sends_a_fixed_category_and_keeps_its_text(capsys):
         raise Custom(secret)
 
     sent = []
-    node._guarded("setup", setup, "msg", "ctx", reply=lambda m, reason: sent.append(reason) or "reply")
-    node._guarded("exchange", custom, "msg", "ctx", reply=lambda m, reason: sent.append(reason) or "reply")
+    node.guarded("setup", setup, "msg", "ctx", reply=lambda m, reason: sent.append(reason) or "reply")
+    node.guarded("exchange", custom, "msg", "ctx", reply=lambda m, reason: sent.append(reason) or "reply")
     assert sent == ["numpyro_fed client: its set-up failed (ValueError); the reason is in the node's own log, "
                     "not sent",
                     "numpyro_fed client: its step failed (an exception); the reason is in the node's own log, not sent"]

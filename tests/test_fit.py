@@ -394,22 +394,22 @@ def test_every_party_rebuilds_a_ladders_rung_from_its_stage_text():
     ladder = Ladder(_regression(dist.Normal(0.0, 3.0)), num_samples=50)
     mean = np.array([0.1234567890123, -2.0 / 3.0])
     cov = np.array([[1.0 / 3.0, 0.1], [0.1, 2.0 / 7.0]])
-    nuts = ladder.rung(Ladder.stage("nuts", (mean, cov)))
+    nuts = ladder.rung(ladder.stage("nuts", (mean, cov)))
     assert isinstance(nuts, nf.FederatedNUTS) and nuts.num_warmup == WARM_WARMUP
     assert (nuts.num_chains, nuts.num_samples) == (NUTS_CHAINS, nuts_draws(50, NUTS_CHAINS))
     np.testing.assert_array_equal(nuts.init_moments[0], mean)
     np.testing.assert_array_equal(nuts.init_moments[1], cov)
-    assert ladder.rung(Ladder.stage("nuts")).num_warmup == 500
+    assert ladder.rung(ladder.stage("nuts")).num_warmup == 500
     first = ladder.rung()
     assert isinstance(first, nf.factor.Laplace) and first.widen == WIDEN
     exact = Ladder(ladder.model, exact=True).rung()
     assert isinstance(exact, nf.factor.Laplace) and not exact.check_fit  # the samplers' start only
-    mwg = ladder.rung(Ladder.stage("mwg", (mean, cov)))
+    mwg = ladder.rung(ladder.stage("mwg", (mean, cov)))
     assert mwg.num_samples == 50 and mwg.num_chains == 4 and mwg.num_warmup == MWG_WARMUP
     np.testing.assert_array_equal(mwg.init_moments[0], mean)
     np.testing.assert_array_equal(mwg.init_moments[1], cov)
     with pytest.raises(ValueError, match="starts from a"):
-        ladder.rung(Ladder.stage("mwg"))
+        ladder.rung(ladder.stage("mwg"))
     with pytest.raises(ValueError, match="no rung 'pvi'"):
         ladder.rung('{"rung": "pvi"}')
     with pytest.raises(ValueError, match="checkpoint="):

@@ -102,8 +102,8 @@ def test_corrected_draws_refuse_what_they_cannot_correct(schools):
         svi.last_fit_check, svi.check_fit = saved, True
     # another state than the run's: its own check, never the last run's draws
     other = svi.init(jax.random.PRNGKey(5), fitted(svi).inputs)
-    assert svi._check_of(result.state) is saved
-    assert not np.array_equal(svi._check_of(other).log_weights, saved.log_weights)
+    assert svi.check_of(result.state) is saved
+    assert not np.array_equal(svi.check_of(other).log_weights, saved.log_weights)
 
 
 def test_a_right_fit_passes_the_moment_check():
@@ -363,7 +363,7 @@ def test_ep_check_with_non_gaussian_local_latents_samples_them_and_sees_the_bias
     how = "quadrature" if blocks else "importance sampling"
     with pytest.warns(nf.warnings.BiasedFitWarning, match=rf"tau \(q mean.*{how}"):
         result = ep.run(jax.random.PRNGKey(0), clients, 20)
-    assert ep._local_integral(fitted(ep), result) == ("quadrature" if blocks else "sampled")
+    assert ep.local_integral(fitted(ep), result) == ("quadrature" if blocks else "sampled")
     assert ep.last_fit_check_skipped is None
     z, _ = _z_and_ratio(ep.sample_posterior(jax.random.PRNGKey(2), result, 4000), ref, "tau")
     assert z < -0.3  # the defect

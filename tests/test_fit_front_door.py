@@ -35,10 +35,10 @@ def _regression_clients():
 
 def test_fit_passes_each_rungs_option_to_the_rungs_that_take_it():
     ladder = Ladder(_regression, target_accept_prob=0.95, max_tree_depth=6, inner_steps=4, local_moves=3)
-    nuts = ladder.rung(Ladder.stage("nuts"))
+    nuts = ladder.rung(ladder.stage("nuts"))
     assert (nuts.target_accept_prob, nuts.max_tree_depth) == (0.95, 6)
     assert ladder.rung().inner_steps == 4
-    mwg = ladder.rung(Ladder.stage("mwg", (np.zeros(1), np.eye(1))))
+    mwg = ladder.rung(ladder.stage("mwg", (np.zeros(1), np.eye(1))))
     assert (mwg.inner_steps, mwg.local_moves) == (4, 3)
     fit = nf.fit(_regression, _regression_clients(), jax.random.PRNGKey(0), target_accept_prob=0.95,
                  progress_bar=False)

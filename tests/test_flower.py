@@ -319,8 +319,8 @@ def test_every_party_builds_the_simulations_algorithm_from_the_template(family):
         return inference.model.group_sizes, jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), built)
 
     reference = make()
-    reference._before_run(None, 10, clients, {})
-    want = structures(reference, reference._setup(clients))
+    reference.init(jax.random.PRNGKey(0), clients)
+    want = structures(reference, fitted(reference))
     assert want[0] == {"wards": 5}
     parties = [None] + [(n, clients[n]) for n in clients.names]  # the server, then each client
     for own in parties:
@@ -345,7 +345,8 @@ def test_a_client_refuses_its_own_invalid_data_at_set_up_as_the_simulation_does(
     with pytest.raises(ValueError, match="invalid scale parameter"):
         build(task, template, 10, own=("b", bad))
     with pytest.raises(ValueError, match="invalid scale parameter"):
-        nf.FederatedNUTS(_wards, num_warmup=5, num_samples=5)._setup(nf.Clients({"a": good, "b": bad}))
+        nf.FederatedNUTS(_wards, num_warmup=5, num_samples=5).init(jax.random.PRNGKey(0), nf.Clients({"a": good,
+                                                                                                "b": bad}))
 
 
 def test_a_sealed_part_opens_only_with_the_aggregators_key_and_its_own_round():
@@ -460,7 +461,7 @@ def test_nf_fit_over_flower_equals_the_simulation(federation, family):
 def _assert_restarted_run_on(ladder, sim, got, restarted, masked, want):
     """Chains short of their effective draws run on: in simulation they continue where they stopped;
     over a network (each client keeps its own state) they run again from the start with the same
-    keys (documented in ``Ladder._sample``). The logs agree but for that line and what follows from
+    keys (documented in ``MwGRung.options``). The logs agree but for that line and what follows from
     it; the network pays the first run's rounds again (warmup + draws + 1); the first run's draws,
     which both keep, agree to float32 rounding."""
     (i,) = restarted

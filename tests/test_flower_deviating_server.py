@@ -46,7 +46,7 @@ def test_a_deviating_server_gets_refusals_naming_the_step_and_no_share(tmp_path,
     attack = tmp_path / "attack"
     monkeypatch.setenv("NUMPYRO_FED_TEST_ATTACK_FILE", str(attack))
     files = {**APP_FILES, "deviating_server.py": (HERE / "deviating_server.py").read_text(),
-             "pyproject.toml": launcher._PYPROJECT.replace("numpyro_fed.flower.app:server", "deviating_server:server")}
+             "pyproject.toml": launcher.PYPROJECT.replace("numpyro_fed.flower.app:server", "deviating_server:server")}
     keys = [new_signing_key() for _ in range(3)]
     peers = tmp_path / "peers.json"
     peers.write_text(json.dumps({str(i): public.hex() for i, (_, public) in enumerate(keys)}))

@@ -134,7 +134,7 @@ def test_the_stream_carries_requests_and_replies_and_refuses_a_wrong_token():
     server = st.StreamServer("127.0.0.1:0")
     tokens = server.tokens([7, 8])
     intruder = socket.create_connection(st.split_address(server.address))
-    intruder.sendall(st._HEADER.pack(st.HELLO, 0, 32) + b"x" * 32)  # no valid token: closed
+    intruder.sendall(st.HEADER.pack(st.HELLO, 0, 32) + b"x" * 32)  # no valid token: closed
     threads = [_client(server.address, tokens[n]) for n in (7, 8)]
     assert server.accept(tokens, timeout=20.0) == {7, 8}
     assert intruder.recv(1) == b""

@@ -69,7 +69,7 @@ def test_chains_run_on_continue_where_they_stopped_and_stay_exact():
     first = FederatedMwG(_model, num_warmup=150, num_samples=100, num_chains=4)
     first.progress_bar = False
     before = first.run(jax.random.PRNGKey(0), clients)
-    more = FederatedMwG(_model, num_warmup=150, num_samples=400, num_chains=4, init=first._start)
+    more = FederatedMwG(_model, num_warmup=150, num_samples=400, num_chains=4, init=first.start)
     more.progress_bar = False
     after = more.run(jax.random.PRNGKey(5), clients, init_state=more.run_on(before))
     assert int(after.communication.rounds) == 300

@@ -240,7 +240,7 @@ def test_a_flower_node_answers_the_unmask_step_of_an_aggregation_once(monkeypatc
     ctx, cfg = Context(), {"round": 0, "exchange": "0"}
     node.client_keys(ctx, cfg)
     roster = np.zeros((3, 2, masking_module.KEY_BYTES), np.uint8)
-    node._save(ctx, roster=roster.tobytes().hex(), me=0, shared=[0, 1, 2], threshold=2)
+    node.save_fields(ctx, roster=roster.tobytes().hex(), me=0, shared=[0, 1, 2], threshold=2)
     asked = []
     monkeypatch.setattr(node, "from_record", lambda like, record: np.array([True, True, False]))
     monkeypatch.setattr(node.M, "unmask_shares", lambda *a: asked.append(a) or {"b": np.zeros((2, 16), np.uint8)})

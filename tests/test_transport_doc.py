@@ -1,8 +1,6 @@
 """docs/architecture.md's "Adding a transport", as a reader would paste it: a transport that runs
 each client's step in a thread of its own, with PVI run over it."""
 
-from pathlib import Path
-
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -10,6 +8,8 @@ import pytest
 from jax import random
 
 import numpyro_fed as nf
+
+from .doc_code import architecture_example
 
 SIGMA, PRIOR_SD = 0.7, 2.0
 
@@ -21,13 +21,7 @@ def _linear(x, y):
 
 
 def _documented_backend():
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
-    section = doc[doc.index("## Adding a transport"):]
-    start = section.index("```python\n") + len("```python\n")
-    code = section[start:section.index("```\n", start)]
-    namespace = {"__name__": "adding_a_transport"}
-    exec(compile(code, "docs/architecture.md", "exec"), namespace)
-    return namespace["ThreadBackend"]
+    return architecture_example("Adding a transport", 100)["ThreadBackend"]
 
 
 def test_pvi_over_the_documented_thread_transport_is_the_simulations_run():

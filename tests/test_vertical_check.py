@@ -186,7 +186,7 @@ def test_the_parties_check_over_a_network_equals_the_simulations_and_sends_no_dr
         res = svi.run(jax.random.PRNGKey(0), num_rounds=1500, progress_bar=False, **data)
     sim = svi.diagnose(res)
     nodes = _Nodes(svi, res)
-    net, why, exchanges = svi._network_check(nodes, fitted(svi), res)
+    net, why, exchanges = svi.network_check(nodes, fitted(svi), res)
     assert why == "" and [n for n, *_ in nodes.sent] == ["vertical_terms"] * 2 + ["vertical_moments"] * 2
     np.testing.assert_allclose(net.log_weights, sim.log_weights, rtol=1e-5, atol=1e-3)
     assert net.pareto_k == pytest.approx(sim.pareto_k, abs=1e-3)
@@ -205,4 +205,4 @@ def test_the_parties_check_over_a_network_equals_the_simulations_and_sends_no_dr
         else:
             assert sizes["user"][1] == 3 and sizes["unconstrained"][1] == 4
     dropped = _Nodes(svi, res, drop={1})
-    assert svi._network_check(dropped, fitted(svi), res)[:2] == (None, "some parties did not answer")
+    assert svi.network_check(dropped, fitted(svi), res)[:2] == (None, "some parties did not answer")

@@ -1,12 +1,11 @@
 """The settings of a private ``nf.fit`` (:class:`PrivateFit`), the model's one ``dp_noise`` spec
-(:func:`marked_spec`) and the public text naming each stage (:func:`stage_text`); the private
-ladder that runs the stages is :mod:`numpyro_fed.fitting.private_ladder`.
+(:func:`marked_spec`) and the model with one stage's settings (:func:`with_spec`); the private
+rungs that run the stages are :mod:`numpyro_fed.fitting.private_rungs`.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 from numpyro.primitives import Messenger
@@ -15,7 +14,7 @@ from .._validation import check_positive_int
 from ..model.trace import read_abstractly
 from .annotation import DP_KEY, DPSpec, dp_sites
 
-__all__ = ["STAGE_KEYS", "PrivateFit", "marked_spec", "stage_text", "with_spec"]
+__all__ = ["PrivateFit", "marked_spec", "with_spec"]
 
 _UNMARKED = (
     "nf.fit(dp=...) fits a model whose protected rows are marked: wrap its observed site(s) in "
@@ -30,9 +29,6 @@ _NEEDS_EPSILON = (
     "nf.fit(dp=...) splits one budget between its private start and its sampler: give dp_noise(epsilon=...) (not "
     "noise_multiplier=)"
 )
-
-
-
 
 
 class PrivateFit(NamedTuple):
@@ -103,15 +99,3 @@ def marked_spec(model, clients, model_kwargs, plan: Optional[PrivateFit]) -> Opt
     if spec.epsilon is None:
         raise ValueError(_NEEDS_EPSILON)
     return spec
-
-
-STAGE_KEYS = {"dp_laplace": 0, "dp_metropolis": 1}
-"""Each stage's key: the fit's key folded with this number (a seeded Flower node derives its own so)."""
-
-
-def stage_text(rung: str, spec: DPSpec, **settings: Any) -> str:
-    """The text naming one stage of a private fit: ``rung`` (``"dp_laplace"`` or
-    ``"dp_metropolis"``), its ``dp_noise`` settings and the stage's own (the start's rounds; the
-    sampler's chains and its start's mean and covariance), all public. A network backend's nodes
-    build the stage from it (:func:`~numpyro_fed.fitting.private_ladder.private_rung`), as the server does."""
-    return json.dumps({"rung": rung, "key": STAGE_KEYS[rung], "spec": list(spec), **settings})

@@ -137,7 +137,7 @@ class FactorInference(FederatedInference):
     def _params(self, setup: Setup, state: RunState) -> Dict:
         return GaussianParams(*G.to_moments(state.server.q))
 
-    def _max_kl(self, dim: int) -> Optional[float]:
+    def max_kl_for(self, dim: int) -> Optional[float]:
         """The trust region (nats) the server applies to a ``dim``-dimensional ``q``; ``None``: none."""
         value = getattr(self, "max_kl", None)
         return None if value == "auto" else value
@@ -149,7 +149,7 @@ class FactorInference(FederatedInference):
         rejected = (valid.sum(axis=-1) > 0) & (np.asarray(result.info.damping) == 0)
         if not rejected.any():
             return
-        max_kl = self._max_kl(setup.extra.terms.prior.shift.shape[0])
+        max_kl = self.max_kl_for(setup.extra.terms.prior.shift.shape[0])
         names = setup.plan.names
         clients = sorted({names[j] for r in np.flatnonzero(rejected) for j in np.flatnonzero(valid[r])}, key=str)
         fix = ("Under dp='update_perturbation' a rejected round is one client's noise outweighing its change: more "
@@ -163,7 +163,7 @@ class FactorInference(FederatedInference):
                                        kl=f" or moved it by more than max_kl={max_kl:g} nats" if max_kl else "",
                                        fix=fix), InvalidUpdateWarning, stacklevel=find_stack_level())
 
-    def _local_integral(self, setup: Setup, result) -> Optional[str]:
+    def local_integral(self, setup: Setup, result) -> Optional[str]:
         """How the clients compute ``log p(y_j | theta)`` for the check: ``"exact"`` (no
         continuous local latents, or Gaussian ones given the global sites: Laplace is
         exact), ``"sampled"`` (importance sampling with the Laplace proposal, which every
@@ -225,14 +225,14 @@ class FactorInference(FederatedInference):
             setup.cache[("blocks_hold",)] = ok
         return setup.cache[("blocks_hold",)]
 
-    def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
+    def check_of(self, state: RunState) -> Optional[FitDiagnostic]:
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
         otherwise computed now where it can be trusted, so corrected draws never come from
         another fit (``None``: no trustworthy check)."""
         if self.last_fit_check is not None and self._checked_state == state_fingerprint(
                 state.server):
             return self.last_fit_check
-        if not self.check_fit or state.clients is None or self._local_integral(fitted(self), state) is None:
+        if not self.check_fit or state.clients is None or self.local_integral(fitted(self), state) is None:
             return None
         return self.diagnose(state, num_draws=self.check_draws)
 
@@ -257,7 +257,7 @@ class FactorInference(FederatedInference):
         if state.clients is None:
             raise ValueError(f"{type(self).__name__}.diagnose needs the simulation's client states")
         rng_key = random.PRNGKey(0x51) if rng_key is None else rng_key
-        how = self._local_integral(setup, state)
+        how = self.local_integral(setup, state)
         key = ("log_weights", num_draws, how)
         if key not in setup.cache:  # compiled once per set-up
             terms = setup.extra.terms
@@ -314,7 +314,7 @@ class FactorInference(FederatedInference):
         """
         u = None
         if corrected:
-            u = importance_resample(rng_key, self._check_of(state_of(self, result)),
+            u = importance_resample(rng_key, self.check_of(state_of(self, result)),
                                     check_positive_int("num_samples", num_samples), type(self).__name__)
         _, log_lik, predictive = self._client_pass(rng_key, result, num_samples, client, u)
         return log_lik, predictive
@@ -341,7 +341,7 @@ class FactorInference(FederatedInference):
         self.client_value_inputs(name, setup, data)
         return network_check.client_value(name, setup, data, payload, rng_key)
 
-    def _network_check(self, network, setup, result):
+    def network_check(self, network, setup, result):
         """``(log_w, u, why, exchanges)`` of the fit check computed with the clients over
         ``network`` (:func:`numpyro_fed.factor.network_check.network_check`)."""
         return network_check.network_check(network, setup, result, self.check_draws)
@@ -362,12 +362,12 @@ class FactorInference(FederatedInference):
         num_samples = check_positive_int("num_samples", NUM_SAMPLES if num_samples is None else num_samples)
         state = state_of(self, result)
         if client is not None:  # (corrected: the client's locals drawn given each corrected global draw)
-            u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__) \
+            u = importance_resample(rng_key, self.check_of(state), num_samples, type(self).__name__) \
                 if corrected else None
             return self._client_pass(rng_key, result, num_samples, client, u)[0]
         q = state.server.q
         if corrected:
-            u = importance_resample(rng_key, self._check_of(state), num_samples, type(self).__name__)
+            u = importance_resample(rng_key, self.check_of(state), num_samples, type(self).__name__)
         else:
             eps = random.normal(rng_key, (num_samples, q.shift.shape[0]))
             u = jax.vmap(lambda e: G.sample(q, e))(eps)
@@ -451,7 +451,7 @@ def q_check(inference: FactorInference, setup: Setup, result: RunResult) -> Verd
     if result.state.clients is None:  # a network backend: each client computes its term on its node
         network = checked_network(inference)
         log_w, u, why, exchanges = (None, None, "this backend cannot ask the clients", []) if network is None \
-            else inference._network_check(network, setup, result)
+            else inference.network_check(network, setup, result)
         communication = with_exchange_traffic(result.communication, exchanges)
         if why == "proposal":
             inference.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
@@ -463,7 +463,7 @@ def q_check(inference: FactorInference, setup: Setup, result: RunResult) -> Verd
             return unchecked(f"the check needs every client's term, and {why}", communication)
         check = inference.last_fit_check = q_diagnostic(inference.model, inference.model_kwargs, setup, log_w, u)
     else:
-        if inference._local_integral(setup, result) is None:
+        if inference.local_integral(setup, result) is None:
             inference.last_fit_check_skipped = NOT_CHECKED.format(cls=cls)
             return unchecked(inference.last_fit_check_skipped)
         check = inference.last_fit_check = inference.diagnose(result, num_draws=inference.check_draws)

@@ -156,7 +156,7 @@ class Laplace(FactorInference):
             raise ValueError(f"widen={widen}: must be above 1 (the widened q's sd over q's), or None")
         self.widen = None if widen is None else float(widen)
         self.widened_check: Optional[FitDiagnostic] = None
-        self._blocks = None
+        self.blocks = None
 
     def _rounds(self, num_rounds: Optional[int], options: dict) -> int:
         """``run``: Newton rounds until the mode is reached, at most ``num_rounds`` (default 100),
@@ -167,12 +167,12 @@ class Laplace(FactorInference):
     # ------------------------------------------------------------------ hooks
     def _algorithm(self, terms, plan, num_clients: int):
 
-        self._blocks = propose_blocks(terms.local) if self.local_blocks else None
+        self.blocks = propose_blocks(terms.local) if self.local_blocks else None
         start = start_point(self.model, client_data(plan, 0).args, self.model_kwargs, terms.layout, self.start_from,
                             local_names=terms.local.names)
         self.start = np.asarray(start)
         return federated_laplace(terms.log_prior, terms.log_joint, num_clients, start, num_local=terms.num_local,
-                                 blocks=self._blocks, inner_steps=self.inner_steps, tol=self.tol,
+                                 blocks=self.blocks, inner_steps=self.inner_steps, tol=self.tol,
                                  secure=self.secure_aggregation)
 
     def _widened(self, state):

@@ -266,14 +266,14 @@ class PVI(FactorInference):
             self.method = "bcm"
 
     def _trust_region(self, max_kl) -> "Optional[float] | str":
-        """``max_kl``: ``"auto"`` stays ``"auto"`` until the dimension is known (:meth:`_max_kl`)."""
+        """``max_kl``: ``"auto"`` stays ``"auto"`` until the dimension is known (:meth:`max_kl_for`)."""
         if max_kl is None or max_kl == "auto":
             return max_kl
         if isinstance(max_kl, str) or not max_kl > 0:
             raise ValueError(f"max_kl={max_kl!r}: must be positive, 'auto' or None")
         return float(max_kl)
 
-    def _max_kl(self, dim: int) -> Optional[float]:
+    def max_kl_for(self, dim: int) -> Optional[float]:
         """The trust region a fit of ``dim`` global dimensions uses: ``"auto"`` is
         :data:`DP_MAX_KL_PER_DIM` nats per dimension when each client's noised update is applied on its
         own, in turn (``dp="update_perturbation"`` without a trusted aggregator, ``schedule="sequential"``
@@ -335,7 +335,7 @@ class PVI(FactorInference):
             schedule=self.schedule,
             damping=self.damping,
             max_halvings=self.max_halvings,
-            max_kl=self._max_kl(d),
+            max_kl=self.max_kl_for(d),
             subset_size=self.subset_size,
             prior_site=prior_site_step(terms, self.family == "diagonal"),
         )

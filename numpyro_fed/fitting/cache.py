@@ -24,18 +24,17 @@ programs).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import jax
 
-from ..model.groups import sized_model
-from ..model.trace import program_digest, update_digest
+from ..model.groups import sized_program_digest
+from ..model.trace import content_digest, data_digest
 from ..run.backends.base import NetworkBackend
 
-__all__ = ["SIZE", "clear", "content", "kept_rungs"]
+__all__ = ["SIZE", "clear", "kept_rungs"]
 
 SIZE = 4
 """Ladders kept (the least recently used is dropped)."""
@@ -47,32 +46,6 @@ _SIMPLE = (bool, int, float, str, type(None))
 def clear() -> None:
     """Drop every kept ladder's rungs: the next ``nf.fit`` of any model builds and compiles anew."""
     _KEPT.clear()
-
-
-def content(value) -> Optional[str]:
-    """A digest of ``value``'s content (numbers, text, arrays and mappings or sequences of them);
-    ``None`` for anything else."""
-    digest = hashlib.sha256()
-    return digest.hexdigest() if update_digest(digest, value) else None
-
-
-def _data(clients) -> Optional[str]:
-    """The clients' content: names, arguments, arrays and recoded groups (``None``: not a
-    :class:`~numpyro_fed.Clients`)."""
-    if not (hasattr(clients, "names") and hasattr(clients, "group_values")):
-        return None
-    return content([[name, dict(clients[name]), dict(clients.group_values.get(name, {}))] for name in clients.names])
-
-
-def _model_values(model: Callable, clients, model_kwargs: dict) -> Optional[str]:
-    """:func:`~numpyro_fed.model.trace.program_digest` of the model as the rungs run it (sized to the
-    clients' groups)."""
-
-    try:
-        sized = sized_model(model, clients, model_kwargs)
-    except Exception:  # noqa: BLE001  (any failure: nothing is reused)
-        return None
-    return program_digest(sized, clients, model_kwargs)
 
 
 def kept_rungs(ladder, clients, run_options: dict, settings: dict) -> Optional[Dict[str, Any]]:
@@ -88,10 +61,10 @@ def kept_rungs(ladder, clients, run_options: dict, settings: dict) -> Optional[D
     settings = {"x64": bool(jax.config.jax_enable_x64), **settings}
     if not all(isinstance(v, _SIMPLE) for v in (*settings.values(), *ladder.rung_options.values())):
         return None
-    data, kwargs = _data(clients), content(ladder.model_kwargs)
+    data, kwargs = data_digest(clients), content_digest(ladder.model_kwargs)
     if data is None or kwargs is None:
         return None
-    values = _model_values(ladder.model, clients, ladder.model_kwargs)
+    values = sized_program_digest(ladder.model, clients, ladder.model_kwargs)
     if values is None:
         return None
     key = (ladder.model, json.dumps([settings, sorted(ladder.rung_options.items())]), kwargs, data, values)

@@ -60,77 +60,42 @@ model is traced once first, so that one reading a changed global builds anew).
 from __future__ import annotations
 
 import json
-import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import jax
-import numpy as np
 
-from .._validation import check_clients, check_init, check_positive_int
-from ..check.advice import advice, warn_unmixed
-from ..check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN, judge
-from ..dp.private_fit import PrivateFit, marked_spec
-from ..factor import Laplace
-from ..factor.laplace_inference import NoModeError
-from ..mcmc import FederatedMwG, FederatedNUTS
-from ..mcmc.mwg_inference import moves_text, ridge_text
+from .._validation import check_init, check_positive_int
+from ..check.advice import advice
+from ..check.laplace import ACCEPT_K, CORRECT_DRAWS, CORRECT_K, CORRECT_MIN_ESS, WIDEN
+from ..dp.private_fit import PrivateFit
 from ..model.groups import sized_model
+from ..model.trace import content_digest
 from ..run.backends.base import NetworkBackend
 from ..run.budget import MAX_ROUNDS, RoundBudgetError, over_budget
 from ..run.inference import RUN_OPTIONS, fitted
-from ..warnings import FitWarning
-from .cache import content, kept_rungs
-from .private_ladder import private_fit, private_rung
-from .result import Fit, chain_check, check_text, traffic
-from .rung_choice import MWG_MAX_LONGER, MWG_MIN_ESS, NUTS_CHAINS, NUTS_MIN_DRAWS, mwg_next, nuts_draws, per_draw
+from .cache import kept_rungs
+from .private_rungs import PRIVATE_RUNGS
+from .result import Fit
+from .rung_choice import MWG_MAX_LONGER, MWG_MIN_ESS, NUTS_CHAINS, NUTS_MIN_DRAWS
+from .rungs import MWG_CHAINS, MWG_WARMUP, RUNGS, WARM_WARMUP, Climb, Rung, warm_settings
 
 __all__ = ["ACCEPT_K", "CORRECT_DRAWS", "CORRECT_K", "CORRECT_MIN_ESS", "Fit", "Ladder", "MWG_CHAINS", "MWG_MAX_LONGER",
-           "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "NUTS_MIN_DRAWS", "RUNG_KEYS", "RUNG_OPTIONS", "WARM_WARMUP",
-           "WIDEN", "fit", "split_options"]
+           "MWG_MIN_ESS", "MWG_WARMUP", "NUTS_CHAINS", "NUTS_MIN_DRAWS", "RUNG_OPTIONS", "WARM_WARMUP", "WIDEN", "fit",
+           "split_options"]
 
-WARM_WARMUP = 100
-"""Warmup iterations of federated NUTS started from the Laplace fit."""
-MWG_WARMUP = 300
-"""Warmup iterations (rounds) of federated Metropolis-within-Gibbs started from the Laplace fit."""
-RUNG_KEYS = {"laplace": 0, "mwg": 1, "nuts": 2}
-"""Each rung runs with ``fold_in(rng_key, RUNG_KEYS[rung])``."""
-MWG_CHAINS = 4
-"""Chains of federated Metropolis-within-Gibbs (side by side: one round carries every chain's move)."""
-
-# the rungs' own options a caller may set through nf.fit: option -> the rungs that take it (the
-# ladder sets the others itself: the start, the checks, the draws, the data's layout)
-RUNG_OPTIONS = {
-    "tol": ("laplace",),
-    "inner_steps": ("laplace", "mwg"),
-    "local_blocks": ("laplace", "mwg"),
-    "local_moves": ("mwg",),
-    "local_steps": ("mwg",),
-    "local_step_size": ("mwg",),
-    "candidates": ("mwg",),
-    "moves": ("mwg",),
-    "leapfrog_steps": ("mwg",),
-    "map_steps": ("mwg",),
-    "step_size": ("nuts",),
-    "adapt_step_size": ("nuts",),
-    "adapt_mass_matrix": ("nuts",),
-    "target_accept_prob": ("nuts",),
-    "max_tree_depth": ("nuts",),
-    "secure_aggregation": ("laplace", "mwg", "nuts"),
-}
-"""The options :func:`fit` passes to its rungs' classes: name -> the rungs that take it
-(``"laplace"``: :class:`~numpyro_fed.factor.Laplace`; ``"mwg"``: federated
-Metropolis-within-Gibbs; ``"nuts"``: :class:`~numpyro_fed.FederatedNUTS`)."""
+RUNG_OPTIONS = {k: tuple(r.name for r in RUNGS + PRIVATE_RUNGS if k in r.takes)
+                for k in dict.fromkeys(k for r in RUNGS + PRIVATE_RUNGS for k in r.takes)}
+"""The options :func:`fit` passes to its rungs' classes: name -> the rungs that take it (each rung's
+:attr:`~numpyro_fed.fitting.rungs.Rung.takes`; ``"laplace"``: :class:`~numpyro_fed.factor.Laplace`;
+``"mwg"``: federated Metropolis-within-Gibbs; ``"nuts"``: :class:`~numpyro_fed.FederatedNUTS`;
+``"dp_laplace"``, ``"dp_metropolis"``: the private rungs)."""
 
 _UNKNOWN_OPTION = (
     "nf.fit: no rung takes {names} and no backend runs with it. A rung's options (each passed to the rungs that take "
     "it): {rungs}; the run options (passed to every rung): {run}; and fit's own arguments (exact, num_samples, "
     "num_warmup, num_chains, model_kwargs, row_plate, client_mapping, progress_bar, max_rounds, dp, init)"
 )
-
-
-def _run_options():
-
-    return RUN_OPTIONS
+_PRIVATE_OPTIONS = "nf.fit(dp=...) runs a private start and DPMetropolis; it takes no {names} (its own: {own})"
 
 
 def split_options(options: Dict[str, Any]):
@@ -138,9 +103,9 @@ def split_options(options: Dict[str, Any]):
     a name in neither raises ``TypeError`` naming both lists."""
     rung = {k: v for k, v in options.items() if k in RUNG_OPTIONS}
     run = {k: v for k, v in options.items() if k not in RUNG_OPTIONS}
-    unknown = sorted(set(run) - set(_run_options()))
+    unknown = sorted(set(run) - set(RUN_OPTIONS))
     if unknown:
-        raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS), run=sorted(_run_options())))
+        raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS), run=sorted(RUN_OPTIONS)))
     return rung, run
 
 
@@ -192,7 +157,7 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
             differential privacy: its whole budget on a private Laplace fit
             (:class:`~numpyro_fed.dp.dp_laplace.DPLaplace`), or with ``exact=True`` on a private
             start and the exact DP sampler from it (:class:`~numpyro_fed.mcmc.DPMetropolis`), every
-            client's releases composed (:mod:`numpyro_fed.fitting.private_ladder`;
+            client's releases composed (:mod:`numpyro_fed.fitting.private_rungs`;
             :meth:`Fit.privacy_report`; ``ledger=`` a :class:`~numpyro_fed.dp.PrivacyLedger` refuses the
             fit before it starts where it would take a client past its budget, and is charged both
             stages). A ``dp_noise``-marked model without ``dp=`` is refused.
@@ -227,10 +192,6 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
     ledger = options.pop("ledger", None)  # a private fit's run option (nf.dp.PrivacyLedger)
     rung_options, run_options = split_options(options)
 
-    network = isinstance(run_options.get("backend"), NetworkBackend)
-    if dp is None and not network:  # a marked model without dp= is refused by marked_spec
-        check_clients(clients, "nf.fit")
-        marked_spec(model, clients, dict(model_kwargs or {}), None)
     if ledger is not None:
         if dp is None:
             raise ValueError("nf.fit(ledger=...) accounts a differentially private fit: mark the model with dp_noise "
@@ -243,8 +204,9 @@ def fit(model: Callable, clients: Any, rng_key: jax.Array, *, exact: bool = Fals
 
 
 class Ladder:
-    """:func:`fit`'s ladder as an object: its options, the inference object of each rung
-    (:meth:`rung`), and :meth:`run`.
+    """:func:`fit`'s ladder as an object: its options, its rungs
+    (:class:`~numpyro_fed.fitting.rungs.Rung` objects, :data:`~numpyro_fed.fitting.rungs.RUNGS` by
+    default), the inference object of each (:meth:`rung`), and :meth:`run`, one loop over them.
 
     Over Flower, a :class:`~numpyro_fed.flower.FlowerTask` whose ``make_inference`` returns a
     ``Ladder`` runs :func:`fit` over the network: before each rung the server tells the clients
@@ -253,11 +215,14 @@ class Ladder:
     party builds the same inference object from it with :meth:`rung`.
 
     With ``dp=`` (a :class:`~numpyro_fed.dp.PrivateFit`, on a ``dp_noise``-marked model) it is
-    :func:`fit`'s private form (:mod:`numpyro_fed.fitting.private_ladder`): its stages, the private start
+    :func:`fit`'s private form (:mod:`numpyro_fed.fitting.private_rungs`): its stages, the private start
     and the exact DP sampler, are announced and built the same way.
 
     Args: those of :func:`fit` but the model's data and the run options (a rung's own options,
-    such as ``target_accept_prob``, by keyword).
+    such as ``target_accept_prob``, by keyword); and ``rungs``, the rungs to climb (default
+    :data:`~numpyro_fed.fitting.rungs.RUNGS`, with ``dp=``
+    :data:`~numpyro_fed.fitting.private_rungs.PRIVATE_RUNGS`): the first runs with its
+    :meth:`~numpyro_fed.fitting.rungs.Rung.start` settings, and each one's judge names the next.
     """
 
     #: an open-ended family (runs until it is done): a Flower task passes no round count
@@ -268,12 +233,19 @@ class Ladder:
                  model_kwargs: Optional[dict] = None,
                  row_plate: Optional[str] = None, client_mapping: str = "auto",
                  progress_bar: Optional[bool] = None, max_rounds: Optional[int] = MAX_ROUNDS,
-                 dp: Optional[Any] = None, init: Any = None, **rung_options: Any) -> None:
+                 dp: Optional[Any] = None, init: Any = None, rungs: Optional[Sequence[Rung]] = None,
+                 **rung_options: Any) -> None:
         self.init = check_init("nf.fit", init)
-        unknown = sorted(set(rung_options) - set(RUNG_OPTIONS))
+        self.dp = None if dp is None else PrivateFit(*dp).checked()
+        if self.dp is not None and init is not None:
+            raise ValueError("nf.fit(dp=..., init=...): a private fit starts from its own private Laplace fit "
+                             "(nf.dp.PrivateFit); drop init=")
+        self.rungs = tuple(rungs) if rungs is not None else PRIVATE_RUNGS if self.dp is not None else RUNGS
+        taken = {k for rung in self.rungs for k in rung.takes}
+        unknown = sorted(set(rung_options) - taken)
         if unknown:
-            raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(RUNG_OPTIONS),
-                                                   run=sorted(_run_options())))
+            raise TypeError(_UNKNOWN_OPTION.format(names=unknown, rungs=sorted(taken), run=sorted(RUN_OPTIONS))
+                            if self.dp is None else _PRIVATE_OPTIONS.format(names=unknown, own=sorted(taken)))
         self.model, self.exact = model, bool(exact)
         self.rung_options = dict(rung_options)
         self.num_samples, self.num_warmup = int(num_samples), num_warmup
@@ -281,13 +253,7 @@ class Ladder:
         self.model_kwargs, self.row_plate, self.client_mapping = dict(model_kwargs or {}), row_plate, client_mapping
         self.progress_bar = progress_bar
         self.max_rounds = None if max_rounds is None else check_positive_int("max_rounds", max_rounds)
-        self._kept = None  # (run: the rungs kept for this model, options and data, numpyro_fed.fitting.cache)
-        self._measured: Dict[str, Any] = {}  # (run: what the advice of an error reads, Ladder._advice)
-
-        self.dp = None if dp is None else PrivateFit(*dp).checked()
-        if self.dp is not None and init is not None:
-            raise ValueError("nf.fit(dp=..., init=...): a private fit starts from its own private Laplace fit "
-                             "(nf.dp.PrivateFit); drop init=")
+        self.default_warmup = MWG_WARMUP  # a private fit's sampler's warmup where num_warmup is not given
 
     @property
     def differentially_private(self) -> bool:
@@ -295,60 +261,39 @@ class Ladder:
         return self.dp is not None
 
     # ------------------------------------------------------------------ rungs
-    @staticmethod
-    def stage(rung: str, warm: Optional[tuple] = None, check: bool = True,
-              num_samples: Optional[int] = None) -> str:
-        """The text naming a rung: ``"laplace"`` (``check``: with its two fit checks), or
-        ``"mwg"`` / ``"nuts"`` with the ``(mean, cov)`` of the unconstrained global sites the
-        chains start from and propose by (``mwg``: needed) or are preconditioned by (``nuts``;
-        ``None``: cold); and ``"key"``, the number the rung's key folds into the ladder's
-        (:data:`RUNG_KEYS`: a seeded Flower node derives its own key for the rung as the
-        simulation does); ``num_samples``: the sampler's draws per chain, where not the
-        ladder's (chains run on to reach :data:`MWG_MIN_ESS`)."""
-        spec: Dict[str, Any] = {"rung": rung, "key": RUNG_KEYS.get(rung, 0)}
-        if rung == "laplace" and not check:
-            spec["check"] = False
-        if num_samples is not None:
-            spec["num_samples"] = int(num_samples)
-        if warm is not None:
-            spec["mean"], spec["cov"] = (np.asarray(a, np.float64).tolist() for a in warm)
-        return json.dumps(spec)
+    def named(self, name: str) -> Rung:
+        """This ladder's rung called ``name``."""
+        for rung in self.rungs:
+            if rung.name == name:
+                return rung
+        raise ValueError(f"Ladder.rung: no rung {name!r} (its rungs: {[r.name for r in self.rungs]})")
+
+    def stage(self, name: str, warm: Optional[tuple] = None, **settings: Any) -> str:
+        """The public text naming a rung and its settings (``warm``: the ``(mean, cov)`` of the
+        unconstrained global sites a sampler starts from, or is preconditioned by): ``"rung"``, its
+        name; ``"key"``, the number the rung's key folds into the ladder's (a seeded Flower node
+        derives its own key for the rung as the simulation does); and its settings. Every party
+        builds the same inference object from it (:meth:`rung`)."""
+        return json.dumps({"rung": name, "key": self.named(name).key, **settings, **warm_settings(warm)})
 
     def rung(self, stage: Optional[str] = None):
-        """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first)."""
-
-        if self.dp is not None:  # a private fit's stage
-
-            return private_rung(self.model, stage, model_kwargs=self.model_kwargs, row_plate=self.row_plate,
-                                rung_options=self.rung_options)
-        spec = json.loads(stage) if stage else {"rung": "laplace", **({"check": False} if self.exact else {})}
-        common = dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping)
-        warm = (np.asarray(spec["mean"]), np.asarray(spec["cov"])) if "mean" in spec else None
-        if spec["rung"] == "laplace":
-            if spec.get("check", True):
-                inference = Laplace(self.model, widen=WIDEN, init=self.init, **common, **self._own("laplace"))
-                inference.check_draws = CORRECT_DRAWS  # both checks: one compiled program
-            else:  # the exact rungs' start: the mode and covariance only
-                inference = Laplace(self.model, check_fit=False, init=self.init, **common, **self._own("laplace"))
-        elif spec["rung"] == "mwg":
-            if warm is None:
-                raise ValueError("Ladder.rung: the 'mwg' rung starts from a (mean, cov): Ladder.stage('mwg', warm)")
-            warmup = MWG_WARMUP if self.num_warmup is None else self.num_warmup
-            samples = spec.get("num_samples", self.num_samples)
-            inference = FederatedMwG(self.model, num_warmup=warmup, num_samples=samples,
-                                     num_chains=MWG_CHAINS if self.num_chains is None else self.num_chains,
-                                     init=warm, **common, **self._own("mwg"))
-        elif spec["rung"] == "nuts":
-            warmup = (WARM_WARMUP if warm is not None else 500) if self.num_warmup is None else self.num_warmup
-            chains = NUTS_CHAINS if self.num_chains is None else self.num_chains
-            draws = nuts_draws(self.num_samples, chains) if self.num_chains is None else self.num_samples
-            inference = FederatedNUTS(self.model, num_warmup=warmup, num_samples=draws, num_chains=chains, **common,
-                                      init=warm, **self._own("nuts"))
-        else:
-            raise ValueError(f"Ladder.rung: no rung {spec['rung']!r} (its rungs: 'laplace', 'mwg', 'nuts')")
+        """The inference object of the rung named by ``stage`` (:meth:`stage`; default: the first,
+        with its default settings)."""
+        settings = json.loads(stage) if stage else {"rung": self.rungs[0].name}
+        inference = self.named(settings["rung"]).build(self, settings)
         if self.progress_bar is not None:
             inference.progress_bar = bool(self.progress_bar)
         return inference
+
+    def common(self, rung: Rung) -> Dict[str, Any]:
+        """What every rung's class takes from this ladder (the model's layout) and the options of
+        :attr:`rung_options` that ``rung`` takes."""
+        return dict(model_kwargs=self.model_kwargs, row_plate=self.row_plate, client_mapping=self.client_mapping,
+                    **{k: v for k, v in self.rung_options.items() if k in rung.takes})
+
+    def rounds_left(self, climb: Climb) -> Optional[int]:
+        """What ``max_rounds`` leaves after the rungs ``climb`` has climbed (``None``: no bound)."""
+        return None if self.max_rounds is None else self.max_rounds - climb.rounds
 
     def _settings(self) -> Dict[str, Any]:
         """What :meth:`rung` builds from beside the rung options and ``model_kwargs``."""
@@ -356,175 +301,63 @@ class Ladder:
                 "WARM_WARMUP": WARM_WARMUP, "WIDEN": WIDEN, "CORRECT_DRAWS": CORRECT_DRAWS, "exact": self.exact,
                 "num_samples": self.num_samples, "num_warmup": self.num_warmup, "num_chains": self.num_chains,
                 "row_plate": self.row_plate, "client_mapping": self.client_mapping, "progress_bar": self.progress_bar,
-                "init": self.init if self.init is None or callable(self.init) else content(self.init)}
+                "rungs": " ".join(f"{type(r).__module__}.{type(r).__qualname__}" for r in self.rungs),
+                "init": self.init if self.init is None or callable(self.init) else content_digest(self.init)}
 
-    def _rung_of(self, stage: str):
+    def _rung_of(self, stage: str, kept: Optional[Dict[str, Any]]):
         """:meth:`rung`, or the object an earlier fit of the same model, options and data built for
-        ``stage`` (:mod:`numpyro_fed.fitting.cache`), its compiled programs kept."""
-        kept = self._kept
+        ``stage`` (``kept``: :func:`numpyro_fed.fitting.cache.kept_rungs`), its compiled programs kept."""
         if kept is None:
             return self.rung(stage)
         if stage not in kept:
             kept[stage] = self.rung(stage)
         return kept[stage]
 
-    def _own(self, rung: str) -> Dict[str, Any]:
-        """The options of :attr:`rung_options` that ``rung``'s class takes."""
-        return {k: v for k, v in self.rung_options.items() if rung in RUNG_OPTIONS[k]}
-
     # ------------------------------------------------------------------ run
     def run(self, rng_key: jax.Array, clients: Any, **run_options: Any) -> Fit:
-        """Climb the ladder on ``clients`` (see :func:`fit`); ``run_options`` go to every rung."""
+        """Climb the ladder on ``clients`` (see :func:`fit`); ``run_options`` go to every rung.
 
-        if self.dp is not None:
-
-            return private_fit(self.model, clients, rng_key, self.dp, num_samples=self.num_samples,
-                               num_warmup=self.num_warmup, num_chains=self.num_chains, model_kwargs=self.model_kwargs,
-                               row_plate=self.row_plate, client_mapping=self.client_mapping,
-                               progress_bar=self.progress_bar, rung_options=self.rung_options,
-                               run_options=run_options, exact=self.exact, default_warmup=MWG_WARMUP)
-
+        The first rung runs with its :meth:`~numpyro_fed.fitting.rungs.Rung.start` settings; each
+        rung's :meth:`~numpyro_fed.fitting.rungs.Rung.judge` returns the answer or the rungs to climb
+        next. Each rung's stage text reaches the backend as the run option ``stage`` (a network
+        backend's nodes build the same rung from it)."""
         run_options = _without_checkpoints(run_options)
-        self._kept = kept_rungs(self, clients, run_options, self._settings())  # an earlier equal fit's rungs
-        clients = clients if self._kept is None else self._kept["clients"]
-        backend = run_options.get("backend")
-        network = isinstance(backend, NetworkBackend)
-        log: List[str] = []
-        results: List[Any] = []
-        rounds, bytes_ = 0, (0, 0)
-        warm = None
-        k_laplace, k_mwg, k_nuts = (jax.random.fold_in(rng_key, RUNG_KEYS[r]) for r in ("laplace", "mwg", "nuts"))
-
-        def announce(stage: str) -> None:  # a network backend's clients build the same rung
-            if network:
-                backend.stage = stage
-
-        stage = self.stage("laplace", check=not self.exact)
-        announce(stage)
-        laplace = self._rung_of(stage)
-        self._measured = {"laplace": laplace, "clients": None if network else clients, "failed": []}
-        mode = start = False
-        try:
-            with warnings.catch_warnings():  # the ladder acts on the check itself (other warnings pass)
-                warnings.filterwarnings("ignore", category=FitWarning)
-                result = laplace.run(k_laplace, clients, **run_options)
-        except NoModeError as err:
-            if err.improper:
-                raise
-            warm = err.last
-            self._measured.update(zip(("mode", "cov"), warm or (None, None)))
-            if warm is None and self.init is not None:  # NUTS starts where the user said, unpreconditioned
-                warm = (laplace.start, np.ones_like(laplace.start))
-            rounds, bytes_ = int(err.communication.rounds), traffic(err)
-            start = err.last is not None  # MwG starts there (exact from any start; over-dispersed chains)
-            log.append(f"laplace: no mode reached ({str(err).split('. ')[0]}); moving to "
-                       + ("federated Metropolis-within-Gibbs, started at the search's last point and proposing by "
-                          "the curvature there" if start else "federated NUTS"
-                          + (", started where the user said" if warm is not None else "")))
-        else:
-            results.append(result)
-            rounds, bytes_ = int(result.communication.rounds), traffic(result)
-            warm, mode = (np.asarray(result.params.mean), np.asarray(result.params.cov)), True
-            self._measured.update(mode=warm[0], cov=warm[1])
-            if self.exact:
-                log.append(f"laplace: {rounds} rounds; mode found (the exact sampler's start)")
-            else:
-                accepted = judge(laplace, result, log)
-                if accepted is not None:
-                    method, answer, check, corrected = accepted
-                    return Fit(method, laplace, answer, rounds, bytes_, check, log, corrected=corrected,
-                               num_samples=self.num_samples, clients=None if network else clients, results=results)
-            log.append("moving to federated Metropolis-within-Gibbs, started at the Laplace mode")
-        mwg = mode or start
-        if mwg:
-
-            log.append(moves_text(int(np.size(warm[0])), self.rung_options.get("moves", "auto")))
-        done = {"rounds": rounds, "bytes": bytes_}
-        samplers = [("mwg", None), ("nuts", None)] if mwg else [("nuts", None)]
-        return self._sample(samplers, warm, {"mwg": k_mwg, "nuts": k_nuts}, clients, run_options, announce, done,
-                            log, results, network)
-
-    def _sample(self, samplers, warm, keys, clients, run_options, announce, done, log, results, network) -> Fit:
-        """The exact rungs, in turn (:func:`~numpyro_fed.fitting.rung_choice.mwg_next` decides after
-        Metropolis-within-Gibbs): the first whose answer stands is returned; every rung's rounds count
-        against ``max_rounds``."""
-        last_mwg = None  # MwG's last result: chains run on continue from it (in simulation)
-        chain_rounds = 0
-        while samplers:
-            rung, samples = samplers.pop(0)
-            stage = self.stage(rung, warm, num_samples=samples)
-            announce(stage)
-            sampler = self._rung_of(stage)
-            left = None if self.max_rounds is None else self.max_rounds - done["rounds"]
-            # the same chains run on from where they stopped (over a network, where each client keeps its
-            # own state, they run again from the start: the same keys give the same first draws)
-            go_on = rung == "mwg" and samples is not None and last_mwg is not None and not network
-            options = dict(run_options, init_state=sampler.run_on(last_mwg)) if go_on else run_options
-            if rung == "mwg" and left is not None:
-                planned = (sampler.rounds_to_run_on(last_mwg) if go_on else  # one round per iteration: known
-                           sampler.num_warmup + sampler.num_samples + 1)
-                if planned > left:
-                    raise self._over_budget(RoundBudgetError("", rounds=0, max_rounds=left, projected_rounds=planned),
-                                            rung, done, log)
+        climb = Climb(clients, run_options, isinstance(run_options.get("backend"), NetworkBackend), self.num_samples)
+        if self.dp is None:
+            climb.kept = kept_rungs(self, clients, run_options, self._settings())  # an earlier equal fit's rungs
+            climb.clients = clients if climb.kept is None else climb.kept["clients"]
+        first = self.rungs[0]
+        queue = [(first.name, first.start(self, climb))]
+        while queue:
+            name, climb.settings = queue.pop(0)
+            rung, stage = self.named(name), self.stage(name, **climb.settings)
+            inference = self._rung_of(stage, climb.kept)
             try:
-                with warnings.catch_warnings(record=True) as caught:  # the ladder acts on MwG's mixing itself
-                    warnings.simplefilter("always")
-                    result = sampler.run(keys[rung], clients,
-                                         **({} if left is None else {"num_rounds": max(left, 1)}), **options)
+                options = rung.options(self, inference, climb)
+                result = rung.run(inference, jax.random.fold_in(rng_key, rung.key), climb, dict(options, stage=stage))
             except RoundBudgetError as err:
-                raise self._over_budget(err, rung, done, log) from err
-            results.append(result)
-            spent = int(result.communication.rounds)
-            done["rounds"] += spent
-            done["bytes"] = tuple(a + b for a, b in zip(done["bytes"], traffic(result)))
-            check = chain_check(result)
-            self._measured["failed"] = list(result.verdict.sites)
-            chain_rounds = chain_rounds + spent if go_on else spent  # the rounds of these chains' draws
-            log.append(f"{rung}: {'ran on ' if go_on else ''}{spent} rounds; " + check_text(check)
-                       + f"; {per_draw(chain_rounds, check):.3g} rounds per effective draw")
-            if rung == "mwg":
-                if sampler.ridge_sites and not go_on:
+                raise over_budget(err, name, {"rounds": climb.rounds, "bytes": climb.bytes}, climb.log,
+                                  self.max_rounds, self.advice(climb), rung.title) from err
+            outcome = rung.judge(self, inference, result, climb)
+            if isinstance(outcome, Fit):
+                return outcome
+            queue[:0] = outcome
+        raise ValueError(f"nf.fit: the last rung climbed ({name!r}) gave no answer")
 
-                    log.append(ridge_text(sampler.ridge_sites))
-                last_mwg = result
-                longer = mwg_next(sampler.num_warmup, sampler.num_samples, check, chain_rounds, samples is not None,
-                                  done["rounds"], log, self.max_rounds, go_on=not network)
-                if longer == "nuts":
-                    continue
-                if longer is not None:  # the same chains run on (the same keys): their first draws are these
-                    samplers.insert(0, ("mwg", longer))
-                    continue
-            for w in caught:  # the answer's own warnings reach the caller
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            if rung == "nuts":
-                warn_unmixed(sampler, result, self._advice())
-            log.append(f"{rung}: the answer, {done['rounds']} rounds in all (every rung), "
-                       f"{per_draw(done['rounds'], check):.3g} rounds per effective draw of the worst global scalar")
-            return Fit(rung, sampler, result, done["rounds"], done["bytes"], check, log,
-                       num_samples=self.num_samples, clients=None if network else clients, results=results)
-        raise AssertionError("unreachable: the last rung returns")
-
-
-    def _advice(self) -> str:
-        """What to change, from what this run measured (:func:`numpyro_fed.check.advice.advice`): the sites whose
-        chains did not mix, a symmetric Laplace point, each hierarchy's parameterisation by its rows."""
-
-        measured = self._measured
-        if measured.get("clients") is None:  # (over a network the server holds no rows to count)
+    def advice(self, climb: Climb) -> str:
+        """What to change, from what ``climb`` measured (:func:`numpyro_fed.check.advice.advice`): the
+        sites whose chains did not mix, a symmetric Laplace point, each hierarchy's parameterisation by
+        its rows. Over a network the server holds no rows to count: no advice."""
+        laplace = climb.measured.get("laplace")
+        if climb.network or laplace is None:
             return ""
-        laplace, clients = measured["laplace"], measured["clients"]
         try:
             structure = fitted(laplace).extra.structure
         except ValueError:  # (not set up: nothing was measured)
             return ""
-        model = sized_model(self.model, clients, self.model_kwargs)
-        return advice(model, clients, self.model_kwargs, structure, measured.get("mode"), measured.get("cov"),
-                      measured["failed"])
-
-    def _over_budget(self, err: RoundBudgetError, rung: str, done: Dict[str, Any], log: List[str]):
-        """``nf.fit``'s :class:`~numpyro_fed.run.budget.RoundBudgetError` (:func:`~numpyro_fed.run.budget.over_budget`),
-        with the advice this run's measures give."""
-        return over_budget(err, rung, done, log, self.max_rounds, self._advice())
+        model = sized_model(self.model, climb.clients, self.model_kwargs)
+        return advice(model, climb.clients, self.model_kwargs, structure, climb.measured.get("mode"),
+                      climb.measured.get("cov"), climb.measured["failed"])
 
 
 def _without_checkpoints(run_options: Dict[str, Any]) -> Dict[str, Any]:

@@ -21,12 +21,7 @@ from ..model.trace import trace_model
 from ..run.summary import print_summary
 from .arviz import to_arviz
 
-__all__ = ["ANSWERS", "Fit", "chain_check", "check_text", "traffic"]
-
-ANSWERS = {"laplace": "as is", "laplace (importance-corrected)": "importance-corrected", "mwg": "exact",
-           "nuts": "exact", "dp_metropolis": "exact (noise-corrected)", "dp_laplace": "as is (unchecked, private)"}
-"""What each rung's answer is: the Laplace Gaussian accepted ``"as is"``, its
-``"importance-corrected"`` draws, or an ``"exact"`` sampler's chains."""
+__all__ = ["Fit", "chain_check", "check_text", "traffic"]
 
 _NETWORK_CLIENT = (
     "Fit.{verb}(client={client!r}): this fit ran over a network backend, and a client's local draws are "
@@ -42,8 +37,10 @@ class Fit:
         method: ``"laplace"``, ``"laplace (importance-corrected)"``, ``"mwg"`` or ``"nuts"``: the
             rung whose answer this is; ``"dp_metropolis"`` under ``nf.fit(dp=...)`` (the exact DP
             sampler, see :meth:`privacy_report`).
-        answer: what the returned draws are (:data:`ANSWERS`): the Laplace Gaussian accepted
-            ``"as is"``, its ``"importance-corrected"`` draws, or an ``"exact"`` sampler's.
+        answer: what the returned draws are (the rung's :attr:`~numpyro_fed.fitting.rungs.Rung.answer`):
+            the Laplace Gaussian accepted ``"as is"``, its ``"importance-corrected"`` draws, an
+            ``"exact"`` sampler's, the exact DP sampler's ``"exact (noise-corrected)"``, or the
+            private Laplace fit ``"as is (unchecked, private)"``.
         inference: the fitted inference object of that rung; ``result``: its
             :class:`~numpyro_fed.RunResult`.
         rounds, bytes: communication rounds and bytes (both ways) of every rung tried;
@@ -67,9 +64,9 @@ class Fit:
 
     def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
                  log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None,
-                 results: Optional[List[Any]] = None, privacy: Any = None) -> None:
+                 results: Optional[List[Any]] = None, privacy: Any = None, answer: Optional[str] = None) -> None:
         self.method, self.inference, self.result = method, inference, result
-        self.answer = ANSWERS.get(method, method)
+        self.answer = method if answer is None else answer
         self.rounds, self.check, self.log = int(rounds), check, list(log)
         self.bytes_up, self.bytes_down = (int(b) for b in traffic)
         self.bytes = self.bytes_up + self.bytes_down
@@ -99,8 +96,13 @@ class Fit:
         return self.rounds / max(float(self.check["min_n_eff"]), 1.0)
 
     @property
+    def draws_are_chains(self) -> bool:
+        """Whether the answer's draws are Markov chains (an exact sampler's)."""
+        return self.inference.draws_are_chains
+
+    @property
     def _chains(self) -> bool:
-        return self.method in ("nuts", "mwg", "dp_metropolis")
+        return self.draws_are_chains
 
     # ------------------------------------------------------------------ draws
     def get_samples(self, group_by_chain: bool = False, *, client: Optional[str] = None) -> Dict[str, jax.Array]:

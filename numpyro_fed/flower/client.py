@@ -66,7 +66,7 @@ from .sealed import PIN_KEY, ROLE_KEY, associated_data, new_keypair, seal
 from .task import build, load_task, own_groups_of
 from .wire import from_record, parse_template, shapes_of, to_record, wire_structures
 
-__all__ = ["client_key", "make_client_app"]
+__all__ = ["client_key", "guarded", "make_client_app"]
 
 #: node_config key for reproducing the simulation's client keys (tests and studies only:
 #: with it the client's key derives from this seed as in ``SimulationBackend.init``)
@@ -504,7 +504,7 @@ def _error_reply(message, reason: str):
     return Message(error=Error(code=FAILURE_CODE, reason=reason), reply_to=message)
 
 
-def _guarded(stage: str, handler, message, context, reply=_error_reply):
+def guarded(stage: str, handler, message, context, reply=_error_reply):
     """``handler(message, context)``; on an exception, the full text goes to the node's log
     and the server gets :func:`failure_reason` only."""
     try:
@@ -540,11 +540,11 @@ def _dispatch(message_type: str, message, context):
     :class:`~numpyro_fed.flower.runtime.stream.Frame`), guarded."""
     kind = str(message.content["nf"]["kind"])
     if message_type == "query":
-        return _guarded(kind if kind in _QUERIES else "unknown", _QUERIES.get(kind, _unknown), message, context)
+        return guarded(kind if kind in _QUERIES else "unknown", _QUERIES.get(kind, _unknown), message, context)
     if kind == "stream" and not isinstance(message, Frame):
-        return _guarded("stream", _stream, message, context)
+        return guarded("stream", _stream, message, context)
     stage = kind if kind in _TRAINS else "exchange"
-    return _guarded(stage, _faulted(stage, _TRAINS.get(kind, _exchange)), message, context)
+    return guarded(stage, _faulted(stage, _TRAINS.get(kind, _exchange)), message, context)
 
 
 def _stream(message, context):

@@ -50,7 +50,7 @@ from ..run.transcript import message_bytes
 from .wire import from_record, to_record
 
 __all__ = ["MIN_THRESHOLD_KEY", "PEER_KEYS", "SIGNING_KEY", "STEPS", "MaskedAggregation", "Traffic", "client_keys",
-           "client_masked_input", "client_share", "client_unmask", "masked_like"]
+           "client_masked_input", "client_share", "client_unmask", "masked_like", "save_fields"]
 
 STEPS = ("mask_keys", "mask_share", "mask_unmask")
 """The message kinds of the protocol's own steps (the masked input rides on the exchange)."""
@@ -79,7 +79,7 @@ def masked_like(like: dict, secure: Sequence[str]) -> tuple:
 
 
 # ---------------------------------------------------------------------------------- client
-def _save(context, **fields: Any) -> None:
+def save_fields(context, **fields: Any) -> None:
     from flwr.app import ConfigRecord
 
     old = dict(context.state[_STATE].items()) if _STATE in context.state else {}
@@ -123,8 +123,9 @@ def client_keys(context, cfg, site: str = "") -> tuple:
     """Step 1 on a client: fresh key pairs (kept on the node); ``(the public keys to send, the
     reply's config)``: with the node's signing key, their signature (:mod:`numpyro_fed.run.secure.roster`)."""
     secrets, message = M.advertise()
-    _save(context, round=int(cfg["round"]), exchange=str(cfg["exchange"]), c=secrets.c_sk.private_bytes_raw().hex(),
-          s=secrets.s_sk.private_bytes_raw().hex(), b="", roster="", senders=[], inbox=[])
+    save_fields(context, round=int(cfg["round"]), exchange=str(cfg["exchange"]),
+                c=secrets.c_sk.private_bytes_raw().hex(), s=secrets.s_sk.private_bytes_raw().hex(), b="", roster="",
+                senders=[], inbox=[])
     key = (getattr(context, "node_config", None) or {}).get(SIGNING_KEY)
     if key is None:
         return message, None
@@ -162,8 +163,8 @@ def client_share(context, cfg, content, site: str = "") -> dict:
     minimum = (getattr(context, "node_config", None) or {}).get(MIN_THRESHOLD_KEY)  # the node's own floor, if set
     secrets, message = M.share_keys(secrets, me, roster, int(cfg["threshold"]),
                                     None if minimum is None else int(minimum))
-    _save(context, b=secrets.b.hex(), roster=np.ascontiguousarray(roster).tobytes().hex(), me=me,
-          senders=[me], inbox=[secrets.inbox[me].hex()], threshold=int(cfg["threshold"]))
+    save_fields(context, b=secrets.b.hex(), roster=np.ascontiguousarray(roster).tobytes().hex(), me=me,
+                senders=[me], inbox=[secrets.inbox[me].hex()], threshold=int(cfg["threshold"]))
     return message
 
 
@@ -176,8 +177,8 @@ def client_masked_input(context, cfg, content, hidden: dict, num_clients: int) -
     senders = [v for v in shared if v != me]
     boxes = from_record(jax.ShapeDtypeStruct((len(senders), M.CIPHERTEXT_BYTES), np.uint8), content["shares"])
     secrets = M.receive(secrets, {v: boxes[i] for i, v in enumerate(senders)})
-    _save(context, senders=list(secrets.inbox), inbox=[secrets.inbox[v].hex() for v in secrets.inbox],
-          shared=shared)
+    save_fields(context, senders=list(secrets.inbox), inbox=[secrets.inbox[v].hex() for v in secrets.inbox],
+                shared=shared)
     x = encode_message(hidden, num_clients)
     return M.mask_input(secrets, me, _roster(rec), shared, x)["masked"]
 
@@ -216,7 +217,7 @@ class MaskedAggregation:
         if self.transcript is not None:
             self.transcript.record(self.r, sender, receiver, {step: message}, exchange=str(self.e))
 
-    def _ask(self, kind: str, clients: Sequence[int], arrays: Dict[int, Any], extra: Dict[int, dict], like) -> dict:
+    def ask(self, kind: str, clients: Sequence[int], arrays: Dict[int, Any], extra: Dict[int, dict], like) -> dict:
         """Send step ``kind`` to ``clients``; ``{client: its reply's message}`` of those that answered."""
         from flwr.app import ConfigRecord, RecordDict
 
@@ -244,7 +245,7 @@ class MaskedAggregation:
     def keys(self, clients: Sequence[int]) -> List[int]:
         """Steps 1 and 2 among ``clients``: the clients that shared their keys (the others
         drop out of this exchange)."""
-        keys = self._ask("mask_keys", clients, {}, {},
+        keys = self.ask("mask_keys", clients, {}, {},
                          lambda j: {"public_keys": jax.ShapeDtypeStruct((2, M.KEY_BYTES), np.uint8)})
         for j in sorted(keys):
             self._record(self.names[j], "server", "advertise_keys", keys[j])
@@ -262,7 +263,7 @@ class MaskedAggregation:
         arrays = {j: {"roster": self.roster} for j in order}
         for j in order:
             self._record("server", self.names[j], "roster", {"public_keys": self.roster})
-        shares = self._ask("mask_share", order, arrays, extra,
+        shares = self.ask("mask_share", order, arrays, extra,
                            lambda j: {"ciphertexts": jax.ShapeDtypeStruct((n, M.CIPHERTEXT_BYTES), np.uint8)})
         for j in sorted(shares):
             self._record(self.names[j], "server", "share_keys", shares[j])
@@ -297,7 +298,7 @@ class MaskedAggregation:
         for j in arrived:
             self._record("server", self.names[j], "arrived", {"arrived": flags})
         k, dropped = int(flags.sum()), len(self.shared) - int(flags.sum())
-        answers = self._ask("mask_unmask", arrived, {j: {"arrived": flags} for j in arrived}, {},
+        answers = self.ask("mask_unmask", arrived, {j: {"arrived": flags} for j in arrived}, {},
                             lambda j: {"b": jax.ShapeDtypeStruct((k, 16), np.uint8),
                                        "s": jax.ShapeDtypeStruct((dropped, 32), np.uint8)})
         for j in sorted(answers):

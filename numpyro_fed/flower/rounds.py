@@ -74,8 +74,8 @@ class OverFlower:
 
     chunked = False
 
-    def __init__(self, backend: Any, algorithm, plan, num_rounds: int, every: int) -> None:
-        self.backend, self.algorithm, self.plan = backend, algorithm, plan
+    def __init__(self, backend: Any, algorithm, plan, num_rounds: int, every: int, stage: str = "") -> None:
+        self.backend, self.algorithm, self.plan, self.stage = backend, algorithm, plan, stage
         self.names = list(plan.names)
         self.num_rounds, self.every = int(num_rounds), every
         self.traffic = Traffic()
@@ -159,7 +159,7 @@ class OverFlower:
         setup = [RecordDict({"nf": ConfigRecord({**kind, "template": text, "index": j,
                                                  "num_rounds": int(self.num_rounds),
                                                  "aggregator_key": backend.aggregator_key,
-                                                 "checkpoint_every": int(self.every), "stage": backend.stage})})
+                                                 "checkpoint_every": int(self.every), "stage": self.stage})})
                  for j in range(len(names))]
         ready = backend.query(backend.nodes, setup, backend.first_timeout)
         alive = [n in ready for n in backend.nodes]

@@ -110,7 +110,6 @@ class FlowerBackend(Messenger):
             split_address(stream)  # checked now, opened by run()
         self.stream = stream  # HOST:PORT: the run's exchanges over one stream per client (module stream)
         self.stream_tls = (stream_certfile, stream_keyfile)
-        self.stage = ""  # the nf.fit rung the next run is (numpyro_fed.fitting.ladder.Ladder.stage), sent at set-up
 
     # ------------------------------------------------------------------ messaging
     def connect(self, task: FlowerTask, num_clients: int, timeout: float = 120.0):
@@ -166,16 +165,17 @@ class FlowerBackend(Messenger):
 
     # ------------------------------------------------------------------ run
     def run(self, algorithm, clients, num_rounds: int, rng_key=None, *, init_state=None, availability: Any = None,
-            **options: Any) -> RunResult:
+            stage: str = "", **options: Any) -> RunResult:
         """The simulation backend's ``run`` over the network (``clients``: the plan built from
         :meth:`connect`'s template), through the same round loop
         (:func:`~numpyro_fed.run.backends.driver.drive`). Dropout is real here, so ``availability``
         is refused; so is ``init_state`` (resume with ``FlowerBackend(resume_from=...)``: the
         clients' states are on their nodes). ``checkpoint=`` saves the server's part; each client
-        keeps its own on its node."""
+        keeps its own on its node. ``stage``: the ``nf.fit`` rung this run is
+        (:meth:`~numpyro_fed.fitting.ladder.Ladder.stage`), sent to every node at set-up."""
         self._checked_run(algorithm, clients, availability, init_state)
         every = checkpoint_interval(num_rounds, options.get("checkpoint"), options.get("checkpoint_every"))
-        return drive(OverFlower(self, algorithm, clients, num_rounds, every), algorithm, num_rounds, rng_key,
+        return drive(OverFlower(self, algorithm, clients, num_rounds, every, stage), algorithm, num_rounds, rng_key,
                      **options)
 
     def _checked_run(self, algorithm, plan, availability, init_state) -> None:

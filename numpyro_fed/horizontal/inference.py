@@ -276,7 +276,7 @@ class FederatedSVI(FederatedInference):
         constraints = setup.extra.client_layout(setup.inputs[client])[1]
         return constrain_params(local["theta"], constraints)
 
-    def _check_of(self, state: RunState) -> Optional[FitDiagnostic]:
+    def check_of(self, state: RunState) -> Optional[FitDiagnostic]:
         """The fit check of ``state``: the run's own when ``state`` is the run's result,
         otherwise computed now (simulation), so corrected draws never come from another fit."""
         if self.last_fit_check is not None and getattr(self, "_checked_state", None) == state_fingerprint(state.server):
@@ -432,7 +432,7 @@ class FederatedSVI(FederatedInference):
                     f"draws only (a client's local draws are not reweighted); drop client= or "
                     f"corrected=True"
                 )
-            z_g = importance_resample(k_g, self._check_of(state), num_samples, type(self).__name__)
+            z_g = importance_resample(k_g, self.check_of(state), num_samples, type(self).__name__)
         else:
             eps_g = random.normal(k_g, (num_samples, obj.global_size))
             z_g = jax.vmap(lambda e: obj.global_latent(g, e))(eps_g)

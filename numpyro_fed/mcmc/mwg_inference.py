@@ -120,6 +120,7 @@ class FederatedMwG(FederatedInference):
     setup_extra = TermsSetup
     params_type = DrawParams
     _size_group_plates = size_group_plates
+    start: Optional[Tuple] = None  # the (mean, cov) the chains start from and propose by (set by run or init)
     _built_start: Optional[Tuple] = None  # the start the built algorithm's chains begin at
     ridges: tuple = ()  # the ridge move's (scale entry, effect entries) pairs, once built (mcmc.ridges)
     ridge_sites: tuple = ()  # the same by site: (scale site, (effect sites))
@@ -191,11 +192,11 @@ class FederatedMwG(FederatedInference):
                                   f"(where the posterior is proper, FederatedNUTS samples it without a mode)",
                                   err.improper, err.sites, err.last) from err
             self.start_communication = self.laplace_result.communication
-            self._start = (np.asarray(self.laplace_result.params.mean), np.asarray(self.laplace_result.params.cov))
+            self.start = (np.asarray(self.laplace_result.params.mean), np.asarray(self.laplace_result.params.cov))
         else:
-            self._start = tuple(np.asarray(a) for a in self.init_moments)
+            self.start = tuple(np.asarray(a) for a in self.init_moments)
         built = self._built_start
-        if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self._start)):
+        if built is not None and not all(np.array_equal(a, b) for a, b in zip(built, self.start)):
             reset_setup(self)  # the algorithm starts from its start: a new start builds it anew
 
     # ------------------------------------------------------------------ set-up
@@ -217,12 +218,12 @@ class FederatedMwG(FederatedInference):
         step = (self.local_step_size if self.local_step_size is not None
                 else min(np.pi / (2 * self.local_steps), 1.5 * n ** -0.25))
         dtype = jnp.result_type(float)
-        start = getattr(self, "_start", None)
+        start = self.start
         if start is None:  # a party that does not run (a Flower node) builds from init
             if self.init_moments is None:
                 raise ValueError(f"{type(self).__name__}: over a network backend give init=(mean, cov) (a Laplace "
                                  f"fit's params), so that every party builds the same chains; nf.fit does")
-            start = self._start = tuple(np.asarray(a) for a in self.init_moments)
+            start = self.start = tuple(np.asarray(a) for a in self.init_moments)
         self._built_start = start
         schedule = self.schedule(int(np.asarray(start[0]).size))
         small = self.small_entries(terms.layout, schedule)

@@ -36,7 +36,7 @@ import numpyro
 from numpyro.primitives import Messenger
 
 from .handlers import LOCAL, site_role
-from .trace import trace_model
+from .trace import program_digest, trace_model
 
 __all__ = ["group_plate", "group_sizes", "held_elsewhere", "known_groups", "own_groups", "size_group_plates",
            "sized_model"]
@@ -236,6 +236,16 @@ def sized_model(model, clients, kwargs):
     sized.__wrapped_model__ = base
     sized.group_sizes, sized.group_args = dict(sizes), dict(args_of)
     return sized
+
+
+def sized_program_digest(model, clients, kwargs) -> Optional[str]:
+    """:func:`~numpyro_fed.model.trace.program_digest` of ``model`` sized to the clients' groups (as
+    the families run it); ``None`` where it cannot be sized or traced alone."""
+    try:
+        sized = sized_model(model, clients, kwargs)
+    except Exception:  # noqa: BLE001  (any failure: no digest)
+        return None
+    return program_digest(sized, clients, kwargs)
 
 
 def size_group_plates(inference, clients) -> None:

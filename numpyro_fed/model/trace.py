@@ -28,7 +28,8 @@ from numpyro.primitives import Messenger
 
 from .._validation import check_init
 
-__all__ = ["INIT_TRIES", "compiled_prior_mean", "finite_point", "invalid_parameters", "is_factor", "nonfinite_sites",
+__all__ = ["INIT_TRIES", "compiled_prior_mean", "content_digest", "data_digest", "finite_point", "invalid_parameters",
+           "is_factor", "nonfinite_sites",
            "observed_draws", "or_finite_point", "prior_median", "program_digest", "read_abstractly", "start_point",
            "trace_model", "unconstrained_shape", "unwrapped", "update_digest"]
 
@@ -434,6 +435,22 @@ def update_digest(digest, value) -> bool:
     digest.update(f"{array.dtype.str}{array.shape}".encode())
     digest.update(np.ascontiguousarray(array).tobytes())
     return True
+
+
+def content_digest(value) -> Optional[str]:
+    """A digest of ``value``'s content (numbers, text, arrays and mappings or sequences of them);
+    ``None`` for anything else."""
+    digest = hashlib.sha256()
+    return digest.hexdigest() if update_digest(digest, value) else None
+
+
+def data_digest(clients) -> Optional[str]:
+    """A digest of the clients' content: names, arguments, arrays and recoded groups (``None``: not
+    a :class:`~numpyro_fed.Clients`, or a value not comparable by content)."""
+    if not (hasattr(clients, "names") and hasattr(clients, "group_values")):
+        return None
+    return content_digest([[name, dict(clients[name]), dict(clients.group_values.get(name, {}))]
+                           for name in clients.names])
 
 
 MAX_KINDS = 16  # client kinds traced for a program digest (the set-up checks compare as many layouts)

@@ -150,16 +150,14 @@ def stopped_message(cls: str, rounds: int, max_rounds: int, projected: Optional[
     return (f"{cls}: {why}, with {done} of {total} iterations done per chain; {have}. {advice}")
 
 
-_SAMPLERS = {"mwg": "federated Metropolis-within-Gibbs", "nuts": "federated NUTS"}
-
-
 def over_budget(err: "RoundBudgetError", rung: str, done: Dict[str, Any], log: List[str], max_rounds: Optional[int],
-                measured: str = "") -> "RoundBudgetError":
+                measured: str = "", title: Optional[str] = None) -> "RoundBudgetError":
     """``nf.fit``'s :class:`RoundBudgetError` from a rung's ``err``: its rounds and bytes added to
     ``done`` (every earlier rung's), the projection over all of them, what was tried (``log``), and
-    what to do: ``measured`` (the advice of :func:`numpyro_fed.check.advice.advice`), else a general one."""
+    what to do: ``measured`` (the advice of :func:`numpyro_fed.check.advice.advice`), else a general one.
+    ``title``: the rung's name in words (default ``rung``)."""
     rounds, traffic = done["rounds"] + err.rounds, sum(done["bytes"]) + err.bytes
-    name = _SAMPLERS[rung]
+    name = title or rung
     if err.projected_rounds is not None:
         need = done["rounds"] + err.projected_rounds
         why = (f"{name} would need about {need:,.0f} rounds in all ({network_time(need)} over a network at 58 ms "

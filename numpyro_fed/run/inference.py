@@ -10,7 +10,8 @@ backend, which owns the round loop. The class layers keep set-up, ``evaluate``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar, Generic, Iterator, Mapping, NamedTuple, Optional, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -82,7 +83,7 @@ NUM_SAMPLES = 1000
 
 #: the backend's run options, taken by every ``run`` (see :meth:`FederatedInference.run`)
 RUN_OPTIONS = ("progress_bar", "init_state", "record_transcript", "keep_values", "availability", "checkpoint",
-               "checkpoint_every", "on_nonfinite", "callbacks", "backend")
+               "checkpoint_every", "on_nonfinite", "callbacks", "backend", "stage")
 
 
 def fitted(inference) -> Setup:
@@ -98,6 +99,18 @@ def checked_network(inference) -> Optional[NetworkBackend]:
     check (:func:`numpyro_fed.check.check_for`) runs, so that a check may ask the clients for
     values computed on their nodes); ``None`` in simulation and outside ``run``."""
     return inference._network
+
+
+@contextmanager
+def checking_over(inference, network: Optional[NetworkBackend]) -> Iterator[None]:
+    """While open, ``inference``'s fit check asks ``network``'s clients for the values computed on
+    their nodes (:func:`checked_network`; ``None``: the simulation's rows), as ``run`` does over a
+    network backend."""
+    inference._network = network
+    try:
+        yield
+    finally:
+        inference._network = None
 
 
 def reset_setup(inference) -> None:
@@ -203,7 +216,9 @@ class FederatedInference:
                 ``keep_values``, ``availability`` (simulated dropout), ``checkpoint`` /
                 ``checkpoint_every``, ``on_nonfinite`` (``"raise"`` or ``"warn"``),
                 ``callbacks`` and ``backend`` (see
-                :meth:`numpyro_fed.run.backends.SimulationBackend.run`); the family's own
+                :meth:`numpyro_fed.run.backends.SimulationBackend.run`), ``stage`` (the text of the
+                ``nf.fit`` rung this run is, which a network backend's nodes build the same
+                rung from: :meth:`numpyro_fed.fitting.ladder.Ladder.stage`); the family's own
                 (:attr:`family_run_options`, e.g. HM1's ``truth``); for the vertical
                 families, the model's data too.
 
@@ -396,6 +411,7 @@ class FederatedInference:
         checkpoint_every: Optional[int] = None,
         on_nonfinite: str = "raise",
         callbacks: Sequence[Callable] = (),
+        stage: str = "",
     ) -> RunResult:
         _check_backend(backend, self)
         setup = self._setup(inputs)
@@ -410,7 +426,7 @@ class FederatedInference:
             setup.algorithm, setup.plan, num_rounds, rng_key, init_state=init_state, progress_bar=progress_bar,
             record_transcript=record_transcript, keep_values=keep_values, checkpoint=checkpoint,
             checkpoint_every=checkpoint_every, callbacks=callbacks, availability=availability,
-            on_nonfinite=on_nonfinite,
+            on_nonfinite=on_nonfinite, **({"stage": stage} if stage else {}),
         )
         _check_someone_answered(result, type(self).__name__)
         states = result.client_states
@@ -424,11 +440,9 @@ class FederatedInference:
         self._remember_shapes(setup, result.state)
         if self.dp_plan is not None:
             self.dp_plan.after_run(type(self).__name__, setup.plan.names, result)
-        self._network = backend if isinstance(backend, NetworkBackend) else None  # a network backend's clients
-        try:  # the family's fit check (numpyro_fed.check): it warns or raises, and its verdict goes in the result
-            return run_check(self, result)
-        finally:
-            self._network = None
+        network = backend if isinstance(backend, NetworkBackend) else None  # a network backend's clients
+        with checking_over(self, network):  # the family's fit check (numpyro_fed.check): it warns or raises, and
+            return run_check(self, result)  # its verdict goes in the result
 
     def save(self, path: str, state: "RunState | RunResult") -> None:
         """Save a run state to ``path`` (an ``.npz`` file; see :mod:`numpyro_fed.run.checkpoint`)."""
@@ -441,10 +455,10 @@ class FederatedInference:
         meta = ckpt.read_meta(path)
         if meta.get("family") not in ("", self.method):
             raise ValueError(f"the checkpoint at {path} is of a {meta['family']} run, not {self.method}")
-        template = self._template(setup, meta.get("typed_keys", {}).get("server_key"))
+        template = self.state_template(setup, meta.get("typed_keys", {}).get("server_key"))
         return ckpt.load(path, template, setup.plan.names, layout=setup.algorithm.layout)
 
-    def _template(self, setup: Setup, key_impl: Optional[str] = None):
+    def state_template(self, setup: Setup, key_impl: Optional[str] = None):
         """The shapes and dtypes of this set-up's run state (nothing is computed); its keys
         typed (``jax.random.key`` with ``key_impl``) or raw."""
         key = jax.random.PRNGKey(0) if key_impl is None else jax.random.key(0, impl=key_impl)
@@ -460,7 +474,7 @@ class FederatedInference:
         )
         state = state_of(self, init_state, check_shapes=False)  # conform checks every leaf
         typed = jax.numpy.issubdtype(state.server_key.dtype, jax.dtypes.prng_key)
-        template = self._template(setup, str(jax.random.key_impl(state.server_key)) if typed else None)
+        template = self.state_template(setup, str(jax.random.key_impl(state.server_key)) if typed else None)
         return ckpt.conform(state, template, setup.plan.names, saved)
 
 

@@ -29,7 +29,7 @@ def _is_fit(obj) -> bool:
 def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray]:
     """``{site: (chains, draws, ...)}``: MCMC's own chains, or one chain of the family's draws."""
     if _is_fit(inference):  # nf.fit's answer: its accepted rung's draws
-        if inference.method in _SAMPLERS:
+        if inference.draws_are_chains:
             return _draws(inference.inference, inference.result, num_samples, rng_key)
         key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         return {k: np.asarray(v)[None] for k, v in inference.sample_posterior(key, num_samples).items()}
@@ -41,9 +41,6 @@ def _draws(inference, result, num_samples: int, rng_key) -> Dict[str, np.ndarray
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     draws = inference.sample_posterior(key, result, num_samples)
     return {k: np.asarray(v)[None] for k, v in draws.items()}
-
-
-_SAMPLERS = ("nuts", "mwg", "dp_metropolis")  # nf.fit's exact rungs: chains, with n_eff and r_hat
 
 
 def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_samples: int = 1000,
@@ -62,7 +59,7 @@ def summary(inference: Any, result: Any = None, *, prob: float = 0.9, num_sample
 
     draws = _draws(inference, result, num_samples, rng_key)
     stats = numpyro_summary(draws, prob=prob, group_by_chain=True)
-    mcmc = inference.method in _SAMPLERS if _is_fit(inference) else getattr(inference, "draws_are_chains", False)
+    mcmc = getattr(inference, "draws_are_chains", False)
     if not mcmc:  # iid draws of q: ESS and R-hat say nothing about the fit
         stats = {k: {s: v for s, v in d.items() if s not in ("n_eff", "r_hat")} for k, d in stats.items()}
     return stats
@@ -72,7 +69,7 @@ def _check_line(inference, result) -> str:
     if _is_fit(inference):  # what the returned answer is, and its own check (fit.log: what was set aside)
         answer = "" if inference.answer in inference.method else f" ({inference.answer})"
         head = f"{inference.method}{answer}, {inference.rounds} rounds; "
-        if inference.method in _SAMPLERS:
+        if inference.draws_are_chains:
             c = inference.check
             return head + (f"exact sampler: min ESS {c['min_n_eff']:.0f}, max split R-hat {c['max_r_hat']:.3f} over "
                            f"the global scalars; {inference.rounds_per_draw:.3g} rounds per effective draw")

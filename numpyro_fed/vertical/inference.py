@@ -162,7 +162,7 @@ class VerticalInference(FederatedInference):
         self.client_value_inputs(name, setup, data)
         return network_check.client_value(self._party_draw, name, setup, client_state, data, payload, rng_key)
 
-    def _network_check(self, network, setup, result):
+    def network_check(self, network, setup, result):
         """``(check, why, exchanges)`` of the fit check computed with the parties over ``network``."""
         return network_check.network_check(self._party_draw, network, setup, result)
 
@@ -278,7 +278,7 @@ def vertical_check(inference, result: RunResult) -> Verdict:
         why = _NO_NETWORK_CHECK.get(inference.method, "this backend cannot ask the parties")
         diag, exchanges = None, []
         if network is not None and inference.method not in _NO_NETWORK_CHECK:
-            diag, why, exchanges = inference._network_check(network, setup, result)
+            diag, why, exchanges = inference.network_check(network, setup, result)
         communication = with_exchange_traffic(result.communication, exchanges)
         if diag is None:
             warnings.warn(_NETWORK.format(cls=cls, why=why), UncheckedFitWarning, stacklevel=find_stack_level())

@@ -31,9 +31,10 @@ from .lifeline import command
 from .stream import CA_KEY
 from .supernode import light_command
 
-__all__ = ["FederationError", "LocalFederation", "loopback_certificates"]
+__all__ = ["PYPROJECT", "FederationError", "LocalFederation", "loopback_certificates"]
 
-_PYPROJECT = """[build-system]
+#: the pyproject.toml of the Flower app a local federation writes and runs (its ServerApp and ClientApp)
+PYPROJECT = """[build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
 
@@ -261,7 +262,7 @@ class LocalFederation:
         self.runtime_apis: Dict[int, str] = {}  # per SuperNode: its runtime API (HOST:PORT), for its executor
         self._runs = 0
         self.app.mkdir(parents=True, exist_ok=True)
-        (self.app / "pyproject.toml").write_text(_PYPROJECT)
+        (self.app / "pyproject.toml").write_text(PYPROJECT)
         (self.app / "nf_app_marker.py").write_text("# the apps live in numpyro_fed.flower.app\n")
         for name, text in (app_files or {}).items():
             (self.app / name).write_text(text)

@@ -38,11 +38,12 @@ import struct
 import time
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
-__all__ = ["CA_KEY", "Frame", "FrameReply", "StreamServer", "decode_frame", "encode_frame", "is_loopback",
+__all__ = ["CA_KEY", "HEADER", "Frame", "FrameReply", "StreamServer", "decode_frame", "encode_frame", "is_loopback",
            "recv_frame", "send_frame", "serve"]
 
 HELLO, REQUEST, REPLY, ERROR, CLOSE = range(5)
-_HEADER = struct.Struct("!BIQ")
+#: a frame's header: its kind (1 byte), sequence number (4) and payload length (8), in network order
+HEADER = struct.Struct("!BIQ")
 _TYPES = {"query": b"q", "train": b"t"}
 _NAMES = {v: k for k, v in _TYPES.items()}
 #: node_config key: the PEM file of the CA that signed the server's stream certificate
@@ -102,7 +103,7 @@ def decode_frame(payload: bytes) -> Frame:
 
 
 def send_frame(sock, kind: int, seq: int, payload: bytes = b"") -> None:
-    sock.sendall(_HEADER.pack(kind, seq, len(payload)) + payload)
+    sock.sendall(HEADER.pack(kind, seq, len(payload)) + payload)
 
 
 def _recv_exact(sock, n: int) -> bytes:
@@ -117,7 +118,7 @@ def _recv_exact(sock, n: int) -> bytes:
 
 
 def recv_frame(sock) -> Tuple[int, int, bytes]:
-    kind, seq, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    kind, seq, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
     if kind > CLOSE or length > MAX_FRAME:
         raise ConnectionError(f"a malformed frame (kind {kind}, length {length})")
     return kind, seq, _recv_exact(sock, length)

@@ -154,6 +154,7 @@ class SimulationBackend:
         *,
         init_state: Optional[RunState] = None,
         availability: Any = None,
+        stage: str = "",
         **options: Any,
     ) -> RunResult:
         """Run ``num_rounds`` rounds of ``algorithm`` on the clients of ``clients`` (the round
@@ -166,6 +167,9 @@ class SimulationBackend:
             availability: who answers when asked (:mod:`numpyro_fed.run.availability`):
                 ``None`` (everyone), a probability (or one per client) per round, or a
                 ``(rounds, J)`` boolean schedule.
+            stage: the ``nf.fit`` rung this run is (:meth:`numpyro_fed.fitting.ladder.Ladder.stage`):
+                a network backend's nodes build that rung from it; here every party is this
+                process, which built it already.
             **options: the driver's: ``progress_bar`` (a tqdm bar with the family's figure),
                 ``record_transcript`` (log every message; ``keep_values`` keeps the arrays),
                 ``checkpoint`` (a path: the run state is saved there, atomically, before the
