@@ -419,7 +419,7 @@ class DPLaplace(FederatedInference):
                  for i in range(int(np.prod(shape)))]
         return dict(zip(names, ratio.tolist()))
 
-    def sample_posterior(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
+    def draw(self, rng_key, result: RunResult, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
         """Draws of ``N(mean, cov)``, constrained: the global sites and the deterministic sites of
         the global sites alone (``corrected``: no importance correction exists under DP, it would

@@ -346,7 +346,7 @@ class FactorInference(FederatedInference):
         ``network`` (:func:`numpyro_fed.factor.network_check.network_check`)."""
         return network_check.network_check(network, setup, result, self.check_draws)
 
-    def sample_posterior(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
+    def draw(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
                          client: Optional[str] = None, corrected: bool = False) -> Dict[str, jax.Array]:
         """``num_samples`` (default 1000) draws of the global sites from ``q``, constrained, and
         of the model's ``numpyro.deterministic`` sites that are functions of the global sites

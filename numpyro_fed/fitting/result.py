@@ -18,6 +18,7 @@ from ..model.groups import sized_model
 from ..model.handlers import LOCAL, site_role
 from ..model.structure import is_latent
 from ..model.trace import trace_model
+from ..run.posterior import ChainPosterior
 from ..run.summary import print_summary
 from .arviz import to_arviz
 
@@ -30,7 +31,7 @@ _NETWORK_CLIENT = (
 )
 
 
-class Fit:
+class Fit(ChainPosterior):
     """What :func:`~numpyro_fed.fit` returns.
 
     Attributes:
@@ -65,6 +66,7 @@ class Fit:
     def __init__(self, method: str, inference: Any, result: Any, rounds: int, traffic: tuple, check: Any,
                  log: List[str], corrected: bool = False, num_samples: int = 1000, clients: Any = None,
                  results: Optional[List[Any]] = None, privacy: Any = None, answer: Optional[str] = None) -> None:
+        super().__init__()
         self.method, self.inference, self.result = method, inference, result
         self.answer = method if answer is None else answer
         self.rounds, self.check, self.log = int(rounds), check, list(log)
@@ -105,42 +107,33 @@ class Fit:
         return self.draws_are_chains
 
     # ------------------------------------------------------------------ draws
-    def get_samples(self, group_by_chain: bool = False, *, client: Optional[str] = None) -> Dict[str, jax.Array]:
-        """The fit's draws of the global sites, constrained (NumPyro's ``get_samples``); with
+    def draws(self, client: Optional[str] = None) -> Dict[str, jax.Array]:
+        """The answer's draws, ``{site: (chains, draws, ...)}``, constrained, which ``get_samples``
+        reads (NumPyro's ``get_samples``, :class:`~numpyro_fed.run.posterior.ChainPosterior`); with
         ``client``, that client's local sites at the same draws as well, computed by the client on
         its own rows (in a deployment, on that client).
 
-        The samplers: the chains' draws, ``(chains * draws, ...)`` or grouped ``(chains, draws,
-        ...)``. Laplace: ``num_samples`` of :func:`~numpyro_fed.fit` draws of its answer (the
-        Gaussian, or the importance-corrected draws), the same ones every call, as one chain when
-        grouped; a client's local sites are drawn given each of them from the Laplace
+        The samplers: the chains' draws. Laplace: ``num_samples`` of :func:`~numpyro_fed.fit` draws
+        of its answer (the Gaussian, or the importance-corrected draws), the same ones every call,
+        as one chain; a client's local sites are drawn given each of them from the Laplace
         approximation of ``p(v | theta, y_j)`` on the client's rows (which warns where that
-        approximation fails its own check there). ``sample_posterior`` draws anew."""
-        if isinstance(group_by_chain, str):
-            raise TypeError(f"Fit.get_samples(group_by_chain={group_by_chain!r}): group_by_chain is a bool; a "
-                            "client's draws are get_samples(client=...)")
+        approximation fails its own check there). ``sample_posterior`` draws anew (default:
+        :func:`~numpyro_fed.fit`'s ``num_samples``); the samplers pick draws of their chains."""
+        self._need_rows("get_samples", client)
         if self._chains:
-            self._need_rows("get_samples", client)
-            return self.inference.get_samples(self.result, group_by_chain=bool(group_by_chain), client=client)
-        draws = self._laplace_draws("get_samples", jax.random.PRNGKey(1), self._num_samples, client)
-        return {k: v[None] for k, v in draws.items()} if group_by_chain else draws
+            return self.inference.posterior(self.result).draws(client)
+        return {k: v[None] for k, v in self._answer_draws(jax.random.PRNGKey(1), None, client).items()}
 
-    def sample_posterior(self, rng_key: jax.Array, num_samples: Optional[int] = None, *,
-                         client: Optional[str] = None) -> Dict[str, jax.Array]:
-        """``num_samples`` draws of the posterior (default: :func:`~numpyro_fed.fit`'s
-        ``num_samples``), constrained, with ``client``'s local sites where named, as every family's
-        ``sample_posterior``: the samplers pick draws of their chains (all of them when
-        ``num_samples`` is ``None``); Laplace draws anew from ``rng_key``."""
-        if self._chains:
-            self._need_rows("sample_posterior", client)
-            return self.inference.sample_posterior(rng_key, self.result, num_samples, client=client)
-        return self._laplace_draws("sample_posterior", rng_key,
-                                   self._num_samples if num_samples is None else num_samples, client)
+    def fresh(self, rng_key: jax.Array, num_samples: Optional[int], client: Optional[str], **options):
+        self._need_rows("sample_posterior", client)
+        if self._chains:  # picked from the chains
+            return super().fresh(rng_key, num_samples, client, **options)
+        return self._answer_draws(rng_key, num_samples, client, **options)
 
-    def _laplace_draws(self, verb: str, key, num_samples: int, client: Optional[str]) -> Dict[str, jax.Array]:
-        self._need_rows(verb, client)
-        return self.inference.sample_posterior(key, self.result, int(num_samples), client=client,
-                                               corrected=self._corrected)
+    def _answer_draws(self, key, num_samples: Optional[int], client: Optional[str], **options) -> Dict[str, jax.Array]:
+        n = self._num_samples if num_samples is None else num_samples
+        options = {"corrected": self._corrected, **options}  # (the answer's own, unless the caller says)
+        return self.inference.sample_posterior(key, self.result, int(n), client=client, **options)
 
     def _need_rows(self, verb: str, client: Optional[str]) -> None:
         if client is not None and self._clients is None:

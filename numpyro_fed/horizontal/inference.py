@@ -390,7 +390,7 @@ class FederatedSVI(FederatedInference):
         return fit_diagnostic(log_w, *self._check_draws(setup, state, num_draws, rng_key), shape=True)
 
     # ------------------------------------------------------------------ posterior
-    def sample_posterior(
+    def draw(
         self,
         rng_key: jax.Array,
         result: Union[RunResult, RunState],

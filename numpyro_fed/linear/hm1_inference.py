@@ -194,7 +194,7 @@ class HM1(FederatedInference):
         ``clients.names[k]``'s) and its ``trace`` the change in ``Theta`` per round."""
         self._with_truth(options.pop("truth", None))
 
-    def sample_posterior(self, rng_key, result, num_samples=None, *, client=None):
+    def draw(self, rng_key, result, num_samples=None, *, client=None):
         """HM1 has no posterior to sample: it fits the MAP of ``Theta`` and ``Omega`` (Yue et al.
         (2022) Algorithm 1), a point estimate. Raises, naming where the estimate is."""
         raise TypeError("HM1 fits a point estimate (the MAP of Theta and Omega by Yue et al. (2022) Algorithm 1), "

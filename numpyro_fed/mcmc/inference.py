@@ -243,7 +243,7 @@ class FederatedMCMC(FederatedInference):
         return Setup(clients, federated_mcmc(config), plan, MCMCSetup(structure, config, affine), {})
 
     def _params(self, setup: Setup, state: RunState) -> Dict[str, jax.Array]:
-        return DrawParams(self._global_draws(setup, self._positions(setup, state)))
+        return DrawParams(global_values(self.model, self.model_kwargs, setup, self._positions(setup, state)))
 
     @staticmethod
     def _positions(setup: Setup, state: RunState) -> jax.Array:
@@ -283,11 +283,6 @@ class FederatedMCMC(FederatedInference):
                                             limit=R_HAT_LIMIT), MCMCDiagnosticWarning, stacklevel=find_stack_level())
 
     # ------------------------------------------------------------------ draws
-    def _global_draws(self, setup: Setup, z) -> Dict[str, jax.Array]:
-        """Constrained global draws, ``(chains, samples, ...)``, with the deterministic sites
-        that are functions of the global sites alone (:func:`~numpyro_fed.terms.model.global_values`)."""
-        return global_values(self.model, self.model_kwargs, setup, z)
-
     def posterior(self, result: Union[RunResult, RunState]) -> ChainPosterior:
         """The chains' draws, constrained (:class:`~numpyro_fed.run.posterior.ChainPosterior`, read by
         ``get_samples`` and ``sample_posterior``): the global sites (and the deterministic sites
@@ -299,7 +294,7 @@ class FederatedMCMC(FederatedInference):
 
         def draws(client):
             if client is None:
-                return self._global_draws(setup, self._positions(setup, state))
+                return global_values(self.model, self.model_kwargs, setup, self._positions(setup, state))
             return self._client_draws(setup, state, client)
 
         return ChainPosterior(draws)
@@ -535,6 +530,7 @@ def mcmc_check(inference: FederatedMCMC, result: RunResult) -> Verdict:
                             _UNFINISHED, traffic(result)),
             rounds=int(result.communication.rounds), max_rounds=inference._num_rounds,
             projected_rounds=result.projected_rounds, bytes=traffic(result),
-            samples=inference._global_draws(setup, jnp.asarray(positions)) if positions.shape[1] else {})
+            samples=global_values(inference.model, inference.model_kwargs, setup, jnp.asarray(positions))
+            if positions.shape[1] else {})
     inference._warn_diagnostics(setup, result)
     return chains_verdict(inference.mixing(result))

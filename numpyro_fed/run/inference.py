@@ -22,7 +22,7 @@ from . import checkpoint as ckpt
 from .backends.base import Backend, NetworkBackend
 from .backends.mapping import ClientPlan
 from .backends.simulation import SimulationBackend
-from .posterior import ChainPosterior
+from .posterior import ChainPosterior, DrawnPosterior
 from .protocol import ClientStates, FederatedAlgorithm, RunResult, RunState
 from .summary import print_summary
 from .transcript import message_bytes
@@ -241,28 +241,36 @@ class FederatedInference:
         return type(self).posterior is not FederatedInference.posterior
 
     def posterior(self, result) -> ChainPosterior:
-        """The fit's posterior as chains of draws (:class:`~numpyro_fed.run.posterior.ChainPosterior`),
-        which :meth:`get_samples` and :meth:`sample_posterior` read: a sampler's chains; for the
-        approximate families one "chain" of :data:`NUM_SAMPLES` draws of their
-        :meth:`sample_posterior` from a key derived from the run's own server key (the same
-        draws at every call)."""
-        if type(self).sample_posterior is FederatedInference.sample_posterior:
-            raise NotImplementedError(f"{type(self).__name__}: a family defines posterior or sample_posterior")
-        key = jax.random.fold_in(state_of(self, result).server_key, 0x5A)
+        """The fit's posterior (:mod:`numpyro_fed.run.posterior`), which :meth:`get_samples` and
+        :meth:`sample_posterior` read: a sampler's chains (a
+        :class:`~numpyro_fed.run.posterior.ChainPosterior`); for an approximate family a
+        :class:`~numpyro_fed.run.posterior.DrawnPosterior` of its :meth:`draw`, whose chains are one
+        "chain" of :data:`NUM_SAMPLES` draws from a key derived from the run's own server key (the
+        same draws at every call)."""
+        if type(self).draw is FederatedInference.draw:
+            raise NotImplementedError(f"{type(self).__name__}: a family defines posterior or draw")
 
-        def draws(client):
-            return {k: v[None] for k, v in self.sample_posterior(key, result, client=client).items()}
+        def draw(rng_key, num_samples, client, **options):
+            return self.draw(rng_key, result, num_samples, client=client, **options)
 
-        return ChainPosterior(draws)
+        return DrawnPosterior(draw, lambda: jax.random.fold_in(state_of(self, result).server_key, 0x5A))
+
+    def draw(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *, client: Optional[str] = None,
+             **options: Any) -> dict:
+        """New draws of an approximate family's posterior (``num_samples``, default
+        :data:`NUM_SAMPLES`), constrained: what :meth:`sample_posterior` gives. Each approximate
+        family defines it and documents its draws and options (e.g. ``corrected=``); a sampler
+        defines :meth:`posterior` instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not draw: its posterior is {type(self).posterior}")
 
     def sample_posterior(self, rng_key: jax.Array, result, num_samples: Optional[int] = None, *,
-                         client: Optional[str] = None) -> dict:
+                         client: Optional[str] = None, **options: Any) -> dict:
         """``num_samples`` draws of the fit's posterior, constrained: the global sites, and with
         ``client`` that client's local sites at the same draws (its own computation). A sampler
         picks them from its chains without replacement (all of them when ``None``); an
-        approximate family draws them (default :data:`NUM_SAMPLES`). Each family documents what
-        its draws are."""
-        return self.posterior(result).sample_posterior(rng_key, num_samples, client=client)
+        approximate family draws them anew (:meth:`draw`, default :data:`NUM_SAMPLES`, with its
+        ``options``, e.g. ``corrected=True``), as its ``draw`` documents."""
+        return self.posterior(result).sample_posterior(rng_key, num_samples, client=client, **options)
 
     def get_samples(self, result, group_by_chain: bool = False, *, client: Optional[str] = None) -> dict:
         """The fit's posterior draws, as NumPyro's ``MCMC.get_samples``, read from

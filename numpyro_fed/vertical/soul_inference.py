@@ -158,7 +158,7 @@ class VerticalSOUL(VerticalInference):
 
         return draw
 
-    def sample_posterior(
+    def draw(
         self, rng_key, result, num_samples: Optional[int] = None, *, client: Optional[str] = None, thinning: int = 1,
         num_warmup: int = 0, corrected: bool = False,
     ) -> Dict[str, jax.Array]:

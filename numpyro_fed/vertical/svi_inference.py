@@ -187,7 +187,7 @@ class VerticalSVI(VerticalInference):
         estimate = setup.cache[key]
         return -estimate(state, setup.cache["data"], rng_key)
 
-    def sample_posterior(self, rng_key, result, num_samples: Optional[int] = None, *, client: Optional[str] = None,
+    def draw(self, rng_key, result, num_samples: Optional[int] = None, *, client: Optional[str] = None,
                          corrected: bool = False) -> Dict[str, jax.Array]:
         """``num_samples`` (default 1000) draws of every party's sites from ``q(theta)``, constrained
         (with ``client``: that party's sites only).
